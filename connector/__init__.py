@@ -1,0 +1,3 @@
+"""kvpool.connector: the vLLM KV connector."""
+
+__all__: list[str] = []

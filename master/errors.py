@@ -1,0 +1,67 @@
+"""Error codes shared by master, transfer engine and clients.
+
+Names and numbers follow Mooncake's ``ErrorCode`` where one exists, so code
+written against Mooncake's integer return codes keeps working.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+__all__ = ["ErrorCode", "KVPoolError"]
+
+
+class ErrorCode(IntEnum):
+    OK = 0
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+    SHARD_INDEX_OUT_OF_RANGE = -11
+    SEGMENT_NOT_FOUND = -101
+    SEGMENT_ALREADY_EXISTS = -102
+    CLIENT_NOT_FOUND = -103
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_VERSION = -300
+    INVALID_KEY = -400
+    WRITE_FAIL = -500
+    INVALID_PARAMS = -600
+    INVALID_WRITE = -700
+    INVALID_READ = -701
+    INVALID_REPLICA = -702
+    REPLICA_IS_NOT_READY = -703
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+    TRANSFER_FAIL = -800
+    CHECKSUM_MISMATCH = -801
+    RPC_FAIL = -900
+    RPC_TIMEOUT = -901
+    # kvpool-specific codes (no Mooncake equivalent) live below -1000.
+    UNKNOWN_OP = -1001
+    MALFORMED_FRAME = -1002
+    TRANSPORT_UNAVAILABLE = -1003
+    PERMISSION_DENIED = -1004
+    OUT_OF_BOUNDS = -1005
+    TOO_MANY_REQUESTS = -1006
+    FRAME_TOO_LARGE = -1007
+    CONFIG_ERROR = -1008
+    TIMEOUT = -1009
+    SEGMENT_MISMATCH = -1010
+    CLOSED = -1011
+
+
+class KVPoolError(Exception):
+    """Base of every kvpool exception: carries an :class:`ErrorCode`."""
+
+    code: ErrorCode = ErrorCode.INTERNAL_ERROR
+
+    def __init__(self, message: str = "", code: ErrorCode | int | None = None) -> None:
+        if code is not None:
+            try:
+                self.code = ErrorCode(code)
+            except ValueError:
+                self.code = ErrorCode.INTERNAL_ERROR
+        super().__init__(message or self.code.name)
+
+    def __str__(self) -> str:
+        return f"[{self.code.name}] {super().__str__()}"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up .venv and run every check CI runs: ruff, mypy, the test suite, then
+# the vLLM end-to-end tests in their own step (the `vllm` extra).
+# KVPOOL_SKIP_VLLM=1 skips that last step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# The chaos suite needs `ip` and `tc` (iproute2); install it where we can.
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq iproute2) >/dev/null 2>&1 || true
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q -U pip
+.venv/bin/python -m pip install -q -e '.[test]'
+bash scripts/lint.sh
+.venv/bin/python -m pytest -q -m "not vllm" tests
+if [ "${KVPOOL_SKIP_VLLM:-0}" != 1 ] && [ -d tests/connector ]; then
+  bash scripts/install_vllm.sh
+  .venv/bin/python -m pytest -q -m vllm tests/connector
+fi

@@ -1,0 +1,1 @@
+"""Transport implementations (shm, tcp, posix, gds, rdma)."""
