@@ -1,0 +1,128 @@
+"""The narrow interface every transport implements.
+
+A transport moves the bytes of resolved requests (:class:`WorkItem`) between
+caller buffers and segments. The engine picks a transport per request (the
+selector), groups requests into sub-batches and calls :meth:`Transport.execute`
+on a worker thread, possibly several times in parallel for one sub-batch
+(``settings.threads``). ``execute`` must call ``report(item, error)`` exactly
+once per item (``error`` None on success) and return by ``deadline``
+(``time.monotonic()`` seconds): a dead peer must become a retryable
+``TransferError``, never a hang. Items it does not report are failed by the
+engine. ``TransferError.retryable=False`` means "no other transport can do
+better" (bounds, ownership, bad parameters): the engine does not fail over.
+
+To add a transport: subclass, set ``name``, register ``"name":
+"module:Class"`` in :mod:`kvpool.transfer.transports` (lazy import) and give it
+a ``transports.<name>`` section in configs/transfer.yaml.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+from kvpool.transfer.buffers import BufferHandle
+from kvpool.transfer.types import TransferError, TransferOp
+
+if TYPE_CHECKING:
+    from kvpool.transfer.config import TransportSettings
+    from kvpool.transfer.segment import LocalSegment
+
+__all__ = ["EngineContext", "ReportFn", "Transport", "WorkItem"]
+
+
+@dataclass(slots=True, eq=False)
+class WorkItem:
+    """One request after resolution, as a transport sees it.
+
+    ``offset`` is relative to the segment's usable region (add
+    ``segment.base_offset`` for the absolute position in the region).
+    ``local`` is the segment object when this process owns it.
+    ``index`` is the request's position in its batch.
+    """
+
+    index: int
+    op: TransferOp
+    buffer: BufferHandle
+    buffer_offset: int
+    length: int
+    segment: SegmentDescriptor
+    offset: int
+    same_host: bool
+    local: LocalSegment | None = None
+    capability: bytes = b""
+
+    @property
+    def device(self) -> str:
+        return self.buffer.device
+
+
+ReportFn = Callable[[WorkItem, TransferError | None], None]
+
+
+class EngineContext(Protocol):
+    """What the engine offers its transports."""
+
+    @property
+    def host_id(self) -> str: ...
+
+    def local_segment(self, segment_id: str) -> LocalSegment | None: ...
+
+
+class Transport(ABC):
+    """Base of all transports. Subclasses set ``name`` and implement
+    :meth:`available`, :meth:`supports` and :meth:`execute`.
+
+    Construction is cheap and must not touch hardware; the engine calls
+    :meth:`attach` once, then :meth:`available` (skipping the transport with
+    one log line if it says no). ``settings`` is the transport's section of
+    the config (defaults when None).
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, settings: TransportSettings | None = None) -> None:
+        if settings is None:
+            from kvpool.transfer.config import TransportSettings
+
+            settings = TransportSettings()
+        self.settings = settings
+        self.ctx: EngineContext | None = None
+        self._closed = threading.Event()
+
+    def attach(self, ctx: EngineContext) -> None:
+        """Called by the engine before first use."""
+        self.ctx = ctx
+
+    @abstractmethod
+    def available(self) -> tuple[bool, str]:
+        """(True, "") if usable here, else (False, reason) e.g. "no CUDA device"."""
+
+    @abstractmethod
+    def supports(self, kind: SegmentKind, same_host: bool, device: str) -> bool:
+        """Whether this transport can serve requests to segments of ``kind``
+        (same host or not) with buffers on ``device`` ("cpu" | "cuda")."""
+
+    @abstractmethod
+    def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
+        """Perform ``items``; ``report(item, None | TransferError)`` once each;
+        return by ``deadline`` (monotonic seconds)."""
+
+    def forget_segment(self, segment_id: str) -> None:  # noqa: B027 - optional hook
+        """Drop any cached state for a segment (unmounted / removed)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Transport-specific counters (for logs and benchmarks)."""
+        return {}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        """Release sockets/mappings. Idempotent."""
+        self._closed.set()
