@@ -1,0 +1,150 @@
+"""Offset allocator for one segment: best-fit over a coalescing free list.
+
+The free space is two parallel views kept in sync with ``bisect``:
+``_starts``/``_lens`` sorted by offset (for coalescing neighbours on free) and
+``_by_size`` sorted by ``(length, offset)`` (for best fit). Every operation is
+O(log n) searches plus a C-level list insert/delete. Allocations themselves
+are not recorded: the caller frees with the same ``(offset, size)`` it got,
+which keeps per-object memory at zero here.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+
+from kvpool.master.errors import ErrorCode, KVPoolError
+
+__all__ = ["Allocator"]
+
+
+class Allocator:
+    """Allocate aligned ranges of ``[0, capacity)``.
+
+    ``alignment`` (a power of two) rounds every size up and keeps every offset
+    aligned. ``allocate`` returns an offset or -1; ``free`` and ``reserve``
+    raise INVALID_PARAMS on ranges that are not currently allocated / free.
+    """
+
+    __slots__ = ("_by_size", "_lens", "_starts", "alignment", "capacity", "used")
+
+    def __init__(self, capacity: int, alignment: int = 64) -> None:
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError("alignment must be a power of two")
+        self.alignment = alignment
+        self.capacity = capacity - capacity % alignment
+        self.used = 0
+        self._starts: list[int] = []
+        self._lens: list[int] = []
+        self._by_size: list[tuple[int, int]] = []
+        if self.capacity > 0:
+            self._add_free(0, self.capacity)
+
+    def aligned(self, size: int) -> int:
+        """``size`` rounded up to the alignment (what an allocation really takes)."""
+        a = self.alignment
+        return (size + a - 1) & -a
+
+    def _add_free(self, off: int, length: int) -> None:
+        i = bisect_left(self._starts, off)
+        self._starts.insert(i, off)
+        self._lens.insert(i, length)
+        insort(self._by_size, (length, off))
+
+    def _del_free_at(self, i: int) -> None:
+        off = self._starts.pop(i)
+        length = self._lens.pop(i)
+        j = bisect_left(self._by_size, (length, off))
+        del self._by_size[j]
+
+    def allocate(self, size: int) -> int:
+        """Best-fit allocation of ``size`` bytes; return the offset or -1 when full."""
+        need = self.aligned(max(size, 1))
+        by_size = self._by_size
+        j = bisect_left(by_size, (need, -1))
+        if j == len(by_size):
+            return -1
+        length, off = by_size[j]
+        del by_size[j]
+        i = bisect_left(self._starts, off)
+        if length == need:
+            del self._starts[i]
+            del self._lens[i]
+        else:
+            # keep the remainder in place (its start moves up by need)
+            self._starts[i] = off + need
+            self._lens[i] = length - need
+            insort(by_size, (length - need, off + need))
+        self.used += need
+        return off
+
+    def reserve(self, off: int, size: int) -> None:
+        """Mark ``[off, off+aligned(size))`` allocated (restoring state after a restart)."""
+        need = self.aligned(max(size, 1))
+        if off % self.alignment or off < 0:
+            raise KVPoolError(f"unaligned offset {off}", ErrorCode.INVALID_PARAMS)
+        i = bisect_right(self._starts, off) - 1
+        if i < 0 or self._starts[i] + self._lens[i] < off + need:
+            raise KVPoolError(f"range {off}+{need} is not free", ErrorCode.INVALID_PARAMS)
+        start, length = self._starts[i], self._lens[i]
+        self._del_free_at(i)
+        if off > start:
+            self._add_free(start, off - start)
+        end = off + need
+        if start + length > end:
+            self._add_free(end, start + length - end)
+        self.used += need
+
+    def free(self, off: int, size: int) -> None:
+        """Return a range obtained from ``allocate``/``reserve``; coalesces neighbours."""
+        need = self.aligned(max(size, 1))
+        if off < 0 or off + need > self.capacity or off % self.alignment:
+            raise KVPoolError(f"bad free of {off}+{need}", ErrorCode.INVALID_PARAMS)
+        starts, lens = self._starts, self._lens
+        i = bisect_left(starts, off)
+        # overlap checks: a double free would corrupt the free list
+        if i < len(starts) and starts[i] < off + need:
+            raise KVPoolError(f"double free of {off}+{need}", ErrorCode.INVALID_PARAMS)
+        if i > 0 and starts[i - 1] + lens[i - 1] > off:
+            raise KVPoolError(f"double free of {off}+{need}", ErrorCode.INVALID_PARAMS)
+        start, end = off, off + need
+        merge_next = i < len(starts) and starts[i] == end
+        merge_prev = i > 0 and starts[i - 1] + lens[i - 1] == start
+        if merge_next:
+            end = starts[i] + lens[i]
+            self._del_free_at(i)
+        if merge_prev:
+            start = starts[i - 1]
+            self._del_free_at(i - 1)
+        self._add_free(start, end - start)
+        self.used -= need
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used
+
+    @property
+    def largest_free(self) -> int:
+        return self._by_size[-1][0] if self._by_size else 0
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._starts)
+
+    def fragmentation(self) -> float:
+        """1 - largest free block / total free (0: one contiguous hole; ->1: shattered)."""
+        free = self.free_bytes
+        if free <= 0:
+            return 0.0
+        return 1.0 - self.largest_free / free
+
+    def check(self) -> None:
+        """Assert internal consistency (tests)."""
+        assert self._starts == sorted(self._starts)
+        assert sorted(zip(self._lens, self._starts, strict=True)) == self._by_size
+        total = 0
+        for k in range(len(self._starts)):
+            assert self._lens[k] > 0
+            if k:
+                assert self._starts[k - 1] + self._lens[k - 1] < self._starts[k], "uncoalesced"
+            total += self._lens[k]
+        assert total == self.capacity - self.used

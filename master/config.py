@@ -1,0 +1,86 @@
+"""The master's configuration (``configs/master.yaml`` documents every key)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from kvpool.master.common import ConfigError, load_dataclass
+
+__all__ = ["FsyncPolicy", "MasterConfig", "load_master_config"]
+
+
+class FsyncPolicy(StrEnum):
+    """When the journal is fsync'ed.
+
+    ``always``: every group commit, before the replies go out (survives power loss).
+    ``interval``: written before the replies (survives a master crash / kill -9),
+    fsync'ed every ``journal_fsync_interval_ms``.
+    ``never``: written before the replies, fsync left to the OS.
+    """
+
+    ALWAYS = "always"
+    INTERVAL = "interval"
+    NEVER = "never"
+
+
+@dataclass
+class MasterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9003  # 0 disables the admin HTTP server
+    data_dir: str | None = None  # None: no journal, no snapshots (state lost on exit)
+    lease_ttl_ms: int = 10000
+    client_ttl_s: float = 10.0
+    eviction_high_watermark: float = 0.9
+    eviction_ratio: float = 0.05
+    eviction_max_scan: int = 100000  # objects examined per eviction round at most
+    put_start_discard_timeout_s: float = 30.0  # an in-flight put older than this may be preempted
+    put_start_release_timeout_s: float = 600.0  # an in-flight put older than this is revoked
+    snapshot_interval_s: float = 300.0  # 0 disables periodic snapshots
+    snapshot_min_journal_records: int = 1  # skip a periodic snapshot when nothing changed
+    snapshot_keep: int = 2
+    journal_fsync: FsyncPolicy = FsyncPolicy.INTERVAL
+    journal_fsync_interval_ms: int = 100
+    max_key_length: int = 4096
+    max_batch_size: int = 16384
+    max_frame_size: int = 64 * 1024 * 1024
+    max_object_size: int = 1 << 44
+    max_replica_num: int = 16
+    memory_alignment: int = 64
+    file_alignment: int = 4096
+    expiry_slice: int = 64  # segments dropped per loop iteration at most
+    purge_slice: int = 20000  # objects purged from a dropped segment per loop iteration
+    log_level: str = "INFO"
+
+    def validate(self) -> None:
+        """Raise ConfigError on values that cannot work."""
+        if not 0 < self.eviction_high_watermark <= 1:
+            raise ConfigError("eviction_high_watermark must be in (0, 1]")
+        if not 0 <= self.eviction_ratio < self.eviction_high_watermark:
+            raise ConfigError("eviction_ratio must be in [0, eviction_high_watermark)")
+        for name in ("lease_ttl_ms", "max_key_length", "max_batch_size", "max_frame_size",
+                     "memory_alignment", "file_alignment", "expiry_slice", "purge_slice",
+                     "max_replica_num", "snapshot_keep", "eviction_max_scan"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        for name in ("memory_alignment", "file_alignment"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ConfigError(f"{name} must be a power of two")
+        if self.client_ttl_s <= 0:
+            raise ConfigError("client_ttl_s must be > 0")
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+            raise ConfigError("ports must be in [0, 65535]")
+        if self.snapshot_interval_s < 0:
+            raise ConfigError("snapshot_interval_s must be >= 0")
+
+
+def load_master_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> MasterConfig:
+    """Defaults, then the YAML file (if any), then non-None ``overrides``."""
+    return load_dataclass(MasterConfig, path, overrides)

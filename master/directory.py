@@ -1,0 +1,725 @@
+"""The master's state: segments, the replica directory, leases, eviction, liveness.
+
+Pure logic, no I/O: the server feeds it requests and ships the journal
+records it emits (``records``) to the journal before replying.
+
+Memory layout (the 1M-object target is <= 400 B/object): an object is a
+``__slots__`` instance whose ``replicas`` is one flat tuple
+``(segment, offset, segment, offset, ...)`` (every replica has the object's
+length); ``objects`` is an insertion-ordered dict used as the LRU list (a read
+moves the key to the end; eviction scans from the front). Segments keep the
+set of keys that have a replica on them so dropping a segment touches only
+its own objects, in bounded slices.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from enum import IntEnum
+from typing import Any
+
+from kvpool.master.allocator import Allocator
+from kvpool.master.config import MasterConfig
+from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+
+__all__ = [
+    "HARD_PIN",
+    "SOFT_PIN",
+    "Directory",
+    "EvictionPolicy",
+    "Obj",
+    "Pending",
+    "Rec",
+    "SegState",
+    "Segment",
+]
+
+log = logging.getLogger(__name__)
+
+HARD_PIN = 1
+SOFT_PIN = 2
+
+OK = ErrorCode.OK
+_MEM = SegmentKind.MEMORY
+_FILE = SegmentKind.FILE
+
+
+class Rec(IntEnum):
+    """Journal record tags (first element of each record list)."""
+
+    MOUNT = 1  # [1, segment descriptor wire]
+    DROP_SEGMENT = 2  # [2, segment_id]  (unmount, expiry, owner never returned)
+    PUT = 3  # [3, key, size, flags, checksum, [segment_id, offset, ...]]
+    REMOVE = 4  # [4, key]  (remove, eviction of the last replica)
+    DROP_REPLICA = 5  # [5, key, segment_id]  (eviction of one tier's replica)
+
+
+class SegState(IntEnum):
+    ACTIVE = 0
+    AWAITING = 1  # restored after a restart, owner has not come back yet
+    DEAD = 2  # dropped; replicas referencing it are being purged
+
+
+class Segment:
+    """A mounted segment and its allocator."""
+
+    __slots__ = ("alloc", "deadline", "desc", "id", "keys", "kind", "owner", "state", "wire")
+
+    def __init__(self, desc: SegmentDescriptor, alignment: int, state: SegState) -> None:
+        self.id = desc.segment_id
+        self.desc = desc
+        self.kind = desc.kind
+        self.owner = desc.client_id
+        self.alloc = Allocator(max(desc.size - desc.base_offset, 0), alignment)
+        self.keys: set[str] = set()
+        self.state = state
+        self.deadline = 0.0  # AWAITING: drop after this monotonic time
+        self.wire = desc.to_wire()
+
+    def __repr__(self) -> str:
+        return f"Segment({self.id!r}, {self.kind.name}, {self.state.name})"
+
+
+class Obj:
+    """A COMPLETE object. ``replicas`` = (segment, offset, segment, offset, ...)."""
+
+    __slots__ = ("checksum", "flags", "lease", "replicas", "size")
+
+    def __init__(self, size: int, replicas: tuple[Any, ...], flags: int, checksum: Any) -> None:
+        self.size = size
+        self.replicas = replicas
+        self.flags = flags
+        self.checksum = checksum
+        self.lease = 0.0
+
+
+class Pending:
+    """An in-flight put (PROCESSING replicas)."""
+
+    __slots__ = ("checksum", "client_id", "flags", "replicas", "size", "started")
+
+    def __init__(self, size: int, replicas: tuple[Any, ...], flags: int, checksum: Any,
+                 client_id: str, started: float) -> None:
+        self.size = size
+        self.replicas = replicas
+        self.flags = flags
+        self.checksum = checksum
+        self.client_id = client_id
+        self.started = started
+
+
+class EvictionPolicy:
+    """Policy point for eviction (issue 5 hooks SSD offload here).
+
+    ``on_evict(directory, key, obj, kind)`` is called for each victim before
+    its replicas in pool ``kind`` are freed. Return True when the policy
+    handled the object itself (e.g. it gave the object a FILE replica and
+    will free the memory replica once the copy is done); the directory then
+    leaves it alone. The default frees the replicas (returns False).
+    """
+
+    def on_evict(self, directory: Directory, key: str, obj: Obj, kind: SegmentKind) -> bool:
+        return False
+
+
+def _is_int(v: object) -> bool:
+    return type(v) is int
+
+
+class Directory:
+    """Segments + objects + clients. Methods return ``(code, value)`` for
+    per-key ops (cheap in batches) and raise KVPoolError for whole-request
+    errors. Every state change a client is told about appends a record to
+    ``records`` (the server journals them before replying)."""
+
+    def __init__(
+        self,
+        cfg: MasterConfig,
+        clock: Callable[[], float] = time.monotonic,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.policy = policy or EvictionPolicy()
+        self.segments: dict[str, Segment] = {}
+        self.pools: dict[SegmentKind, list[Segment]] = {_MEM: [], _FILE: []}
+        self.pool_used: dict[SegmentKind, int] = {_MEM: 0, _FILE: 0}
+        self.pool_cap: dict[SegmentKind, int] = {_MEM: 0, _FILE: 0}
+        self.clients: dict[str, float] = {}
+        self.client_segments: dict[str, set[str]] = {}
+        self.objects: dict[str, Obj] = {}
+        self.pending: dict[str, Pending] = {}
+        self.records: list[list[Any]] = []
+        self.journaling = True
+        self._purge: deque[tuple[Segment, list[str]]] = deque()
+        self.lease_s = cfg.lease_ttl_ms / 1000.0
+        self.evictions = 0
+        self.evicted_bytes = 0
+        self.lease_refusals = 0
+        self.preemptions = 0
+        self.expired_clients = 0
+        self._rng = random.Random()
+
+    # ---------------------------------------------------------------- segments
+    def _alignment(self, kind: SegmentKind) -> int:
+        return self.cfg.file_alignment if kind == _FILE else self.cfg.memory_alignment
+
+    def _activate(self, seg: Segment) -> None:
+        seg.state = SegState.ACTIVE
+        self.pools[seg.kind].append(seg)
+        self.pool_used[seg.kind] += seg.alloc.used
+        self.pool_cap[seg.kind] += seg.alloc.capacity
+        self.client_segments.setdefault(seg.owner, set()).add(seg.id)
+
+    def _deactivate(self, seg: Segment) -> None:
+        if seg.state == SegState.ACTIVE:
+            self.pools[seg.kind].remove(seg)
+            self.pool_used[seg.kind] -= seg.alloc.used
+            self.pool_cap[seg.kind] -= seg.alloc.capacity
+        owned = self.client_segments.get(seg.owner)
+        if owned is not None:
+            owned.discard(seg.id)
+            if not owned:
+                del self.client_segments[seg.owner]
+
+    def mount(self, client_id: str, desc: SegmentDescriptor) -> None:
+        """Mount a segment (or re-adopt one awaiting its owner after a restart)."""
+        if desc.size <= desc.base_offset or desc.base_offset < 0:
+            raise KVPoolError("segment size must exceed base_offset", ErrorCode.INVALID_PARAMS)
+        if not desc.segment_id:
+            raise KVPoolError("empty segment_id", ErrorCode.INVALID_PARAMS)
+        self.clients[client_id] = self.clock()
+        seg = self.segments.get(desc.segment_id)
+        if seg is not None:
+            if seg.state != SegState.AWAITING:
+                raise KVPoolError(f"segment {desc.segment_id} is mounted",
+                                  ErrorCode.SEGMENT_ALREADY_EXISTS)
+            if (seg.kind != desc.kind or seg.desc.size != desc.size
+                    or seg.desc.base_offset != desc.base_offset):
+                raise KVPoolError(f"segment {desc.segment_id} differs from the restored one",
+                                  ErrorCode.SEGMENT_MISMATCH)
+            # re-adopt: same region, possibly a new owner id / endpoint
+            self._deactivate(seg)
+            desc.client_id = client_id
+            seg.desc, seg.owner, seg.wire = desc, client_id, desc.to_wire()
+            self._activate(seg)
+            log.info("re-adopted segment %s (%d objects) for %s", seg.id, len(seg.keys), client_id)
+        else:
+            desc.client_id = client_id
+            seg = Segment(desc, self._alignment(desc.kind), SegState.ACTIVE)
+            self.segments[seg.id] = seg
+            self._activate(seg)
+            log.info("mounted %s segment %s (%d B) for %s", desc.kind.name, seg.id, desc.size,
+                     client_id)
+        if self.journaling:
+            self.records.append([Rec.MOUNT, seg.wire])
+
+    def unmount(self, client_id: str, segment_id: str) -> None:
+        seg = self.segments.get(segment_id)
+        if seg is None:
+            raise KVPoolError(f"no segment {segment_id}", ErrorCode.SEGMENT_NOT_FOUND)
+        if seg.owner != client_id:
+            raise KVPoolError(f"segment {segment_id} belongs to another client",
+                              ErrorCode.PERMISSION_DENIED)
+        self.clients[client_id] = self.clock()
+        self.drop_segment(seg, "unmounted")
+
+    def drop_segment(self, seg: Segment, why: str) -> None:
+        """Remove a segment now; its objects' replicas are purged in slices
+        (``purge_step``); lookups already ignore it."""
+        self._deactivate(seg)
+        seg.state = SegState.DEAD
+        del self.segments[seg.id]
+        if seg.keys:
+            self._purge.append((seg, list(seg.keys)))
+        seg.keys = set()
+        log.info("dropped segment %s (%s)", seg.id, why)
+        if self.journaling:
+            self.records.append([Rec.DROP_SEGMENT, seg.id])
+
+    def purge_step(self, budget: int) -> int:
+        """Remove up to ``budget`` replicas of dropped segments; return the work left."""
+        objects = self.objects
+        while budget > 0 and self._purge:
+            seg, keys = self._purge[0]
+            n = min(budget, len(keys))
+            for _ in range(n):
+                key = keys.pop()
+                obj = objects.get(key)
+                if obj is None:
+                    continue
+                reps = obj.replicas
+                if seg not in reps[::2]:
+                    continue
+                kept: list[Any] = []
+                for i in range(0, len(reps), 2):
+                    if reps[i] is not seg:
+                        kept += (reps[i], reps[i + 1])
+                if kept:
+                    obj.replicas = tuple(kept)
+                else:
+                    del objects[key]
+            budget -= n
+            if not keys:
+                self._purge.popleft()
+        return sum(len(k) for _, k in self._purge)
+
+    @property
+    def purge_pending(self) -> bool:
+        return bool(self._purge)
+
+    # ---------------------------------------------------------------- clients
+    def touch(self, client_id: str) -> None:
+        self.clients[client_id] = self.clock()
+
+    def ping(self, client_id: str) -> tuple[bool, list[str]]:
+        """Record liveness; revive this client's segments awaiting it after a
+        restart. Return (remount, segment_ids)."""
+        known = client_id in self.clients
+        self.clients[client_id] = self.clock()
+        owned = [s for s in self.segments.values()
+                 if s.owner == client_id and s.state == SegState.AWAITING] if not known else []
+        for seg in owned:
+            self._activate(seg)
+            log.info("owner %s is back: segment %s active again", client_id, seg.id)
+        ids = sorted(self.client_segments.get(client_id, ()))
+        return (not known and not ids), ids
+
+    def expire_step(self) -> int:
+        """Drop clients silent for client_ttl (their segments, pending puts) and
+        restored segments whose owner never came back; at most
+        ``expiry_slice`` segments per call. Return how many were dropped."""
+        now = self.clock()
+        ttl = self.cfg.client_ttl_s
+        budget = self.cfg.expiry_slice
+        dropped = 0
+        expired = [c for c, t in self.clients.items() if now - t > ttl]
+        for client_id in expired:
+            owned = self.client_segments.get(client_id)
+            if owned:
+                for sid in list(owned)[:budget - dropped]:
+                    self.drop_segment(self.segments[sid], f"client {client_id} expired")
+                    dropped += 1
+                if self.client_segments.get(client_id):
+                    break  # budget spent; rest next time (client stays expired)
+            del self.clients[client_id]
+            self.expired_clients += 1
+            log.info("client %s expired", client_id)
+            if dropped >= budget:
+                break
+        if dropped < budget:
+            for seg in [s for s in self.segments.values()
+                        if s.state == SegState.AWAITING and s.deadline < now][:budget - dropped]:
+                self.drop_segment(seg, "owner did not return after restart")
+                dropped += 1
+        return dropped
+
+    def sweep_pending(self) -> int:
+        """Revoke in-flight puts older than put_start_release_timeout or whose
+        client has expired. Return how many."""
+        now = self.clock()
+        limit = self.cfg.put_start_release_timeout_s
+        stale = [k for k, p in self.pending.items()
+                 if now - p.started > limit or p.client_id not in self.clients]
+        for k in stale:
+            self._release_pending(k, self.pending.pop(k))
+        return len(stale)
+
+    # ---------------------------------------------------------------- puts
+    def _free_replicas(self, reps: tuple[Any, ...], size: int) -> None:
+        pool_used = self.pool_used
+        for i in range(0, len(reps), 2):
+            seg = reps[i]
+            if seg.state == SegState.DEAD:
+                continue
+            before = seg.alloc.used
+            seg.alloc.free(reps[i + 1], size)
+            if seg.state == SegState.ACTIVE:
+                pool_used[seg.kind] -= before - seg.alloc.used
+
+    def _release_pending(self, key: str, p: Pending) -> None:
+        self._free_replicas(p.replicas, p.size)
+
+    def _candidates(self, kind: SegmentKind, n: int, preferred: list[str],
+                    exclude: list[Segment]) -> Iterator[Segment]:
+        for sid in preferred:
+            seg = self.segments.get(sid)
+            if seg is not None and seg.kind == kind and seg.state == SegState.ACTIVE \
+                    and seg not in exclude:
+                exclude.append(seg)
+                yield seg
+        pool = self.pools[kind]
+        if len(pool) > 32:
+            # power of choices: sample a few, most free first
+            pool = self._rng.sample(pool, min(len(pool), 2 * n + 6))
+        for seg in sorted(pool, key=lambda s: s.alloc.used - s.alloc.capacity):
+            if seg not in exclude:
+                yield seg
+
+    def _place(self, size: int, n: int, kind: SegmentKind, preferred: list[str],
+               out: list[Any]) -> int:
+        """Allocate up to ``n`` replicas of ``size`` on distinct segments of
+        ``kind``; append (segment, offset) to ``out``; return how many."""
+        if n <= 0 or not self.pools[kind]:
+            return 0
+        got = 0
+        taken: list[Segment] = []
+        for attempt in range(2):
+            excl = list(taken)
+            for seg in self._candidates(kind, n, preferred if attempt == 0 else [], excl):
+                before = seg.alloc.used
+                off = seg.alloc.allocate(size)
+                if off < 0:
+                    continue
+                taken.append(seg)
+                excl.append(seg)
+                self.pool_used[kind] += seg.alloc.used - before
+                out += (seg, off)
+                got += 1
+                if got == n:
+                    break
+            if got == n or attempt == 1:
+                break
+            # an allocation failed: make room (LRU eviction) and retry the rest
+            if not self.evict(kind, need=size * (n - got)):
+                break
+        cap = self.pool_cap[kind]
+        if cap and self.pool_used[kind] > self.cfg.eviction_high_watermark * cap:
+            self.evict(kind)
+        return got
+
+    def put_start(self, client_id: str, key: str, size: int, replica_num: int = 1,
+                  preferred: list[str] | None = None, flags: int = 0, checksum: Any = None,
+                  disk_replica_num: int = 0) -> tuple[int, Any]:
+        """Allocate replicas for a new object; value is the Pending (or None)."""
+        if key in self.objects:
+            return ErrorCode.OBJECT_ALREADY_EXISTS, None
+        now = self.clock()
+        self.clients[client_id] = now
+        p = self.pending.get(key)
+        if p is not None:
+            if now - p.started <= self.cfg.put_start_discard_timeout_s:
+                return ErrorCode.OBJECT_ALREADY_EXISTS, None
+            # the writer is presumed dead: preempt its put
+            del self.pending[key]
+            self._release_pending(key, p)
+            self.preemptions += 1
+        out: list[Any] = []
+        pref = preferred or []
+        self._place(size, replica_num, _MEM, pref, out)
+        self._place(size, disk_replica_num, _FILE, pref, out)
+        if not out:
+            return ErrorCode.NO_AVAILABLE_HANDLE, None
+        p = Pending(size, tuple(out), flags, checksum, client_id, now)
+        self.pending[key] = p
+        return OK, p
+
+    def put_end(self, client_id: str, key: str) -> int:
+        """Make an in-flight put COMPLETE (readable, journaled)."""
+        p = self.pending.get(key)
+        if p is None:
+            return OK if key in self.objects else ErrorCode.OBJECT_NOT_FOUND
+        if p.client_id != client_id:
+            return ErrorCode.INVALID_WRITE
+        del self.pending[key]
+        reps = p.replicas
+        if any(reps[i].state == SegState.DEAD for i in range(0, len(reps), 2)):
+            reps = tuple(x for i in range(0, len(reps), 2) if reps[i].state != SegState.DEAD
+                         for x in (reps[i], reps[i + 1]))
+            if not reps:
+                return ErrorCode.OBJECT_NOT_FOUND
+        self._complete(key, p.size, reps, p.flags, p.checksum)
+        return OK
+
+    def _complete(self, key: str, size: int, reps: tuple[Any, ...], flags: int,
+                  checksum: Any) -> Obj:
+        obj = Obj(size, reps, flags, checksum)
+        self.objects[key] = obj
+        wire: list[Any] = []
+        for i in range(0, len(reps), 2):
+            seg = reps[i]
+            seg.keys.add(key)
+            wire += (seg.id, reps[i + 1])
+        if self.journaling:
+            self.records.append([Rec.PUT, key, size, flags, checksum, wire])
+        return obj
+
+    def put_revoke(self, client_id: str, key: str) -> int:
+        p = self.pending.get(key)
+        if p is None:
+            return ErrorCode.OBJECT_NOT_FOUND
+        if p.client_id != client_id:
+            return ErrorCode.INVALID_WRITE
+        del self.pending[key]
+        self._release_pending(key, p)
+        return OK
+
+    # ---------------------------------------------------------------- reads
+    def get_replicas(self, key: str) -> tuple[int, Any]:
+        """(OK, (obj, active flat replicas)) and a fresh lease; or an error code."""
+        obj = self.objects.get(key)
+        if obj is None:
+            if key in self.pending:
+                return ErrorCode.REPLICA_IS_NOT_READY, None
+            return ErrorCode.OBJECT_NOT_FOUND, None
+        reps = obj.replicas
+        if len(reps) != 2 or reps[0].state != SegState.ACTIVE:
+            reps = tuple(x for i in range(0, len(reps), 2) if reps[i].state == SegState.ACTIVE
+                         for x in (reps[i], reps[i + 1]))
+            if not reps:
+                if all(r.state == SegState.DEAD for r in obj.replicas[::2]):
+                    return ErrorCode.OBJECT_NOT_FOUND, None
+                return ErrorCode.REPLICA_IS_NOT_READY, None
+        obj.lease = self.clock() + self.lease_s
+        objects = self.objects
+        del objects[key]
+        objects[key] = obj  # LRU: most recent at the end
+        return OK, (obj, reps)
+
+    def exist(self, key: str) -> bool:
+        obj = self.objects.get(key)
+        if obj is None:
+            return False
+        if not any(s.state != SegState.DEAD for s in obj.replicas[::2]):
+            return False
+        obj.lease = self.clock() + self.lease_s
+        objects = self.objects
+        del objects[key]
+        objects[key] = obj
+        return True
+
+    def get_size(self, key: str) -> tuple[int, Any]:
+        obj = self.objects.get(key)
+        if obj is None:
+            if key in self.pending:
+                return ErrorCode.REPLICA_IS_NOT_READY, None
+            return ErrorCode.OBJECT_NOT_FOUND, None
+        return OK, obj.size
+
+    # ---------------------------------------------------------------- removal
+    def _remove_obj(self, key: str, obj: Obj) -> None:
+        del self.objects[key]
+        reps = obj.replicas
+        for i in range(0, len(reps), 2):
+            reps[i].keys.discard(key)
+        self._free_replicas(reps, obj.size)
+        if self.journaling:
+            self.records.append([Rec.REMOVE, key])
+
+    def remove(self, key: str, force: bool = False) -> int:
+        obj = self.objects.get(key)
+        if obj is None:
+            if key in self.pending:
+                return ErrorCode.REPLICA_IS_NOT_READY
+            return ErrorCode.OBJECT_NOT_FOUND
+        if not force and obj.lease > self.clock():
+            self.lease_refusals += 1
+            return ErrorCode.OBJECT_HAS_LEASE
+        self._remove_obj(key, obj)
+        return OK
+
+    def remove_all(self, force: bool = False) -> int:
+        now = self.clock()
+        victims = [(k, o) for k, o in self.objects.items() if force or o.lease <= now]
+        for k, o in victims:
+            self._remove_obj(k, o)
+        return len(victims)
+
+    # ---------------------------------------------------------------- eviction
+    def _pool_bytes(self, obj: Obj, kind: SegmentKind) -> int:
+        reps = obj.replicas
+        n = 0
+        for i in range(0, len(reps), 2):
+            seg = reps[i]
+            if seg.kind == kind and seg.state == SegState.ACTIVE:
+                n += seg.alloc.aligned(obj.size)
+        return n
+
+    def evict(self, kind: SegmentKind, need: int = 0) -> int:
+        """Evict approx-LRU unleased, unpinned objects with replicas in pool
+        ``kind`` until usage is ``eviction_ratio`` below the high watermark
+        (and at least ``need`` bytes were freed). Soft-pinned objects go only
+        after the rest; hard-pinned never. Return bytes freed."""
+        cap = self.pool_cap[kind]
+        if cap <= 0:
+            return 0
+        target = max(0.0, self.cfg.eviction_high_watermark - self.cfg.eviction_ratio) * cap
+        to_free = max(self.pool_used[kind] - target, need)
+        if to_free <= 0:
+            return 0
+        now = self.clock()
+        victims: list[tuple[str, Obj]] = []
+        soft: list[tuple[str, Obj]] = []
+        freed = 0
+        scanned = 0
+        max_scan = self.cfg.eviction_max_scan
+        for key, obj in self.objects.items():
+            scanned += 1
+            if scanned > max_scan:
+                break
+            if obj.flags & HARD_PIN or obj.lease > now:
+                continue
+            b = self._pool_bytes(obj, kind)
+            if not b:
+                continue
+            if obj.flags & SOFT_PIN:
+                soft.append((key, obj))
+                continue
+            victims.append((key, obj))
+            freed += b
+            if freed >= to_free:
+                break
+        for key, obj in soft:
+            if freed >= to_free:
+                break
+            victims.append((key, obj))
+            freed += self._pool_bytes(obj, kind)
+        actual = 0
+        for key, obj in victims:
+            actual += self.evict_object(key, obj, kind)
+        if victims:
+            log.debug("evicted %d objects (%d B) from %s pool", len(victims), actual, kind.name)
+        return actual
+
+    def evict_object(self, key: str, obj: Obj, kind: SegmentKind) -> int:
+        """Free ``obj``'s replicas in pool ``kind`` (unless the policy took it);
+        remove the object when no replica is left. Return bytes freed."""
+        if self.policy.on_evict(self, key, obj, kind):
+            return 0
+        reps = obj.replicas
+        kept: list[Any] = []
+        gone: list[Any] = []
+        for i in range(0, len(reps), 2):
+            seg = reps[i]
+            if seg.kind == kind and seg.state == SegState.ACTIVE:
+                gone += (seg, reps[i + 1])
+            elif seg.state != SegState.DEAD:
+                kept += (seg, reps[i + 1])
+        before = self.pool_used[kind]
+        self.evictions += 1
+        if not kept:
+            self._remove_obj(key, obj)
+        else:
+            obj.replicas = tuple(kept)
+            for i in range(0, len(gone), 2):
+                gone[i].keys.discard(key)
+                if self.journaling:
+                    self.records.append([Rec.DROP_REPLICA, key, gone[i].id])
+            self._free_replicas(tuple(gone), obj.size)
+        freed = before - self.pool_used[kind]
+        self.evicted_bytes += freed
+        return freed
+
+    # ---------------------------------------------------------------- durability
+    def snapshot_items(self) -> Iterator[list[Any]]:
+        """Object records ``[key, size, flags, checksum, [seg_id, off, ...]]``
+        in LRU order, skipping replicas on dropped segments."""
+        for key, obj in self.objects.items():
+            reps = obj.replicas
+            wire: list[Any] = []
+            for i in range(0, len(reps), 2):
+                if reps[i].state != SegState.DEAD:
+                    wire += (reps[i].id, reps[i + 1])
+            if wire:
+                yield [key, obj.size, obj.flags, obj.checksum, wire]
+
+    def segment_wires(self) -> list[dict[str, Any]]:
+        return [s.wire for s in self.segments.values()]
+
+    def restore_segment(self, wire: dict[str, Any]) -> None:
+        """Apply a MOUNT record while restoring: the segment awaits its owner."""
+        desc = SegmentDescriptor.from_wire(wire)
+        seg = self.segments.get(desc.segment_id)
+        if seg is not None:
+            seg.desc, seg.owner, seg.wire = desc, desc.client_id, desc.to_wire()
+            return
+        seg = Segment(desc, self._alignment(desc.kind), SegState.AWAITING)
+        self.segments[seg.id] = seg
+
+    def restore_object(self, key: str, size: int, flags: int, checksum: Any,
+                       wire: list[Any]) -> None:
+        """Apply a PUT record while restoring (replicas on unknown segments are skipped)."""
+        old = self.objects.get(key)
+        if old is not None:
+            self._remove_obj(key, old)
+        reps: list[Any] = []
+        for i in range(0, len(wire), 2):
+            seg = self.segments.get(wire[i])
+            if seg is None:
+                continue
+            try:
+                seg.alloc.reserve(wire[i + 1], size)
+            except KVPoolError as exc:
+                log.error("restore: %s: %s", key, exc)
+                continue
+            reps += (seg, wire[i + 1])
+        if reps:
+            self._complete(key, size, tuple(reps), flags, checksum)
+
+    def apply_record(self, rec: list[Any]) -> None:
+        """Replay one journal record (restore); raises on a malformed record."""
+        tag = rec[0]
+        if tag == Rec.MOUNT:
+            self.restore_segment(rec[1])
+        elif tag == Rec.DROP_SEGMENT:
+            seg = self.segments.get(rec[1])
+            if seg is not None:
+                self.drop_segment(seg, "journal")
+                self.purge_step(1 << 62)
+        elif tag == Rec.PUT:
+            self.restore_object(rec[1], int(rec[2]), int(rec[3]), rec[4], list(rec[5]))
+        elif tag == Rec.REMOVE:
+            obj = self.objects.get(rec[1])
+            if obj is not None:
+                self._remove_obj(rec[1], obj)
+        elif tag == Rec.DROP_REPLICA:
+            obj = self.objects.get(rec[1])
+            seg = self.segments.get(rec[2])
+            if obj is not None and seg is not None:
+                reps = obj.replicas
+                kept: list[Any] = []
+                for i in range(0, len(reps), 2):
+                    if reps[i] is seg:
+                        seg.alloc.free(reps[i + 1], obj.size)
+                        seg.keys.discard(rec[1])
+                    else:
+                        kept += (reps[i], reps[i + 1])
+                if kept:
+                    obj.replicas = tuple(kept)
+                else:
+                    self._remove_obj(rec[1], obj)
+        else:
+            raise ValueError(f"unknown journal record tag {tag!r}")
+
+    def finish_restore(self) -> None:
+        """After replay: every segment awaits its owner for client_ttl."""
+        deadline = self.clock() + self.cfg.client_ttl_s
+        for seg in self.segments.values():
+            seg.state = SegState.AWAITING
+            seg.deadline = deadline
+        self.records.clear()
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        return {
+            "objects": len(self.objects),
+            "pending": len(self.pending),
+            "segments": len(self.segments),
+            "clients": len(self.clients),
+            "memory_used": self.pool_used[_MEM],
+            "memory_capacity": self.pool_cap[_MEM],
+            "file_used": self.pool_used[_FILE],
+            "file_capacity": self.pool_cap[_FILE],
+            "bytes_used": self.pool_used[_MEM] + self.pool_used[_FILE],
+            "bytes_capacity": self.pool_cap[_MEM] + self.pool_cap[_FILE],
+            "evictions": self.evictions,
+            "evicted_bytes": self.evicted_bytes,
+            "lease_refusals": self.lease_refusals,
+            "preemptions": self.preemptions,
+            "expired_clients": self.expired_clients,
+        }

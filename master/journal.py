@@ -1,0 +1,278 @@
+"""Durability: an append-only journal and msgpack snapshots in ``data_dir``.
+
+Files:
+- ``journal-<seq>.log``: records framed as ``u32 length | u32 crc32 | msgpack``
+  (little endian). A torn or corrupt tail is detected on read and truncated.
+- ``snapshot-<seq>.msgpack``: the state as of the *start* of journal ``seq``
+  (so restore = newest valid snapshot + journals ``>= seq``). Written to a
+  temp file, fsync'ed, renamed, directory fsync'ed.
+
+The master opens a fresh journal (next seq) at every start and every
+snapshot, so it never appends to a file that may have a torn tail.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+import time
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from kvpool.master.config import FsyncPolicy
+
+__all__ = [
+    "Journal",
+    "SnapshotData",
+    "list_journals",
+    "list_snapshots",
+    "read_journal",
+    "read_snapshot",
+    "write_snapshot",
+]
+
+log = logging.getLogger(__name__)
+
+_HDR = struct.Struct("<II")
+_JOURNAL_RE = re.compile(r"^journal-(\d{12})\.log$")
+_SNAPSHOT_RE = re.compile(r"^snapshot-(\d{12})\.msgpack$")
+SNAPSHOT_VERSION = 1
+_MAX_RECORD = 1 << 30
+
+
+def journal_path(data_dir: str, seq: int) -> str:
+    return os.path.join(data_dir, f"journal-{seq:012d}.log")
+
+
+def snapshot_path(data_dir: str, seq: int) -> str:
+    return os.path.join(data_dir, f"snapshot-{seq:012d}.msgpack")
+
+
+def _list(data_dir: str, pattern: re.Pattern[str]) -> list[tuple[int, str]]:
+    out = []
+    for name in os.listdir(data_dir):
+        m = pattern.match(name)
+        if m:
+            out.append((int(m.group(1)), os.path.join(data_dir, name)))
+    return sorted(out)
+
+
+def list_journals(data_dir: str) -> list[tuple[int, str]]:
+    """``[(seq, path)]`` sorted by seq."""
+    return _list(data_dir, _JOURNAL_RE)
+
+
+def list_snapshots(data_dir: str) -> list[tuple[int, str]]:
+    """``[(seq, path)]`` sorted by seq."""
+    return _list(data_dir, _SNAPSHOT_RE)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def frame(payload: bytes) -> bytes:
+    return _HDR.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+class Journal:
+    """Append-only journal with group commit.
+
+    ``append(record)`` buffers; ``commit()`` writes everything buffered with
+    one ``write`` and fsyncs per the policy (``always``: now; ``interval``:
+    when ``interval_s`` passed since the last fsync, see ``maybe_fsync``).
+    """
+
+    def __init__(self, data_dir: str, seq: int, policy: FsyncPolicy,
+                 interval_s: float = 0.1) -> None:
+        self.data_dir = data_dir
+        self.policy = policy
+        self.interval_s = interval_s
+        self.seq = seq
+        self.records_written = 0
+        self._buf: list[bytes] = []
+        self._dirty = False
+        self._last_fsync = time.monotonic()
+        self._fd = self._open(seq)
+
+    def _open(self, seq: int) -> int:
+        fd = os.open(journal_path(self.data_dir, seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                     0o644)
+        fsync_dir(self.data_dir)
+        return fd
+
+    def append(self, record: Any) -> None:
+        self._buf.append(frame(msgpack.packb(record, use_bin_type=True)))
+
+    def append_many(self, records: Iterable[Any]) -> None:
+        packb = msgpack.packb
+        buf = self._buf
+        for rec in records:
+            payload = packb(rec, use_bin_type=True)
+            buf.append(_HDR.pack(len(payload), zlib.crc32(payload)) + payload)
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def commit(self) -> None:
+        """Write buffered records (one write); fsync if the policy says so now."""
+        if self._buf:
+            data = b"".join(self._buf)
+            self.records_written += len(self._buf)
+            self._buf.clear()
+            view = memoryview(data)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+            self._dirty = True
+        if self._dirty and self.policy == FsyncPolicy.ALWAYS:
+            self.fsync()
+
+    def maybe_fsync(self) -> None:
+        """Interval policy: fsync when due (called from the loop's timer)."""
+        if (self._dirty and self.policy == FsyncPolicy.INTERVAL
+                and time.monotonic() - self._last_fsync >= self.interval_s):
+            self.fsync()
+
+    def fsync(self) -> None:
+        os.fsync(self._fd)
+        self._dirty = False
+        self._last_fsync = time.monotonic()
+
+    def rotate(self, seq: int) -> None:
+        """Commit + fsync the current file and continue in ``journal-<seq>``."""
+        self.commit()
+        if self.policy != FsyncPolicy.NEVER:
+            self.fsync()
+        os.close(self._fd)
+        self.seq = seq
+        self.records_written = 0
+        self._fd = self._open(seq)
+
+    def close(self) -> None:
+        """Flush everything and fsync (clean shutdown)."""
+        if self._fd < 0:
+            return
+        self.commit()
+        self.fsync()
+        os.close(self._fd)
+        self._fd = -1
+
+
+def read_journal(path: str, truncate: bool = True) -> tuple[list[Any], bool]:
+    """Read every valid record; on a torn/corrupt tail stop there and (if
+    ``truncate``) cut the file to its valid prefix. Return (records, was_torn)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    records: list[Any] = []
+    pos = 0
+    n = len(data)
+    torn = False
+    while pos < n:
+        if pos + _HDR.size > n:
+            torn = True
+            break
+        length, crc = _HDR.unpack_from(data, pos)
+        start = pos + _HDR.size
+        end = start + length
+        if length > _MAX_RECORD or end > n:
+            torn = True
+            break
+        payload = data[start:end]
+        if zlib.crc32(payload) != crc:
+            torn = True
+            break
+        try:
+            records.append(msgpack.unpackb(payload, raw=False, strict_map_key=False))
+        except Exception:
+            torn = True
+            break
+        pos = end
+    if torn:
+        log.warning("journal %s: corrupt/torn tail at byte %d of %d; truncating", path, pos, n)
+        if truncate:
+            with open(path, "r+b") as f:
+                f.truncate(pos)
+                f.flush()
+                os.fsync(f.fileno())
+    return records, torn
+
+
+@dataclass
+class SnapshotData:
+    seq: int
+    segments: list[dict[str, Any]]
+    objects: list[list[Any]] = field(default_factory=list)
+    created: float = 0.0
+
+
+def write_snapshot(data_dir: str, seq: int, segments: list[dict[str, Any]],
+                   objects: Iterator[list[Any]], n_objects: int) -> str:
+    """Write ``snapshot-<seq>`` atomically (temp + fsync + rename + dir fsync).
+
+    ``objects`` yields at most ``n_objects`` records (fewer are fine; a
+    trailing count records how many were written)."""
+    final = snapshot_path(data_dir, seq)
+    tmp = final + f".tmp.{os.getpid()}"
+    packer = msgpack.Packer(use_bin_type=True)
+    with open(tmp, "wb", buffering=1 << 20) as f:
+        f.write(packer.pack({"version": SNAPSHOT_VERSION, "seq": seq, "created": time.time(),
+                             "segments": segments}))
+        count = 0
+        chunk: list[bytes] = []
+        for rec in objects:
+            chunk.append(packer.pack(rec))
+            count += 1
+            if len(chunk) >= 4096:
+                f.write(b"".join(chunk))
+                chunk.clear()
+        f.write(b"".join(chunk))
+        # end marker: a torn snapshot lacks it and is rejected
+        f.write(packer.pack(["__end__", count]))
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, final)
+    fsync_dir(data_dir)
+    return final
+
+
+def read_snapshot(path: str) -> SnapshotData:
+    """Load a snapshot; raise ValueError if it is incomplete or corrupt."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=1 << 31)
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                break
+            unpacker.feed(chunk)
+    try:
+        header = next(unpacker)
+    except StopIteration:
+        raise ValueError(f"{path}: empty snapshot") from None
+    if not isinstance(header, dict) or header.get("version") != SNAPSHOT_VERSION:
+        raise ValueError(f"{path}: bad snapshot header")
+    snap = SnapshotData(int(header["seq"]), list(header["segments"]),
+                        created=float(header.get("created", 0)))
+    try:
+        for rec in unpacker:
+            if rec and rec[0] == "__end__":
+                if rec[1] != len(snap.objects):
+                    raise ValueError(f"{path}: count mismatch")
+                return snap
+            snap.objects.append(rec)
+    except msgpack.ExtraData as exc:  # pragma: no cover - defensive
+        raise ValueError(f"{path}: {exc}") from exc
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"{path}: corrupt snapshot: {exc}") from exc
+    raise ValueError(f"{path}: snapshot has no end marker (torn)")

@@ -1,0 +1,665 @@
+"""The master server: one event loop on a ZeroMQ ROUTER socket.
+
+Each loop iteration drains up to ``_DRAIN`` requests, handles them against
+the :class:`Directory`, group-commits the journal records they produced (one
+write, fsync per policy), and only then sends the replies. Timers (client
+expiry, purge of dropped segments, pending-put sweep, journal fsync,
+snapshots) run between iterations in bounded slices so the loop never stalls.
+
+Snapshots fork: the parent rotates to a new journal and keeps serving; the
+child writes the snapshot of the forked (copy-on-write) state and exits.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import zmq
+
+from kvpool.master import __version__
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, Pending, SegState
+from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.master.journal import (
+    Journal,
+    list_journals,
+    list_snapshots,
+    read_journal,
+    read_snapshot,
+    write_snapshot,
+)
+from kvpool.master.protocol import Op, SegmentDescriptor, decode_frame, encode_frame
+
+__all__ = ["MasterServer"]
+
+log = logging.getLogger(__name__)
+
+_DRAIN = 256
+_PROCESSING = 0
+_COMPLETE = 1
+_EMPTY = b""
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def _bad(msg: str, code: ErrorCode = ErrorCode.INVALID_PARAMS) -> KVPoolError:
+    return KVPoolError(msg, code)
+
+
+def _arg_str(args: dict[str, Any], name: str) -> str:
+    v = args.get(name)
+    if type(v) is not str or not v:
+        raise _bad(f"{name} must be a non-empty string")
+    return v
+
+
+def _arg_bool(args: dict[str, Any], name: str, default: bool = False) -> bool:
+    v = args.get(name, default)
+    if v is None:
+        return default
+    if type(v) is not bool:
+        raise _bad(f"{name} must be a bool")
+    return v
+
+
+class MasterServer:
+    """Serve the op table of :mod:`kvpool.master.protocol` until ``stop()``.
+
+    Construction binds the sockets (``port`` 0 picks a free one; see
+    ``self.port``) and restores state from ``data_dir``.
+    """
+
+    def __init__(self, cfg: MasterConfig) -> None:
+        self.cfg = cfg
+        self.started = time.monotonic()
+        self.dir = Directory(cfg)
+        self.journal: Journal | None = None
+        self._stop = False
+        self._snap_child: tuple[int, int, float] | None = None
+        self._snap_requested = False
+        self._last_snapshot = time.monotonic()
+        self.snapshot_count = 0
+        self.last_snapshot_pause_ms = 0.0
+        self.last_snapshot_duration_s = 0.0
+        self.max_loop_ms = 0.0
+        self.ops: dict[str, int] = {}
+        self.key_ops: dict[str, int] = {}
+        self.errors: dict[tuple[str, str], int] = {}
+        self.restored_objects = 0
+        self.max_key = cfg.max_key_length
+        self.max_batch = cfg.max_batch_size
+        self._handlers: dict[int, tuple[str, Handler]] = {
+            op: (op.name, getattr(self, "_op_" + op.name.lower())) for op in Op
+        }
+        if cfg.data_dir:
+            os.makedirs(cfg.data_dir, exist_ok=True)
+            self._restore()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_size + 4096)
+        self.sock.setsockopt(zmq.RCVHWM, 100000)
+        self.sock.setsockopt(zmq.SNDHWM, 100000)
+        if cfg.port == 0:
+            self.port = self.sock.bind_to_random_port(f"tcp://{cfg.host}")
+        else:
+            self.sock.bind(f"tcp://{cfg.host}:{cfg.port}")
+            self.port = cfg.port
+        self._http: ThreadingHTTPServer | None = None
+        self.metrics_port = 0
+        if cfg.metrics_port:
+            self._start_http()
+        log.info("kvpool master %s listening on tcp://%s:%d (metrics %s, data_dir %s)",
+                 __version__, cfg.host, self.port, self.metrics_port or "off", cfg.data_dir)
+
+    # ================================================================ durability
+    def _restore(self) -> None:
+        data_dir = self.cfg.data_dir
+        assert data_dir
+        d = self.dir
+        d.journaling = False
+        t0 = time.monotonic()
+        snap_seq = 0
+        for seq, path in reversed(list_snapshots(data_dir)):
+            try:
+                snap = read_snapshot(path)
+            except (OSError, ValueError) as exc:
+                log.error("ignoring snapshot %s: %s", path, exc)
+                continue
+            for wire in snap.segments:
+                d.restore_segment(wire)
+            for key, size, flags, checksum, reps in snap.objects:
+                d.restore_object(key, size, flags, checksum, reps)
+            snap_seq = seq
+            break
+        for name in os.listdir(data_dir):  # leftovers of a crashed snapshot child
+            if ".tmp." in name and name.startswith("snapshot-"):
+                os.unlink(os.path.join(data_dir, name))
+        last_seq = snap_seq
+        replayed = 0
+        for seq, path in list_journals(data_dir):
+            last_seq = max(last_seq, seq)
+            if seq < snap_seq:
+                continue
+            records, _torn = read_journal(path, truncate=True)
+            for rec in records:
+                try:
+                    d.apply_record(rec)
+                except Exception as exc:
+                    log.error("journal %s: bad record %r: %s", path, rec[:2], exc)
+            replayed += len(records)
+        d.finish_restore()
+        d.journaling = True
+        self.restored_objects = len(d.objects)
+        self.journal = Journal(data_dir, last_seq + 1, self.cfg.journal_fsync,
+                               self.cfg.journal_fsync_interval_ms / 1000.0)
+        if snap_seq or replayed:
+            log.info("restored %d segments, %d objects (snapshot %d + %d journal records) in %.2fs",
+                     len(d.segments), len(d.objects), snap_seq, replayed, time.monotonic() - t0)
+
+    def request_snapshot(self) -> None:
+        """Take a snapshot at the next loop iteration (also SIGUSR1)."""
+        self._snap_requested = True
+
+    def _start_snapshot(self) -> None:
+        if self.journal is None or self._snap_child is not None:
+            return
+        t0 = time.perf_counter()
+        new_seq = self.journal.seq + 1
+        self.journal.rotate(new_seq)
+        d = self.dir
+        segments = d.segment_wires()
+        n = len(d.objects)
+        gc.freeze()  # keep the child's GC from touching (and copying) every page
+        pid = os.fork()
+        if pid == 0:  # child: write and leave without running any parent cleanup
+            code = 1
+            try:
+                gc.disable()
+                write_snapshot(self.cfg.data_dir or ".", new_seq, segments, d.snapshot_items(), n)
+                code = 0
+            except BaseException:
+                log.exception("snapshot child failed")
+            finally:
+                os._exit(code)
+        gc.unfreeze()
+        self.last_snapshot_pause_ms = (time.perf_counter() - t0) * 1000
+        self._snap_child = (pid, new_seq, time.monotonic())
+        self._last_snapshot = time.monotonic()
+        log.info("snapshot %d started (pid %d, %d objects, pause %.1f ms)", new_seq, pid, n,
+                 self.last_snapshot_pause_ms)
+
+    def _poll_snapshot(self, block: bool = False) -> None:
+        if self._snap_child is None:
+            return
+        pid, seq, t0 = self._snap_child
+        try:
+            done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            done, status = pid, 1
+        if done == 0:
+            return
+        self._snap_child = None
+        self.last_snapshot_duration_s = time.monotonic() - t0
+        if os.waitstatus_to_exitcode(status) != 0:
+            log.error("snapshot %d failed (status %d); journals kept", seq, status)
+            return
+        self.snapshot_count += 1
+        self._compact(seq)
+        log.info("snapshot %d written in %.2fs", seq, self.last_snapshot_duration_s)
+
+    def _compact(self, seq: int) -> None:
+        """Keep the newest ``snapshot_keep`` snapshots and the journals they need."""
+        data_dir = self.cfg.data_dir
+        assert data_dir
+        snaps = list_snapshots(data_dir)
+        keep = snaps[-self.cfg.snapshot_keep:]
+        for _s, path in snaps[: len(snaps) - len(keep)]:
+            os.unlink(path)
+        oldest = keep[0][0] if keep else seq
+        for s, path in list_journals(data_dir):
+            if s < oldest:
+                os.unlink(path)
+
+    # ================================================================ admin HTTP
+    def _start_http(self) -> None:
+        from kvpool.master.metrics import make_handler, make_registry
+
+        registry = make_registry(self)
+        handler: type[BaseHTTPRequestHandler] = make_handler(self, registry)
+        self._http = ThreadingHTTPServer((self.cfg.metrics_host, self.cfg.metrics_port), handler)
+        self._http.daemon_threads = True
+        self.metrics_port = self._http.server_address[1]
+        t = threading.Thread(target=self._http.serve_forever, name="kvpool-master-http",
+                             daemon=True)
+        t.start()
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "version": __version__, "port": self.port,
+                "objects": len(self.dir.objects), "segments": len(self.dir.segments),
+                "uptime_s": round(time.monotonic() - self.started, 3)}
+
+    # ================================================================ loop
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT: stop after the current iteration; SIGUSR1: snapshot."""
+        def _stop(signum: int, _frame: Any) -> None:
+            log.info("signal %d: shutting down", signum)
+            self._stop = True
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGUSR1, lambda *_: self.request_snapshot())
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def serve_forever(self) -> None:
+        sock = self.sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        recv = sock.recv_multipart
+        send = sock.send_multipart
+        handle = self.handle_frames
+        journal = self.journal
+        d = self.dir
+        next_expiry = next_sweep = time.monotonic()
+        while not self._stop:
+            timeout = 0 if d.purge_pending else 50
+            if not poller.poll(timeout):
+                replies: list[list[bytes]] = []
+            else:
+                t_start = time.perf_counter()
+                replies = []
+                for _ in range(_DRAIN):
+                    try:
+                        frames = recv(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    out = handle(frames)
+                    if out is not None:
+                        replies.append(out)
+                if journal is not None and d.records:
+                    journal.append_many(d.records)
+                    d.records.clear()
+                    journal.commit()  # group commit before any reply leaves
+                elif d.records:
+                    d.records.clear()
+                for r in replies:
+                    try:
+                        send(r, zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass  # peer gone / HWM: the client times out and retries
+                loop_ms = (time.perf_counter() - t_start) * 1000
+                if loop_ms > self.max_loop_ms:
+                    self.max_loop_ms = loop_ms
+            now = time.monotonic()
+            if d.purge_pending:
+                d.purge_step(self.cfg.purge_slice)
+            if now >= next_expiry:
+                next_expiry = now + 0.1
+                d.expire_step()
+            if now >= next_sweep:
+                next_sweep = now + 1.0
+                d.sweep_pending()
+            if journal is not None:
+                if d.records:  # expiry/sweep changes
+                    journal.append_many(d.records)
+                    d.records.clear()
+                    journal.commit()
+                journal.maybe_fsync()
+                self._poll_snapshot()
+                if self._snap_requested or (
+                        self.cfg.snapshot_interval_s
+                        and now - self._last_snapshot >= self.cfg.snapshot_interval_s
+                        and journal.records_written >= self.cfg.snapshot_min_journal_records):
+                    self._snap_requested = False
+                    self._start_snapshot()
+            else:
+                d.records.clear()
+                self._snap_requested = False
+
+    def close(self) -> None:
+        """Flush + fsync the journal, wait for a snapshot child, close sockets."""
+        if self.journal is not None:
+            if self.dir.records:
+                self.journal.append_many(self.dir.records)
+                self.dir.records.clear()
+            self.journal.close()
+            self._poll_snapshot(block=True)
+            self.journal = None
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        self.sock.close(0)
+        self.ctx.term()
+        log.info("master stopped")
+
+    # ================================================================ dispatch
+    def handle_frames(self, frames: list[bytes]) -> list[bytes] | None:
+        """One ROUTER message -> the reply frames (None: nothing to answer)."""
+        n = len(frames)
+        if n == 2:  # DEALER: [identity, payload]
+            prefix = frames[:1]
+        elif n == 3 and frames[1] == _EMPTY:  # REQ: [identity, "", payload]
+            prefix = frames[:2]
+        elif n >= 2:
+            return [frames[0], self._error_reply(None, ErrorCode.MALFORMED_FRAME,
+                                                 f"expected one payload frame, got {n - 1}")]
+        else:
+            return None
+        return [*prefix, self.handle_payload(frames[-1])]
+
+    def _error_reply(self, rid: Any, code: ErrorCode, msg: str) -> bytes:
+        return encode_frame({"id": rid, "code": int(code), "result": None, "error": msg})
+
+    def handle_payload(self, payload: bytes) -> bytes:
+        """Decode one request, run it, encode the reply. Never raises."""
+        rid: Any = None
+        name = "invalid"
+        try:
+            msg = decode_frame(payload, self.cfg.max_frame_size)
+            if type(msg) is not dict:
+                raise _bad("request must be a map", ErrorCode.MALFORMED_FRAME)
+            rid = msg.get("id")
+            if rid is not None and type(rid) not in (int, str):
+                rid = None
+            op = msg.get("op")
+            entry = self._handlers.get(op) if type(op) is int else None
+            if entry is None:
+                name = "unknown"
+                raise _bad(f"unknown op {op!r}", ErrorCode.UNKNOWN_OP)
+            name, fn = entry
+            args = msg.get("args")
+            if args is None:
+                args = {}
+            elif type(args) is not dict:
+                raise _bad("args must be a map")
+            self.ops[name] = self.ops.get(name, 0) + 1
+            result = fn(args)
+            return encode_frame({"id": rid, "code": 0, "result": result})
+        except KVPoolError as exc:
+            code = exc.code
+            text = str(exc)
+        except Exception as exc:  # a bug: answer and keep serving
+            log.exception("internal error handling %s", name)
+            code = ErrorCode.INTERNAL_ERROR
+            text = f"{type(exc).__name__}: {exc}"
+        key = (name, code.name)
+        self.errors[key] = self.errors.get(key, 0) + 1
+        try:
+            return self._error_reply(rid, code, text[:1000])
+        except Exception:
+            return self._error_reply(None, code, text[:1000])
+
+    def _count(self, name: str, n: int, results: list[list[Any]]) -> None:
+        self.key_ops[name] = self.key_ops.get(name, 0) + n
+        errs = self.errors
+        for r in results:
+            if r[0]:
+                k = (name, ErrorCode(r[0]).name)
+                errs[k] = errs.get(k, 0) + 1
+
+    # ---------------------------------------------------------------- validation
+    def _key(self, key: Any) -> str | None:
+        """The key if valid, else None (caller reports INVALID_KEY)."""
+        if type(key) is str and key and len(key) <= self.max_key:
+            return key
+        return None
+
+    def _keys(self, args: dict[str, Any]) -> list[Any]:
+        keys = args.get("keys")
+        if type(keys) is not list:
+            raise _bad("keys must be a list")
+        if len(keys) > self.max_batch:
+            raise _bad(f"batch of {len(keys)} exceeds max_batch_size {self.max_batch}")
+        return keys
+
+    def _one_key(self, args: dict[str, Any]) -> str:
+        key = self._key(args.get("key"))
+        if key is None:
+            raise _bad("key must be a non-empty string of at most "
+                       f"{self.max_key} characters", ErrorCode.INVALID_KEY)
+        return key
+
+    @staticmethod
+    def _raise(code: int, what: str) -> None:
+        if code:
+            raise KVPoolError(what, code)
+
+    # ---------------------------------------------------------------- segments
+    def _op_ping(self, args: dict[str, Any]) -> dict[str, Any]:
+        remount, ids = self.dir.ping(_arg_str(args, "client_id"))
+        return {"remount": remount, "segment_ids": ids}
+
+    def _op_mount_segment(self, args: dict[str, Any]) -> dict[str, Any]:
+        client_id = _arg_str(args, "client_id")
+        seg = args.get("segment")
+        if type(seg) is not dict:
+            raise _bad("segment must be a map")
+        desc = SegmentDescriptor.from_wire(seg)
+        if desc.size <= 0 or desc.size > 1 << 50:
+            raise _bad("segment size out of range")
+        self.dir.mount(client_id, desc)
+        return {}
+
+    def _op_unmount_segment(self, args: dict[str, Any]) -> dict[str, Any]:
+        self.dir.unmount(_arg_str(args, "client_id"), _arg_str(args, "segment_id"))
+        return {}
+
+    def _op_get_segments(self, args: dict[str, Any]) -> dict[str, Any]:
+        ids = args.get("segment_ids")
+        if type(ids) is not list or len(ids) > self.max_batch:
+            raise _bad("segment_ids must be a list")
+        segs = self.dir.segments
+        return {"segments": {i: segs[i].wire for i in ids
+                             if type(i) is str and i in segs and segs[i].state == SegState.ACTIVE}}
+
+    def _op_list_segments(self, args: dict[str, Any]) -> dict[str, Any]:
+        out = []
+        for seg in self.dir.segments.values():
+            w = dict(seg.wire)
+            w.update(used=seg.alloc.used, capacity=seg.alloc.capacity,
+                     fragmentation=round(seg.alloc.fragmentation(), 4),
+                     free_blocks=seg.alloc.free_blocks, objects=len(seg.keys),
+                     state=seg.state.name.lower())
+            out.append(w)
+        return {"segments": out}
+
+    def _op_stats(self, args: dict[str, Any]) -> dict[str, Any]:
+        s = self.dir.stats()
+        s.update(uptime_s=time.monotonic() - self.started, version=__version__,
+                 snapshots=self.snapshot_count,
+                 last_snapshot_pause_ms=self.last_snapshot_pause_ms,
+                 last_snapshot_duration_s=self.last_snapshot_duration_s,
+                 snapshot_in_progress=self._snap_child is not None,
+                 restored_objects=self.restored_objects,
+                 max_loop_ms=self.max_loop_ms,
+                 journal_seq=self.journal.seq if self.journal else None,
+                 pid=os.getpid())
+        return s
+
+    # ---------------------------------------------------------------- put
+    def _put_item(self, client_id: str, item: Any, segs: dict[str, Any]) -> list[Any]:
+        if type(item) is not dict:
+            return [int(ErrorCode.INVALID_PARAMS), "item must be a map"]
+        key = self._key(item.get("key"))
+        if key is None:
+            return [int(ErrorCode.INVALID_KEY), None]
+        size = item.get("size")
+        if type(size) is not int or size <= 0 or size > self.cfg.max_object_size:
+            return [int(ErrorCode.INVALID_PARAMS), "size must be an int in [1, max_object_size]"]
+        rn = item.get("replica_num", 1)
+        dn = item.get("disk_replica_num", 0)
+        maxr = self.cfg.max_replica_num
+        if type(rn) is not int or type(dn) is not int or not (0 <= rn <= maxr) \
+                or not (0 <= dn <= maxr) or rn + dn == 0:
+            return [int(ErrorCode.INVALID_PARAMS), "bad replica_num/disk_replica_num"]
+        pref = item.get("preferred_segments") or []
+        if type(pref) is not list or len(pref) > 64 or any(type(p) is not str for p in pref):
+            return [int(ErrorCode.INVALID_PARAMS), "preferred_segments must be a list of str"]
+        hard = item.get("hard_pin", False)
+        soft = item.get("soft_pin", False)
+        if type(hard) is not bool or type(soft) is not bool:
+            return [int(ErrorCode.INVALID_PARAMS), "pins must be bools"]
+        checksum = item.get("checksum")
+        if checksum is not None and type(checksum) not in (int, str, bytes):
+            return [int(ErrorCode.INVALID_PARAMS), "checksum must be int, str or bytes"]
+        flags = (HARD_PIN if hard else 0) | (SOFT_PIN if soft else 0)
+        code, p = self.dir.put_start(client_id, key, size, rn, pref, flags, checksum, dn)
+        if code:
+            return [int(code), None]
+        return [0, self._replicas_wire(p, _PROCESSING, segs)]
+
+    @staticmethod
+    def _replicas_wire(p: Pending | Any, status: int, segs: dict[str, Any],
+                       reps: tuple[Any, ...] | None = None) -> list[list[Any]]:
+        if reps is None:
+            reps = p.replicas
+        size = p.size
+        out = []
+        for i in range(0, len(reps), 2):
+            seg = reps[i]
+            sid = seg.id
+            if sid not in segs:
+                segs[sid] = seg.wire
+            out.append([sid, reps[i + 1], size, status, _EMPTY])
+        return out
+
+    def _op_put_start(self, args: dict[str, Any]) -> dict[str, Any]:
+        client_id = _arg_str(args, "client_id")
+        segs: dict[str, Any] = {}
+        code, val = self._put_item(client_id, args, segs)
+        self.key_ops["put_start"] = self.key_ops.get("put_start", 0) + 1
+        if code:
+            raise KVPoolError(val if isinstance(val, str) else "put_start failed", code)
+        return {"replicas": val, "segments": segs}
+
+    def _op_batch_put_start(self, args: dict[str, Any]) -> dict[str, Any]:
+        client_id = _arg_str(args, "client_id")
+        items = args.get("items")
+        if type(items) is not list:
+            raise _bad("items must be a list")
+        if len(items) > self.max_batch:
+            raise _bad(f"batch of {len(items)} exceeds max_batch_size {self.max_batch}")
+        segs: dict[str, Any] = {}
+        put_item = self._put_item
+        results = [put_item(client_id, it, segs) for it in items]
+        self._count("put_start", len(items), results)
+        return {"results": results, "segments": segs}
+
+    def _op_put_end(self, args: dict[str, Any]) -> dict[str, Any]:
+        code = self.dir.put_end(_arg_str(args, "client_id"), self._one_key(args))
+        self.key_ops["put_end"] = self.key_ops.get("put_end", 0) + 1
+        self._raise(code, "put_end")
+        return {}
+
+    def _op_put_revoke(self, args: dict[str, Any]) -> dict[str, Any]:
+        code = self.dir.put_revoke(_arg_str(args, "client_id"), self._one_key(args))
+        self._raise(code, "put_revoke")
+        return {}
+
+    def _batch_keyed(self, name: str, args: dict[str, Any],
+                     fn: Callable[[str], int]) -> dict[str, Any]:
+        keys = self._keys(args)
+        valid = self._key
+        bad = int(ErrorCode.INVALID_KEY)
+        results = [[fn(k), None] if valid(k) is not None else [bad, None] for k in keys]
+        for r in results:
+            r[0] = int(r[0])
+        self._count(name, len(keys), results)
+        return {"results": results, "segments": {}}
+
+    def _op_batch_put_end(self, args: dict[str, Any]) -> dict[str, Any]:
+        client_id = _arg_str(args, "client_id")
+        put_end = self.dir.put_end
+        return self._batch_keyed("put_end", args, lambda k: put_end(client_id, k))
+
+    def _op_batch_put_revoke(self, args: dict[str, Any]) -> dict[str, Any]:
+        client_id = _arg_str(args, "client_id")
+        revoke = self.dir.put_revoke
+        return self._batch_keyed("put_revoke", args, lambda k: revoke(client_id, k))
+
+    # ---------------------------------------------------------------- reads
+    def _get_one(self, key: str, segs: dict[str, Any]) -> tuple[int, Any]:
+        code, val = self.dir.get_replicas(key)
+        if code:
+            return int(code), None
+        obj, reps = val
+        return 0, {"size": obj.size, "checksum": obj.checksum,
+                   "lease_ttl_ms": self.cfg.lease_ttl_ms,
+                   "replicas": self._replicas_wire(obj, _COMPLETE, segs, reps)}
+
+    def _op_get_replica_list(self, args: dict[str, Any]) -> dict[str, Any]:
+        segs: dict[str, Any] = {}
+        code, val = self._get_one(self._one_key(args), segs)
+        self.key_ops["get_replica_list"] = self.key_ops.get("get_replica_list", 0) + 1
+        self._raise(code, "get_replica_list")
+        val["segments"] = segs
+        return dict(val)
+
+    def _op_batch_get_replica_list(self, args: dict[str, Any]) -> dict[str, Any]:
+        keys = self._keys(args)
+        segs: dict[str, Any] = {}
+        valid = self._key
+        get_one = self._get_one
+        bad = [int(ErrorCode.INVALID_KEY), None]
+        results = [list(get_one(k, segs)) if valid(k) is not None else bad for k in keys]
+        self._count("get_replica_list", len(keys), results)
+        return {"results": results, "segments": segs}
+
+    def _op_exist(self, args: dict[str, Any]) -> dict[str, Any]:
+        self.key_ops["exist"] = self.key_ops.get("exist", 0) + 1
+        return {"exists": self.dir.exist(self._one_key(args))}
+
+    def _op_batch_exist(self, args: dict[str, Any]) -> dict[str, Any]:
+        keys = self._keys(args)
+        exist = self.dir.exist
+        valid = self._key
+        bad = [int(ErrorCode.INVALID_KEY), None]
+        results = [[0, exist(k)] if valid(k) is not None else bad for k in keys]
+        self._count("exist", len(keys), results)
+        return {"results": results, "segments": {}}
+
+    def _op_get_size(self, args: dict[str, Any]) -> dict[str, Any]:
+        code, size = self.dir.get_size(self._one_key(args))
+        self._raise(code, "get_size")
+        return {"size": size}
+
+    def _op_batch_get_size(self, args: dict[str, Any]) -> dict[str, Any]:
+        keys = self._keys(args)
+        get_size = self.dir.get_size
+        valid = self._key
+        bad = [int(ErrorCode.INVALID_KEY), None]
+        results = []
+        for k in keys:
+            if valid(k) is None:
+                results.append(bad)
+            else:
+                code, size = get_size(k)
+                results.append([int(code), size])
+        self._count("get_size", len(keys), results)
+        return {"results": results, "segments": {}}
+
+    # ---------------------------------------------------------------- remove
+    def _op_remove(self, args: dict[str, Any]) -> dict[str, Any]:
+        code = self.dir.remove(self._one_key(args), _arg_bool(args, "force"))
+        self._raise(code, "remove")
+        return {}
+
+    def _op_batch_remove(self, args: dict[str, Any]) -> dict[str, Any]:
+        force = _arg_bool(args, "force")
+        remove = self.dir.remove
+        return self._batch_keyed("remove", args, lambda k: remove(k, force))
+
+    def _op_remove_all(self, args: dict[str, Any]) -> dict[str, Any]:
+        return {"removed": self.dir.remove_all(_arg_bool(args, "force"))}

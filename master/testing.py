@@ -1,0 +1,190 @@
+"""Test helpers: run a real ``kvpool master`` subprocess.
+
+Usage::
+
+    with MasterProcess(data_dir=str(tmp_path)) as m:
+        client = MasterClient(m.address)
+        ...
+        m.kill(); m.restart()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+
+from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.master.protocol import Op
+from kvpool.master.rpc_client import MasterClient, MasterRPCError
+
+__all__ = ["MasterProcess", "find_free_port"]
+
+log = logging.getLogger(__name__)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (bind to 0, read, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class MasterProcess:
+    """A ``kvpool master`` subprocess on a free loopback port.
+
+    ``start()`` returns once the master answers PING; ``stop()`` sends SIGTERM
+    and waits (clean shutdown: journal flushed); ``kill()`` sends SIGKILL;
+    ``restart()`` starts it again with the same port and data dir. Also a
+    context manager (start on enter, stop on exit). Output goes to
+    ``log_path`` (inside ``data_dir`` when given, else a temp file).
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        port: int | None = None,
+        metrics_port: int = 0,
+        lease_ttl_ms: int = 10000,
+        client_ttl_s: float = 10,
+        extra_args: Sequence[str] = (),
+        start_timeout_s: float = 20.0,
+    ) -> None:
+        self.data_dir = data_dir
+        self.port = port or find_free_port()
+        self.metrics_port = metrics_port
+        self.lease_ttl_ms = lease_ttl_ms
+        self.client_ttl_s = client_ttl_s
+        self.extra_args = list(extra_args)
+        self.start_timeout_s = start_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: object | None = None
+        if data_dir:
+            os.makedirs(data_dir, exist_ok=True)
+            self.log_path = os.path.join(data_dir, "master.log")
+        else:
+            name = f"kvpool-master-{self.port}-{uuid.uuid4().hex[:6]}.log"
+            self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), name)
+
+    @property
+    def address(self) -> str:
+        """``127.0.0.1:PORT`` (what MasterClient and ClientConfig take)."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "kvpool.store.cli", "master",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--metrics-port", str(self.metrics_port),
+            "--lease-ttl-ms", str(self.lease_ttl_ms),
+            "--client-ttl-s", str(self.client_ttl_s),
+        ]
+        if self.data_dir:
+            cmd += ["--data-dir", self.data_dir]
+        return cmd + self.extra_args
+
+    def start(self) -> MasterProcess:
+        """Spawn the master and wait until it answers PING (raises on timeout/exit)."""
+        if self.running:
+            return self
+        log_file = open(self.log_path, "ab")  # closed in _reap
+        self._log_file = log_file
+        self._proc = subprocess.Popen(
+            self.command(), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        probe_id = "probe-" + uuid.uuid4().hex
+        with MasterClient(self.address, timeout_s=0.5) as c:
+            while True:
+                if self._proc.poll() is not None:
+                    self._reap()
+                    raise KVPoolError(
+                        f"master exited with {self._proc.returncode} at startup; "
+                        f"see {self.log_path}:\n{self.log_tail()}",
+                        ErrorCode.INTERNAL_ERROR,
+                    )
+                try:
+                    c.call(Op.PING, client_id=probe_id)
+                    return self
+                except MasterRPCError:
+                    if time.monotonic() > deadline:
+                        self.kill()
+                        raise KVPoolError(
+                            f"master did not answer within {self.start_timeout_s}s; "
+                            f"see {self.log_path}", ErrorCode.RPC_TIMEOUT,
+                        ) from None
+                    time.sleep(0.05)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                data = f.read()
+            return data[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _reap(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()  # type: ignore[attr-defined]
+            self._log_file = None
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM and wait (SIGKILL after ``timeout_s``); return the exit code."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("master %s ignored SIGTERM; killing", self._proc.pid)
+                self._proc.kill()
+                self._proc.wait()
+        self._reap()
+        return self._proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (a crash: no clean shutdown) and wait."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._reap()
+
+    def restart(self, kill: bool = False) -> MasterProcess:
+        """Stop (or kill) and start again on the same port and data dir."""
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        return self.start()
+
+    def client(self, timeout_s: float = 5.0) -> MasterClient:
+        """A new MasterClient to this master (caller closes it)."""
+        return MasterClient(self.address, timeout_s=timeout_s)
+
+    def __enter__(self) -> MasterProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        if not self.data_dir:
+            try:
+                os.unlink(self.log_path)
+            except OSError:
+                pass
