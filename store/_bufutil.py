@@ -1,0 +1,119 @@
+"""Small buffer helpers of the store client: sizes, host views, checksums.
+
+The transfer engine owns buffer conversion (``kvpool.transfer.as_buffer``);
+the store only needs a buffer's length (to size gets and puts), a host view
+(to checksum it) and an uninitialised ``bytes`` to read into without a copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import zlib
+from typing import Any
+
+__all__ = [
+    "alloc_bytes",
+    "buffer_nbytes",
+    "checksum_of",
+    "host_view",
+    "is_gpu_buffer",
+    "resolve_checksum_algo",
+]
+
+# Offset of ob_sval inside a CPython bytes object (header size of b"" minus its NUL).
+_BYTES_HEADER = sys.getsizeof(b"") - 1
+
+try:  # optional, faster than crc32 on large values
+    import xxhash as _xxhash  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - depends on the environment
+    _xxhash = None
+
+
+def is_gpu_buffer(buf: Any) -> bool:
+    """True for CUDA tensors/arrays (torch ``is_cuda``, ``__cuda_array_interface__``)."""
+    if getattr(buf, "is_gpu", False) is True:  # a BufferHandle that says so
+        return True
+    if hasattr(buf, "__cuda_array_interface__"):
+        return True
+    return bool(getattr(buf, "is_cuda", False))
+
+
+def buffer_nbytes(buf: Any) -> int:
+    """Length in bytes of any buffer the store accepts.
+
+    bytes/bytearray/memoryview/numpy/torch/cupy, ``(addr, length)`` tuples and
+    transfer ``BufferHandle`` objects (``length``/``nbytes``/``size`` attribute).
+    """
+    if isinstance(buf, bytes | bytearray):
+        return len(buf)
+    if isinstance(buf, memoryview):
+        return buf.nbytes
+    if isinstance(buf, tuple) and len(buf) == 2:
+        return int(buf[1])
+    nbytes = getattr(buf, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    if hasattr(buf, "element_size") and hasattr(buf, "numel"):  # torch.Tensor
+        return int(buf.numel()) * int(buf.element_size())
+    for attr in ("length", "size"):
+        v = getattr(buf, attr, None)
+        if isinstance(v, int):
+            return v
+    return memoryview(buf).nbytes
+
+
+def host_view(buf: Any) -> memoryview | None:
+    """A flat byte view of a host buffer, or None (GPU memory, unknown objects)."""
+    if is_gpu_buffer(buf):
+        return None
+    try:
+        if isinstance(buf, tuple) and len(buf) == 2:
+            addr, n = int(buf[0]), int(buf[1])
+            if n == 0:
+                return memoryview(b"")
+            return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+        if hasattr(buf, "numpy") and hasattr(buf, "element_size"):  # torch CPU tensor
+            buf = buf.detach().contiguous().view(-1).numpy().view("uint8")
+        mv = memoryview(buf)
+        return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def alloc_bytes(n: int) -> tuple[bytes, tuple[int, int]]:
+    """A new ``bytes`` of ``n`` bytes plus ``(address, n)`` of its payload.
+
+    The caller fills the payload (e.g. a transfer READ) before the object is
+    shared or hashed, so get() returns bytes without a second copy.
+    """
+    b = bytes(n)
+    return b, (id(b) + _BYTES_HEADER, n)
+
+
+def resolve_checksum_algo(name: str) -> str | None:
+    """Map a config value (none|crc32|xxhash|auto) to an available algorithm or None."""
+    if name == "none":
+        return None
+    if name == "xxhash" or name == "auto":
+        if _xxhash is not None:
+            return "xxh64"
+        return "crc32"
+    return "crc32"
+
+
+def checksum_of(algo: str, data: memoryview | bytes) -> str:
+    """Self-describing checksum string (``crc32:1a2b3c4d``) so any reader can verify it."""
+    if algo == "xxh64":
+        if _xxhash is None:
+            raise ValueError("xxhash is not installed")
+        return "xxh64:" + _xxhash.xxh64_hexdigest(data)
+    return f"crc32:{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def verify_checksum(expected: str, data: memoryview | bytes) -> bool | None:
+    """True/False when ``expected`` can be checked here; None when its algorithm is unknown."""
+    algo, _, _ = expected.partition(":")
+    if algo == "crc32" or (algo == "xxh64" and _xxhash is not None):
+        return checksum_of(algo, data) == expected
+    return None

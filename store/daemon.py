@@ -1,0 +1,67 @@
+"""The per-node daemon (``kvpool client``): contributes memory (and disk) to the
+pool and serves transfers until SIGTERM/SIGINT, then unmounts cleanly.
+
+Same-host processes (e.g. vLLM workers running pure clients) read and write
+its segment directly through shared memory; remote ones through its
+transfer server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from kvpool.store.client import Client
+from kvpool.store.config import ClientConfig
+
+__all__ = ["run_daemon"]
+
+log = logging.getLogger(__name__)
+
+
+def _write_ready(path: str, info: dict[str, Any]) -> None:
+    """Write ``info`` as JSON atomically (temp file + rename) so readers never see half."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    Path(tmp).write_text(json.dumps(info))
+    os.replace(tmp, path)
+
+
+def run_daemon(config: ClientConfig, ready_file: str | None = None,
+               stop: threading.Event | None = None) -> int:
+    """Run a contributing client until ``stop`` is set or SIGTERM/SIGINT arrives.
+
+    Returns the exit code (0 after a clean unmount). ``ready_file`` receives
+    ``{pid, client_id, host_id, segment_ids, endpoint, master}`` once the
+    segments are mounted.
+    """
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
+    client = Client(config)
+    try:
+        client.setup()
+        info = {
+            "pid": os.getpid(),
+            "client_id": client.client_id,
+            "host_id": client.host_id,
+            "segment_ids": client.segment_ids,
+            "shm_names": client.shm_names,
+            "endpoint": client.endpoint,
+            "master": config.master_address,
+            "memory_size": config.memory_size,
+        }
+        log.info("node daemon ready: %s", info)
+        if ready_file:
+            _write_ready(ready_file, info)
+        while not stop.wait(0.5):
+            pass
+        log.info("node daemon stopping: unmounting %s", client.segment_ids)
+    finally:
+        client.close()
+    return 0
