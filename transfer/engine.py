@@ -1,0 +1,552 @@
+"""TransferEngine: batches -> per-transport sub-batches with failover.
+
+``submit()`` resolves each request (buffer, segment, bounds), asks the
+selector for its ordered transport list, and groups requests by the first
+usable transport into **sub-batches**. A sub-batch runs on its transport's own
+worker pool (``threads`` slices in parallel) with its own state machine
+(PENDING -> RUNNING -> DONE | FAILED), progress counters and error, so one
+slow or failing transport never blocks another's requests. A request that
+fails retryably is retried on the same transport (``retries``), then
+re-planned onto the next transport its rule allows (up to ``max_failover``);
+a transport whose attempts keep failing is paused for ``cooldown_s``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kvpool.master.errors import ErrorCode
+from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+from kvpool.transfer.buffers import BufferHandle, as_buffer
+from kvpool.transfer.config import RuleConfig, TransferConfig, TransportSettings
+from kvpool.transfer.segment import LocalSegment
+from kvpool.transfer.server import TransferServer
+from kvpool.transfer.transports import load_transport_class
+from kvpool.transfer.transports.base import Transport, WorkItem
+from kvpool.transfer.types import (
+    RequestState,
+    RequestStatus,
+    TransferError,
+    TransferOp,
+    TransferRequest,
+)
+
+__all__ = ["BatchHandle", "SubBatch", "SubBatchState", "TransferEngine"]
+
+log = logging.getLogger(__name__)
+
+
+class SubBatchState(Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"  # at least one of its requests failed on this transport
+
+
+@dataclass(eq=False)
+class SubBatch:
+    """The requests of one batch that one transport serves in one attempt."""
+
+    id: int
+    transport: str
+    items: list[WorkItem]
+    state: SubBatchState = SubBatchState.PENDING
+    done: int = 0
+    failed: int = 0
+    error: str = ""
+    started: float = 0.0
+    finished: float = 0.0
+    _slices_left: int = 0
+    _failures: list[tuple[WorkItem, TransferError]] = field(default_factory=list)
+    _reported: set[int] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Track:
+    """Per-request bookkeeping inside a batch."""
+
+    status: RequestStatus
+    candidates: list[str] = field(default_factory=list)
+    tried: list[str] = field(default_factory=list)
+    attempts: dict[str, int] = field(default_factory=dict)
+    failovers: int = 0
+
+
+class BatchHandle:
+    """Handle of a submitted batch. ``wait``/``status``/``ok``; ``sub_batches``
+    lists every sub-batch attempt (for inspection and tests)."""
+
+    def __init__(self, n: int) -> None:
+        self._cond = threading.Condition()
+        self._tracks = [_Track(RequestStatus()) for _ in range(n)]
+        self._remaining = n
+        self.sub_batches: list[SubBatch] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every request is DONE or FAILED; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._remaining == 0, timeout)
+
+    def status(self) -> list[RequestStatus]:
+        """A snapshot (copies) of every request's status, in request order."""
+        with self._cond:
+            return [
+                RequestStatus(t.status.state, t.status.transport, t.status.code,
+                              list(t.status.errors))
+                for t in self._tracks
+            ]
+
+    @property
+    def done(self) -> bool:
+        with self._cond:
+            return self._remaining == 0
+
+    @property
+    def ok(self) -> bool:
+        with self._cond:
+            return all(t.status.state is RequestState.DONE for t in self._tracks)
+
+    # -- engine side ------------------------------------------------------------
+    def _finish(self, idx: int, state: RequestState, transport: str | None,
+                code: ErrorCode = ErrorCode.OK, error: str | None = None) -> None:
+        with self._cond:
+            st = self._tracks[idx].status
+            if st.state.terminal:
+                return
+            st.state = state
+            st.transport = transport
+            st.code = code
+            if error:
+                st.errors.append(error)
+            self._remaining -= 1
+            if self._remaining == 0:
+                self._cond.notify_all()
+
+
+class _TransportSlot:
+    """A loaded transport plus its pool and health state."""
+
+    def __init__(self, transport: Transport, settings: TransportSettings) -> None:
+        self.transport = transport
+        self.settings = settings
+        self.pool = ThreadPoolExecutor(max_workers=settings.threads,
+                                       thread_name_prefix=f"kvpool-xfer-{transport.name}")
+        self.consecutive_failures = 0
+        self.paused_until = 0.0
+
+    @property
+    def paused(self) -> bool:
+        return time.monotonic() < self.paused_until
+
+
+class TransferEngine:
+    """Moves bytes between caller buffers and segments (local, same-host or remote).
+
+    Starts this process's transfer server (unless ``config.server.enabled`` is
+    false) and loads every enabled transport. See docs/INTERFACES.md.
+    """
+
+    def __init__(self, config: TransferConfig, host_id: str, bind_host: str = "127.0.0.1",
+                 port: int = 0, client_id: str = "") -> None:
+        self.config = config
+        self._host_id = host_id
+        self.client_id = client_id
+        self._lock = threading.RLock()
+        self._local: dict[str, LocalSegment] = {}
+        self._peers: dict[str, SegmentDescriptor] = {}
+        self._slots: dict[str, _TransportSlot] = {}
+        self._unavailable: dict[str, str] = {}
+        self._sb_ids = itertools.count(1)
+        self._closed = False
+        self._server: TransferServer | None = None
+        if config.server.enabled:
+            self._server = TransferServer(self.local_segment, bind_host, port, config.server)
+        try:
+            self._load_transports()
+        except BaseException:
+            if self._server is not None:
+                self._server.close()
+            raise
+
+    # -- EngineContext ----------------------------------------------------------
+    @property
+    def host_id(self) -> str:
+        return self._host_id
+
+    @property
+    def endpoint(self) -> str:
+        """``tcp://host:port`` of this process's transfer server ("" if disabled)."""
+        return self._server.endpoint if self._server is not None else ""
+
+    @property
+    def server(self) -> TransferServer | None:
+        """The transfer server (issue 7 sets ``server.verify_capability``)."""
+        return self._server
+
+    def local_segment(self, segment_id: str) -> LocalSegment | None:
+        return self._local.get(segment_id)
+
+    # -- transports -------------------------------------------------------------
+    def _load_transports(self) -> None:
+        from kvpool.master.common import ConfigError
+
+        names: list[str] = []
+        for rule in self.config.rules:
+            names += [t for t in rule.transports if t not in names]
+        names += [t for t in self.config.transports if t not in names]
+        for name in names:
+            settings = self.config.settings_for(name)
+            if settings.enabled is False:
+                self._unavailable[name] = "disabled in config"
+                continue
+            cls, reason = load_transport_class(name)
+            transport = cls(settings) if cls is not None else None
+            if transport is not None:
+                transport.attach(self)
+                ok, reason = transport.available()
+                if not ok:
+                    transport.close()
+                    transport = None
+            if transport is None:
+                if settings.enabled is True:
+                    raise ConfigError(f"transport {name} is enabled: true but unavailable: "
+                                      f"{reason}")
+                self._unavailable[name] = reason
+                log.info("transport %s skipped: %s", name, reason)
+                continue
+            self._slots[name] = _TransportSlot(transport, settings)
+
+    def register_transport(self, transport: Transport,
+                           settings: TransportSettings | None = None) -> None:
+        """Add (or replace) a transport instance under ``transport.name``; the
+        selector uses it wherever a rule or hint names it."""
+        transport.attach(self)
+        ok, reason = transport.available()
+        if not ok:
+            raise TransferError(f"transport {transport.name} unavailable: {reason}",
+                                ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
+        with self._lock:
+            old = self._slots.pop(transport.name, None)
+            self._slots[transport.name] = _TransportSlot(
+                transport, settings or transport.settings)
+            self._unavailable.pop(transport.name, None)
+        if old is not None:
+            old.pool.shutdown(wait=False)
+            old.transport.close()
+
+    def transports(self) -> dict[str, tuple[bool, str]]:
+        """name -> (usable, reason) for every transport the config mentions."""
+        out: dict[str, tuple[bool, str]] = {n: (True, "") for n in self._slots}
+        out.update({n: (False, r) for n, r in self._unavailable.items()})
+        return out
+
+    def transport(self, name: str) -> Transport | None:
+        slot = self._slots.get(name)
+        return slot.transport if slot else None
+
+    # -- segments and buffers ---------------------------------------------------
+    def add_local_segment(self, segment: LocalSegment) -> SegmentDescriptor:
+        """Serve ``segment`` (owned by this process) and make it addressable by id."""
+        with self._lock:
+            if segment.segment_id in self._local and self._local[segment.segment_id] is not segment:
+                raise TransferError(f"segment {segment.segment_id!r} already added",
+                                    ErrorCode.SEGMENT_ALREADY_EXISTS, retryable=False)
+            self._local[segment.segment_id] = segment
+        return segment.descriptor(self.client_id, self._host_id, self.endpoint)
+
+    def remove_local_segment(self, segment_id: str) -> None:
+        """Stop serving the segment (the caller still owns and closes it)."""
+        with self._lock:
+            self._local.pop(segment_id, None)
+        for slot in list(self._slots.values()):
+            slot.transport.forget_segment(segment_id)
+
+    def add_peer_segment(self, desc: SegmentDescriptor) -> None:
+        """Learn a segment (own, same-host or remote). Idempotent; a changed
+        descriptor for the same id drops cached transport state."""
+        with self._lock:
+            old = self._peers.get(desc.segment_id)
+            self._peers[desc.segment_id] = desc
+        if old is not None and old != desc:
+            for slot in list(self._slots.values()):
+                slot.transport.forget_segment(desc.segment_id)
+
+    def remove_peer_segment(self, segment_id: str) -> None:
+        """Forget a segment and drop cached mappings/connections for it."""
+        with self._lock:
+            self._peers.pop(segment_id, None)
+        for slot in list(self._slots.values()):
+            slot.transport.forget_segment(segment_id)
+
+    def peer_segment(self, segment_id: str) -> SegmentDescriptor | None:
+        return self._peers.get(segment_id)
+
+    def register_buffer(self, obj: Any, length: int | None = None,
+                        device: str | None = None) -> BufferHandle:
+        """Wrap ``obj`` once so later requests skip the conversion."""
+        h = as_buffer(obj, length, device)
+        h.registered = True
+        return h
+
+    def unregister_buffer(self, handle: BufferHandle) -> None:
+        """Release transport state kept for the buffer and its reference."""
+        handle.registered = False
+        handle.close()
+
+    # -- selection --------------------------------------------------------------
+    def _rule_for(self, kind: SegmentKind, same_host: bool, device: str,
+                  size: int) -> RuleConfig | None:
+        for rule in self.config.rules:
+            if rule.matches(kind, same_host, device, size):
+                return rule
+        return None
+
+    def _next_transport(self, item: WorkItem, track: _Track) -> tuple[str | None, str]:
+        """First candidate not yet tried that is loaded, supports the item and is
+        not paused: (name, "") or (None, why none)."""
+        why: list[str] = []
+        for name in track.candidates:
+            if name in track.tried:
+                continue
+            slot = self._slots.get(name)
+            if slot is None:
+                why.append(f"{name}: {self._unavailable.get(name, 'not loaded')}")
+                continue
+            if not slot.transport.supports(item.segment.kind, item.same_host, item.device):
+                why.append(f"{name}: does not support this request")
+                continue
+            if slot.paused:
+                why.append(f"{name}: paused after failures")
+                continue
+            return name, ""
+        return None, "; ".join(why) or "no transport left"
+
+    def _resolve(self, i: int, req: TransferRequest) -> tuple[WorkItem, list[str]]:
+        if not isinstance(req, TransferRequest):
+            raise TransferError(f"request {i} is not a TransferRequest", ErrorCode.INVALID_PARAMS,
+                                retryable=False)
+        op = TransferOp(req.op)
+        buf = as_buffer(req.buffer)
+        local = self._local.get(req.segment_id)
+        desc = self._peers.get(req.segment_id)
+        if local is not None:
+            if desc is None or desc.client_id != self.client_id or desc.host_id != self._host_id:
+                desc = local.descriptor(self.client_id, self._host_id, self.endpoint)
+        elif desc is None:
+            raise TransferError(f"unknown segment {req.segment_id!r} (add_peer_segment first)",
+                                ErrorCode.SEGMENT_NOT_FOUND, retryable=False)
+        if not all(isinstance(x, int) for x in (req.offset, req.length, req.buffer_offset)):
+            raise TransferError("offset/length must be integers", ErrorCode.INVALID_PARAMS,
+                                retryable=False)
+        if req.offset < 0 or req.length < 0 or req.offset + req.length > desc.size:
+            raise TransferError(
+                f"range [{req.offset}, {req.offset + req.length}) outside segment "
+                f"{req.segment_id!r} of {desc.size} bytes", ErrorCode.OUT_OF_BOUNDS,
+                retryable=False)
+        buf.check_range(req.buffer_offset, req.length)
+        if op is TransferOp.READ and buf.readonly:
+            raise TransferError("READ into a read-only buffer", ErrorCode.INVALID_PARAMS,
+                                retryable=False)
+        same_host = desc.host_id == self._host_id
+        item = WorkItem(index=i, op=op, buffer=buf, buffer_offset=req.buffer_offset,
+                        length=req.length, segment=desc, offset=req.offset, same_host=same_host,
+                        local=local, capability=bytes(req.capability or b""))
+        if req.transport:
+            if req.transport not in self._slots and req.transport not in self._unavailable \
+                    and load_transport_class(req.transport)[0] is None:
+                raise TransferError(f"unknown transport {req.transport!r}",
+                                    ErrorCode.INVALID_PARAMS, retryable=False)
+            return item, [req.transport]
+        rule = self._rule_for(desc.kind, same_host, buf.device, req.length)
+        if rule is None:
+            raise TransferError("no selector rule matches this request",
+                                ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
+        return item, list(rule.transports)
+
+    # -- submit -----------------------------------------------------------------
+    def submit(self, requests: Sequence[TransferRequest]) -> BatchHandle:
+        """Start a batch; returns at once. Invalid requests fail immediately
+        (their status says why); the others run in per-transport sub-batches."""
+        if self._closed:
+            raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
+        handle = BatchHandle(len(requests))
+        groups: dict[str, list[WorkItem]] = {}
+        for i, req in enumerate(requests):
+            try:
+                item, candidates = self._resolve(i, req)
+            except TransferError as exc:
+                handle._finish(i, RequestState.FAILED, None, exc.code, str(exc))
+                continue
+            except Exception as exc:  # bad buffer object etc.
+                handle._finish(i, RequestState.FAILED, None, ErrorCode.INVALID_PARAMS,
+                               f"{type(exc).__name__}: {exc}")
+                continue
+            if item.length == 0:
+                handle._finish(i, RequestState.DONE, None)
+                continue
+            track = handle._tracks[i]
+            track.candidates = candidates
+            self._plan(handle, item, track, groups)
+        self._launch(handle, groups)
+        return handle
+
+    def _plan(self, handle: BatchHandle, item: WorkItem, track: _Track,
+              groups: dict[str, list[WorkItem]], last_error: TransferError | None = None) -> None:
+        name, why = self._next_transport(item, track)
+        if name is None:
+            code = last_error.code if last_error is not None else ErrorCode.TRANSPORT_UNAVAILABLE
+            last = track.tried[-1] if track.tried else None
+            handle._finish(item.index, RequestState.FAILED, last, code,
+                           None if last_error is not None else f"no usable transport: {why}")
+            return
+        track.tried.append(name)
+        groups.setdefault(name, []).append(item)
+
+    def _launch(self, handle: BatchHandle, groups: dict[str, list[WorkItem]]) -> None:
+        for name, items in groups.items():
+            slot = self._slots[name]
+            sb = SubBatch(id=next(self._sb_ids), transport=name, items=items)
+            with handle._cond:
+                handle.sub_batches.append(sb)
+                for it in items:
+                    handle._tracks[it.index].status.state = RequestState.RUNNING
+                    handle._tracks[it.index].status.transport = name
+            n = min(slot.settings.threads, len(items))
+            step = (len(items) + n - 1) // n
+            slices = [items[k:k + step] for k in range(0, len(items), step)]
+            sb._slices_left = len(slices)
+            for part in slices:
+                try:
+                    slot.pool.submit(self._run_slice, handle, sb, slot, part)
+                except RuntimeError as exc:  # pool shut down (engine closing)
+                    self._slice_done(handle, sb, slot, part,
+                                     TransferError(str(exc), ErrorCode.CLOSED, retryable=False))
+
+    def _run_slice(self, handle: BatchHandle, sb: SubBatch, slot: _TransportSlot,
+                   part: list[WorkItem]) -> None:
+        with handle._cond:
+            if sb.state is SubBatchState.PENDING:
+                sb.state = SubBatchState.RUNNING
+                sb.started = time.monotonic()
+        deadline = time.monotonic() + slot.settings.timeout_s
+
+        def report(item: WorkItem, err: TransferError | None) -> None:
+            with handle._cond:
+                if item.index in sb._reported:
+                    return
+                sb._reported.add(item.index)
+                if err is None:
+                    sb.done += 1
+                else:
+                    sb.failed += 1
+                    sb._failures.append((item, err))
+            if err is None:
+                handle._finish(item.index, RequestState.DONE, sb.transport)
+
+        crash: TransferError | None = None
+        try:
+            slot.transport.execute(part, deadline, report)
+        except TransferError as exc:
+            crash = exc
+        except Exception as exc:
+            log.exception("transport %s crashed on a sub-batch", sb.transport)
+            crash = TransferError(f"{type(exc).__name__}: {exc}", ErrorCode.TRANSFER_FAIL)
+        self._slice_done(handle, sb, slot, part, crash)
+
+    def _slice_done(self, handle: BatchHandle, sb: SubBatch, slot: _TransportSlot,
+                    part: list[WorkItem], crash: TransferError | None) -> None:
+        with handle._cond:
+            for it in part:  # items the transport never reported
+                if it.index not in sb._reported:
+                    sb._reported.add(it.index)
+                    sb.failed += 1
+                    sb._failures.append((it, crash or TransferError(
+                        "transport returned without reporting the request",
+                        ErrorCode.TRANSFER_FAIL)))
+            sb._slices_left -= 1
+            if sb._slices_left > 0:
+                return
+            sb.finished = time.monotonic()
+            failures = list(sb._failures)
+            sb.state = SubBatchState.FAILED if failures else SubBatchState.DONE
+            if failures:
+                sb.error = str(failures[0][1])
+        self._update_health(slot, sb, failures)
+        groups: dict[str, list[WorkItem]] = {}
+        for item, err in failures:
+            track = handle._tracks[item.index]
+            msg = f"{sb.transport}: {err}"
+            with handle._cond:
+                track.status.errors.append(msg)
+                track.status.code = err.code
+                track.attempts[sb.transport] = track.attempts.get(sb.transport, 0) + 1
+            if not err.retryable or self._closed:
+                handle._finish(item.index, RequestState.FAILED, sb.transport, err.code)
+                continue
+            if track.attempts[sb.transport] <= slot.settings.retries and not slot.paused:
+                groups.setdefault(sb.transport, []).append(item)
+                continue
+            if track.failovers >= self.config.max_failover:
+                handle._finish(item.index, RequestState.FAILED, sb.transport, err.code)
+                continue
+            before = len(track.tried)
+            self._plan(handle, item, track, groups, last_error=err)
+            if len(track.tried) > before:
+                track.failovers += 1
+                log.info("request %d failed on %s (%s); failing over to %s", item.index,
+                         sb.transport, err, track.tried[-1])
+        if groups:
+            self._launch(handle, groups)
+
+    def _update_health(self, slot: _TransportSlot, sb: SubBatch,
+                       failures: list[tuple[WorkItem, TransferError]]) -> None:
+        # an attempt counts against the transport only if nothing got through
+        # and the failures were the transport's (not bounds/permission refusals)
+        transport_fault = bool(failures) and sb.done == 0 and any(e.retryable for _, e in failures)
+        with self._lock:
+            if not transport_fault:
+                if sb.done:
+                    slot.consecutive_failures = 0
+                return
+            slot.consecutive_failures += 1
+            if slot.consecutive_failures >= slot.settings.pause_after_failures:
+                slot.paused_until = time.monotonic() + slot.settings.cooldown_s
+                slot.consecutive_failures = 0
+                log.warning("transport %s paused for %.1fs after repeated failures",
+                            sb.transport, slot.settings.cooldown_s)
+
+    def transfer(self, requests: Sequence[TransferRequest],
+                 timeout: float | None = None) -> list[RequestStatus]:
+        """submit + wait. Raises ``TransferError(TIMEOUT)`` if not all requests
+        are terminal within ``timeout`` seconds."""
+        handle = self.submit(requests)
+        if not handle.wait(timeout):
+            raise TransferError(f"batch of {len(requests)} not finished within {timeout}s",
+                                ErrorCode.TIMEOUT)
+        return handle.status()
+
+    def close(self) -> None:
+        """Stop the server, the worker pools and every transport. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        for slot in list(self._slots.values()):
+            slot.pool.shutdown(wait=False)
+            slot.transport.close()
+        self._slots.clear()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

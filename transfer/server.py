@@ -1,0 +1,235 @@
+"""The transfer server: serves READ/WRITE into this process's segments for
+peers whose transport needs a server hop (``tcp``).
+
+Wire protocol (ZeroMQ ROUTER; peers connect a DEALER). Request::
+
+    [header: msgpack {"op": 1 READ | 2 WRITE | 3 PING, "id": int, "seg": str,
+                      "off": int, "len": int, "cap": bytes}]
+    [payload: exactly "len" bytes]            (WRITE only)
+
+Reply::
+
+    [header: msgpack {"id": int, "code": int(ErrorCode), "err": str}]
+    [payload: "len" bytes]                    (READ with code OK only)
+
+``off`` is relative to the segment's usable region. Every request is
+validated before any byte moves: segment owned here (SEGMENT_NOT_FOUND), op
+known and allowed on the segment (UNKNOWN_OP / PERMISSION_DENIED), offset and
+length integers inside the segment (OUT_OF_BOUNDS) and below
+``max_request_bytes`` (FRAME_TOO_LARGE), then the capability hook
+(:attr:`TransferServer.verify_capability`, issue 7). Malformed frames get a
+MALFORMED_FRAME reply; the server never dies on bad input. WRITE payloads are
+received straight into the segment (``recv_into``) and READ payloads sent
+zero-copy from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.master.protocol import decode_frame, encode_frame
+from kvpool.transfer.config import ServerConfig
+from kvpool.transfer.segment import LocalSegment
+from kvpool.transfer.types import TransferOp
+
+__all__ = ["OP_PING", "CapabilityVerifier", "TransferServer"]
+
+log = logging.getLogger(__name__)
+
+OP_PING = 3
+_MIN_ZERO_COPY = 64 << 10  # below this, copying the frame is cheaper than tracking it
+
+#: (segment, op, offset, length, capability) -> None to allow, or an ErrorCode to refuse.
+CapabilityVerifier = Callable[[LocalSegment, TransferOp, int, int, bytes], ErrorCode | None]
+
+
+class TransferServer:
+    """ROUTER socket on ``tcp://bind_host:port`` (port 0 = ephemeral) served by
+    one thread. ``lookup(segment_id)`` returns the owned segment or None.
+    ``endpoint`` is the address peers connect to. ``close()`` stops it."""
+
+    def __init__(
+        self,
+        lookup: Callable[[str], LocalSegment | None],
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        config: ServerConfig | None = None,
+    ) -> None:
+        self.config = config or ServerConfig()
+        self._lookup = lookup
+        #: issue 7 hook: verify TransferRequest.capability per request (None = allow all)
+        self.verify_capability: CapabilityVerifier | None = None
+        self._ctx = zmq.Context(io_threads=self.config.io_threads)
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        if port:
+            self._sock.bind(f"tcp://{bind_host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
+        self.host = bind_host
+        self.port = port
+        self.endpoint = f"tcp://{bind_host}:{port}"
+        self._stop = threading.Event()
+        self.requests_served = 0
+        self.requests_refused = 0
+        self._thread = threading.Thread(target=self._run, name=f"kvpool-xfer-server:{port}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- loop ---------------------------------------------------------------
+    def _run(self) -> None:
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(100):
+                    continue
+                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator]
+                    self._serve_one(sock)
+            except zmq.ContextTerminated:
+                break
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    break
+                log.warning("transfer server socket error: %s", exc)
+            except Exception:  # never die on one bad request
+                log.exception("transfer server: unexpected error")
+        try:
+            sock.close(linger=0)
+        except zmq.ZMQError:
+            pass
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv(copy=False)
+
+    def _reply(self, sock: zmq.Socket, ident: Any, rid: Any, code: ErrorCode, err: str = "",
+               payload: Any = None) -> None:
+        hdr = encode_frame({"id": rid, "code": int(code), "err": err})
+        if payload is None:
+            sock.send_multipart([ident, hdr], copy=True)
+        else:
+            sock.send(ident, zmq.SNDMORE)
+            sock.send(hdr, zmq.SNDMORE)
+            sock.send(payload, copy=len(payload) < _MIN_ZERO_COPY)
+
+    def _serve_one(self, sock: zmq.Socket) -> None:
+        ident = sock.recv(copy=True)
+        if not sock.getsockopt(zmq.RCVMORE):
+            self.requests_refused += 1
+            self._reply(sock, ident, None, ErrorCode.MALFORMED_FRAME, "missing header frame")
+            return
+        hframe = sock.recv(copy=False)
+        rid: Any = None
+        try:
+            if len(hframe) > self.config.max_header_bytes:
+                raise KVPoolError(f"header of {len(hframe)} bytes", ErrorCode.FRAME_TOO_LARGE)
+            hdr = decode_frame(hframe.buffer)
+            if not isinstance(hdr, dict):
+                raise KVPoolError("header is not a map", ErrorCode.MALFORMED_FRAME)
+            rid = hdr.get("id")
+            seg, op, off, n = self._validate(hdr)
+        except KVPoolError as exc:
+            self._drain(sock)
+            self.requests_refused += 1
+            self._reply(sock, ident, rid if isinstance(rid, int) else None, exc.code,
+                        str(exc))
+            return
+        if op == OP_PING:
+            self._drain(sock)
+            self._reply(sock, ident, rid, ErrorCode.OK)
+            return
+        try:
+            if op == TransferOp.WRITE:
+                self._serve_write(sock, seg, off, n)
+                self._reply(sock, ident, rid, ErrorCode.OK)
+            else:
+                self._drain(sock)
+                view = seg.view()
+                if view is not None:
+                    payload: Any = view[off:off + n]
+                else:
+                    buf = np.empty(n, dtype=np.uint8)
+                    seg.read_into(off, buf)
+                    payload = memoryview(buf)
+                self._reply(sock, ident, rid, ErrorCode.OK, payload=payload)
+            self.requests_served += 1
+        except KVPoolError as exc:
+            self._drain(sock)
+            self.requests_refused += 1
+            self._reply(sock, ident, rid, exc.code, str(exc))
+
+    def _serve_write(self, sock: zmq.Socket, seg: LocalSegment, off: int, n: int) -> None:
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise KVPoolError("WRITE without payload frame", ErrorCode.MALFORMED_FRAME)
+        view = seg.view()
+        if view is not None:
+            # receive straight into the segment; a size mismatch is refused
+            # (the bytes already landed inside the validated range only)
+            got = sock.recv_into(view[off:off + n])
+            if got != n:
+                self._drain(sock)
+                raise KVPoolError(f"payload of {got} bytes, header says {n}",
+                                  ErrorCode.MALFORMED_FRAME)
+        else:
+            frame = sock.recv(copy=False)
+            if len(frame) != n:
+                self._drain(sock)
+                raise KVPoolError(f"payload of {len(frame)} bytes, header says {n}",
+                                  ErrorCode.MALFORMED_FRAME)
+            seg.write_from(off, frame.buffer)
+        self._drain(sock)
+
+    def _validate(self, hdr: dict[str, Any]) -> tuple[LocalSegment, int, int, int]:
+        op = hdr.get("op")
+        if op == OP_PING:
+            return None, OP_PING, 0, 0  # type: ignore[return-value]
+        if op not in (TransferOp.READ, TransferOp.WRITE) or isinstance(op, bool):
+            raise KVPoolError(f"unknown op {op!r}", ErrorCode.UNKNOWN_OP)
+        sid, off, n, cap = hdr.get("seg"), hdr.get("off"), hdr.get("len"), hdr.get("cap", b"")
+        if not isinstance(sid, str):
+            raise KVPoolError("segment id must be a string", ErrorCode.MALFORMED_FRAME)
+        if not (isinstance(off, int) and isinstance(n, int)) or isinstance(off, bool) \
+                or isinstance(n, bool):
+            raise KVPoolError("offset and length must be integers", ErrorCode.MALFORMED_FRAME)
+        if not isinstance(cap, bytes):
+            raise KVPoolError("capability must be bytes", ErrorCode.MALFORMED_FRAME)
+        seg = self._lookup(sid)
+        if seg is None:
+            raise KVPoolError(f"segment {sid!r} is not owned here", ErrorCode.SEGMENT_NOT_FOUND)
+        top = TransferOp(op)
+        if top not in seg.allowed_ops:
+            raise KVPoolError(f"{top.name} not allowed on segment {sid!r}",
+                              ErrorCode.PERMISSION_DENIED)
+        if n > int(self.config.max_request_bytes):
+            raise KVPoolError(f"request of {n} bytes exceeds {self.config.max_request_bytes}",
+                              ErrorCode.FRAME_TOO_LARGE)
+        if off < 0 or n < 0 or off + n > seg.size:
+            raise KVPoolError(f"range [{off}, {off + n}) outside segment {sid!r} of "
+                              f"{seg.size} bytes", ErrorCode.OUT_OF_BOUNDS)
+        # issue 7: capability tokens are checked here, per request, before any byte moves
+        verifier = self.verify_capability
+        if verifier is not None:
+            code = verifier(seg, top, off, n, cap)
+            if code is not None and code != ErrorCode.OK:
+                raise KVPoolError(f"capability refused for {sid!r}", code)
+        return seg, int(op), off, n
+
+    def close(self) -> None:
+        """Stop the loop and close the socket. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self._ctx.term() if not self._thread.is_alive() else self._ctx.destroy(linger=0)

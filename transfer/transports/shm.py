@@ -1,0 +1,186 @@
+"""``shm``: same-host memory segments, copied directly with no server hop.
+
+A peer's segment (``/dev/shm/<descriptor.name>``) is mapped once and the
+mapping cached until ``forget_segment`` (remove_peer_segment); a segment this
+process owns is used in place. Host buffers are copied with numpy (memcpy,
+GIL released). GPU buffers: the mapping is registered with CUDA once
+(cudaHostRegister) so cudaMemcpy is direct DMA between GPU and the segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvpool.master.errors import ErrorCode
+from kvpool.master.protocol import SegmentKind
+from kvpool.transfer.gpu import CudaRuntime, cuda_runtime
+from kvpool.transfer.segment import SHM_DIR, MemorySegment, map_shm
+from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
+from kvpool.transfer.types import TransferError, TransferOp
+
+__all__ = ["ShmTransport"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Mapping:
+    name: str
+    mm: mmap.mmap | None
+    array: np.ndarray  # the usable region
+    cuda_registered: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def address(self) -> int:
+        return int(self.array.ctypes.data)
+
+
+class ShmTransport(Transport):
+    """Direct copies into same-host shared-memory segments."""
+
+    name = "shm"
+
+    def __init__(self, settings=None) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(settings)
+        self._maps: dict[str, _Mapping] = {}
+        self._lock = threading.Lock()
+        self.bytes_copied = 0
+
+    def available(self) -> tuple[bool, str]:
+        if not os.path.isdir(SHM_DIR):
+            return False, f"{SHM_DIR} does not exist"
+        return True, ""
+
+    def supports(self, kind: SegmentKind, same_host: bool, device: str) -> bool:
+        if kind != SegmentKind.MEMORY or not same_host:
+            return False
+        return device == "cpu" or cuda_runtime()[0] is not None
+
+    # -- mappings ---------------------------------------------------------------
+    def _region(self, item: WorkItem) -> _Mapping:
+        seg = item.segment
+        local = item.local
+        if isinstance(local, MemorySegment):
+            # owned by this process: in place; cache the CUDA registration state on it
+            m = local.cache.get("shm_mapping")
+            if not isinstance(m, _Mapping) or m.array.size != local.size:
+                m = _Mapping(local.name, None, local.array())
+                local.cache["shm_mapping"] = m
+            return m
+        if local is not None:
+            raise TransferError(f"segment {seg.segment_id} is not a memory segment",
+                                ErrorCode.INVALID_PARAMS, retryable=False)
+        with self._lock:
+            m = self._maps.get(seg.segment_id)
+            if m is not None and m.name == seg.name and m.array.size == seg.size:
+                return m
+            if m is not None:
+                self._drop(m)
+            mm = map_shm(seg.name, seg.base_offset + seg.size)
+            arr = np.frombuffer(mm, dtype=np.uint8, count=seg.size, offset=seg.base_offset)
+            m = _Mapping(seg.name, mm, arr)
+            self._maps[seg.segment_id] = m
+            return m
+
+    def _drop(self, m: _Mapping) -> None:
+        rt = cuda_runtime()[0] if m.cuda_registered else None
+        if rt is not None:
+            try:
+                rt.host_unregister(m.address)
+            except Exception:
+                log.debug("cudaHostUnregister failed", exc_info=True)
+        m.array = np.empty(0, np.uint8)
+        if m.mm is not None:
+            try:
+                m.mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; freed with it
+
+    def forget_segment(self, segment_id: str) -> None:
+        with self._lock:
+            m = self._maps.pop(segment_id, None)
+        if m is not None:
+            self._drop(m)
+
+    def _ensure_registered(self, m: _Mapping, rt: CudaRuntime, owner: MemorySegment | None) -> None:
+        with m.lock:
+            if m.cuda_registered:
+                return
+            try:
+                rt.host_register(m.address, m.array.size)
+                m.cuda_registered = True
+                if owner is not None:
+                    addr = m.address
+                    owner.cache["cuda_unregister"] = lambda: rt.host_unregister(addr)
+            except Exception as exc:
+                # still correct, only slower (pageable copies)
+                log.warning("cudaHostRegister of shm %s failed (%s); using pageable copies",
+                            m.name, exc)
+                m.cuda_registered = True  # do not retry on every request
+
+    # -- execute ----------------------------------------------------------------
+    def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
+        for item in items:
+            if self.closed:
+                report(item, TransferError("shm transport closed", ErrorCode.CLOSED))
+                continue
+            if time.monotonic() > deadline:
+                report(item, TransferError("deadline passed", ErrorCode.TIMEOUT))
+                continue
+            try:
+                self._copy(item)
+            except TransferError as exc:
+                report(item, exc)
+                continue
+            except (OSError, ValueError) as exc:
+                report(item, TransferError(f"shm copy failed: {exc}", ErrorCode.TRANSFER_FAIL))
+                continue
+            self.bytes_copied += item.length
+            report(item, None)
+
+    def _copy(self, item: WorkItem) -> None:
+        m = self._region(item)
+        region = m.array
+        off, n = item.offset, item.length
+        if off + n > region.size:
+            raise TransferError("range outside mapped segment", ErrorCode.OUT_OF_BOUNDS,
+                                retryable=False)
+        buf = item.buffer
+        if not buf.is_gpu:
+            host = buf.host_view(item.buffer_offset, n)
+            if item.op is TransferOp.READ:
+                host[...] = region[off:off + n]
+            else:
+                region[off:off + n] = host
+            return
+        rt, reason = cuda_runtime()
+        if rt is None:
+            raise TransferError(reason, ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
+        owner = item.local if isinstance(item.local, MemorySegment) else None
+        self._ensure_registered(m, rt, owner)
+        rt.set_device(buf.device_index)
+        seg_ptr = m.address + off
+        gpu_ptr = buf.ptr + item.buffer_offset
+        if item.op is TransferOp.READ:
+            rt.memcpy(gpu_ptr, seg_ptr, n)
+        else:
+            rt.memcpy(seg_ptr, gpu_ptr, n)
+
+    def stats(self) -> dict[str, int]:
+        return {"mapped_segments": len(self._maps), "bytes_copied": self.bytes_copied}
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for m in maps:
+            self._drop(m)

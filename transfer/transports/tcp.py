@@ -1,0 +1,322 @@
+"""``tcp``: any host, through the segment owner's transfer server (ZeroMQ).
+
+Each worker thread keeps one DEALER socket per peer endpoint. A request is
+split into ``chunk_size`` chunks; up to ``window`` chunks per connection are in
+flight at once (pipelining), and the requests to different peers progress in
+one poll loop, so a dead peer does not hold up a live one. Frames are
+zero-copy: WRITE payloads are sent straight from the caller's buffer
+(``copy=False``), READ payloads received straight into it (``recv_into``).
+GPU buffers are staged through a pool of pinned host buffers in both
+directions. A peer that stops answering fails its requests (retryably, with
+TIMEOUT) at the deadline and its socket is discarded so no stale request is
+delivered later. See :mod:`kvpool.transfer.server` for the wire protocol.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvpool.master.errors import ErrorCode
+from kvpool.master.protocol import SegmentKind, decode_frame, encode_frame
+from kvpool.transfer.gpu import CudaRuntime, PinnedPool, cuda_runtime
+from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
+from kvpool.transfer.types import TransferError, TransferOp
+
+__all__ = ["TcpTransport"]
+
+log = logging.getLogger(__name__)
+
+_MIN_ZERO_COPY = 64 << 10
+# server refusals that no other attempt can fix
+_FINAL_CODES = {
+    ErrorCode.OUT_OF_BOUNDS, ErrorCode.PERMISSION_DENIED, ErrorCode.UNKNOWN_OP,
+    ErrorCode.MALFORMED_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.INVALID_PARAMS,
+}
+
+
+@dataclass(eq=False)
+class _ItemState:
+    item: WorkItem
+    chunks_left: int
+    failed: bool = False
+
+
+@dataclass(eq=False)
+class _Chunk:
+    st: _ItemState
+    off: int  # offset inside the request
+    n: int
+    slot: int = -1  # pinned staging buffer (GPU buffers)
+
+
+@dataclass(eq=False)
+class _Conn:
+    endpoint: str
+    sock: zmq.Socket
+    pending: deque[_Chunk] = field(default_factory=deque)
+    inflight: dict[int, _Chunk] = field(default_factory=dict)
+    broken: bool = False
+
+
+class TcpTransport(Transport):
+    """Chunked, pipelined READ/WRITE through peers' transfer servers."""
+
+    name = "tcp"
+
+    def __init__(self, settings=None) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(settings)
+        self._zctx: zmq.Context | None = None
+        self._tls = threading.local()
+        self._socks: set[zmq.Socket] = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pool: PinnedPool | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def available(self) -> tuple[bool, str]:
+        return True, ""
+
+    def supports(self, kind: SegmentKind, same_host: bool, device: str) -> bool:
+        return device == "cpu" or cuda_runtime()[0] is not None
+
+    # -- sockets ----------------------------------------------------------------
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        socks: dict[str, zmq.Socket] | None = getattr(self._tls, "socks", None)
+        if socks is None:
+            socks = self._tls.socks = {}
+        s = socks.get(endpoint)
+        if s is None:
+            with self._lock:
+                if self.closed:
+                    raise TransferError("tcp transport closed", ErrorCode.CLOSED, retryable=False)
+                if self._zctx is None:
+                    self._zctx = zmq.Context()
+                s = self._zctx.socket(zmq.DEALER)
+                self._socks.add(s)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.connect(endpoint)
+            socks[endpoint] = s
+        return s
+
+    def _discard(self, conn: _Conn) -> None:
+        socks: dict[str, zmq.Socket] = getattr(self._tls, "socks", {})
+        if socks.get(conn.endpoint) is conn.sock:
+            del socks[conn.endpoint]
+        with self._lock:
+            self._socks.discard(conn.sock)
+        conn.sock.close(linger=0)
+
+    def _staging(self) -> tuple[CudaRuntime, PinnedPool]:
+        rt, reason = cuda_runtime()
+        if rt is None:
+            raise TransferError(reason, ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
+        with self._lock:
+            if self._pool is None:
+                self._pool = PinnedPool(rt, self.settings.staging_buffers,
+                                        self.settings.staging_bytes)
+            return rt, self._pool
+
+    # -- execute ----------------------------------------------------------------
+    def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
+        conns: dict[str, _Conn] = {}
+        states: list[_ItemState] = []
+        gpu = any(it.buffer.is_gpu for it in items)
+        rt, pool = self._staging() if gpu else (None, None)
+        chunk = self.settings.chunk_bytes
+        if pool is not None:
+            chunk = min(chunk, pool.size)
+        for it in items:
+            if not it.segment.endpoint:
+                report(it, TransferError(f"segment {it.segment.segment_id} has no endpoint",
+                                         ErrorCode.TRANSPORT_UNAVAILABLE))
+                continue
+            conn = conns.get(it.segment.endpoint)
+            if conn is None:
+                conn = conns[it.segment.endpoint] = _Conn(it.segment.endpoint,
+                                                          self._socket(it.segment.endpoint))
+            st = _ItemState(it, (it.length + chunk - 1) // chunk)
+            states.append(st)
+            for off in range(0, it.length, chunk):
+                conn.pending.append(_Chunk(st, off, min(chunk, it.length - off)))
+
+        def fail(st: _ItemState, err: TransferError) -> None:
+            if not st.failed and st.chunks_left > 0:
+                st.failed = True
+                report(st.item, err)
+
+        window = self.settings.window
+        if pool is not None:
+            window = max(1, min(window, len(pool._arrays) // max(1, len(conns))))
+        poller = zmq.Poller()
+        for c in conns.values():
+            poller.register(c.sock, zmq.POLLIN)
+        by_sock = {c.sock: c for c in conns.values()}
+        try:
+            while True:
+                if self.closed:
+                    raise TransferError("tcp transport closed", ErrorCode.CLOSED)
+                for c in conns.values():
+                    while c.pending and len(c.inflight) < window and not c.broken:
+                        ch = c.pending.popleft()
+                        if ch.st.failed:
+                            continue
+                        try:
+                            self._send(c, ch, rt, pool, deadline)
+                        except TransferError as exc:
+                            self._release(ch, pool)
+                            fail(ch.st, exc)
+                if not any(c.inflight for c in conns.values()):
+                    if not any(c.pending for c in conns.values()):
+                        break
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    for c in conns.values():
+                        if c.inflight or c.pending:
+                            c.broken = True
+                            for ch in [*c.inflight.values(), *c.pending]:
+                                self._release(ch, pool)
+                                fail(ch.st, TransferError(
+                                    f"no reply from {c.endpoint} before the deadline",
+                                    ErrorCode.TIMEOUT))
+                            c.inflight.clear()
+                            c.pending.clear()
+                    break
+                for sock, _ in poller.poll(min(left, 1.0) * 1000):
+                    c = by_sock[sock]
+                    while c.inflight and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator]
+                        self._recv(c, rt, pool, report, fail)
+        except TransferError as exc:
+            for st in states:
+                fail(st, exc)
+            for c in conns.values():
+                c.broken = True
+        finally:
+            for c in conns.values():
+                for ch in c.inflight.values():
+                    self._release(ch, pool)
+                if c.broken or c.inflight:
+                    self._discard(c)  # stale requests must never reach a later peer
+
+    def _release(self, ch: _Chunk, pool: PinnedPool | None) -> None:
+        if ch.slot >= 0 and pool is not None:
+            pool.release(ch.slot)
+            ch.slot = -1
+
+    def _send(self, c: _Conn, ch: _Chunk, rt: CudaRuntime | None, pool: PinnedPool | None,
+              deadline: float) -> None:
+        it = ch.st.item
+        cid = next(self._ids)
+        hdr = encode_frame({"op": int(it.op), "id": cid, "seg": it.segment.segment_id,
+                            "off": it.offset + ch.off, "len": ch.n, "cap": it.capability})
+        if it.buffer.is_gpu:
+            assert rt is not None and pool is not None
+            ch.slot = pool.acquire(max(0.0, deadline - time.monotonic()))
+        if it.op is TransferOp.READ:
+            c.sock.send(hdr, copy=True)
+        else:
+            if it.buffer.is_gpu:
+                assert rt is not None and pool is not None
+                rt.set_device(it.buffer.device_index)
+                rt.memcpy(pool.ptr(ch.slot), it.buffer.ptr + it.buffer_offset + ch.off, ch.n)
+                payload = pool.array(ch.slot)[:ch.n]
+            else:
+                payload = it.buffer.host_view(it.buffer_offset + ch.off, ch.n)
+            c.sock.send(hdr, zmq.SNDMORE, copy=True)
+            # the server's reply proves the payload left our buffer, so the
+            # buffer (or staging slot) is reusable once the reply arrives
+            c.sock.send(payload, copy=ch.n < _MIN_ZERO_COPY)
+            self.bytes_sent += ch.n
+        c.inflight[cid] = ch
+
+    def _recv(self, c: _Conn, rt: CudaRuntime | None, pool: PinnedPool | None, report: ReportFn,
+              fail: object) -> None:
+        sock = c.sock
+        raw = sock.recv(copy=True)
+        try:
+            hdr = decode_frame(raw)
+            cid = hdr["id"]
+            code = ErrorCode(int(hdr["code"]))
+        except Exception:
+            self._drain(sock)
+            log.warning("tcp: malformed reply from %s", c.endpoint)
+            return
+        ch = c.inflight.pop(cid, None) if isinstance(cid, int) else None
+        if ch is None:  # stale reply of an abandoned request
+            self._drain(sock)
+            return
+        st = ch.st
+        fail_fn = fail  # typed as object to keep the signature short
+        try:
+            if code != ErrorCode.OK:
+                self._drain(sock)
+                raise TransferError(f"peer {c.endpoint}: {hdr.get('err', '')}", code,
+                                    retryable=code not in _FINAL_CODES)
+            it = st.item
+            if it.op is TransferOp.READ:
+                if not sock.getsockopt(zmq.RCVMORE):
+                    raise TransferError("READ reply without payload", ErrorCode.MALFORMED_FRAME)
+                if st.failed:
+                    self._drain(sock)
+                    return
+                if it.buffer.is_gpu:
+                    assert rt is not None and pool is not None
+                    got = sock.recv_into(pool.array(ch.slot)[:ch.n])
+                    if got == ch.n:
+                        rt.set_device(it.buffer.device_index)
+                        rt.memcpy(it.buffer.ptr + it.buffer_offset + ch.off, pool.ptr(ch.slot),
+                                  ch.n)
+                else:
+                    got = sock.recv_into(it.buffer.host_view(it.buffer_offset + ch.off, ch.n))
+                self._drain(sock)
+                if got != ch.n:
+                    raise TransferError(f"READ reply of {got} bytes, expected {ch.n}",
+                                        ErrorCode.MALFORMED_FRAME)
+                self.bytes_received += ch.n
+            else:
+                self._drain(sock)
+        except TransferError as exc:
+            self._release(ch, pool)
+            fail_fn(st, exc)  # type: ignore[operator]
+            return
+        self._release(ch, pool)
+        if st.failed:
+            return
+        st.chunks_left -= 1
+        if st.chunks_left == 0:
+            report(st.item, None)
+
+    @staticmethod
+    def _drain(sock: zmq.Socket) -> None:
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv(copy=False)
+
+    def stats(self) -> dict[str, int]:
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+
+    def close(self) -> None:
+        super().close()
+        with self._lock:
+            socks, self._socks = list(self._socks), set()
+            pool, self._pool = self._pool, None
+            zctx, self._zctx = self._zctx, None
+        for s in socks:
+            try:
+                s.close(linger=0)
+            except zmq.ZMQError:
+                pass
+        if zctx is not None:
+            zctx.term()
+        if pool is not None:
+            pool.close()
