@@ -1,0 +1,337 @@
+"""In-process engine behaviour: buffer kinds, selection, sub-batches, failover,
+validation. Segments are real /dev/shm; tcp goes through the real server."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.master.errors import ErrorCode
+from kvpool.master.protocol import SegmentKind
+from kvpool.transfer import (
+    RequestState,
+    TransferError,
+    TransferOp,
+    TransferRequest,
+)
+from kvpool.transfer.engine import SubBatchState
+from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
+
+R, W = TransferOp.READ, TransferOp.WRITE
+
+
+def _pattern(n: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+class FlakyTransport(Transport):
+    """Test-only transport: fails every request (retryably), counts calls."""
+
+    name = "flaky"
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__()
+        self.calls = 0
+        self.delay = delay
+
+    def available(self) -> tuple[bool, str]:
+        return True, ""
+
+    def supports(self, kind: SegmentKind, same_host: bool, device: str) -> bool:
+        return True
+
+    def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
+        self.calls += 1
+        time.sleep(self.delay)
+        for it in items:
+            report(it, TransferError("flaky on purpose", ErrorCode.TRANSFER_FAIL))
+
+
+class HangingTransport(FlakyTransport):
+    """Test-only transport that never reports and returns only at the deadline."""
+
+    name = "hang"
+
+    def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
+        self.calls += 1
+        time.sleep(max(0.0, deadline - time.monotonic()))
+
+
+def _register_fake(cls_name: str) -> None:
+    from kvpool.transfer.transports import TRANSPORT_CLASSES
+
+    # names must be known to the config validator; the module is this test file
+    TRANSPORT_CLASSES.setdefault(cls_name, f"{__name__}:{cls_name.capitalize()}Transport")
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_every_host_buffer_kind(make_engine: Any, make_segment: Any, transport: str) -> None:
+    e = make_engine()
+    seg = make_segment(1 << 16)
+    e.add_local_segment(seg)
+    data = _pattern(1000)
+    ba = bytearray(1000)
+    raw = (ctypes.c_ubyte * 1000)()
+    sources: list[Any] = [bytes(data), bytearray(data), memoryview(bytearray(data)), data,
+                          (ctypes.addressof(ctypes.c_char.from_buffer(bytearray(data))), 0)]
+    sources.pop()  # (addr, len) is exercised below with a buffer we keep alive
+    for k, src in enumerate(sources):
+        st = e.transfer([TransferRequest(W, src, seg.segment_id, k * 1000, 1000,
+                                         transport=transport)], timeout=5)
+        assert st[0].ok and st[0].transport == transport, st
+    assert (seg.array()[: 4000].reshape(4, 1000) == data).all()
+    for dst in (ba, memoryview(ba), np.frombuffer(ba, np.uint8), (ctypes.addressof(raw), 1000)):
+        ba[:] = b"\0" * 1000
+        ctypes.memset(raw, 0, 1000)
+        st = e.transfer([TransferRequest(R, dst, seg.segment_id, 2000, 1000,
+                                         transport=transport)], timeout=5)
+        assert st[0].ok, st
+        got = bytes(raw) if isinstance(dst, tuple) else bytes(ba)
+        assert got == data.tobytes()
+    # registered buffer, partial slice with buffer_offset
+    h = e.register_buffer(bytearray(3000))
+    st = e.transfer([TransferRequest(R, h, seg.segment_id, 1500, 1000, buffer_offset=1999,
+                                     transport=transport)], timeout=5)
+    assert st[0].ok
+    assert bytes(h.host_view(1999, 1000)) == seg.array()[1500:2500].tobytes()
+    e.unregister_buffer(h)
+
+
+def test_torch_cpu_tensor_roundtrip(make_engine: Any, make_segment: Any) -> None:
+    torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
+    e = make_engine()
+    seg = make_segment(1 << 16)
+    e.add_local_segment(seg)
+    src = torch.arange(256, dtype=torch.float32)
+    dst = torch.zeros(256, dtype=torch.float32)
+    for t in ("shm", "tcp"):
+        assert e.transfer([TransferRequest(W, src, seg.segment_id, 64, 1024, transport=t)], 5)[0].ok
+        assert e.transfer([TransferRequest(R, dst, seg.segment_id, 64, 1024, transport=t)], 5)[0].ok
+        assert torch.equal(src, dst)
+        dst.zero_()
+
+
+@pytest.mark.parametrize("size", [1, 3, 4095, 65537, (1 << 20) + 7, 16 << 20, 64 << 20])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_checksums_unaligned(make_engine: Any, make_segment: Any, size: int,
+                             transport: str) -> None:
+    e = make_engine()
+    seg = make_segment((64 << 20) + 4096)
+    e.add_local_segment(seg)
+    src = _pattern(size + 5, seed=size)
+    off = 4093 if size < (64 << 20) else 3
+    st = e.transfer([TransferRequest(W, src, seg.segment_id, off, size, buffer_offset=5,
+                                     transport=transport)], timeout=30)
+    assert st[0].ok, st
+    assert zlib.crc32(seg.array()[off:off + size]) == zlib.crc32(src[5:])
+    dst = np.zeros(size + 11, np.uint8)
+    st = e.transfer([TransferRequest(R, dst, seg.segment_id, off, size, buffer_offset=11,
+                                     transport=transport)], timeout=30)
+    assert st[0].ok, st
+    assert zlib.crc32(dst[11:]) == zlib.crc32(src[5:])
+
+
+def test_validation_failures_are_immediate_and_typed(make_engine: Any,
+                                                      make_segment: Any) -> None:
+    e = make_engine()
+    seg = make_segment(4096)
+    e.add_local_segment(seg)
+    buf = bytearray(100)
+    reqs = [
+        TransferRequest(R, buf, seg.segment_id, 4090, 10),       # past segment end
+        TransferRequest(R, buf, seg.segment_id, -1, 10),         # negative offset
+        TransferRequest(R, buf, "nope", 0, 10),                  # unknown segment
+        TransferRequest(R, buf, seg.segment_id, 0, 10, buffer_offset=95),  # buffer overflow
+        TransferRequest(R, b"x" * 10, seg.segment_id, 0, 10),    # READ into bytes
+        TransferRequest(R, object(), seg.segment_id, 0, 10),     # not a buffer
+        TransferRequest(R, buf, seg.segment_id, 0, 10, transport="warp"),  # unknown hint
+        TransferRequest(W, buf, seg.segment_id, 0, 0),           # empty: done at once
+        TransferRequest(W, buf, seg.segment_id, 0, 10),          # valid
+    ]
+    st = e.transfer(reqs, timeout=5)
+    codes = [s.code for s in st]
+    assert codes == [ErrorCode.OUT_OF_BOUNDS, ErrorCode.OUT_OF_BOUNDS,
+                     ErrorCode.SEGMENT_NOT_FOUND, ErrorCode.BUFFER_OVERFLOW,
+                     ErrorCode.INVALID_PARAMS, ErrorCode.INVALID_PARAMS,
+                     ErrorCode.INVALID_PARAMS, ErrorCode.OK, ErrorCode.OK]
+    assert [s.state for s in st[-2:]] == [RequestState.DONE, RequestState.DONE]
+    assert all(s.errors for s in st[:7])
+
+
+def test_unavailable_transport_hint_fails_cleanly(make_engine: Any, make_segment: Any) -> None:
+    e = make_engine()
+    seg = make_segment(4096)
+    e.add_local_segment(seg)
+    st = e.transfer([TransferRequest(W, b"abc", seg.segment_id, 0, 3, transport="rdma")], 5)
+    assert st[0].state is RequestState.FAILED
+    assert st[0].code == ErrorCode.TRANSPORT_UNAVAILABLE
+    assert "rdma" in st[0].errors[0]
+
+
+def test_mixed_batch_splits_into_sub_batches(make_engine: Any, make_segment: Any) -> None:
+    e = make_engine()
+    seg = make_segment(1 << 20)
+    e.add_local_segment(seg)
+    src = _pattern(1 << 20)
+    reqs = [TransferRequest(W, src, seg.segment_id, i * 4096, 4096, buffer_offset=i * 4096,
+                            transport="tcp" if i % 2 else None) for i in range(64)]
+    h = e.submit(reqs)
+    assert h.wait(10) and h.ok
+    st = h.status()
+    assert {s.transport for s in st[0::2]} == {"shm"}
+    assert {s.transport for s in st[1::2]} == {"tcp"}
+    assert sorted(sb.transport for sb in h.sub_batches) == ["shm", "tcp"]
+    assert all(sb.state is SubBatchState.DONE for sb in h.sub_batches)
+    assert (seg.array()[: 64 * 4096] == src[: 64 * 4096]).all()
+
+
+def test_failing_transport_fails_over_other_sub_batch_untouched(make_engine: Any,
+                                                                make_segment: Any) -> None:
+    _register_fake("flaky")
+    e = make_engine(overrides={"rules": [
+        {"name": "small", "kind": "memory", "max_size": 8192, "transports": ["flaky", "tcp"]},
+        {"name": "big", "kind": "memory", "transports": ["shm"]},
+    ]})
+    flaky = FlakyTransport(delay=0.05)
+    e.register_transport(flaky)
+    seg = make_segment(1 << 20)
+    e.add_local_segment(seg)
+    src = _pattern(1 << 20)
+    reqs = [TransferRequest(W, src, seg.segment_id, 0, 4096),            # flaky -> tcp
+            TransferRequest(W, src, seg.segment_id, 65536, 65536, buffer_offset=65536),  # shm
+            TransferRequest(W, src, seg.segment_id, 8192, 8192, buffer_offset=8192)]     # flaky
+    h = e.submit(reqs)
+    assert h.wait(10)
+    st = h.status()
+    assert [s.state for s in st] == [RequestState.DONE] * 3
+    assert [s.transport for s in st] == ["tcp", "shm", "tcp"]
+    assert st[0].errors and st[0].errors[0].startswith("flaky:")
+    assert st[1].errors == []
+    by_t = {sb.transport: sb for sb in h.sub_batches}
+    assert by_t["flaky"].state is SubBatchState.FAILED and by_t["flaky"].failed == 2
+    assert by_t["shm"].state is SubBatchState.DONE and by_t["shm"].done == 1
+    a = seg.array()
+    assert (a[:4096] == src[:4096]).all() and (a[8192:16384] == src[8192:16384]).all()
+    assert (a[65536:131072] == src[65536:131072]).all()
+    assert flaky.calls == 1
+
+
+def test_max_failover_zero_and_pause_after_failures(make_engine: Any,
+                                                    make_segment: Any) -> None:
+    _register_fake("flaky")
+    e = make_engine(overrides={
+        "max_failover": 0,
+        "rules": [{"name": "all", "transports": ["flaky", "shm"]}],
+        "transports": {"flaky": {"pause_after_failures": 2, "cooldown_s": 30}},
+    })
+    from kvpool.transfer.config import TransportSettings
+
+    settings = TransportSettings(pause_after_failures=2, cooldown_s=30)
+    settings.validate()
+    flaky = FlakyTransport()
+    e.register_transport(flaky, settings)
+    seg = make_segment(4096)
+    e.add_local_segment(seg)
+    for _ in range(2):
+        st = e.transfer([TransferRequest(W, b"abcd", seg.segment_id, 0, 4)], 5)
+        assert st[0].state is RequestState.FAILED and st[0].transport == "flaky"
+        assert st[0].code == ErrorCode.TRANSFER_FAIL
+    # paused now: the selector skips it and shm serves the request
+    st = e.transfer([TransferRequest(W, b"abcd", seg.segment_id, 0, 4)], 5)
+    assert st[0].ok and st[0].transport == "shm" and st[0].errors == []
+    assert flaky.calls == 2
+
+
+def test_retries_on_same_transport(make_engine: Any, make_segment: Any) -> None:
+    _register_fake("flaky")
+    e = make_engine(overrides={"rules": [{"name": "all", "transports": ["flaky", "shm"]}]})
+    from kvpool.transfer.config import TransportSettings
+
+    s = TransportSettings(retries=2)
+    s.validate()
+    flaky = FlakyTransport()
+    e.register_transport(flaky, s)
+    seg = make_segment(4096)
+    e.add_local_segment(seg)
+    st = e.transfer([TransferRequest(W, b"abcd", seg.segment_id, 0, 4)], 5)
+    assert st[0].ok and st[0].transport == "shm"
+    assert flaky.calls == 3 and len(st[0].errors) == 3
+
+
+def test_hanging_transport_fails_by_deadline(make_engine: Any, make_segment: Any) -> None:
+    _register_fake("hang")
+    e = make_engine(overrides={"rules": [{"name": "all", "transports": ["hang", "shm"]}]})
+    from kvpool.transfer.config import TransportSettings
+
+    s = TransportSettings(timeout_s=0.5)
+    s.validate()
+    e.register_transport(HangingTransport(), s)
+    seg = make_segment(4096)
+    e.add_local_segment(seg)
+    t0 = time.monotonic()
+    st = e.transfer([TransferRequest(W, b"abcd", seg.segment_id, 0, 4)], 5)
+    assert time.monotonic() - t0 < 3
+    assert st[0].ok and st[0].transport == "shm"
+    assert "without reporting" in st[0].errors[0]
+
+
+def test_status_progress_while_running(make_engine: Any, make_segment: Any) -> None:
+    _register_fake("hang")
+    e = make_engine(overrides={"max_failover": 0,
+                               "rules": [{"name": "all", "transports": ["hang"]}]})
+    from kvpool.transfer.config import TransportSettings
+
+    s = TransportSettings(timeout_s=0.5)
+    s.validate()
+    e.register_transport(HangingTransport(), s)
+    seg = make_segment(4096)
+    e.add_local_segment(seg)
+    h = e.submit([TransferRequest(W, b"abcd", seg.segment_id, 0, 4)])
+    assert not h.wait(0.1)
+    assert h.status()[0].state is RequestState.RUNNING
+    with pytest.raises(TransferError) as ei:
+        e.transfer([TransferRequest(W, b"abcd", seg.segment_id, 0, 4)], timeout=0.1)
+    assert ei.value.code == ErrorCode.TIMEOUT
+    assert h.wait(5) and h.status()[0].state is RequestState.FAILED
+
+
+def test_concurrent_batches(make_engine: Any, make_segment: Any) -> None:
+    e = make_engine()
+    seg = make_segment(1 << 20)
+    e.add_local_segment(seg)
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        src = _pattern(4096, seed=k)
+        dst = np.zeros(4096, np.uint8)
+        t = "tcp" if k % 2 else "shm"
+        for _ in range(20):
+            st = e.transfer([TransferRequest(W, src, seg.segment_id, k * 4096, 4096, transport=t),
+                             ], 5)
+            st += e.transfer([TransferRequest(R, dst, seg.segment_id, k * 4096, 4096,
+                                              transport=t)], 5)
+            if not all(s.ok for s in st) or not (dst == src).all():
+                errors.append(f"worker {k}: {st}")
+                return
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+
+
+def test_submit_after_close_raises(make_engine: Any) -> None:
+    e = make_engine()
+    e.close()
+    with pytest.raises(TransferError) as ei:
+        e.submit([])
+    assert ei.value.code == ErrorCode.CLOSED
