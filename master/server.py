@@ -22,6 +22,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import msgpack
 import zmq
 
 from kvpool.master import __version__
@@ -70,6 +71,23 @@ def _arg_bool(args: dict[str, Any], name: str, default: bool = False) -> bool:
     return v
 
 
+def _peek_id(payload: bytes) -> Any:
+    """The request id of an oversized frame (so the client can match the
+    error reply), read without decoding the large args; None if not found."""
+    try:
+        u = msgpack.Unpacker(raw=False, max_buffer_size=len(payload) + 1)
+        u.feed(payload)
+        for _ in range(u.read_map_header()):
+            k = u.unpack()
+            if k == "id":
+                v = u.unpack()
+                return v if type(v) in (int, str) else None
+            u.skip()
+    except Exception:
+        pass
+    return None
+
+
 class MasterServer:
     """Serve the op table of :mod:`kvpool.master.protocol` until ``stop()``.
 
@@ -106,7 +124,9 @@ class MasterServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_size + 4096)
+        # frames up to max_frame_size get a FRAME_TOO_LARGE reply from the decoder;
+        # far larger ones make ZeroMQ drop the connection before buffering them
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_frame_size + 4096)
         self.sock.setsockopt(zmq.RCVHWM, 100000)
         self.sock.setsockopt(zmq.SNDHWM, 100000)
         if cfg.port == 0:
@@ -390,6 +410,8 @@ class MasterServer:
         except KVPoolError as exc:
             code = exc.code
             text = str(exc)
+            if code == ErrorCode.FRAME_TOO_LARGE:
+                rid = _peek_id(payload)
         except Exception as exc:  # a bug: answer and keep serving
             log.exception("internal error handling %s", name)
             code = ErrorCode.INTERNAL_ERROR

@@ -21,10 +21,10 @@ import uuid
 from collections.abc import Sequence
 
 from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import Op
+from kvpool.master.protocol import Op, SegmentDescriptor, SegmentKind
 from kvpool.master.rpc_client import MasterClient, MasterRPCError
 
-__all__ = ["MasterProcess", "find_free_port"]
+__all__ = ["MasterProcess", "find_free_port", "segment_wire"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,14 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def segment_wire(segment_id: str, client_id: str, size: int = 1 << 20,
+                 kind: SegmentKind = SegmentKind.MEMORY, host_id: str = "host-test",
+                 endpoint: str = "tcp://127.0.0.1:1") -> dict[str, object]:
+    """A SegmentDescriptor wire dict for MOUNT_SEGMENT in tests (no real region)."""
+    return SegmentDescriptor(segment_id, client_id, host_id, kind, size, f"kvpool-{segment_id}",
+                             endpoint=endpoint).to_wire()
 
 
 class MasterProcess:

@@ -1,0 +1,306 @@
+"""Unit tests: directory logic (placement, leases, eviction, liveness, replay).
+
+Time is a controllable clock passed to the Directory, so lease/TTL logic is
+tested deterministically without sleeping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, EvictionPolicy, Obj, SegState
+from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+
+MEM = SegmentKind.MEMORY
+FILE = SegmentKind.FILE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(**cfg: Any) -> tuple[Directory, Clock]:
+    clock = Clock()
+    return Directory(MasterConfig(**cfg), clock=clock), clock
+
+
+def mount(d: Directory, sid: str, size: int, kind: SegmentKind = MEM, client: str = "c1") -> None:
+    d.mount(client, SegmentDescriptor(sid, client, "h", kind, size, f"kvpool-{sid}"))
+
+
+def put(d: Directory, key: str, size: int, client: str = "c1", **kw: Any) -> int:
+    code, _ = d.put_start(client, key, size, **kw)
+    if code:
+        return code
+    return d.put_end(client, key)
+
+
+def seg_ids(d: Directory, key: str) -> list[str]:
+    return [s.id for s in d.objects[key].replicas[::2]]
+
+
+def test_put_get_lifecycle_and_errors() -> None:
+    d, _ = make()
+    mount(d, "s1", 1 << 20)
+    code, p = d.put_start("c1", "k", 100)
+    assert code == ErrorCode.OK and p.replicas[1] == 0
+    assert d.get_replicas("k")[0] == ErrorCode.REPLICA_IS_NOT_READY
+    assert d.put_start("c1", "k", 100)[0] == ErrorCode.OBJECT_ALREADY_EXISTS
+    assert d.put_end("other", "k") == ErrorCode.INVALID_WRITE
+    assert d.put_end("c1", "k") == ErrorCode.OK
+    assert d.put_start("c1", "k", 100)[0] == ErrorCode.OBJECT_ALREADY_EXISTS
+    code, (obj, reps) = d.get_replicas("k")
+    assert code == 0 and obj.size == 100 and reps[0].id == "s1"
+    assert d.get_size("k") == (ErrorCode.OK, 100)
+    assert d.get_replicas("nope")[0] == ErrorCode.OBJECT_NOT_FOUND
+    assert d.put_revoke("c1", "nope") == ErrorCode.OBJECT_NOT_FOUND
+
+
+def test_revoke_frees_space() -> None:
+    d, _ = make()
+    mount(d, "s1", 4096)
+    assert d.put_start("c1", "a", 4096)[0] == 0
+    assert d.put_start("c1", "b", 64)[0] == ErrorCode.NO_AVAILABLE_HANDLE
+    assert d.put_revoke("c1", "a") == 0
+    assert d.pool_used[MEM] == 0
+    assert d.put_start("c1", "b", 4096)[0] == 0
+
+
+def test_replicas_on_distinct_segments_best_effort() -> None:
+    d, _ = make()
+    for i in range(3):
+        mount(d, f"m{i}", 1 << 20)
+    mount(d, "f0", 1 << 20, FILE)
+    code, p = d.put_start("c1", "k", 1000, replica_num=5, disk_replica_num=2)
+    assert code == 0
+    segs = [s.id for s in p.replicas[::2]]
+    assert len(segs) == len(set(segs)) == 4  # 3 memory + 1 file: fewer than asked is fine
+    assert sorted(s for s in segs if s.startswith("m")) == ["m0", "m1", "m2"]
+    assert "f0" in segs
+    # file replicas are 4 KiB aligned
+    off = p.replicas[segs.index("f0") * 2 + 1]
+    assert off % 4096 == 0
+
+
+def test_preferred_segment_first_and_load_spread() -> None:
+    d, _ = make()
+    mount(d, "a", 1 << 20)
+    mount(d, "b", 1 << 20)
+    assert put(d, "k1", 1000, preferred=["b"]) == 0
+    assert seg_ids(d, "k1") == ["b"]
+    # most-free placement: the next object goes to the emptier segment
+    assert put(d, "k2", 1000) == 0
+    assert seg_ids(d, "k2") == ["a"]
+
+
+def test_no_segment_gives_no_available_handle() -> None:
+    d, _ = make()
+    assert d.put_start("c1", "k", 10)[0] == ErrorCode.NO_AVAILABLE_HANDLE
+    mount(d, "f", 1 << 20, FILE)
+    # only a file segment, memory replica asked: NO_AVAILABLE_HANDLE too
+    assert d.put_start("c1", "k", 10)[0] == ErrorCode.NO_AVAILABLE_HANDLE
+    assert d.put_start("c1", "k", 10, replica_num=0, disk_replica_num=1)[0] == 0
+
+
+def test_lease_blocks_remove_unless_forced_and_expires() -> None:
+    d, clock = make(lease_ttl_ms=1000)
+    mount(d, "s", 1 << 20)
+    assert put(d, "k", 10) == 0
+    assert d.remove("k") == 0  # never read: no lease
+    assert put(d, "k", 10) == 0
+    assert d.exist("k") is True
+    assert d.remove("k") == ErrorCode.OBJECT_HAS_LEASE
+    assert d.lease_refusals == 1
+    clock.t += 1.5
+    assert d.get_replicas("k")[0] == 0  # renews the lease
+    assert d.remove("k") == ErrorCode.OBJECT_HAS_LEASE
+    assert d.remove("k", force=True) == 0
+    assert d.remove("k") == ErrorCode.OBJECT_NOT_FOUND
+    assert d.pool_used[MEM] == 0
+
+
+def test_inflight_put_preempted_after_discard_timeout() -> None:
+    d, clock = make(put_start_discard_timeout_s=5)
+    mount(d, "s", 1 << 20)
+    assert d.put_start("w1", "k", 100)[0] == 0
+    clock.t += 2
+    assert d.put_start("w2", "k", 100)[0] == ErrorCode.OBJECT_ALREADY_EXISTS
+    clock.t += 4
+    assert d.put_start("w2", "k", 100)[0] == 0
+    assert d.preemptions == 1
+    assert d.put_end("w1", "k") == ErrorCode.INVALID_WRITE  # the old writer lost it
+    assert d.put_end("w2", "k") == 0
+    assert d.pool_used[MEM] == 128
+
+
+def test_eviction_watermark_respects_leases_and_pins() -> None:
+    d, _ = make(eviction_high_watermark=0.9, eviction_ratio=0.2)
+    mount(d, "s", 64 * 100)
+    for i in range(85):
+        flags = HARD_PIN if i < 5 else (SOFT_PIN if i < 10 else 0)
+        assert put(d, f"k{i}", 64, flags=flags) == 0
+    for i in range(10, 20):
+        assert d.exist(f"k{i}")  # leased
+    assert d.evictions == 0
+    for i in range(85, 95):
+        assert put(d, f"k{i}", 64) == 0
+    # crossed 90% at k90: evicted down to 70% (70 objects), then k91..k94 were added
+    assert d.evictions == 21
+    assert d.pool_used[MEM] == (70 + 4) * 64
+    for i in range(20):
+        assert f"k{i}" in d.objects, f"k{i} (pinned or leased) was evicted"
+    # LRU: the oldest unleased, unpinned objects went first
+    assert "k20" not in d.objects and "k94" in d.objects
+
+
+def test_soft_pinned_evicted_only_after_the_rest() -> None:
+    d, _ = make(eviction_high_watermark=0.5, eviction_ratio=0.4)
+    mount(d, "s", 64 * 10)
+    for i in range(4):
+        assert put(d, f"soft{i}", 64, flags=SOFT_PIN) == 0
+    assert put(d, "plain", 64) == 0
+    # pushes usage above 50%: target 10% (64 B) -> plain goes first, then soft ones
+    assert put(d, "trigger", 64) == 0
+    assert "plain" not in d.objects
+    assert sum(k.startswith("soft") for k in d.objects) < 4
+    assert d.pool_used[MEM] <= 64
+
+
+def test_allocation_failure_triggers_eviction() -> None:
+    d, _ = make(eviction_high_watermark=1.0, eviction_ratio=0.0)
+    mount(d, "s", 64 * 4)
+    for i in range(4):
+        assert put(d, f"k{i}", 64) == 0
+    assert d.exist("k0")  # leased: must survive
+    assert put(d, "new", 128) == 0
+    assert "k0" in d.objects and "k1" not in d.objects and "k2" not in d.objects
+
+
+def test_hard_pinned_full_pool_gives_no_handle() -> None:
+    d, _ = make()
+    mount(d, "s", 64 * 2)
+    assert put(d, "a", 64, flags=HARD_PIN) == 0
+    assert put(d, "b", 64, flags=HARD_PIN) == 0
+    assert d.put_start("c1", "c", 64)[0] == ErrorCode.NO_AVAILABLE_HANDLE
+    assert {"a", "b"} <= set(d.objects)
+
+
+def test_eviction_is_per_pool_and_keeps_other_tier() -> None:
+    d, _ = make(eviction_high_watermark=0.5, eviction_ratio=0.25)
+    mount(d, "m", 64 * 4)
+    mount(d, "f", 4096 * 16, FILE)
+    assert put(d, "k", 64, disk_replica_num=1) == 0
+    assert put(d, "j", 64) == 0
+    assert put(d, "z", 64) == 0  # 3/4 memory: evict k's memory replica, keep its file one
+    assert "k" in d.objects and seg_ids(d, "k") == ["f"]
+    assert d.pool_used[FILE] == 4096
+
+
+def test_eviction_policy_hook_called() -> None:
+    calls: list[tuple[str, SegmentKind]] = []
+
+    class Offload(EvictionPolicy):
+        def on_evict(self, directory: Directory, key: str, obj: Obj, kind: SegmentKind) -> bool:
+            calls.append((key, kind))
+            return False
+
+    d = Directory(MasterConfig(eviction_high_watermark=0.5, eviction_ratio=0.1), policy=Offload())
+    mount(d, "s", 64 * 4)
+    for i in range(3):
+        assert put(d, f"k{i}", 64) == 0
+    assert calls and calls[0] == ("k0", MEM)
+
+
+def test_client_expiry_drops_segments_in_slices() -> None:
+    d, clock = make(client_ttl_s=10, expiry_slice=3, purge_slice=5)
+    for c in range(4):
+        for s in range(2):
+            mount(d, f"s{c}{s}", 1 << 20, client=f"c{c}")
+    mount(d, "keep", 1 << 20, client="alive")
+    for i in range(20):
+        assert put(d, f"k{i}", 100, client="alive", replica_num=1,
+                   preferred=[f"s{i % 4}0"]) == 0
+    assert put(d, "both", 100, client="alive", replica_num=2, preferred=["s00", "keep"]) == 0
+    clock.t += 5
+    d.ping("alive")
+    clock.t += 6
+    assert d.expire_step() == 3  # bounded slice
+    assert d.expire_step() == 3
+    assert d.expire_step() == 2
+    assert set(d.segments) == {"keep"}
+    while d.purge_step(5):
+        pass
+    assert set(d.objects) == {"both"}  # objects with no replica left are gone
+    assert seg_ids(d, "both") == ["keep"]
+    assert d.expire_step() == 0
+    assert d.clients.keys() == {"alive"}
+
+
+def test_unmount_and_dead_replicas_invisible_before_purge() -> None:
+    d, _ = make(purge_slice=1)
+    mount(d, "a", 1 << 20)
+    assert put(d, "k", 10) == 0
+    with pytest.raises(KVPoolError) as ei:
+        d.unmount("intruder", "a")
+    assert ei.value.code == ErrorCode.PERMISSION_DENIED
+    d.unmount("c1", "a")
+    assert d.get_replicas("k")[0] == ErrorCode.OBJECT_NOT_FOUND  # before the purge ran
+    assert not d.exist("k")
+    d.purge_step(10)
+    assert "k" not in d.objects
+    with pytest.raises(KVPoolError) as ei:
+        d.unmount("c1", "a")
+    assert ei.value.code == ErrorCode.SEGMENT_NOT_FOUND
+
+
+def test_mount_twice_is_error() -> None:
+    d, _ = make()
+    mount(d, "a", 1 << 20)
+    with pytest.raises(KVPoolError) as ei:
+        mount(d, "a", 1 << 20)
+    assert ei.value.code == ErrorCode.SEGMENT_ALREADY_EXISTS
+
+
+def test_replay_reproduces_state_and_awaits_owner() -> None:
+    d, _ = make(eviction_high_watermark=0.6, eviction_ratio=0.1)
+    mount(d, "a", 64 * 10)
+    mount(d, "b", 64 * 10, client="c2")
+    for i in range(12):
+        assert put(d, f"k{i}", 64, replica_num=1) == 0
+    assert d.remove("k11") == 0
+    d.unmount("c2", "b")
+    records = list(d.records)
+    r, clock = make()
+    r.journaling = False
+    for rec in records:
+        r.apply_record(rec)
+    r.finish_restore()
+    r.journaling = True
+    live = {k for k, o in d.objects.items() if any(s.state == SegState.ACTIVE
+                                                   for s in o.replicas[::2])}
+    assert set(r.objects) == live
+    assert set(r.segments) == {"a"}
+    assert r.segments["a"].state == SegState.AWAITING
+    assert r.segments["a"].alloc.used == d.segments["a"].alloc.used
+    assert r.get_replicas(next(iter(live)))[0] == ErrorCode.REPLICA_IS_NOT_READY
+    remount, ids = r.ping("c1")
+    assert not remount and ids == ["a"]
+    assert r.get_replicas(next(iter(live)))[0] == 0
+    # a restored segment whose owner never returns is dropped after client_ttl
+    r2, clock2 = make(client_ttl_s=1)
+    r2.journaling = False
+    for rec in records:
+        r2.apply_record(rec)
+    r2.finish_restore()
+    r2.journaling = True
+    clock2.t += 2
+    r2.expire_step()
+    assert not r2.segments
