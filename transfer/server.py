@@ -50,6 +50,10 @@ _MIN_ZERO_COPY = 64 << 10  # below this, copying the frame is cheaper than track
 CapabilityVerifier = Callable[[LocalSegment, TransferOp, int, int, bytes], ErrorCode | None]
 
 
+def _msg(exc: KVPoolError) -> str:
+    return str(exc.args[0]) if exc.args else exc.code.name
+
+
 class TransferServer:
     """ROUTER socket on ``tcp://bind_host:port`` (port 0 = ephemeral) served by
     one thread. ``lookup(segment_id)`` returns the owned segment or None.
@@ -144,7 +148,7 @@ class TransferServer:
             self._drain(sock)
             self.requests_refused += 1
             self._reply(sock, ident, rid if isinstance(rid, int) else None, exc.code,
-                        str(exc))
+                        _msg(exc))
             return
         if op == OP_PING:
             self._drain(sock)
@@ -168,7 +172,7 @@ class TransferServer:
         except KVPoolError as exc:
             self._drain(sock)
             self.requests_refused += 1
-            self._reply(sock, ident, rid, exc.code, str(exc))
+            self._reply(sock, ident, rid, exc.code, _msg(exc))
 
     def _serve_write(self, sock: zmq.Socket, seg: LocalSegment, off: int, n: int) -> None:
         if not sock.getsockopt(zmq.RCVMORE):

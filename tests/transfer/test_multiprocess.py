@@ -1,0 +1,172 @@
+"""Transfers between real processes: a peer child owns a /dev/shm segment and
+runs its transfer server (python -m kvpool.transfer.peer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.master.errors import ErrorCode
+from kvpool.transfer import RequestState, TransferOp, TransferRequest
+from kvpool.transfer.peer import fill_pattern
+
+R, W = TransferOp.READ, TransferOp.WRITE
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("size", [1, 4097, 3 * MiB + 5])
+def test_same_host_peer_uses_shm(make_engine: Any, make_peer: Any, size: int) -> None:
+    peer = make_peer(8 * MiB, host_id="host-test")
+    peer.cmd("fill 7")
+    e = make_engine("host-test")
+    e.add_peer_segment(peer.desc)
+    off = 12345
+    expect = fill_pattern(7, 8 * MiB)[off:off + size]
+    dst = np.zeros(size + 3, np.uint8)
+    st = e.transfer([TransferRequest(R, dst, peer.segment_id, off, size, buffer_offset=3)], 10)
+    assert st[0].ok and st[0].transport == "shm", st
+    assert zlib.crc32(dst[3:]) == zlib.crc32(expect)
+    src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    st = e.transfer([TransferRequest(W, src, peer.segment_id, 777, size)], 10)
+    assert st[0].ok and st[0].transport == "shm"
+    assert peer.crc(777, size) == zlib.crc32(src)
+    shm = e.transport("shm")
+    assert shm is not None and shm.stats()["mapped_segments"] == 1
+    e.remove_peer_segment(peer.segment_id)
+    assert shm.stats()["mapped_segments"] == 0
+
+
+@pytest.mark.parametrize("size", [1, 65537, 64 * MiB])
+def test_remote_peer_uses_tcp(make_engine: Any, make_peer: Any, size: int) -> None:
+    peer = make_peer(64 * MiB + 4096, host_id="other-host")
+    peer.cmd("fill 3")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"timeout_s": 30}}})
+    e.add_peer_segment(peer.desc)
+    off = 4093
+    dst = np.zeros(size, np.uint8)
+    st = e.transfer([TransferRequest(R, dst, peer.segment_id, off, size)], 60)
+    assert st[0].ok and st[0].transport == "tcp", st
+    assert zlib.crc32(dst) == zlib.crc32(fill_pattern(3, 64 * MiB + 4096)[off:off + size])
+    src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    st = e.transfer([TransferRequest(W, memoryview(src), peer.segment_id, 1, size)], 60)
+    assert st[0].ok and st[0].transport == "tcp"
+    assert peer.crc(1, size) == zlib.crc32(src)
+
+
+def test_batch_of_32_both_transports(make_engine: Any, make_peer: Any) -> None:
+    local = make_peer(4 * MiB, host_id="host-test")
+    remote = make_peer(4 * MiB, host_id="far-away")
+    e = make_engine("host-test")
+    e.add_peer_segment(local.desc)
+    e.add_peer_segment(remote.desc)
+    src = np.random.default_rng(0).integers(0, 256, 32 * 65536, dtype=np.uint8)
+    reqs = [TransferRequest(W, src, (local if i % 2 else remote).segment_id, i * 65536, 65536,
+                            buffer_offset=i * 65536) for i in range(32)]
+    h = e.submit(reqs)
+    assert h.wait(20) and h.ok
+    assert [s.transport for s in h.status()] == ["tcp", "shm"] * 16
+    assert sorted(sb.transport for sb in h.sub_batches) == ["shm", "tcp"]
+    for i in range(32):
+        p = local if i % 2 else remote
+        assert p.crc(i * 65536, 65536) == zlib.crc32(src[i * 65536:(i + 1) * 65536])
+
+
+def test_server_stopped_fails_over_tcp_to_shm(make_engine: Any, make_peer: Any) -> None:
+    peer = make_peer(4 * MiB, host_id="host-test")
+    peer.cmd("fill 11")
+    e = make_engine("host-test", overrides={
+        "rules": [{"name": "tcp-first", "kind": "memory", "transports": ["tcp", "shm"]}],
+        "transports": {"tcp": {"timeout_s": 1.0, "retries": 0}}})
+    e.add_peer_segment(peer.desc)
+    dst = np.zeros(4 * MiB, np.uint8)
+    # warm up: tcp serves while the server is up
+    st = e.transfer([TransferRequest(R, dst, peer.segment_id, 0, 4096)], 10)
+    assert st[0].transport == "tcp" and st[0].ok
+    peer.cmd("stop-server")
+    t0 = time.monotonic()
+    reqs = [TransferRequest(R, dst, peer.segment_id, i * MiB, MiB, buffer_offset=i * MiB)
+            for i in range(4)]
+    h = e.submit(reqs)
+    assert h.wait(10)
+    assert time.monotonic() - t0 < 5
+    st = h.status()
+    assert all(s.ok and s.transport == "shm" for s in st), st
+    assert all(s.errors and s.errors[0].startswith("tcp:") for s in st)
+    assert (dst == fill_pattern(11, 4 * MiB)).all()
+
+
+def test_peer_killed_mid_transfer_errors_within_timeout(make_engine: Any,
+                                                        make_peer: Any) -> None:
+    peer = make_peer(64 * MiB, host_id="far-away")
+    timeout = 1.5
+    e = make_engine("host-test", overrides={
+        "transports": {"tcp": {"timeout_s": timeout, "retries": 0, "chunk_size": "256KiB",
+                               "window": 2}}})
+    e.add_peer_segment(peer.desc)
+    dst = np.zeros(64 * MiB, np.uint8)
+    reqs = [TransferRequest(R, dst, peer.segment_id, i * 4 * MiB, 4 * MiB,
+                            buffer_offset=i * 4 * MiB) for i in range(16)]
+    t0 = time.monotonic()
+    h = e.submit(reqs)
+    time.sleep(0.05)
+    peer.kill()
+    finished = h.wait(timeout + 3.0)
+    elapsed = time.monotonic() - t0
+    assert finished, "batch hung after the peer was killed"
+    assert elapsed < timeout + 3.0
+    st = h.status()
+    failed = [s for s in st if s.state is RequestState.FAILED]
+    assert failed, "every request finished although the peer was killed 50 ms in"
+    for s in failed:
+        assert s.code in (ErrorCode.TIMEOUT, ErrorCode.TRANSPORT_UNAVAILABLE), s
+        assert s.transport == "tcp" and s.errors
+    assert all(s.state.terminal for s in st)
+
+
+def test_dead_peer_does_not_hold_up_live_peer(make_engine: Any, make_peer: Any) -> None:
+    dead = make_peer(MiB, host_id="far-1")
+    live = make_peer(MiB, host_id="far-2")
+    live.cmd("fill 5")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"timeout_s": 2.0,
+                                                                   "retries": 0}}})
+    e.add_peer_segment(dead.desc)
+    e.add_peer_segment(live.desc)
+    dead.kill()
+    a, b = np.zeros(MiB, np.uint8), np.zeros(MiB, np.uint8)
+    t0 = time.monotonic()
+    h = e.submit([TransferRequest(R, a, dead.segment_id, 0, MiB),
+                  TransferRequest(R, b, live.segment_id, 0, MiB)])
+    while h.status()[1].state is not RequestState.DONE and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    live_done = time.monotonic() - t0
+    assert h.status()[1].ok and live_done < 1.0
+    assert (b == fill_pattern(5, MiB)).all()
+    assert h.wait(5)
+    st = h.status()
+    assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.TIMEOUT
+
+
+def test_server_refuses_unowned_and_out_of_bounds(make_engine: Any, make_peer: Any) -> None:
+    peer = make_peer(MiB, host_id="far-away")
+    e = make_engine("host-test")
+    # a descriptor that names the peer's server but a segment it does not own
+    fake = dataclasses.replace(peer.desc, segment_id="not-" + peer.segment_id)
+    # a descriptor that lies about the size: the server checks the real one
+    big = dataclasses.replace(peer.desc, segment_id=peer.segment_id, size=4 * MiB)
+    e.add_peer_segment(fake)
+    e.add_peer_segment(big)
+    buf = np.zeros(MiB, np.uint8)
+    t0 = time.monotonic()
+    st = e.transfer([TransferRequest(R, buf, fake.segment_id, 0, 100),
+                     TransferRequest(W, buf, big.segment_id, 2 * MiB, 100),
+                     TransferRequest(R, buf, big.segment_id, MiB - 100, 100)], 10)
+    assert time.monotonic() - t0 < 2  # refusals are final: no retries, no failover wait
+    assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.SEGMENT_NOT_FOUND
+    assert st[1].state is RequestState.FAILED and st[1].code == ErrorCode.OUT_OF_BOUNDS
+    assert st[2].ok
+    assert len(st[0].errors) == 1 and len(st[1].errors) == 1
