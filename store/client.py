@@ -68,6 +68,7 @@ __all__ = ["Client", "ClientConfig", "ReplicateConfig"]
 log = logging.getLogger(__name__)
 
 _DEFAULT_REPLICATE = ReplicateConfig()
+_SUSPECT_S = 10.0  # how long a segment that failed a read is tried last
 
 
 @dataclass(slots=True)
@@ -106,6 +107,9 @@ class Client:
         self._own_descs: dict[str, SegmentDescriptor] = {}
         self._known: dict[str, SegmentDescriptor] = {}  # segment descriptors given to the engine
         self._known_lock = threading.Lock()
+        # segment id -> monotonic time until which its replicas are tried last
+        # (a read from it just failed or timed out: e.g. its owner died)
+        self._suspect: dict[str, float] = {}
         self._stop = threading.Event()
         self._ping_thread: threading.Thread | None = None
         self._remounts = 0
@@ -338,7 +342,9 @@ class Client:
                 self._known[seg_id] = desc
 
     def _forget_segment(self, seg_id: str) -> None:
-        """Drop a cached mapping after a failure so the next use re-learns it."""
+        """Drop a cached mapping after a failure so the next use re-learns it,
+        and try that segment's replicas last for a while."""
+        self._suspect[seg_id] = time.monotonic() + _SUSPECT_S
         with self._known_lock:
             if self._known.pop(seg_id, None) is not None:
                 try:
@@ -351,6 +357,8 @@ class Client:
         desc = self._known.get(seg_id)
         if desc is None:
             return 5
+        if self._suspect and self._suspect.get(seg_id, 0.0) > time.monotonic():
+            return 10
         file = 3 if desc.kind == SegmentKind.FILE else 0
         if desc.client_id == self.client_id:
             return 0 + file
@@ -372,6 +380,24 @@ class Client:
                 raise StoreTimeout(f"transfer did not finish within {timeout:.1f}s", exc.code
                                    ) from exc
             raise TransferFailed(str(exc), ErrorCode.TRANSFER_FAIL) from exc
+
+    def _run(self, reqs: list[Any], timeout: float) -> list[Any]:
+        """Submit a read batch and wait up to ``timeout``; requests still running
+        then are reported FAILED with code TIMEOUT (the caller moves on to
+        another replica instead of waiting on a dead peer)."""
+        t = self._transfer_mod
+        try:
+            handle = self._engine.submit(reqs)
+        except KVPoolError as exc:
+            raise TransferFailed(str(exc), ErrorCode.TRANSFER_FAIL) from exc
+        handle.wait(timeout)
+        out = []
+        for st in handle.status():
+            if not st.state.terminal:
+                st = t.RequestStatus(t.RequestState.FAILED, st.transport, ErrorCode.TIMEOUT,
+                                     [*st.errors, f"no answer within {timeout:.2f}s"])
+            out.append(st)
+        return out
 
     @staticmethod
     def _replicas(value: Any) -> list[ReplicaDescriptor]:
@@ -555,19 +581,18 @@ class Client:
         if not plan.replicas:
             raise error_for_code(ErrorCode.OBJECT_NOT_FOUND, f"{key!r} has no complete replica")
         errors: list[str] = []
-        for r in plan.replicas:
+        n = len(plan.replicas)
+        for idx, r in enumerate(plan.replicas):
             remaining = plan.deadline - time.monotonic()
             if remaining <= 0:
                 raise LeaseExpired(f"read lease of {key!r} expired before its data was read")
+            # leave the replicas after this one a share of the lease: a dead
+            # peer must not use up all of it
+            budget = min(self.config.transfer_timeout_s, remaining / (n - idx))
             req = self._read_req(buffer, r, plan.size)
             if buffer_offset:
                 req.buffer_offset = buffer_offset
-            try:
-                (st,) = self._transfer([req], min(self.config.transfer_timeout_s, remaining))
-            except StoreTimeout:
-                if time.monotonic() >= plan.deadline:
-                    raise LeaseExpired(f"read lease of {key!r} expired during the read") from None
-                raise
+            (st,) = self._run([req], budget)
             if st.ok:
                 if time.monotonic() > plan.deadline:
                     raise LeaseExpired(f"read of {key!r} ended after its lease; bytes discarded")
@@ -575,6 +600,9 @@ class Client:
                 return plan.size
             errors.append(f"{r.segment_id}: {'; '.join(st.errors) or st.code.name}")
             self._forget_segment(r.segment_id)
+        if time.monotonic() >= plan.deadline:
+            raise LeaseExpired(f"read lease of {key!r} expired; replicas failed: "
+                               + " | ".join(errors))
         raise TransferFailed(f"get {key!r}: every replica failed: " + " | ".join(errors))
 
     def _verify(self, key: str, plan: _ReadPlan, buffer: Any, buffer_offset: int) -> None:
@@ -690,24 +718,19 @@ class Client:
             owners: list[int] = []
             for i in pending:
                 plan = plans[i]
-                if attempt >= len(plan.replicas):
-                    results[i] = int(ErrorCode.TRANSFER_FAIL)
-                elif plan.deadline <= now:
+                if plan.deadline <= now:
                     results[i] = int(ErrorCode.LEASE_EXPIRED)
+                elif attempt >= len(plan.replicas):
+                    results[i] = int(ErrorCode.TRANSFER_FAIL)
                 else:
                     reqs.append(self._read_req(bufs[i], plan.replicas[attempt], plan.size))
                     owners.append(i)
             if not reqs:
                 break
             lease_left = min(plans[i].deadline for i in owners) - now
-            timeout = max(0.001, min(self.config.transfer_timeout_s, lease_left))
-            try:
-                statuses = self._transfer(reqs, timeout)
-            except StoreTimeout:
-                for i in owners:
-                    expired = time.monotonic() >= plans[i].deadline
-                    results[i] = int(ErrorCode.LEASE_EXPIRED if expired else ErrorCode.TIMEOUT)
-                break
+            left = max(len(plans[i].replicas) - attempt for i in owners)
+            timeout = max(0.001, min(self.config.transfer_timeout_s, lease_left / left))
+            statuses = self._run(reqs, timeout)
             done_at = time.monotonic()
             pending = []
             for req, i, st in zip(reqs, owners, statuses, strict=True):

@@ -51,6 +51,7 @@ class DemoConfig:
     seed: int = 1
     progress: bool = True
     client_ttl_s: float = 2.0  # how fast the master notices the killed daemon
+    system_chunks: int = 4  # shared system-prompt prefix: 2 replicas, hard-pinned
 
 
 @dataclass
@@ -105,6 +106,8 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
     from kvpool.master.testing import MasterProcess
     from kvpool.store.testing import NodeDaemonProcess
 
+    for name in ("kvpool.transfer", "kvpool.store.client"):  # keep the demo's output readable
+        logging.getLogger(name).setLevel(logging.WARNING)
     rng = random.Random(cfg.seed)
     tmp = tempfile.mkdtemp(prefix="kvpool-demo-")
     pool = np.random.default_rng(cfg.seed).integers(
@@ -129,6 +132,19 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
         st = _Stats()
         prompts: list[list[tuple[str, int, bool]]] = []  # chunk chains: (key, size, replicated)
         buf = np.empty(cfg.max_value, dtype=np.uint8)
+        # A shared system prompt: its chunks are hot for every engine, so they are
+        # stored with 2 replicas and hard-pinned (never evicted).
+        system: list[tuple[str, int, bool]] = []
+        prev = f"system-{cfg.seed}"
+        pin = ReplicateConfig(replica_num=2, with_hard_pin=True)
+        for _ in range(cfg.system_chunks):
+            key = _chain(prev, 0)
+            size = cfg.min_value
+            client.put_from(key, _value_view(pool, key, size), pin)
+            system.append((key, size, True))
+            prev = key
+        if system:
+            prompts.append(system)
         progress = _Progress(cfg.requests, sys.stderr, cfg.progress)
         t_run = time.monotonic()
         for n in range(cfg.requests):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 __all__ = ["register"]
@@ -24,7 +25,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--replicated", type=float, default=0.3,
                    help="fraction of prompts stored with 2 replicas")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--system-chunks", type=int, default=4,
+                   help="chunks of a shared system prompt (2 replicas, hard-pinned)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: when stderr is a terminal)")
     p.set_defaults(func=_main)
 
 
@@ -36,7 +40,8 @@ def _main(args: argparse.Namespace) -> int:
         requests=args.requests, hit_rate=args.hit_rate, max_chunks=args.max_chunks,
         min_value=parse_size(args.min_value), max_value=parse_size(args.max_value),
         memory=parse_size(args.memory), replicated_fraction=args.replicated, seed=args.seed,
-        progress=not args.no_progress,
+        system_chunks=args.system_chunks,
+        progress=sys.stderr.isatty() if args.progress is None else args.progress,
     )
     if not (0 <= cfg.hit_rate <= 1 and 0 <= cfg.replicated_fraction <= 1):
         raise ConfigError("--hit-rate and --replicated must be within 0..1")
