@@ -595,9 +595,8 @@ class MasterServer:
         keys = self._keys(args)
         valid = self._key
         bad = int(ErrorCode.INVALID_KEY)
-        results = [[fn(k), None] if valid(k) is not None else [bad, None] for k in keys]
-        for r in results:
-            r[0] = int(r[0])
+        results: list[list[Any]] = [[int(fn(k)), None] if valid(k) is not None else [bad, None]
+                                    for k in keys]
         self._count(name, len(keys), results)
         return {"results": results, "segments": {}}
 

@@ -278,7 +278,7 @@ def test_replay_reproduces_state_and_awaits_owner() -> None:
     assert d.remove("k11") == 0
     d.unmount("c2", "b")
     records = list(d.records)
-    r, clock = make()
+    r, _ = make()
     r.journaling = False
     for rec in records:
         r.apply_record(rec)
