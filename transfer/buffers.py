@@ -211,8 +211,8 @@ def _as_buffer(obj: Any, length: int | None, device: str | None) -> BufferHandle
     if dl_device is not None:
         dev_type, dev_id = dl_device()
         if int(dev_type) in (_KDL_CPU, _KDL_CUDA_HOST):
-            arr = np.from_dlpack(obj)
-            return _as_buffer(arr, None, None)
+            host = np.from_dlpack(obj)
+            return _as_buffer(host, None, None)
         if int(dev_type) in (_KDL_CUDA, _KDL_CUDA_MANAGED):
             import cupy  # lazily: only for a DLPack GPU object without CAI
 

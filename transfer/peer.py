@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("ok", flush=True)
             elif cmd[0] == "crc":
                 off, n = int(cmd[1]), int(cmd[2])
-                print("ok", zlib.crc32(seg.array()[off:off + n]), flush=True)
+                print("ok", zlib.crc32(seg.array()[off:off + n].data), flush=True)
             elif cmd[0] == "stop-server":
                 if engine.server is not None:
                     engine.server.close()

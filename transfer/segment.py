@@ -195,7 +195,7 @@ class MemorySegment(LocalSegment):
 
     def view(self) -> memoryview | None:
         self._check_open()
-        return memoryview(self._array)
+        return self._array.data
 
     def _check_open(self) -> None:
         if self._mmap is None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -99,7 +99,7 @@ class TransferServer:
             try:
                 if not poller.poll(100):
                     continue
-                while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator]
+                while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     self._serve_one(sock)
             except zmq.ContextTerminated:
                 break
@@ -166,7 +166,7 @@ class TransferServer:
                 else:
                     buf = np.empty(n, dtype=np.uint8)
                     seg.read_into(off, buf)
-                    payload = memoryview(buf)
+                    payload = buf.data
                 self._reply(sock, ident, rid, ErrorCode.OK, payload=payload)
             self.requests_served += 1
         except KVPoolError as exc:

@@ -76,7 +76,7 @@ def test_valid_read_write_and_ping(served: Any) -> None:
 ])
 def test_bad_requests_get_error_replies(served: Any, frames: list[bytes],
                                         code: ErrorCode) -> None:
-    e, seg, s = served
+    _, seg, s = served
     frames = [f.replace(b"\xa1S", msgpack.packb(seg.segment_id)) for f in frames]
     before = seg.array()[:8].tobytes()
     r, payload = _call(s, *frames)
@@ -89,18 +89,18 @@ def test_bad_requests_get_error_replies(served: Any, frames: list[bytes],
 
 
 def test_empty_multipart_identity_only(served: Any) -> None:
-    e, seg, s = served
+    _, _, s = served
     r, _ = _call(s, b"")  # an empty header frame
     assert r["code"] == int(ErrorCode.MALFORMED_FRAME)
 
 
 def test_op_not_allowed_on_segment(served: Any) -> None:
-    e, seg, s = served
+    _, seg, s = served
     seg.allowed_ops = frozenset({TransferOp.READ})
     r, _ = _call(s, _hdr(op=int(TransferOp.WRITE), seg=seg.segment_id, len=2), b"ab")
     assert r["code"] == int(ErrorCode.PERMISSION_DENIED)
     r, p = _call(s, _hdr(seg=seg.segment_id, len=2))
-    assert r["code"] == 0
+    assert r["code"] == 0 and len(p[0]) == 2
 
 
 def test_capability_hook_is_called_per_request(served: Any) -> None:

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import zmq
 
@@ -194,9 +195,9 @@ class TcpTransport(Transport):
                             c.inflight.clear()
                             c.pending.clear()
                     break
-                for sock, _ in poller.poll(min(left, 1.0) * 1000):
+                for sock, _ in poller.poll(int(min(left, 1.0) * 1000) + 1):
                     c = by_sock[sock]
-                    while c.inflight and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # type: ignore[operator]
+                    while c.inflight and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                         self._recv(c, rt, pool, report, fail)
         except TransferError as exc:
             for st in states:
@@ -237,7 +238,7 @@ class TcpTransport(Transport):
             c.sock.send(hdr, zmq.SNDMORE, copy=True)
             # the server's reply proves the payload left our buffer, so the
             # buffer (or staging slot) is reusable once the reply arrives
-            c.sock.send(payload, copy=ch.n < _MIN_ZERO_COPY)
+            c.sock.send(payload.data, 0, copy=ch.n < _MIN_ZERO_COPY)
             self.bytes_sent += ch.n
         c.inflight[cid] = ch
 
@@ -273,13 +274,13 @@ class TcpTransport(Transport):
                     return
                 if it.buffer.is_gpu:
                     assert rt is not None and pool is not None
-                    got = sock.recv_into(pool.array(ch.slot)[:ch.n])
+                    got = sock.recv_into(pool.array(ch.slot)[:ch.n].data)
                     if got == ch.n:
                         rt.set_device(it.buffer.device_index)
                         rt.memcpy(it.buffer.ptr + it.buffer_offset + ch.off, pool.ptr(ch.slot),
                                   ch.n)
                 else:
-                    got = sock.recv_into(it.buffer.host_view(it.buffer_offset + ch.off, ch.n))
+                    got = sock.recv_into(it.buffer.host_view(it.buffer_offset + ch.off, ch.n).data)
                 self._drain(sock)
                 if got != ch.n:
                     raise TransferError(f"READ reply of {got} bytes, expected {ch.n}",
