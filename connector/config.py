@@ -1,0 +1,87 @@
+"""Configuration of the vLLM connector, read from ``kv_connector_extra_config``.
+
+Example (``--kv-transfer-config``)::
+
+    {"kv_connector": "KVPoolConnector",
+     "kv_connector_module_path": "kvpool.connector.vllm",
+     "kv_role": "kv_both",
+     "kv_connector_extra_config": {"master_address": "127.0.0.1:50051",
+                                   "chunk_size": 256, "save_decode": false,
+                                   "load_async": false}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvpool.master.common import ConfigError
+
+__all__ = ["ConnectorConfig"]
+
+
+@dataclass
+class ConnectorConfig:
+    """Connector settings. Unknown keys raise :class:`ConfigError`.
+
+    - ``master_address``: kvpool master ``HOST:PORT``; overrides the YAML's.
+    - ``client_config``: path of a kvpool client YAML (``configs/client.yaml`` keys).
+    - ``client_overrides``: extra ClientConfig keys (e.g. ``{"memory_size": "1GiB"}``).
+    - ``chunk_size``: tokens per stored chunk; a multiple of vLLM's block size.
+    - ``save_decode``: also store chunks filled by generated tokens.
+    - ``load_async``: load between scheduler steps (request waits in
+      WAITING_FOR_REMOTE_KVS) instead of synchronously before the forward.
+    - ``model_id``: key namespace; defaults to vLLM's model name.
+    - ``rpc_timeout_s``: master RPC timeout of the connector's client (short, so
+      a dead master costs little).
+    - ``retry_interval_s``: after a store failure, skip the store this long.
+    - ``replica_num``: memory replicas per stored object.
+    - ``lookup_all_layers``: check every layer's object in the existence query
+      (else only the first and last layer of each chunk).
+    """
+
+    master_address: str | None = None
+    client_config: str | None = None
+    client_overrides: dict[str, Any] = field(default_factory=dict)
+    chunk_size: int = 256
+    save_decode: bool = False
+    load_async: bool = False
+    model_id: str | None = None
+    rpc_timeout_s: float = 2.0
+    retry_interval_s: float = 5.0
+    replica_num: int = 1
+    lookup_all_layers: bool = True
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Build from vLLM's ``kv_connector_extra_config`` dict (None = defaults)."""
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config keys for KVPoolConnector: {unknown}; "
+                f"known: {sorted(known)}"
+            )
+        cfg = cls(**extra)
+        cfg.validate()
+        return cfg
+
+    def validate(self, block_size: int | None = None) -> None:
+        """Raise :class:`ConfigError` on values that cannot work."""
+        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        if block_size is not None and self.chunk_size % block_size:
+            raise ConfigError(
+                f"chunk_size {self.chunk_size} must be a multiple of the block size {block_size}"
+            )
+        for name in ("save_decode", "load_async", "lookup_all_layers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool")
+        if self.rpc_timeout_s <= 0 or self.retry_interval_s < 0:
+            raise ConfigError("rpc_timeout_s must be > 0 and retry_interval_s >= 0")
+        if self.replica_num < 1:
+            raise ConfigError("replica_num must be >= 1")
+        if not isinstance(self.client_overrides, dict):
+            raise ConfigError("client_overrides must be a mapping")

