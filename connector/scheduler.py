@@ -138,8 +138,9 @@ class KVPoolScheduler:
             try:
                 exists = self.store.batch_exists(keys)
                 hit = leading_hits(exists, len(self._shards) * len(self._check_layers))
-            except (StoreUnavailable, KVPoolError) as exc:
-                log.debug("kvpool lookup failed (treated as a miss): %s", exc)
+            except Exception as exc:  # the store never fails a request: a miss
+                if not isinstance(exc, StoreUnavailable | KVPoolError):
+                    log.warning("kvpool lookup failed (treated as a miss): %r", exc)
                 self.stats.add(lookup_errors=1)
         self._lookups[req_id] = Lookup(hashes, hit, num_computed_tokens)
         hit_tokens = hit * self.keys.chunk_size

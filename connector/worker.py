@@ -176,8 +176,8 @@ class KVPoolWorker:
         bufs = [o.buf for o in objs]
         try:
             results = self.store.call(lambda c: c.batch_get_into(keys, bufs))
-        except (StoreUnavailable, KVPoolError) as exc:
-            log.warning("kvpool: load of %s failed, recomputing: %s", spec.req_id, exc)
+        except Exception as exc:  # never fail the request: vLLM recomputes these blocks
+            log.warning("kvpool: load of %s failed, recomputing: %r", spec.req_id, exc)
             results = [-int(ErrorCode.RPC_FAIL)] * len(objs)
         failed: set[int] = set()
         loaded = 0
@@ -220,9 +220,13 @@ class KVPoolWorker:
             if spec.is_async:
                 self._loader.submit(self._load_async, spec)
             else:
-                res = self.load(spec)
+                try:
+                    failed = self.load(spec).failed_block_ids
+                except Exception as exc:  # never fail the step: recompute instead
+                    log.exception("kvpool: load of %s crashed: %s", spec.req_id, exc)
+                    failed = {b for c in spec.chunks for b in c.block_ids}
                 with self._lock:
-                    self._load_errors |= res.failed_block_ids
+                    self._load_errors |= failed
 
     def _load_async(self, spec: LoadSpec) -> None:
         try:
@@ -275,8 +279,8 @@ class KVPoolWorker:
         try:
             flat = [k for ks in all_keys for k in ks]
             present = self.store.call(lambda cl: cl.batch_exists(flat))
-        except (StoreUnavailable, KVPoolError) as exc:
-            log.debug("kvpool: save skipped, store unavailable: %s", exc)
+        except Exception as exc:  # saving is best effort
+            log.debug("kvpool: save skipped, store unavailable: %r", exc)
             self.stats.add(save_errors=len(chunks))
             return 0
         todo: list[tuple[ChunkRef, list[_Obj]]] = []
@@ -304,8 +308,8 @@ class KVPoolWorker:
             bufs = [o.buf for o in objs]
             try:
                 codes = self.store.call(lambda cl: cl.batch_put_from(keys, bufs, rc))
-            except (StoreUnavailable, KVPoolError) as exc:
-                log.debug("kvpool: save failed: %s", exc)
+            except Exception as exc:  # saving is best effort
+                log.warning("kvpool: save failed: %r", exc)
                 codes = [ErrorCode.RPC_FAIL] * len(objs)
             ok_codes = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
             i = 0

@@ -1,0 +1,99 @@
+"""Chunk keys (deterministic chained hashing) and connector config; no vLLM needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.keys import KeySpace, chain_hashes, kv_shard
+from kvpool.master.common import ConfigError
+from kvpool.master.errors import ErrorCode
+
+KS = KeySpace(model="org/My Model", kv_dtype="torch.bfloat16", block_size=16, chunk_size=64)
+
+
+def test_full_chunks_only_and_chained() -> None:
+    toks = list(range(200))
+    h = KS.chunk_hashes(toks)
+    assert len(h) == 3  # 200 // 64; the partial tail is not a chunk
+    assert KS.chunk_hashes(toks[:192]) == h
+    # Changing a token in chunk 0 changes every later hash (chained over the prefix).
+    toks2 = [999, *toks[1:]]
+    h2 = KS.chunk_hashes(toks2)
+    assert all(a != b for a, b in zip(h, h2, strict=True))
+    # Changing a token in chunk 2 keeps chunks 0 and 1.
+    toks3 = toks[:150] + [7] + toks[151:]
+    assert KS.chunk_hashes(toks3)[:2] == h[:2] and KS.chunk_hashes(toks3)[2] != h[2]
+
+
+def test_extend_hashes_equals_full_rehash() -> None:
+    toks = list(range(1000, 1300))
+    h = KS.chunk_hashes(toks[:130])
+    assert KS.extend_hashes(h, toks) == KS.chunk_hashes(toks)
+    assert KS.extend_hashes(KS.chunk_hashes(toks), toks[:64]) == KS.chunk_hashes(toks)[:1]
+
+
+def test_hash_is_stable_across_processes() -> None:
+    code = (
+        "from kvpool.connector.keys import KeySpace;"
+        "ks = KeySpace('org/My Model', 'torch.bfloat16', 16, 64);"
+        "print(ks.chunk_hashes(list(range(200)))[-1])"
+    )
+    outs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={"PYTHONHASHSEED": seed}).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert outs == {KS.chunk_hashes(list(range(200)))[-1]}
+
+
+def test_key_names_namespace_and_layer() -> None:
+    h = KS.chunk_hashes(list(range(64)))[0]
+    k = KS.object_key(h, 3)
+    assert k == f"kvpool/v1/org_My_Model/bfloat16/b16/c64/kv0of1/{h}/3"
+    other = KeySpace(model="org/My Model", kv_dtype="float16", block_size=16, chunk_size=64)
+    assert other.chunk_hashes(list(range(64)))[0] != h  # dtype is part of the chain seed
+    assert KS.for_shard(0).object_key(h, 3) == k
+    two = KeySpace("m", "bf16", 16, 64, shard=1, num_shards=2)
+    assert "/kv1of2/" in two.object_key(h, 0)
+    assert two.chunk_hashes(range(64)) == two.for_shard(0).chunk_hashes(range(64))
+
+
+def test_chain_hashes_seeded() -> None:
+    assert chain_hashes([1] * 8, 4, b"a") != chain_hashes([1] * 8, 4, b"b")
+    assert chain_hashes([1] * 3, 4, b"a") == []
+
+
+@pytest.mark.parametrize(
+    ("rank", "size", "heads", "expected"),
+    [(0, 1, 8, (0, 1)), (3, 4, 8, (3, 4)), (0, 8, 2, (0, 2)), (3, 8, 2, (0, 2)),
+     (4, 8, 2, (1, 2)), (7, 8, 2, (1, 2)), (5, 8, 8, (5, 8))],
+)
+def test_kv_shard_ranks_with_identical_bytes_share(rank: int, size: int, heads: int,
+                                                   expected: tuple[int, int]) -> None:
+    assert kv_shard(rank, size, heads) == expected
+
+
+def test_bad_geometry_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as ei:
+        KeySpace("m", "bf16", block_size=16, chunk_size=40)
+    assert ei.value.code == ErrorCode.CONFIG_ERROR
+    with pytest.raises(ConfigError):
+        kv_shard(2, 2, 4)
+
+
+def test_config_from_extra_config() -> None:
+    cfg = ConnectorConfig.from_extra_config(
+        {"master_address": "127.0.0.1:1", "chunk_size": 64, "load_async": True})
+    assert (cfg.chunk_size, cfg.load_async, cfg.save_decode) == (64, True, False)
+    cfg.validate(block_size=32)
+    with pytest.raises(ConfigError, match="multiple of the block size"):
+        cfg.validate(block_size=48)
+    with pytest.raises(ConfigError, match="unknown"):
+        ConnectorConfig.from_extra_config({"chunk_tokens": 64})
+    with pytest.raises(ConfigError):
+        ConnectorConfig.from_extra_config({"save_decode": "yes"})
+    assert ConnectorConfig.from_extra_config(None).chunk_size == 256

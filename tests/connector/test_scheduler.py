@@ -1,0 +1,181 @@
+"""Scheduler-side planning against a real kvpool master + node daemon (no vLLM):
+lookup of stored prefixes with one batched query, load/save plans, store down."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.keys import KeySpace
+from kvpool.connector.scheduler import (
+    CachedReq,
+    KVPoolScheduler,
+    NewReq,
+    StepInfo,
+    leading_hits,
+    lookup_chunks,
+)
+from kvpool.connector.store_access import StoreAccess
+
+BLOCK, CHUNK, LAYERS = 16, 32, 3
+KS = KeySpace("tiny", "bfloat16", BLOCK, CHUNK)
+
+
+@dataclass
+class FakeRequest:
+    """Stand-in for vLLM's Request (not installed in this suite): the one field read."""
+
+    all_token_ids: list[int] = field(default_factory=list)
+
+
+def test_lookup_chunks_leaves_a_token() -> None:
+    assert lookup_chunks(64, 32) == 1  # exactly 2 chunks: the last token must compute
+    assert lookup_chunks(65, 32) == 2
+    assert lookup_chunks(1, 32) == 0 and lookup_chunks(0, 32) == 0
+
+
+def test_leading_hits() -> None:
+    assert leading_hits([True, True, True, False, True, True], 2) == 1
+    assert leading_hits([True] * 6, 3) == 2
+    assert leading_hits([False, True, True, True], 2) == 0
+    assert leading_hits([], 2) == 0
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[str]:
+    from kvpool.master.testing import MasterProcess
+    from kvpool.store.testing import NodeDaemonProcess
+
+    with MasterProcess() as m, NodeDaemonProcess(m.address, memory="16MiB"):
+        yield m.address
+
+
+@pytest.fixture
+def client(pool: str) -> Iterator[Any]:
+    from kvpool.store import Client, ClientConfig
+
+    with Client(ClientConfig(master_address=pool)) as c:
+        c.remove_all(force=True)
+        yield c
+
+
+def _sched(address: str, **kw: Any) -> KVPoolScheduler:
+    cfg = ConnectorConfig(master_address=address, chunk_size=CHUNK, **kw)
+    return KVPoolScheduler(cfg, KS, LAYERS, StoreAccess(cfg))
+
+
+def _store_chunks(client: Any, tokens: list[int], n: int, layers: range = range(LAYERS)) -> None:
+    for h in KS.chunk_hashes(tokens)[:n]:
+        for layer in layers:
+            if not client.exists(KS.object_key(h, layer)):
+                client.put(KS.object_key(h, layer), b"x" * 64)
+
+
+def test_lookup_finds_longest_stored_run(pool: str, client: Any) -> None:
+    toks = list(range(100, 200))  # 100 tokens: 3 full chunks, all usable
+    _store_chunks(client, toks, 2)
+    s = _sched(pool)
+    assert s.lookup("r1", toks, 0) == (64, False)
+    assert s.lookup("r1", toks, 32) == (32, False)  # beyond the local hit only
+    assert s.lookup("r1", toks, 64) == (0, False)
+    # A missing layer breaks the run at that chunk.
+    _store_chunks(client, toks, 3, range(LAYERS - 1))
+    assert s.lookup("r1", toks, 0) == (64, False)
+    client.put(KS.object_key(KS.chunk_hashes(toks)[2], LAYERS - 1), b"y")
+    assert s.lookup("r1", toks, 0) == (96, False)
+    # Exactly 3 chunks of prompt: only 2 may hit (one token must be computed).
+    assert s.lookup("r2", toks[:96], 0) == (64, False)
+    # A gap at chunk 0 means no hit at all.
+    other = list(range(5000, 5100))
+    _store_chunks(client, other, 3)
+    client.remove(KS.object_key(KS.chunk_hashes(other)[0], 0), force=True)
+    assert s.lookup("r3", other, 0) == (0, False)
+    assert _sched(pool, load_async=True).lookup("r4", toks, 0) == (96, True)
+
+
+def test_load_plan_uses_allocated_blocks(pool: str, client: Any) -> None:
+    toks = list(range(100))
+    _store_chunks(client, toks, 3)
+    s = _sched(pool)
+    n, _ = s.lookup("r", toks, 16)  # one block computed locally (vLLM prefix cache)
+    assert n == 80
+    blocks = [7, 8, 3, 4, 9, 10, 11]
+    s.after_alloc("r", FakeRequest(toks), toks, blocks, n)
+    meta = s.build_meta(StepInfo(new=[NewReq("r", blocks, 96)],
+                                 num_scheduled_tokens={"r": 4}))
+    (load,) = meta.loads
+    assert [c.index for c in load.chunks] == [0, 1, 2]
+    assert [c.block_ids for c in load.chunks] == [[7, 8], [3, 4], [9, 10]]
+    assert load.skip_blocks == 1 and not load.is_async
+    assert [c.hash for c in load.chunks] == KS.chunk_hashes(toks)
+    assert meta.saves == []  # every full chunk is already stored
+    assert s.stats.totals()["hit_tokens"] == 80
+    assert s.build_meta(StepInfo()).loads == []  # loads are handed out once
+
+
+def test_saves_planned_once_as_chunks_complete(pool: str, client: Any) -> None:
+    toks = list(range(1000, 1090))  # 90-token prompt: 2 full chunks
+    s = _sched(pool)
+    assert s.lookup("r", toks, 0) == (0, False)
+    blocks = [1, 2, 3, 4, 5, 6]
+    s.after_alloc("r", FakeRequest(list(toks)), toks, blocks, 0)
+    # Chunked prefill: 40 tokens this step -> chunk 0 complete.
+    m1 = s.build_meta(StepInfo(new=[NewReq("r", blocks, 0)], num_scheduled_tokens={"r": 40}))
+    assert [(sv.req_id, [c.index for c in sv.chunks]) for sv in m1.saves] == [("r", [0])]
+    assert m1.saves[0].chunks[0].block_ids == [1, 2]
+    m2 = s.build_meta(StepInfo(cached=[CachedReq("r", [], 40)], num_scheduled_tokens={"r": 50}))
+    assert [c.index for c in m2.saves[0].chunks] == [1]
+    assert m2.saves[0].chunks[0].hash == KS.chunk_hashes(toks)[1]
+    m3 = s.build_meta(StepInfo(cached=[CachedReq("r", [7], 90)], num_scheduled_tokens={"r": 1}))
+    assert m3.saves == []  # decode tokens are not saved by default
+    assert s.finished("r") is True  # saves were queued: vLLM must wait for the worker
+    assert s.finished("never-saved") is False
+
+
+def test_decode_chunks_saved_when_enabled(pool: str, client: Any) -> None:
+    toks = list(range(40))
+    req = FakeRequest(list(toks))
+    s = _sched(pool, save_decode=True)
+    s.lookup("r", toks, 0)
+    s.after_alloc("r", req, toks, [1, 2, 3], 0)
+    m = s.build_meta(StepInfo(new=[NewReq("r", [1, 2, 3], 0)], num_scheduled_tokens={"r": 40}))
+    assert [c.index for c in m.saves[0].chunks] == [0]
+    req.all_token_ids += list(range(500, 525))  # 65 tokens, 64 computed after next step
+    m = s.build_meta(StepInfo(cached=[CachedReq("r", [4], 63)], num_scheduled_tokens={"r": 1}))
+    (save,) = m.saves
+    assert [c.index for c in save.chunks] == [1] and save.chunks[0].block_ids == [3, 4]
+    assert save.chunks[0].hash == KS.chunk_hashes(req.all_token_ids)[1]
+
+
+def test_preempted_request_resumes_with_new_blocks(pool: str, client: Any) -> None:
+    toks = list(range(70))
+    s = _sched(pool)
+    s.lookup("r", toks, 0)
+    s.after_alloc("r", FakeRequest(toks), toks, [1, 2], 0)
+    m = s.build_meta(StepInfo(new=[NewReq("r", [1, 2], 0)], num_scheduled_tokens={"r": 32}))
+    assert m.saves[0].chunks[0].block_ids == [1, 2]
+    m = s.build_meta(StepInfo(preempted_req_ids={"r"}))
+    assert m.preempted_req_ids == ["r"]
+    m = s.build_meta(StepInfo(cached=[CachedReq("r", [8, 9, 10, 11, 12], 0, resumed=True)],
+                              num_scheduled_tokens={"r": 70}))
+    assert [c.block_ids for c in m.saves[0].chunks] == [[10, 11]]  # chunk 0 was stored
+
+
+def test_store_down_is_a_fast_miss() -> None:
+    from kvpool.master.testing import find_free_port
+
+    cfg = ConnectorConfig(master_address=f"127.0.0.1:{find_free_port()}", chunk_size=CHUNK,
+                          rpc_timeout_s=0.3, retry_interval_s=60)
+    s = KVPoolScheduler(cfg, KS, LAYERS, StoreAccess(cfg))
+    toks = list(range(100))
+    assert s.lookup("r", toks, 0) == (0, False)
+    t0 = time.monotonic()
+    for i in range(20):  # circuit open: no RPC timeouts on later lookups
+        assert s.lookup(f"q{i}", toks, 0) == (0, False)
+    assert time.monotonic() - t0 < 1.0
+    assert s.stats.totals()["lookup_errors"] == 21
