@@ -50,6 +50,7 @@ from kvpool.store._bufutil import (
     resolve_checksum_algo,
     verify_checksum,
 )
+from kvpool.store._fastpath import InlineShm, host_array
 from kvpool.store.config import ClientConfig, ReplicateConfig, default_host_id
 from kvpool.store.errors import (
     BufferTooSmall,
@@ -68,6 +69,7 @@ __all__ = ["Client", "ClientConfig", "ReplicateConfig"]
 log = logging.getLogger(__name__)
 
 _DEFAULT_REPLICATE = ReplicateConfig()
+_LAZY_BYTES = object()  # batch-read target: "allocate a bytes result when needed"
 _SUSPECT_S = 10.0  # how long a segment that failed a read is tried last
 
 
@@ -117,6 +119,7 @@ class Client:
         self._started = False
         self._checksum_algo = resolve_checksum_algo(config.checksum)
         self._transfer_mod: Any = None
+        self._inline: InlineShm | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -182,12 +185,14 @@ class Client:
         self._engine = transfer.TransferEngine(
             tcfg, host_id=self.host_id, bind_host=cfg.bind_host, port=cfg.transfer_port
         )
+        self._inline = InlineShm(list(tcfg.rules), self.host_id, cfg.inline_shm)
         port = self._engine.endpoint.rsplit(":", 1)[-1]
         base_id = cfg.segment_id or f"{self.host_id}:{port}"
         if cfg.memory_size > 0:
             seg = transfer.MemorySegment.create(base_id, cfg.memory_size, prefault=cfg.prefault)
             self._local_segments.append(seg)
             self._engine.add_local_segment(seg)
+            self._inline.add_own(seg.segment_id, seg.array())
             desc = seg.descriptor(self.client_id, self.host_id, self._engine.endpoint)
             self._own_descs[desc.segment_id] = desc
         self._own_descs.update(self._create_file_segments(base_id))
@@ -290,6 +295,8 @@ class Client:
                     self._engine.remove_local_segment(seg_id)
                 except Exception as exc:  # releasing must go on whatever one step raises
                     log.debug("remove_local_segment %s: %s", seg_id, exc)
+        if self._inline is not None:
+            self._inline.close()
         for seg in self._local_segments:
             try:
                 seg.close()
@@ -345,6 +352,8 @@ class Client:
         """Drop a cached mapping after a failure so the next use re-learns it,
         and try that segment's replicas last for a while."""
         self._suspect[seg_id] = time.monotonic() + _SUSPECT_S
+        if self._inline is not None and seg_id not in self._own_descs:
+            self._inline.forget(seg_id)
         with self._known_lock:
             if self._known.pop(seg_id, None) is not None:
                 try:
@@ -431,22 +440,56 @@ class Client:
                          checksum=checksum, **args)
         self._learn_segments(res.get("segments"))
         replicas = self._replicas(res)
-        reqs = [self._write_req(buffer, r, size) for r in replicas]
         try:
-            statuses = self._transfer(reqs, self.config.transfer_timeout_s)
-            failed = [s for s in statuses if not s.ok]
-            if failed or not reqs:
-                for r, s in zip(replicas, statuses, strict=False):
-                    if not s.ok:
-                        self._forget_segment(r.segment_id)
+            results = self._copy_batch(True, [(buffer, r, size) for r in replicas],
+                                       self.config.transfer_timeout_s)
+            failed = [(r, err) for r, (ok, err) in zip(replicas, results, strict=True) if not ok]
+            if failed or not replicas:
+                for r, _ in failed:
+                    self._forget_segment(r.segment_id)
                 raise TransferFailed(
-                    f"put {key!r}: {len(failed)}/{len(reqs)} replica writes failed: "
-                    + "; ".join("; ".join(s.errors) or s.code.name for s in failed)
+                    f"put {key!r}: {len(failed)}/{len(replicas)} replica writes failed: "
+                    + "; ".join(f"{r.segment_id}: {err}" for r, err in failed)
                 )
         except BaseException:
             self._revoke([key])
             raise
         self._call(Op.PUT_END, client_id=self.client_id, key=key)
+
+    def _copy_batch(self, write: bool, jobs: list[tuple[Any, ReplicaDescriptor, int]],
+                    timeout: float) -> list[tuple[bool, str]]:
+        """Copy every ``(buffer, replica, size)`` job: same-host shm copies inline
+        (see ``_fastpath``), the rest as ONE engine batch. Returns ``(ok, error)``
+        per job. Writes raise StoreTimeout when the batch overruns ``timeout``;
+        reads report the overrunning requests as failed (TIMEOUT)."""
+        results: list[tuple[bool, str]] = [(False, "")] * len(jobs)
+        via_engine: list[int] = []
+        inline = self._inline
+        for j, (buf, r, size) in enumerate(jobs):
+            desc = self._known.get(r.segment_id) if inline is not None else None
+            if inline is not None and inline.eligible(desc, size):
+                arr = host_array(buf)
+                if arr is not None and arr.size >= size and (write or arr.flags.writeable):
+                    try:
+                        assert desc is not None
+                        if write:
+                            inline.write(desc, r.offset, arr[:size])
+                        else:
+                            inline.read(desc, r.offset, arr[:size])
+                        results[j] = (True, "")
+                        continue
+                    except Exception as exc:  # fall back to the engine's transports
+                        log.debug("inline shm %s of %s failed: %s",
+                                  "write" if write else "read", r.segment_id, exc)
+            via_engine.append(j)
+        if via_engine:
+            make = self._write_req if write else self._read_req
+            reqs = [make(jobs[j][0], jobs[j][1], jobs[j][2]) for j in via_engine]
+            statuses = self._transfer(reqs, timeout) if write else self._run(reqs, timeout)
+            for j, st in zip(via_engine, statuses, strict=True):
+                results[j] = (bool(st.ok), "" if st.ok else ("; ".join(st.errors)
+                                                              or st.code.name))
+        return results
 
     def _write_req(self, buffer: Any, r: ReplicaDescriptor, size: int) -> Any:
         t = self._transfer_mod
@@ -523,26 +566,26 @@ class Client:
             return codes
         res = self._call(Op.BATCH_PUT_START, client_id=self.client_id, items=items)
         self._learn_segments(res.get("segments"))
-        reqs: list[Any] = []
-        owner: list[int] = []  # request -> key index
+        jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
+        owner: list[int] = []  # job -> key index
         for pos, (code, value) in enumerate(res.get("results", [])):
             i = idx[pos]
             if code != ErrorCode.OK:
                 codes[i] = self._code(code)
                 continue
             for r in self._replicas(value):
-                reqs.append(self._write_req(buffers[i], r, sizes[i]))
+                jobs.append((buffers[i], r, sizes[i]))
                 owner.append(i)
         ok_keys = [keys[i] for i in idx if codes[i] == ErrorCode.OK]
         try:
-            statuses = self._transfer(reqs, self.config.transfer_timeout_s) if reqs else []
+            results = self._copy_batch(True, jobs, self.config.transfer_timeout_s)
         except BaseException:
             self._revoke(ok_keys)
             raise
-        for req, i, st in zip(reqs, owner, statuses, strict=True):
-            if not st.ok:
+        for (_b, r, _s), i, (ok, _err) in zip(jobs, owner, results, strict=True):
+            if not ok:
                 codes[i] = ErrorCode.TRANSFER_FAIL
-                self._forget_segment(req.segment_id)
+                self._forget_segment(r.segment_id)
         done = [keys[i] for i in idx if codes[i] == ErrorCode.OK]
         failed = [keys[i] for i in idx if codes[i] == ErrorCode.TRANSFER_FAIL]
         self._revoke(failed)
@@ -576,7 +619,7 @@ class Client:
         self._learn_segments(res.get("segments"))
         return self._plan(res, t0, None)
 
-    def _read(self, key: str, plan: _ReadPlan, buffer: Any, buffer_offset: int = 0) -> int:
+    def _read(self, key: str, plan: _ReadPlan, buffer: Any) -> int:
         """Read ``plan.size`` bytes into ``buffer``: nearest replica first, then the rest."""
         if not plan.replicas:
             raise error_for_code(ErrorCode.OBJECT_NOT_FOUND, f"{key!r} has no complete replica")
@@ -589,29 +632,42 @@ class Client:
             # leave the replicas after this one a share of the lease: a dead
             # peer must not use up all of it
             budget = min(self.config.transfer_timeout_s, remaining / (n - idx))
-            req = self._read_req(buffer, r, plan.size)
-            if buffer_offset:
-                req.buffer_offset = buffer_offset
-            (st,) = self._run([req], budget)
-            if st.ok:
+            ((ok, err),) = self._copy_batch(False, [(buffer, r, plan.size)], budget)
+            if ok:
                 if time.monotonic() > plan.deadline:
                     raise LeaseExpired(f"read of {key!r} ended after its lease; bytes discarded")
-                self._verify(key, plan, buffer, buffer_offset)
+                self._verify(key, plan, buffer)
                 return plan.size
-            errors.append(f"{r.segment_id}: {'; '.join(st.errors) or st.code.name}")
+            errors.append(f"{r.segment_id}: {err}")
             self._forget_segment(r.segment_id)
         if time.monotonic() >= plan.deadline:
             raise LeaseExpired(f"read lease of {key!r} expired; replicas failed: "
                                + " | ".join(errors))
         raise TransferFailed(f"get {key!r}: every replica failed: " + " | ".join(errors))
 
-    def _verify(self, key: str, plan: _ReadPlan, buffer: Any, buffer_offset: int) -> None:
+    def _read_inline_bytes(self, plan: _ReadPlan) -> bytes | None:
+        """get()'s fastest path: one copy from a same-host segment into new bytes."""
+        inline = self._inline
+        if inline is None or not plan.replicas:
+            return None
+        r = plan.replicas[0]
+        desc = self._known.get(r.segment_id)
+        if not inline.eligible(desc, plan.size):
+            return None
+        try:
+            assert desc is not None
+            return inline.read_bytes(desc, r.offset, plan.size)
+        except Exception as exc:
+            log.debug("inline shm read of %s failed: %s", r.segment_id, exc)
+            return None
+
+    def _verify(self, key: str, plan: _ReadPlan, buffer: Any) -> None:
         if plan.checksum is None or not self.config.verify_checksum:
             return
         view = host_view(buffer)
         if view is None:
             return  # GPU memory: verifying would cost a device->host copy
-        ok = verify_checksum(plan.checksum, view[buffer_offset:buffer_offset + plan.size])
+        ok = verify_checksum(plan.checksum, view[:plan.size])
         if ok is False:
             raise ChecksumMismatch(f"{key!r}: data does not match checksum {plan.checksum}")
 
@@ -624,6 +680,12 @@ class Client:
         self._check_open()
         self._valid_key(key)
         plan = self._locate(key)
+        fast = self._read_inline_bytes(plan)
+        if fast is not None:
+            if time.monotonic() > plan.deadline:
+                raise LeaseExpired(f"read of {key!r} ended after its lease; bytes discarded")
+            self._verify(key, plan, fast)
+            return fast
         out, target = alloc_bytes(plan.size)
         self._read(key, plan, target)
         return out
@@ -645,17 +707,9 @@ class Client:
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of many keys (None where missing or unreadable): one master RPC,
         one transfer batch."""
-        outs: list[bytes | None] = [None] * len(keys)
-        targets: list[Any] = [None] * len(keys)
-
-        def alloc(i: int, size: int) -> Any:
-            b, t = alloc_bytes(size)
-            outs[i] = b
-            targets[i] = t
-            return t
-
-        results = self._batch_read(keys, alloc)
-        return [outs[i] if r >= 0 else None for i, r in enumerate(results)]
+        outs: dict[int, bytes] = {}
+        results = self._batch_read(keys, lambda i, size: _LAZY_BYTES, outs)
+        return [outs.get(i) if r >= 0 else None for i, r in enumerate(results)]
 
     def batch_get_into(self, keys: Sequence[str], buffers: Sequence[Any]) -> list[int]:
         """Read many keys into their buffers; per key the bytes read or ``-code``
@@ -673,7 +727,11 @@ class Client:
 
         return self._batch_read(keys, target)
 
-    def _batch_read(self, keys: Sequence[str], target: Callable[[int, int], Any]) -> list[int]:
+    def _batch_read(self, keys: Sequence[str], target: Callable[[int, int], Any],
+                    outs: dict[int, bytes] | None = None) -> list[int]:
+        """Shared body of the batch reads. ``target(i, size)`` gives key i's
+        buffer (None: too small) or ``_LAZY_BYTES``: produce a new ``bytes`` into
+        ``outs[i]`` (inline shm reads copy straight into it)."""
         self._check_open()
         n = len(keys)
         results: list[int] = [int(ErrorCode.INTERNAL_ERROR)] * n
@@ -714,40 +772,55 @@ class Client:
         attempt = 0
         while pending:
             now = time.monotonic()
-            reqs: list[Any] = []
+            jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
             owners: list[int] = []
             for i in pending:
                 plan = plans[i]
                 if plan.deadline <= now:
                     results[i] = int(ErrorCode.LEASE_EXPIRED)
-                elif attempt >= len(plan.replicas):
+                    continue
+                if attempt >= len(plan.replicas):
                     results[i] = int(ErrorCode.TRANSFER_FAIL)
-                else:
-                    reqs.append(self._read_req(bufs[i], plan.replicas[attempt], plan.size))
-                    owners.append(i)
-            if not reqs:
+                    continue
+                r = plan.replicas[attempt]
+                if bufs[i] is _LAZY_BYTES:
+                    assert outs is not None
+                    fast = self._read_inline_bytes(_ReadPlan(plan.size, None, plan.deadline,
+                                                             [r]))
+                    if fast is not None:
+                        outs[i] = fast
+                        bufs[i] = fast
+                        results[i] = self._finish_read(keys[i], plan, fast)
+                        continue
+                    out, bufs[i] = alloc_bytes(plan.size)
+                    outs[i] = out
+                jobs.append((bufs[i], r, plan.size))
+                owners.append(i)
+            if not jobs:
                 break
             lease_left = min(plans[i].deadline for i in owners) - now
             left = max(len(plans[i].replicas) - attempt for i in owners)
             timeout = max(0.001, min(self.config.transfer_timeout_s, lease_left / left))
-            statuses = self._run(reqs, timeout)
-            done_at = time.monotonic()
+            copied = self._copy_batch(False, jobs, timeout)
             pending = []
-            for req, i, st in zip(reqs, owners, statuses, strict=True):
-                plan = plans[i]
-                if not st.ok:
-                    self._forget_segment(req.segment_id)
+            for (buf, r, _s), i, (ok, _err) in zip(jobs, owners, copied, strict=True):
+                if not ok:
+                    self._forget_segment(r.segment_id)
                     pending.append(i)
-                elif done_at > plan.deadline:
-                    results[i] = int(ErrorCode.LEASE_EXPIRED)
                 else:
-                    try:
-                        self._verify(keys[i], plan, bufs[i], 0)
-                        results[i] = plan.size
-                    except ChecksumMismatch:
-                        results[i] = int(ErrorCode.CHECKSUM_MISMATCH)
+                    results[i] = self._finish_read(keys[i], plans[i], buf)
             attempt += 1
         return results
+
+    def _finish_read(self, key: str, plan: _ReadPlan, buf: Any) -> int:
+        """Result code of a completed read: size, or LEASE_EXPIRED / CHECKSUM_MISMATCH."""
+        if time.monotonic() > plan.deadline:
+            return int(ErrorCode.LEASE_EXPIRED)
+        try:
+            self._verify(key, plan, buf)
+        except ChecksumMismatch:
+            return int(ErrorCode.CHECKSUM_MISMATCH)
+        return plan.size
 
     # ------------------------------------------------------------------ buffers
 

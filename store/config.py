@@ -54,6 +54,7 @@ class ClientConfig:
     ping_interval_s: float = 1.0  # liveness ping; re-mounts when the master asks
     checksum: str = "none"  # none | crc32 | xxhash | auto (xxhash if installed, else crc32)
     verify_checksum: bool = True  # verify a recorded checksum on every get (host buffers)
+    inline_shm: bool = True  # same-host shm copies inline, without the engine's thread hop
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on values that cannot work."""

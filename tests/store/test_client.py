@@ -250,3 +250,23 @@ def test_remove_all(make_client: Callable[..., Client], daemons: list[NodeDaemon
     removed = c.remove_all(force=True)
     assert removed >= 5
     assert c.batch_exists([key(str(i)) for i in range(5)]) == [False] * 5
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_inline_shm_and_engine_paths_agree(make_client: Callable[..., Client],
+                                           daemons: list[NodeDaemonProcess], key: Key,
+                                           inline: bool) -> None:
+    """Same-host copies run inline by default and through the engine's shm
+    transport with inline_shm=False; both give the same bytes."""
+    c = make_client(inline_shm=inline, checksum="crc32")
+    vals = [_payload(n, n) for n in (10, 70_000, 2 << 20)]
+    keys = [key(str(i)) for i in range(3)]
+    assert c.put_batch(keys[:2], vals[:2], ReplicateConfig(replica_num=2)) == [ErrorCode.OK] * 2
+    c.put(keys[2], vals[2])
+    assert c.get_batch(keys) == vals
+    assert [c.get(k) for k in keys] == vals
+    dst = [np.zeros(len(v), np.uint8) for v in vals]
+    assert c.batch_get_into(keys, dst) == [len(v) for v in vals]
+    assert [d.tobytes() for d in dst] == vals
+    assert c._inline is not None
+    assert (c._inline.copies > 0) is inline
