@@ -53,7 +53,9 @@ class TransportSettings:
     ``chunk_size``: unit of pipelining (tcp). ``window``: chunks in flight per
     connection (tcp). ``staging_buffers``/``staging_size``: pinned host pool for
     GPU staging. ``pause_after_failures``: consecutive failed attempts that
-    pause the transport for ``cooldown_s``. ``options``: free-form extras of
+    pause the transport for ``cooldown_s``. ``inline_max_bytes``: a sub-batch
+    of at most this many bytes runs in the submitting thread (no thread hop;
+    ``transfer()`` also runs a single-slice sub-batch inline). ``options``: free-form extras of
     transports added later (e.g. ``o_direct`` for posix).
     """
 
@@ -67,6 +69,7 @@ class TransportSettings:
     staging_size: int | str = 4 << 20
     pause_after_failures: int = 3
     cooldown_s: float = 5.0
+    inline_max_bytes: int | str = 0
     options: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -77,6 +80,7 @@ class TransportSettings:
             self.enabled = "auto" if low == "auto" else low == "true"
         self.chunk_size = _size("chunk_size", self.chunk_size) or 0
         self.staging_size = _size("staging_size", self.staging_size) or 0
+        self.inline_max_bytes = _size("inline_max_bytes", self.inline_max_bytes) or 0
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0: {self.timeout_s}")
         if self.retries < 0:

@@ -373,8 +373,14 @@ class TransferEngine:
 
     # -- submit -----------------------------------------------------------------
     def submit(self, requests: Sequence[TransferRequest]) -> BatchHandle:
-        """Start a batch; returns at once. Invalid requests fail immediately
-        (their status says why); the others run in per-transport sub-batches."""
+        """Start a batch; returns at once (sub-batches of at most the transport's
+        ``inline_max_bytes`` are copied before returning). Invalid requests fail
+        immediately (their status says why); the others run in per-transport
+        sub-batches."""
+        return self._submit(requests, sync=False, caller_deadline=None)
+
+    def _submit(self, requests: Sequence[TransferRequest], sync: bool,
+                caller_deadline: float | None) -> BatchHandle:
         if self._closed:
             raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
         handle = BatchHandle(len(requests))
@@ -395,7 +401,7 @@ class TransferEngine:
             track = handle._tracks[i]
             track.candidates = candidates
             self._plan(handle, item, track, groups)
-        self._launch(handle, groups)
+        self._launch(handle, groups, sync=sync, caller_deadline=caller_deadline)
         return handle
 
     def _plan(self, handle: BatchHandle, item: WorkItem, track: _Track,
@@ -410,7 +416,8 @@ class TransferEngine:
         track.tried.append(name)
         groups.setdefault(name, []).append(item)
 
-    def _launch(self, handle: BatchHandle, groups: dict[str, list[WorkItem]]) -> None:
+    def _launch(self, handle: BatchHandle, groups: dict[str, list[WorkItem]],
+                sync: bool = False, caller_deadline: float | None = None) -> None:
         for name, items in groups.items():
             slot = self._slots[name]
             sb = SubBatch(id=next(self._sb_ids), transport=name, items=items)
@@ -423,20 +430,28 @@ class TransferEngine:
             step = (len(items) + n - 1) // n
             slices = [items[k:k + step] for k in range(0, len(items), step)]
             sb._slices_left = len(slices)
+            if len(slices) == 1 and (
+                    (sync and len(groups) == 1)
+                    or sum(it.length for it in items) <= int(slot.settings.inline_max_bytes)):
+                # no thread hop: the caller waits anyway, or the copy is tiny
+                self._run_slice(handle, sb, slot, items, caller_deadline)
+                continue
             for part in slices:
                 try:
-                    slot.pool.submit(self._run_slice, handle, sb, slot, part)
+                    slot.pool.submit(self._run_slice, handle, sb, slot, part, None)
                 except RuntimeError as exc:  # pool shut down (engine closing)
                     self._slice_done(handle, sb, slot, part,
                                      TransferError(str(exc), ErrorCode.CLOSED, retryable=False))
 
     def _run_slice(self, handle: BatchHandle, sb: SubBatch, slot: _TransportSlot,
-                   part: list[WorkItem]) -> None:
+                   part: list[WorkItem], caller_deadline: float | None) -> None:
         with handle._cond:
             if sb.state is SubBatchState.PENDING:
                 sb.state = SubBatchState.RUNNING
                 sb.started = time.monotonic()
         deadline = time.monotonic() + slot.settings.timeout_s
+        if caller_deadline is not None:
+            deadline = min(deadline, caller_deadline)
 
         def report(item: WorkItem, err: TransferError | None) -> None:
             with handle._cond:
@@ -527,8 +542,13 @@ class TransferEngine:
                  timeout: float | None = None) -> list[RequestStatus]:
         """submit + wait. Raises ``TransferError(TIMEOUT)`` if not all requests
         are terminal within ``timeout`` seconds."""
-        handle = self.submit(requests)
-        if not handle.wait(timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        handle = self._submit(requests, sync=True, caller_deadline=deadline)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        finished = handle.wait(left)
+        if deadline is not None and time.monotonic() >= deadline and not handle.ok:
+            finished = False  # an inline attempt was cut short by the caller's deadline
+        if not finished:
             raise TransferError(f"batch of {len(requests)} not finished within {timeout}s",
                                 ErrorCode.TIMEOUT)
         return handle.status()

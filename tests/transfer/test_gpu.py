@@ -1,0 +1,75 @@
+"""GPU buffers through shm and tcp (skipped where no CUDA device exists).
+
+The full GPU check with bandwidths is scripts/gpu_check_transfer.py (run on
+the H200 by the lead); these are the correctness cases for pytest.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.transfer import TransferOp, TransferRequest, as_buffer
+from kvpool.transfer.gpu import cuda_available, cuda_runtime
+
+_ok, _reason = cuda_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _ok, reason=_reason or "no CUDA device")]
+
+
+def _libs() -> list[str]:
+    out = []
+    for name in ("torch", "cupy"):
+        try:
+            mod = __import__(name)
+            if (name == "torch" and mod.cuda.is_available()) or \
+                    (name == "cupy" and mod.cuda.is_available()):
+                out.append(name)
+        except Exception:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("lib", ["torch", "cupy"])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_gpu_roundtrip(make_engine: Any, make_peer: Any, lib: str, transport: str) -> None:
+    if lib not in _libs():
+        pytest.skip(f"{lib} with CUDA is not importable")
+    n = (5 << 20) + 3
+    peer = make_peer(8 << 20, host_id="host-test")
+    e = make_engine("host-test")
+    e.add_peer_segment(peer.desc)
+    data = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+    if lib == "torch":
+        import torch
+
+        src = torch.from_numpy(data).cuda()
+        dst = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    else:
+        import cupy
+
+        src = cupy.asarray(data)
+        dst = cupy.zeros(n, dtype=cupy.uint8)
+    hs = as_buffer(src)
+    assert hs.is_gpu
+    st = e.transfer([TransferRequest(TransferOp.WRITE, src, peer.segment_id, 4093, n,
+                                     transport=transport)], 30)
+    assert st[0].ok, st
+    assert peer.crc(4093, n) == zlib.crc32(data)
+    st = e.transfer([TransferRequest(TransferOp.READ, dst, peer.segment_id, 4093, n,
+                                     transport=transport)], 30)
+    assert st[0].ok, st
+    back = dst.cpu().numpy() if lib == "torch" else dst.get()
+    assert (back == data).all()
+
+
+def test_selector_picks_shm_for_same_host_gpu(make_engine: Any, make_peer: Any) -> None:
+    rt, _ = cuda_runtime()
+    assert rt is not None
+    peer = make_peer(1 << 20, host_id="host-test")
+    e = make_engine("host-test")
+    e.add_peer_segment(peer.desc)
+    shm = e.transport("shm")
+    assert shm is not None and shm.supports(peer.desc.kind, True, "cuda")
