@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -374,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     rc = soak.run()
     rep = soak.report()
     print_table(rep)
+    if rc == 0:
+        shutil.rmtree(soak.workdir, ignore_errors=True)
+    else:
+        print(f"logs kept in {soak.workdir}")
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1))
     return rc
