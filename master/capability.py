@@ -53,6 +53,7 @@ __all__ = [
     "DenyReason",
     "decode",
     "new_segment_key",
+    "refusal_metrics",
     "sign",
     "verify",
     "wall_clock_ms",
@@ -352,3 +353,19 @@ class CapabilityVerifier:
     @property
     def refused_total(self) -> int:
         return sum(self.refusals.values())
+
+
+def refusal_metrics(verifier: CapabilityVerifier) -> Any:
+    """Prometheus metric families for a verifier, read at scrape time (for a Collector):
+    ``kvpool_capability_refusals_total{reason}`` and ``kvpool_capability_accepted_total``."""
+    from prometheus_client.core import CounterMetricFamily
+
+    refused = CounterMetricFamily("kvpool_capability_refusals",
+                                  "transfer requests refused by the capability check",
+                                  labels=["reason"])
+    for reason, n in dict(verifier.refusals).items():
+        refused.add_metric([reason.value], n)
+    accepted = CounterMetricFamily("kvpool_capability_accepted",
+                                   "transfer requests whose capability verified")
+    accepted.add_metric([], verifier.accepted)
+    return [refused, accepted]

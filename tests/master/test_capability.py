@@ -17,6 +17,7 @@ from kvpool.master.capability import (
     DenyReason,
     decode,
     new_segment_key,
+    refusal_metrics,
     sign,
     verify,
     wall_clock_ms,
@@ -212,3 +213,29 @@ def test_signer_and_verifier_count_refusals() -> None:
     with pytest.raises(CapabilityError):
         ver.check(tok, "A", 0, 1, CapOp.WRITE)
 
+
+
+def test_refusals_are_exported_as_prometheus_counters() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    ver = CapabilityVerifier()
+    key = new_segment_key()
+    ver.set_key(SEG, key)
+
+    class Collector:
+        def collect(self):  # type: ignore[no-untyped-def]
+            yield from refusal_metrics(ver)
+
+    reg = CollectorRegistry()
+    reg.register(Collector())  # type: ignore[arg-type]
+    good = sign(Cap(SEG, 0, 10, CapOp.READ, wall_clock_ms() + 60_000), key)
+    ver.check(good, SEG, 0, 10, CapOp.READ)
+    for _ in range(3):
+        with pytest.raises(CapabilityError):
+            ver.check(good, SEG, 0, 11, CapOp.READ)
+    with pytest.raises(CapabilityError):
+        ver.check(_token(new_segment_key()), SEG, 4096, 1, CapOp.READ)
+    text = generate_latest(reg).decode()
+    assert 'kvpool_capability_refusals_total{reason="out_of_range"} 3.0' in text
+    assert 'kvpool_capability_refusals_total{reason="forged"} 1.0' in text
+    assert "kvpool_capability_accepted_total 1.0" in text
