@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvpool.master.errors import ErrorCode
 from kvpool.master.protocol import SegmentKind, decode_frame, encode_frame
@@ -66,6 +67,8 @@ class _Conn:
     pending: deque[_Chunk] = field(default_factory=deque)
     inflight: dict[int, _Chunk] = field(default_factory=dict)
     broken: bool = False
+    mon: zmq.Socket | None = None  # socket monitor: disconnects fail requests at once
+    ever_connected: bool = False
 
 
 class TcpTransport(Transport):
@@ -91,12 +94,13 @@ class TcpTransport(Transport):
         return device == "cpu" or cuda_runtime()[0] is not None
 
     # -- sockets ----------------------------------------------------------------
-    def _socket(self, endpoint: str) -> zmq.Socket:
-        socks: dict[str, zmq.Socket] | None = getattr(self._tls, "socks", None)
-        if socks is None:
-            socks = self._tls.socks = {}
-        s = socks.get(endpoint)
-        if s is None:
+    def _conn(self, endpoint: str) -> _Conn:
+        """This thread's connection to ``endpoint`` (created on first use)."""
+        conns: dict[str, _Conn] | None = getattr(self._tls, "conns", None)
+        if conns is None:
+            conns = self._tls.conns = {}
+        c = conns.get(endpoint)
+        if c is None:
             with self._lock:
                 if self.closed:
                     raise TransferError("tcp transport closed", ErrorCode.CLOSED, retryable=False)
@@ -107,17 +111,49 @@ class TcpTransport(Transport):
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.RCVHWM, 0)
+            mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                       | zmq.EVENT_CONNECT_RETRIED)
+            with self._lock:
+                self._socks.add(mon)
             s.connect(endpoint)
-            socks[endpoint] = s
-        return s
+            c = conns[endpoint] = _Conn(endpoint, s, mon=mon)
+        c.broken = False
+        return c
 
     def _discard(self, conn: _Conn) -> None:
-        socks: dict[str, zmq.Socket] = getattr(self._tls, "socks", {})
-        if socks.get(conn.endpoint) is conn.sock:
-            del socks[conn.endpoint]
+        conns: dict[str, _Conn] = getattr(self._tls, "conns", {})
+        if conns.get(conn.endpoint) is conn:
+            del conns[conn.endpoint]
         with self._lock:
             self._socks.discard(conn.sock)
+            if conn.mon is not None:
+                self._socks.discard(conn.mon)
+        if conn.mon is not None:
+            try:
+                conn.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            conn.mon.close(linger=0)
         conn.sock.close(linger=0)
+
+    def _peer_events(self, c: _Conn) -> str | None:
+        """Consume monitor events; return why the peer is gone, or None."""
+        if c.mon is None:
+            return None
+        why = None
+        while c.mon.poll(0):
+            try:
+                ev = recv_monitor_message(c.mon, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            event = ev.get("event")
+            if event == zmq.EVENT_CONNECTED:
+                c.ever_connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                why = f"peer {c.endpoint} disconnected"
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                why = f"cannot connect to peer {c.endpoint}"
+        return why
 
     def _staging(self) -> tuple[CudaRuntime, PinnedPool]:
         rt, reason = cuda_runtime()
@@ -145,8 +181,8 @@ class TcpTransport(Transport):
                 continue
             conn = conns.get(it.segment.endpoint)
             if conn is None:
-                conn = conns[it.segment.endpoint] = _Conn(it.segment.endpoint,
-                                                          self._socket(it.segment.endpoint))
+                conn = conns[it.segment.endpoint] = self._conn(it.segment.endpoint)
+                self._peer_events(conn)  # old news from before this attempt
             st = _ItemState(it, (it.length + chunk - 1) // chunk)
             states.append(st)
             for off in range(0, it.length, chunk):
@@ -161,9 +197,23 @@ class TcpTransport(Transport):
         if pool is not None:
             window = max(1, min(window, len(pool._arrays) // max(1, len(conns))))
         poller = zmq.Poller()
+        by_sock: dict[zmq.Socket, _Conn] = {}
+        by_mon: dict[zmq.Socket, _Conn] = {}
         for c in conns.values():
             poller.register(c.sock, zmq.POLLIN)
-        by_sock = {c.sock: c for c in conns.values()}
+            by_sock[c.sock] = c
+            if c.mon is not None:
+                poller.register(c.mon, zmq.POLLIN)
+                by_mon[c.mon] = c
+
+        def give_up(c: _Conn, why: str, code: ErrorCode) -> None:
+            c.broken = True
+            for ch in [*c.inflight.values(), *c.pending]:
+                self._release(ch, pool)
+                fail(ch.st, TransferError(why, code))
+            c.inflight.clear()
+            c.pending.clear()
+
         try:
             while True:
                 if self.closed:
@@ -179,23 +229,27 @@ class TcpTransport(Transport):
                             self._release(ch, pool)
                             fail(ch.st, exc)
                 if not any(c.inflight for c in conns.values()):
-                    if not any(c.pending for c in conns.values()):
+                    if not any(c.pending and not c.broken for c in conns.values()):
                         break
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     for c in conns.values():
                         if c.inflight or c.pending:
-                            c.broken = True
-                            for ch in [*c.inflight.values(), *c.pending]:
-                                self._release(ch, pool)
-                                fail(ch.st, TransferError(
-                                    f"no reply from {c.endpoint} before the deadline",
-                                    ErrorCode.TIMEOUT))
-                            c.inflight.clear()
-                            c.pending.clear()
+                            give_up(c, f"no reply from {c.endpoint} before the deadline",
+                                    ErrorCode.TIMEOUT)
                     break
                 for sock, _ in poller.poll(int(min(left, 1.0) * 1000) + 1):
+                    if sock in by_mon:
+                        c = by_mon[sock]
+                        why = self._peer_events(c)
+                        if why and c.inflight:
+                            # replies already queued still count; the rest is lost
+                            while c.inflight and \
+                                    cast(int, c.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                                self._recv(c, rt, pool, report, fail)
+                            give_up(c, why, ErrorCode.TRANSFER_FAIL)
+                        continue
                     c = by_sock[sock]
                     while c.inflight and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                         self._recv(c, rt, pool, report, fail)
