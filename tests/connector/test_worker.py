@@ -1,0 +1,171 @@
+"""Worker side against a real kvpool master + node daemon, on CPU tensors laid
+out as vLLM 0.32 lays out paged KV caches. Needs torch (the vllm extra)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import needs_torch
+
+from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.keys import KeySpace
+from kvpool.connector.layout import LayerLayout, consecutive_run
+from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec
+from kvpool.connector.store_access import StoreAccess
+from kvpool.connector.worker import KVPoolWorker
+from kvpool.master.common import ConfigError
+
+pytestmark = [pytest.mark.vllm, needs_torch]
+
+NB, HEADS, BLOCK, HEAD = 16, 2, 32, 32  # num_blocks, kv heads, block size, head size
+KS = KeySpace("tiny", "bfloat16", BLOCK, 2 * BLOCK)  # 2 blocks per chunk
+LAYERS = 3
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[str]:
+    from kvpool.master.testing import MasterProcess
+    from kvpool.store.testing import NodeDaemonProcess
+
+    with MasterProcess() as m, NodeDaemonProcess(m.address, memory="32MiB"):
+        yield m.address
+
+
+def _caches(layout: str = "LBHNC", seed: int = 0) -> dict[str, Any]:
+    """Per-layer [num_blocks, H, N, 2*C] views over one backing buffer (as vLLM allocates)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if layout == "LBHNC":  # layer outermost: CPU backend's layout
+        buf = torch.randn(LAYERS, NB, HEADS, BLOCK, 2 * HEAD, generator=g).to(torch.bfloat16)
+        return {f"model.layers.{i}.attn": buf[i] for i in range(LAYERS)}
+    if layout == "BLHNC":  # block outermost: layers of one block are adjacent
+        buf = torch.randn(NB, LAYERS, HEADS, BLOCK, 2 * HEAD, generator=g).to(torch.bfloat16)
+        return {f"model.layers.{i}.attn": buf[:, i] for i in range(LAYERS)}
+    raise ValueError(layout)
+
+
+def _worker(address: str, caches: dict[str, Any], **kw: Any) -> KVPoolWorker:
+    cfg = ConnectorConfig(master_address=address, chunk_size=KS.chunk_size, **kw)
+    w = KVPoolWorker(cfg, KS, StoreAccess(cfg))
+    w.register_kv_caches(caches)
+    return w
+
+
+def _chunks(blocks: list[list[int]], seed: int = 1) -> list[ChunkRef]:
+    hashes = KS.chunk_hashes([seed] * (KS.chunk_size * len(blocks)))
+    return [ChunkRef(i, h, b) for i, (h, b) in enumerate(zip(hashes, blocks, strict=True))]
+
+
+def _blocks(caches: dict[str, Any], ids: list[int]) -> list[Any]:
+    return [t[ids].clone() for t in caches.values()]
+
+
+def test_layout_of_vllm_views() -> None:
+    c = _caches("LBHNC")
+    lay = LayerLayout.from_tensor("l0", 0, c["model.layers.0.attn"])
+    assert lay.block_bytes == HEADS * BLOCK * 2 * HEAD * 2 and lay.dense
+    assert lay.num_blocks == NB
+    b = _caches("BLHNC")
+    lay = LayerLayout.from_tensor("l1", 1, b["model.layers.1.attn"])
+    assert not lay.dense and lay.block_stride == LAYERS * lay.block_bytes
+    # Heads outside the block (LHBNC) split a block into pieces: refused clearly.
+    import torch
+
+    t = torch.zeros(HEADS, NB, BLOCK, 2 * HEAD).permute(1, 0, 2, 3)
+    with pytest.raises(ConfigError, match="block-contiguous"):
+        LayerLayout.from_tensor("bad", 0, t)
+    assert consecutive_run([4, 5, 6]) and not consecutive_run([4, 6])
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_save_then_load_into_other_blocks(pool: str, layout: str) -> None:
+    src = _caches(layout, seed=1)
+    w = _worker(pool, src)
+    chunks = _chunks([[2, 3], [4, 5]], seed=len(layout) + ord(layout[0]))  # consecutive: zero-copy
+    assert w.save([SaveSpec("r", chunks)]) == 2
+    tot = w.stats.totals()
+    assert tot["saved_bytes"] == 2 * LAYERS * w.keys.blocks_per_chunk * w.layers[0].block_bytes
+    assert (tot["zero_copy_objects"] > 0) == (layout == "LBHNC")
+    assert w.save([SaveSpec("r", chunks)]) == 0  # already stored: skipped
+    assert w.stats.totals()["skipped_chunks"] == 2
+    want = _blocks(src, [2, 3, 4, 5])
+    w.close()
+
+    dst = _caches(layout, seed=2)
+    w2 = _worker(pool, dst)
+    # Scattered destination blocks (staged), then a consecutive run (zero-copy).
+    load = [ChunkRef(c.index, c.hash, b) for c, b in zip(chunks, [[9, 1], [12, 13]], strict=True)]
+    res = w2.load(LoadSpec("q", load))
+    assert res.failed_block_ids == set() and res.loaded_chunks == 2
+    got = _blocks(dst, [9, 1, 12, 13])
+    for a, b in zip(want, got, strict=True):
+        assert a.equal(b)
+    untouched = _caches(layout, seed=2)
+    for t, u in zip(dst.values(), untouched.values(), strict=True):
+        assert t[[0, 2, 3, 4]].equal(u[[0, 2, 3, 4]])
+    w2.close()
+
+
+def test_skip_blocks_and_missing_chunks(pool: str) -> None:
+    src = _caches(seed=3)
+    w = _worker(pool, src)
+    chunks = _chunks([[0, 1], [2, 3], [4, 5]], seed=42)
+    w.save([SaveSpec("r", chunks[:2])])  # chunk 2 never stored
+    dst = _caches(seed=4)
+    before = _blocks(dst, [6])
+    w2 = _worker(pool, dst)
+    load = [ChunkRef(c.index, c.hash, b) for c, b in zip(chunks, [[6, 7], [8, 9], [10, 11]],
+                                                             strict=True)]
+    res = w2.load(LoadSpec("q", load, skip_blocks=1))
+    assert res.failed_block_ids == {10, 11} and res.loaded_chunks == 2
+    after = _blocks(dst, [6])
+    assert all(a.equal(b) for a, b in zip(before, after, strict=True))  # skipped block kept
+    assert all(a.equal(b) for a, b in zip(_blocks(src, [1, 2, 3]), _blocks(dst, [7, 8, 9]),
+                                          strict=True))
+    w.close()
+    w2.close()
+
+
+def test_store_down_fails_loads_not_requests() -> None:
+    from kvpool.master.testing import find_free_port
+
+    addr = f"127.0.0.1:{find_free_port()}"
+    w = _worker(addr, _caches(), rpc_timeout_s=0.3)
+    chunks = _chunks([[0, 1]])
+    w.start_load(ConnectorMeta(loads=[LoadSpec("q", chunks)]))
+    assert w.take_load_errors() == {0, 1}
+    assert w.take_load_errors() == set()
+    assert w.save([SaveSpec("r", chunks)]) == 0
+    assert w.stats.totals()["save_errors"] == 1
+    w.close()
+
+
+def test_async_saves_and_loads_reported_by_get_finished(pool: str) -> None:
+    src = _caches(seed=5)
+    w = _worker(pool, src)
+    chunks = _chunks([[0, 1]], seed=77)
+    w.submit_saves(ConnectorMeta(saves=[SaveSpec("r", chunks)]))
+    assert w.get_finished(set()) == (set(), set())  # not finished yet: nothing to report
+    assert w.wait_saves(timeout=30)
+    assert w.get_finished({"r", "other"}) == ({"r"}, set())  # 'other' had no saves
+    assert w.get_finished({"r"}) == (set(), set())  # reported once
+    dst = _caches(seed=6)
+    w2 = _worker(pool, dst)
+    w2.start_load(ConnectorMeta(loads=[LoadSpec("q", [ChunkRef(0, chunks[0].hash, [3, 4])],
+                                                is_async=True)]))
+    for _ in range(300):
+        _, recving = w2.get_finished(set())
+        if recving:
+            break
+        import time
+
+        time.sleep(0.01)
+    assert recving == {"q"}
+    assert w2.take_load_errors() == set()
+    assert all(a.equal(b) for a, b in zip(_blocks(src, [0, 1]), _blocks(dst, [3, 4]),
+                                          strict=True))
+    w.close()
+    w2.close()
