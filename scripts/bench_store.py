@@ -152,43 +152,49 @@ def _socket_server(port_conn: Connection) -> None:
     srv.close()
 
 
-def _limits(sizes: list[int]) -> list[dict[str, Any]]:
-    out = []
-    for size in sizes:
-        n = _iters(size, 256 << 20, 20, 2000)
-        src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-        dst = np.empty_like(src)
+def _memcpy(size: int) -> dict[str, Any]:
+    n = _iters(size, 256 << 20, 20, 2000)
+    src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    lat = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = time.perf_counter()
         np.copyto(dst, src)
-        lat = []
-        t0 = time.perf_counter()
-        for _ in range(n):
-            t = time.perf_counter()
-            np.copyto(dst, src)
-            lat.append(time.perf_counter() - t)
-        out.append(_record("memcpy", "copy", size, 1, lat, time.perf_counter() - t0))
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    proc = ctx.Process(target=_socket_server, args=(b,), daemon=True)
-    proc.start()
-    port = a.recv()
-    s = socket.create_connection(("127.0.0.1", port))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(bytearray(max(sizes)))
-    for size in sizes:
+        lat.append(time.perf_counter() - t)
+    return _record("memcpy", "copy", size, 1, lat, time.perf_counter() - t0)
+
+
+class _RawSocket:
+    """A raw loopback TCP peer in another process: send 8-byte length, get that many bytes."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        a, b = ctx.Pipe()
+        self.proc = ctx.Process(target=_socket_server, args=(b,), daemon=True)
+        self.proc.start()
+        port = a.recv()
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = memoryview(bytearray(max(SIZES)))
+
+    def measure(self, size: int) -> dict[str, Any]:
         n = _iters(size, 256 << 20, 20, 2000)
         lat = []
         t0 = time.perf_counter()
         for _ in range(n):
             t = time.perf_counter()
-            s.sendall(size.to_bytes(8, "little"))
+            self.sock.sendall(size.to_bytes(8, "little"))
             got = 0
             while got < size:
-                got += s.recv_into(buf[got:size])
+                got += self.sock.recv_into(self.buf[got:size])
             lat.append(time.perf_counter() - t)
-        out.append(_record("socket", "roundtrip", size, 1, lat, time.perf_counter() - t0))
-    s.close()
-    proc.join(5)
-    return out
+        return _record("socket", "roundtrip", size, 1, lat, time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(5)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -200,8 +206,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvpool.store.testing import NodeDaemonProcess
 
     records: list[dict[str, Any]] = []
-    print("measuring limits (memcpy, raw socket) ...", file=sys.stderr)
-    records += _limits(args.sizes)
+    raw = _RawSocket()
     ctx = mp.get_context("spawn")
     holder_bytes = parse_size(args.holder_memory)
     with MasterProcess() as master, \
@@ -226,8 +231,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             return rec
 
         try:
-            for transport in args.transports:
-                for size in args.sizes:
+            for size in args.sizes:
+                # the limits right before the store runs of the same size: this
+                # shared 2-core box's load changes from minute to minute
+                for rec in (_memcpy(size), raw.measure(size)):
+                    records.append(rec)
+                    _show(rec)
+                for transport in args.transports:
                     for batch, ops in ((1, SINGLE_OPS), (args.batch, BATCH_OPS)):
                         n = _iters(size * batch, args.bytes_per_op, 3, args.max_iters)
                         n = max(3, n // batch) if batch > 1 and size < (64 << 10) else n
@@ -242,10 +252,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 tag = f"{transport}/{op}/{size}/{batch}"
                                 rec = ask("putter", transport, op, size, batch, n, tag)
                             records.append(rec)
-                            print(f"  {transport:4} {op:15} {size:>9} x{batch:<3} "
-                                  f"{rec['gbps']:7.3f} GB/s {rec['ops_per_s']:10.0f} keys/s "
-                                  f"p50 {rec['p50_us']:9.1f} us p99 {rec['p99_us']:9.1f} us",
-                                  file=sys.stderr)
+                            _show(rec)
         finally:
             for a in pipes.values():
                 try:
@@ -256,7 +263,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 p.join(10)
                 if p.is_alive():
                     p.kill()
+            raw.close()
+    records.sort(key=lambda r: (["memcpy", "socket", "shm", "tcp"].index(r["transport"])
+                                if r["transport"] in ("memcpy", "socket", "shm", "tcp") else 9))
     return records
+
+
+def _show(rec: dict[str, Any]) -> None:
+    print(f"  {rec['transport']:6} {rec['op']:15} {rec['size']:>9} x{rec['batch']:<3} "
+          f"{rec['gbps']:7.3f} GB/s {rec['ops_per_s']:10.0f} keys/s "
+          f"p50 {rec['p50_us']:9.1f} us p99 {rec['p99_us']:9.1f} us", file=sys.stderr)
 
 
 def _find(records: list[dict[str, Any]], transport: str, op: str, size: int,

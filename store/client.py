@@ -824,11 +824,14 @@ class Client:
 
     # ------------------------------------------------------------------ buffers
 
-    def register_buffer(self, buffer: Any) -> Any:
+    def register_buffer(self, buffer: Any, device: str | None = None) -> Any:
         """Register host or GPU memory for repeated zero-copy put_from/get_into;
-        returns a BufferHandle usable wherever a buffer is taken."""
+        returns a BufferHandle usable wherever a buffer is taken. ``device``
+        ("cpu"/"cuda") classifies a raw ``(address, length)``."""
         self._check_open()
         try:
+            if device is not None:
+                return self._engine.register_buffer(buffer, device=device)
             return self._engine.register_buffer(buffer)
         except KVPoolError as exc:
             raise error_for_code(exc.code, str(exc)) from exc

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.store._gpuptr import pointer_is_device
 from kvpool.store.client import Client
 from kvpool.store.config import ClientConfig, ReplicateConfig
 from kvpool.store.errors import AlreadyExists, ObjectNotFound
@@ -226,7 +227,8 @@ class MooncakeDistributedStore:
         """Register ``size`` bytes at address ``buffer_ptr`` (host or GPU) for
         zero-copy put_from/get_into. Returns 0 or a negative code."""
         try:
-            handle = self._c().register_buffer((int(buffer_ptr), int(size)))
+            device = "cuda" if pointer_is_device(int(buffer_ptr)) else None
+            handle = self._c().register_buffer((int(buffer_ptr), int(size)), device=device)
         except Exception as exc:
             return _code(exc)
         start = int(buffer_ptr)
@@ -278,9 +280,19 @@ class MooncakeDistributedStore:
             return _code(exc)
 
     def _slice(self, ptr: int, size: int) -> Any:
+        """The buffer for ``[ptr, ptr+size)``: the registered handle when it is
+        exactly that region, else a host/GPU view of the address range."""
         handle, off = self._buffer(ptr, size)
         if off == 0 and getattr(handle, "length", size) == size:
             return handle
+        if not isinstance(handle, tuple) and getattr(handle, "is_gpu", False):
+            from kvpool.transfer import as_buffer
+
+            return as_buffer((int(ptr), int(size)), device="cuda")
+        if isinstance(handle, tuple) and pointer_is_device(int(ptr)):
+            from kvpool.transfer import as_buffer
+
+            return as_buffer((int(ptr), int(size)), device="cuda")
         return (int(ptr), int(size))
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""GPU checks of the store client (run by the lead via scripts/gpu_check.py).
+
+``run(report)`` starts a real master and a holder node daemon (host memory),
+then, from this process as a pure client, stores torch CUDA tensors with
+``put_from`` / ``batch_put_from`` and reads them back into other CUDA tensors
+with ``get_into`` / ``batch_get_into`` (registered buffers), over shm (same
+host) and over tcp (forced by a selector override: host staging). It checks
+the bytes on the GPU (torch.equal) and records GB/s per (transport, op). The
+Mooncake-compatible class is checked with raw ``data_ptr()`` GPU addresses
+(put_from / get_into / batch_get_into, register_buffer).
+
+Standalone: ``python scripts/gpu_check_store.py [--json OUT]``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+SIZE = 16 << 20
+BATCH = 8
+ITERS = 4
+FORCE_TCP = {"rules": [{"name": "gpu-check-force-tcp", "transports": ["tcp"]}]}
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+
+
+def _client_checks(torch: Any, master: str, transport: str, out: dict[str, Any]) -> None:
+    from kvpool.store import Client, ClientConfig
+
+    over = FORCE_TCP if transport == "tcp" else {}
+    with Client(ClientConfig(master_address=master, transfer_overrides=over)) as c:
+        dev = torch.device("cuda:0")
+        srcs = [torch.randint(0, 255, (SIZE,), dtype=torch.uint8, device=dev) for _ in range(BATCH)]
+        dsts = [torch.zeros(SIZE, dtype=torch.uint8, device=dev) for _ in range(BATCH)]
+        hs = [c.register_buffer(t) for t in srcs]
+        hd = [c.register_buffer(t) for t in dsts]
+        torch.cuda.synchronize()
+        # single put_from / get_into
+        t = time.perf_counter()
+        for i in range(ITERS):
+            c.put_from(f"{transport}/single/{i}", hs[i % BATCH])
+        put_s = time.perf_counter() - t
+        t = time.perf_counter()
+        for i in range(ITERS):
+            assert c.get_into(f"{transport}/single/{i}", hd[i % BATCH]) == SIZE
+        get_s = time.perf_counter() - t
+        torch.cuda.synchronize()
+        for i in range(min(ITERS, BATCH)):
+            assert torch.equal(srcs[i], dsts[i]), f"{transport} get_into mismatch at {i}"
+        out[f"{transport}_put_from_gbps"] = _gbps(ITERS * SIZE, put_s)
+        out[f"{transport}_get_into_gbps"] = _gbps(ITERS * SIZE, get_s)
+        # batch forms
+        for d in dsts:
+            d.zero_()
+        keys = [f"{transport}/batch/{i}" for i in range(BATCH)]
+        t = time.perf_counter()
+        codes = c.batch_put_from(keys, hs)
+        bput_s = time.perf_counter() - t
+        assert all(int(x) == 0 for x in codes), codes
+        t = time.perf_counter()
+        res = c.batch_get_into(keys, hd)
+        bget_s = time.perf_counter() - t
+        assert res == [SIZE] * BATCH, res
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(srcs, dsts, strict=True))
+        out[f"{transport}_batch_put_from_gbps"] = _gbps(BATCH * SIZE, bput_s)
+        out[f"{transport}_batch_get_into_gbps"] = _gbps(BATCH * SIZE, bget_s)
+        # a host get of a GPU-written value sees the same bytes
+        assert c.get(keys[0]) == srcs[0].cpu().numpy().tobytes()
+        for h in hs + hd:
+            c.unregister_buffer(h)
+        c.remove_all(force=True)
+
+
+def _mooncake_checks(torch: Any, master: str, out: dict[str, Any]) -> None:
+    from kvpool.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    assert s.setup("localhost", "P2PHANDSHAKE", 64 << 20, 0, "tcp", "", master) == 0
+    try:
+        src = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda:0")
+        dst = torch.zeros(2 << 20, dtype=torch.uint8, device="cuda:0")
+        assert s.register_buffer(dst.data_ptr(), dst.numel()) == 0
+        assert s.put_from("mc/gpu", src.data_ptr(), src.numel()) == 0
+        assert s.get_into("mc/gpu", dst.data_ptr(), dst.numel()) == src.numel()
+        torch.cuda.synchronize()
+        assert torch.equal(dst[: src.numel()], src)
+        assert s.get_into("mc/gpu", dst.data_ptr(), 100) < 0  # too small
+        assert s.batch_get_into(["mc/gpu"], [dst.data_ptr() + 4096], [1 << 20]) == [1 << 20]
+        torch.cuda.synchronize()
+        assert torch.equal(dst[4096:4096 + (1 << 20)], src)
+        assert s.unregister_buffer(dst.data_ptr()) == 0
+        out["mooncake_gpu_ptr"] = "ok"
+    finally:
+        s.close()
+
+
+def run(report: dict[str, Any]) -> None:
+    """Record the store's GPU results under ``report["store"]`` (raises on a failed check)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device")
+    from kvpool.master.testing import MasterProcess
+    from kvpool.store.testing import NodeDaemonProcess
+
+    out: dict[str, Any] = report.setdefault("store", {})
+    with MasterProcess() as m, NodeDaemonProcess(m.address, (BATCH * 2 + 8) * SIZE):
+        for transport in ("shm", "tcp"):
+            _client_checks(torch, m.address, transport, out)
+        _mooncake_checks(torch, m.address, out)
+    for k, v in out.items():
+        print(f"store {k}: {v}")
+
+
+if __name__ == "__main__":
+    rep: dict[str, Any] = {}
+    run(rep)
+    if len(sys.argv) > 2 and sys.argv[1] == "--json":
+        with open(sys.argv[2], "w") as f:
+            json.dump(rep, f, indent=1)
