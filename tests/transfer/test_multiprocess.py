@@ -43,7 +43,8 @@ def test_same_host_peer_uses_shm(make_engine: Any, make_peer: Any, size: int) ->
 
 @pytest.mark.parametrize("size", [1, 65537, 64 * MiB])
 def test_remote_peer_uses_tcp(make_engine: Any, make_peer: Any, size: int) -> None:
-    peer = make_peer(64 * MiB + 4096, host_id="other-host")
+    seg_size = max(MiB, size + 8192)
+    peer = make_peer(seg_size, host_id="other-host")
     peer.cmd("fill 3")
     e = make_engine("host-test", overrides={"transports": {"tcp": {"timeout_s": 30}}})
     e.add_peer_segment(peer.desc)
@@ -51,7 +52,7 @@ def test_remote_peer_uses_tcp(make_engine: Any, make_peer: Any, size: int) -> No
     dst = np.zeros(size, np.uint8)
     st = e.transfer([TransferRequest(R, dst, peer.segment_id, off, size)], 60)
     assert st[0].ok and st[0].transport == "tcp", st
-    assert zlib.crc32(dst) == zlib.crc32(fill_pattern(3, 64 * MiB + 4096)[off:off + size])
+    assert zlib.crc32(dst) == zlib.crc32(fill_pattern(3, seg_size)[off:off + size])
     src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
     st = e.transfer([TransferRequest(W, memoryview(src), peer.segment_id, 1, size)], 60)
     assert st[0].ok and st[0].transport == "tcp"
@@ -200,3 +201,35 @@ def test_frozen_peer_times_out_at_deadline(make_engine: Any, make_peer: Any) -> 
     # the peer answers again: a fresh connection serves it (no stale replies mix in)
     st2 = e.transfer([TransferRequest(R, buf, peer.segment_id, 0, 4096)], 5)
     assert st2[0].ok, st2
+
+
+def test_server_stopped_mid_batch_fails_over_and_completes(make_engine: Any,
+                                                           make_peer: Any) -> None:
+    size = 64 * MiB
+    peer = make_peer(size, host_id="host-test")
+    peer.cmd("fill 13")
+    e = make_engine("host-test", overrides={
+        "rules": [{"name": "tcp-first", "kind": "memory", "transports": ["tcp", "shm"]}],
+        # small chunks, one in flight: the batch takes long enough to be cut mid-way
+        "transports": {"tcp": {"timeout_s": 10.0, "retries": 0, "chunk_size": "64KiB",
+                               "window": 1, "threads": 1}}})
+    e.add_peer_segment(peer.desc)
+    dst = np.zeros(size, np.uint8)
+    n = 64
+    step = size // n
+    h = e.submit([TransferRequest(R, dst, peer.segment_id, i * step, step,
+                                  buffer_offset=i * step) for i in range(n)])
+    deadline = time.monotonic() + 10
+    while sum(s.ok for s in h.status()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    t0 = time.monotonic()
+    peer.cmd("stop-server")
+    assert h.wait(10), "batch hung after the server stopped"
+    assert time.monotonic() - t0 < 5  # disconnect noticed, not the 10 s deadline
+    st = h.status()
+    assert all(s.ok for s in st), [s for s in st if not s.ok][:2]
+    via = [s.transport for s in st]
+    assert "tcp" in via and "shm" in via, via
+    moved = [s for s in st if s.transport == "shm"]
+    assert all(s.errors and s.errors[0].startswith("tcp:") for s in moved)
+    assert zlib.crc32(dst) == zlib.crc32(fill_pattern(13, size))
