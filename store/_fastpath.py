@@ -39,7 +39,7 @@ def host_array(buf: Any) -> np.ndarray | None:
             addr, n = int(buf[0]), int(buf[1])
             if n == 0:
                 return np.empty(0, np.uint8)
-            return np.frombuffer((ctypes.c_uint8 * n).from_address(addr), dtype=np.uint8)
+            return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
         if isinstance(buf, memoryview):
             return np.frombuffer(buf, dtype=np.uint8) if buf.c_contiguous else None
         host_view = getattr(buf, "host_view", None)

@@ -339,12 +339,21 @@ class Client:
         if not segments:
             return
         for seg_id, wire in segments.items():
-            if seg_id in self._known:
+            known = self._known.get(seg_id)
+            if known is not None and known.name == wire.get("name") \
+                    and known.client_id == wire.get("client_id"):
                 continue
             desc = SegmentDescriptor.from_wire(wire)
             with self._known_lock:
-                if seg_id in self._known:
-                    continue
+                known = self._known.get(seg_id)
+                if known is not None:
+                    if known.name == desc.name and known.client_id == desc.client_id:
+                        continue
+                    # the id now names another region (its owner came back with
+                    # the same segment id): drop every cached mapping of the old one
+                    self._engine.remove_peer_segment(seg_id)
+                    if self._inline is not None and seg_id not in self._own_descs:
+                        self._inline.forget(seg_id)
                 self._engine.add_peer_segment(desc)
                 self._known[seg_id] = desc
 

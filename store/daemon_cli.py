@@ -20,6 +20,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--host-id", default=None, help="host identity (default: hostname)")
     p.add_argument("--bind-host", default=None, help="transfer server address (127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="transfer server port (0 = any)")
+    p.add_argument("--segment-id", default=None,
+                   help="segment id (default: <host-id>:<transfer port>)")
     p.add_argument("--disk-dir", default=None, help="directory for the SSD tier")
     p.add_argument("--disk", default=None, help="SSD tier size, e.g. 200GiB")
     p.add_argument("--no-prefault", action="store_true", help="do not pre-fault the segment")
@@ -39,6 +41,7 @@ def _main(args: argparse.Namespace) -> int:
         "host_id": args.host_id,
         "bind_host": args.bind_host,
         "transfer_port": args.port,
+        "segment_id": args.segment_id,
         "disk_dir": args.disk_dir,
         "disk_size": parse_size(args.disk) if args.disk is not None else None,
         "prefault": False if args.no_prefault else None,

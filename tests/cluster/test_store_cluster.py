@@ -197,3 +197,22 @@ def test_demo_runs() -> None:
     assert "p50 ms" in out.stdout and "hit rate" in out.stdout
     m = re.search(r"still readable and intact: (\d+)/(\d+)", out.stdout)
     assert m is not None and m.group(1) == m.group(2) and int(m.group(2)) >= 4
+
+
+def test_daemon_restart_with_same_segment_id(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A segment id that comes back naming a new shm region must not be served
+    from the client's cached mapping of the old one."""
+    with MasterProcess(data_dir=str(tmp_path / "m"), client_ttl_s=2) as m, \
+            NodeDaemonProcess(m.address, "8MiB", extra_args=["--segment-id", "fixed-seg"],
+                              log_dir=str(tmp_path / "d")) as d, \
+            Client(ClientConfig(master_address=m.address, checksum="crc32")) as c:
+        c.put("before", b"1" * 5000)
+        old_shm = d.info["shm_names"][0]
+        d.restart()
+        assert d.segment_ids == ["fixed-seg"] and d.info["shm_names"][0] != old_shm
+        with pytest.raises(Exception):  # noqa: B017 - gone with the old region
+            c.get("before")
+        c.put("after", b"2" * 5000)
+        with Client(ClientConfig(master_address=m.address)) as fresh:
+            assert fresh.get("after") == b"2" * 5000
+        assert c.get("after") == b"2" * 5000
