@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""SSD-tier benchmark: file-segment WRITE and READ through the transfer engine
+(``posix``, and ``gds`` where kvikio can run) against the disk limit measured
+in the same run.
+
+For each size (1 MiB, 16 MiB) and batch (1, 8): the engine writes
+``--total`` bytes into a :class:`FileSegment` (4 KiB-aligned buffers, so the
+posix transport takes its O_DIRECT path; the final fdatasync is inside the
+timing) and reads them back **cold**: the page cache is dropped before every
+read pass (``/proc/sys/vm/drop_caches`` where permitted, else
+``posix_fadvise(DONTNEED)`` on the file after a sync; O_DIRECT reads bypass it
+anyway). ``posix-buffered`` repeats with unaligned buffers (the page-cache
+path, reads still cold). The limit, transport ``disk``, is a plain
+O_DIRECT ``pwrite``/``pread`` loop over a separate file of the same size with
+the same request size, in the same run.
+
+    python scripts/bench_tier.py --json out/bench_tier.json [--dir DIR] [--total 128MiB]
+        [--rounds 3]
+
+JSON: list of {transport, op, size, batch, gbps, ops_per_s, p50_us, p99_us}
+(gbps = GB/s, 1e9 bytes; latency = one batch). Target: posix >= 0.9x disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from kvpool.master.common import parse_size
+from kvpool.transfer import TransferEngine, TransferOp, TransferRequest, load_transfer_config
+from kvpool.transfer.file_segment import FileSegment
+
+SIZES = [1 << 20, 16 << 20]
+BATCHES = [1, 8]
+
+
+def _record(transport: str, op: str, size: int, batch: int, lat: list[float]) -> dict[str, Any]:
+    total = sum(lat)
+    arr = np.array(lat) * 1e6
+    return {
+        "transport": transport, "op": op, "size": size, "batch": batch,
+        "gbps": round(size * batch * len(lat) / total / 1e9, 3) if total else 0.0,
+        "ops_per_s": round(batch * len(lat) / total, 1) if total else 0.0,
+        "p50_us": round(float(np.percentile(arr, 50)), 1),
+        "p99_us": round(float(np.percentile(arr, 99)), 1),
+    }
+
+
+def _aligned(n: int) -> np.ndarray:
+    """Page-aligned (anonymous mmap) uint8 buffer, pre-faulted."""
+    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    arr[:] = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    return arr
+
+
+def drop_cache(fd: int) -> str:
+    """Drop the page cache for ``fd``'s file; return the method used."""
+    os.fsync(fd)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return "fadvise"
+
+
+Lat = dict[tuple[str, str], list[float]]
+
+
+def bench_disk(path: str, size: int, batch: int, total: int, buf: np.ndarray,
+               acc: Lat) -> None:
+    """Plain O_DIRECT pwrite/pread loop: the disk limit."""
+    n_ops = max(1, total // (size * batch))
+    span = size * batch * n_ops
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, span)
+        for op in ("write", "read"):
+            if op == "read":
+                drop_cache(fd)
+            lat: list[float] = []
+            for k in range(n_ops):
+                t0 = time.perf_counter()
+                for j in range(batch):
+                    pos = (k * batch + j) * size
+                    mv = buf[j * size:(j + 1) * size].data
+                    if op == "write":
+                        os.pwritev(fd, [mv], pos)
+                    else:
+                        os.preadv(fd, [mv], pos)
+                if op == "write" and k == n_ops - 1:
+                    os.fdatasync(fd)
+                lat.append(time.perf_counter() - t0)
+            acc.setdefault(("disk", op), []).extend(lat)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def bench_engine(engine: TransferEngine, seg: FileSegment, transport: str, label: str,
+                 size: int, batch: int, total: int, buf: np.ndarray, acc: Lat,
+                 buf_shift: int = 0) -> None:
+    n_ops = max(1, min(total // (size * batch), seg.size // (size * batch)))
+    for op in (TransferOp.WRITE, TransferOp.READ):
+        if op is TransferOp.READ:
+            drop_cache(seg.io.fd)
+        lat: list[float] = []
+        for k in range(n_ops):
+            reqs = [TransferRequest(op, buf, seg.segment_id, (k * batch + j) * size, size,
+                                    buffer_offset=buf_shift + j * size, transport=transport)
+                    for j in range(batch)]
+            t0 = time.perf_counter()
+            st = engine.transfer(reqs, timeout=120)
+            if op is TransferOp.WRITE and k == n_ops - 1:
+                seg.sync()
+            lat.append(time.perf_counter() - t0)
+            bad = [s for s in st if not s.ok]
+            if bad:
+                raise RuntimeError(f"{label} {op.name} failed: {bad[0].errors}")
+        acc.setdefault((label, op.name.lower()), []).extend(lat)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None, help="write the records here")
+    ap.add_argument("--dir", default=None, help="directory on the disk to test "
+                    "(default: a temp dir under /var/tmp)")
+    ap.add_argument("--total", default="128MiB", help="bytes moved per measurement and round")
+    ap.add_argument("--sizes", default="1MiB,16MiB")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per point")
+    ap.add_argument("--no-buffered", action="store_true", help="skip posix-buffered")
+    args = ap.parse_args(argv)
+    total = parse_size(args.total)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    base = tempfile.mkdtemp(prefix="kvpool-bench-tier-", dir=args.dir or "/var/tmp")
+    max_span = max(s * b for s in sizes for b in batches)
+    seg_size = max(total, max_span)
+    records: list[dict[str, Any]] = []
+    buf = _aligned(max_span + 4096)
+    engine = TransferEngine(load_transfer_config(), "bench-host")
+    seg = FileSegment.open(base, seg_size)
+    try:
+        engine.add_local_segment(seg)
+        transports = ["posix"]
+        if engine.transports().get("gds", (False, ""))[0]:
+            transports.append("gds")
+        else:
+            print(f"# gds skipped: {engine.transports().get('gds', (False, 'n/a'))[1]}",
+                  file=sys.stderr)
+        method = drop_cache(seg.io.fd)
+        print(f"# cold reads via {method}; dir {base}; O_DIRECT "
+              f"{'on' if seg.io.has_direct else 'off: ' + seg.io.direct_reason}",
+              file=sys.stderr)
+        for size in sizes:
+            for batch in batches:
+                # rounds alternate limit and engine so both see the same disk weather
+                acc: Lat = {}
+                for _ in range(args.rounds):
+                    bench_disk(os.path.join(base, "limit.dat"), size, batch, total, buf, acc)
+                    for t in transports:
+                        bench_engine(engine, seg, t, t, size, batch, total, buf, acc)
+                    if not args.no_buffered:
+                        bench_engine(engine, seg, "posix", "posix-buffered", size, batch,
+                                     total, buf, acc, buf_shift=1)
+                records += [_record(label, op, size, batch, lat)
+                            for (label, op), lat in acc.items()]
+    finally:
+        engine.close()
+        seg.close()
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"{'transport':<15} {'op':<6} {'size':>9} {'batch':>5} {'GB/s':>7} {'ops/s':>8} "
+          f"{'p50_us':>9} {'p99_us':>9} {'x disk':>7}")
+    limits = {(r["op"], r["size"], r["batch"]): r["gbps"] for r in records
+              if r["transport"] == "disk"}
+    for r in records:
+        lim = limits.get((r["op"], r["size"], r["batch"])) or 0
+        ratio = f"{r['gbps'] / lim:.2f}" if lim else "-"
+        print(f"{r['transport']:<15} {r['op']:<6} {r['size']:>9} {r['batch']:>5} "
+              f"{r['gbps']:>7.2f} {r['ops_per_s']:>8.0f} {r['p50_us']:>9.0f} "
+              f"{r['p99_us']:>9.0f} {ratio:>7}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
