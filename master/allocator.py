@@ -4,7 +4,7 @@ The free space is two parallel views kept in sync with ``bisect``:
 ``_starts``/``_lens`` sorted by offset (for coalescing neighbours on free) and
 ``_by_size`` sorted by ``(length, offset)`` (for best fit). Every operation is
 O(log n) searches plus a C-level list insert/delete. Allocations themselves
-are not recorded: the caller frees with the same ``(offset, size)`` it got,
+are not recorded: the caller releases with the same ``(offset, size)`` it got,
 which keeps per-object memory at zero here.
 """
 
@@ -21,11 +21,11 @@ class Allocator:
     """Allocate aligned ranges of ``[0, capacity)``.
 
     ``alignment`` (a power of two) rounds every size up and keeps every offset
-    aligned. ``allocate`` returns an offset or -1; ``free`` and ``reserve``
+    aligned. ``allocate`` returns an offset or -1; ``release`` and ``reserve``
     raise INVALID_PARAMS on ranges that are not currently allocated / free.
     """
 
-    __slots__ = ("_by_size", "_lens", "_starts", "alignment", "capacity", "used")
+    __slots__ = ("_by_size", "_lens", "_starts", "alignment", "capacity", "free", "used")
 
     def __init__(self, capacity: int, alignment: int = 64) -> None:
         if alignment <= 0 or alignment & (alignment - 1):
@@ -33,6 +33,7 @@ class Allocator:
         self.alignment = alignment
         self.capacity = capacity - capacity % alignment
         self.used = 0
+        self.free = self.capacity  # capacity - used, kept as a slot for fast max()
         self._starts: list[int] = []
         self._lens: list[int] = []
         self._by_size: list[tuple[int, int]] = []
@@ -75,6 +76,7 @@ class Allocator:
             self._lens[i] = length - need
             insort(by_size, (length - need, off + need))
         self.used += need
+        self.free -= need
         return off
 
     def reserve(self, off: int, size: int) -> None:
@@ -93,8 +95,9 @@ class Allocator:
         if start + length > end:
             self._add_free(end, start + length - end)
         self.used += need
+        self.free -= need
 
-    def free(self, off: int, size: int) -> None:
+    def release(self, off: int, size: int) -> None:
         """Return a range obtained from ``allocate``/``reserve``; coalesces neighbours."""
         need = self.aligned(max(size, 1))
         if off < 0 or off + need > self.capacity or off % self.alignment:
@@ -117,6 +120,7 @@ class Allocator:
             self._del_free_at(i - 1)
         self._add_free(start, end - start)
         self.used -= need
+        self.free += need
 
     @property
     def free_bytes(self) -> int:
@@ -147,4 +151,4 @@ class Allocator:
             if k:
                 assert self._starts[k - 1] + self._lens[k - 1] < self._starts[k], "uncoalesced"
             total += self._lens[k]
-        assert total == self.capacity - self.used
+        assert total == self.capacity - self.used == self.free

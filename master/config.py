@@ -43,6 +43,7 @@ class MasterConfig:
     snapshot_interval_s: float = 300.0  # 0 disables periodic snapshots
     snapshot_min_journal_records: int = 1  # skip a periodic snapshot when nothing changed
     snapshot_keep: int = 2
+    snapshot_slice_ms: float = 4.0  # loop time spent serializing a snapshot per iteration
     journal_fsync: FsyncPolicy = FsyncPolicy.INTERVAL
     journal_fsync_interval_ms: int = 100
     max_key_length: int = 4096
@@ -75,6 +76,8 @@ class MasterConfig:
             raise ConfigError("client_ttl_s must be > 0")
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ConfigError("ports must be in [0, 65535]")
+        if self.snapshot_slice_ms <= 0:
+            raise ConfigError("snapshot_slice_ms must be > 0")
         if self.snapshot_interval_s < 0:
             raise ConfigError("snapshot_interval_s must be >= 0")
 

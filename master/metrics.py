@@ -106,7 +106,7 @@ class MasterCollector(Collector):
         g.add_metric([], s.last_snapshot_duration_s)
         yield g
         g = GaugeMetricFamily("kvpool_master_snapshot_pause_seconds",
-                              "RPC pause of the last snapshot (fork in the parent)")
+                              "loop pause to start the last snapshot")
         g.add_metric([], s.last_snapshot_pause_ms / 1000)
         yield g
         g = GaugeMetricFamily("kvpool_master_max_loop_seconds", "longest loop iteration")

@@ -6,8 +6,8 @@ write, fsync per policy), and only then sends the replies. Timers (client
 expiry, purge of dropped segments, pending-put sweep, journal fsync,
 snapshots) run between iterations in bounded slices so the loop never stalls.
 
-Snapshots fork: the parent rotates to a new journal and keeps serving; the
-child writes the snapshot of the forked (copy-on-write) state and exits.
+Snapshots are fuzzy and incremental (journal.py): rotate the journal, then
+serialize a few ms of objects per loop iteration; a thread writes the file.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, Pending, SegS
 from kvpool.master.errors import ErrorCode, KVPoolError
 from kvpool.master.journal import (
     Journal,
+    SnapshotWriter,
     list_journals,
     list_snapshots,
     read_journal,
     read_snapshot,
-    write_snapshot,
 )
 from kvpool.master.protocol import Op, SegmentDescriptor, decode_frame, encode_frame
 
@@ -101,11 +101,13 @@ class MasterServer:
         self.dir = Directory(cfg)
         self.journal: Journal | None = None
         self._stop = False
-        self._snap_child: tuple[int, int, float] | None = None
+        self._snapshot: SnapshotWriter | None = None
         self._snap_requested = False
         self._last_snapshot = time.monotonic()
         self.snapshot_count = 0
-        self.last_snapshot_pause_ms = 0.0
+        self.last_snapshot_pause_ms = 0.0  # wall time of the loop pause to start one
+        self.last_snapshot_pause_cpu_ms = 0.0  # the same in loop-thread CPU time
+        self.max_snapshot_step_ms = 0.0
         self.last_snapshot_duration_s = 0.0
         self.max_loop_ms = 0.0
         self.ops: dict[str, int] = {}
@@ -117,9 +119,19 @@ class MasterServer:
         self._handlers: dict[int, tuple[str, Handler]] = {
             op: (op.name, getattr(self, "_op_" + op.name.lower())) for op in Op
         }
+        # The directory is millions of long-lived, cycle-free objects: full GC
+        # passes over them would stall the loop for 100s of ms. Collect young
+        # objects rarely and freeze survivors (frozen objects are still freed
+        # by refcounting; they are just never scanned).
+        gc.set_threshold(50000, 50, 1000)
         if cfg.data_dir:
             os.makedirs(cfg.data_dir, exist_ok=True)
-            self._restore()
+            gc.disable()
+            try:
+                self._restore()
+            finally:
+                gc.enable()
+        gc.freeze()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -191,51 +203,43 @@ class MasterServer:
         self._snap_requested = True
 
     def _start_snapshot(self) -> None:
-        if self.journal is None or self._snap_child is not None:
+        """Rotate the journal and start a fuzzy snapshot (see journal.py)."""
+        if self.journal is None or self._snapshot is not None:
             return
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         new_seq = self.journal.seq + 1
-        self.journal.rotate(new_seq)
+        old_fd = self.journal.rotate(new_seq, sync=False)
         d = self.dir
-        segments = d.segment_wires()
-        n = len(d.objects)
-        gc.freeze()  # keep the child's GC from touching (and copying) every page
-        pid = os.fork()
-        if pid == 0:  # child: write and leave without running any parent cleanup
-            code = 1
-            try:
-                gc.disable()
-                write_snapshot(self.cfg.data_dir or ".", new_seq, segments, d.snapshot_items(), n)
-                code = 0
-            except BaseException:
-                log.exception("snapshot child failed")
-            finally:
-                os._exit(code)
-        gc.unfreeze()
+        # the key list copy is the only O(n) step on the loop (~ms per 1M keys)
+        self._snapshot = SnapshotWriter(self.cfg.data_dir or ".", new_seq, d.segment_wires(),
+                                        list(d.objects), old_fd)
         self.last_snapshot_pause_ms = (time.perf_counter() - t0) * 1000
-        self._snap_child = (pid, new_seq, time.monotonic())
+        self.last_snapshot_pause_cpu_ms = (time.thread_time() - c0) * 1000
         self._last_snapshot = time.monotonic()
-        log.info("snapshot %d started (pid %d, %d objects, pause %.1f ms)", new_seq, pid, n,
-                 self.last_snapshot_pause_ms)
+        log.info("snapshot %d started (%d objects, pause %.1f ms)", new_seq,
+                 len(self._snapshot.keys), self.last_snapshot_pause_ms)
 
-    def _poll_snapshot(self, block: bool = False) -> None:
-        if self._snap_child is None:
+    def _snapshot_step(self) -> None:
+        snap = self._snapshot
+        if snap is None:
             return
-        pid, seq, t0 = self._snap_child
-        try:
-            done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            done, status = pid, 1
-        if done == 0:
+        t0 = time.perf_counter()
+        snap.step(self.dir.snapshot_record, self.cfg.snapshot_slice_ms / 1000.0)
+        step_ms = (time.perf_counter() - t0) * 1000
+        if step_ms > self.max_snapshot_step_ms:
+            self.max_snapshot_step_ms = step_ms
+        if not snap.done.is_set():
             return
-        self._snap_child = None
-        self.last_snapshot_duration_s = time.monotonic() - t0
-        if os.waitstatus_to_exitcode(status) != 0:
-            log.error("snapshot %d failed (status %d); journals kept", seq, status)
+        self._snapshot = None
+        self.last_snapshot_duration_s = time.monotonic() - snap.started
+        if snap.error is not None:
+            log.error("snapshot %d failed: %s; journals kept", snap.seq, snap.error)
             return
         self.snapshot_count += 1
-        self._compact(seq)
-        log.info("snapshot %d written in %.2fs", seq, self.last_snapshot_duration_s)
+        self._compact(snap.seq)
+        log.info("snapshot %d written (%d objects) in %.2fs", snap.seq, snap.count,
+                 self.last_snapshot_duration_s)
 
     def _compact(self, seq: int) -> None:
         """Keep the newest ``snapshot_keep`` snapshots and the journals they need."""
@@ -291,19 +295,19 @@ class MasterServer:
         handle = self.handle_frames
         journal = self.journal
         d = self.dir
-        next_expiry = next_sweep = time.monotonic()
+        next_expiry = next_sweep = next_freeze = time.monotonic()
         while not self._stop:
-            timeout = 0 if d.purge_pending else 50
+            timeout = 0 if d.purge_pending or self._snapshot is not None else 50
             if not poller.poll(timeout):
                 replies: list[list[bytes]] = []
             else:
                 t_start = time.perf_counter()
                 replies = []
                 for _ in range(_DRAIN):
-                    try:
-                        frames = recv(zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
+                    # check EVENTS rather than catching zmq.Again (exceptions are slow)
+                    if not sock.get(zmq.EVENTS) & zmq.POLLIN:
                         break
+                    frames = recv(zmq.NOBLOCK, copy=True)
                     out = handle(frames)
                     if out is not None:
                         replies.append(out)
@@ -330,13 +334,16 @@ class MasterServer:
             if now >= next_sweep:
                 next_sweep = now + 1.0
                 d.sweep_pending()
+            if now >= next_freeze:
+                next_freeze = now + 5.0
+                gc.freeze()  # O(1): moves survivors out of the scanned generations
             if journal is not None:
                 if d.records:  # expiry/sweep changes
                     journal.append_many(d.records)
                     d.records.clear()
                     journal.commit()
                 journal.maybe_fsync()
-                self._poll_snapshot()
+                self._snapshot_step()
                 if self._snap_requested or (
                         self.cfg.snapshot_interval_s
                         and now - self._last_snapshot >= self.cfg.snapshot_interval_s
@@ -354,7 +361,9 @@ class MasterServer:
                 self.journal.append_many(self.dir.records)
                 self.dir.records.clear()
             self.journal.close()
-            self._poll_snapshot(block=True)
+            if self._snapshot is not None:
+                self._snapshot.abort()
+                self._snapshot = None
             self.journal = None
         if self._http is not None:
             self._http.shutdown()
@@ -502,8 +511,11 @@ class MasterServer:
         s.update(uptime_s=time.monotonic() - self.started, version=__version__,
                  snapshots=self.snapshot_count,
                  last_snapshot_pause_ms=self.last_snapshot_pause_ms,
+                 last_snapshot_pause_cpu_ms=self.last_snapshot_pause_cpu_ms,
+                 max_snapshot_step_ms=self.max_snapshot_step_ms,
+                 loadavg=os.getloadavg()[0],
                  last_snapshot_duration_s=self.last_snapshot_duration_s,
-                 snapshot_in_progress=self._snap_child is not None,
+                 snapshot_in_progress=self._snapshot is not None,
                  restored_objects=self.restored_objects,
                  max_loop_ms=self.max_loop_ms,
                  journal_seq=self.journal.seq if self.journal else None,
@@ -520,6 +532,11 @@ class MasterServer:
         size = item.get("size")
         if type(size) is not int or size <= 0 or size > self.cfg.max_object_size:
             return [int(ErrorCode.INVALID_PARAMS), "size must be an int in [1, max_object_size]"]
+        if len(item) == 2:  # only key and size: defaults (the hot path skips the rest)
+            code, p = self.dir.put_start(client_id, key, size)
+            if code:
+                return [int(code), None]
+            return [0, self._replicas_wire(p, _PROCESSING, segs)]
         rn = item.get("replica_num", 1)
         dn = item.get("disk_replica_num", 0)
         maxr = self.cfg.max_replica_num
@@ -548,6 +565,12 @@ class MasterServer:
         if reps is None:
             reps = p.replicas
         size = p.size
+        if len(reps) == 2:
+            seg = reps[0]
+            sid = seg.id
+            if sid not in segs:
+                segs[sid] = seg.wire
+            return [[sid, reps[1], size, status, _EMPTY]]
         out = []
         for i in range(0, len(reps), 2):
             seg = reps[i]

@@ -24,7 +24,7 @@ def test_coalescing_restores_one_block() -> None:
     a = Allocator(64 * 10, alignment=64)
     offs = [a.allocate(64) for _ in range(10)]
     for i in (1, 3, 5, 7, 9, 0, 2, 4, 6, 8):  # frees in an order that needs both merges
-        a.free(offs[i], 64)
+        a.release(offs[i], 64)
         a.check()
     assert a.free_blocks == 1 and a.largest_free == 640 and a.used == 0
     assert a.fragmentation() == 0.0
@@ -36,8 +36,8 @@ def test_best_fit_and_fragmentation() -> None:
     y = a.allocate(64)
     z = a.allocate(256)
     a.allocate(64)
-    a.free(x, 1024)
-    a.free(z, 256)
+    a.release(x, 1024)
+    a.release(z, 256)
     assert a.fragmentation() > 0
     # best fit: a 200-byte request takes the 256 hole, not the 1024 one
     assert a.allocate(200) == z
@@ -49,13 +49,13 @@ def test_best_fit_and_fragmentation() -> None:
 def test_double_free_and_bad_ranges_rejected() -> None:
     a = Allocator(4096, alignment=64)
     off = a.allocate(128)
-    a.free(off, 128)
+    a.release(off, 128)
     with pytest.raises(KVPoolError):
-        a.free(off, 128)
+        a.release(off, 128)
     with pytest.raises(KVPoolError):
-        a.free(5000, 64)
+        a.release(5000, 64)
     with pytest.raises(KVPoolError):
-        a.free(3, 64)
+        a.release(3, 64)
     a.check()
 
 
@@ -68,7 +68,7 @@ def test_reserve_carves_exact_ranges() -> None:
     with pytest.raises(KVPoolError):
         a.reserve(192, 64)  # overlaps
     assert a.allocate(64) == 64
-    a.free(128, 100)
+    a.release(128, 100)
     a.check()
 
 
@@ -86,7 +86,7 @@ def test_random_alloc_free_stays_consistent() -> None:
     for _ in range(3000):
         if live and rng.random() < 0.45:
             off, size = live.pop(rng.randrange(len(live)))
-            a.free(off, size)
+            a.release(off, size)
         else:
             size = rng.randint(1, 20000)
             off = a.allocate(size)
@@ -98,6 +98,6 @@ def test_random_alloc_free_stays_consistent() -> None:
     a.check()
     assert a.used == sum(a.aligned(s) for _, s in live)
     for off, size in live:
-        a.free(off, size)
+        a.release(off, size)
     a.check()
     assert a.used == 0 and a.free_blocks == 1

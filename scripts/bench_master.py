@@ -1,0 +1,244 @@
+#!/usr/bin/env python
+"""Benchmark the master: batched metadata ops/s, RSS per object, snapshot pause.
+
+Runs a real ``kvpool master`` subprocess (with a data dir: journal on, fsync
+``interval``) and drives it over loopback TCP with MasterClient.
+
+- ops/s at batch 1 and 128 for put (put_start + put_end = 2 key-ops per
+  object), get_replica_list and exist. Reported per wall second and per
+  second of master CPU time (``master_cpu_key_ops_per_s``: what one core of
+  master achieves; the client shares this 2-core box).
+- RSS bytes per object: master RSS growth / objects after filling
+  ``--objects`` (default 1M) objects with 40-char keys, one replica each.
+- snapshot pause: a (fuzzy, incremental) snapshot of those objects is taken
+  (SIGUSR1) while a pinger measures PING latency; reports the loop pause to
+  start it (wall and CPU: the key-list copy), the longest serialization slice,
+  and the worst PING latency seen during vs. before the snapshot. Wall-clock
+  numbers are only meaningful on an idle box (the 1-min load is recorded).
+
+Usage: scripts/bench_master.py --json OUT [--objects 1000000] [--seconds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import psutil
+
+from kvpool.master.protocol import Op, SegmentKind
+from kvpool.master.rpc_client import MasterClient
+from kvpool.master.testing import MasterProcess, segment_wire
+
+TARGETS = {"key_ops_per_s": 200_000, "rss_bytes_per_object": 400, "snapshot_pause_ms": 20}
+
+
+def key(prefix: str, i: int) -> str:
+    return f"{prefix}-{i:012d}-{(i * 2654435761) & 0xFFFFFFFF:08x}-kvpool-b"[:40]
+
+
+class Meter:
+    def __init__(self, pid: int) -> None:
+        self.proc = psutil.Process(pid)
+
+    def cpu(self) -> float:
+        t = self.proc.cpu_times()
+        return t.user + t.system
+
+    def rss(self) -> int:
+        return int(self.proc.memory_info().rss)
+
+
+def run_phase(c: MasterClient, meter: Meter, name: str, batch: int, seconds: float,
+              prefix: str, counter: list[int]) -> dict[str, Any]:
+    """Run one op kind for ``seconds``; return rates."""
+    n_keys = 0
+    key_ops = 0
+    t0 = time.perf_counter()
+    cpu0 = meter.cpu()
+    lat: list[float] = []
+    while time.perf_counter() - t0 < seconds:
+        start = counter[0]
+        keys = [key(prefix, start + j) for j in range(batch)]
+        t1 = time.perf_counter()
+        if name == "put":
+            counter[0] += batch
+            if batch == 1:
+                c.call(Op.PUT_START, client_id="bench", key=keys[0], size=4096)
+                c.call(Op.PUT_END, client_id="bench", key=keys[0])
+            else:
+                c.call(Op.BATCH_PUT_START, client_id="bench",
+                       items=[{"key": k, "size": 4096} for k in keys])
+                c.call(Op.BATCH_PUT_END, client_id="bench", keys=keys)
+            key_ops += 2 * batch
+        else:
+            # read keys that exist: cycle over what the put phase wrote
+            base = (counter[1] * batch) % max(counter[0] - batch, 1)
+            counter[1] += 1
+            keys = [key(prefix, base + j) for j in range(batch)]
+            op_single = Op.GET_REPLICA_LIST if name == "get_replica_list" else Op.EXIST
+            op_batch = (Op.BATCH_GET_REPLICA_LIST if name == "get_replica_list"
+                        else Op.BATCH_EXIST)
+            if batch == 1:
+                c.call(op_single, key=keys[0])
+            else:
+                c.call(op_batch, keys=keys)
+            key_ops += batch
+        lat.append(time.perf_counter() - t1)
+        n_keys += batch
+    wall = time.perf_counter() - t0
+    cpu = meter.cpu() - cpu0
+    return {
+        "op": name, "batch": batch, "keys": n_keys, "key_ops": key_ops,
+        "wall_s": round(wall, 3), "master_cpu_s": round(cpu, 3),
+        "key_ops_per_s": round(key_ops / wall),
+        "master_cpu_key_ops_per_s": round(key_ops / cpu) if cpu > 0 else None,
+        "rpc_p50_us": round(statistics.median(lat) * 1e6, 1),
+    }
+
+
+def fill(c: MasterClient, n: int, prefix: str, batch: int = 2048) -> float:
+    t0 = time.perf_counter()
+    for base in range(0, n, batch):
+        keys = [key(prefix, i) for i in range(base, min(n, base + batch))]
+        r = c.call(Op.BATCH_PUT_START, client_id="bench", timeout_s=60,
+                   items=[{"key": k, "size": 4096} for k in keys])
+        bad = [x for x in r["results"] if x[0] != 0]
+        if bad:
+            raise SystemExit(f"fill failed: {bad[:3]}")
+        c.call(Op.BATCH_PUT_END, client_id="bench", keys=keys, timeout_s=60)
+    return time.perf_counter() - t0
+
+
+def snapshot_pause(m: MasterProcess, c: MasterClient) -> dict[str, Any]:
+    lat: list[float] = []
+    stop = threading.Event()
+
+    def pinger() -> None:
+        with MasterClient(m.address, timeout_s=30) as pc:
+            while not stop.is_set():
+                t = time.perf_counter()
+                pc.call(Op.PING, client_id="bench")
+                lat.append(time.perf_counter() - t)
+                time.sleep(0.001)
+
+    th = threading.Thread(target=pinger, daemon=True)
+    th.start()
+    time.sleep(0.3)
+    base = len(lat)
+    snaps0 = c.call(Op.STATS)["snapshots"]
+    assert m.pid is not None
+    os.kill(m.pid, signal.SIGUSR1)
+    t0 = time.perf_counter()
+    while True:
+        st = c.call(Op.STATS, timeout_s=30)
+        if st["snapshots"] > snaps0 or time.perf_counter() - t0 > 300:
+            break
+        time.sleep(0.05)
+    during = lat[base:]
+    stop.set()
+    th.join(10)
+    before = sorted(lat[:base]) or [0.0]
+    return {
+        "start_pause_ms": round(st["last_snapshot_pause_ms"], 2),
+        "start_pause_cpu_ms": round(st["last_snapshot_pause_cpu_ms"], 2),
+        "max_step_ms": round(st["max_snapshot_step_ms"], 2),
+        "loadavg": round(st["loadavg"], 2),
+        "snapshot_duration_s": round(st["last_snapshot_duration_s"], 2),
+        "pings_during": len(during),
+        "ping_max_ms_during": round(max(during) * 1000, 2) if during else None,
+        "ping_p50_ms_before": round(before[len(before) // 2] * 1000, 3),
+        "ping_max_ms_before": round(before[-1] * 1000, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", help="write results here")
+    ap.add_argument("--objects", type=int, default=1_000_000, help="objects for RSS/snapshot")
+    ap.add_argument("--seconds", type=float, default=2.0, help="seconds per ops/s phase")
+    ap.add_argument("--fsync", default="interval", help="journal fsync policy")
+    args = ap.parse_args(argv)
+
+    results: dict[str, Any] = {"targets": TARGETS, "objects": args.objects,
+                               "key_length": 40, "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-master-") as data:
+        with MasterProcess(data_dir=data, client_ttl_s=3600, start_timeout_s=300,
+                           extra_args=["--snapshot-interval-s", "0", "--journal-fsync",
+                                       args.fsync]) as m, \
+                MasterClient(m.address, timeout_s=30) as c:
+            assert m.pid is not None
+            meter = Meter(m.pid)
+            for i in range(4):  # 4 x 64 TiB: capacity never limits the benchmark
+                c.call(Op.MOUNT_SEGMENT, client_id="bench",
+                       segment=segment_wire(f"bench-seg-{i}", "bench", 64 << 40,
+                                            SegmentKind.MEMORY))
+            phases = []
+            counter = [0, 0]
+            for batch in (1, 128):
+                prefix = f"b{batch}"
+                counter = [0, 0]
+                for name in ("put", "get_replica_list", "exist"):
+                    r = run_phase(c, meter, name, batch, args.seconds, prefix, counter)
+                    phases.append(r)
+                    print(f"{name:17s} batch {batch:4d}: {r['key_ops_per_s']:>9,} key-ops/s wall, "
+                          f"{r['master_cpu_key_ops_per_s'] or 0:>9,} per master-CPU-s, "
+                          f"p50 {r['rpc_p50_us']} us", file=sys.stderr)
+            results["ops"] = phases
+            c.call(Op.REMOVE_ALL, force=True)
+            time.sleep(0.2)
+            rss0 = meter.rss()
+            fill_s = fill(c, args.objects, "obj")
+            time.sleep(0.2)
+            rss1 = meter.rss()
+            st = c.call(Op.STATS)
+            per_obj = (rss1 - rss0) / max(st["objects"], 1)
+            results["memory"] = {"objects": st["objects"], "rss_before": rss0, "rss_after": rss1,
+                                 "rss_bytes_per_object": round(per_obj, 1),
+                                 "fill_s": round(fill_s, 2),
+                                 "fill_objects_per_s": round(args.objects / fill_s)}
+            print(f"RSS per object at {st['objects']:,}: {per_obj:.0f} B "
+                  f"(fill {args.objects / fill_s:,.0f} obj/s)", file=sys.stderr)
+            snap = snapshot_pause(m, c)
+            results["snapshot"] = snap
+            print(f"snapshot: start pause {snap['start_pause_ms']} ms wall / "
+                  f"{snap['start_pause_cpu_ms']} ms CPU, longest slice {snap['max_step_ms']} ms, "
+                  f"worst PING during {snap['ping_max_ms_during']} ms (before: "
+                  f"{snap['ping_max_ms_before']} ms), written in {snap['snapshot_duration_s']} s, "
+                  f"load {snap['loadavg']}", file=sys.stderr)
+            t0 = time.perf_counter()
+            m.kill()
+            m.start()
+            results["snapshot"]["restart_restore_s"] = round(time.perf_counter() - t0, 2)
+            with MasterClient(m.address, timeout_s=30) as c2:
+                results["snapshot"]["restored_objects"] = c2.call(Op.STATS)["restored_objects"]
+    best = max((p["master_cpu_key_ops_per_s"] or 0) for p in results["ops"] if p["batch"] == 128)
+    results["summary"] = {
+        "batched_key_ops_per_master_cpu_s_best": best,
+        "batched_key_ops_per_s_wall": {p["op"]: p["key_ops_per_s"] for p in results["ops"]
+                                       if p["batch"] == 128},
+        "rss_bytes_per_object": results["memory"]["rss_bytes_per_object"],
+        "snapshot_pause_ms": results["snapshot"]["start_pause_ms"],
+        "snapshot_pause_cpu_ms": results["snapshot"]["start_pause_cpu_ms"],
+        "snapshot_max_slice_ms": results["snapshot"]["max_step_ms"],
+        "loadavg_1m": os.getloadavg()[0],
+        "snapshot_ping_max_ms": results["snapshot"]["ping_max_ms_during"],
+    }
+    out = json.dumps(results, indent=2)
+    print(out)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(out + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
