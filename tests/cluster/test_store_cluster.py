@@ -20,7 +20,7 @@ from kvpool.master.errors import ErrorCode
 from kvpool.master.protocol import Op
 from kvpool.master.testing import MasterProcess
 from kvpool.store import Client, ClientConfig, ReplicateConfig
-from kvpool.store.errors import LeaseExpired
+from kvpool.store.errors import LeaseExpired, ObjectNotFound
 from kvpool.store.testing import NodeDaemonProcess
 
 
@@ -210,7 +210,7 @@ def test_daemon_restart_with_same_segment_id(tmp_path) -> None:  # type: ignore[
         old_shm = d.info["shm_names"][0]
         d.restart()
         assert d.segment_ids == ["fixed-seg"] and d.info["shm_names"][0] != old_shm
-        with pytest.raises(Exception):  # noqa: B017 - gone with the old region
+        with pytest.raises(ObjectNotFound):  # left with the old region's clean unmount
             c.get("before")
         c.put("after", b"2" * 5000)
         with Client(ClientConfig(master_address=m.address)) as fresh:
