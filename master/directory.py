@@ -70,7 +70,7 @@ class SegState(IntEnum):
 class Segment:
     """A mounted segment and its allocator."""
 
-    __slots__ = ("alloc", "deadline", "desc", "id", "keys", "kind", "owner", "state", "wire")
+    __slots__ = ("alloc", "desc", "id", "keys", "kind", "owner", "state", "wire")
 
     def __init__(self, desc: SegmentDescriptor, alignment: int, state: SegState) -> None:
         self.id = desc.segment_id
@@ -80,7 +80,6 @@ class Segment:
         self.alloc = Allocator(max(desc.size - desc.base_offset, 0), alignment)
         self.keys: set[str] = set()
         self.state = state
-        self.deadline = 0.0  # AWAITING: drop after this monotonic time
         self.wire = desc.to_wire()
 
     def __repr__(self) -> str:
@@ -154,6 +153,9 @@ class Directory:
         self.pool_cap: dict[SegmentKind, int] = {_MEM: 0, _FILE: 0}
         self.clients: dict[str, float] = {}
         self.client_segments: dict[str, set[str]] = {}
+        # after a restart: owner client id -> ids of its segments awaiting it
+        self.awaiting: dict[str, set[str]] = {}
+        self.awaiting_deadline = 0.0
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Pending] = {}
         self.records: list[list[Any]] = []
@@ -218,6 +220,7 @@ class Directory:
                 raise KVPoolError(f"segment {desc.segment_id} differs from the restored one",
                                   ErrorCode.SEGMENT_MISMATCH)
             # re-adopt: same region, possibly a new owner id / endpoint
+            self._forget_awaiting(seg)
             self._deactivate(seg)
             desc.client_id = client_id
             seg.desc, seg.owner, seg.wire = desc, client_id, desc.to_wire()
@@ -246,6 +249,8 @@ class Directory:
     def drop_segment(self, seg: Segment, why: str) -> None:
         """Remove a segment now; its objects' replicas are purged in slices
         (``purge_step``); lookups already ignore it."""
+        if seg.state == SegState.AWAITING:
+            self._forget_awaiting(seg)
         self._deactivate(seg)
         seg.state = SegState.DEAD
         del self.segments[seg.id]
@@ -255,6 +260,13 @@ class Directory:
         log.info("dropped segment %s (%s)", seg.id, why)
         if self.journaling:
             self.records.append([Rec.DROP_SEGMENT, seg.id])
+
+    def _forget_awaiting(self, seg: Segment) -> None:
+        ids = self.awaiting.get(seg.owner)
+        if ids is not None:
+            ids.discard(seg.id)
+            if not ids:
+                del self.awaiting[seg.owner]
 
     def purge_step(self, budget: int) -> int:
         """Remove up to ``budget`` replicas of dropped segments; return the work left."""
@@ -296,9 +308,8 @@ class Directory:
         restart. Return (remount, segment_ids)."""
         known = client_id in self.clients
         self.clients[client_id] = self.clock()
-        owned = [s for s in self.segments.values()
-                 if s.owner == client_id and s.state == SegState.AWAITING] if not known else []
-        for seg in owned:
+        for sid in sorted(self.awaiting.pop(client_id, ())):
+            seg = self.segments[sid]
             self._activate(seg)
             log.info("owner %s is back: segment %s active again", client_id, seg.id)
         ids = sorted(self.client_segments.get(client_id, ()))
@@ -326,11 +337,13 @@ class Directory:
             log.info("client %s expired", client_id)
             if dropped >= budget:
                 break
-        if dropped < budget:
-            for seg in [s for s in self.segments.values()
-                        if s.state == SegState.AWAITING and s.deadline < now][:budget - dropped]:
-                self.drop_segment(seg, "owner did not return after restart")
-                dropped += 1
+        if self.awaiting and now > self.awaiting_deadline:
+            for owner in list(self.awaiting):
+                for sid in list(self.awaiting.get(owner, ())):
+                    if dropped >= budget:
+                        return dropped
+                    self.drop_segment(self.segments[sid], "owner did not return after restart")
+                    dropped += 1
         return dropped
 
     def sweep_pending(self) -> int:
@@ -733,10 +746,11 @@ class Directory:
 
     def finish_restore(self) -> None:
         """After replay: every segment awaits its owner for client_ttl."""
-        deadline = self.clock() + self.cfg.client_ttl_s
+        self.awaiting_deadline = self.clock() + self.cfg.client_ttl_s
+        self.awaiting.clear()
         for seg in self.segments.values():
             seg.state = SegState.AWAITING
-            seg.deadline = deadline
+            self.awaiting.setdefault(seg.owner, set()).add(seg.id)
         self.records.clear()
 
     # ---------------------------------------------------------------- stats

@@ -305,7 +305,7 @@ class MasterServer:
                 replies = []
                 for _ in range(_DRAIN):
                     # check EVENTS rather than catching zmq.Again (exceptions are slow)
-                    if not sock.get(zmq.EVENTS) & zmq.POLLIN:
+                    if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
                         break
                     frames = recv(zmq.NOBLOCK, copy=True)
                     out = handle(frames)

@@ -184,7 +184,7 @@ def test_owner_that_never_returns_is_dropped_and_remount_readopts(tmp_path: Path
                 c.call(Op.PUT_START, client_id="w", key=f"on-{sid}", size=10,
                        preferred_segments=[sid])
                 c.call(Op.PUT_END, client_id="w", key=f"on-{sid}")
-        m.stop()  # clean shutdown this time
+        assert m.stop() == 0  # SIGTERM: clean shutdown, exit code 0
         m.start()
         with m.client() as c:
             # a restarted owner process (new client id) mounts the same segment id

@@ -281,3 +281,29 @@ def test_preferred_segment_and_config_file(tmp_path: Any) -> None:
     bad.write_text("no_such_key: 1\n")
     with pytest.raises(KVPoolError, match="no_such_key"):
         MasterProcess(extra_args=["--config", str(bad)]).start()
+
+
+def test_thousand_clients_expire_at_once_loop_keeps_serving(tmp_path: Any) -> None:
+    n = 1000
+    with MasterProcess(client_ttl_s=1.0, extra_args=["--snapshot-interval-s", "0"]) as m, \
+            m.client() as c:
+        for i in range(n):
+            mount(c, f"seg{i}", client_id=f"cl{i}", size=1 << 16)
+        items = [{"key": f"o{i}", "size": 100, "preferred_segments": [f"seg{i}"]}
+                 for i in range(n)]
+        res = c.call(Op.BATCH_PUT_START, client_id="writer", items=items)["results"]
+        assert [r[1][0][0] for r in res] == [f"seg{i}" for i in range(n)]
+        c.call(Op.BATCH_PUT_END, client_id="writer", keys=[f"o{i}" for i in range(n)])
+        assert c.call(Op.STATS)["segments"] == n
+        # all 1000 owners go silent together; the loop drops them in bounded slices
+        # while it keeps answering (every call below has a 2 s timeout)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            st = c.call(Op.STATS, timeout_s=2)
+            c.call(Op.PING, client_id="writer", timeout_s=2)
+            if st["segments"] == 0 and st["objects"] == 0:
+                break
+            time.sleep(0.05)
+        assert st["segments"] == 0 and st["objects"] == 0
+        assert st["expired_clients"] >= n
+        assert c.call(Op.BATCH_EXIST, keys=["o0", f"o{n - 1}"])["results"] == [[0, False]] * 2
