@@ -1,0 +1,447 @@
+"""SSD-tier policy of the master: offload on eviction, promotion on hit,
+file segments that outlive their owner (warm restart).
+
+Pure logic over :class:`~kvpool.master.directory.Directory` (no I/O), like
+the directory itself. The master never touches payload bytes, so every copy
+between tiers is a **tier task** executed by the node that owns the source
+replica (it has the bytes locally): the master hands tasks out in PING
+replies (``tasks`` + ``segments``), the node copies with its transfer engine
+(WRITE from its own segment's bytes into the destination replica) and reports
+with ``TIER_TASK_DONE {client_id, task_id, ok, error}``.
+
+- **Offload on eviction** (``offload_on_evict``: true | false | auto = on
+  when a FILE segment is mounted): when eviction picks an object that has a
+  memory replica and no disk replica, :meth:`TieringPolicy.on_evict` allocates
+  a disk replica (a file segment on the source's host first), queues an
+  OFFLOAD task for the memory replica's owner and keeps the object; when the
+  node reports success the disk replica joins the object and the memory
+  replica is freed (one journal PUT record with the new replica set). If no
+  disk space can be found, or the offload fails or times out, the object is
+  evicted the ordinary way (at most once more attempt is not made for it).
+- **Promotion on hit** (``promote_on_hit``): a read whose object lives only
+  on disk queues a PROMOTE task (file owner copies into a new memory replica);
+  on success the memory replica is added (journal PUT record).
+- **Warm restart**: when a FILE segment's owner expires, the segment is kept
+  AWAITING its owner for ``file_owner_ttl_s`` (not dropped); a node restarted
+  on the same disk dir mounts the same segment id (from the file header) and
+  re-adopts it with its objects. A remount of a FILE segment that is still
+  ACTIVE under a dead owner's id is a takeover when the file's generation is
+  newer (the file's flock proves the old owner released it).
+
+The directory and server call the hooks below; see ``docs`` in each method.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+from kvpool.master.common import ConfigError
+from kvpool.master.errors import ErrorCode
+from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+
+if TYPE_CHECKING:
+    from kvpool.master.directory import Directory, Obj, Segment
+
+__all__ = ["CopyTask", "TaskKind", "TieringConfig", "TieringPolicy"]
+
+log = logging.getLogger(__name__)
+
+_MEM = SegmentKind.MEMORY
+_FILE = SegmentKind.FILE
+_FAILED_MEMORY = 100_000  # keys remembered as "offload failed: evict plainly next time"
+
+
+class TaskKind(IntEnum):
+    OFFLOAD = 1  # memory replica -> new disk replica, then free the memory replica
+    PROMOTE = 2  # disk replica -> new memory replica (disk replica kept)
+
+
+@dataclass
+class TieringConfig:
+    """Tiering knobs (the master config's ``tiering`` fields map onto these).
+
+    ``offload_on_evict``: true | false | "auto" (on when a FILE segment exists).
+    ``promote_on_hit``: copy a disk-only object back into memory when read.
+    ``task_timeout_s``: a task not reported done by then is failed (its
+    destination allocation freed). ``max_tasks_per_ping``: tasks handed to one
+    node per PING reply. ``file_owner_ttl_s``: how long a FILE segment whose
+    owner died waits for it (0 = drop with the owner, like memory).
+    ``max_inflight_bytes``: bytes of tasks in flight at once (0 = no limit).
+    """
+
+    offload_on_evict: bool | str = "auto"
+    promote_on_hit: bool = True
+    task_timeout_s: float = 30.0
+    max_tasks_per_ping: int = 64
+    file_owner_ttl_s: float = 3600.0
+    max_inflight_bytes: int = 0
+
+    def validate(self) -> None:
+        if isinstance(self.offload_on_evict, str):
+            low = self.offload_on_evict.lower()
+            if low not in ("auto", "true", "false"):
+                raise ConfigError("offload_on_evict must be true, false or auto")
+            self.offload_on_evict = "auto" if low == "auto" else low == "true"
+        if self.task_timeout_s <= 0 or self.max_tasks_per_ping < 1:
+            raise ConfigError("task_timeout_s must be > 0 and max_tasks_per_ping >= 1")
+        if self.file_owner_ttl_s < 0 or self.max_inflight_bytes < 0:
+            raise ConfigError("file_owner_ttl_s and max_inflight_bytes must be >= 0")
+
+
+@dataclass(eq=False)
+class CopyTask:
+    """One copy between tiers, executed by ``executor`` (the source's owner)."""
+
+    id: int
+    kind: TaskKind
+    key: str
+    obj: Obj
+    size: int
+    src: Segment
+    src_off: int
+    dst: Segment
+    dst_off: int
+    executor: str
+    deadline: float
+    sent: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": int(self.kind), "key": self.key, "size": self.size,
+                "src": [self.src.id, self.src_off], "dst": [self.dst.id, self.dst_off]}
+
+
+class TieringPolicy:
+    """Eviction policy + task book-keeping of the SSD tier (see module doc).
+
+    Implements the directory's ``EvictionPolicy.on_evict`` hook, plus
+    ``on_disk_hit`` (reads), ``on_owner_lost``/``can_take_over``/
+    ``after_restore`` (segments), ``tasks_for``/``complete``/``tick``
+    (the task protocol and timers) and ``stats``.
+    """
+
+    def __init__(self, cfg: TieringConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg or TieringConfig()
+        self.cfg.validate()
+        self.clock = clock
+        self._ids = itertools.count(1)
+        self.tasks: dict[int, CopyTask] = {}
+        self._by_key: dict[str, CopyTask] = {}
+        self._queues: dict[str, list[CopyTask]] = {}
+        self._failed: dict[str, None] = {}  # insertion-ordered set, bounded
+        self.inflight_bytes = 0
+        # FILE segments kept after their owner left: id -> (deadline, since)
+        self.file_awaiting: dict[str, tuple[float, float]] = {}
+        self.counters = {"offload_started": 0, "offload_done": 0, "offload_failed": 0,
+                         "offload_no_space": 0, "promote_started": 0, "promote_done": 0,
+                         "promote_failed": 0, "tasks_expired": 0, "file_segments_kept": 0,
+                         "takeovers": 0}
+
+    # ---------------------------------------------------------------- helpers
+    def offload_enabled(self, d: Directory) -> bool:
+        on = self.cfg.offload_on_evict
+        if on == "auto":
+            return bool(d.pools[_FILE])
+        return bool(on) and bool(d.pools[_FILE])
+
+    @staticmethod
+    def _active_replica(d: Directory, obj: Obj, kind: SegmentKind,
+                        live_owner: bool = False) -> tuple[Segment, int] | None:
+        from kvpool.master.directory import SegState
+
+        reps = obj.replicas
+        for i in range(0, len(reps), 2):
+            seg = reps[i]
+            if seg.kind == kind and seg.state == SegState.ACTIVE \
+                    and (not live_owner or seg.owner in d.clients):
+                return seg, reps[i + 1]
+        return None
+
+    @staticmethod
+    def _same_host(d: Directory, kind: SegmentKind, host_id: str) -> list[str]:
+        return [s.id for s in d.pools[kind] if s.desc.host_id == host_id]
+
+    def _budget_ok(self, size: int) -> bool:
+        cap = self.cfg.max_inflight_bytes
+        return not cap or self.inflight_bytes + size <= cap
+
+    def _new_task(self, kind: TaskKind, key: str, obj: Obj, src: tuple[Segment, int],
+                  dst: tuple[Segment, int]) -> CopyTask:
+        t = CopyTask(next(self._ids), kind, key, obj, obj.size, src[0], src[1], dst[0], dst[1],
+                     src[0].owner, self.clock() + self.cfg.task_timeout_s)
+        self.tasks[t.id] = t
+        self._by_key[key] = t
+        self._queues.setdefault(t.executor, []).append(t)
+        self.inflight_bytes += t.size
+        return t
+
+    def _forget(self, t: CopyTask) -> None:
+        self.tasks.pop(t.id, None)
+        if self._by_key.get(t.key) is t:
+            del self._by_key[t.key]
+        q = self._queues.get(t.executor)
+        if q is not None and t in q:
+            q.remove(t)
+            if not q:
+                del self._queues[t.executor]
+        self.inflight_bytes -= t.size
+
+    @staticmethod
+    def _free_dst(d: Directory, t: CopyTask) -> None:
+        d._free_replicas((t.dst, t.dst_off), t.size)
+
+    def _journal_replicas(self, d: Directory, key: str, obj: Obj) -> None:
+        """Record the object's whole replica set (replay: remove + re-add)."""
+        from kvpool.master.directory import Rec, SegState
+
+        if not d.journaling:
+            return
+        wire: list[Any] = []
+        reps = obj.replicas
+        for i in range(0, len(reps), 2):
+            if reps[i].state != SegState.DEAD:
+                wire += (reps[i].id, reps[i + 1])
+        d.records.append([Rec.PUT, key, obj.size, obj.flags, obj.checksum, wire])
+
+    def _remember_failed(self, key: str) -> None:
+        self._failed[key] = None
+        if len(self._failed) > _FAILED_MEMORY:
+            del self._failed[next(iter(self._failed))]
+
+    # ---------------------------------------------------------------- eviction
+    def on_evict(self, d: Directory, key: str, obj: Obj, kind: SegmentKind) -> bool:
+        """Directory hook: True = the policy keeps the object for now (an
+        offload is queued or running, or its replica is a running task's
+        source); False = evict it the ordinary way."""
+        t = self._by_key.get(key)
+        if t is not None:
+            if t.obj is not obj:  # stale (object replaced): forget it
+                self._fail(d, t, "object replaced", count=False)
+            elif t.src.kind == kind:
+                return True  # its source replica is being copied: keep it meanwhile
+            elif t.kind is TaskKind.PROMOTE and kind == _FILE:
+                return True
+            else:
+                return False
+        if kind != _MEM or not self.offload_enabled(d):
+            return False
+        if self._active_replica(d, obj, _FILE) is not None:
+            return False  # already on disk: just free the memory replica
+        if key in self._failed:
+            del self._failed[key]
+            return False
+        src = self._active_replica(d, obj, _MEM, live_owner=True)
+        if src is None or not self._budget_ok(obj.size):
+            return False
+        out: list[Any] = []
+        pref = self._same_host(d, _FILE, src[0].desc.host_id)
+        if not d._place(obj.size, 1, _FILE, pref, out):
+            self.counters["offload_no_space"] += 1
+            return False
+        if d.objects.get(key) is not obj:  # making room on disk removed it
+            d._free_replicas(tuple(out), obj.size)
+            return True
+        self._new_task(TaskKind.OFFLOAD, key, obj, src, (out[0], out[1]))
+        self.counters["offload_started"] += 1
+        return True
+
+    # ---------------------------------------------------------------- reads
+    def on_disk_hit(self, d: Directory, key: str, obj: Obj, reps: tuple[Any, ...]) -> None:
+        """Server hook after a successful GET_REPLICA_LIST: when every
+        replica served is on disk, queue a promotion into memory."""
+        if not self.cfg.promote_on_hit or key in self._by_key or not d.pools[_MEM]:
+            return
+        for i in range(0, len(reps), 2):
+            if reps[i].kind != _FILE:
+                return
+        src = self._active_replica(d, obj, _FILE, live_owner=True)
+        if src is None or not self._budget_ok(obj.size):
+            return
+        out: list[Any] = []
+        pref = self._same_host(d, _MEM, src[0].desc.host_id)
+        if not d._place(obj.size, 1, _MEM, pref, out):
+            return
+        if d.objects.get(key) is not obj:
+            d._free_replicas(tuple(out), obj.size)
+            return
+        self._new_task(TaskKind.PROMOTE, key, obj, src, (out[0], out[1]))
+        self.counters["promote_started"] += 1
+
+    # ---------------------------------------------------------------- tasks
+    def tasks_for(self, d: Directory, client_id: str) -> tuple[list[dict[str, Any]],
+                                                               dict[str, Any]]:
+        """(task wires, {segment_id: descriptor wire}) to hand to ``client_id``
+        in its PING reply; each task is handed out once."""
+        q = self._queues.get(client_id)
+        if not q:
+            return [], {}
+        out: list[dict[str, Any]] = []
+        segs: dict[str, Any] = {}
+        for t in q:
+            if t.sent:
+                continue
+            t.sent = True
+            out.append(t.to_wire())
+            segs[t.src.id] = t.src.wire
+            segs[t.dst.id] = t.dst.wire
+            if len(out) >= self.cfg.max_tasks_per_ping:
+                break
+        return out, segs
+
+    def complete(self, d: Directory, client_id: str, task_id: int, ok: bool,
+                 error: str = "") -> ErrorCode:
+        """A node reports a task. Applies the replica change on success (and
+        journals it); frees the destination on failure. Returns OK, or
+        OBJECT_NOT_FOUND for an unknown/expired task, INVALID_WRITE when
+        ``client_id`` is not its executor."""
+        from kvpool.master.directory import SegState
+
+        t = self.tasks.get(task_id)
+        if t is None:
+            return ErrorCode.OBJECT_NOT_FOUND
+        if t.executor != client_id:
+            return ErrorCode.INVALID_WRITE
+        d.touch(client_id)
+        if not ok:
+            self._fail(d, t, error or "node reported failure")
+            return ErrorCode.OK
+        obj = t.obj
+        reps = obj.replicas
+        src_present = any(reps[i] is t.src and reps[i + 1] == t.src_off
+                          for i in range(0, len(reps), 2))
+        if (d.objects.get(t.key) is not obj or t.dst.state == SegState.DEAD
+                or (t.kind is TaskKind.OFFLOAD and not src_present)):
+            self._fail(d, t, "object changed meanwhile", count=False)
+            return ErrorCode.OK
+        self._forget(t)
+        t.dst.keys.add(t.key)
+        if t.kind is TaskKind.OFFLOAD:
+            kept: list[Any] = []
+            for i in range(0, len(reps), 2):
+                if not (reps[i] is t.src and reps[i + 1] == t.src_off):
+                    kept += (reps[i], reps[i + 1])
+            obj.replicas = (*kept, t.dst, t.dst_off)
+            if not any(s is t.src for s in obj.replicas[::2]):
+                t.src.keys.discard(t.key)
+            before = d.pool_used[_MEM]
+            d._free_replicas((t.src, t.src_off), t.size)
+            d.evictions += 1
+            d.evicted_bytes += before - d.pool_used[_MEM]
+            self.counters["offload_done"] += 1
+        else:
+            obj.replicas = (*reps, t.dst, t.dst_off)
+            self.counters["promote_done"] += 1
+        self._journal_replicas(d, t.key, obj)
+        return ErrorCode.OK
+
+    def _fail(self, d: Directory, t: CopyTask, why: str, count: bool = True) -> None:
+        self._forget(t)
+        self._free_dst(d, t)
+        if count:
+            if t.kind is TaskKind.OFFLOAD:
+                self.counters["offload_failed"] += 1
+                self._remember_failed(t.key)  # next eviction of it drops it plainly
+            else:
+                self.counters["promote_failed"] += 1
+        log.info("tier task %d (%s %s) failed: %s", t.id, t.kind.name, t.key[:64], why)
+
+    def expire_tasks(self, d: Directory) -> int:
+        """Timer: fail tasks past their deadline or whose executor is gone.
+        An expired OFFLOAD's object is then evicted plainly if memory is still
+        above the watermark (the next eviction round). Returns how many."""
+        now = self.clock()
+        dead = [t for t in self.tasks.values()
+                if t.deadline < now or t.executor not in d.clients]
+        for t in dead:
+            self.counters["tasks_expired"] += 1
+            self._fail(d, t, "timed out" if t.deadline < now else "executor gone")
+        return len(dead)
+
+    # ---------------------------------------------------------------- segments
+    def on_owner_lost(self, d: Directory, seg: Segment) -> bool:
+        """Directory hook when ``seg``'s owner expired: True = the policy kept
+        it (a FILE segment now AWAITING its owner for ``file_owner_ttl_s``;
+        :meth:`tick` revives it when the owner pings again and drops it at
+        the deadline; a mount of the same id re-adopts it)."""
+        from kvpool.master.directory import SegState
+
+        if seg.kind != _FILE or self.cfg.file_owner_ttl_s <= 0 or seg.state != SegState.ACTIVE:
+            return False
+        d._deactivate(seg)
+        seg.state = SegState.AWAITING
+        now = self.clock()
+        self.file_awaiting[seg.id] = (now + self.cfg.file_owner_ttl_s, now)
+        self.counters["file_segments_kept"] += 1
+        for t in [t for t in self.tasks.values() if t.src is seg or t.dst is seg]:
+            self._fail(d, t, "file segment owner lost", count=False)
+        log.info("file segment %s kept awaiting its owner for %.0fs (%d objects)", seg.id,
+                 self.cfg.file_owner_ttl_s, len(seg.keys))
+        return True
+
+    def can_take_over(self, d: Directory, seg: Segment, desc: SegmentDescriptor) -> bool:
+        """Directory hook when a mount names an ACTIVE segment: True when it is
+        the same FILE segment reopened by a restarted node (same host, kind,
+        size and path, newer file generation); the caller then re-adopts it."""
+        if seg.kind != _FILE or desc.kind != _FILE:
+            return False
+        old = seg.desc
+        if (old.host_id != desc.host_id or old.name != desc.name or old.size != desc.size
+                or old.base_offset != desc.base_offset):
+            return False
+        try:
+            newer = int(desc.extra.get("generation", 0)) > int(old.extra.get("generation", 0))
+        except (TypeError, ValueError):
+            return False
+        if newer:
+            self.counters["takeovers"] += 1
+            for t in [t for t in self.tasks.values() if t.src is seg or t.dst is seg]:
+                self._fail(d, t, "file segment taken over", count=False)
+        return newer
+
+    def after_restore(self, d: Directory) -> None:
+        """After a master restart (``finish_restore``): FILE segments await
+        their owner for ``file_owner_ttl_s`` rather than ``client_ttl_s``."""
+        if self.cfg.file_owner_ttl_s <= 0:
+            return
+        now = self.clock()
+        for seg in d.segments.values():
+            if seg.kind == _FILE:
+                d._forget_awaiting(seg)
+                self.file_awaiting[seg.id] = (now + self.cfg.file_owner_ttl_s, now)
+
+    def tick(self, d: Directory) -> int:
+        """Timer (a few times a second): expire tasks; revive kept FILE
+        segments whose owner pinged again; drop those past their deadline or
+        already re-adopted by a mount. Returns tasks expired + segments dropped."""
+        from kvpool.master.directory import SegState
+
+        n = self.expire_tasks(d)
+        if not self.file_awaiting:
+            return n
+        now = self.clock()
+        for sid, (deadline, since) in list(self.file_awaiting.items()):
+            seg = d.segments.get(sid)
+            if seg is None or seg.state != SegState.AWAITING:
+                del self.file_awaiting[sid]  # re-adopted by a mount, or dropped
+                continue
+            if d.clients.get(seg.owner, -1.0) > since:
+                del self.file_awaiting[sid]
+                d._activate(seg)
+                log.info("owner %s is back: file segment %s active again", seg.owner, sid)
+            elif now > deadline:
+                del self.file_awaiting[sid]
+                d.drop_segment(seg, "file segment owner did not return")
+                n += 1
+        return n
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "tier_tasks_inflight": len(self.tasks),
+                "tier_inflight_bytes": self.inflight_bytes,
+                "file_segments_awaiting": len(self.file_awaiting)}

@@ -1,0 +1,281 @@
+"""The master's tiering policy over a real Directory (pure logic, controllable
+clock): offload on eviction, promotion on hit, task failure/expiry, journal
+replay of tier changes, file segments outliving their owner, takeover."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import Directory, Rec, SegState
+from kvpool.master.errors import ErrorCode
+from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+from kvpool.master.tiering import TaskKind, TieringConfig, TieringPolicy
+
+MEM = SegmentKind.MEMORY
+FILE = SegmentKind.FILE
+KiB = 1024
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(tier: dict[str, Any] | None = None, **cfg: Any) -> tuple[Directory, TieringPolicy, Clock]:
+    clock = Clock()
+    policy = TieringPolicy(TieringConfig(**(tier or {})), clock=clock)
+    cfg.setdefault("eviction_high_watermark", 0.8)
+    cfg.setdefault("eviction_ratio", 0.2)
+    return Directory(MasterConfig(**cfg), clock=clock, policy=policy), policy, clock
+
+
+def desc(sid: str, size: int, kind: SegmentKind, client: str = "node",
+         host: str = "h1", gen: int = 1) -> SegmentDescriptor:
+    name = f"/disk/{sid}.kvseg" if kind == FILE else f"kvpool-{sid}"
+    return SegmentDescriptor(sid, client, host, kind, size, name,
+                             base_offset=4096 if kind == FILE else 0,
+                             extra={"generation": gen} if kind == FILE else {})
+
+
+def put(d: Directory, key: str, size: int, client: str = "writer", **kw: Any) -> int:
+    code, _ = d.put_start(client, key, size, **kw)
+    return code or d.put_end(client, key)
+
+
+def kinds(d: Directory, key: str) -> list[SegmentKind]:
+    return [s.kind for s in d.objects[key].replicas[::2]]
+
+
+def run_tasks(d: Directory, p: TieringPolicy, client: str = "node", ok: bool = True) -> list[Any]:
+    tasks, segs = p.tasks_for(d, client)
+    for t in tasks:
+        assert t["src"][0] in segs and t["dst"][0] in segs
+        assert p.complete(d, client, t["id"], ok) == ErrorCode.OK
+    return tasks
+
+
+def fill_memory(d: Directory, n: int = 10) -> None:
+    for i in range(n):
+        assert put(d, f"k{i}", 100 * KiB) == ErrorCode.OK
+
+
+def test_offload_on_eviction_moves_objects_to_disk() -> None:
+    d, p, _ = make()
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    fill_memory(d)  # 10 x 100 KiB in 1 MiB: crosses the 80% watermark
+    assert p.counters["offload_started"] > 0
+    # nothing evicted yet: the objects wait for their copy, all still in memory
+    assert all(kinds(d, f"k{i}") == [MEM] for i in range(10))
+    d.records.clear()
+    tasks = run_tasks(d, p)
+    assert tasks and all(t["kind"] == TaskKind.OFFLOAD for t in tasks)
+    moved = [t["key"] for t in tasks]
+    for key in moved:
+        assert kinds(d, key) == [FILE]  # readable from disk only
+        code, (_obj, reps) = d.get_replicas(key)
+        assert code == ErrorCode.OK and reps[0].id == "disk"
+    assert d.pool_used[MEM] < 0.8 * d.pool_cap[MEM]
+    assert d.pool_used[FILE] >= len(moved) * 100 * KiB
+    # one PUT record per move, naming only the disk replica
+    puts = [r for r in d.records if r[0] == Rec.PUT]
+    assert [r[1] for r in puts] == moved and all(r[5][0] == "disk" for r in puts)
+    assert p.stats()["tier_tasks_inflight"] == 0 and p.inflight_bytes == 0
+
+
+def test_tasks_are_handed_out_once_and_only_to_the_owner() -> None:
+    d, p, _ = make()
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("disknode", desc("disk", 8192 * KiB + 4096, FILE, client="disknode"))
+    fill_memory(d)
+    assert p.tasks_for(d, "disknode") == ([], {})  # the copier is the memory owner
+    first, _ = p.tasks_for(d, "node")
+    assert first and p.tasks_for(d, "node")[0] == []
+    assert p.complete(d, "disknode", first[0]["id"], True) == ErrorCode.INVALID_WRITE
+    assert p.complete(d, "node", 999_999, True) == ErrorCode.OBJECT_NOT_FOUND
+
+
+def test_same_host_file_segment_preferred() -> None:
+    d, p, _ = make()
+    d.mount("node", desc("mem", 1024 * KiB, MEM, host="h1"))
+    d.mount("far", desc("disk-far", 64 * 1024 * KiB, FILE, client="far", host="h2"))
+    d.mount("node", desc("disk-near", 8192 * KiB + 4096, FILE, host="h1"))
+    fill_memory(d)
+    tasks, _ = p.tasks_for(d, "node")
+    assert tasks and all(t["dst"][0] == "disk-near" for t in tasks)
+
+
+def test_failed_offload_frees_disk_and_then_evicts_plainly() -> None:
+    d, p, _ = make()
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    fill_memory(d)
+    tasks = run_tasks(d, p, ok=False)
+    assert tasks and d.pool_used[FILE] == 0
+    assert p.counters["offload_failed"] == len(tasks)
+    failed_key = tasks[0]["key"]
+    assert kinds(d, failed_key) == [MEM]  # still readable from memory
+    d.evict(MEM)  # the next round drops the failed ones without another copy
+    assert failed_key not in d.objects
+
+
+def test_expired_tasks_release_their_allocation() -> None:
+    d, p, clock = make({"task_timeout_s": 5})
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    fill_memory(d)
+    n = p.counters["offload_started"]
+    assert n and d.pool_used[FILE] > 0
+    clock.t += 6
+    d.touch("node")
+    d.touch("writer")
+    assert p.expire_tasks(d) == n
+    assert d.pool_used[FILE] == 0 and not p.tasks
+
+
+def test_disk_full_falls_back_to_plain_eviction() -> None:
+    d, p, _ = make()
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 64 * KiB + 4096, FILE))  # smaller than one object
+    fill_memory(d)
+    assert p.counters["offload_started"] == 0 and p.counters["offload_no_space"] > 0
+    assert len(d.objects) < 10  # evicted the ordinary way, no crash
+
+
+def test_offload_disabled_and_auto_without_disk() -> None:
+    for tier, disk in (({"offload_on_evict": False}, True), ({}, False)):
+        d, p, _ = make(tier)
+        d.mount("node", desc("mem", 1024 * KiB, MEM))
+        if disk:
+            d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+        fill_memory(d)
+        assert p.counters["offload_started"] == 0 and len(d.objects) < 10
+
+
+def test_promotion_on_disk_hit() -> None:
+    d, p, _ = make()
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    assert put(d, "cold", 100 * KiB, replica_num=0, disk_replica_num=1) == ErrorCode.OK
+    assert kinds(d, "cold") == [FILE]
+    code, (obj, reps) = d.get_replicas("cold")
+    p.on_disk_hit(d, "cold", obj, reps)
+    p.on_disk_hit(d, "cold", obj, reps)  # one task per key at a time
+    assert p.counters["promote_started"] == 1
+    tasks = run_tasks(d, p)
+    assert [t["kind"] for t in tasks] == [TaskKind.PROMOTE]
+    assert sorted(kinds(d, "cold")) == [MEM, FILE]
+    # a memory hit does not promote again
+    code, (obj, reps) = d.get_replicas("cold")
+    assert code == ErrorCode.OK
+    p.on_disk_hit(d, "cold", obj, reps)
+    assert p.counters["promote_started"] == 1
+
+
+def test_promotion_disabled() -> None:
+    d, p, _ = make({"promote_on_hit": False})
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    put(d, "cold", 100 * KiB, replica_num=0, disk_replica_num=1)
+    _, (obj, reps) = d.get_replicas("cold")
+    p.on_disk_hit(d, "cold", obj, reps)
+    assert not p.tasks
+
+
+def test_removed_object_during_offload_is_not_resurrected() -> None:
+    d, p, _ = make()
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    fill_memory(d)
+    tasks, _ = p.tasks_for(d, "node")
+    key = tasks[0]["key"]
+    assert d.remove(key, force=True) == ErrorCode.OK
+    for t in tasks:
+        assert p.complete(d, "node", t["id"], True) == ErrorCode.OK
+    assert key not in d.objects
+    assert d.pool_used[FILE] == (len(tasks) - 1) * 100 * KiB
+
+
+def test_journal_replay_reproduces_tier_moves() -> None:
+    d, p, _ = make()
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    fill_memory(d)
+    run_tasks(d, p)
+    records = list(d.records)
+    r, _, _ = make()
+    r.journaling = False
+    for rec in records:
+        r.apply_record(rec)
+    assert {k: [s.id for s in o.replicas[::2]] for k, o in r.objects.items()} == \
+        {k: [s.id for s in o.replicas[::2]] for k, o in d.objects.items()}
+    for sid in ("mem", "disk"):
+        assert r.segments[sid].alloc.used == d.segments[sid].alloc.used
+
+
+def test_file_segment_outlives_its_owner_and_is_readopted() -> None:
+    d, p, clock = make({"file_owner_ttl_s": 100}, client_ttl_s=5)
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    put(d, "ondisk", 10 * KiB, replica_num=0, disk_replica_num=1)
+    seg = d.segments["disk"]
+    assert p.on_owner_lost(d, seg)
+    assert not p.on_owner_lost(d, d.segments["mem"])  # memory goes with its owner
+    assert seg.state == SegState.AWAITING and p.file_awaiting["disk"][0] == clock.t + 100
+    assert d.get_replicas("ondisk")[0] == ErrorCode.REPLICA_IS_NOT_READY
+    clock.t += 50
+    p.tick(d)  # before the deadline nothing happens
+    assert d.segments["disk"].state == SegState.AWAITING
+    # the restarted node (new client id) mounts the same segment id again
+    d.mount("node2", desc("disk", 8192 * KiB + 4096, FILE, client="node2", gen=2))
+    code, (_obj, reps) = d.get_replicas("ondisk")
+    assert code == ErrorCode.OK and reps[0].owner == "node2"
+    p.tick(d)
+    assert not p.file_awaiting and d.segments["disk"].state == SegState.ACTIVE
+
+
+def test_kept_file_segment_revived_by_its_owner_or_dropped_at_deadline() -> None:
+    d, p, clock = make({"file_owner_ttl_s": 100}, client_ttl_s=5)
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    d.mount("other", desc("disk2", 8192 * KiB + 4096, FILE, client="other"))
+    put(d, "a", 10 * KiB, replica_num=0, disk_replica_num=1, preferred=["disk"])
+    put(d, "b", 10 * KiB, replica_num=0, disk_replica_num=1, preferred=["disk2"])
+    assert p.on_owner_lost(d, d.segments["disk"]) and p.on_owner_lost(d, d.segments["disk2"])
+    clock.t += 1
+    d.ping("node")  # the same owner comes back (e.g. after a long partition)
+    p.tick(d)
+    assert d.segments["disk"].state == SegState.ACTIVE
+    assert d.get_replicas("a")[0] == ErrorCode.OK
+    clock.t += 200
+    p.tick(d)  # "other" never returned
+    assert "disk2" not in d.segments
+    d.purge_step(1 << 20)
+    assert "b" not in d.objects and "a" in d.objects
+
+
+def test_takeover_needs_same_file_and_newer_generation() -> None:
+    d, p, _ = make()
+    d.mount("old", desc("disk", 8192 * KiB + 4096, FILE, client="old", gen=3))
+    seg = d.segments["disk"]
+    assert p.can_take_over(d, seg, desc("disk", 8192 * KiB + 4096, FILE, client="new", gen=4))
+    assert not p.can_take_over(d, seg, desc("disk", 8192 * KiB + 4096, FILE, gen=3))
+    assert not p.can_take_over(d, seg, desc("disk", 8192 * KiB + 4096, FILE, host="h9", gen=9))
+    assert not p.can_take_over(d, seg, desc("disk", 4096 * KiB + 4096, FILE, gen=9))
+
+
+def test_after_restore_gives_file_segments_the_longer_ttl() -> None:
+    d, p, clock = make({"file_owner_ttl_s": 500}, client_ttl_s=5)
+    d.journaling = False
+    d.restore_segment(desc("disk", 8192 * KiB + 4096, FILE).to_wire())
+    d.restore_segment(desc("mem", 1024 * KiB, MEM).to_wire())
+    d.finish_restore()
+    p.after_restore(d)
+    assert p.file_awaiting["disk"][0] == clock.t + 500
+    clock.t += 10
+    d.expire_step()  # memory segments go with client_ttl, file segments stay
+    p.tick(d)
+    assert "mem" not in d.segments and d.segments["disk"].state == SegState.AWAITING
