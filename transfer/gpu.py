@@ -119,14 +119,18 @@ def _probe() -> tuple[CudaRuntime | None, str]:
     for path in _cudart_candidates():
         try:
             lib = ctypes.CDLL(path)
+        except OSError as exc:
+            reasons.append(f"{os.path.basename(path)}: {exc}")
+            continue  # try the next copy of the library
+        try:
             rt = CudaRuntime("cudart", lib)
             if rt.device_count() > 0:
                 return rt, ""
             reasons.append(f"{os.path.basename(path)}: no CUDA device")
-        except (OSError, TransferError) as exc:
+        except TransferError as exc:
             reasons.append(f"{os.path.basename(path)}: {exc}")
-        break  # one libcudart is enough to decide
-    if len(reasons) == 1:
+        break  # a loadable libcudart that sees no device decides it
+    if not any("libcudart" in r for r in reasons):
         reasons.append("no libcudart found")
     return None, "no CUDA device (" + "; ".join(reasons) + ")"
 
