@@ -146,8 +146,10 @@ class SegmentMr:
     def from_extra(cls, segment_id: str, extra: Any) -> SegmentMr:
         if not isinstance(extra, dict):
             raise _bad("descriptor extra['rdma'] must be a map")
-        return cls(segment_id, extra.get("addr"), extra.get("rkey"),  # type: ignore[arg-type]
-                   extra.get("len")).validate()
+        addr: Any = extra.get("addr")
+        rkey: Any = extra.get("rkey")
+        length: Any = extra.get("len")
+        return cls(segment_id, addr, rkey, length).validate()
 
 
 @dataclass(slots=True)

@@ -307,8 +307,8 @@ def _import_pyverbs() -> tuple[dict[str, Any] | None, str]:
     try:
         import pyverbs.device as pdev
         import pyverbs.enums as penums
-        from pyverbs.addr import AHAttr, GlobalRoute
         from pyverbs.addr import GID as PGID
+        from pyverbs.addr import AHAttr, GlobalRoute
         from pyverbs.cq import CQ
         from pyverbs.mr import MR
         from pyverbs.pd import PD

@@ -146,13 +146,14 @@ class RdmaOptions:
             o.devices = [o.devices]
         if not isinstance(o.devices, list) or not all(isinstance(d, str) for d in o.devices):
             raise ConfigError("transports.rdma.options.devices: a list of device names")
-        o.max_wr_bytes = parse_size(o.max_wr_bytes)
+        wr_bytes = parse_size(o.max_wr_bytes)
+        o.max_wr_bytes = wr_bytes
         checks = [
             (1 <= o.port <= 255, "port must be in 1..255"),
             (0 <= o.gid_index <= 255, "gid_index must be in 0..255"),
             (o.mtu in MTU_BYTES.values(), f"mtu must be one of {sorted(MTU_BYTES.values())}"),
             (1 <= o.qp_depth <= 32768, "qp_depth must be in 1..32768"),
-            (4096 <= o.max_wr_bytes <= 1 << 31, "max_wr_bytes must be in 4KiB..2GiB"),
+            (4096 <= wr_bytes <= 1 << 31, "max_wr_bytes must be in 4KiB..2GiB"),
             (1 <= o.max_sge <= 64, "max_sge must be in 1..64"),
             (1 <= o.qps_per_peer <= 16, "qps_per_peer must be in 1..16"),
             (o.connect_timeout_s > 0, "connect_timeout_s must be > 0"),
