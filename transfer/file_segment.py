@@ -317,6 +317,23 @@ class FileSegment(LocalSegment):
         return cls._create(path, size, segment_id or f"file-{uuid.uuid4().hex[:16]}", direct)
 
     @classmethod
+    def create(cls, segment_id: str, directory: str, size: int, *,
+               file_name: str = DEFAULT_FILE_NAME, direct: bool = True) -> FileSegment:
+        """Open the node's segment file in ``directory`` for warm restart:
+        reopen it if it exists (its id comes from the header; ``segment_id``
+        is ignored then), else create it with id ``segment_id``."""
+        directory = os.path.abspath(directory)
+        if os.path.exists(os.path.join(directory, file_name)):
+            return cls.open(directory, size, None, file_name=file_name, direct=direct)
+        try:
+            return cls.open(directory, size, segment_id, file_name=file_name, direct=direct)
+        except SegmentFileError as exc:
+            if exc.code != ErrorCode.SEGMENT_ALREADY_EXISTS:
+                raise
+            # another process created it between our check and our link
+            return cls.open(directory, size, None, file_name=file_name, direct=direct)
+
+    @classmethod
     def _create(cls, path: str, size: int, segment_id: str, direct: bool) -> FileSegment:
         if len(segment_id.encode()) > MAX_ID_BYTES or not segment_id:
             raise TransferError(f"bad segment id {segment_id!r}", ErrorCode.INVALID_PARAMS,

@@ -251,3 +251,22 @@ def test_header_struct_is_stable():
     assert len(raw) == HEADER_SIZE
     assert raw[:8] == MAGIC and struct.unpack_from("<II", raw, 8) == (FORMAT_VERSION, HEADER_SIZE)
     assert SegmentHeader.decode(raw) == h
+
+
+def test_create_reopens_existing_file_and_keeps_its_id(tmp_path):
+    """``create`` is what a node calls at start: a restart with another
+    proposed id (e.g. a new port) must still re-mount the same segment."""
+    first = FileSegment.create("host:1111:disk", str(tmp_path), MiB)
+    assert first.created and first.segment_id == "host:1111:disk"
+    first.write_from(0, b"warm")
+    first.close()
+    again = FileSegment.create("host:2222:disk", str(tmp_path), MiB)
+    try:
+        assert not again.created and again.segment_id == "host:1111:disk"
+        out = bytearray(4)
+        again.read_into(0, memoryview(out))
+        assert bytes(out) == b"warm"
+    finally:
+        again.close()
+    with pytest.raises(SegmentFileError):
+        FileSegment.create("x", str(tmp_path), 2 * MiB)  # other size: refused

@@ -1,0 +1,157 @@
+"""Node side of the SSD tier: execute the master's tier tasks.
+
+The master hands tier tasks (offload memory -> disk, promote disk -> memory;
+see :mod:`kvpool.master.tiering`) to the node that owns the source replica,
+in its PING replies. :class:`TierTaskRunner` runs them on one background
+thread: the source bytes are local to this process, so each task is one
+transfer-engine WRITE of the source range into the destination replica
+(``posix`` when the destination is a file on this host, ``shm`` for memory
+here, ``tcp`` for another host), straight from the shared-memory segment's
+mapping (no copy) or, for a file source, from one bounce buffer. A
+destination owned by this process is written in place. Each task is reported
+with ``TIER_TASK_DONE {client_id, task_id, ok, error}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.master.protocol import Op, SegmentDescriptor
+from kvpool.master.rpc_client import MasterClient, MasterRPCError
+
+__all__ = ["TierTask", "TierTaskRunner"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TierTask:
+    """One task as the master sends it (``to_wire`` of master.tiering.CopyTask)."""
+
+    id: int
+    kind: int
+    key: str
+    size: int
+    src_id: str
+    src_off: int
+    dst_id: str
+    dst_off: int
+
+    @classmethod
+    def from_wire(cls, w: dict[str, Any]) -> TierTask:
+        try:
+            return cls(int(w["id"]), int(w["kind"]), str(w["key"]), int(w["size"]),
+                       str(w["src"][0]), int(w["src"][1]), str(w["dst"][0]), int(w["dst"][1]))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise KVPoolError(f"bad tier task {w!r}: {exc}", ErrorCode.INVALID_PARAMS) from exc
+
+
+class TierTaskRunner:
+    """Runs tier tasks for one client (``client_id``) on a background thread.
+
+    ``engine`` is the client's TransferEngine (its own segments added);
+    ``master`` a MasterClient used only by this runner's thread.
+    ``learn_segment(desc)`` registers a segment descriptor with the engine
+    (the store's cache); ``transfer_timeout_s`` bounds each copy.
+    """
+
+    def __init__(self, engine: Any, master: MasterClient, client_id: str,
+                 learn_segment: Callable[[SegmentDescriptor], None] | None = None,
+                 transfer_timeout_s: float = 30.0) -> None:
+        self.engine = engine
+        self.master = master
+        self.client_id = client_id
+        self.learn = learn_segment or engine.add_peer_segment
+        self.timeout_s = transfer_timeout_s
+        self._q: queue.Queue[tuple[TierTask, dict[str, Any]] | None] = queue.Queue()
+        self.done = 0
+        self.failed = 0
+        self._thread = threading.Thread(target=self._run, name=f"kvpool-tier-{client_id[:6]}",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, tasks: list[Any], segments: dict[str, Any] | None = None) -> int:
+        """Queue the tasks of one PING reply; returns how many were accepted."""
+        n = 0
+        segs = dict(segments or {})
+        for w in tasks or ():
+            try:
+                self._q.put((TierTask.from_wire(w), segs))
+                n += 1
+            except KVPoolError as exc:
+                log.warning("ignoring tier task: %s", exc)
+        return n
+
+    def pending(self) -> int:
+        return self._q.qsize()
+
+    def _run(self) -> None:
+        while True:
+            entry = self._q.get()
+            if entry is None:
+                return
+            task, segs = entry
+            ok, err = True, ""
+            try:
+                self._execute(task, segs)
+            except Exception as exc:  # report every failure to the master
+                ok, err = False, f"{type(exc).__name__}: {exc}"
+                log.info("tier task %d (%s) failed: %s", task.id, task.key[:64], err)
+            self._report(task, ok, err)
+
+    def _execute(self, t: TierTask, segs: dict[str, Any]) -> None:
+        engine = self.engine
+        src = engine.local_segment(t.src_id)
+        if src is None:
+            raise KVPoolError(f"source segment {t.src_id} is not ours", ErrorCode.SEGMENT_NOT_FOUND)
+        dst_local = engine.local_segment(t.dst_id)
+        view = src.view()
+        if view is not None:
+            data: Any = view[t.src_off:t.src_off + t.size]  # shm: no copy
+        else:
+            buf = np.empty(t.size, np.uint8)
+            src.read_into(t.src_off, buf)
+            data = buf
+        if dst_local is not None:
+            dst_local.write_from(t.dst_off, data)  # in place, no transport needed
+            return
+        wire = segs.get(t.dst_id)
+        if wire is not None:
+            self.learn(SegmentDescriptor.from_wire(wire))
+        from kvpool.transfer import TransferOp, TransferRequest
+
+        st = engine.transfer([TransferRequest(TransferOp.WRITE, data, t.dst_id, t.dst_off,
+                                              t.size)], timeout=self.timeout_s)
+        if not st[0].ok:
+            raise KVPoolError(f"copy to {t.dst_id} failed: {st[0].errors}", st[0].code)
+
+    def _report(self, t: TierTask, ok: bool, err: str) -> None:
+        if ok:
+            self.done += 1
+        else:
+            self.failed += 1
+        try:
+            self.master.call(Op["TIER_TASK_DONE"], client_id=self.client_id, task_id=t.id, ok=ok,
+                             error=err[:500])
+        except (MasterRPCError, KeyError) as exc:
+            # the master times the task out and frees its allocation itself
+            log.debug("reporting tier task %d failed: %s", t.id, exc)
+
+    def close(self) -> None:
+        """Stop after the current task (queued ones are dropped; the master
+        times them out)."""
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+        self._q.put(None)
+        self._thread.join(timeout=self.timeout_s + 1)
