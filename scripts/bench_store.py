@@ -340,6 +340,7 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
         for name, pts in sorted(series.items()):
             ax.plot(*zip(*sorted(pts), strict=True), marker="o", label=name)
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("value size (bytes)")
         ax.set_title(f"kvpool store over {transport}")
         ax.grid(True, alpha=0.3)

@@ -47,6 +47,9 @@ def buffer_nbytes(buf: Any) -> int:
     """
     if isinstance(buf, bytes | bytearray):
         return len(buf)
+    length = getattr(buf, "length", None)  # transfer BufferHandle (checked early: hot path)
+    if isinstance(length, int) and hasattr(buf, "is_gpu"):
+        return length
     if isinstance(buf, memoryview):
         return buf.nbytes
     if isinstance(buf, tuple) and len(buf) == 2:

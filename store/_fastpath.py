@@ -44,10 +44,10 @@ def host_array(buf: Any) -> np.ndarray | None:
             return np.frombuffer(buf, dtype=np.uint8) if buf.c_contiguous else None
         host_view = getattr(buf, "host_view", None)
         if host_view is not None and hasattr(buf, "is_gpu"):  # transfer BufferHandle
-            if buf.is_gpu or getattr(buf, "array", None) is None:
+            arr = getattr(buf, "array", None)
+            if buf.is_gpu or not isinstance(arr, np.ndarray):
                 return None
-            arr = host_view(0, buf.length)
-            return arr if isinstance(arr, np.ndarray) else None
+            return arr if arr.size == buf.length else host_view(0, buf.length)
     except (TypeError, ValueError, AttributeError, BufferError):
         return None
     return None

@@ -68,9 +68,9 @@ __all__ = ["Client", "ClientConfig", "ReplicateConfig"]
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_REPLICATE = ReplicateConfig()
 _LAZY_BYTES = object()  # batch-read target: "allocate a bytes result when needed"
-_SUSPECT_S = 10.0  # how long a segment that failed a read is tried last
+_SUSPECT_S = 10.0
+_STATUS = {int(s): s for s in ReplicaStatus}  # how long a segment that failed a read is tried last
 
 
 @dataclass(slots=True)
@@ -420,12 +420,16 @@ class Client:
     @staticmethod
     def _replicas(value: Any) -> list[ReplicaDescriptor]:
         raw = value.get("replicas", []) if isinstance(value, dict) else (value or [])
-        return [ReplicaDescriptor.from_wire(w) for w in raw]
+        # ReplicaDescriptor.from_wire without its per-field conversions (hot path)
+        return [ReplicaDescriptor(w[0], w[1], w[2], _STATUS.get(w[3], ReplicaStatus.PROCESSING),
+                                  w[4] or b"") for w in raw]
 
     # ------------------------------------------------------------------ put
 
     def _put_args(self, config: ReplicateConfig | None) -> dict[str, Any]:
-        return (config or _DEFAULT_REPLICATE).to_args()
+        if config is None:
+            return {}  # every PUT_START default
+        return config.to_wire_args()
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
         """Store ``value`` (bytes-like or any buffer) under ``key``.
@@ -444,9 +448,11 @@ class Client:
         if size <= 0:
             raise StoreError("cannot put an empty value", ErrorCode.INVALID_PARAMS)
         args = self._put_args(config)
-        checksum = self._checksum(buffer)
-        res = self._call(Op.PUT_START, client_id=self.client_id, key=key, size=size,
-                         checksum=checksum, **args)
+        if self._checksum_algo is not None:
+            checksum = self._checksum(buffer)
+            if checksum is not None:
+                args["checksum"] = checksum
+        res = self._call(Op.PUT_START, client_id=self.client_id, key=key, size=size, **args)
         self._learn_segments(res.get("segments"))
         replicas = self._replicas(res)
         try:
@@ -569,7 +575,10 @@ class Client:
                 continue
             seen.add(key)
             sizes[i] = size
-            items.append({"key": key, "size": size, "checksum": self._checksum(buf), **args})
+            item = {"key": key, "size": size, **args}
+            if self._checksum_algo is not None:
+                item["checksum"] = self._checksum(buf)
+            items.append(item)
             idx.append(i)
         if not items:
             return codes
