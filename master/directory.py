@@ -77,7 +77,9 @@ class Segment:
         self.desc = desc
         self.kind = desc.kind
         self.owner = desc.client_id
-        self.alloc = Allocator(max(desc.size - desc.base_offset, 0), alignment)
+        # ``size`` is the usable size (the region starts at base_offset), as
+        # the transfer layer's segments describe themselves
+        self.alloc = Allocator(max(desc.size, 0), alignment)
         self.keys: set[str] = set()
         self.state = state
         self.wire = desc.to_wire()
@@ -205,8 +207,9 @@ class Directory:
 
     def mount(self, client_id: str, desc: SegmentDescriptor) -> None:
         """Mount a segment (or re-adopt one awaiting its owner after a restart)."""
-        if desc.size <= desc.base_offset or desc.base_offset < 0:
-            raise KVPoolError("segment size must exceed base_offset", ErrorCode.INVALID_PARAMS)
+        if desc.size <= 0 or desc.base_offset < 0:
+            raise KVPoolError("segment size must be > 0 and base_offset >= 0",
+                              ErrorCode.INVALID_PARAMS)
         if not desc.segment_id:
             raise KVPoolError("empty segment_id", ErrorCode.INVALID_PARAMS)
         self.clients[client_id] = self.clock()

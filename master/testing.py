@@ -48,7 +48,7 @@ def segment_wire(segment_id: str, client_id: str, size: int = 1 << 20,
 class MasterProcess:
     """A ``kvpool master`` subprocess on a free loopback port.
 
-    ``start()`` returns once the master answers PING; ``stop()`` sends SIGTERM
+    ``start()`` returns once the master answers (a STATS probe); ``stop()`` sends SIGTERM
     and waits (clean shutdown: journal flushed); ``kill()`` sends SIGKILL;
     ``restart()`` starts it again with the same port and data dir. Also a
     context manager (start on enter, stop on exit). Output goes to
@@ -108,7 +108,7 @@ class MasterProcess:
         return cmd + self.extra_args
 
     def start(self) -> MasterProcess:
-        """Spawn the master and wait until it answers PING (raises on timeout/exit)."""
+        """Spawn the master and wait until it answers a STATS probe (raises on timeout/exit)."""
         if self.running:
             return self
         log_file = open(self.log_path, "ab")  # closed in _reap
@@ -117,7 +117,6 @@ class MasterProcess:
             self.command(), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
         deadline = time.monotonic() + self.start_timeout_s
-        probe_id = "probe-" + uuid.uuid4().hex
         with MasterClient(self.address, timeout_s=0.5) as c:
             while True:
                 if self._proc.poll() is not None:
@@ -128,7 +127,7 @@ class MasterProcess:
                         ErrorCode.INTERNAL_ERROR,
                     )
                 try:
-                    c.call(Op.PING, client_id=probe_id)
+                    c.call(Op.STATS)  # read-only: the probe leaves no client record
                     return self
                 except MasterRPCError:
                     if time.monotonic() > deadline:
