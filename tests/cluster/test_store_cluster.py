@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from kvpool.master.errors import ErrorCode
 from kvpool.master.protocol import Op
 from kvpool.master.testing import MasterProcess
 from kvpool.store import Client, ClientConfig, ReplicateConfig
-from kvpool.store.errors import LeaseExpired, ObjectNotFound
+from kvpool.store.errors import LeaseExpired, MasterUnreachable, ObjectNotFound, StoreTimeout
 from kvpool.store.testing import NodeDaemonProcess
 
 
@@ -116,9 +117,15 @@ def test_eviction_lets_puts_continue_past_capacity(tmp_path) -> None:  # type: i
 def test_master_restart_remounts_and_keeps_data(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with MasterProcess(data_dir=str(tmp_path / "m")) as m, \
             NodeDaemonProcess(m.address, "16MiB", log_dir=str(tmp_path / "d")) as d, \
-            Client(ClientConfig(master_address=m.address, ping_interval_s=0.2)) as c:
+            Client(ClientConfig(master_address=m.address, ping_interval_s=0.2,
+                                rpc_timeout_s=1.0)) as c:
         c.put("survivor", b"s" * 10000)
-        m.restart(kill=True)
+        m.kill()
+        t = time.monotonic()
+        with pytest.raises(MasterUnreachable):  # bounded by rpc_timeout_s, never hangs
+            c.put("while-down", b"x")
+        assert time.monotonic() - t < 5
+        m.start()
         deadline = time.monotonic() + 15
         while True:
             try:
@@ -216,3 +223,22 @@ def test_daemon_restart_with_same_segment_id(tmp_path) -> None:  # type: ignore[
         with Client(ClientConfig(master_address=m.address)) as fresh:
             assert fresh.get("after") == b"2" * 5000
         assert c.get("after") == b"2" * 5000
+
+
+def test_put_to_a_stalled_holder_times_out_and_is_revoked(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with MasterProcess(data_dir=str(tmp_path / "m"), client_ttl_s=30) as m, \
+            NodeDaemonProcess(m.address, "8MiB", log_dir=str(tmp_path / "d")) as d, \
+            Client(ClientConfig(master_address=m.address, host_id="elsewhere",
+                                transfer_timeout_s=0.5)) as c:
+        assert d.pid is not None
+        os.kill(d.pid, signal.SIGSTOP)  # alive but silent: its transfer server never answers
+        try:
+            t = time.monotonic()
+            with pytest.raises(StoreTimeout):
+                c.put("stalled", b"z" * 100_000)
+            assert time.monotonic() - t < 5
+            assert c.exists("stalled") is False  # revoked, not left half-written
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        c.put("later", b"ok")
+        assert c.get("later") == b"ok"
