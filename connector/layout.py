@@ -61,9 +61,14 @@ class LayerLayout:
         return self.blocks[first_block : first_block + n].reshape(-1)
 
     @classmethod
-    def from_tensor(cls, name: str, index: int, t: Any) -> LayerLayout:
+    def from_tensor(cls, name: str, index: int, t: Any, kernel_blocks_per_block: int = 1
+                    ) -> LayerLayout:
         """Describe ``t`` (dim 0 = blocks). Raises ConfigError if a block's bytes
-        are not one contiguous range (layouts with heads outside blocks)."""
+        are not one contiguous range (layouts with heads outside blocks).
+
+        ``kernel_blocks_per_block > 1``: vLLM split each scheduler block into
+        that many kernel blocks (dim 0 counts kernel blocks); they are merged
+        back so block ids are the scheduler's (needs adjacent kernel blocks)."""
         import torch
 
         if t.dim() < 2:
@@ -88,6 +93,13 @@ class LayerLayout:
             run *= size
         block_bytes = run
         block_stride = int(t.stride(0)) * es
+        r = kernel_blocks_per_block
+        if r > 1:
+            if block_stride != block_bytes or num_blocks % r:
+                raise ConfigError(f"layer {name}: cannot merge {r} kernel blocks per block")
+            num_blocks //= r
+            block_bytes *= r
+            block_stride *= r
         storage = t.untyped_storage()
         flat = torch.empty(0, dtype=torch.uint8, device=t.device)
         flat.set_(storage, 0, (storage.nbytes(),), (1,))

@@ -175,7 +175,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         index = {n: i for i, n in enumerate(self.layer_names)}
         for n in kv_caches:
             index.setdefault(n, len(index))
-        self._worker.register_kv_caches(kv_caches, index)
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        self._worker.register_kv_caches(kv_caches, index, num_blocks)
 
     def _meta(self) -> ConnectorMeta:
         meta = self._get_connector_metadata()

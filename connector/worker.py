@@ -90,11 +90,14 @@ class KVPoolWorker:
     # ------------------------------------------------------------ registration
 
     def register_kv_caches(self, kv_caches: dict[str, Any],
-                           layer_index: dict[str, int] | None = None) -> None:
+                           layer_index: dict[str, int] | None = None,
+                           num_blocks: int | None = None) -> None:
         """Record the paged KV tensors (``{layer_name: tensor}``, dim 0 = blocks).
 
         ``layer_index`` maps names to the layer numbers used in keys (default:
-        the dict's order). Layers aliasing one tensor (KV sharing) are stored once.
+        the dict's order). ``num_blocks``: the scheduler's block count, when
+        vLLM split blocks into smaller kernel blocks. Layers aliasing one tensor
+        (KV sharing) are stored once.
         """
         seen: dict[tuple[int, int], str] = {}
         layers = []
@@ -104,7 +107,10 @@ class KVPoolWorker:
                 continue  # a layer reusing another layer's cache
             seen[ident] = name
             idx = layer_index[name] if layer_index is not None else i
-            layers.append(LayerLayout.from_tensor(name, idx, t))
+            ratio = 1
+            if num_blocks and t.shape[0] != num_blocks and t.shape[0] % num_blocks == 0:
+                ratio = int(t.shape[0]) // num_blocks
+            layers.append(LayerLayout.from_tensor(name, idx, t, ratio))
         if not layers:
             raise ConfigError("no KV cache tensors to register")
         nbs = {layer.num_blocks for layer in layers}
