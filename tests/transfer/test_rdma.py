@@ -45,6 +45,7 @@ from kvpool.transfer.rdma_proto import (
 )
 from kvpool.transfer.rdma_verbs import Completion, PyverbsVerbs, WcStatus
 from kvpool.transfer.transports.rdma import (
+    PlannedSge,
     RdmaOptions,
     RdmaTransport,
     WrPiece,
@@ -168,6 +169,15 @@ def test_plan_gathers_remote_contiguous_requests_into_sges() -> None:
     one = plan_work_requests([WrPiece(0, TransferOp.READ, 0x0, 1, 8 * KiB, 0x4000, 1)],
                              8 * KiB, 4)
     assert len(one) == 1 and len(one[0].sges) == 1
+    # ... and so do requests contiguous on both sides: 16 x 4 KiB -> one 64 KiB SGE
+    blocks = [WrPiece(i, TransferOp.WRITE, 0x80000 + i * 4 * KiB, 2, 4 * KiB,
+                      0x10000 + i * 4 * KiB, 1) for i in range(16)]
+    merged = plan_work_requests(blocks, 64 * KiB, 1)
+    assert len(merged) == 1 and merged[0].length == 64 * KiB
+    assert merged[0].sges == [PlannedSge(0, 0, 64 * KiB, 0x10000, 1)]
+    assert merged[0].keys == list(range(16))
+    assert [w.keys for w in plan_work_requests(blocks, 32 * KiB, 1)] == \
+        [list(range(8)), list(range(8, 16))]
 
 
 def test_plan_keeps_apart_what_cannot_share_a_wr() -> None:
@@ -551,3 +561,23 @@ def test_descriptor_extra_roundtrips_through_the_wire(pair: Pair) -> None:
     mr = SegmentMr.from_extra(d.segment_id, d.extra["rdma"])
     assert mr.addr == pair.seg.address and mr.length == pair.seg.size
     assert d.extra["rdma"]["connect"].startswith("tcp://127.0.0.1:")
+
+
+def test_owner_enforcing_capabilities_hands_out_no_rkeys(pair: Pair) -> None:
+    """RDMA is one-sided: an owner whose transfer server checks capabilities
+    refuses rdma connects, so requests go to tcp where each one is checked."""
+    calls: list[int] = []
+
+    def verifier(seg: Any, op: Any, off: int, n: int, cap: bytes) -> ErrorCode | None:
+        calls.append(n)
+        return None if cap == b"ok" else ErrorCode.PERMISSION_DENIED
+
+    server = pair.b.server
+    assert server is not None
+    server.verify_capability = verifier
+    assert pair.rb.describe_segment(pair.seg) == {}
+    buf = np.full(4 * KiB, 1, dtype=np.uint8)
+    [st] = pair.a.transfer([TransferRequest(TransferOp.WRITE, buf, pair.sid, 0, buf.nbytes,
+                                            capability=b"ok")], timeout=10)
+    assert st.ok and st.transport == "tcp" and "PERMISSION_DENIED" in st.errors[0]
+    assert calls == [4 * KiB]

@@ -119,6 +119,10 @@ class RdmaOptions:
     responder connections kept (oldest closed beyond it). ``listen_host``:
     address of the connect listener used when the transfer server has no
     ``register_op_handler`` hook (default: the transfer server's host).
+    ``allow_with_capabilities``: RDMA is one-sided, so the per-request
+    capability check of the transfer server (issue 7) cannot apply to it; while
+    that server has a verifier set, this owner hands out no rkeys unless this
+    is true (peers then use tcp, where every request is checked).
     """
 
     devices: list[str] = field(default_factory=list)
@@ -132,6 +136,7 @@ class RdmaOptions:
     connect_timeout_s: float = 2.0
     max_accepted: int = 256
     listen_host: str = ""
+    allow_with_capabilities: bool = False
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> RdmaOptions:
@@ -197,23 +202,20 @@ class PlannedSge:
 
 @dataclass(slots=True)
 class PlannedWr:
+    """One WR: ``sges`` gather/scatter ``nbytes`` <-> ``remote_addr``; ``keys``
+    are the requests it carries a part of (in order)."""
+
     op: TransferOp
     remote_addr: int
     rkey: int
     sges: list[PlannedSge]
     staged: bool = False
+    keys: list[int] = field(default_factory=list)
+    nbytes: int = 0
 
     @property
     def length(self) -> int:
-        return sum(s.length for s in self.sges)
-
-    @property
-    def keys(self) -> list[int]:
-        out: list[int] = []
-        for s in self.sges:
-            if not out or out[-1] != s.key:
-                out.append(s.key)
-        return out
+        return self.nbytes
 
 
 def plan_work_requests(pieces: Sequence[WrPiece], max_wr_bytes: int, max_sge: int,
@@ -223,10 +225,11 @@ def plan_work_requests(pieces: Sequence[WrPiece], max_wr_bytes: int, max_sge: in
     Each request is split into chunks of at most ``max_wr_bytes`` (staged ones
     at ``staged_max_bytes``, the staging buffer size). Consecutive non-staged
     chunks of the same op and rkey whose remote ranges are contiguous are
-    gathered into one WR of up to ``max_sge`` SGEs and ``max_wr_bytes`` bytes
-    (e.g. KV blocks scattered in local memory written to one remote object).
-    Staged chunks always get a WR of their own (one staging buffer each).
-    Zero-length requests produce no WR.
+    gathered into one WR of up to ``max_wr_bytes`` bytes: a chunk that is also
+    locally contiguous with the previous one (same lkey) extends its SGE, any
+    other takes a new SGE, up to ``max_sge`` (e.g. KV blocks scattered in local
+    memory written to one remote object). Staged chunks always get a WR of
+    their own (one staging buffer each). Zero-length requests produce no WR.
     """
     if max_wr_bytes <= 0 or max_sge <= 0:
         raise ValueError("max_wr_bytes and max_sge must be > 0")
@@ -237,23 +240,31 @@ def plan_work_requests(pieces: Sequence[WrPiece], max_wr_bytes: int, max_sge: in
         off = 0
         while off < p.length:
             n = min(limit, p.length - off)
-            sge = PlannedSge(p.key, off, n, 0 if p.staged else p.local_addr + off,
-                             0 if p.staged else p.lkey)
             raddr = p.remote_addr + off
             last = out[-1] if out else None
             if (not p.staged and last is not None and not last.staged and last.op == p.op
-                    and last.rkey == p.rkey and last.remote_addr + last.length == raddr
-                    and len(last.sges) < max_sge and last.length + n <= max_wr_bytes):
+                    and last.rkey == p.rkey and last.remote_addr + last.nbytes == raddr
+                    and last.nbytes + n <= max_wr_bytes):
                 prev = last.sges[-1]
-                if prev.key == p.key and prev.lkey == sge.lkey \
-                        and prev.addr + prev.length == sge.addr:
-                    # same request, locally contiguous: extend the SGE itself
-                    last.sges[-1] = PlannedSge(p.key, prev.offset, prev.length + n, prev.addr,
-                                               prev.lkey)
+                addr = p.local_addr + off
+                if prev.lkey == p.lkey and prev.addr + prev.length == addr:
+                    # locally contiguous too: one longer SGE (it may span requests;
+                    # only staged SGEs need their key/offset, and they never merge)
+                    last.sges[-1] = PlannedSge(prev.key, prev.offset, prev.length + n,
+                                               prev.addr, prev.lkey)
+                elif len(last.sges) < max_sge:
+                    last.sges.append(PlannedSge(p.key, off, n, addr, p.lkey))
                 else:
-                    last.sges.append(sge)
-            else:
-                out.append(PlannedWr(p.op, raddr, p.rkey, [sge], p.staged))
+                    last = None
+                if last is not None:
+                    last.nbytes += n
+                    if last.keys[-1] != p.key:
+                        last.keys.append(p.key)
+                    off += n
+                    continue
+            sge = PlannedSge(p.key, off, n, 0 if p.staged else p.local_addr + off,
+                             0 if p.staged else p.lkey)
+            out.append(PlannedWr(p.op, raddr, p.rkey, [sge], p.staged, [p.key], n))
             off += n
     return out
 
@@ -597,11 +608,17 @@ class RdmaTransport(Transport):
                 self._listener = _ConnectListener(self._zmq(), host, self.handle_connect)
             return self._listener.endpoint
 
+    def _capabilities_enforced(self) -> bool:
+        server = getattr(self.ctx, "server", None)
+        return getattr(server, "verify_capability", None) is not None \
+            and not self.options.allow_with_capabilities
+
     def describe_segment(self, seg: LocalSegment) -> dict[str, Any]:
         """Register ``seg`` (once) and return the entries to merge into its
         ``SegmentDescriptor.extra``: ``{"rdma": {"addr", "rkey", "len",
-        "connect"}}`` (``connect`` "" = the descriptor's endpoint)."""
-        if seg.kind != SegmentKind.MEMORY:
+        "connect"}}`` (``connect`` "" = the descriptor's endpoint). {} for
+        file segments and while capabilities are enforced (see RdmaOptions)."""
+        if seg.kind != SegmentKind.MEMORY or self._capabilities_enforced():
             return {}
         mr = self._segment_mr(seg)
         info = SegmentMr(seg.segment_id, mr.addr, mr.rkey, seg.size)
@@ -626,6 +643,9 @@ class RdmaTransport(Transport):
     def _accept(self, req: ConnectRequest) -> ConnectReply:
         if self.closed:
             raise KVPoolError("rdma transport closed", ErrorCode.CLOSED)
+        if self._capabilities_enforced():
+            raise KVPoolError("capabilities are enforced here and RDMA cannot check them "
+                              "per request; use tcp", ErrorCode.PERMISSION_DENIED)
         lookup = getattr(self.ctx, "local_segment", None)
         segs: list[SegmentMr] = []
         for sid in req.segments:
