@@ -321,7 +321,12 @@ class TieringPolicy:
             return ErrorCode.OK
         self._forget(t)
         t.dst.keys.add(t.key)
-        if t.kind is TaskKind.OFFLOAD:
+        if t.kind is TaskKind.OFFLOAD and obj.lease > self.clock():
+            # read meanwhile (a reader may be copying the memory replica): keep
+            # both; the next eviction round frees the memory replica plainly
+            obj.replicas = (*reps, t.dst, t.dst_off)
+            self.counters["offload_done"] += 1
+        elif t.kind is TaskKind.OFFLOAD:
             kept: list[Any] = []
             for i in range(0, len(reps), 2):
                 if not (reps[i] is t.src and reps[i + 1] == t.src_off):

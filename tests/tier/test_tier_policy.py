@@ -279,3 +279,19 @@ def test_after_restore_gives_file_segments_the_longer_ttl() -> None:
     d.expire_step()  # memory segments go with client_ttl, file segments stay
     p.tick(d)
     assert "mem" not in d.segments and d.segments["disk"].state == SegState.AWAITING
+
+
+def test_offload_of_an_object_read_meanwhile_keeps_the_memory_replica() -> None:
+    d, p, clock = make()
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    fill_memory(d)
+    tasks, _ = p.tasks_for(d, "node")
+    key = tasks[0]["key"]
+    assert d.get_replicas(key)[0] == ErrorCode.OK  # a reader holds a lease now
+    for t in tasks:
+        p.complete(d, "node", t["id"], True)
+    assert sorted(kinds(d, key)) == [MEM, FILE]
+    clock.t += 10  # lease over: plain eviction frees memory, the disk copy stays
+    d.evict_object(key, d.objects[key], MEM)
+    assert kinds(d, key) == [FILE]
