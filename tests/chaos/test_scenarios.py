@@ -195,8 +195,8 @@ def test_slow_peer_does_not_stall_other_transfers(cluster: ChaosCluster) -> None
     put_all(c, "wl1", slow_keys, preferred=[c.segment_of("node1")])
     put_all(c, "wl1", fast_keys[:6], preferred=[c.segment_of("node2")])
     put_all(c, "wl1", fast_keys[6:], preferred=[c.segment_of("node3")])
-    # 256 KiB at 4 Mbit/s: ~0.5 s per slow get
-    c.topo.slow("node1", rate="4mbit", burst="32kb", latency="1s")
+    # 256 KiB at 2 Mbit/s: ~1 s per slow get
+    c.topo.slow("node1", rate="2mbit", burst="32kb", latency="1s")
     res = c.agents["wl1"].call("groups", groups={"slow": slow_keys, "fast": fast_keys},
                                seconds=4.0, timeout_s=4.0 + 3 * NEVER_HANG_S + 30)["groups"]
     slow, fast = res["slow"], res["fast"]
@@ -209,7 +209,7 @@ def test_slow_peer_does_not_stall_other_transfers(cluster: ChaosCluster) -> None
     p90 = fast_lat[int(0.9 * (len(fast_lat) - 1))]
     # the slow link really is slow, and the same client's other transfers did not queue
     # behind it: most fast gets finish well within one slow get, and many more of them ran
-    assert slow_min >= 0.3, slow_min
+    assert slow_min >= 0.6, slow_min
     assert p90 < 0.5 * slow_min, (p90, slow_min, statistics.median(fast_lat))
     assert len(fast) >= 2 * len(slow), (len(fast), len(slow))
 
