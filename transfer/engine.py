@@ -321,7 +321,12 @@ class TransferEngine:
                 why.append(f"{name}: {self._unavailable.get(name, 'not loaded')}")
                 continue
             if not slot.transport.supports(item.segment.kind, item.same_host, item.device):
-                why.append(f"{name}: does not support this request")
+                detail = ""
+                if item.device == "cuda":
+                    from kvpool.transfer.gpu import cuda_runtime
+
+                    detail = f" ({cuda_runtime()[1]})" if cuda_runtime()[0] is None else ""
+                why.append(f"{name}: does not support this request{detail}")
                 continue
             if slot.paused:
                 why.append(f"{name}: paused after failures")

@@ -335,3 +335,18 @@ def test_submit_after_close_raises(make_engine: Any) -> None:
     with pytest.raises(TransferError) as ei:
         e.submit([])
     assert ei.value.code == ErrorCode.CLOSED
+
+
+def test_gpu_buffer_without_cuda_fails_with_reason(make_engine: Any, make_segment: Any) -> None:
+    from kvpool.transfer.gpu import cuda_available
+
+    if cuda_available()[0]:
+        pytest.skip("a CUDA device is present: covered by tests/transfer/test_gpu.py")
+    e = make_engine()
+    seg = make_segment(4096)
+    e.add_local_segment(seg)
+    fake_dev = e.register_buffer((0x7F0000000000, 4096), device="cuda")
+    st = e.transfer([TransferRequest(R, fake_dev, seg.segment_id, 0, 4096)], 5)
+    assert st[0].state is RequestState.FAILED
+    assert st[0].code == ErrorCode.TRANSPORT_UNAVAILABLE
+    assert "no CUDA device" in st[0].errors[0]
