@@ -41,7 +41,11 @@ __all__ = [
     "WcStatus",
     "WorkRequest",
     "WrOp",
+    "build_send_wr",
+    "connect_attr",
     "mtu_enum",
+    "pyverbs_modules",
+    "qp_init_attr",
     "valid_gid",
 ]
 
@@ -329,6 +333,61 @@ def _errno(exc: BaseException) -> int:
     return int(getattr(exc, "error_code", 0) or 0)
 
 
+_ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
+
+
+def connect_attr(pv: dict[str, Any], port: int, gid_index: int, access: Access,
+                 remote: RemoteQp, mtu: int, max_rd_atomic: int, psn: int) -> Any:
+    """The pyverbs ``QPAttr`` for INIT -> RTR -> RTS of an RC QP towards
+    ``remote`` (global route when the remote has a GID, LID routing else)."""
+    attr = pv["QPAttr"](port_num=port)
+    attr.qp_access_flags = int(access)
+    attr.pkey_index = 0
+    attr.path_mtu = mtu_enum(mtu)
+    attr.dest_qp_num = remote.qp_num
+    attr.rq_psn = remote.psn
+    attr.sq_psn = psn
+    attr.max_dest_rd_atomic = max_rd_atomic
+    attr.max_rd_atomic = max_rd_atomic
+    attr.min_rnr_timer = 12
+    attr.timeout = 14       # 4.096 us * 2^14 ~ 67 ms per transport retry
+    attr.retry_cnt = 7
+    attr.rnr_retry = 7
+    if remote.gid and remote.gid != _ZERO_GID:
+        gr = pv["GlobalRoute"](dgid=pv["GID"](remote.gid), sgid_index=gid_index)
+        ah = pv["AHAttr"](dlid=remote.lid, is_global=1, port_num=port, gr=gr)
+    else:  # InfiniBand without GRH: LID routing
+        ah = pv["AHAttr"](dlid=remote.lid, port_num=port)
+    attr.ah_attr = ah
+    return attr
+
+
+def qp_init_attr(pv: dict[str, Any], cq: Any, depth: int, max_sge: int) -> Any:
+    """``QPInitAttr`` of an RC QP on ``cq`` (send and receive): ``depth`` send
+    WRs of ``max_sge`` SGEs, one receive slot (RDMA READ/WRITE need none), and
+    completions only for signalled WRs (we signal every one)."""
+    e = pv["e"]
+    cap = pv["QPCap"](max_send_wr=depth, max_recv_wr=1, max_send_sge=max_sge, max_recv_sge=1)
+    return pv["QPInitAttr"](qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
+
+
+def build_send_wr(pv: dict[str, Any], wr: WorkRequest) -> Any:
+    """The pyverbs ``SendWR`` (signalled, RDMA WRITE/READ, SGE list, remote
+    address and rkey) for ``wr``."""
+    e = pv["e"]
+    opcode = e.IBV_WR_RDMA_WRITE if wr.op == WrOp.RDMA_WRITE else e.IBV_WR_RDMA_READ
+    sges = [pv["SGE"](s.addr, s.length, s.lkey) for s in wr.sges]
+    swr = pv["SendWR"](wr_id=wr.wr_id, opcode=opcode, num_sge=len(sges), sg=sges,
+                       send_flags=e.IBV_SEND_SIGNALED)
+    swr.set_wr_rdma(wr.rkey, wr.remote_addr)
+    return swr
+
+
+def pyverbs_modules() -> tuple[dict[str, Any] | None, str]:
+    """The pyverbs names the real verbs layer uses, or (None, why not)."""
+    return _import_pyverbs()
+
+
 class _PvMR(MemoryRegion):
     def __init__(self, mr: Any, addr: int, length: int) -> None:
         self._mr = mr
@@ -375,27 +434,9 @@ class _PvQP(QueuePair):
     def connect(self, remote: RemoteQp, mtu: int, max_rd_atomic: int) -> None:
         pv = self._pv
         try:
-            attr = pv["QPAttr"](port_num=self._dev.port)
-            attr.qp_access_flags = int(self._access)
-            attr.path_mtu = mtu_enum(mtu)
-            attr.dest_qp_num = remote.qp_num
-            attr.rq_psn = remote.psn
-            attr.sq_psn = self.psn
-            attr.max_dest_rd_atomic = max_rd_atomic
-            attr.max_rd_atomic = max_rd_atomic
-            attr.min_rnr_timer = 12
-            attr.timeout = 14       # 4.096us * 2^14 ~ 67 ms per retry
-            attr.retry_cnt = 7
-            attr.rnr_retry = 7
-            if remote.gid and remote.gid != "0000:0000:0000:0000:0000:0000:0000:0000":
-                gr = pv["GlobalRoute"](dgid=pv["GID"](remote.gid),
-                                       sgid_index=self._dev.gid_index)
-                ah = pv["AHAttr"](dlid=remote.lid, is_global=1, port_num=self._dev.port,
-                                  gr=gr)
-            else:  # InfiniBand without GRH: LID routing
-                ah = pv["AHAttr"](dlid=remote.lid, port_num=self._dev.port)
-            attr.ah_attr = ah
-            # pyverbs applies the RC masks of each transition (INIT needs port/access)
+            attr = connect_attr(pv, self._dev.port, self._dev.gid_index, self._access, remote,
+                                mtu, max_rd_atomic, self.psn)
+            # pyverbs applies the RC attribute masks of each transition
             if self.state == QpState.RESET:
                 self._qp.to_init(attr)
             self._qp.to_rtr(attr)
@@ -404,13 +445,9 @@ class _PvQP(QueuePair):
             raise VerbsError(f"QP {self.qp_num} connect: {exc}", _errno(exc)) from exc
 
     def post_send(self, wrs: Sequence[WorkRequest]) -> None:
-        pv, e = self._pv, self._pv["e"]
+        pv = self._pv
         for wr in wrs:
-            opcode = e.IBV_WR_RDMA_WRITE if wr.op == WrOp.RDMA_WRITE else e.IBV_WR_RDMA_READ
-            sges = [pv["SGE"](s.addr, s.length, s.lkey) for s in wr.sges]
-            swr = pv["SendWR"](wr_id=wr.wr_id, opcode=opcode, num_sge=len(sges), sg=sges,
-                               send_flags=e.IBV_SEND_SIGNALED)
-            swr.set_wr_rdma(wr.rkey, wr.remote_addr)
+            swr = build_send_wr(pv, wr)
             try:
                 self._qp.post_send(swr)
             except pv["PyverbsError"] as exc:
@@ -443,7 +480,9 @@ class _PvDevice(VerbsDevice):
             attr = self._ctx.query_device()
             self.max_sge = int(attr.max_sge)
             self.max_qp_wr = int(attr.max_qp_wr)
-            self.max_rd_atomic = max(1, min(16, int(attr.max_qp_rd_atom)))
+            # responder (max_dest_rd_atomic) and initiator (max_rd_atomic) limits
+            self.max_rd_atomic = max(1, min(16, int(attr.max_qp_rd_atom),
+                                            int(attr.max_qp_init_rd_atom)))
             self._pd = pv["PD"](self._ctx)
         except pv["PyverbsError"] as exc:
             raise VerbsError(f"open {name}: {exc}", _errno(exc)) from exc
@@ -477,14 +516,10 @@ class _PvDevice(VerbsDevice):
 
     def create_qp(self, cq: CompletionQueue, depth: int, max_sge: int,
                   access: Access) -> QueuePair:
-        pv, e = self._pv, self._pv["e"]
+        pv = self._pv
         assert isinstance(cq, _PvCQ)
         try:
-            cap = pv["QPCap"](max_send_wr=depth, max_recv_wr=1, max_send_sge=max_sge,
-                              max_recv_sge=1)
-            init = pv["QPInitAttr"](qp_type=e.IBV_QPT_RC, scq=cq._cq, rcq=cq._cq, cap=cap,
-                                    sq_sig_all=0)
-            qp = pv["QP"](self._pd, init)
+            qp = pv["QP"](self._pd, qp_init_attr(pv, cq._cq, depth, max_sge))
             attr = pv["QPAttr"](port_num=self.port)
             attr.qp_access_flags = int(access)
             attr.pkey_index = 0

@@ -34,10 +34,16 @@ from kvpool.transfer.rdma_verbs import (
     Access,
     PyverbsVerbs,
     QpState,
+    RemoteQp,
+    Sge,
     WcStatus,
     WorkRequest,
     WrOp,
+    build_send_wr,
+    connect_attr,
     mtu_enum,
+    pyverbs_modules,
+    qp_init_attr,
 )
 from kvpool.transfer.transports.rdma import RdmaTransport
 
@@ -66,29 +72,32 @@ def test_our_verbs_numbers_match_pyverbs() -> None:
         assert enum_v == getattr(e, f"IBV_MTU_{nbytes}") == mtu_enum(nbytes)
 
 
-def test_pyverbs_work_request_objects_build_without_a_device() -> None:
-    """SendWR/SGE/GlobalRoute/AHAttr/QPAttr need no device: build what
-    post_send and connect build, with real pyverbs."""
+def test_pyverbs_objects_of_post_send_and_connect_build_without_a_device() -> None:
+    """SendWR/SGE/GlobalRoute/AHAttr/QPAttr need no device: build exactly what
+    post_send and connect build, with real pyverbs, and read them back."""
     e = _pyverbs()
-    from pyverbs.addr import GID, AHAttr, GlobalRoute
-    from pyverbs.qp import QPAttr
-    from pyverbs.wr import SGE, SendWR
-
-    wr = WorkRequest(7, WrOp.RDMA_READ, [], 0x1000, 0x55)
-    sges = [SGE(0x2000, 4096, 0x11), SGE(0x9000, 512, 0x11)]
-    swr = SendWR(wr_id=wr.wr_id, opcode=e.IBV_WR_RDMA_READ, num_sge=2, sg=sges,
-                 send_flags=e.IBV_SEND_SIGNALED)
-    swr.set_wr_rdma(wr.rkey, wr.remote_addr)
+    pv, reason = pyverbs_modules()
+    assert pv is not None, reason
+    wr = WorkRequest(7, WrOp.RDMA_READ, [Sge(0x2000, 4096, 0x11), Sge(0x9000, 512, 0x11)],
+                     0x1000, 0x55)
+    swr = build_send_wr(pv, wr)
     assert swr.wr_id == 7 and swr.num_sge == 2 and swr.opcode == e.IBV_WR_RDMA_READ
+    assert swr.send_flags == e.IBV_SEND_SIGNALED
     gid = "fe80:0000:0000:0000:0202:c9ff:fe00:0001"
-    gr = GlobalRoute(dgid=GID(gid), sgid_index=3)
-    ah = AHAttr(dlid=0, is_global=1, port_num=1, gr=gr)
-    assert ah.dgid == gid and ah.sgid_index == 3
-    attr = QPAttr(port_num=1)
-    attr.path_mtu = mtu_enum(4096)
-    attr.dest_qp_num = 0x1234
-    attr.ah_attr = ah
-    assert attr.dest_qp_num == 0x1234 and attr.path_mtu == e.IBV_MTU_4096
+    remote = RemoteQp(qp_num=0x1234, psn=99, lid=0, gid=gid, mtu=4096)
+    access = Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
+    attr = connect_attr(pv, 1, 3, access, remote, 2048, 16, 4242)
+    assert (attr.dest_qp_num, attr.rq_psn, attr.sq_psn) == (0x1234, 99, 4242)
+    assert attr.path_mtu == e.IBV_MTU_2048 and attr.qp_access_flags == int(access)
+    assert attr.max_rd_atomic == attr.max_dest_rd_atomic == 16
+    assert attr.ah_attr.is_global and attr.ah_attr.dgid == gid
+    assert attr.ah_attr.sgid_index == 3 and attr.ah_attr.port_num == 1
+    ib = connect_attr(pv, 2, 0, access, RemoteQp(5, 1, 17, "0000:0000:0000:0000:0000:0000:"
+                                                 "0000:0000", 4096), 4096, 1, 1)
+    assert not ib.ah_attr.is_global and ib.ah_attr.dlid == 17 and ib.ah_attr.port_num == 2
+    init = qp_init_attr(pv, None, 128, 4)
+    assert init.qp_type == e.IBV_QPT_RC and init.cap.max_send_wr == 128
+    assert init.cap.max_send_sge == 4 and init.sq_sig_all == 0
 
 
 def test_availability_reports_why_with_real_pyverbs() -> None:
