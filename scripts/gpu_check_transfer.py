@@ -91,18 +91,20 @@ def _pinned_limit(rt: Any, dev_ptr: int) -> dict[str, float]:
 
 
 def run(report: dict[str, Any]) -> None:
-    """Record results under ``report["transfer"]``; prints a summary."""
-    res: dict[str, Any] = {}
-    report["transfer"] = res
+    """Record results into ``report`` (pinned_gbps, results[], ok, status);
+    prints a summary. ``status`` is "failed" if any transfer was incorrect."""
+    res = report
     rt, reason = cuda_runtime()
     if rt is None:
         res["skipped"] = reason
+        res["status"] = "skipped"
         print(f"transfer GPU check skipped: {reason}")
         return
     res["cuda_backend"] = rt.backend
     libs = _gpu_libs()
     if not libs:
         res["skipped"] = "neither torch nor cupy with CUDA is importable"
+        res["status"] = "skipped"
         print(res["skipped"])
         return
     total = CHUNK * BATCH
@@ -181,6 +183,8 @@ def run(report: dict[str, Any]) -> None:
         print(f"{r['lib']:<14} {r['transport'] or '-':<9} {r['op']:<5} {gb:>7} "
               f"{r.get('ratio_vs_pinned', ''):>8} {r['correct']}")
     res["ok"] = all(r["correct"] for r in rows)
+    if not res["ok"]:
+        res["status"] = "failed"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""The GPU code paths of shm and tcp (registration, staging pool, memcpy
+direction and offsets) on this CPU-only machine, through a TEST DOUBLE of the
+CUDA runtime: "device" memory is host memory and cudaMemcpy is memmove. It
+proves the bookkeeping, not the DMA; the real thing is tests/transfer/test_gpu.py
+and scripts/gpu_check_transfer.py on a GPU machine."""
+
+from __future__ import annotations
+
+import ctypes
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.transfer import TransferOp, TransferRequest
+from kvpool.transfer import gpu as gpu_mod
+from kvpool.transfer.gpu import CudaRuntime
+
+MiB = 1 << 20
+
+
+class HostCudaDouble(CudaRuntime):
+    """Fake CUDA runtime for a machine without a GPU (named as such)."""
+
+    def __init__(self) -> None:
+        super().__init__("host-double", None)
+        self.registered: dict[int, int] = {}
+        self.copies = 0
+        self.devices: list[int] = []
+
+    def set_device(self, index: int) -> None:
+        self.devices.append(index)
+
+    def memcpy(self, dst: int, src: int, n: int) -> None:
+        self.copies += 1
+        ctypes.memmove(dst, src, n)
+
+    def host_register(self, ptr: int, n: int) -> None:
+        assert ptr not in self.registered, "registered twice"
+        self.registered[ptr] = n
+
+    def host_unregister(self, ptr: int) -> None:
+        del self.registered[ptr]
+
+    def device_count(self) -> int:
+        return 1
+
+
+@pytest.fixture
+def cuda_double(monkeypatch: pytest.MonkeyPatch) -> Iterator[HostCudaDouble]:
+    rt = HostCudaDouble()
+    monkeypatch.setattr(gpu_mod, "_cached", (rt, ""))
+    yield rt
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_gpu_paths_through_double(cuda_double: HostCudaDouble, make_engine: Any,
+                                  make_peer: Any, transport: str) -> None:
+    n = 9 * MiB + 5  # > staging_size: several staged chunks
+    peer = make_peer(16 * MiB, host_id="host-test")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"staging_size": "1MiB",
+                                                                   "staging_buffers": 3}}})
+    e.add_peer_segment(peer.desc)
+    data = np.random.default_rng(9).integers(0, 256, n, dtype=np.uint8)
+    fake_dev = np.zeros(n + 64, np.uint8)  # "device" memory of the double
+    fake_dev[64:] = data
+    src = e.register_buffer((int(fake_dev.ctypes.data), n + 64), device="cuda")
+    assert src.is_gpu
+    st = e.transfer([TransferRequest(TransferOp.WRITE, src, peer.segment_id, 4093, n,
+                                     buffer_offset=64, transport=transport)], 30)
+    assert st[0].ok, st
+    assert peer.crc(4093, n) == zlib.crc32(data)
+    back = np.zeros(n, np.uint8)
+    dst = e.register_buffer((int(back.ctypes.data), n), device="cuda")
+    st = e.transfer([TransferRequest(TransferOp.READ, dst, peer.segment_id, 4093, n,
+                                     transport=transport)], 30)
+    assert st[0].ok, st
+    assert (back == data).all()
+    if transport == "shm":
+        # the peer's mapping was registered once, whole, and copies went straight to it
+        assert list(cuda_double.registered.values()) == [16 * MiB]
+        assert cuda_double.copies == 2
+        e.remove_peer_segment(peer.segment_id)
+        assert cuda_double.registered == {}
+    else:
+        # staged through the pinned pool: 3 buffers of 1 MiB, one copy per chunk
+        assert sorted(cuda_double.registered.values()) == [MiB] * 3
+        assert cuda_double.copies == 2 * 10
+
+
+def test_local_segment_registered_once_and_released(cuda_double: HostCudaDouble,
+                                                     make_engine: Any,
+                                                     make_segment: Any) -> None:
+    e = make_engine()
+    seg = make_segment(MiB)
+    e.add_local_segment(seg)
+    fake_dev = np.arange(4096, dtype=np.uint32).view(np.uint8)
+    h = e.register_buffer((int(fake_dev.ctypes.data), fake_dev.nbytes), device="cuda")
+    for off in (0, 8192, 65536):
+        st = e.transfer([TransferRequest(TransferOp.WRITE, h, seg.segment_id, off, 4096)], 5)
+        assert st[0].ok and st[0].transport == "shm"
+        assert seg.array()[off:off + 4096].tobytes() == fake_dev[:4096].tobytes()
+    assert list(cuda_double.registered) == [seg.address]
+    seg.close()
+    assert cuda_double.registered == {}
