@@ -139,10 +139,25 @@ class MemorySegment(LocalSegment):
         self._array = np.frombuffer(mm, dtype=np.uint8, count=size)
         self._lock = threading.Lock()
         self.cache: dict[str, object] = {}  # per-transport state (e.g. CUDA registration)
+        self.prefault_done = threading.Event()  # set when every page is allocated
+        self.prefault_done.set()
 
     @classmethod
-    def create(cls, segment_id: str, size: int, prefault: bool = True) -> MemorySegment:
-        """Create ``/dev/shm/kvpool-<id>-<rand>`` of ``size`` bytes, mode 0600."""
+    def create(cls, segment_id: str, size: int,
+               prefault: bool | str = True) -> MemorySegment:
+        """Create ``/dev/shm/kvpool-<id>-<rand>`` of ``size`` bytes, mode 0600.
+
+        ``prefault``: True allocates every page before returning (~1 s/GiB
+        here); ``"background"`` returns at once and allocates in a daemon
+        thread (``prefault_done`` is set when finished; data written meanwhile
+        is never touched: allocation uses fallocate, mapping uses reads);
+        False leaves first-touch faults to whoever writes first.
+        """
+        if prefault not in (True, False, "background"):
+            raise TransferError(f"prefault must be true, false or 'background': {prefault!r}",
+                                ErrorCode.INVALID_PARAMS, retryable=False)
+        background = prefault == "background"
+        prefault = prefault is True
         if size <= 0:
             raise TransferError(f"segment size must be > 0: {size}", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
@@ -170,7 +185,33 @@ class MemorySegment(LocalSegment):
         finally:
             os.close(fd)
         log.debug("created shm segment %s (%s, %d bytes)", segment_id, name, size)
-        return cls(segment_id, name, size, mm)
+        seg = cls(segment_id, name, size, mm)
+        if background:
+            seg.prefault_done.clear()
+            threading.Thread(target=seg._prefault_background, name=f"kvpool-prefault-{safe}",
+                             daemon=True).start()
+        return seg
+
+    def _prefault_background(self) -> None:
+        try:
+            fd = os.open(_shm_path(self.name), os.O_RDWR)
+        except OSError:
+            self.prefault_done.set()
+            return
+        try:
+            for off in range(0, self.size, _PREFAULT_CHUNK):
+                if self._mmap is None:
+                    return
+                n = min(_PREFAULT_CHUNK, self.size - off)
+                os.posix_fallocate(fd, off, n)  # allocates holes only; data stays
+                arr = self._array
+                if arr.size:
+                    int(arr[off:off + n:4096].sum())  # read faults build our page tables
+        except (OSError, ValueError):
+            log.warning("background prefault of %s stopped", self.segment_id, exc_info=True)
+        finally:
+            os.close(fd)
+            self.prefault_done.set()
 
     @property
     def closed(self) -> bool:

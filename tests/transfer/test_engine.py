@@ -350,3 +350,27 @@ def test_gpu_buffer_without_cuda_fails_with_reason(make_engine: Any, make_segmen
     assert st[0].state is RequestState.FAILED
     assert st[0].code == ErrorCode.TRANSPORT_UNAVAILABLE
     assert "no CUDA device" in st[0].errors[0]
+
+
+def test_background_prefault_keeps_data_written_meanwhile(make_engine: Any) -> None:
+    import os
+
+    from kvpool.transfer import MemorySegment
+
+    seg = MemorySegment.create("bg", 256 << 20, prefault="background")
+    try:
+        e = make_engine()
+        e.add_local_segment(seg)
+        src = _pattern(1 << 20, seed=4)
+        offs = [0, 100 << 20, (256 << 20) - (1 << 20)]
+        for off in offs:  # races the prefault thread on purpose
+            assert e.transfer([TransferRequest(W, src, seg.segment_id, off, 1 << 20)], 5)[0].ok
+        assert seg.prefault_done.wait(30)
+        for off in offs:
+            assert (seg.array()[off:off + (1 << 20)] == src).all()
+        st = os.stat(os.path.join("/dev/shm", seg.name))
+        assert st.st_blocks * 512 >= 256 << 20  # every page allocated
+    finally:
+        seg.close()
+    with pytest.raises(TransferError):
+        MemorySegment.create("bad", 4096, prefault="sometimes")
