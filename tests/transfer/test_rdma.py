@@ -9,6 +9,7 @@ the RDMA hardware this machine lacks (see test_rdma_double.py).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import uuid
 import zlib
@@ -274,13 +275,14 @@ class Pair:
     their real transfer servers and tcp transports."""
 
     def __init__(self, settings: TransportSettings | None = None, describe: bool = True,
-                 size: int = 1 << 20) -> None:
+                 size: int = 1 << 20, cuda: Any = None) -> None:
         self.fabric = LoopbackFabric()
         cfg = load_transfer_config(overrides={"transports": {"tcp": {"retries": 0}}})
         self.a = TransferEngine(cfg, "host-a", client_id="a")
         self.b = TransferEngine(load_transfer_config(), "host-b", client_id="b")
         self.settings = settings or _settings()
-        self.ra = RdmaTransport(self.settings, verbs=LoopbackVerbsDouble(self.fabric))
+        self.ra = RdmaTransport(self.settings, verbs=LoopbackVerbsDouble(self.fabric),
+                                cuda=cuda)
         self.rb = RdmaTransport(self.settings, verbs=LoopbackVerbsDouble(self.fabric))
         self.a.register_transport(self.ra, self.settings)
         self.b.register_transport(self.rb, self.settings)
@@ -581,3 +583,57 @@ def test_owner_enforcing_capabilities_hands_out_no_rkeys(pair: Pair) -> None:
                                             capability=b"ok")], timeout=10)
     assert st.ok and st.transport == "tcp" and "PERMISSION_DENIED" in st.errors[0]
     assert calls == [4 * KiB]
+
+
+class HostMemoryCudaDouble:
+    """A fake of the CUDA runtime for the GPU this machine lacks: 'device'
+    buffers are host memory and cudaMemcpy is a memmove; it records copies and
+    host registrations so the staging path can be checked."""
+
+    backend = "host-memory double"
+
+    def __init__(self) -> None:
+        self.copies: list[int] = []
+        self.host_registered: list[tuple[int, int]] = []
+
+    def memcpy(self, dst: int, src: int, n: int) -> None:
+        ctypes.memmove(dst, src, n)
+        self.copies.append(n)
+
+    def host_register(self, ptr: int, n: int) -> None:
+        self.host_registered.append((ptr, n))
+
+
+@pytest.mark.parametrize("peer_memory", [False, True])
+def test_gpu_buffers_direct_with_peer_memory_else_staged(peer_memory: bool) -> None:
+    """A registered GPU buffer is RDMA'd directly where the NIC can register
+    device memory (peer-memory client), else staged through the registered
+    host buffers with cudaMemcpy."""
+    fake = HostMemoryCudaDouble()
+    p = Pair(cuda=lambda: (fake, ""))
+    try:
+        n = 100 * KiB
+        src = np.frombuffer(np.random.default_rng(6).bytes(n), dtype=np.uint8).copy()
+        dst = np.zeros(n, dtype=np.uint8)
+        if not peer_memory:
+            p.fabric.unregistrable += [(int(src.ctypes.data), n), (int(dst.ctypes.data), n)]
+        hs = p.a.register_buffer(int(src.ctypes.data), length=n, device="cuda")
+        hd = p.a.register_buffer(int(dst.ctypes.data), length=n, device="cuda")
+        assert hs.is_gpu and hd.is_gpu
+        sts = p.a.transfer([TransferRequest(TransferOp.WRITE, hs, p.sid, 4 * KiB, n)],
+                           timeout=10)
+        sts += p.a.transfer([TransferRequest(TransferOp.READ, hd, p.sid, 4 * KiB, n)],
+                            timeout=10)
+        assert [(s.ok, s.transport) for s in sts] == [(True, "rdma")] * 2
+        assert np.array_equal(p.seg.array()[4 * KiB:4 * KiB + n], src)
+        assert np.array_equal(dst, src)
+        st = p.ra.stats()
+        if peer_memory:
+            assert fake.copies == [] and st["registered_buffers"] == 2
+        else:
+            # 100 KiB in 32 KiB staging buffers: 4 copies each way
+            assert sum(fake.copies) == 2 * n and len(fake.copies) == 8
+            assert st["registered_buffers"] == 0 and st["staged_bytes"] == 2 * n
+            assert len(fake.host_registered) == 1  # the staging pool, page-locked once
+    finally:
+        p.close()

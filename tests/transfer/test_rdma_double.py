@@ -58,6 +58,7 @@ from kvpool.transfer.rdma_verbs import (
 __all__ = ["LoopbackFabric", "LoopbackVerbsDouble"]
 
 ENOMEM = 12
+EFAULT = 14
 EINVAL = 22
 
 
@@ -80,6 +81,9 @@ class LoopbackFabric:
     mrs: dict[int, _Mr] = field(default_factory=dict)
     qps: dict[int, _DQp] = field(default_factory=dict)
     stall: bool = False
+    #: ranges reg_mr refuses with EFAULT, like device memory without a
+    #: peer-memory client (nvidia-peermem)
+    unregistrable: list[tuple[int, int]] = field(default_factory=list)
     max_outstanding_seen: int = 0
     wrs_executed: int = 0
     sge_counts: list[int] = field(default_factory=list)
@@ -254,6 +258,9 @@ class _DDevice(VerbsDevice):
     def reg_mr(self, addr: int, length: int, access: Access) -> MemoryRegion:
         if addr <= 0 or length <= 0:
             raise VerbsError(f"reg_mr({addr:#x}, {length})", EINVAL)
+        for start, n in self.fabric.unregistrable:
+            if addr < start + n and start < addr + length:
+                raise VerbsError(f"reg_mr({addr:#x}, {length}): Bad address", EFAULT)
         with self.fabric.lock:
             key = next(self.fabric._keys)
             self.fabric.mrs[key] = _Mr(self.index, addr, length, Access(access))

@@ -436,20 +436,26 @@ class RdmaTransport(Transport):
     """RDMA READ/WRITE to remote memory segments (see the module doc).
 
     ``verbs`` is the verbs layer (default: :class:`PyverbsVerbs`); tests pass
-    a loopback double. ``options`` come from ``settings.options``.
+    a loopback double. ``cuda`` returns the CUDA runtime used to stage GPU
+    buffers (default: :func:`kvpool.transfer.gpu.cuda_runtime`). ``options``
+    come from ``settings.options``.
     """
 
     name = "rdma"
 
     def __init__(self, settings: TransportSettings | None = None,
-                 verbs: Verbs | None = None) -> None:
+                 verbs: Verbs | None = None,
+                 cuda: Callable[[], tuple[Any, str]] | None = None) -> None:
         super().__init__(settings)
         self.options = RdmaOptions.from_options(dict(self.settings.options or {}))
         self.verbs: Verbs = verbs if verbs is not None else PyverbsVerbs()
+        if cuda is None:
+            from kvpool.transfer.gpu import cuda_runtime as cuda
+        #: () -> (CUDA runtime | None, reason): copies GPU buffers to/from staging
+        self._cuda_runtime = cuda
         self._lock = threading.RLock()
         self._dev: VerbsDevice | None = None
         self._port_mtu = 0
-        self._local_qp_template: QpInfo | None = None
         self._peers: dict[str, _PeerState] = {}
         self._accepted: OrderedDict[str, _Accepted] = OrderedDict()
         self._seg_mrs: dict[str, tuple[LocalSegment, MemoryRegion]] = {}
@@ -1098,9 +1104,7 @@ class RdmaTransport(Transport):
             item.buffer.host_view(start, sge.length)[:] = src
 
     def _cuda(self) -> Any:
-        from kvpool.transfer.gpu import cuda_runtime
-
-        rt, reason = cuda_runtime()
+        rt, reason = self._cuda_runtime()
         if rt is None:
             raise TransferError(f"GPU buffer but {reason}", ErrorCode.TRANSPORT_UNAVAILABLE,
                                 retryable=False)
