@@ -162,6 +162,12 @@ class Client:
         self._started = True
         try:
             self._setup()
+        except StoreError:
+            self.close()
+            raise
+        except KVPoolError as exc:  # e.g. a TransferError creating the segment: typed
+            self.close()
+            raise error_for_code(exc.code, f"setup failed: {exc}") from exc
         except BaseException:
             self.close()
             raise
@@ -250,9 +256,9 @@ class Client:
             try:
                 res = self._ping_master.call(Op.PING, client_id=self.client_id)
                 remount = bool(res.get("remount"))
-                if not remount and self._own_descs:
-                    known = set(res.get("segment_ids") or ())
-                    remount = bool(known) and not set(self._own_descs) <= known
+                if not remount and self._own_descs and "segment_ids" in res:
+                    # the master knows us but lost a segment of ours: mount it again
+                    remount = not set(self._own_descs) <= set(res["segment_ids"] or ())
             except MasterRPCError as exc:
                 if exc.code != ErrorCode.CLIENT_NOT_FOUND:
                     log.debug("ping failed: %s", exc)
