@@ -449,10 +449,11 @@ class RdmaTransport(Transport):
         super().__init__(settings)
         self.options = RdmaOptions.from_options(dict(self.settings.options or {}))
         self.verbs: Verbs = verbs if verbs is not None else PyverbsVerbs()
-        if cuda is None:
-            from kvpool.transfer.gpu import cuda_runtime as cuda
+        from kvpool.transfer.gpu import cuda_runtime
+
         #: () -> (CUDA runtime | None, reason): copies GPU buffers to/from staging
-        self._cuda_runtime = cuda
+        self._cuda_runtime: Callable[[], tuple[Any, str]] = \
+            cuda if cuda is not None else cuda_runtime
         self._lock = threading.RLock()
         self._dev: VerbsDevice | None = None
         self._port_mtu = 0
