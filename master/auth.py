@@ -241,9 +241,13 @@ class _AllowList:
         self._lock = threading.Lock()
         self.denied = 0
 
-    def set(self, keys: set[bytes]) -> None:
+    def replace(self, keys: set[bytes]) -> None:
         with self._lock:
             self._keys = set(keys)
+
+    def keys(self) -> set[bytes]:
+        with self._lock:
+            return set(self._keys)
 
     def callback(self, domain: str, key: bytes) -> bool:
         with self._lock:
@@ -256,6 +260,10 @@ class _AllowList:
         return ok
 
 
+_shared_auth: dict[int, CurveAuthenticator] = {}
+_shared_lock = threading.Lock()
+
+
 class CurveAuthenticator:
     """A ZAP handler on ``context``: CURVE clients must present an allowed public key.
 
@@ -266,6 +274,9 @@ class CurveAuthenticator:
     """
 
     def __init__(self, context: zmq.Context[Any], allowed: set[bytes] | None) -> None:
+        self._context = context
+        self._refs = 1
+        self._shared = False
         self._auth = ThreadAuthenticator(context, log=logging.getLogger(__name__ + ".zap"))
         self._auth.start()
         self._provider: _AllowList | None = None
@@ -279,13 +290,47 @@ class CurveAuthenticator:
         """Replace the allow-list (takes effect for new connections)."""
         if self._provider is None:
             raise KVPoolError("authenticator was created allow-any", ErrorCode.INVALID_PARAMS)
-        self._provider.set({_check_z85_key(k, "allowed key") for k in allowed})
+        self._provider.replace({_check_z85_key(k, "allowed key") for k in allowed})
 
     @property
     def denied(self) -> int:
         return self._provider.denied if self._provider is not None else 0
 
+    @classmethod
+    def shared(cls, context: zmq.Context[Any], allowed: set[bytes] | None) -> CurveAuthenticator:
+        """The context's authenticator, created on first use, reference-counted.
+
+        Several CURVE servers of one process (e.g. a master and a transfer
+        server in a test, both on ``zmq.Context.instance()``) share it; their
+        allow-lists are merged. Mixing allow-any and an allow-list on one
+        context is refused (CONFIG_ERROR). Each caller calls ``close()`` once.
+        """
+        with _shared_lock:
+            auth = _shared_auth.get(id(context))
+            if auth is None or auth._context is not context:
+                auth = cls(context, allowed)
+                auth._shared = True
+                _shared_auth[id(context)] = auth
+                return auth
+            if (allowed is None) != (auth._provider is None):
+                raise ConfigError("servers of one ZeroMQ context disagree on allow-any CURVE "
+                                  "clients; use one policy per process")
+            if allowed is not None and auth._provider is not None:
+                auth._provider.replace(auth._provider.keys()
+                                   | {_check_z85_key(k, "allowed key") for k in allowed})
+            auth._refs += 1
+            return auth
+
     def close(self) -> None:
+        """Release this reference; the ZAP handler stops with the last one."""
+        with _shared_lock:
+            if self._refs <= 0:
+                return
+            self._refs -= 1
+            if self._refs > 0:
+                return
+            if self._shared and _shared_auth.get(id(self._context)) is self:
+                del _shared_auth[id(self._context)]
         self._auth.stop()
 
     def __enter__(self) -> CurveAuthenticator:
@@ -375,9 +420,9 @@ class CurveConfig:
     def setup_server(self, sock: zmq.Socket[Any], bind_host: str) -> CurveAuthenticator | None:
         """Apply the policy to a server socket before bind.
 
-        Returns the authenticator started on the socket's context (the caller
-        closes it; start at most one per context and share it between server
-        sockets), or None when CURVE is off for ``bind_host``.
+        Returns the context's shared authenticator (:meth:`CurveAuthenticator.shared`;
+        the caller closes it once when the socket closes), or None when CURVE
+        is off for ``bind_host``.
         """
         if not self.active(bind_host):
             if not is_loopback(bind_host):
@@ -385,7 +430,7 @@ class CurveConfig:
                             bind_host)
             return None
         apply_server_curve(sock, self.keypair())
-        return CurveAuthenticator(sock.context, self.allowed_clients())
+        return CurveAuthenticator.shared(sock.context, self.allowed_clients())
 
     def setup_client(self, sock: zmq.Socket[Any], server_host: str,
                      server_public: bytes | None = None) -> bool:

@@ -242,3 +242,45 @@ def test_cli_flags_map_to_config(tmp_path: Path) -> None:
     assert curve_config_from_args(parser.parse_args(["--curve", "auto"]),
                                   CurveConfig(enabled=True)).enabled is None
     assert curve_config_from_args(parser.parse_args([]), CurveConfig(enabled=True)).enabled
+
+
+def test_two_servers_share_one_zap_handler_per_context(ctx: zmq.Context, tmp_path: Path) -> None:
+    _, sec = save_keypair(tmp_path, "cluster")
+    cfg = CurveConfig(secret_key_file=str(sec), enabled=True)
+    kp = load_keypair(sec)
+    socks, auths, ends = [], [], []
+    for _ in range(2):
+        s = ctx.socket(zmq.ROUTER)
+        s.linger = 0
+        auths.append(cfg.setup_server(s, "127.0.0.1"))
+        s.bind("tcp://127.0.0.1:*")
+        socks.append(s)
+        ends.append(s.last_endpoint.decode())
+    assert auths[0] is auths[1] is not None
+
+    def roundtrip(i: int, client: CurveKeyPair) -> bytes | None:
+        c = ctx.socket(zmq.DEALER)
+        c.linger = 0
+        try:
+            apply_client_curve(c, kp.public, client)
+            c.connect(ends[i])
+            c.send(b"x")
+            if socks[i].poll(700):
+                ident, msg = socks[i].recv_multipart()
+                socks[i].send_multipart([ident, msg])
+            return bytes(c.recv()) if c.poll(700) else None
+        finally:
+            c.close(0)
+
+    try:
+        assert roundtrip(0, kp) == b"x" and roundtrip(1, kp) == b"x"
+        assert roundtrip(1, generate_keypair()) is None
+        auths[0].close()  # type: ignore[union-attr]
+        assert roundtrip(1, kp) == b"x"  # still authenticated by the shared handler
+        assert roundtrip(1, generate_keypair()) is None
+        with pytest.raises(ConfigError, match="allow-any"):
+            CurveAuthenticator.shared(ctx, None)
+    finally:
+        auths[1].close()  # type: ignore[union-attr]
+        for s in socks:
+            s.close(0)
