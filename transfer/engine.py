@@ -8,7 +8,9 @@ worker pool (``threads`` slices in parallel) with its own state machine
 slow or failing transport never blocks another's requests. A request that
 fails retryably is retried on the same transport (``retries``), then
 re-planned onto the next transport its rule allows (up to ``max_failover``);
-a transport whose attempts keep failing is paused for ``cooldown_s``.
+a transport whose attempts keep failing is paused for ``cooldown_s``. Health
+is kept per (transport, peer): a dead peer pauses tcp towards that peer only,
+while a transport that is broken everywhere gets paused for every peer.
 """
 
 from __future__ import annotations
@@ -139,12 +141,18 @@ class _TransportSlot:
         self.settings = settings
         self.pool = ThreadPoolExecutor(max_workers=settings.threads,
                                        thread_name_prefix=f"kvpool-xfer-{transport.name}")
-        self.consecutive_failures = 0
-        self.paused_until = 0.0
+        # peer key -> [consecutive failed attempts, paused until (monotonic)]
+        self.health: dict[str, list[float]] = {}
 
-    @property
-    def paused(self) -> bool:
-        return time.monotonic() < self.paused_until
+    def paused(self, peer: str) -> bool:
+        h = self.health.get(peer)
+        return h is not None and time.monotonic() < h[1]
+
+
+def _peer_key(item: WorkItem) -> str:
+    """Whom a request depends on besides the transport: the segment's owner."""
+    seg = item.segment
+    return seg.endpoint or f"{seg.host_id}/{seg.client_id}"
 
 
 class TransferEngine:
@@ -328,8 +336,8 @@ class TransferEngine:
                     detail = f" ({cuda_runtime()[1]})" if cuda_runtime()[0] is None else ""
                 why.append(f"{name}: does not support this request{detail}")
                 continue
-            if slot.paused:
-                why.append(f"{name}: paused after failures")
+            if slot.paused(_peer_key(item)):
+                why.append(f"{name}: paused after repeated failures towards this peer")
                 continue
             return name, ""
         return None, "; ".join(why) or "no transport left"
@@ -511,7 +519,8 @@ class TransferEngine:
             if not err.retryable or self._closed:
                 handle._finish(item.index, RequestState.FAILED, sb.transport, err.code)
                 continue
-            if track.attempts[sb.transport] <= slot.settings.retries and not slot.paused:
+            if track.attempts[sb.transport] <= slot.settings.retries \
+                    and not slot.paused(_peer_key(item)):
                 groups.setdefault(sb.transport, []).append(item)
                 continue
             if track.failovers >= self.config.max_failover:
@@ -528,20 +537,25 @@ class TransferEngine:
 
     def _update_health(self, slot: _TransportSlot, sb: SubBatch,
                        failures: list[tuple[WorkItem, TransferError]]) -> None:
-        # an attempt counts against the transport only if nothing got through
-        # and the failures were the transport's (not bounds/permission refusals)
-        transport_fault = bool(failures) and sb.done == 0 and any(e.retryable for _, e in failures)
+        # per peer, an attempt counts against the transport only if nothing got
+        # through to that peer and a failure was the transport's (not a
+        # bounds/permission refusal, which is final and says nothing of health)
+        failed_peers = {_peer_key(it) for it, e in failures if e.retryable}
+        failed_items = {it.index for it, _ in failures}
+        ok_peers = {_peer_key(it) for it in sb.items if it.index not in failed_items}
         with self._lock:
-            if not transport_fault:
-                if sb.done:
-                    slot.consecutive_failures = 0
-                return
-            slot.consecutive_failures += 1
-            if slot.consecutive_failures >= slot.settings.pause_after_failures:
-                slot.paused_until = time.monotonic() + slot.settings.cooldown_s
-                slot.consecutive_failures = 0
-                log.warning("transport %s paused for %.1fs after repeated failures",
-                            sb.transport, slot.settings.cooldown_s)
+            for peer in ok_peers:
+                h = slot.health.get(peer)
+                if h is not None:
+                    h[0] = 0
+            for peer in failed_peers - ok_peers:
+                h = slot.health.setdefault(peer, [0, 0.0])
+                h[0] += 1
+                if h[0] >= slot.settings.pause_after_failures:
+                    h[0] = 0
+                    h[1] = time.monotonic() + slot.settings.cooldown_s
+                    log.warning("transport %s paused for %.1fs towards %s after repeated "
+                                "failures", sb.transport, slot.settings.cooldown_s, peer)
 
     def transfer(self, requests: Sequence[TransferRequest],
                  timeout: float | None = None) -> list[RequestStatus]:

@@ -233,3 +233,24 @@ def test_server_stopped_mid_batch_fails_over_and_completes(make_engine: Any,
     moved = [s for s in st if s.transport == "shm"]
     assert all(s.errors and s.errors[0].startswith("tcp:") for s in moved)
     assert zlib.crc32(dst) == zlib.crc32(fill_pattern(13, size))
+
+
+def test_dead_peer_pauses_tcp_only_towards_that_peer(make_engine: Any, make_peer: Any) -> None:
+    dead = make_peer(MiB, host_id="far-1")
+    live = make_peer(MiB, host_id="far-2")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {
+        "timeout_s": 2.0, "retries": 0, "pause_after_failures": 2, "cooldown_s": 30}}})
+    e.add_peer_segment(dead.desc)
+    e.add_peer_segment(live.desc)
+    dead.kill()
+    buf = np.zeros(4096, np.uint8)
+    for _ in range(2):
+        st = e.transfer([TransferRequest(R, buf, dead.segment_id, 0, 4096)], 5)
+        assert st[0].state is RequestState.FAILED and st[0].transport == "tcp"
+    t0 = time.monotonic()
+    st = e.transfer([TransferRequest(R, buf, dead.segment_id, 0, 4096)], 5)
+    assert st[0].state is RequestState.FAILED and "paused" in st[0].errors[-1]
+    assert time.monotonic() - t0 < 0.5  # refused at planning, no network attempt
+    # the live peer is still served by tcp
+    st = e.transfer([TransferRequest(R, buf, live.segment_id, 0, 4096)], 5)
+    assert st[0].ok and st[0].transport == "tcp"
