@@ -341,6 +341,10 @@ def test_write_and_read_over_rdma_registered_and_staged(pair: Pair) -> None:
     assert st["registered_buffers"] == 2 and st["connects"] == 1
     assert pair.fabric.max_outstanding_seen <= pair.settings.options["qp_depth"]
     assert pair.rb.stats()["accepted"] == 1 and pair.rb.stats()["registered_segments"] == 1
+    # unregistering a buffer with the engine deregisters its MR
+    n_mrs = len(pair.fabric.mrs)
+    pair.a.unregister_buffer(reg)
+    assert pair.ra.stats()["registered_buffers"] == 1 and len(pair.fabric.mrs) == n_mrs - 1
 
 
 def test_scattered_blocks_are_gathered_into_multi_sge_wrs(pair: Pair) -> None:
@@ -637,3 +641,22 @@ def test_gpu_buffers_direct_with_peer_memory_else_staged(peer_memory: bool) -> N
             assert len(fake.host_registered) == 1  # the staging pool, page-locked once
     finally:
         p.close()
+
+
+def test_closing_the_engine_during_a_stalled_transfer_returns_promptly(pair: Pair) -> None:
+    import threading
+    import time
+
+    pair.fabric.stall = True
+    buf = np.full(8 * KiB, 2, dtype=np.uint8)
+    h = pair.a.submit([TransferRequest(TransferOp.WRITE, buf, pair.sid, 0, buf.nbytes,
+                                       transport="rdma")])
+    time.sleep(0.2)  # the worker is polling a CQ that never completes
+    t0 = time.monotonic()
+    closer = threading.Thread(target=pair.a.close)
+    closer.start()
+    closer.join(5)
+    assert not closer.is_alive() and time.monotonic() - t0 < 3
+    assert h.wait(5)
+    [st] = h.status()
+    assert st.state is RequestState.FAILED and st.code == ErrorCode.CLOSED

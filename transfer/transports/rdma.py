@@ -46,6 +46,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -460,7 +461,8 @@ class RdmaTransport(Transport):
         self._peers: dict[str, _PeerState] = {}
         self._accepted: OrderedDict[str, _Accepted] = OrderedDict()
         self._seg_mrs: dict[str, tuple[LocalSegment, MemoryRegion]] = {}
-        self._buffer_mrs: dict[int, MemoryRegion] = {}
+        #: id(handle) -> (weak handle, MR); swept when the handle is unregistered or gone
+        self._buffer_mrs: dict[int, tuple[weakref.ref[BufferHandle], MemoryRegion]] = {}
         self._staging: _Staging | None = None
         self._zctx: zmq.Context | None = None
         self._listener: _ConnectListener | None = None
@@ -488,6 +490,8 @@ class RdmaTransport(Transport):
 
     def available(self) -> tuple[bool, str]:
         """Open the first configured (or found) device and query its port."""
+        if self._dev is not None:
+            return True, ""
         ok, reason = self.verbs.available()
         if not ok:
             return False, reason
@@ -517,6 +521,7 @@ class RdmaTransport(Transport):
         return kind == SegmentKind.MEMORY and device in ("cpu", "cuda")
 
     def stats(self) -> dict[str, Any]:
+        self._sweep_buffers()
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
             out["peers"] = {ep: {"connected": p.conn is not None,
@@ -541,7 +546,7 @@ class RdmaTransport(Transport):
             self._accepted.clear()
             seg_mrs = [mr for _, mr in self._seg_mrs.values()]
             self._seg_mrs.clear()
-            buf_mrs = list(self._buffer_mrs.values())
+            buf_mrs = [mr for _, mr in self._buffer_mrs.values()]
             self._buffer_mrs.clear()
             staging, self._staging = self._staging, None
             listener, self._listener = self._listener, None
@@ -549,10 +554,15 @@ class RdmaTransport(Transport):
         if listener is not None:
             listener.close()
         for p in peers:
-            with p.lock:
+            # a sub-batch still polling notices ``closed`` and lets go promptly
+            got = p.lock.acquire(timeout=2.0)
+            try:
                 if p.conn is not None:
                     p.conn.close()
                     p.conn = None
+            finally:
+                if got:
+                    p.lock.release()
         for a in accepted:
             a.close()
         for mr in seg_mrs + buf_mrs:
@@ -722,10 +732,21 @@ class RdmaTransport(Transport):
             log.info("rdma: buffer of %d bytes (%s) not registrable, staging it: %s",
                      handle.length, handle.device, exc)
         handle.cache[key] = mr
+        self._sweep_buffers()
         if mr is not None:
             with self._lock:
-                self._buffer_mrs[id(handle)] = mr
+                self._buffer_mrs[id(handle)] = (weakref.ref(handle), mr)
         return mr is not None
+
+    def _sweep_buffers(self) -> None:
+        """Deregister MRs of buffers the engine unregistered (``registered``
+        cleared) or that no longer exist."""
+        with self._lock:
+            dead = [k for k, (ref, _) in self._buffer_mrs.items()
+                    if (h := ref()) is None or not h.registered]
+            mrs = [self._buffer_mrs.pop(k)[1] for k in dead]
+        for mr in mrs:
+            mr.close()
 
     def unregister_buffer(self, handle: BufferHandle) -> None:
         """Deregister a buffer registered by :meth:`register_buffer`."""
@@ -734,6 +755,7 @@ class RdmaTransport(Transport):
             self._buffer_mrs.pop(id(handle), None)
         if mr is not None:
             mr.close()
+        self._sweep_buffers()
 
     def _local_mr(self, handle: BufferHandle) -> MemoryRegion | None:
         if not handle.registered:
@@ -825,6 +847,8 @@ class RdmaTransport(Transport):
     # -- execute --------------------------------------------------------------------------
     def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
         """Group by peer, connect if needed, plan, post and poll (module doc)."""
+        if self._buffer_mrs:
+            self._sweep_buffers()
         groups: dict[str, list[WorkItem]] = {}
         for it in items:
             ep = self._peer_endpoint(it)
@@ -1060,10 +1084,12 @@ class RdmaTransport(Transport):
             if comps:
                 idle_polls = 0
                 continue
-            if time.monotonic() >= deadline:
+            if self.closed or time.monotonic() >= deadline:
                 self.counters["timeouts"] += 1
                 err = TransferError(f"rdma: {len(inflight)} WRs to {conn.endpoint} not "
-                                    "completed by the deadline", ErrorCode.TIMEOUT)
+                                    "completed by the deadline", ErrorCode.TIMEOUT) \
+                    if not self.closed else TransferError("rdma transport closed",
+                                                          ErrorCode.CLOSED)
                 # destroying the QPs guarantees no late DMA into the buffers
                 conn.to_error()
                 self._drop(peer, conn)
