@@ -97,6 +97,29 @@ class Allocator:
         self.used += need
         self.free -= need
 
+    def rebuild(self, ranges: list[tuple[int, int]]) -> None:
+        """Reset to exactly these allocated ``(offset, aligned_length)`` ranges,
+        sorted by offset and non-overlapping (bulk restore: O(n log n))."""
+        starts: list[int] = []
+        lens: list[int] = []
+        pos = 0
+        used = 0
+        for off, length in ranges:
+            if off < pos or off % self.alignment or off + length > self.capacity:
+                raise KVPoolError(f"bad range {off}+{length} in rebuild", ErrorCode.INVALID_PARAMS)
+            if off > pos:
+                starts.append(pos)
+                lens.append(off - pos)
+            pos = off + length
+            used += length
+        if pos < self.capacity:
+            starts.append(pos)
+            lens.append(self.capacity - pos)
+        self._starts, self._lens = starts, lens
+        self._by_size = sorted(zip(lens, starts, strict=True))
+        self.used = used
+        self.free = self.capacity - used
+
     def release(self, off: int, size: int) -> None:
         """Return a range obtained from ``allocate``/``reserve``; coalesces neighbours."""
         need = self.aligned(max(size, 1))

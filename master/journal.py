@@ -43,6 +43,7 @@ __all__ = [
     "Journal",
     "SnapshotData",
     "SnapshotWriter",
+    "iter_snapshot",
     "list_journals",
     "list_snapshots",
     "read_journal",
@@ -368,6 +369,43 @@ class SnapshotWriter:
                 os.unlink(self._tmp)
             except OSError:
                 pass
+
+
+def iter_snapshot(path: str) -> tuple[dict[str, Any], Iterator[list[Any]]]:
+    """Stream a snapshot: (header, object records). The iterator raises
+    ValueError at the end if the snapshot is torn (no end marker) or corrupt,
+    so a caller applying records as they come must be ready to discard them."""
+    f = open(path, "rb")  # closed by the generator
+    unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False, max_buffer_size=1 << 30,
+                                read_size=1 << 20)
+    try:
+        header = next(unpacker)
+    except Exception as exc:
+        f.close()
+        raise ValueError(f"{path}: unreadable snapshot header: {exc}") from exc
+    if not isinstance(header, dict) or header.get("version") != SNAPSHOT_VERSION:
+        f.close()
+        raise ValueError(f"{path}: bad snapshot header")
+
+    def records() -> Iterator[list[Any]]:
+        count = 0
+        try:
+            for rec in unpacker:
+                if type(rec) is not list or len(rec) != 5:
+                    if rec and rec[0] == _END:
+                        if rec[1] != count:
+                            raise ValueError(f"{path}: count mismatch")
+                        return
+                    raise ValueError(f"{path}: bad record")
+                count += 1
+                yield rec
+        except (msgpack.UnpackException, TypeError, IndexError) as exc:
+            raise ValueError(f"{path}: corrupt snapshot: {exc}") from exc
+        finally:
+            f.close()
+        raise ValueError(f"{path}: snapshot has no end marker (torn)")
+
+    return header, records()
 
 
 def read_snapshot(path: str) -> SnapshotData:

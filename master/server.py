@@ -32,10 +32,10 @@ from kvpool.master.errors import ErrorCode, KVPoolError
 from kvpool.master.journal import (
     Journal,
     SnapshotWriter,
+    iter_snapshot,
     list_journals,
     list_snapshots,
     read_journal,
-    read_snapshot,
 )
 from kvpool.master.protocol import Op, SegmentDescriptor, decode_frame, encode_frame
 
@@ -163,14 +163,13 @@ class MasterServer:
         snap_seq = 0
         for seq, path in reversed(list_snapshots(data_dir)):
             try:
-                snap = read_snapshot(path)
-            except (OSError, ValueError) as exc:
+                header, records = iter_snapshot(path)
+                d.bulk_load(list(header["segments"]), records)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.error("ignoring snapshot %s: %s", path, exc)
+                d = self.dir = Directory(self.cfg)  # discard what was partly loaded
+                d.journaling = False
                 continue
-            for wire in snap.segments:
-                d.restore_segment(wire)
-            for key, size, flags, checksum, reps in snap.objects:
-                d.restore_object(key, size, flags, checksum, reps)
             snap_seq = seq
             break
         for name in os.listdir(data_dir):  # leftovers of a crashed snapshot child
@@ -182,13 +181,13 @@ class MasterServer:
             last_seq = max(last_seq, seq)
             if seq < snap_seq:
                 continue
-            records, _torn = read_journal(path, truncate=True)
-            for rec in records:
+            journal_records, _torn = read_journal(path, truncate=True)
+            for rec in journal_records:
                 try:
                     d.apply_record(rec)
                 except Exception as exc:
                     log.error("journal %s: bad record %r: %s", path, rec[:2], exc)
-            replayed += len(records)
+            replayed += len(journal_records)
         d.finish_restore()
         d.journaling = True
         self.restored_objects = len(d.objects)

@@ -87,12 +87,16 @@ def test_kill9_mid_workload_restores_every_committed_object(tmp_path: Path) -> N
             assert c.call(Op.PING, client_id="c1") == {"remount": False,
                                                        "segment_ids": ["a", "b", "f"]}
             keys = list(live)
-            res = c.call(Op.BATCH_GET_REPLICA_LIST, keys=keys)["results"]
-            for k, (code, val) in zip(keys, res, strict=True):
-                assert code == 0, k
-                assert sorted((x[0], x[1]) for x in val["replicas"]) == live[k]
-            gone = c.call(Op.BATCH_EXIST, keys=sorted(removed))["results"]
-            assert all(r == [0, False] for r in gone)
+            for base in range(0, len(keys), 4096):
+                chunk = keys[base:base + 4096]
+                res = c.call(Op.BATCH_GET_REPLICA_LIST, keys=chunk)["results"]
+                for k, (code, val) in zip(chunk, res, strict=True):
+                    assert code == 0, k
+                    assert sorted((x[0], x[1]) for x in val["replicas"]) == live[k]
+            gone_keys = sorted(removed)
+            for base in range(0, len(gone_keys), 4096):
+                gone = c.call(Op.BATCH_EXIST, keys=gone_keys[base:base + 4096])["results"]
+                assert all(r == [0, False] for r in gone)
             # allocator state was rebuilt: new puts never overlap restored replicas
             used = {(x[0], x[1]) for v in live.values() for x in v}
             r = c.call(Op.BATCH_PUT_START, client_id="c1",
@@ -204,3 +208,34 @@ def test_owner_that_never_returns_is_dropped_and_remount_readopts(tmp_path: Path
             assert [s["segment_id"] for s in c.call(Op.LIST_SEGMENTS)["segments"]] == ["back"]
             assert not c.call(Op.EXIST, key="on-gone")["exists"]
             assert c.call(Op.EXIST, key="on-back")["exists"]
+
+
+def test_torn_newest_snapshot_falls_back_to_older_one(tmp_path: Path) -> None:
+    data = str(tmp_path / "d")
+    with MasterProcess(data_dir=data, extra_args=["--snapshot-keep", "2"]) as m:
+        with m.client() as c:
+            mount(c, "a")
+            assert m.pid is not None
+            for round_ in range(2):
+                keys = [f"r{round_}-{i}" for i in range(300)]
+                c.call(Op.BATCH_PUT_START, client_id="c1",
+                       items=[{"key": k, "size": 100} for k in keys])
+                c.call(Op.BATCH_PUT_END, client_id="c1", keys=keys)
+                os.kill(m.pid, signal.SIGUSR1)
+                wait_stats(c, lambda s, r=round_: s["snapshots"] >= r + 1)
+            c.call(Op.PUT_START, client_id="c1", key="last", size=100)
+            c.call(Op.PUT_END, client_id="c1", key="last")
+        m.kill()
+        snaps = list_snapshots(data)
+        assert len(snaps) == 2
+        newest = snaps[-1][1]
+        with open(newest, "r+b") as f:
+            f.truncate(os.path.getsize(newest) // 2)
+        m.start()
+        with m.client() as c:
+            c.call(Op.PING, client_id="c1")
+            st = c.call(Op.STATS)
+            assert st["objects"] == 601
+            assert "ignoring snapshot" in m.log_tail(20000)
+            ex = c.call(Op.BATCH_EXIST, keys=["r0-0", "r1-299", "last"])["results"]
+            assert all(r == [0, True] for r in ex)
