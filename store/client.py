@@ -70,6 +70,7 @@ log = logging.getLogger(__name__)
 
 _LAZY_BYTES = object()  # batch-read target: "allocate a bytes result when needed"
 _SUSPECT_S = 10.0
+_MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
 _STATUS = {int(s): s for s in ReplicaStatus}  # how long a segment that failed a read is tried last
 
 
@@ -103,6 +104,11 @@ class Client:
         self.client_id = uuid.uuid4().hex
         self.host_id = config.host_id or default_host_id()
         self._master: MasterClient | None = None
+        # one RPC socket per calling thread, so threads do not queue behind
+        # each other's round trips (MasterClient serialises calls on a socket)
+        self._rpc_local = threading.local()
+        self._rpc_all: list[MasterClient] = []
+        self._rpc_lock = threading.Lock()
         self._ping_master: MasterClient | None = None
         self._engine: Any = None
         self._local_segments: list[Any] = []  # MemorySegment / file segments we own
@@ -314,7 +320,10 @@ class Client:
                 self._engine.close()
             except Exception as exc:
                 log.warning("closing transfer engine: %s", exc)
-        for m in (self._master, self._ping_master):
+        with self._rpc_lock:
+            stubs = [*self._rpc_all, self._master, self._ping_master]
+            self._rpc_all.clear()
+        for m in stubs:
             if m is not None:
                 m.close()
 
@@ -334,11 +343,31 @@ class Client:
 
     def _call(self, op: Op, **args: Any) -> dict[str, Any]:
         self._check_open()
-        assert self._master is not None
+        master = getattr(self._rpc_local, "master", None)
+        if master is None:
+            master = self._thread_master()
         try:
-            return self._master.call(op, **args)
+            return master.call(op, **args)
         except MasterRPCError as exc:
             raise _master_error(exc) from exc
+
+    def _thread_master(self) -> MasterClient:
+        """This thread's RPC stub (the setup thread reuses the first one)."""
+        assert self._master is not None
+        with self._rpc_lock:
+            if self._closed:
+                raise StoreError("client is closed", ErrorCode.CLOSED)
+            if not self._rpc_all:
+                master = self._master
+                self._rpc_all.append(master)
+            elif len(self._rpc_all) >= _MAX_RPC_SOCKETS:  # many threads: share (thread-safe)
+                master = self._rpc_all[threading.get_ident() % _MAX_RPC_SOCKETS]
+            else:
+                master = MasterClient(self.config.master_address,
+                                      timeout_s=self.config.rpc_timeout_s)
+                self._rpc_all.append(master)
+        self._rpc_local.master = master
+        return master
 
     def _learn_segments(self, segments: dict[str, Any] | None) -> None:
         """Hand new segment descriptors to the engine (once per segment id)."""

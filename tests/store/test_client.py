@@ -270,3 +270,27 @@ def test_inline_shm_and_engine_paths_agree(make_client: Callable[..., Client],
     assert [d.tobytes() for d in dst] == vals
     assert c._inline is not None
     assert (c._inline.copies > 0) is inline
+
+
+def test_threads_share_one_client(client: Client, key: Key) -> None:
+    """Concurrent calls from many threads (each with its own RPC socket) all
+    land, and close() releases every socket."""
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(10):
+                k = key(f"t{t}/{i}")
+                v = _payload(1000 + t * 10 + i, t * 100 + i)
+                client.put(k, v)
+                assert client.get(k) == v
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert errors == []
+    assert 1 < len(client._rpc_all) <= 7
