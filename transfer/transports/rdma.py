@@ -289,10 +289,12 @@ class _Connection:
     """The requester end towards one peer: a CQ, N connected QPs and the
     peer's segment registrations learned so far."""
 
-    def __init__(self, endpoint: str, cq: CompletionQueue, qps: list[QueuePair]) -> None:
+    def __init__(self, endpoint: str, cq: CompletionQueue, qps: list[QueuePair],
+                 max_sge: int = 1) -> None:
         self.endpoint = endpoint
         self.cq = cq
         self.qps = qps
+        self.max_sge = max_sge  # what the QPs were created with (device limit applied)
         self.segments: dict[str, SegmentMr] = {}
         self.broken = False
 
@@ -814,7 +816,7 @@ class RdmaTransport(Transport):
         max_sge = max(1, min(self.options.max_sge, dev.max_sge))
         cq = dev.create_cq(max(16, depth * n))
         qps: list[QueuePair] = []
-        conn = _Connection(endpoint, cq, qps)
+        conn = _Connection(endpoint, cq, qps, max_sge)
         try:
             access = Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
             for _ in range(n):
@@ -987,7 +989,7 @@ class RdmaTransport(Transport):
                 pieces.append(WrPiece(key, it.op, seg.addr + it.offset, seg.rkey, it.length,
                                       staged=True))
         staging = self._staging_pool() if any(p.staged for p in pieces) else None
-        plan = plan_work_requests(pieces, int(self.options.max_wr_bytes), self.options.max_sge,
+        plan = plan_work_requests(pieces, int(self.options.max_wr_bytes), conn.max_sge,
                                   staging.size if staging is not None else None)
         for pw in plan:
             for k in pw.keys:
