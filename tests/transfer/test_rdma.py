@@ -660,3 +660,18 @@ def test_closing_the_engine_during_a_stalled_transfer_returns_promptly(pair: Pai
     assert h.wait(5)
     [st] = h.status()
     assert st.state is RequestState.FAILED and st.code == ErrorCode.CLOSED
+
+
+def test_sge_gathering_is_bounded_by_the_device_limit() -> None:
+    p = Pair(_settings(max_sge=16))  # the double's devices allow 8 SGEs per WR
+    try:
+        src = np.frombuffer(np.random.default_rng(7).bytes(24 * KiB), dtype=np.uint8).copy()
+        h = p.a.register_buffer(src)
+        reqs = [TransferRequest(TransferOp.WRITE, h, p.sid, i * KiB, KiB,
+                                buffer_offset=i * 2 * KiB) for i in range(12)]
+        assert all(s.ok and s.transport == "rdma" for s in p.a.transfer(reqs, timeout=10))
+        assert p.fabric.sge_counts == [8, 4]
+        expect = np.concatenate([src[i * 2 * KiB:i * 2 * KiB + KiB] for i in range(12)])
+        assert np.array_equal(p.seg.array()[:12 * KiB], expect)
+    finally:
+        p.close()
