@@ -86,7 +86,7 @@ class KVPoolConnectorStats(KVConnectorStats):
     """Interval counters (see :data:`kvpool.connector.stats.FIELDS`), summed over workers."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         self.data = merge_stats(self.data, other.data)

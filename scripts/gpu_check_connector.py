@@ -120,7 +120,8 @@ def run(report: dict[str, Any], **overrides: Any) -> None:
     kv_bytes = kv.view(torch.uint8).view(L, B, -1)  # per layer, per block, opaque bytes
     page = N * H * C * 2
     store_bytes = int(p["stored_gib"] * (1 << 30))
-    with MasterProcess() as m, NodeDaemonProcess(m.address, memory=int(store_bytes * 2.5) + (64 << 20),
+    pool_bytes = int(store_bytes * 2.5) + (64 << 20)
+    with MasterProcess() as m, NodeDaemonProcess(m.address, memory=pool_bytes,
                                                  start_timeout_s=120) as _d:
         for ct in p["chunk_tokens"]:
             n_chunks = max(1, store_bytes // (L * page * (ct // N)))

@@ -25,7 +25,7 @@ def test_full_chunks_only_and_chained() -> None:
     h2 = KS.chunk_hashes(toks2)
     assert all(a != b for a, b in zip(h, h2, strict=True))
     # Changing a token in chunk 2 keeps chunks 0 and 1.
-    toks3 = toks[:150] + [7] + toks[151:]
+    toks3 = [*toks[:150], 7, *toks[151:]]
     assert KS.chunk_hashes(toks3)[:2] == h[:2] and KS.chunk_hashes(toks3)[2] != h[2]
 
 

@@ -3,17 +3,20 @@ node daemon: store on one engine, hit on a fresh one, prove the KV is loaded."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import needs_vllm
-from engine_proc import EngineProc, kv_transfer_config
-from tiny_model import make_prompt
 
 from kvpool.connector.keys import KeySpace
+from kvpool.connector.testing import EngineProc, kv_transfer_config, make_prompt
 
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vllm not importable: install the vllm extra (scripts/install_vllm.sh)",
+)
 pytestmark = [pytest.mark.vllm, needs_vllm, pytest.mark.timeout(240)]
 
 BLOCK = 32

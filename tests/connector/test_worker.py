@@ -3,11 +3,11 @@ out as vLLM 0.32 lays out paged KV caches. Needs torch (the vllm extra)."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import needs_torch
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.keys import KeySpace
@@ -17,6 +17,9 @@ from kvpool.connector.store_access import StoreAccess
 from kvpool.connector.worker import KVPoolWorker
 from kvpool.master.common import ConfigError
 
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="torch not importable (the vllm extra)"
+)
 pytestmark = [pytest.mark.vllm, needs_torch]
 
 NB, HEADS, BLOCK, HEAD = 16, 2, 32, 32  # num_blocks, kv heads, block size, head size

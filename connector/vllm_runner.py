@@ -1,7 +1,7 @@
 """A vLLM engine in its own process, driven by JSON lines (used by the e2e tests
-and scripts/bench_vllm.py).
+and scripts/bench_vllm.py through :class:`kvpool.connector.testing.EngineProc`).
 
-    python vllm_runner.py '<json engine config>'
+    python -m kvpool.connector.vllm_runner '<json engine config>'
 
 stdin: one JSON command per line, ``{"prompts": [...], "max_tokens": N}`` or
 ``{"quit": true}``. stdout: one line per command, ``@@KVPOOL@@ {json}`` with
@@ -30,7 +30,7 @@ def _connector_totals(llm: Any) -> dict[str, Any]:
     if conn is not None and hasattr(conn, "stats"):
         out["scheduler"] = conn.stats.totals()
     if has_kv_transfer_group():
-        w = get_kv_transfer_group()
+        w: Any = get_kv_transfer_group()
         if getattr(w, "_worker", None) is not None:
             w._worker.wait_saves(timeout=60)
             out["worker"] = w.stats.totals()
@@ -67,11 +67,11 @@ def main() -> None:
             if cmd.get("ttft"):
                 out1 = llm.generate([prompt], ttft_sp, use_tqdm=False)[0]
                 ttft = time.perf_counter() - t0
-                results.append({"prompt_token_ids": list(out1.prompt_token_ids),
+                results.append({"prompt_token_ids": list(out1.prompt_token_ids or []),
                                 "token_ids": list(out1.outputs[0].token_ids), "ttft_s": ttft})
                 continue
             out = llm.generate([prompt], sp, use_tqdm=False)[0]
-            results.append({"prompt_token_ids": list(out.prompt_token_ids),
+            results.append({"prompt_token_ids": list(out.prompt_token_ids or []),
                             "token_ids": list(out.outputs[0].token_ids),
                             "latency_s": time.perf_counter() - t0})
         print(MARK + json.dumps({"results": results, "connector": _connector_totals(llm)}),
