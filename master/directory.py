@@ -6,8 +6,10 @@ records it emits (``records``) to the journal before replying.
 Memory layout (the 1M-object target is <= 400 B/object): an object is a
 ``__slots__`` instance whose ``replicas`` is one flat tuple
 ``(segment, offset, segment, offset, ...)`` (every replica has the object's
-length); ``objects`` is an insertion-ordered dict used as the LRU list (a read
-moves the key to the end; eviction scans from the front). Segments keep the
+length); ``objects`` is an :class:`ObjectTable`: 256 insertion-ordered dict
+shards, each an LRU list (a read moves the key to the end of its shard;
+eviction scans the shard fronts round-robin: approximate global LRU). Shards
+let a snapshot copy keys one shard at a time instead of 1M keys at once. Segments keep the
 set of keys that have a replica on them so dropping a segment touches only
 its own objects, in bounded slices.
 """
@@ -34,6 +36,7 @@ __all__ = [
     "Directory",
     "EvictionPolicy",
     "Obj",
+    "ObjectTable",
     "Pending",
     "Rec",
     "SegState",
@@ -116,6 +119,69 @@ class Pending:
         self.started = started
 
 
+class ObjectTable:
+    """``key -> Obj`` as ``2**bits`` insertion-ordered dict shards.
+
+    Dict-like (``get``, ``in``, ``[]``, ``del``, ``len``, iteration, ``items``)
+    for the cold paths; hot paths index ``shards[hash(key) & mask]`` inline.
+    Iteration order is shard by shard. Do not mutate while iterating.
+    """
+
+    __slots__ = ("mask", "shards")
+
+    def __init__(self, bits: int = 8) -> None:
+        self.shards: list[dict[str, Obj]] = [{} for _ in range(1 << bits)]
+        self.mask = (1 << bits) - 1
+
+    def shard(self, key: str) -> dict[str, Obj]:
+        return self.shards[hash(key) & self.mask]
+
+    def get(self, key: str) -> Obj | None:
+        return self.shards[hash(key) & self.mask].get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.shards[hash(key) & self.mask]
+
+    def __getitem__(self, key: str) -> Obj:
+        return self.shards[hash(key) & self.mask][key]
+
+    def __setitem__(self, key: str, obj: Obj) -> None:
+        self.shards[hash(key) & self.mask][key] = obj
+
+    def __delitem__(self, key: str) -> None:
+        del self.shards[hash(key) & self.mask][key]
+
+    def __len__(self) -> int:
+        return sum(map(len, self.shards))
+
+    def __iter__(self) -> Iterator[str]:
+        for shard in self.shards:
+            yield from shard
+
+    def items(self) -> Iterator[tuple[str, Obj]]:
+        for shard in self.shards:
+            yield from shard.items()
+
+    def lru_items(self) -> Iterator[tuple[str, Obj]]:
+        """Oldest first, approximately: one entry from each shard's front in turn."""
+        iters = [iter(shard.items()) for shard in self.shards if shard]
+        while iters:
+            alive = []
+            for it in iters:
+                item = next(it, None)
+                if item is not None:
+                    yield item
+                    alive.append(it)
+            iters = alive
+
+    def key_chunks(self) -> Iterator[list[str]]:
+        """The keys, one shard per chunk, each copied when it is reached (for a
+        fuzzy snapshot: no single O(n) copy)."""
+        for shard in self.shards:
+            if shard:
+                yield list(shard)
+
+
 class EvictionPolicy:
     """Policy point for eviction (issue 5 hooks SSD offload here).
 
@@ -145,6 +211,7 @@ class Directory:
         cfg: MasterConfig,
         clock: Callable[[], float] = time.monotonic,
         policy: EvictionPolicy | None = None,
+        shard_bits: int = 8,
     ) -> None:
         self.cfg = cfg
         self.clock = clock
@@ -158,7 +225,7 @@ class Directory:
         # after a restart: owner client id -> ids of its segments awaiting it
         self.awaiting: dict[str, set[str]] = {}
         self.awaiting_deadline = 0.0
-        self.objects: dict[str, Obj] = {}
+        self.objects = ObjectTable(shard_bits)  # shard_bits=0: one shard, exact LRU
         self.pending: dict[str, Pending] = {}
         self.records: list[list[Any]] = []
         self.journaling = True
@@ -427,7 +494,8 @@ class Directory:
                   preferred: list[str] | None = None, flags: int = 0, checksum: Any = None,
                   disk_replica_num: int = 0) -> tuple[int, Any]:
         """Allocate replicas for a new object; value is the Pending (or None)."""
-        if key in self.objects:
+        objects = self.objects
+        if key in objects.shards[hash(key) & objects.mask]:
             return ErrorCode.OBJECT_ALREADY_EXISTS, None
         now = self.clock()
         self.clients[client_id] = now
@@ -487,7 +555,8 @@ class Directory:
     def _complete(self, key: str, size: int, reps: tuple[Any, ...], flags: int,
                   checksum: Any) -> Obj:
         obj = Obj(size, reps, flags, checksum)
-        self.objects[key] = obj
+        objects = self.objects
+        objects.shards[hash(key) & objects.mask][key] = obj
         wire: list[Any] = []
         for i in range(0, len(reps), 2):
             seg = reps[i]
@@ -510,7 +579,9 @@ class Directory:
     # ---------------------------------------------------------------- reads
     def get_replicas(self, key: str) -> tuple[int, Any]:
         """(OK, (obj, active flat replicas)) and a fresh lease; or an error code."""
-        obj = self.objects.get(key)
+        objects = self.objects
+        shard = objects.shards[hash(key) & objects.mask]
+        obj = shard.get(key)
         if obj is None:
             if key in self.pending:
                 return ErrorCode.REPLICA_IS_NOT_READY, None
@@ -524,21 +595,21 @@ class Directory:
                     return ErrorCode.OBJECT_NOT_FOUND, None
                 return ErrorCode.REPLICA_IS_NOT_READY, None
         obj.lease = self.clock() + self.lease_s
-        objects = self.objects
-        del objects[key]
-        objects[key] = obj  # LRU: most recent at the end
+        del shard[key]
+        shard[key] = obj  # LRU: most recent at the end of its shard
         return OK, (obj, reps)
 
     def exist(self, key: str) -> bool:
-        obj = self.objects.get(key)
+        objects = self.objects
+        shard = objects.shards[hash(key) & objects.mask]
+        obj = shard.get(key)
         if obj is None:
             return False
         if not any(s.state != SegState.DEAD for s in obj.replicas[::2]):
             return False
         obj.lease = self.clock() + self.lease_s
-        objects = self.objects
-        del objects[key]
-        objects[key] = obj
+        del shard[key]
+        shard[key] = obj
         return True
 
     def get_size(self, key: str) -> tuple[int, Any]:
@@ -606,7 +677,7 @@ class Directory:
         freed = 0
         scanned = 0
         max_scan = self.cfg.eviction_max_scan
-        for key, obj in self.objects.items():
+        for key, obj in self.objects.lru_items():
             scanned += 1
             if scanned > max_scan:
                 break

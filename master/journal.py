@@ -285,10 +285,11 @@ class SnapshotWriter:
     """
 
     def __init__(self, data_dir: str, seq: int, segments: list[dict[str, Any]],
-                 keys: list[str], old_journal_fd: int = -1) -> None:
+                 key_chunks: Iterable[list[str]], old_journal_fd: int = -1) -> None:
         self.data_dir = data_dir
         self.seq = seq
-        self.keys = keys
+        self._chunks = iter(key_chunks)  # pulled lazily: each chunk is copied when reached
+        self.keys: list[str] = []
         self.pos = 0
         self.count = 0
         self.started = time.monotonic()
@@ -311,9 +312,19 @@ class SnapshotWriter:
         if self._finished_feeding:
             return True
         pack = self._packer.pack
-        keys = self.keys
         deadline = time.perf_counter() + budget_s
-        while self.pos < len(keys):
+        did_work = False
+        while True:
+            if self.pos >= len(self.keys):
+                nxt = next(self._chunks, None)
+                if nxt is None:
+                    break
+                self.keys, self.pos = nxt, 0
+                continue
+            if did_work and time.perf_counter() >= deadline:
+                return False
+            did_work = True
+            keys = self.keys
             end = min(self.pos + chunk, len(keys))
             out = []
             for k in keys[self.pos:end]:
@@ -323,12 +334,11 @@ class SnapshotWriter:
             self.pos = end
             self.count += len(out)
             self._q.put(b"".join(out))
-            if self.pos < len(keys) and time.perf_counter() >= deadline:
-                return False
         self._q.put(pack([_END, self.count]))
         self._q.put(None)
         self._finished_feeding = True
         self.keys = []
+        self._chunks = iter(())
         return True
 
     def _run(self, old_fd: int) -> None:

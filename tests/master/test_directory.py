@@ -27,9 +27,9 @@ class Clock:
         return self.t
 
 
-def make(**cfg: Any) -> tuple[Directory, Clock]:
+def make(shard_bits: int = 8, **cfg: Any) -> tuple[Directory, Clock]:
     clock = Clock()
-    return Directory(MasterConfig(**cfg), clock=clock), clock
+    return Directory(MasterConfig(**cfg), clock=clock, shard_bits=shard_bits), clock
 
 
 def mount(d: Directory, sid: str, size: int, kind: SegmentKind = MEM, client: str = "c1") -> None:
@@ -142,7 +142,7 @@ def test_inflight_put_preempted_after_discard_timeout() -> None:
 
 
 def test_eviction_watermark_respects_leases_and_pins() -> None:
-    d, _ = make(eviction_high_watermark=0.9, eviction_ratio=0.2)
+    d, _ = make(shard_bits=0, eviction_high_watermark=0.9, eviction_ratio=0.2)  # exact LRU
     mount(d, "s", 64 * 100)
     for i in range(85):
         flags = HARD_PIN if i < 5 else (SOFT_PIN if i < 10 else 0)
@@ -175,7 +175,7 @@ def test_soft_pinned_evicted_only_after_the_rest() -> None:
 
 
 def test_allocation_failure_triggers_eviction() -> None:
-    d, _ = make(eviction_high_watermark=1.0, eviction_ratio=0.0)
+    d, _ = make(shard_bits=0, eviction_high_watermark=1.0, eviction_ratio=0.0)
     mount(d, "s", 64 * 4)
     for i in range(4):
         assert put(d, f"k{i}", 64) == 0
@@ -212,7 +212,8 @@ def test_eviction_policy_hook_called() -> None:
             calls.append((key, kind))
             return False
 
-    d = Directory(MasterConfig(eviction_high_watermark=0.5, eviction_ratio=0.1), policy=Offload())
+    d = Directory(MasterConfig(eviction_high_watermark=0.5, eviction_ratio=0.1), policy=Offload(),
+                  shard_bits=0)
     mount(d, "s", 64 * 4)
     for i in range(3):
         assert put(d, f"k{i}", 64) == 0
@@ -304,3 +305,19 @@ def test_replay_reproduces_state_and_awaits_owner() -> None:
     clock2.t += 2
     r2.expire_step()
     assert not r2.segments
+
+
+def test_sharded_eviction_is_approximately_lru() -> None:
+    d, clock = make(lease_ttl_ms=1, eviction_high_watermark=0.9, eviction_ratio=0.3)
+    mount(d, "s", 64 * 2000)
+    for i in range(1790):
+        assert put(d, f"k{i}", 64) == 0
+    for i in range(1000, 1790):  # recently used
+        assert d.get_replicas(f"k{i}")[0] == 0
+    clock.t += 1  # leases over
+    for i in range(1790, 1801):
+        assert put(d, f"n{i}", 64) == 0  # crosses 90%: evict down to 60%
+    gone = [i for i in range(1790) if f"k{i}" not in d.objects]
+    assert len(gone) >= 500
+    # nearly all victims are from the old, unread half
+    assert sum(i < 1000 for i in gone) >= 0.9 * len(gone)
