@@ -181,6 +181,11 @@ class PinnedPool:
                 raise TransferError("no free pinned staging buffer", ErrorCode.TIMEOUT)
             return self._free.pop()
 
+    def try_acquire(self) -> int:
+        """A free buffer's index, or -1 at once when none is free."""
+        with self._cond:
+            return self._free.pop() if self._free else -1
+
     def release(self, i: int) -> None:
         with self._cond:
             self._free.append(i)

@@ -105,3 +105,22 @@ def test_local_segment_registered_once_and_released(cuda_double: HostCudaDouble,
     assert list(cuda_double.registered) == [seg.address]
     seg.close()
     assert cuda_double.registered == {}
+
+
+def test_tcp_staging_pool_shared_by_threads_never_deadlocks(
+        cuda_double: HostCudaDouble, make_engine: Any, make_peer: Any) -> None:
+    """Regression (seen on the H200): two tcp worker threads sharing a small
+    pinned pool each held slots in flight while blocking for more, so neither
+    read the replies that would free them. The batch must finish."""
+    chunk, count = MiB, 16
+    peer = make_peer(chunk * count, host_id="host-test")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {
+        "staging_size": "256KiB", "staging_buffers": 4, "threads": 2, "window": 8}}})
+    e.add_peer_segment(peer.desc)
+    data = np.random.default_rng(3).integers(0, 256, chunk * count, dtype=np.uint8)
+    src = e.register_buffer((int(data.ctypes.data), data.nbytes), device="cuda")
+    reqs = [TransferRequest(TransferOp.WRITE, src, peer.segment_id, i * chunk, chunk,
+                            buffer_offset=i * chunk, transport="tcp") for i in range(count)]
+    st = e.transfer(reqs, 30)
+    assert all(s.ok for s in st), [s.errors for s in st if not s.ok][:2]
+    assert peer.crc(0, chunk * count) == zlib.crc32(data)

@@ -223,6 +223,21 @@ class TcpTransport(Transport):
                         ch = c.pending.popleft()
                         if ch.st.failed:
                             continue
+                        if ch.st.item.buffer.is_gpu and pool is not None:
+                            # Never hold staging slots and block for more: other
+                            # threads share the pool, and our in-flight slots are
+                            # only freed by this loop reading their replies.
+                            if any(x.inflight for x in conns.values()):
+                                ch.slot = pool.try_acquire()
+                                if ch.slot < 0:
+                                    c.pending.appendleft(ch)
+                                    break
+                            else:
+                                try:
+                                    ch.slot = pool.acquire(max(0.0, deadline - time.monotonic()))
+                                except TransferError as exc:
+                                    fail(ch.st, exc)
+                                    continue
                         try:
                             self._send(c, ch, rt, pool, deadline)
                         except TransferError as exc:
@@ -276,7 +291,7 @@ class TcpTransport(Transport):
         cid = next(self._ids)
         hdr = encode_frame({"op": int(it.op), "id": cid, "seg": it.segment.segment_id,
                             "off": it.offset + ch.off, "len": ch.n, "cap": it.capability})
-        if it.buffer.is_gpu:
+        if it.buffer.is_gpu and ch.slot < 0:
             assert rt is not None and pool is not None
             ch.slot = pool.acquire(max(0.0, deadline - time.monotonic()))
         if it.op is TransferOp.READ:
