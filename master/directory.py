@@ -70,6 +70,11 @@ class SegState(IntEnum):
     DEAD = 2  # dropped; replicas referencing it are being purged
 
 
+_DEAD = SegState.DEAD
+_ACTIVE = SegState.ACTIVE
+_REC_PUT = int(Rec.PUT)
+
+
 class Segment:
     """A mounted segment and its allocator."""
 
@@ -544,8 +549,19 @@ class Directory:
             return ErrorCode.INVALID_WRITE
         del self.pending[key]
         reps = p.replicas
-        if any(reps[i].state == SegState.DEAD for i in range(0, len(reps), 2)):
-            reps = tuple(x for i in range(0, len(reps), 2) if reps[i].state != SegState.DEAD
+        if len(reps) == 2:  # fast path: one replica
+            seg = reps[0]
+            if seg.state == _DEAD:
+                return ErrorCode.OBJECT_NOT_FOUND
+            objects = self.objects
+            objects.shards[hash(key) & objects.mask][key] = Obj(p.size, reps, p.flags, p.checksum)
+            seg.keys.add(key)
+            if self.journaling:
+                self.records.append([_REC_PUT, key, p.size, p.flags, p.checksum,
+                                     [seg.id, reps[1]]])
+            return OK
+        if any(reps[i].state == _DEAD for i in range(0, len(reps), 2)):
+            reps = tuple(x for i in range(0, len(reps), 2) if reps[i].state != _DEAD
                          for x in (reps[i], reps[i + 1]))
             if not reps:
                 return ErrorCode.OBJECT_NOT_FOUND
@@ -563,7 +579,7 @@ class Directory:
             seg.keys.add(key)
             wire += (seg.id, reps[i + 1])
         if self.journaling:
-            self.records.append([Rec.PUT, key, size, flags, checksum, wire])
+            self.records.append([_REC_PUT, key, size, flags, checksum, wire])
         return obj
 
     def put_revoke(self, client_id: str, key: str) -> int:
@@ -587,7 +603,7 @@ class Directory:
                 return ErrorCode.REPLICA_IS_NOT_READY, None
             return ErrorCode.OBJECT_NOT_FOUND, None
         reps = obj.replicas
-        if len(reps) != 2 or reps[0].state != SegState.ACTIVE:
+        if len(reps) != 2 or reps[0].state != _ACTIVE:
             reps = tuple(x for i in range(0, len(reps), 2) if reps[i].state == SegState.ACTIVE
                          for x in (reps[i], reps[i + 1]))
             if not reps:

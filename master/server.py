@@ -624,8 +624,15 @@ class MasterServer:
 
     def _op_batch_put_end(self, args: dict[str, Any]) -> dict[str, Any]:
         client_id = _arg_str(args, "client_id")
+        keys = self._keys(args)
         put_end = self.dir.put_end
-        return self._batch_keyed("put_end", args, lambda k: put_end(client_id, k))
+        valid = self._key
+        bad = int(ErrorCode.INVALID_KEY)
+        results: list[list[Any]] = [
+            [int(put_end(client_id, k)), None] if valid(k) is not None else [bad, None]
+            for k in keys]
+        self._count("put_end", len(keys), results)
+        return {"results": results, "segments": {}}
 
     def _op_batch_put_revoke(self, args: dict[str, Any]) -> dict[str, Any]:
         client_id = _arg_str(args, "client_id")
