@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = {dest: getattr(args, dest, None) for _, dest, _, _ in _FLAGS}
     cfg = load_master_config(args.config, overrides)
+    if getattr(args, "log_level", "INFO") == "INFO":  # the global flag wins when given
+        logging.getLogger().setLevel(cfg.log_level.upper())
     server = MasterServer(cfg)
     try:
         server.install_signal_handlers()

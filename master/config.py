@@ -38,6 +38,7 @@ class MasterConfig:
     eviction_high_watermark: float = 0.9
     eviction_ratio: float = 0.05
     eviction_max_scan: int = 100000  # objects examined per eviction round at most
+    eviction_batch: int = 2000  # objects evicted per loop iteration (watermark eviction)
     put_start_discard_timeout_s: float = 30.0  # an in-flight put older than this may be preempted
     put_start_release_timeout_s: float = 600.0  # an in-flight put older than this is revoked
     snapshot_interval_s: float = 300.0  # 0 disables periodic snapshots
@@ -65,7 +66,8 @@ class MasterConfig:
             raise ConfigError("eviction_ratio must be in [0, eviction_high_watermark)")
         for name in ("lease_ttl_ms", "max_key_length", "max_batch_size", "max_frame_size",
                      "memory_alignment", "file_alignment", "expiry_slice", "purge_slice",
-                     "max_replica_num", "snapshot_keep", "eviction_max_scan"):
+                     "max_replica_num", "snapshot_keep", "eviction_max_scan",
+                     "eviction_batch"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         for name in ("memory_alignment", "file_alignment"):

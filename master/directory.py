@@ -237,6 +237,7 @@ class Directory:
         self._purge: deque[tuple[Segment, list[str]]] = deque()
         self.lease_s = cfg.lease_ttl_ms / 1000.0
         self.evictions = 0
+        self.evicting: set[SegmentKind] = set()  # pools whose eviction continues
         self.evicted_bytes = 0
         self.lease_refusals = 0
         self.preemptions = 0
@@ -471,7 +472,8 @@ class Directory:
             return 0
         got = 0
         taken: list[Segment] = []
-        for attempt in range(2):
+        attempts = 4
+        for attempt in range(attempts):
             excl = list(taken)
             for seg in self._candidates(kind, n, preferred if attempt == 0 else [], excl):
                 before = seg.alloc.used
@@ -485,10 +487,11 @@ class Directory:
                 got += 1
                 if got == n:
                     break
-            if got == n or attempt == 1:
+            if got == n or attempt == attempts - 1:
                 break
-            # an allocation failed: make room (LRU eviction) and retry the rest
-            if not self.evict(kind, need=size * (n - got)):
+            # an allocation failed: make room (LRU eviction) and retry the rest;
+            # freed space may be scattered, so each retry frees twice as much
+            if not self.evict(kind, need=size * (n - got) << attempt):
                 break
         cap = self.pool_cap[kind]
         if cap and self.pool_used[kind] > self.cfg.eviction_high_watermark * cap:
@@ -679,14 +682,22 @@ class Directory:
         """Evict approx-LRU unleased, unpinned objects with replicas in pool
         ``kind`` until usage is ``eviction_ratio`` below the high watermark
         (and at least ``need`` bytes were freed). Soft-pinned objects go only
-        after the rest; hard-pinned never. Return bytes freed."""
+        after the rest; hard-pinned never. Return bytes freed.
+
+        Without ``need`` (watermark eviction) at most ``eviction_batch``
+        objects go per call; if the pool is still above target it is left in
+        ``evicting`` and the loop continues with ``evict_step`` (no stall)."""
         cap = self.pool_cap[kind]
         if cap <= 0:
+            self.evicting.discard(kind)
             return 0
         target = max(0.0, self.cfg.eviction_high_watermark - self.cfg.eviction_ratio) * cap
         to_free = max(self.pool_used[kind] - target, need)
         if to_free <= 0:
+            self.evicting.discard(kind)
             return 0
+        limit = (1 << 62) if need else self.cfg.eviction_batch
+        limited = False
         now = self.clock()
         victims: list[tuple[str, Obj]] = []
         soft: list[tuple[str, Obj]] = []
@@ -709,17 +720,29 @@ class Directory:
             freed += b
             if freed >= to_free:
                 break
-        for key, obj in soft:
-            if freed >= to_free:
+            if len(victims) >= limit:
+                limited = True
                 break
-            victims.append((key, obj))
-            freed += self._pool_bytes(obj, kind)
+        if not limited:
+            for key, obj in soft:
+                if freed >= to_free or len(victims) >= limit:
+                    break
+                victims.append((key, obj))
+                freed += self._pool_bytes(obj, kind)
         actual = 0
         for key, obj in victims:
             actual += self.evict_object(key, obj, kind)
         if victims:
             log.debug("evicted %d objects (%d B) from %s pool", len(victims), actual, kind.name)
+        if limited and actual and self.pool_used[kind] > target:
+            self.evicting.add(kind)  # continue in the next loop iteration
+        else:
+            self.evicting.discard(kind)
         return actual
+
+    def evict_step(self) -> int:
+        """Continue watermark eviction (one batch per pool); return bytes freed."""
+        return sum(self.evict(kind) for kind in list(self.evicting))
 
     def evict_object(self, key: str, obj: Obj, kind: SegmentKind) -> int:
         """Free ``obj``'s replicas in pool ``kind`` (unless the policy took it);

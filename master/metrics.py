@@ -23,10 +23,12 @@ __all__ = ["MasterCollector", "make_handler", "make_registry"]
 
 
 def _copy(fn: Any) -> Any:
+    """Run ``fn`` (reading loop-owned state from the HTTP thread), retrying if
+    the loop changed a container under it."""
     for _ in range(10):
         try:
             return fn()
-        except RuntimeError:  # dict changed size during iteration
+        except (RuntimeError, IndexError, KeyError):  # e.g. dict changed size
             continue
     return fn()
 
@@ -58,7 +60,7 @@ class MasterCollector(Collector):
             labels = [seg.id, seg.kind.name.lower(), seg.state.name.lower()]
             used.add_metric(labels, seg.alloc.used)
             cap.add_metric(labels, seg.alloc.capacity)
-            frag.add_metric([seg.id], seg.alloc.fragmentation())
+            frag.add_metric([seg.id], _copy(seg.alloc.fragmentation))
         yield used
         yield cap
         yield frag

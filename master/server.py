@@ -296,7 +296,8 @@ class MasterServer:
         d = self.dir
         next_expiry = next_sweep = next_freeze = time.monotonic()
         while not self._stop:
-            timeout = 0 if d.purge_pending or self._snapshot is not None else 50
+            timeout = 0 if (d.purge_pending or d.evicting
+                            or self._snapshot is not None) else 50
             if not poller.poll(timeout):
                 replies: list[list[bytes]] = []
             else:
@@ -327,6 +328,8 @@ class MasterServer:
             now = time.monotonic()
             if d.purge_pending:
                 d.purge_step(self.cfg.purge_slice)
+            if d.evicting:
+                d.evict_step()
             if now >= next_expiry:
                 next_expiry = now + 0.1
                 d.expire_step()

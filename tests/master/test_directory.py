@@ -321,3 +321,32 @@ def test_sharded_eviction_is_approximately_lru() -> None:
     assert len(gone) >= 500
     # nearly all victims are from the old, unread half
     assert sum(i < 1000 for i in gone) >= 0.9 * len(gone)
+
+
+def test_watermark_eviction_proceeds_in_bounded_batches() -> None:
+    d, _ = make(eviction_high_watermark=0.9, eviction_ratio=0.5, eviction_batch=10)
+    mount(d, "s", 64 * 100)
+    for i in range(91):
+        assert put(d, f"k{i}", 64) == 0
+    # crossing 90% evicted only one batch; the rest continues step by step
+    assert d.evictions == 10 and d.evicting
+    steps = 0
+    while d.evicting:
+        d.evict_step()
+        steps += 1
+    assert steps == 5  # 10 + 4 x 10 + 1 = 51 evictions down to 40%
+    assert d.pool_used[MEM] == 40 * 64 and d.evictions == 51
+    # an allocation that cannot be satisfied evicts what it needs at once,
+    # ignoring the batch limit (exact LRU: the 5 oldest leave one hole) ...
+    d2, _ = make(shard_bits=0, eviction_high_watermark=1.0, eviction_ratio=0.0,
+                 eviction_batch=1)
+    mount(d2, "s", 64 * 10)
+    for i in range(10):
+        assert put(d2, f"k{i}", 64) == 0
+    assert put(d2, "big", 64 * 5) == 0 and d2.evictions == 5
+    # ... and with sharded (approximate) LRU, scattered holes make it retry with more
+    d3, _ = make(eviction_high_watermark=1.0, eviction_ratio=0.0, eviction_batch=1)
+    mount(d3, "s", 64 * 10)
+    for i in range(10):
+        assert put(d3, f"k{i}", 64) == 0
+    assert put(d3, "big", 64 * 5) == 0 and 5 <= d3.evictions <= 10
