@@ -64,7 +64,7 @@ def main() -> None:
                      intermediate_size=4 * args.hidden, vocab_size=vocab,
                      max_position_embeddings=args.prompt_tokens + 1024)
     n = args.prompts
-    warm = _prompts(1, 64, vocab, seed=0)
+    warm = _prompts(1, args.prompt_tokens, vocab, seed=0)  # first long forward is slow
     stored = _prompts(n, args.prompt_tokens, vocab, seed=1)
     fresh = _prompts(n, args.prompt_tokens, vocab, seed=2)
     out: dict[str, Any] = {"params": vars(args), "model": {
