@@ -350,3 +350,23 @@ def test_watermark_eviction_proceeds_in_bounded_batches() -> None:
     for i in range(10):
         assert put(d3, f"k{i}", 64) == 0
     assert put(d3, "big", 64 * 5) == 0 and 5 <= d3.evictions <= 10
+
+
+def test_inflight_puts_of_expired_or_stuck_writers_are_released() -> None:
+    d, clock = make(client_ttl_s=5, put_start_release_timeout_s=100)
+    mount(d, "s", 1 << 20, client="owner")
+    assert d.put_start("writer", "a", 1000)[0] == 0
+    assert d.put_start("slow", "b", 1000)[0] == 0
+    used = d.pool_used[MEM]
+    for _ in range(3):  # owner and slow keep pinging; writer goes silent
+        clock.t += 2
+        d.ping("owner")
+        d.ping("slow")
+        d.expire_step()
+    assert "writer" not in d.clients
+    assert d.sweep_pending() == 1 and "a" not in d.pending and "b" in d.pending
+    assert d.pool_used[MEM] == used - 1024
+    clock.t += 101
+    d.ping("owner")
+    d.ping("slow")
+    assert d.sweep_pending() == 1 and not d.pending and d.pool_used[MEM] == 0

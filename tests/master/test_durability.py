@@ -239,3 +239,18 @@ def test_torn_newest_snapshot_falls_back_to_older_one(tmp_path: Path) -> None:
             assert "ignoring snapshot" in m.log_tail(20000)
             ex = c.call(Op.BATCH_EXIST, keys=["r0-0", "r1-299", "last"])["results"]
             assert all(r == [0, True] for r in ex)
+
+
+@pytest.mark.parametrize("policy", ["always", "never"])
+def test_fsync_policies_survive_kill9(tmp_path: Path, policy: str) -> None:
+    with MasterProcess(data_dir=str(tmp_path / "d"), extra_args=["--journal-fsync", policy]) as m:
+        with m.client() as c:
+            mount(c, "a")
+            keys = [f"k{i}" for i in range(50)]
+            c.call(Op.BATCH_PUT_START, client_id="c1", items=[{"key": k, "size": 10} for k in keys])
+            c.call(Op.BATCH_PUT_END, client_id="c1", keys=keys)
+        m.kill()
+        m.start()
+        with m.client() as c:
+            c.call(Op.PING, client_id="c1")
+            assert all(r == [0, True] for r in c.call(Op.BATCH_EXIST, keys=keys)["results"])
