@@ -1,0 +1,56 @@
+"""Connector metrics and the store circuit breaker (recovery after an outage)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client import REGISTRY
+
+from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.keys import KeySpace
+from kvpool.connector.scheduler import KVPoolScheduler
+from kvpool.connector.stats import ConnectorStats, merge_stats, reduce_stats
+from kvpool.connector.store_access import StoreAccess, StoreUnavailable
+
+
+def test_interval_counters_and_prometheus() -> None:
+    before = REGISTRY.get_sample_value("kvpool_connector_hit_tokens_total") or 0.0
+    s = ConnectorStats()
+    s.add(hit_tokens=128, lookup_tokens=200, load_time_s=0.5, load_requests=1,
+          loaded_bytes=10**9)
+    assert REGISTRY.get_sample_value("kvpool_connector_hit_tokens_total") == before + 128
+    first = s.take()
+    assert first["hit_tokens"] == 128 and "saved_bytes" not in first  # zeros dropped
+    assert s.take() == {}  # reset per interval
+    assert s.totals()["hit_tokens"] == 128  # totals kept
+    with pytest.raises(KeyError):
+        s.add(bogus=1)
+    red = reduce_stats(merge_stats(first, {"hit_tokens": 72, "lookup_tokens": 200}))
+    assert red["hit_rate"] == pytest.approx(0.5)
+    assert red["load_GBps"] == pytest.approx(2.0)
+    assert red["avg_load_ms"] == pytest.approx(500)
+
+
+def test_lookups_recover_when_the_master_comes_back() -> None:
+    from kvpool.master.testing import MasterProcess, find_free_port
+    from kvpool.store import Client, ClientConfig
+    from kvpool.store.testing import NodeDaemonProcess
+
+    port = find_free_port()
+    cfg = ConnectorConfig(master_address=f"127.0.0.1:{port}", chunk_size=32,
+                          rpc_timeout_s=0.3, retry_interval_s=0.5)
+    ks = KeySpace("m", "bf16", 16, 32)
+    store = StoreAccess(cfg)
+    sched = KVPoolScheduler(cfg, ks, 1, store)
+    toks = list(range(65))
+    assert sched.lookup("a", toks, 0) == (0, False)
+    with pytest.raises(StoreUnavailable):
+        store.batch_exists(["k"])  # circuit open
+    with MasterProcess(port=port) as m, NodeDaemonProcess(m.address, memory="8MiB"):
+        with Client(ClientConfig(master_address=m.address)) as c:
+            for h in ks.chunk_hashes(toks):
+                c.put(ks.object_key(h, 0), b"kv")
+        time.sleep(0.6)  # retry interval over: the next lookup reconnects
+        assert sched.lookup("b", toks, 0) == (64, False)
+    store.close()
