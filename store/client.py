@@ -126,6 +126,7 @@ class Client:
         self._checksum_algo = resolve_checksum_algo(config.checksum)
         self._transfer_mod: Any = None
         self._inline: InlineShm | None = None
+        self._tier_runner: Any = None  # store.tier_tasks.TierTaskRunner (segment owners)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -207,6 +208,7 @@ class Client:
             self._inline.add_own(seg.segment_id, seg.array())
             desc = seg.descriptor(self.client_id, self.host_id, self._engine.endpoint)
             self._own_descs[desc.segment_id] = desc
+            self._start_tier_runner()
         self._own_descs.update(self._create_file_segments(base_id))
         for desc in self._own_descs.values():
             self._mount(desc)
@@ -220,30 +222,37 @@ class Client:
         )
 
     def _create_file_segments(self, base_id: str) -> dict[str, SegmentDescriptor]:
-        """Create the SSD-tier FILE segment (``disk_dir``/``disk_size``).
+        """Create or reopen the SSD-tier FILE segment (``disk_dir``/``disk_size``).
 
-        This is the place issue 5 (SSD tier) fills in: create a file segment
-        of ``disk_size`` under ``disk_dir``, ``engine.add_local_segment`` it
-        and return its descriptor (kind FILE) to be mounted like memory.
-        Until the transfer layer exports a ``FileSegment`` the keys are
-        accepted and the tier is skipped with a warning.
+        An existing segment file in ``disk_dir`` is reopened (warm restart:
+        its id comes from the file header, so the master re-adopts the objects
+        recorded in it); a file that does not match (foreign, truncated,
+        another size) is refused with ``SEGMENT_MISMATCH`` and left untouched.
         """
         cfg = self.config
         if not cfg.disk_dir or cfg.disk_size <= 0:
             return {}
-        file_segment_cls = getattr(self._transfer_mod, "FileSegment", None)
-        if file_segment_cls is None:
-            log.warning(
-                "disk_dir=%s disk_size=%d given but this build has no SSD tier "
-                "(kvpool.transfer.FileSegment); contributing memory only",
-                cfg.disk_dir, cfg.disk_size,
-            )
-            return {}
-        seg = file_segment_cls.create(f"{base_id}:disk", cfg.disk_dir, cfg.disk_size)
+        from kvpool.transfer.file_segment import FileSegment
+
+        seg = FileSegment.create(f"{base_id}:disk", cfg.disk_dir, cfg.disk_size)
         self._local_segments.append(seg)
         self._engine.add_local_segment(seg)
         desc = seg.descriptor(self.client_id, self.host_id, self._engine.endpoint)
+        if self._tier_runner is None:
+            self._start_tier_runner()
         return {desc.segment_id: desc}
+
+    def _start_tier_runner(self) -> None:
+        """The node side of the SSD tier: run the copy tasks (offload,
+        promotion) the master hands out in PING replies."""
+        from kvpool.store.tier_tasks import TierTaskRunner
+
+        self._tier_runner = TierTaskRunner(
+            self._engine, MasterClient(self.config.master_address,
+                                       timeout_s=self.config.rpc_timeout_s),
+            self.client_id,
+            learn_segment=lambda d: self._learn_segments({d.segment_id: d.to_wire()}),
+            transfer_timeout_s=self.config.transfer_timeout_s)
 
     def _mount(self, desc: SegmentDescriptor) -> None:
         assert self._master is not None
@@ -261,6 +270,8 @@ class Client:
         while not self._stop.wait(interval):
             try:
                 res = self._ping_master.call(Op.PING, client_id=self.client_id)
+                if res.get("tasks") and self._tier_runner is not None:
+                    self._tier_runner.submit(res["tasks"], res.get("segments"))
                 remount = bool(res.get("remount"))
                 if not remount and self._own_descs and "segment_ids" in res:
                     # the master knows us but lost a segment of ours: mount it again
@@ -292,8 +303,16 @@ class Client:
         self._stop.set()
         if self._ping_thread is not None:
             self._ping_thread.join(timeout=self.config.rpc_timeout_s + 1)
+        if self._tier_runner is not None:
+            self._tier_runner.close()
+            self._tier_runner.master.close()
         if self._master is not None:
             for seg_id in list(self._own_descs):
+                if self._own_descs[seg_id].kind == SegmentKind.FILE:
+                    # the SSD tier outlives this process: the master keeps the
+                    # segment awaiting us and a restart on the same disk dir
+                    # re-adopts its objects (warm restart)
+                    continue
                 try:
                     self._master.call(
                         Op.UNMOUNT_SEGMENT, client_id=self.client_id, segment_id=seg_id,
