@@ -9,8 +9,10 @@ posix transport takes its O_DIRECT path; the final fdatasync is inside the
 timing) and reads them back **cold**: the page cache is dropped before every
 read pass (``/proc/sys/vm/drop_caches`` where permitted, else
 ``posix_fadvise(DONTNEED)`` on the file after a sync; O_DIRECT reads bypass it
-anyway). ``posix-buffered`` repeats with unaligned buffers (the page-cache
-path, reads still cold). The limit, transport ``disk``, is a plain
+anyway). ``store`` is put_from/get_into through a real master and node
+daemon with a disk tier (objects on disk only, batch 1). ``posix-buffered``
+repeats with unaligned buffers (the page-cache path, reads still cold). The
+limit, transport ``disk``, is a plain
 O_DIRECT ``pwrite``/``pread`` loop over a separate file of the same size with
 the same request size, in the same run.
 
@@ -131,6 +133,49 @@ def bench_engine(engine: TransferEngine, seg: FileSegment, transport: str, label
         acc.setdefault((label, op.name.lower()), []).extend(lat)
 
 
+def bench_store(base: str, sizes: list[int], total: int, rounds: int, buf: np.ndarray,
+                acc_by_size: dict[int, Lat]) -> None:
+    """put_from/get_into through the store (master + node daemon with a disk
+    tier, objects on disk only) from this process; reads cold."""
+    from kvpool.master.testing import MasterProcess
+    from kvpool.store import Client, ClientConfig, ReplicateConfig
+    from kvpool.store.testing import NodeDaemonProcess
+
+    disk_dir = os.path.join(base, "store-disk")
+    disk_cfg = ReplicateConfig(replica_num=0, disk_replica_num=1)
+    need = max(sizes) * max(1, total // min(sizes)) + (64 << 20)
+    with MasterProcess(data_dir=os.path.join(base, "master")) as m, \
+            NodeDaemonProcess(m.address, "16MiB", extra_args=[
+                "--disk-dir", disk_dir, "--disk", str(max(need, 2 * total))]), \
+            Client(ClientConfig(master_address=m.address)) as c:
+        fd = os.open(os.path.join(disk_dir, "kvpool-segment.kvseg"), os.O_RDONLY)
+        try:
+            h = c.register_buffer(buf)
+            for size in sizes:
+                n = max(1, total // size)
+                acc = acc_by_size.setdefault(size, {})
+                for r in range(rounds):
+                    keys = [f"b{size}-{r}-{i}" for i in range(n)]
+                    lat: list[float] = []
+                    for k in keys:
+                        t0 = time.perf_counter()
+                        c.put_from(k, buf[:size].data, disk_cfg)
+                        lat.append(time.perf_counter() - t0)
+                    acc.setdefault(("store", "write"), []).extend(lat)
+                    drop_cache(fd)
+                    lat = []
+                    for k in keys:
+                        t0 = time.perf_counter()
+                        got = c.get_into(k, h)
+                        lat.append(time.perf_counter() - t0)
+                        if got != size:
+                            raise RuntimeError(f"store get_into {k}: {got}")
+                    acc.setdefault(("store", "read"), []).extend(lat)
+                    c.remove_all(force=True)
+        finally:
+            os.close(fd)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None, help="write the records here")
@@ -140,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="1MiB,16MiB")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per point")
+    ap.add_argument("--no-store", action="store_true", help="skip the store (master+daemon)")
     ap.add_argument("--no-buffered", action="store_true", help="skip posix-buffered")
     args = ap.parse_args(argv)
     total = parse_size(args.total)
@@ -177,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
                                      total, buf, acc, buf_shift=1)
                 records += [_record(label, op, size, batch, lat)
                             for (label, op), lat in acc.items()]
+        if not args.no_store:
+            store_acc: dict[int, Lat] = {}
+            bench_store(base, sizes, total, args.rounds, buf, store_acc)
+            records += [_record(label, op, size, 1, lat) for size, acc in store_acc.items()
+                        for (label, op), lat in acc.items()]
     finally:
         engine.close()
         seg.close()
