@@ -34,19 +34,24 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
 def register(subparsers: Any) -> None:
     """Add the ``master`` subcommand to the ``kvpool`` parser."""
     p = subparsers.add_parser("master", help="run the master (control plane)")
+    from kvpool.master.auth import add_curve_arguments
+
     p.add_argument("--config", help="YAML config (configs/master.yaml documents the keys)")
     for flag, dest, tp, help_ in _FLAGS:
         p.add_argument(flag, dest=dest, type=tp, default=None, help=help_)
+    add_curve_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Load the config, start the server, serve until SIGTERM/SIGINT."""
+    from kvpool.master.auth import curve_config_from_args
     from kvpool.master.config import load_master_config
     from kvpool.master.server import MasterServer
 
     overrides = {dest: getattr(args, dest, None) for _, dest, _, _ in _FLAGS}
     cfg = load_master_config(args.config, overrides)
+    cfg.curve = curve_config_from_args(args, cfg.curve)
     if getattr(args, "log_level", "INFO") == "INFO":  # the global flag wins when given
         logging.getLogger().setLevel(cfg.log_level.upper())
     server = MasterServer(cfg)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from kvpool.master.auth import CurveConfig
 from kvpool.master.common import ConfigError, load_dataclass
 
 __all__ = ["FsyncPolicy", "MasterConfig", "load_master_config"]
@@ -57,6 +58,9 @@ class MasterConfig:
     expiry_slice: int = 64  # segments dropped per loop iteration at most
     purge_slice: int = 20000  # objects purged from a dropped segment per loop iteration
     log_level: str = "INFO"
+    # ZeroMQ CURVE on the RPC socket (kvpool.master.auth; docs/security.md):
+    # auto = off on loopback binds, required on any other bind
+    curve: CurveConfig = field(default_factory=CurveConfig)
 
     def validate(self) -> None:
         """Raise ConfigError on values that cannot work."""

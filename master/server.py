@@ -142,6 +142,8 @@ class MasterServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_frame_size + 4096)
         self.sock.setsockopt(zmq.RCVHWM, 100000)
         self.sock.setsockopt(zmq.SNDHWM, 100000)
+        # CURVE (+ ZAP allow-list) before bind; None when off (loopback default)
+        self._auth = cfg.curve.setup_server(self.sock, cfg.host)
         if cfg.port == 0:
             self.port = self.sock.bind_to_random_port(f"tcp://{cfg.host}")
         else:
@@ -151,8 +153,9 @@ class MasterServer:
         self.metrics_port = 0
         if cfg.metrics_port:
             self._start_http()
-        log.info("kvpool master %s listening on tcp://%s:%d (metrics %s, data_dir %s)",
-                 __version__, cfg.host, self.port, self.metrics_port or "off", cfg.data_dir)
+        log.info("kvpool master %s listening on tcp://%s:%d (CURVE %s, metrics %s, data_dir %s)",
+                 __version__, cfg.host, self.port, "on" if self._auth else "off",
+                 self.metrics_port or "off", cfg.data_dir)
 
     # ================================================================ durability
     def _restore(self) -> None:
@@ -377,6 +380,9 @@ class MasterServer:
             self._http.server_close()
             self._http = None
         self.sock.close(0)
+        if self._auth is not None:
+            self._auth.close()
+            self._auth = None
         self.ctx.term()
         log.info("master stopped")
 

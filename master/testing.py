@@ -53,6 +53,8 @@ class MasterProcess:
     ``restart()`` starts it again with the same port and data dir. Also a
     context manager (start on enter, stop on exit). Output goes to
     ``log_path`` (inside ``data_dir`` when given, else a temp file).
+    ``curve_key`` (a ``*.key_secret`` file) turns CURVE on; ``client()`` then
+    authenticates with the same cluster keypair.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class MasterProcess:
         client_ttl_s: float = 10,
         extra_args: Sequence[str] = (),
         start_timeout_s: float = 20.0,
+        curve_key: str | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.port = port or find_free_port()
@@ -72,6 +75,7 @@ class MasterProcess:
         self.client_ttl_s = client_ttl_s
         self.extra_args = list(extra_args)
         self.start_timeout_s = start_timeout_s
+        self.curve_key = curve_key  # a *.key_secret: CURVE on, clients use the same key
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: object | None = None
         if data_dir:
@@ -105,6 +109,8 @@ class MasterProcess:
         ]
         if self.data_dir:
             cmd += ["--data-dir", self.data_dir]
+        if self.curve_key:
+            cmd += ["--curve", "on", "--curve-key", self.curve_key]
         return cmd + self.extra_args
 
     def start(self) -> MasterProcess:
@@ -117,7 +123,7 @@ class MasterProcess:
             self.command(), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
         deadline = time.monotonic() + self.start_timeout_s
-        with MasterClient(self.address, timeout_s=0.5) as c:
+        with self.client(timeout_s=0.5) as c:
             while True:
                 if self._proc.poll() is not None:
                     self._reap()
@@ -182,7 +188,14 @@ class MasterProcess:
         return self.start()
 
     def client(self, timeout_s: float = 5.0) -> MasterClient:
-        """A new MasterClient to this master (caller closes it)."""
+        """A new MasterClient to this master (caller closes it); with
+        ``curve_key`` it authenticates with that (cluster) keypair."""
+        if self.curve_key:
+            from kvpool.master.auth import load_keypair
+
+            kp = load_keypair(self.curve_key)
+            return MasterClient(self.address, timeout_s=timeout_s, curve_server_key=kp.public,
+                                curve_keypair=(kp.public, kp.secret))
         return MasterClient(self.address, timeout_s=timeout_s)
 
     def __enter__(self) -> MasterProcess:

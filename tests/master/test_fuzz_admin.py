@@ -173,3 +173,40 @@ def test_cli_help_and_bad_flag() -> None:
                           "--eviction-high-watermark", "1.5", "--port", "0",
                           "--metrics-port", "0"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "eviction_high_watermark" in out.stderr
+
+
+def test_curve_master_refuses_unauthenticated_clients(tmp_path: Path) -> None:
+    from kvpool.master.auth import load_keypair, save_keypair
+
+    _, secret = save_keypair(tmp_path / "keys", "cluster")
+    _, stranger = save_keypair(tmp_path / "keys2", "stranger")
+    with MasterProcess(curve_key=str(secret)) as m, m.client() as c:
+        assert c.call(Op.PING, client_id="ok")["remount"] is True
+        assert "CURVE on" in m.log_tail()
+        server_pub = load_keypair(str(secret)).public
+        # plain TCP client: the handshake never completes -> timeout, no op runs
+        with MasterClient(m.address, timeout_s=1) as plain:
+            try:
+                plain.call(Op.PING, client_id="plain")
+                raise AssertionError("unauthenticated call answered")
+            except Exception as exc:
+                assert getattr(exc, "code", None) == ErrorCode.RPC_TIMEOUT
+        # CURVE with a key that is not on the allow-list: refused by ZAP
+        kp = load_keypair(str(stranger))
+        with MasterClient(m.address, timeout_s=1, curve_server_key=server_pub,
+                          curve_keypair=(kp.public, kp.secret)) as other:
+            try:
+                other.call(Op.PING, client_id="stranger")
+                raise AssertionError("stranger's call answered")
+            except Exception as exc:
+                assert getattr(exc, "code", None) == ErrorCode.RPC_TIMEOUT
+        st = c.call(Op.STATS)
+        assert st["clients"] == 1  # only "ok" ever got through
+
+
+def test_non_loopback_bind_without_key_refuses_to_start() -> None:
+    # 192.0.2.1 (TEST-NET-1) is never local: even a bug could not expose a socket
+    out = subprocess.run([sys.executable, "-m", "kvpool.store.cli", "master", "--host", "192.0.2.1",
+                          "--port", "0", "--metrics-port", "0"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "CURVE is required" in out.stderr
