@@ -100,6 +100,10 @@ class MasterCollector(Collector):
         c = CounterMetricFamily("kvpool_master_expired_clients", "clients dropped for silence")
         c.add_metric([], st["expired_clients"])
         yield c
+        c = CounterMetricFamily("kvpool_master_curve_denied",
+                                "CURVE handshakes refused by the ZAP allow-list")
+        c.add_metric([], s._auth.denied if s._auth is not None else 0)
+        yield c
         c = CounterMetricFamily("kvpool_master_snapshots", "snapshots written")
         c.add_metric([], s.snapshot_count)
         yield c

@@ -528,6 +528,8 @@ class MasterServer:
                  max_snapshot_step_ms=self.max_snapshot_step_ms,
                  max_snapshot_step_cpu_ms=self.max_snapshot_step_cpu_ms,
                  loadavg=os.getloadavg()[0],
+                 curve=self._auth is not None,
+                 curve_denied=self._auth.denied if self._auth is not None else 0,
                  last_snapshot_duration_s=self.last_snapshot_duration_s,
                  snapshot_in_progress=self._snapshot is not None,
                  restored_objects=self.restored_objects,

@@ -202,6 +202,7 @@ def test_curve_master_refuses_unauthenticated_clients(tmp_path: Path) -> None:
                 assert getattr(exc, "code", None) == ErrorCode.RPC_TIMEOUT
         st = c.call(Op.STATS)
         assert st["clients"] == 1  # only "ok" ever got through
+        assert st["curve"] is True and st["curve_denied"] >= 1
 
 
 def test_non_loopback_bind_without_key_refuses_to_start() -> None:
