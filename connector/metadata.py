@@ -27,7 +27,10 @@ class LoadSpec:
     """Load ``chunks`` of request ``req_id`` into their blocks.
 
     ``skip_blocks`` leading blocks of the first chunk are already computed
-    locally (vLLM's prefix cache) and must not be written. ``is_async``: the
+    locally (vLLM's prefix cache) and must not be written; only the first
+    ``last_blocks`` blocks of the last chunk are written (0 = all: a chunk
+    ending at the prompt's end keeps its last block for vLLM to compute, as
+    at least one prompt token must be computed). ``is_async``: the
     load runs in the background and completion is reported by
     ``get_finished`` (else it completes before the forward).
     """
@@ -36,6 +39,7 @@ class LoadSpec:
     chunks: list[ChunkRef]
     skip_blocks: int = 0
     is_async: bool = False
+    last_blocks: int = 0
 
 
 @dataclass

@@ -31,15 +31,22 @@ __all__ = [
     "StepInfo",
     "leading_hits",
     "lookup_chunks",
+    "max_hit_tokens",
 ]
 
 log = logging.getLogger("kvpool.connector")
 
 
 def lookup_chunks(num_prompt_tokens: int, chunk_size: int) -> int:
-    """Full chunks a lookup may hit, always leaving >= 1 prompt token to compute
-    (vLLM needs one to produce logits)."""
-    return max(0, (num_prompt_tokens - 1) // chunk_size)
+    """Full chunks of a prompt (the ones a lookup checks)."""
+    return max(0, num_prompt_tokens // chunk_size)
+
+
+def max_hit_tokens(num_prompt_tokens: int, block_size: int) -> int:
+    """Most prompt tokens a hit may cover: whole blocks, always leaving >= 1
+    prompt token to compute (vLLM needs one to produce logits). A chunk that
+    ends at the prompt's end is loaded without its last block."""
+    return max(0, (num_prompt_tokens - 1) // block_size * block_size)
 
 
 def leading_hits(exists: Sequence[bool], per_chunk: int) -> int:
@@ -57,8 +64,8 @@ class Lookup:
     """Result of a prefix lookup: chunk hashes and how many lead chunks are stored."""
 
     hashes: list[str]
-    hit_chunks: int
-    num_computed: int  # locally computed tokens at lookup time
+    hit_chunks: int  # leading chunks stored
+    hit_tokens: int  # tokens a load may cover (see max_hit_tokens)
 
 
 @dataclass
@@ -130,9 +137,10 @@ class KVPoolScheduler:
         with one batched existence query), and whether they load asynchronously.
         A store that is down means 0 (the request computes normally)."""
         n = lookup_chunks(len(prompt_token_ids), self.keys.chunk_size)
+        limit = max_hit_tokens(len(prompt_token_ids), self.keys.block_size)
         hashes = self.keys.chunk_hashes(prompt_token_ids[: n * self.keys.chunk_size])
         hit = 0
-        if n and n * self.keys.chunk_size > num_computed_tokens:
+        if n and min(n * self.keys.chunk_size, limit) > num_computed_tokens:
             keys = [ks.object_key(h, layer) for h in hashes for ks in self._shards
                     for layer in self._check_layers]
             try:
@@ -142,8 +150,8 @@ class KVPoolScheduler:
                 if not isinstance(exc, StoreUnavailable | KVPoolError):
                     log.warning("kvpool lookup failed (treated as a miss): %r", exc)
                 self.stats.add(lookup_errors=1)
-        self._lookups[req_id] = Lookup(hashes, hit, num_computed_tokens)
-        hit_tokens = hit * self.keys.chunk_size
+        hit_tokens = min(hit * self.keys.chunk_size, limit)
+        self._lookups[req_id] = Lookup(hashes, hit, hit_tokens)
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, self.cfg.load_async
@@ -166,19 +174,26 @@ class KVPoolScheduler:
         if num_external_tokens <= 0 or lk is None:
             return
         cs, bs = self.keys.chunk_size, self.keys.block_size
-        end = lk.hit_chunks * cs
+        end = lk.hit_tokens
         start = max(0, end - num_external_tokens)
         start -= start % bs
         first = start // cs
+        last = (end - 1) // cs  # chunk holding the hit's last token
         bpc = self.keys.blocks_per_chunk
-        if len(block_ids) < lk.hit_chunks * bpc:
-            log.warning("kvpool: request %s got %d blocks for %d chunks; not loading",
-                        req_id, len(block_ids), lk.hit_chunks)
+        need = min((last + 1) * bpc, len(block_ids))
+        if need < end // bs:
+            log.warning("kvpool: request %s got %d blocks for %d tokens; not loading",
+                        req_id, len(block_ids), end)
             return
-        chunks = [ChunkRef(i, lk.hashes[i], list(block_ids[i * bpc : (i + 1) * bpc]))
-                  for i in range(first, lk.hit_chunks)]
+        # The last chunk may be partly beyond the allocated blocks: pad its ids
+        # with -1 (never written: last_blocks stops before them).
+        ids = list(block_ids[: (last + 1) * bpc]) + [-1] * max(0, (last + 1) * bpc - need)
+        chunks = [ChunkRef(i, lk.hashes[i], ids[i * bpc : (i + 1) * bpc])
+                  for i in range(first, last + 1)]
         skip = (start - first * cs) // bs
-        self._loads.append(LoadSpec(req_id, chunks, skip, self.cfg.load_async))
+        tail = (end - last * cs) // bs
+        self._loads.append(LoadSpec(req_id, chunks, skip, self.cfg.load_async,
+                                    0 if tail == bpc else tail))
         self.stats.add(hit_tokens=end - start)
 
     # ------------------------------------------------------------ per step

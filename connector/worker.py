@@ -56,6 +56,7 @@ class _Obj:
     layer: LayerLayout
     block_ids: list[int]  # blocks this object covers, in order
     write_from: int  # first block (index into block_ids) to write on load
+    write_to: int  # end (exclusive) of the blocks to write on load
     buf: Any  # view into the cache (zero-copy) or staging tensor
     staged: bool
 
@@ -145,13 +146,14 @@ class KVPoolWorker:
 
     # ------------------------------------------------------------ object plans
 
-    def _objects(self, chunk: ChunkRef, skip: int, for_load: bool) -> list[_Obj]:
+    def _objects(self, chunk: ChunkRef, skip: int, for_load: bool, end: int = 0) -> list[_Obj]:
         ids = chunk.block_ids
         n = len(ids)
-        if n != self.keys.blocks_per_chunk:
-            raise ConfigError(f"chunk {chunk.index} has {n} blocks, "
-                              f"expected {self.keys.blocks_per_chunk}")
-        direct = skip == 0 and consecutive_run(ids)
+        end = end or n
+        if n != self.keys.blocks_per_chunk or not 0 <= skip < end <= n:
+            raise ConfigError(f"chunk {chunk.index}: {n} blocks (expected "
+                              f"{self.keys.blocks_per_chunk}), write range {skip}:{end}")
+        direct = skip == 0 and end == n and consecutive_run(ids)
         out = []
         for layer in self.layers:
             key = self.keys.object_key(chunk.hash, layer.index)
@@ -165,7 +167,7 @@ class KVPoolWorker:
                     idx = torch.tensor(ids, dtype=torch.long, device=layer.device)
                     torch.index_select(layer.blocks, 0, idx, out=buf.view(n, layer.block_bytes))
                 staged = True
-            out.append(_Obj(key, layer, ids, skip, buf, staged))
+            out.append(_Obj(key, layer, ids, skip, end, buf, staged))
         return out
 
     # ------------------------------------------------------------ loads
@@ -175,8 +177,10 @@ class KVPoolWorker:
         trouble: failed chunks come back as ``failed_block_ids``."""
         t0 = time.perf_counter()
         per_chunk: list[list[_Obj]] = []
+        last = len(spec.chunks) - 1
         for i, chunk in enumerate(spec.chunks):
-            per_chunk.append(self._objects(chunk, spec.skip_blocks if i == 0 else 0, True))
+            per_chunk.append(self._objects(chunk, spec.skip_blocks if i == 0 else 0, True,
+                                           spec.last_blocks if i == last else 0))
         objs = [o for group in per_chunk for o in group]
         keys = [o.key for o in objs]
         bufs = [o.buf for o in objs]
@@ -194,7 +198,8 @@ class KVPoolWorker:
             k += len(group)
             ok = all(r == o.buf.numel() for r, o in zip(res, group, strict=True))
             if not ok:
-                failed.update(group[0].block_ids[group[0].write_from :])
+                g = group[0]
+                failed.update(g.block_ids[g.write_from : g.write_to])
                 continue
             for o in group:
                 if o.staged:
@@ -213,10 +218,10 @@ class KVPoolWorker:
         import torch
 
         layer = o.layer
-        ids = o.block_ids[o.write_from :]
+        ids = o.block_ids[o.write_from : o.write_to]
         if not ids:
             return
-        src = o.buf.view(len(o.block_ids), layer.block_bytes)[o.write_from :]
+        src = o.buf.view(len(o.block_ids), layer.block_bytes)[o.write_from : o.write_to]
         idx = torch.tensor(ids, dtype=torch.long, device=layer.device)
         layer.blocks.index_copy_(0, idx, src)
 
@@ -230,7 +235,7 @@ class KVPoolWorker:
                     failed = self.load(spec).failed_block_ids
                 except Exception as exc:  # never fail the step: recompute instead
                     log.exception("kvpool: load of %s crashed: %s", spec.req_id, exc)
-                    failed = {b for c in spec.chunks for b in c.block_ids}
+                    failed = {b for c in spec.chunks for b in c.block_ids if b >= 0}
                 with self._lock:
                     self._load_errors |= failed
 
@@ -240,7 +245,7 @@ class KVPoolWorker:
             failed = res.failed_block_ids
         except Exception as exc:  # a bug must not wedge the request: recompute it
             log.exception("kvpool: async load of %s crashed: %s", spec.req_id, exc)
-            failed = {b for c in spec.chunks for b in c.block_ids}
+            failed = {b for c in spec.chunks for b in c.block_ids if b >= 0}
         with self._lock:
             self._load_errors |= failed
             self._done_loads.add(spec.req_id)

@@ -18,6 +18,7 @@ from kvpool.connector.scheduler import (
     StepInfo,
     leading_hits,
     lookup_chunks,
+    max_hit_tokens,
 )
 from kvpool.connector.store_access import StoreAccess
 
@@ -32,10 +33,11 @@ class FakeRequest:
     all_token_ids: list[int] = field(default_factory=list)
 
 
-def test_lookup_chunks_leaves_a_token() -> None:
-    assert lookup_chunks(64, 32) == 1  # exactly 2 chunks: the last token must compute
-    assert lookup_chunks(65, 32) == 2
-    assert lookup_chunks(1, 32) == 0 and lookup_chunks(0, 32) == 0
+def test_hit_limits_leave_a_token() -> None:
+    assert lookup_chunks(64, 32) == 2 and lookup_chunks(63, 32) == 1
+    assert max_hit_tokens(64, 16) == 48  # the block holding the last token computes
+    assert max_hit_tokens(65, 16) == 64
+    assert max_hit_tokens(1, 16) == 0 and max_hit_tokens(0, 16) == 0
 
 
 def test_leading_hits() -> None:
@@ -87,8 +89,8 @@ def test_lookup_finds_longest_stored_run(pool: str, client: Any) -> None:
     assert s.lookup("r1", toks, 0) == (64, False)
     client.put(KS.object_key(KS.chunk_hashes(toks)[2], LAYERS - 1), b"y")
     assert s.lookup("r1", toks, 0) == (96, False)
-    # Exactly 3 chunks of prompt: only 2 may hit (one token must be computed).
-    assert s.lookup("r2", toks[:96], 0) == (64, False)
+    # Exactly 3 chunks of prompt: the last block must be computed (>= 1 token).
+    assert s.lookup("r2", toks[:96], 0) == (80, False)
     # A gap at chunk 0 means no hit at all.
     other = list(range(5000, 5100))
     _store_chunks(client, other, 3)
@@ -115,6 +117,19 @@ def test_load_plan_uses_allocated_blocks(pool: str, client: Any) -> None:
     assert meta.saves == []  # every full chunk is already stored
     assert s.stats.totals()["hit_tokens"] == 80
     assert s.build_meta(StepInfo()).loads == []  # loads are handed out once
+
+
+def test_chunk_ending_at_prompt_end_loads_all_but_last_block(pool: str, client: Any) -> None:
+    toks = list(range(300, 396))  # 96 tokens = exactly 3 chunks
+    _store_chunks(client, toks, 3)
+    s = _sched(pool)
+    assert s.lookup("r", toks, 0) == (80, False)
+    blocks = [4, 5, 6, 7, 8, 9]
+    s.after_alloc("r", FakeRequest(toks), toks, blocks, 80)
+    (load,) = s.build_meta(StepInfo(new=[NewReq("r", blocks, 80)],
+                                    num_scheduled_tokens={"r": 16})).loads
+    assert [c.block_ids for c in load.chunks] == [[4, 5], [6, 7], [8, 9]]
+    assert load.skip_blocks == 0 and load.last_blocks == 1
 
 
 def test_saves_planned_once_as_chunks_complete(pool: str, client: Any) -> None:

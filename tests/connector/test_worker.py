@@ -124,6 +124,12 @@ def test_skip_blocks_and_missing_chunks(pool: str) -> None:
                                                              strict=True)]
     res = w2.load(LoadSpec("q", load, skip_blocks=1))
     assert res.failed_block_ids == {10, 11} and res.loaded_chunks == 2
+    # Only the first block of the last chunk (the last block is vLLM's to compute).
+    keep = _blocks(dst, [13])
+    res = w2.load(LoadSpec("t", [ChunkRef(1, chunks[1].hash, [12, 13])], last_blocks=1))
+    assert res.failed_block_ids == set()
+    assert all(a.equal(b) for a, b in zip(_blocks(src, [2]), _blocks(dst, [12]), strict=True))
+    assert all(a.equal(b) for a, b in zip(keep, _blocks(dst, [13]), strict=True))
     after = _blocks(dst, [6])
     assert all(a.equal(b) for a, b in zip(before, after, strict=True))  # skipped block kept
     assert all(a.equal(b) for a, b in zip(_blocks(src, [1, 2, 3]), _blocks(dst, [7, 8, 9]),
