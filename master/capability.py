@@ -11,15 +11,18 @@ granted it, for as long as the grant lasts.
 Offsets are relative to the segment's usable region (the same convention as
 ``ReplicaDescriptor.offset`` and ``TransferRequest.offset``).
 
-Token layout (version 1, big-endian)::
+Token layout (version 2, big-endian)::
 
-    B  version (1)         B  op (CapOp)          H  segment id length n
+    B  version (2)         B  op (CapOp)          H  segment id length n
     Q  offset              Q  length              Q  expiry (epoch ms)
     8s nonce               ns segment id (utf-8)  16s tag
 
-``tag`` = HMAC-SHA256(key, DOMAIN || everything before the tag), truncated
-to 128 bits (RFC 4868 style). Verifying costs one struct unpack and one HMAC
-over < 100 bytes: a few microseconds.
+``tag`` = keyed BLAKE2b-128(key, person="kvpool-cap-v2", everything before
+the tag). BLAKE2's keyed mode is a MAC by design (no HMAC construction
+needed) and, with the keyed state precomputed per segment and copied per
+token, costs ~0.5 us in CPython versus ~1.5-3 us for HMAC-SHA256; the master
+signs one token per granted replica on its hot path. Verifying costs one
+struct unpack and one MAC over < 100 bytes.
 
 Replay: a token is a bearer credential for its range until it expires; it
 cannot be reused for another segment (other key), another range or another
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import os
 import struct
 import threading
@@ -59,13 +63,15 @@ __all__ = [
     "wall_clock_ms",
 ]
 
-TOKEN_VERSION = 1
+TOKEN_VERSION = 2
 KEY_LENGTH = 32
 TAG_LENGTH = 16
 NONCE_LENGTH = 8
 MAX_SEGMENT_ID_LENGTH = 1024
-_DOMAIN = b"kvpool-capability\x00"
+_PERSON = b"kvpool-cap-v2"  # BLAKE2 personalization: domain separation
 _HEADER = struct.Struct(">BBHQQQ8s")
+_HEADER_FAST = struct.Struct(">BBHQQQQ")  # the same layout, nonce packed from an int
+_U64 = (1 << 64) - 1
 _MIN_LENGTH = _HEADER.size + TAG_LENGTH
 
 
@@ -146,8 +152,15 @@ class Capability:
         )
 
 
+def _mac_state(key: bytes) -> Any:
+    """The keyed BLAKE2b state for ``key`` (copy it per token: skips the key block)."""
+    return hashlib.blake2b(key=key, digest_size=TAG_LENGTH, person=_PERSON)
+
+
 def _tag(key: bytes, body: bytes) -> bytes:
-    return hmac.digest(key, _DOMAIN + body, hashlib.sha256)[:TAG_LENGTH]
+    h = _mac_state(key)
+    h.update(body)
+    return h.digest()
 
 
 def sign(cap: Capability, key: bytes) -> bytes:
@@ -224,13 +237,20 @@ def verify(
     apart. Semantic reasons (op, expiry, range) are reported only for tokens
     whose tag verified. ``leeway_ms`` tolerates clock skew between hosts.
     """
+    return _verify(token, _mac_state(key), segment_id, offset, length, op, now_ms, leeway_ms)
+
+
+def _verify(token: Any, state: Any, segment_id: str, offset: int, length: int, op: Any,
+            now_ms: int | None, leeway_ms: int) -> Capability:
     cap, body, tag = _parse(token)
     if cap.segment_id != segment_id:
         raise CapabilityError(
             DenyReason.WRONG_SEGMENT,
             f"token is for segment {cap.segment_id!r}, request is for {segment_id!r}",
         )
-    if not hmac.compare_digest(tag, _tag(key, body)):
+    h = state.copy()
+    h.update(body)
+    if not hmac.compare_digest(tag, h.digest()):
         raise CapabilityError(DenyReason.FORGED, f"bad signature for segment {segment_id!r}")
     want = CapOp.coerce(op)
     if cap.op != want:
@@ -250,8 +270,11 @@ def verify(
 class CapabilitySigner:
     """The master's side: one key per segment; grants tokens for replicas.
 
-    Thread-safe. ``keys()``/``load_keys()`` let the master persist keys in its
-    snapshot so tokens stay valid and owners need no new key after a restart.
+    Thread-safe for ``key_for``/``rotate``/``forget``/``load_keys``;
+    ``grant_fast`` is lock-free (the master's single loop thread calls it per
+    granted replica, so it skips validation and reuses the keyed MAC state).
+    ``keys()``/``load_keys()`` let the master persist keys so tokens stay
+    valid and owners need no new key after a master restart.
     """
 
     def __init__(self, ttl_ms: int = 10_000) -> None:
@@ -259,37 +282,84 @@ class CapabilitySigner:
             raise KVPoolError("capability ttl_ms must be > 0", ErrorCode.INVALID_PARAMS)
         self.ttl_ms = ttl_ms
         self._keys: dict[str, bytes] = {}
+        # segment id -> (keyed MAC state, utf-8 id) for grant_fast
+        self._states: dict[str, tuple[Any, bytes]] = {}
         self._lock = threading.Lock()
+        # nonces only make two grants of one range distinct: a counter from a
+        # random start is enough and saves a getrandom() per token
+        self._nonce = itertools.count(int.from_bytes(os.urandom(8), "big") >> 1)
+        self.granted = 0
+
+    def _install(self, segment_id: str, key: bytes) -> None:
+        seg = segment_id.encode()
+        if not seg or len(seg) > MAX_SEGMENT_ID_LENGTH:
+            raise KVPoolError("capability segment id empty or too long", ErrorCode.INVALID_PARAMS)
+        self._keys[segment_id] = key
+        self._states[segment_id] = (_mac_state(key), seg)
 
     def key_for(self, segment_id: str) -> bytes:
         """The segment's key, created on first use (hand it to the owner at mount)."""
         with self._lock:
             key = self._keys.get(segment_id)
             if key is None:
-                key = self._keys[segment_id] = new_segment_key()
+                key = new_segment_key()
+                self._install(segment_id, key)
             return key
+
+    def rotate(self, segment_id: str) -> bytes:
+        """Replace the segment's key with a fresh one (a new mount): tokens
+        signed under the old key stop verifying once the owner installs it."""
+        with self._lock:
+            key = new_segment_key()
+            self._install(segment_id, key)
+            return key
+
+    def has_key(self, segment_id: str) -> bool:
+        return segment_id in self._keys
 
     def forget(self, segment_id: str) -> None:
         """Drop a segment's key (segment unmounted or its owner declared dead)."""
         with self._lock:
             self._keys.pop(segment_id, None)
+            self._states.pop(segment_id, None)
+
+    def expiry(self, ttl_ms: int | None = None) -> int:
+        """The expiry (epoch ms) of a grant made now."""
+        return wall_clock_ms() + (self.ttl_ms if ttl_ms is None else ttl_ms)
+
+    def grant_fast(self, segment_id: str, offset: int, length: int, op: int,
+                   expiry_ms: int) -> bytes:
+        """A token for ``op`` (int value of CapOp) on ``[offset, offset+length)``
+        until ``expiry_ms``; b"" if the segment has no key. No validation: the
+        caller passes values it allocated itself (the master's hot path)."""
+        st = self._states.get(segment_id)
+        if st is None:
+            return b""
+        state, seg = st
+        body = _HEADER_FAST.pack(TOKEN_VERSION, op, len(seg), offset, length, expiry_ms,
+                                 next(self._nonce) & _U64) + seg
+        h = state.copy()
+        h.update(body)
+        self.granted += 1
+        return body + h.digest()
 
     def grant(self, segment_id: str, offset: int, length: int, op: CapOp | Any,
               ttl_ms: int | None = None) -> bytes:
         """A signed token for ``op`` on ``[offset, offset+length)``, valid ``ttl_ms``."""
-        cap = Capability(segment_id, offset, length, CapOp.coerce(op),
-                         wall_clock_ms() + (self.ttl_ms if ttl_ms is None else ttl_ms))
+        cap = Capability(segment_id, offset, length, CapOp.coerce(op), self.expiry(ttl_ms))
         return sign(cap, self.key_for(segment_id))
 
     def keys(self) -> dict[str, bytes]:
-        """A copy of every segment key (for the master's snapshot)."""
+        """A copy of every segment key (for the master's persisted state)."""
         with self._lock:
             return dict(self._keys)
 
     def load_keys(self, keys: dict[str, bytes]) -> None:
-        """Restore keys from a snapshot (existing keys are replaced)."""
+        """Restore keys (existing keys are replaced)."""
         with self._lock:
-            self._keys.update({str(k): bytes(v) for k, v in keys.items()})
+            for k, v in keys.items():
+                if v:
+                    self._install(str(k), bytes(v))
 
 
 class CapabilityVerifier:
@@ -310,7 +380,7 @@ class CapabilityVerifier:
         self.required = required
         self.leeway_ms = leeway_ms
         self.on_refusal = on_refusal
-        self._keys: dict[str, bytes] = {}
+        self._keys: dict[str, tuple[bytes, Any]] = {}
         self._lock = threading.Lock()
         self.refusals: dict[DenyReason, int] = dict.fromkeys(DenyReason, 0)
         self.accepted = 0
@@ -319,12 +389,16 @@ class CapabilityVerifier:
         """Install (or replace) the key the master handed over for a local segment."""
         if not key:
             raise KVPoolError("capability key must not be empty", ErrorCode.INVALID_PARAMS)
+        key = bytes(key)
         with self._lock:
-            self._keys[segment_id] = bytes(key)
+            self._keys[segment_id] = (key, _mac_state(key))
 
     def remove_key(self, segment_id: str) -> None:
         with self._lock:
             self._keys.pop(segment_id, None)
+
+    def has_key(self, segment_id: str) -> bool:
+        return segment_id in self._keys
 
     def _refuse(self, exc: CapabilityError) -> CapabilityError:
         with self._lock:
@@ -340,12 +414,12 @@ class CapabilityVerifier:
             if not self.required:
                 return
             raise self._refuse(CapabilityError(DenyReason.MISSING, "no capability presented"))
-        key = self._keys.get(segment_id)
-        if key is None:
+        entry = self._keys.get(segment_id)
+        if entry is None:
             raise self._refuse(CapabilityError(
                 DenyReason.NO_KEY, f"no key for segment {segment_id!r} on this server"))
         try:
-            verify(token, key, segment_id, offset, length, op, leeway_ms=self.leeway_ms)
+            _verify(token, entry[1], segment_id, offset, length, op, None, self.leeway_ms)
         except CapabilityError as exc:
             raise self._refuse(exc) from None
         self.accepted += 1  # approximate under threads; informational only

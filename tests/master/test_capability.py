@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvpool.master.capability import (
     TAG_LENGTH,
+    TOKEN_VERSION,
     CapabilityError,
     CapabilitySigner,
     CapabilityVerifier,
@@ -129,7 +130,8 @@ def test_truncated_and_garbage_tokens_are_malformed() -> None:
     for n in (1, 10, len(tok) - TAG_LENGTH, len(tok) - 1):
         _denied(DenyReason.MALFORMED, tok[:n], key, SEG, 4096, 1, CapOp.READ, now_ms=NOW)
     _denied(DenyReason.MALFORMED, tok + b"x", key, SEG, 4096, 1, CapOp.READ, now_ms=NOW)
-    _denied(DenyReason.MALFORMED, b"\x02" + tok[1:], key, SEG, 4096, 1, CapOp.READ, now_ms=NOW)
+    _denied(DenyReason.MALFORMED, bytes([TOKEN_VERSION ^ 3]) + tok[1:], key, SEG, 4096, 1,
+            CapOp.READ, now_ms=NOW)
     _denied(DenyReason.MALFORMED, tok[:1] + b"\x07" + tok[2:], key, SEG, 4096, 1, CapOp.READ,
             now_ms=NOW)
     _denied(DenyReason.MALFORMED, "a string", key, SEG, 4096, 1, CapOp.READ, now_ms=NOW)
@@ -239,3 +241,18 @@ def test_refusals_are_exported_as_prometheus_counters() -> None:
     assert 'kvpool_capability_refusals_total{reason="out_of_range"} 3.0' in text
     assert 'kvpool_capability_refusals_total{reason="forged"} 1.0' in text
     assert "kvpool_capability_accepted_total 1.0" in text
+
+
+def test_grant_fast_verifies_and_rotation_invalidates() -> None:
+    signer = CapabilitySigner(ttl_ms=5000)
+    assert signer.grant_fast(SEG, 0, 10, int(CapOp.READ), signer.expiry()) == b""  # no key yet
+    key = signer.key_for(SEG)
+    tok = signer.grant_fast(SEG, 4096, 1024, int(CapOp.WRITE), signer.expiry())
+    assert verify(tok, key, SEG, 4096, 1024, CapOp.WRITE).length == 1024
+    other = signer.grant_fast(SEG, 4096, 1024, int(CapOp.WRITE), signer.expiry())
+    assert other != tok  # distinct nonces
+    new_key = signer.rotate(SEG)
+    assert new_key != key
+    _denied(DenyReason.FORGED, tok, new_key, SEG, 4096, 1024, CapOp.WRITE)
+    signer.forget(SEG)
+    assert not signer.has_key(SEG)
