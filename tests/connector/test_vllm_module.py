@@ -1,0 +1,41 @@
+"""The vLLM entry module: version gate and stats class (needs vLLM importable)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm not importable: install the vllm extra"),
+]
+
+
+def test_version_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.connector.vllm import check_vllm_version
+
+    monkeypatch.delenv("KVPOOL_SKIP_VLLM_VERSION_CHECK", raising=False)
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.3+cpu")
+    for bad in ("0.31.2", "0.33.0", "1.0.0", "unknown"):
+        with pytest.raises(ImportError, match=r"supports vLLM 0\.32\.x"):
+            check_vllm_version(bad)
+    monkeypatch.setenv("KVPOOL_SKIP_VLLM_VERSION_CHECK", "1")
+    check_vllm_version("0.31.2")
+
+
+def test_stats_class_aggregates_over_workers() -> None:
+    from kvpool.connector.vllm import KVPoolConnector, KVPoolConnectorStats
+
+    a = KVPoolConnector.build_kv_connector_stats({"loaded_bytes": 10, "load_requests": 1,
+                                                   "load_time_s": 0.5})
+    assert isinstance(a, KVPoolConnectorStats)
+    a.aggregate(KVPoolConnectorStats(data={"loaded_bytes": 5, "hit_tokens": 64}))
+    assert a.data == {"loaded_bytes": 15, "load_requests": 1, "load_time_s": 0.5,
+                      "hit_tokens": 64}
+    assert a.reduce()["avg_load_ms"] == pytest.approx(500)
+    assert not a.is_empty()
+    a.reset()
+    assert a.is_empty()
