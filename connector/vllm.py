@@ -26,7 +26,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connector.config import ConnectorConfig
@@ -51,6 +54,7 @@ __all__ = [
     "KVPoolConnector",
     "KVPoolConnectorMetadata",
     "KVPoolConnectorStats",
+    "KVPoolPromMetrics",
     "check_vllm_version",
 ]
 
@@ -97,6 +101,40 @@ class KVPoolConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+# stats field -> (vLLM Prometheus counter name, help)
+PROM_COUNTERS = {
+    "hit_tokens": ("vllm:kvpool_hit_tokens", "Prompt tokens loaded from kvpool"),
+    "lookup_tokens": ("vllm:kvpool_lookup_tokens", "Prompt tokens looked up in kvpool"),
+    "loaded_bytes": ("vllm:kvpool_loaded_bytes", "KV bytes loaded from kvpool"),
+    "saved_bytes": ("vllm:kvpool_saved_bytes", "KV bytes saved to kvpool"),
+    "load_time_s": ("vllm:kvpool_load_seconds", "Seconds spent loading KV from kvpool"),
+    "save_time_s": ("vllm:kvpool_save_seconds", "Seconds spent saving KV to kvpool"),
+    "load_errors": ("vllm:kvpool_load_errors", "Chunks whose load failed (recomputed)"),
+    "save_errors": ("vllm:kvpool_save_errors", "Chunks whose save failed"),
+}
+
+
+class KVPoolPromMetrics(KVConnectorPromMetrics):
+    """vLLM-side Prometheus counters (``vllm:kvpool_*``, per engine), fed from the
+    stats vLLM aggregates over workers, so the API server's /metrics shows them
+    even when the engine runs in another process."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[tuple[int, str], Any] = {}
+        for field_name, (name, doc) in PROM_COUNTERS.items():
+            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            for idx, values in per_engine_labelvalues.items():
+                self._counters[(idx, field_name)] = counter.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for field_name, value in transfer_stats_data.items():
+            c = self._counters.get((engine_idx, field_name))
+            if c is not None and value:
+                c.inc(value)
 
 
 def _layer_names(kv_cache_config: Any) -> list[str]:
@@ -240,6 +278,12 @@ class KVPoolConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
                                  ) -> KVPoolConnectorStats | None:
         return KVPoolConnectorStats(data=dict(data)) if data is not None else KVPoolConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVPoolPromMetrics:
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Finish queued saves (bounded) and close the store client."""
