@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import zmq
 
+from kvpool.master.capability import CapabilityError, CapOp, verify
 from kvpool.master.errors import ErrorCode, KVPoolError
 from kvpool.master.protocol import Op, SegmentKind, decode_frame, encode_frame
 from kvpool.master.rpc_client import MasterClient, MasterRPCError
@@ -19,8 +20,11 @@ FILE = SegmentKind.FILE
 
 
 def mount(c: MasterClient, sid: str, client_id: str = "c1", size: int = 1 << 20,
-          kind: SegmentKind = MEM) -> None:
-    c.call(Op.MOUNT_SEGMENT, client_id=client_id, segment=segment_wire(sid, client_id, size, kind))
+          kind: SegmentKind = MEM) -> bytes:
+    """Mount; return the segment's capability key from the reply (issue 7)."""
+    r = c.call(Op.MOUNT_SEGMENT, client_id=client_id,
+               segment=segment_wire(sid, client_id, size, kind))
+    return bytes(r["capability_key"])
 
 
 def put(c: MasterClient, key: str, size: int = 100, client_id: str = "c1",
@@ -66,7 +70,8 @@ def test_ping_remount_and_segments(mclient: MasterClient) -> None:
 
 def test_put_get_remove_single_ops(mclient: MasterClient) -> None:
     c = mclient
-    mount(c, "s1")
+    key = mount(c, "s1")
+    assert len(key) == 32
     assert code_of(c.call, Op.PUT_START, client_id="c1", key="k", size=10**9) \
         == ErrorCode.NO_AVAILABLE_HANDLE
     r = c.call(Op.PUT_START, client_id="c1", key="k", size=1000, checksum=1234)
@@ -80,7 +85,12 @@ def test_put_get_remove_single_ops(mclient: MasterClient) -> None:
     c.call(Op.PUT_END, client_id="c1", key="k")
     g = c.call(Op.GET_REPLICA_LIST, key="k")
     assert g["size"] == 1000 and g["checksum"] == 1234 and g["lease_ttl_ms"] == 1000
-    assert g["replicas"] == [["s1", 0, 1000, 1, b""]] and "s1" in g["segments"]
+    assert g["replicas"][0][:4] == ["s1", 0, 1000, 1] and "s1" in g["segments"]
+    # issue 7: a READ capability for exactly this replica, signed with s1's key
+    assert verify(g["replicas"][0][4], key, "s1", 0, 1000, CapOp.READ).length == 1000
+    assert verify(r["replicas"][0][4], key, "s1", 0, 1000, CapOp.WRITE).op == CapOp.WRITE
+    with pytest.raises(CapabilityError):
+        verify(g["replicas"][0][4], key, "s1", 0, 1000, CapOp.WRITE)
     assert c.call(Op.GET_SIZE, key="k") == {"size": 1000}
     assert code_of(c.call, Op.GET_SIZE, key="zz") == ErrorCode.OBJECT_NOT_FOUND
     # leased by the read above: remove refused unless forced
