@@ -200,6 +200,19 @@ class EvictionPolicy:
     def on_evict(self, directory: Directory, key: str, obj: Obj, kind: SegmentKind) -> bool:
         return False
 
+    # issue 5 (SSD tier, kvpool.master.tiering) hooks; the defaults change nothing
+    def on_owner_lost(self, directory: Directory, seg: Segment) -> bool:
+        """A client expired: True = the policy kept ``seg`` (not dropped)."""
+        return False
+
+    def can_take_over(self, directory: Directory, seg: Segment,
+                      desc: SegmentDescriptor) -> bool:
+        """A mount names the ACTIVE segment ``seg``: True = re-adopt it for the caller."""
+        return False
+
+    def after_restore(self, directory: Directory) -> None:
+        """Called at the end of ``finish_restore``."""
+
 
 def _is_int(v: object) -> bool:
     return type(v) is int
@@ -288,7 +301,11 @@ class Directory:
         self.clients[client_id] = self.clock()
         seg = self.segments.get(desc.segment_id)
         if seg is not None:
-            if seg.state != SegState.AWAITING:
+            if seg.state != SegState.AWAITING and seg.owner != client_id \
+                    and self.policy.can_take_over(self, seg, desc):
+                log.info("segment %s reopened by %s: taking over from %s", seg.id, client_id,
+                         seg.owner)
+            elif seg.state != SegState.AWAITING:
                 raise KVPoolError(f"segment {desc.segment_id} is mounted",
                                   ErrorCode.SEGMENT_ALREADY_EXISTS)
             if (seg.kind != desc.kind or seg.desc.size != desc.size
@@ -404,7 +421,9 @@ class Directory:
             owned = self.client_segments.get(client_id)
             if owned:
                 for sid in list(owned)[:budget - dropped]:
-                    self.drop_segment(self.segments[sid], f"client {client_id} expired")
+                    seg = self.segments[sid]
+                    if not self.policy.on_owner_lost(self, seg):  # SSD tier keeps files
+                        self.drop_segment(seg, f"client {client_id} expired")
                     dropped += 1
                 if self.client_segments.get(client_id):
                     break  # budget spent; rest next time (client stays expired)
@@ -418,7 +437,9 @@ class Directory:
                 for sid in list(self.awaiting.get(owner, ())):
                     if dropped >= budget:
                         return dropped
-                    self.drop_segment(self.segments[sid], "owner did not return after restart")
+                    seg = self.segments[sid]
+                    if not self.policy.on_owner_lost(self, seg):  # SSD tier keeps files
+                        self.drop_segment(seg, "owner did not return after restart")
                     dropped += 1
         return dropped
 
@@ -912,6 +933,7 @@ class Directory:
         for seg in self.segments.values():
             seg.state = SegState.AWAITING
             self.awaiting.setdefault(seg.owner, set()).add(seg.id)
+        self.policy.after_restore(self)
         self.records.clear()
 
     # ---------------------------------------------------------------- stats

@@ -41,6 +41,11 @@ Op reference (args -> result). ``client_id`` identifies the calling process
 - STATS {} -> {uptime_s, objects, bytes_used, bytes_capacity, segments: int, ...}
 - LIST_SEGMENTS {} -> {segments: [SegmentDescriptor + {used, capacity, fragmentation}]}
 - GET_SEGMENTS {segment_ids: [str]} -> {segments: {id: SegmentDescriptor}}
+- TIER_TASK_DONE {client_id, task_id, ok, error=""} -> {} (SSD tier, issue 5: a node
+  reports a copy task it got in a PING reply; OBJECT_NOT_FOUND for an unknown or
+  expired task). PING replies then carry ``tasks: [{id, kind (1 offload, 2
+  promote), key, size, src: [segment_id, offset], dst: [segment_id, offset]}]``
+  and ``segments: {id: SegmentDescriptor}`` when the master has tasks for the node.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class Op(IntEnum):
     STATS = 50
     LIST_SEGMENTS = 51
     GET_SEGMENTS = 52
+    TIER_TASK_DONE = 60
 
 
 class SegmentKind(IntEnum):

@@ -120,8 +120,8 @@ class TieringPolicy:
     """Eviction policy + task book-keeping of the SSD tier (see module doc).
 
     Implements the directory's ``EvictionPolicy.on_evict`` hook, plus
-    ``on_disk_hit`` (reads), ``on_owner_lost``/``can_take_over``/
-    ``after_restore`` (segments), ``tasks_for``/``complete``/``tick``
+    ``on_disk_hit`` (reads), ``on_owner_lost``/``can_take_over``
+    (segments), ``tasks_for``/``complete``/``tick``
     (the task protocol and timers) and ``stats``.
     """
 
@@ -370,16 +370,22 @@ class TieringPolicy:
 
     # ---------------------------------------------------------------- segments
     def on_owner_lost(self, d: Directory, seg: Segment) -> bool:
-        """Directory hook when ``seg``'s owner expired: True = the policy kept
+        """Directory hook when ``seg``'s owner expired (or, after a master
+        restart, did not come back within client_ttl): True = the policy kept
         it (a FILE segment now AWAITING its owner for ``file_owner_ttl_s``;
         :meth:`tick` revives it when the owner pings again and drops it at
         the deadline; a mount of the same id re-adopts it)."""
         from kvpool.master.directory import SegState
 
-        if seg.kind != _FILE or self.cfg.file_owner_ttl_s <= 0 or seg.state != SegState.ACTIVE:
+        if seg.kind != _FILE or self.cfg.file_owner_ttl_s <= 0:
             return False
-        d._deactivate(seg)
-        seg.state = SegState.AWAITING
+        if seg.state == SegState.ACTIVE:
+            d._deactivate(seg)
+            seg.state = SegState.AWAITING
+        elif seg.state == SegState.AWAITING:
+            d._forget_awaiting(seg)  # restored after a master restart, owner not back yet
+        else:
+            return False
         now = self.clock()
         self.file_awaiting[seg.id] = (now + self.cfg.file_owner_ttl_s, now)
         self.counters["file_segments_kept"] += 1
@@ -410,15 +416,10 @@ class TieringPolicy:
         return newer
 
     def after_restore(self, d: Directory) -> None:
-        """After a master restart (``finish_restore``): FILE segments await
-        their owner for ``file_owner_ttl_s`` rather than ``client_ttl_s``."""
-        if self.cfg.file_owner_ttl_s <= 0:
-            return
-        now = self.clock()
-        for seg in d.segments.values():
-            if seg.kind == _FILE:
-                d._forget_awaiting(seg)
-                self.file_awaiting[seg.id] = (now + self.cfg.file_owner_ttl_s, now)
+        """Directory hook after a master restart. Nothing to do: restored FILE
+        segments await their owner like the others (a PING revives them); if
+        the owner is not back within client_ttl, :meth:`on_owner_lost` keeps
+        them for ``file_owner_ttl_s`` instead of dropping them."""
 
     def tick(self, d: Directory) -> int:
         """Timer (a few times a second): expire tasks; revive kept FILE

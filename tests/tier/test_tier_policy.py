@@ -267,18 +267,25 @@ def test_takeover_needs_same_file_and_newer_generation() -> None:
     assert not p.can_take_over(d, seg, desc("disk", 4096 * KiB + 4096, FILE, gen=9))
 
 
-def test_after_restore_gives_file_segments_the_longer_ttl() -> None:
-    d, p, clock = make({"file_owner_ttl_s": 500}, client_ttl_s=5)
+def test_restored_file_segments_outlast_client_ttl() -> None:
+    d, _p, _clock = make({"file_owner_ttl_s": 500}, client_ttl_s=5)
     d.journaling = False
     d.restore_segment(desc("disk", 8192 * KiB + 4096, FILE).to_wire())
     d.restore_segment(desc("mem", 1024 * KiB, MEM).to_wire())
     d.finish_restore()
-    p.after_restore(d)
-    assert p.file_awaiting["disk"][0] == clock.t + 500
-    clock.t += 10
-    d.expire_step()  # memory segments go with client_ttl, file segments stay
-    p.tick(d)
-    assert "mem" not in d.segments and d.segments["disk"].state == SegState.AWAITING
+    assert sorted(d.ping("node")[1]) == ["disk", "mem"]  # the owner back at once: both
+    d2, p2, clock2 = make({"file_owner_ttl_s": 500}, client_ttl_s=5)
+    d2.journaling = False
+    d2.restore_segment(desc("disk", 8192 * KiB + 4096, FILE).to_wire())
+    d2.restore_segment(desc("mem", 1024 * KiB, MEM).to_wire())
+    d2.finish_restore()
+    clock2.t += 10
+    d2.expire_step()  # owner not back: memory goes with client_ttl, the file stays
+    p2.tick(d2)
+    assert "mem" not in d2.segments and d2.segments["disk"].state == SegState.AWAITING
+    assert p2.file_awaiting["disk"][0] == clock2.t + 500
+    d2.mount("node2", desc("disk", 8192 * KiB + 4096, FILE, client="node2", gen=2))
+    assert d2.segments["disk"].state == SegState.ACTIVE
 
 
 def test_offload_of_an_object_read_meanwhile_keeps_the_memory_replica() -> None:
