@@ -283,7 +283,9 @@ class MooncakeDistributedStore:
         """The buffer for ``[ptr, ptr+size)``: the registered handle when it is
         exactly that region, else a host/GPU view of the address range."""
         handle, off = self._buffer(ptr, size)
-        if off == 0 and getattr(handle, "length", size) == size:
+        # (an unregistered range comes back as a raw tuple: classify it below,
+        # never hand a GPU address on as host memory)
+        if off == 0 and not isinstance(handle, tuple) and handle.length == size:
             return handle
         if not isinstance(handle, tuple) and getattr(handle, "is_gpu", False):
             from kvpool.transfer import as_buffer
