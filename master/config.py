@@ -59,6 +59,15 @@ class MasterConfig:
     expiry_slice: int = 64  # segments dropped per loop iteration at most
     purge_slice: int = 20000  # objects purged from a dropped segment per loop iteration
     log_level: str = "INFO"
+    # issue 7: capability-checked data access (docs/security.md). When on, the
+    # master creates a key per segment (handed to its owner in the MOUNT reply)
+    # and signs a READ/WRITE capability per granted replica.
+    capabilities: bool = True
+    capability_ttl_ms: int = 0  # 0 = lease_ttl_ms
+    # a connection with more requests than this queued at the master in one
+    # loop pass gets TOO_MANY_REQUESTS for the excess (back-pressure: its
+    # ZeroMQ pipe is also bounded, so a flood stalls in TCP, not in RAM)
+    max_inflight_per_client: int = 128
     # ZeroMQ CURVE on the RPC socket (kvpool.master.auth; docs/security.md):
     # auto = off on loopback binds, required on any other bind
     curve: CurveConfig = field(default_factory=CurveConfig)
@@ -74,7 +83,7 @@ class MasterConfig:
         for name in ("lease_ttl_ms", "max_key_length", "max_batch_size", "max_frame_size",
                      "memory_alignment", "file_alignment", "expiry_slice", "purge_slice",
                      "max_replica_num", "snapshot_keep", "eviction_max_scan",
-                     "eviction_batch"):
+                     "eviction_batch", "max_inflight_per_client"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         for name in ("memory_alignment", "file_alignment"):
@@ -85,6 +94,8 @@ class MasterConfig:
             raise ConfigError("client_ttl_s must be > 0")
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ConfigError("ports must be in [0, 65535]")
+        if self.capability_ttl_ms < 0:
+            raise ConfigError("capability_ttl_ms must be >= 0 (0 = lease_ttl_ms)")
         if self.snapshot_slice_ms <= 0:
             raise ConfigError("snapshot_slice_ms must be > 0")
         if self.snapshot_interval_s < 0:

@@ -26,6 +26,7 @@ import msgpack
 import zmq
 
 from kvpool.master import __version__
+from kvpool.master.capability import CapabilitySigner, CapOp
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, Pending, SegState
 from kvpool.master.errors import ErrorCode, KVPoolError
@@ -49,6 +50,9 @@ _PROCESSING = 0
 _COMPLETE = 1
 _EMPTY = b""
 _FILE = SegmentKind.FILE
+_CAP_READ = int(CapOp.READ)
+_CAP_WRITE = int(CapOp.WRITE)
+_KEYS_FILE = "capability-keys.msgpack"
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -120,6 +124,13 @@ class MasterServer:
         self.restored_objects = 0
         self.max_key = cfg.max_key_length
         self.max_batch = cfg.max_batch_size
+        # issue 7: per-segment keys + signed READ/WRITE capabilities per replica
+        self.signer: CapabilitySigner | None = None
+        if cfg.capabilities:
+            self.signer = CapabilitySigner(cfg.capability_ttl_ms or cfg.lease_ttl_ms)
+        self._grant = self.signer.grant_fast if self.signer is not None else None
+        self._keys_dirty = False
+        self.too_many_requests = 0
         self._handlers: dict[int, tuple[str, Handler]] = {
             op: (op.name, getattr(self, "_op_" + op.name.lower())) for op in Op
         }
@@ -130,9 +141,11 @@ class MasterServer:
         gc.set_threshold(50000, 50, 1000)
         if cfg.data_dir:
             os.makedirs(cfg.data_dir, exist_ok=True)
+            os.chmod(cfg.data_dir, 0o700)  # journal, snapshots and segment keys are secrets
             gc.disable()
             try:
                 self._restore()
+                self._load_keys()
             finally:
                 gc.enable()
         gc.freeze()
@@ -143,7 +156,9 @@ class MasterServer:
         # frames up to max_frame_size get a FRAME_TOO_LARGE reply from the decoder;
         # far larger ones make ZeroMQ drop the connection before buffering them
         self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * cfg.max_frame_size + 4096)
-        self.sock.setsockopt(zmq.RCVHWM, 100000)
+        # back-pressure: a connection's queue is bounded; beyond it ZeroMQ stops
+        # reading that peer's TCP stream (see max_inflight_per_client)
+        self.sock.setsockopt(zmq.RCVHWM, 4 * cfg.max_inflight_per_client)
         self.sock.setsockopt(zmq.SNDHWM, 100000)
         # CURVE (+ ZAP allow-list) before bind; None when off (loopback default)
         self._auth = cfg.curve.setup_server(self.sock, cfg.host)
@@ -265,6 +280,70 @@ class MasterServer:
             if s < oldest:
                 os.unlink(path)
 
+    # ================================================================ capability keys
+    def _keys_path(self) -> str | None:
+        return os.path.join(self.cfg.data_dir, _KEYS_FILE) if self.cfg.data_dir else None
+
+    def _load_keys(self) -> None:
+        """Restore the segment keys of restored segments (issue 7)."""
+        path = self._keys_path()
+        if self.signer is None or path is None or not os.path.exists(path):
+            return
+        try:
+            with open(path, "rb") as f:
+                keys = msgpack.unpackb(f.read(), raw=False)
+            if type(keys) is not dict:
+                raise ValueError("not a map")
+        except (OSError, ValueError, msgpack.UnpackException) as exc:
+            log.error("ignoring %s: %s (segments get new keys when re-mounted)", path, exc)
+            return
+        self.signer.load_keys({k: v for k, v in keys.items()
+                               if k in self.dir.segments and type(v) is bytes})
+
+    def _save_keys(self) -> None:
+        """Write every segment key atomically (mode 0600, fsync'ed): rare
+        (new mounts and pruning), so done synchronously."""
+        path = self._keys_path()
+        if self.signer is None or path is None:
+            return
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, msgpack.packb(self.signer.keys(), use_bin_type=True))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        self._keys_dirty = False
+
+    def _prune_keys(self) -> None:
+        """Forget the keys of segments the directory no longer has (timer)."""
+        signer = self.signer
+        if signer is None:
+            return
+        segs = self.dir.segments
+        gone = [sid for sid in signer.keys() if sid not in segs]
+        for sid in gone:
+            signer.forget(sid)
+        if gone:
+            try:
+                self._save_keys()
+            except OSError as exc:
+                log.error("cannot write capability keys: %s", exc)
+
+    def _too_many(self, frames: list[bytes]) -> list[bytes] | None:
+        """The reply to a request beyond ``max_inflight_per_client`` (not run)."""
+        if len(frames) < 2:
+            return None
+        self.too_many_requests += 1
+        key = ("invalid", ErrorCode.TOO_MANY_REQUESTS.name)
+        self.errors[key] = self.errors.get(key, 0) + 1
+        prefix = frames[:2] if len(frames) == 3 and frames[1] == _EMPTY else frames[:1]
+        return [*prefix, self._error_reply(
+            _peek_id(frames[-1]), ErrorCode.TOO_MANY_REQUESTS,
+            f"more than {self.cfg.max_inflight_per_client} requests queued on this "
+            "connection; wait for replies before sending more")]
+
     # ================================================================ admin HTTP
     def _start_http(self) -> None:
         from kvpool.master.metrics import make_handler, make_registry
@@ -304,6 +383,7 @@ class MasterServer:
         recv = sock.recv_multipart
         send = sock.send_multipart
         handle = self.handle_frames
+        inflight_limit = self.cfg.max_inflight_per_client
         journal = self.journal
         d = self.dir
         next_expiry = next_sweep = next_freeze = time.monotonic()
@@ -315,12 +395,19 @@ class MasterServer:
             else:
                 t_start = time.perf_counter()
                 replies = []
+                per_peer: dict[bytes, int] = {}
                 for _ in range(_DRAIN):
                     # check EVENTS rather than catching zmq.Again (exceptions are slow)
                     if not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
                         break
                     frames = recv(zmq.NOBLOCK, copy=True)
-                    out = handle(frames)
+                    ident = frames[0]
+                    queued = per_peer.get(ident, 0) + 1
+                    per_peer[ident] = queued
+                    if queued > inflight_limit:
+                        out = self._too_many(frames)
+                    else:
+                        out = handle(frames)
                     if out is not None:
                         replies.append(out)
                 if journal is not None and d.records:
@@ -349,6 +436,7 @@ class MasterServer:
             if now >= next_sweep:
                 next_sweep = now + 1.0
                 d.sweep_pending()
+                self._prune_keys()
             if now >= next_freeze:
                 next_freeze = now + 1.0
                 gc.freeze()  # O(1): moves survivors out of the scanned generations
@@ -516,8 +604,21 @@ class MasterServer:
         desc = SegmentDescriptor.from_wire(seg)
         if desc.size <= 0 or desc.size > 1 << 50:
             raise _bad("segment size out of range")
+        signer = self.signer
+        prev = self.dir.segments.get(desc.segment_id)
+        # re-adoption after a master restart keeps the persisted key (grants
+        # made before the restart stay valid); every other mount gets a new one
+        keep = (signer is not None and prev is not None and prev.state == SegState.AWAITING
+                and signer.has_key(desc.segment_id))
         self.dir.mount(client_id, desc)
-        return {}
+        if signer is None:
+            return {}
+        if keep:
+            key = signer.key_for(desc.segment_id)
+        else:
+            key = signer.rotate(desc.segment_id)
+            self._save_keys()  # durable before the reply hands the key out
+        return {"capability_key": key}
 
     def _op_unmount_segment(self, args: dict[str, Any]) -> dict[str, Any]:
         self.dir.unmount(_arg_str(args, "client_id"), _arg_str(args, "segment_id"))
@@ -553,6 +654,9 @@ class MasterServer:
                  max_snapshot_step_cpu_ms=self.max_snapshot_step_cpu_ms,
                  loadavg=os.getloadavg()[0],
                  curve=self._auth is not None,
+                 capabilities=self.signer is not None,
+                 capabilities_granted=self.signer.granted if self.signer is not None else 0,
+                 too_many_requests=self.too_many_requests,
                  curve_denied=self._auth.denied if self._auth is not None else 0,
                  last_snapshot_duration_s=self.last_snapshot_duration_s,
                  snapshot_in_progress=self._snapshot is not None,
@@ -599,25 +703,35 @@ class MasterServer:
             return [int(code), None]
         return [0, self._replicas_wire(p, _PROCESSING, segs)]
 
-    @staticmethod
-    def _replicas_wire(p: Pending | Any, status: int, segs: dict[str, Any],
+    def _replicas_wire(self, p: Pending | Any, status: int, segs: dict[str, Any],
                        reps: tuple[Any, ...] | None = None) -> list[list[Any]]:
+        """Replica descriptors (wire form); with capabilities on, each carries a
+        WRITE (PROCESSING: a put) or READ (COMPLETE: a get) token for exactly
+        its ``[offset, offset + size)``."""
         if reps is None:
             reps = p.replicas
         size = p.size
+        grant = self._grant
+        if grant is not None:
+            op = _CAP_WRITE if status == _PROCESSING else _CAP_READ
+            exp = self.signer.expiry()  # type: ignore[union-attr]
         if len(reps) == 2:
             seg = reps[0]
             sid = seg.id
             if sid not in segs:
                 segs[sid] = seg.wire
-            return [[sid, reps[1], size, status, _EMPTY]]
+            off = reps[1]
+            return [[sid, off, size, status,
+                     grant(sid, off, size, op, exp) if grant is not None else _EMPTY]]
         out = []
         for i in range(0, len(reps), 2):
             seg = reps[i]
             sid = seg.id
             if sid not in segs:
                 segs[sid] = seg.wire
-            out.append([sid, reps[i + 1], size, status, _EMPTY])
+            off = reps[i + 1]
+            out.append([sid, off, size, status,
+                        grant(sid, off, size, op, exp) if grant is not None else _EMPTY])
         return out
 
     def _op_put_start(self, args: dict[str, Any]) -> dict[str, Any]:
