@@ -44,12 +44,14 @@ class TierTask:
     src_off: int
     dst_id: str
     dst_off: int
+    capability: bytes = b""  # WRITE capability on the destination (issue 7), if any
 
     @classmethod
     def from_wire(cls, w: dict[str, Any]) -> TierTask:
         try:
             return cls(int(w["id"]), int(w["kind"]), str(w["key"]), int(w["size"]),
-                       str(w["src"][0]), int(w["src"][1]), str(w["dst"][0]), int(w["dst"][1]))
+                       str(w["src"][0]), int(w["src"][1]), str(w["dst"][0]), int(w["dst"][1]),
+                       bytes(w.get("cap") or b""))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise KVPoolError(f"bad tier task {w!r}: {exc}", ErrorCode.INVALID_PARAMS) from exc
 
@@ -129,7 +131,8 @@ class TierTaskRunner:
         from kvpool.transfer import TransferOp, TransferRequest
 
         st = engine.transfer([TransferRequest(TransferOp.WRITE, data, t.dst_id, t.dst_off,
-                                              t.size)], timeout=self.timeout_s)
+                                              t.size, capability=t.capability)],
+                             timeout=self.timeout_s)
         if not st[0].ok:
             raise KVPoolError(f"copy to {t.dst_id} failed: {st[0].errors}", st[0].code)
 

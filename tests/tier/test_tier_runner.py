@@ -94,6 +94,7 @@ def test_bad_tasks_fail_without_killing_the_runner(node):
 
 
 def test_task_wire_roundtrip():
-    t = TierTask.from_wire(_task(5, 2, 77, ("a", 1), ("b", 2)))
-    assert (t.id, t.kind, t.key, t.size, t.src_id, t.src_off, t.dst_id, t.dst_off) == \
-        (5, 2, "k5", 77, "a", 1, "b", 2)
+    t = TierTask.from_wire({**_task(5, 2, 77, ("a", 1), ("b", 2)), "cap": b"token"})
+    assert (t.id, t.kind, t.key, t.size, t.src_id, t.src_off, t.dst_id, t.dst_off,
+            t.capability) == (5, 2, "k5", 77, "a", 1, "b", 2, b"token")
+    assert TierTask.from_wire(_task(5, 2, 77, ("a", 1), ("b", 2))).capability == b""
