@@ -27,7 +27,8 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--only", default="", help="comma-separated areas")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     report: dict = {"started": time.time(), "areas": {}}
     try:
         import torch
