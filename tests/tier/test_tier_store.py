@@ -200,3 +200,26 @@ def test_full_disk_gives_no_available_handle(make_daemon, make_client, master):
         _put_retry(c, f"{tag}/{i}", pattern(i, MiB).tobytes(), DISK)
     assert c.get(f"{tag}/11") == pattern(11, MiB).tobytes()
     assert _stats(master)["objects"] >= 1
+
+
+def test_offload_to_another_hosts_disk_over_tcp(master, make_client, tmp_path):
+    """Memory on one host, the disk tier on another: the memory node writes
+    the evicted objects through the disk node's transfer server (tcp)."""
+    mem = NodeDaemonProcess(master.address, "8MiB", host_id="host-mem")
+    disk = NodeDaemonProcess(master.address, "0", host_id="host-disk", extra_args=[
+        "--disk-dir", str(tmp_path / "remote-disk"), "--disk", "64MiB"])
+    try:
+        mem.start()
+        disk.start()
+        c = make_client(host_id="host-reader")
+        tag = uuid.uuid4().hex[:6]
+        values = {f"{tag}/{i}": pattern(50 + i, MiB + i).tobytes() for i in range(20)}
+        for k, v in values.items():
+            _put_retry(c, k, v)
+        _wait(lambda: _stats(master).get("offload_done", 0) >= 6)
+        assert any(_kinds(master, k) == [SegmentKind.FILE] for k in values)
+        for k, v in values.items():
+            assert c.get(k) == v, k
+    finally:
+        mem.__exit__()
+        disk.__exit__()
