@@ -185,8 +185,8 @@ class Client:
 
         self._transfer_mod = transfer
         cfg = self.config
-        self._master = MasterClient(cfg.master_address, timeout_s=cfg.rpc_timeout_s)
-        self._ping_master = MasterClient(cfg.master_address, timeout_s=cfg.rpc_timeout_s)
+        self._master = self._new_master()
+        self._ping_master = self._new_master()
         # Fail fast (typed) when the master is not there, before allocating memory.
         try:
             self._ping_master.call(Op.PING, client_id=self.client_id)
@@ -196,7 +196,8 @@ class Client:
             ) from exc
         tcfg = transfer.load_transfer_config(cfg.transfer_config, cfg.transfer_overrides or None)
         self._engine = transfer.TransferEngine(
-            tcfg, host_id=self.host_id, bind_host=cfg.bind_host, port=cfg.transfer_port
+            tcfg, host_id=self.host_id, bind_host=cfg.bind_host, port=cfg.transfer_port,
+            curve=cfg.curve,
         )
         self._inline = InlineShm(list(tcfg.rules), self.host_id, cfg.inline_shm)
         port = self._engine.endpoint.rsplit(":", 1)[-1]
@@ -248,20 +249,39 @@ class Client:
         from kvpool.store.tier_tasks import TierTaskRunner
 
         self._tier_runner = TierTaskRunner(
-            self._engine, MasterClient(self.config.master_address,
-                                       timeout_s=self.config.rpc_timeout_s),
+            self._engine, self._new_master(),
             self.client_id,
             learn_segment=lambda d: self._learn_segments({d.segment_id: d.to_wire()}),
             transfer_timeout_s=self.config.transfer_timeout_s)
 
+    def _new_master(self) -> MasterClient:
+        """A master RPC stub; with CURVE when the policy makes it active for the
+        master's address (off for loopback unless forced, on otherwise)."""
+        cfg = self.config
+        curve = cfg.curve
+        addr = cfg.master_address if "://" in cfg.master_address \
+            else f"tcp://{cfg.master_address}"
+        if not curve.active(addr):
+            return MasterClient(cfg.master_address, timeout_s=cfg.rpc_timeout_s)
+        kp = curve.keypair()
+        return MasterClient(cfg.master_address, timeout_s=cfg.rpc_timeout_s,
+                            curve_server_key=curve.server_public_key(),
+                            curve_keypair=(kp.public, kp.secret))
+
     def _mount(self, desc: SegmentDescriptor) -> None:
         assert self._master is not None
         try:
-            self._master.call(Op.MOUNT_SEGMENT, client_id=self.client_id, segment=desc.to_wire())
+            res = self._master.call(Op.MOUNT_SEGMENT, client_id=self.client_id,
+                                    segment=desc.to_wire())
         except MasterRPCError as exc:
             if exc.code == ErrorCode.SEGMENT_ALREADY_EXISTS:
                 return  # already mounted by us (a remount racing a ping)
             raise _master_error(exc) from exc
+        key = res.get("capability_key")
+        if key and self._engine is not None:
+            # issue 7: our transfer server now refuses any READ/WRITE of this
+            # segment without a capability the master signed with this key
+            self._engine.set_capability_key(desc.segment_id, bytes(key))
 
     def _ping_loop(self) -> None:
         """Ping every ``ping_interval_s``; re-mount our segments when the master asks."""
@@ -382,8 +402,7 @@ class Client:
             elif len(self._rpc_all) >= _MAX_RPC_SOCKETS:  # many threads: share (thread-safe)
                 master = self._rpc_all[threading.get_ident() % _MAX_RPC_SOCKETS]
             else:
-                master = MasterClient(self.config.master_address,
-                                      timeout_s=self.config.rpc_timeout_s)
+                master = self._new_master()
                 self._rpc_all.append(master)
         self._rpc_local.master = master
         return master

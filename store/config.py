@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.master.auth import CurveConfig
 from kvpool.master.common import ConfigError, load_dataclass
 
 __all__ = [
@@ -55,6 +56,9 @@ class ClientConfig:
     checksum: str = "none"  # none | crc32 | xxhash | auto (xxhash if installed, else crc32)
     verify_checksum: bool = True  # verify a recorded checksum on every get (host buffers)
     inline_shm: bool = True  # same-host shm copies inline, without the engine's thread hop
+    # ZeroMQ CURVE towards the master and on/towards transfer servers (docs/security.md):
+    # auto = off for loopback addresses, required for any other
+    curve: CurveConfig = field(default_factory=CurveConfig)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on values that cannot work."""

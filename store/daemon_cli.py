@@ -27,6 +27,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-prefault", action="store_true", help="do not pre-fault the segment")
     p.add_argument("--config", default=None, help="client YAML (configs/client.yaml)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    from kvpool.master.auth import add_curve_arguments
+
+    add_curve_arguments(p)
     p.set_defaults(func=_main)
 
 
@@ -46,5 +49,8 @@ def _main(args: argparse.Namespace) -> int:
         "disk_size": parse_size(args.disk) if args.disk is not None else None,
         "prefault": False if args.no_prefault else None,
     }
+    from kvpool.master.auth import curve_config_from_args
+
     cfg = load_client_config(args.config, overrides)
+    cfg.curve = curve_config_from_args(args, cfg.curve)
     return run_daemon(cfg, ready_file=args.ready_file)

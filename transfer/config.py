@@ -164,14 +164,29 @@ class ServerConfig:
     ``enabled``: start it in TransferEngine.__init__. ``max_request_bytes``:
     largest single READ/WRITE frame it accepts (clients chunk below it).
     ``max_header_bytes``: largest header frame. ``io_threads``: ZeroMQ I/O threads.
+    ``capabilities`` (issue 7): ``auto`` = verify every READ/WRITE of a segment
+    once the master handed over its key (the normal case), ``on`` = always
+    (a segment without a key refuses everything), ``off`` = never.
+    ``capability_leeway_ms``: clock skew tolerated on expiry.
+    ``max_queued_requests``: requests one peer connection may have queued
+    (ZeroMQ receive high-water mark): beyond it the server stops reading that
+    peer's socket (TCP back-pressure) instead of buffering without bound.
     """
 
     enabled: bool = True
     max_request_bytes: int | str = 64 << 20
     max_header_bytes: int = 4096
     io_threads: int = 1
+    capabilities: str = "auto"
+    capability_leeway_ms: int = 2000
+    max_queued_requests: int = 64
 
     def validate(self) -> None:
+        if self.capabilities not in ("auto", "on", "off"):
+            raise ConfigError(f"server.capabilities must be auto, on or off: "
+                              f"{self.capabilities!r}")
+        if self.capability_leeway_ms < 0 or self.max_queued_requests < 1:
+            raise ConfigError("server: capability_leeway_ms >= 0, max_queued_requests >= 1")
         self.max_request_bytes = _size("server.max_request_bytes", self.max_request_bytes) or 0
         if self.max_request_bytes < 4096 or self.max_header_bytes < 256 or self.io_threads < 1:
             raise ConfigError("server: max_request_bytes >= 4096, max_header_bytes >= 256, "

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kvpool.master.auth import CurveConfig
+from kvpool.master.capability import CapabilityVerifier as CapVerifier
 from kvpool.master.errors import ErrorCode
 from kvpool.master.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.buffers import BufferHandle, as_buffer
@@ -163,8 +165,14 @@ class TransferEngine:
     """
 
     def __init__(self, config: TransferConfig, host_id: str, bind_host: str = "127.0.0.1",
-                 port: int = 0, client_id: str = "") -> None:
+                 port: int = 0, client_id: str = "", curve: CurveConfig | None = None) -> None:
         self.config = config
+        #: CURVE policy for the server socket and the tcp transport's client sockets
+        self.curve = curve
+        # issue 7: capability keys of local segments; refusals counted by reason
+        scfg = config.server
+        self.capabilities = CapVerifier(required=scfg.capabilities == "on",
+                                        leeway_ms=scfg.capability_leeway_ms)
         self._host_id = host_id
         self.client_id = client_id
         self._lock = threading.RLock()
@@ -176,7 +184,11 @@ class TransferEngine:
         self._closed = False
         self._server: TransferServer | None = None
         if config.server.enabled:
-            self._server = TransferServer(self.local_segment, bind_host, port, config.server)
+            self._server = TransferServer(self.local_segment, bind_host, port, config.server,
+                                          curve=curve)
+            self._server.stats_hook = self.capability_stats
+            if scfg.capabilities == "on":
+                self._server.verify_capability = self._verify_capability
         try:
             self._load_transports()
         except BaseException:
@@ -201,6 +213,36 @@ class TransferEngine:
 
     def local_segment(self, segment_id: str) -> LocalSegment | None:
         return self._local.get(segment_id)
+
+    # -- capabilities (issue 7) ---------------------------------------------------
+    def set_capability_key(self, segment_id: str, key: bytes) -> None:
+        """Install the key the master handed over at (re-)mount for a local
+        segment. From then on (unless ``server.capabilities: off``) the
+        transfer server refuses every READ/WRITE of it without a capability
+        signed with this key (PERMISSION_DENIED)."""
+        if self.config.server.capabilities == "off":
+            return
+        self.capabilities.set_key(segment_id, key)
+        if self._server is not None:
+            self._server.verify_capability = self._verify_capability
+
+    def remove_capability_key(self, segment_id: str) -> None:
+        self.capabilities.remove_key(segment_id)
+
+    def _verify_capability(self, seg: LocalSegment, op: TransferOp, off: int, n: int,
+                           cap: bytes) -> ErrorCode | None:
+        """The server hook: raises CapabilityError (PERMISSION_DENIED + reason)."""
+        v = self.capabilities
+        if not v.required and not v.has_key(seg.segment_id):
+            return None  # auto mode: the master gave this segment no key
+        v.check(cap, seg.segment_id, off, n, op)
+        return None
+
+    def capability_stats(self) -> dict[str, Any]:
+        """``capability_refusals`` by reason and ``capability_accepted``."""
+        v = self.capabilities
+        return {"capability_refusals": {r.value: n for r, n in v.refusals.items()},
+                "capability_accepted": v.accepted}
 
     # -- transports -------------------------------------------------------------
     def _load_transports(self) -> None:
@@ -274,6 +316,7 @@ class TransferEngine:
         """Stop serving the segment (the caller still owns and closes it)."""
         with self._lock:
             self._local.pop(segment_id, None)
+        self.capabilities.remove_key(segment_id)
         for slot in list(self._slots.values()):
             slot.transport.forget_segment(segment_id)
 

@@ -3,13 +3,14 @@ peers whose transport needs a server hop (``tcp``).
 
 Wire protocol (ZeroMQ ROUTER; peers connect a DEALER). Request::
 
-    [header: msgpack {"op": 1 READ | 2 WRITE | 3 PING, "id": int, "seg": str,
+    [header: msgpack {"op": 1 READ | 2 WRITE | 3 PING | 4 STATS, "id": int, "seg": str,
                       "off": int, "len": int, "cap": bytes}]
     [payload: exactly "len" bytes]            (WRITE only)
 
 Reply::
 
     [header: msgpack {"id": int, "code": int(ErrorCode), "err": str}]
+      (STATS adds "stats": {served, refused, capability_refusals: {reason: n}, ...})
     [payload: "len" bytes]                    (READ with code OK only)
 
 ``off`` is relative to the segment's usable region. Every request is
@@ -17,7 +18,10 @@ validated before any byte moves: segment owned here (SEGMENT_NOT_FOUND), op
 known and allowed on the segment (UNKNOWN_OP / PERMISSION_DENIED), offset and
 length integers inside the segment (OUT_OF_BOUNDS) and below
 ``max_request_bytes`` (FRAME_TOO_LARGE), then the capability hook
-(:attr:`TransferServer.verify_capability`, issue 7). Malformed frames get a
+(:attr:`TransferServer.verify_capability`, issue 7: PERMISSION_DENIED with
+the reason). With ``curve`` the socket requires ZeroMQ CURVE (an
+unauthenticated peer cannot complete the handshake and gets nothing).
+Malformed frames get a
 MALFORMED_FRAME reply; the server never dies on bad input. WRITE payloads are
 received straight into the segment (``recv_into``) and READ payloads sent
 zero-copy from it.
@@ -33,17 +37,19 @@ from typing import Any, cast
 import numpy as np
 import zmq
 
+from kvpool.master.auth import CurveAuthenticator, CurveConfig
 from kvpool.master.errors import ErrorCode, KVPoolError
 from kvpool.master.protocol import decode_frame, encode_frame
 from kvpool.transfer.config import ServerConfig
 from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.types import TransferOp
 
-__all__ = ["OP_PING", "CapabilityVerifier", "TransferServer"]
+__all__ = ["OP_PING", "OP_STATS", "CapabilityVerifier", "TransferServer"]
 
 log = logging.getLogger(__name__)
 
 OP_PING = 3
+OP_STATS = 4
 _MIN_ZERO_COPY = 64 << 10  # below this, copying the frame is cheaper than tracking it
 
 #: (segment, op, offset, length, capability) -> None to allow, or an ErrorCode to refuse.
@@ -65,8 +71,11 @@ class TransferServer:
         bind_host: str = "127.0.0.1",
         port: int = 0,
         config: ServerConfig | None = None,
+        curve: CurveConfig | None = None,
     ) -> None:
         self.config = config or ServerConfig()
+        #: extra counters for STATS replies (e.g. the engine's capability refusals)
+        self.stats_hook: Callable[[], dict[str, Any]] | None = None
         self._lookup = lookup
         #: issue 7 hook: verify TransferRequest.capability per request (None = allow all)
         self.verify_capability: CapabilityVerifier | None = None
@@ -75,7 +84,18 @@ class TransferServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
+        # bounded per-peer queue: a flooding peer is back-pressured in TCP
+        self._sock.setsockopt(zmq.RCVHWM, int(self.config.max_queued_requests))
+        self._sock.setsockopt(zmq.MAXMSGSIZE, int(self.config.max_request_bytes) + 4096)
+        self._auth: CurveAuthenticator | None = None
+        if curve is not None:
+            try:
+                self._auth = curve.setup_server(self._sock, bind_host)
+            except BaseException:
+                self._sock.close(0)
+                self._ctx.term()
+                raise
+        self.curve = self._auth is not None
         if port:
             self._sock.bind(f"tcp://{bind_host}:{port}")
         else:
@@ -154,6 +174,11 @@ class TransferServer:
             self._drain(sock)
             self._reply(sock, ident, rid, ErrorCode.OK)
             return
+        if op == OP_STATS:
+            self._drain(sock)
+            sock.send_multipart([ident, encode_frame(
+                {"id": rid, "code": 0, "err": "", "stats": self.stats()})])
+            return
         try:
             if op == TransferOp.WRITE:
                 self._serve_write(sock, seg, off, n)
@@ -197,8 +222,8 @@ class TransferServer:
 
     def _validate(self, hdr: dict[str, Any]) -> tuple[LocalSegment, int, int, int]:
         op = hdr.get("op")
-        if op == OP_PING:
-            return None, OP_PING, 0, 0  # type: ignore[return-value]
+        if op == OP_PING or op == OP_STATS:
+            return None, op, 0, 0  # type: ignore[return-value]
         if op not in (TransferOp.READ, TransferOp.WRITE) or isinstance(op, bool):
             raise KVPoolError(f"unknown op {op!r}", ErrorCode.UNKNOWN_OP)
         sid, off, n, cap = hdr.get("seg"), hdr.get("off"), hdr.get("len"), hdr.get("cap", b"")
@@ -230,10 +255,22 @@ class TransferServer:
                 raise KVPoolError(f"capability refused for {sid!r}", code)
         return seg, int(op), off, n
 
+    def stats(self) -> dict[str, Any]:
+        """Counters: requests served / refused, CURVE, plus ``stats_hook()``'s."""
+        out: dict[str, Any] = {"served": self.requests_served, "refused": self.requests_refused,
+                               "curve": self.curve,
+                               "curve_denied": self._auth.denied if self._auth else 0}
+        if self.stats_hook is not None:
+            out.update(self.stats_hook())
+        return out
+
     def close(self) -> None:
         """Stop the loop and close the socket. Idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._thread.join(timeout=2.0)
+        if self._auth is not None:  # its ZAP sockets live on our context: stop it first
+            self._auth.close()
+            self._auth = None
         self._ctx.term() if not self._thread.is_alive() else self._ctx.destroy(linger=0)

@@ -115,6 +115,20 @@ class TcpTransport(Transport):
                                        | zmq.EVENT_CONNECT_RETRIED)
             with self._lock:
                 self._socks.add(mon)
+            # CURVE towards the peer's transfer server (the engine's policy:
+            # off for loopback peers unless forced on, on for every other one)
+            curve = getattr(getattr(self, "ctx", None), "curve", None)
+            if curve is not None:
+                try:
+                    curve.setup_client(s, endpoint)
+                except Exception:
+                    with self._lock:
+                        self._socks.discard(s)
+                        self._socks.discard(mon)
+                    s.disable_monitor()
+                    mon.close(linger=0)
+                    s.close(linger=0)
+                    raise
             s.connect(endpoint)
             c = conns[endpoint] = _Conn(endpoint, s, mon=mon)
         c.broken = False
