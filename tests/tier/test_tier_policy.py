@@ -4,9 +4,13 @@ replay of tier changes, file segments outliving their owner, takeover."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from kvpool.master.config import MasterConfig
+import pytest
+
+from kvpool.master.common import ConfigError
+from kvpool.master.config import MasterConfig, load_master_config
 from kvpool.master.directory import Directory, Rec, SegState
 from kvpool.master.errors import ErrorCode
 from kvpool.master.protocol import SegmentDescriptor, SegmentKind
@@ -302,3 +306,17 @@ def test_offload_of_an_object_read_meanwhile_keeps_the_memory_replica() -> None:
     clock.t += 10  # lease over: plain eviction frees memory, the disk copy stays
     d.evict_object(key, d.objects[key], MEM)
     assert kinds(d, key) == [FILE]
+
+
+def test_tiering_config_block_loads_and_validates(tmp_path: Path) -> None:
+    shipped = Path(__file__).resolve().parents[2] / "configs" / "master.yaml"
+    cfg = load_master_config(shipped)
+    cfg.validate()
+    assert cfg.tiering == TieringConfig()  # the file documents the defaults
+    bad = tmp_path / "m.yaml"
+    bad.write_text("tiering:\n  offload_on_evict: sometimes\n")
+    with pytest.raises(ConfigError):
+        load_master_config(bad).validate()
+    bad.write_text("tiering:\n  no_such_key: 1\n")
+    with pytest.raises(ConfigError):
+        load_master_config(bad)
