@@ -284,6 +284,10 @@ class CapabilitySigner:
         self._keys: dict[str, bytes] = {}
         # segment id -> (keyed MAC state, utf-8 id) for grant_fast
         self._states: dict[str, tuple[Any, bytes]] = {}
+        # READ grants of hot objects are reused while at least half their
+        # lifetime is left: segment id -> {(offset, length): (expiry, token)}
+        self._cache: dict[str, dict[tuple[int, int], tuple[int, bytes]]] = {}
+        self.cache_hits = 0
         self._lock = threading.Lock()
         # nonces only make two grants of one range distinct: a counter from a
         # random start is enough and saves a getrandom() per token
@@ -296,6 +300,7 @@ class CapabilitySigner:
             raise KVPoolError("capability segment id empty or too long", ErrorCode.INVALID_PARAMS)
         self._keys[segment_id] = key
         self._states[segment_id] = (_mac_state(key), seg)
+        self._cache.pop(segment_id, None)
 
     def key_for(self, segment_id: str) -> bytes:
         """The segment's key, created on first use (hand it to the owner at mount)."""
@@ -322,6 +327,7 @@ class CapabilitySigner:
         with self._lock:
             self._keys.pop(segment_id, None)
             self._states.pop(segment_id, None)
+            self._cache.pop(segment_id, None)
 
     def expiry(self, ttl_ms: int | None = None) -> int:
         """The expiry (epoch ms) of a grant made now."""
@@ -342,6 +348,26 @@ class CapabilitySigner:
         h.update(body)
         self.granted += 1
         return body + h.digest()
+
+    def grant_read(self, segment_id: str, offset: int, length: int, now_ms: int) -> bytes:
+        """A READ token for ``[offset, offset+length)`` valid at least ``ttl_ms/2``
+        from ``now_ms``: a cached one when still fresh enough (hot objects are
+        read again and again), else a new one valid ``ttl_ms``."""
+        cache = self._cache.get(segment_id)
+        if cache is None:
+            if segment_id not in self._states:
+                return b""
+            cache = self._cache[segment_id] = {}
+        hit = cache.get((offset, length))
+        if hit is not None and hit[0] - now_ms >= self.ttl_ms >> 1:
+            self.cache_hits += 1
+            return hit[1]
+        if len(cache) >= 65536:  # bound the memory; rebuilt by the hot set
+            cache.clear()
+        exp = now_ms + self.ttl_ms
+        token = self.grant_fast(segment_id, offset, length, CapOp.READ, exp)
+        cache[(offset, length)] = (exp, token)
+        return token
 
     def grant(self, segment_id: str, offset: int, length: int, op: CapOp | Any,
               ttl_ms: int | None = None) -> bytes:
