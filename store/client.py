@@ -119,6 +119,7 @@ class Client:
         # (a read from it just failed or timed out: e.g. its owner died)
         self._suspect: dict[str, float] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # ping now (the tier runner drained its tasks)
         self._ping_thread: threading.Thread | None = None
         self._remounts = 0
         self._closed = False
@@ -252,7 +253,8 @@ class Client:
             self._engine, self._new_master(),
             self.client_id,
             learn_segment=lambda d: self._learn_segments({d.segment_id: d.to_wire()}),
-            transfer_timeout_s=self.config.transfer_timeout_s)
+            transfer_timeout_s=self.config.transfer_timeout_s,
+            on_drained=self._wake.set)  # fetch the next tasks without waiting a ping interval
 
     def _new_master(self) -> MasterClient:
         """A master RPC stub; with CURVE when the policy makes it active for the
@@ -287,7 +289,11 @@ class Client:
         """Ping every ``ping_interval_s``; re-mount our segments when the master asks."""
         assert self._ping_master is not None
         interval = self.config.ping_interval_s
-        while not self._stop.wait(interval):
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
             try:
                 res = self._ping_master.call(Op.PING, client_id=self.client_id)
                 if res.get("tasks") and self._tier_runner is not None:
@@ -321,6 +327,7 @@ class Client:
             return
         self._closed = True
         self._stop.set()
+        self._wake.set()
         if self._ping_thread is not None:
             self._ping_thread.join(timeout=self.config.rpc_timeout_s + 1)
         if self._tier_runner is not None:

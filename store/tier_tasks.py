@@ -62,17 +62,21 @@ class TierTaskRunner:
     ``engine`` is the client's TransferEngine (its own segments added);
     ``master`` a MasterClient used only by this runner's thread.
     ``learn_segment(desc)`` registers a segment descriptor with the engine
-    (the store's cache); ``transfer_timeout_s`` bounds each copy.
+    (the store's cache); ``transfer_timeout_s`` bounds each copy;
+    ``on_drained()`` is called when the queue runs empty (the client then
+    pings at once to fetch further tasks).
     """
 
     def __init__(self, engine: Any, master: MasterClient, client_id: str,
                  learn_segment: Callable[[SegmentDescriptor], None] | None = None,
-                 transfer_timeout_s: float = 30.0) -> None:
+                 transfer_timeout_s: float = 30.0,
+                 on_drained: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.master = master
         self.client_id = client_id
         self.learn = learn_segment or engine.add_peer_segment
         self.timeout_s = transfer_timeout_s
+        self.on_drained = on_drained
         self._q: queue.Queue[tuple[TierTask, dict[str, Any]] | None] = queue.Queue()
         self.done = 0
         self.failed = 0
@@ -108,6 +112,8 @@ class TierTaskRunner:
                 ok, err = False, f"{type(exc).__name__}: {exc}"
                 log.info("tier task %d (%s) failed: %s", task.id, task.key[:64], err)
             self._report(task, ok, err)
+            if self._q.empty() and self.on_drained is not None:
+                self.on_drained()  # the master may have more for us: ask now
 
     def _execute(self, t: TierTask, segs: dict[str, Any]) -> None:
         engine = self.engine
