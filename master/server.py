@@ -49,9 +49,9 @@ _DRAIN = 256
 _PROCESSING = 0
 _COMPLETE = 1
 _EMPTY = b""
-_FILE = SegmentKind.FILE
 _CAP_WRITE = int(CapOp.WRITE)
 _KEYS_FILE = "capability-keys.msgpack"
+_FILE = SegmentKind.FILE
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -580,6 +580,15 @@ class MasterServer:
         if self.tiering.tasks:  # SSD tier: copy tasks this node executes
             tasks, segs = self.tiering.tasks_for(self.dir, client_id)
             if tasks:
+                grant = self._grant
+                if grant is not None:  # WRITE capability on each task's destination
+                    exp = self.signer.expiry(  # type: ignore[union-attr]
+                        max(self.signer.ttl_ms,  # type: ignore[union-attr]
+                            int(self.cfg.tiering.task_timeout_s * 1000)))
+                    for t in tasks:
+                        dst = t.get("dst")
+                        if isinstance(dst, list) and len(dst) == 2:
+                            t["cap"] = grant(dst[0], dst[1], t["size"], _CAP_WRITE, exp)
                 out["tasks"] = tasks
                 out["segments"] = segs
         return out
