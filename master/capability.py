@@ -434,10 +434,11 @@ class CapabilityVerifier:
         return exc
 
     def check(self, token: bytes | bytearray | memoryview | None, segment_id: str,
-              offset: int, length: int, op: CapOp | Any) -> None:
-        """Allow or refuse one request (see :func:`verify` for the rules)."""
+              offset: int, length: int, op: CapOp | Any, required: bool | None = None) -> None:
+        """Allow or refuse one request (see :func:`verify` for the rules).
+        ``required`` overrides ``self.required`` for this request."""
         if not token:
-            if not self.required:
+            if not (self.required if required is None else required):
                 return
             raise self._refuse(CapabilityError(DenyReason.MISSING, "no capability presented"))
         entry = self._keys.get(segment_id)

@@ -118,9 +118,21 @@ class NodeDaemonProcess:
         self._wait_mounted(deadline)
         return self
 
+    def _master_client(self) -> MasterClient:
+        """A MasterClient; authenticated with the daemon's ``--curve-key``
+        (a cluster key) when its extra_args give one."""
+        args = self.extra_args
+        if "--curve-key" in args:
+            from kvpool.master.auth import load_keypair
+
+            kp = load_keypair(args[args.index("--curve-key") + 1])
+            return MasterClient(self.master_address, timeout_s=2.0, curve_server_key=kp.public,
+                                curve_keypair=(kp.public, kp.secret))
+        return MasterClient(self.master_address, timeout_s=2.0)
+
     def _wait_mounted(self, deadline: float) -> None:
         want = set(self.segment_ids)
-        with MasterClient(self.master_address, timeout_s=2.0) as mc:
+        with self._master_client() as mc:
             while True:
                 try:
                     segs = mc.call(Op.LIST_SEGMENTS).get("segments", [])

@@ -235,7 +235,7 @@ class TransferEngine:
         v = self.capabilities
         if not v.required and not v.has_key(seg.segment_id):
             return None  # auto mode: the master gave this segment no key
-        v.check(cap, seg.segment_id, off, n, op)
+        v.check(cap, seg.segment_id, off, n, op, required=True)
         return None
 
     def capability_stats(self) -> dict[str, Any]:
