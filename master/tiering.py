@@ -15,9 +15,11 @@ with ``TIER_TASK_DONE {client_id, task_id, ok, error}``.
   a disk replica (a file segment on the source's host first), queues an
   OFFLOAD task for the memory replica's owner and keeps the object; when the
   node reports success the disk replica joins the object and the memory
-  replica is freed (one journal PUT record with the new replica set). If no
-  disk space can be found, or the offload fails or times out, the object is
-  evicted the ordinary way (at most once more attempt is not made for it).
+  replica is freed (one journal PUT record with the new replica set).
+  Above ``offload_ahead_watermark`` the least recently used memory objects
+  are copied to disk ahead of time (COPY tasks, memory kept), so eviction is
+  immediate for them. If no disk space can be found, or the offload fails or
+  times out, the object is evicted the ordinary way (no second attempt).
 - **Promotion on hit** (``promote_on_hit``): a read whose object lives only
   on disk queues a PROMOTE task (file owner copies into a new memory replica);
   on success the memory replica is added (journal PUT record).
@@ -60,6 +62,7 @@ _FAILED_MEMORY = 100_000  # keys remembered as "offload failed: evict plainly ne
 class TaskKind(IntEnum):
     OFFLOAD = 1  # memory replica -> new disk replica, then free the memory replica
     PROMOTE = 2  # disk replica -> new memory replica (disk replica kept)
+    COPY = 3  # memory replica -> new disk replica, memory kept (offload ahead of eviction)
 
 
 @dataclass
@@ -67,6 +70,10 @@ class TieringConfig:
     """Tiering knobs (the master config's ``tiering`` fields map onto these).
 
     ``offload_on_evict``: true | false | "auto" (on when a FILE segment exists).
+    ``offload_ahead_watermark``: above this fraction of memory in use, the
+    least recently used memory-only objects are copied to disk ahead of
+    eviction (memory kept), so eviction can free them at once (0 = off).
+    ``offload_ahead_bytes``: bytes of such copies started per timer tick.
     ``promote_on_hit``: copy a disk-only object back into memory when read.
     ``task_timeout_s``: a task not reported done by then is failed (its
     destination allocation freed). ``max_tasks_per_ping``: tasks handed to one
@@ -76,6 +83,8 @@ class TieringConfig:
     """
 
     offload_on_evict: bool | str = "auto"
+    offload_ahead_watermark: float = 0.7
+    offload_ahead_bytes: int = 256 << 20
     promote_on_hit: bool = True
     task_timeout_s: float = 30.0
     max_tasks_per_ping: int = 64
@@ -88,6 +97,9 @@ class TieringConfig:
             if low not in ("auto", "true", "false"):
                 raise ConfigError("offload_on_evict must be true, false or auto")
             self.offload_on_evict = "auto" if low == "auto" else low == "true"
+        if not 0 <= self.offload_ahead_watermark < 1 or self.offload_ahead_bytes < 0:
+            raise ConfigError("offload_ahead_watermark must be in [0, 1), "
+                              "offload_ahead_bytes >= 0")
         if self.task_timeout_s <= 0 or self.max_tasks_per_ping < 1:
             raise ConfigError("task_timeout_s must be > 0 and max_tasks_per_ping >= 1")
         if self.file_owner_ttl_s < 0 or self.max_inflight_bytes < 0:
@@ -139,6 +151,7 @@ class TieringPolicy:
         # FILE segments kept after their owner left: id -> (deadline, since)
         self.file_awaiting: dict[str, tuple[float, float]] = {}
         self.counters = {"offload_started": 0, "offload_done": 0, "offload_failed": 0,
+                         "copy_ahead_started": 0, "copy_ahead_done": 0,
                          "offload_no_space": 0, "promote_started": 0, "promote_done": 0,
                          "promote_failed": 0, "tasks_expired": 0, "file_segments_kept": 0,
                          "takeovers": 0}
@@ -251,6 +264,51 @@ class TieringPolicy:
         self.counters["offload_started"] += 1
         return True
 
+    def copy_ahead(self, d: Directory, max_scan: int = 4096) -> int:
+        """Above ``offload_ahead_watermark`` of memory, queue COPY tasks for
+        the least recently used memory-only objects (up to
+        ``offload_ahead_bytes``): when eviction reaches them they already have
+        a disk replica and their memory is freed at once. Returns tasks queued."""
+        from kvpool.master.directory import HARD_PIN
+
+        ahead = self.cfg.offload_ahead_watermark
+        cap = d.pool_cap[_MEM]
+        if not ahead or not cap or d.pool_used[_MEM] <= ahead * cap \
+                or not self.offload_enabled(d):
+            return 0
+        budget = self.cfg.offload_ahead_bytes
+        picked: list[tuple[str, Obj]] = []
+        want = 0
+        # collect first: allocating disk space may evict (mutate the table)
+        for i, (key, obj) in enumerate(d.objects.lru_items()):
+            if i >= max_scan or want >= budget:
+                break
+            if key in self._by_key or obj.flags & HARD_PIN or key in self._failed:
+                continue
+            if self._active_replica(d, obj, _FILE) is not None:
+                continue
+            picked.append((key, obj))
+            want += obj.size
+        queued = 0
+        for key, obj in picked:
+            if d.objects.get(key) is not obj or not self._budget_ok(obj.size):
+                continue
+            src = self._active_replica(d, obj, _MEM, live_owner=True)
+            if src is None:
+                continue
+            out: list[Any] = []
+            if not d._place(obj.size, 1, _FILE, self._same_host(d, _FILE, src[0].desc.host_id),
+                            out):
+                self.counters["offload_no_space"] += 1
+                break
+            if d.objects.get(key) is not obj:
+                d._free_replicas(tuple(out), obj.size)
+                continue
+            self._new_task(TaskKind.COPY, key, obj, src, (out[0], out[1]))
+            self.counters["copy_ahead_started"] += 1
+            queued += 1
+        return queued
+
     # ---------------------------------------------------------------- reads
     def on_disk_hit(self, d: Directory, key: str, obj: Obj, reps: tuple[Any, ...]) -> None:
         """Server hook after a successful GET_REPLICA_LIST: when every
@@ -321,7 +379,10 @@ class TieringPolicy:
             return ErrorCode.OK
         self._forget(t)
         t.dst.keys.add(t.key)
-        if t.kind is TaskKind.OFFLOAD and obj.lease > self.clock():
+        if t.kind is TaskKind.COPY:
+            obj.replicas = (*reps, t.dst, t.dst_off)
+            self.counters["copy_ahead_done"] += 1
+        elif t.kind is TaskKind.OFFLOAD and obj.lease > self.clock():
             # read meanwhile (a reader may be copying the memory replica): keep
             # both; the next eviction round frees the memory replica plainly
             obj.replicas = (*reps, t.dst, t.dst_off)
@@ -349,7 +410,7 @@ class TieringPolicy:
         self._forget(t)
         self._free_dst(d, t)
         if count:
-            if t.kind is TaskKind.OFFLOAD:
+            if t.kind is not TaskKind.PROMOTE:
                 self.counters["offload_failed"] += 1
                 self._remember_failed(t.key)  # next eviction of it drops it plainly
             else:
@@ -428,6 +489,7 @@ class TieringPolicy:
         from kvpool.master.directory import SegState
 
         n = self.expire_tasks(d)
+        self.copy_ahead(d)
         if not self.file_awaiting:
             return n
         now = self.clock()

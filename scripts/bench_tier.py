@@ -10,7 +10,9 @@ timing) and reads them back **cold**: the page cache is dropped before every
 read pass (``/proc/sys/vm/drop_caches`` where permitted, else
 ``posix_fadvise(DONTNEED)`` on the file after a sync; O_DIRECT reads bypass it
 anyway). ``store`` is put_from/get_into through a real master and node
-daemon with a disk tier (objects on disk only, batch 1). ``posix-buffered``
+daemon with a disk tier (objects on disk only, batch 1); ``store-offload``
+puts 4x the node's memory as memory objects (eviction offloads them to disk
+meanwhile; waits for space included) and reads them all back. ``posix-buffered``
 repeats with unaligned buffers (the page-cache path, reads still cold). The
 limit, transport ``disk``, is a plain
 O_DIRECT ``pwrite``/``pread`` loop over a separate file of the same size with
@@ -134,18 +136,19 @@ def bench_engine(engine: TransferEngine, seg: FileSegment, transport: str, label
 
 
 def bench_store(base: str, sizes: list[int], total: int, rounds: int, buf: np.ndarray,
-                acc_by_size: dict[int, Lat]) -> None:
+                acc_by_size: dict[int, Lat], memory: int) -> None:
     """put_from/get_into through the store (master + node daemon with a disk
     tier, objects on disk only) from this process; reads cold."""
     from kvpool.master.testing import MasterProcess
     from kvpool.store import Client, ClientConfig, ReplicateConfig
+    from kvpool.store.errors import NoSpace
     from kvpool.store.testing import NodeDaemonProcess
 
     disk_dir = os.path.join(base, "store-disk")
     disk_cfg = ReplicateConfig(replica_num=0, disk_replica_num=1)
-    need = max(sizes) * max(1, total // min(sizes)) + (64 << 20)
+    need = max(sizes) * max(1, total // min(sizes)) + 4 * memory + (64 << 20)
     with MasterProcess(data_dir=os.path.join(base, "master")) as m, \
-            NodeDaemonProcess(m.address, "16MiB", extra_args=[
+            NodeDaemonProcess(m.address, memory, extra_args=[
                 "--disk-dir", disk_dir, "--disk", str(max(need, 2 * total))]), \
             Client(ClientConfig(master_address=m.address)) as c:
         fd = os.open(os.path.join(disk_dir, "kvpool-segment.kvseg"), os.O_RDONLY)
@@ -172,6 +175,32 @@ def bench_store(base: str, sizes: list[int], total: int, rounds: int, buf: np.nd
                             raise RuntimeError(f"store get_into {k}: {got}")
                     acc.setdefault(("store", "read"), []).extend(lat)
                     c.remove_all(force=True)
+            # memory replicas only, 4x the node's memory: eviction offloads
+            # to the disk tier while puts continue (NoSpace waits are inside the timing)
+            size = min(sizes)
+            acc = acc_by_size.setdefault(size, {})
+            keys = [f"o{size}-{i}" for i in range(4 * memory // size)]
+            lat = []
+            waits = 0
+            for k in keys:
+                t0 = time.perf_counter()
+                while True:
+                    try:
+                        c.put_from(k, buf[:size].data)
+                        break
+                    except NoSpace:
+                        waits += 1
+                        time.sleep(0.005)
+                lat.append(time.perf_counter() - t0)
+            acc.setdefault(("store-offload", "write"), []).extend(lat)
+            drop_cache(fd)
+            lat = []
+            for k in keys:
+                t0 = time.perf_counter()
+                c.get_into(k, h)
+                lat.append(time.perf_counter() - t0)
+            acc.setdefault(("store-offload", "read"), []).extend(lat)
+            print(f"# store-offload: {waits} NoSpace waits while offloading", file=sys.stderr)
         finally:
             os.close(fd)
 
@@ -186,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per point")
     ap.add_argument("--no-store", action="store_true", help="skip the store (master+daemon)")
+    ap.add_argument("--store-memory", default="128MiB",
+                    help="the store daemon's memory (store-offload writes 4x this)")
     ap.add_argument("--no-buffered", action="store_true", help="skip posix-buffered")
     args = ap.parse_args(argv)
     total = parse_size(args.total)
@@ -225,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                             for (label, op), lat in acc.items()]
         if not args.no_store:
             store_acc: dict[int, Lat] = {}
-            bench_store(base, sizes, total, args.rounds, buf, store_acc)
+            bench_store(base, sizes, total, args.rounds, buf, store_acc,
+                        parse_size(args.store_memory))
             records += [_record(label, op, size, 1, lat) for size, acc in store_acc.items()
                         for (label, op), lat in acc.items()]
     finally:

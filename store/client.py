@@ -68,6 +68,9 @@ __all__ = ["Client", "ClientConfig", "ReplicateConfig"]
 
 log = logging.getLogger(__name__)
 
+_TIER_POLL_S = 0.1  # ping period while tier tasks keep coming
+_TIER_BUSY_S = 5.0  # ... for this long after the last reply that carried tasks
+
 _LAZY_BYTES = object()  # batch-read target: "allocate a bytes result when needed"
 _SUSPECT_S = 10.0
 _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
@@ -288,8 +291,14 @@ class Client:
     def _ping_loop(self) -> None:
         """Ping every ``ping_interval_s``; re-mount our segments when the master asks."""
         assert self._ping_master is not None
-        interval = self.config.ping_interval_s
+        base_interval = self.config.ping_interval_s
+        tier_busy_until = 0.0
         while True:
+            # while the master hands out tier copy tasks (offload, promotion),
+            # poll for more every _TIER_POLL_S rather than every ping interval
+            interval = base_interval
+            if time.monotonic() < tier_busy_until:
+                interval = min(base_interval, _TIER_POLL_S)
             self._wake.wait(interval)
             self._wake.clear()
             if self._stop.is_set():
@@ -298,6 +307,7 @@ class Client:
                 res = self._ping_master.call(Op.PING, client_id=self.client_id)
                 if res.get("tasks") and self._tier_runner is not None:
                     self._tier_runner.submit(res["tasks"], res.get("segments"))
+                    tier_busy_until = time.monotonic() + _TIER_BUSY_S
                 remount = bool(res.get("remount"))
                 if not remount and self._own_descs and "segment_ids" in res:
                     # the master knows us but lost a segment of ours: mount it again

@@ -320,3 +320,39 @@ def test_tiering_config_block_loads_and_validates(tmp_path: Path) -> None:
     bad.write_text("tiering:\n  no_such_key: 1\n")
     with pytest.raises(ConfigError):
         load_master_config(bad)
+
+
+def test_copy_ahead_makes_eviction_immediate() -> None:
+    d, p, _ = make({"offload_ahead_watermark": 0.5}, eviction_high_watermark=0.9,
+                   eviction_ratio=0.1)
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    for i in range(7):  # 700 KiB of 1 MiB: above 0.5, below the eviction watermark
+        assert put(d, f"k{i}", 100 * KiB) == ErrorCode.OK
+    assert p.counters["offload_started"] == 0
+    p.tick(d)
+    tasks = run_tasks(d, p)
+    assert tasks and all(t["kind"] == TaskKind.COPY for t in tasks)
+    copied = {t["key"] for t in tasks}
+    assert all(sorted(kinds(d, k)) == [MEM, FILE] for k in copied)  # memory kept
+    p.tick(d)
+    assert not p.tasks  # nothing copied twice
+    for i in range(7, 10):  # now cross the eviction watermark
+        assert put(d, f"k{i}", 100 * KiB) == ErrorCode.OK
+    d.evict(MEM)
+    evicted = [k for k in copied if kinds(d, k) == [FILE]]
+    assert evicted  # freed at once: they already had a disk copy
+    assert not any(t.key in evicted for t in p.tasks.values())  # no copy needed for them
+    for k in copied:
+        assert d.get_replicas(k)[0] == ErrorCode.OK
+
+
+def test_copy_ahead_off_and_without_disk() -> None:
+    for tier, disk in (({"offload_ahead_watermark": 0}, True), ({}, False)):
+        d, p, _ = make(tier)
+        d.mount("node", desc("mem", 1024 * KiB, MEM))
+        if disk:
+            d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+        for i in range(7):
+            put(d, f"k{i}", 100 * KiB)
+        assert p.copy_ahead(d) == 0 and not p.tasks
