@@ -113,8 +113,13 @@ class KVPoolScheduler:
     """Scheduler-side connector logic. Methods mirror KVConnectorBase_V1's."""
 
     def __init__(self, cfg: ConnectorConfig, keys: KeySpace, num_layers: int,
-                 store: StoreAccess, stats: ConnectorStats | None = None) -> None:
+                 store: StoreAccess, stats: ConnectorStats | None = None,
+                 load: bool = True, save: bool = True) -> None:
+        """``load``/``save``: vLLM's kv_role (kv_consumer only loads, kv_producer
+        only saves, kv_both does both)."""
         self.cfg = cfg
+        self.load_enabled = load
+        self.save_enabled = save
         self.keys = keys
         self.num_layers = num_layers
         self.store = store
@@ -136,7 +141,7 @@ class KVPoolScheduler:
         that kvpool holds (a run of whole chunks from the prompt start, found
         with one batched existence query), and whether they load asynchronously.
         A store that is down means 0 (the request computes normally)."""
-        n = lookup_chunks(len(prompt_token_ids), self.keys.chunk_size)
+        n = lookup_chunks(len(prompt_token_ids), self.keys.chunk_size) if self.load_enabled else 0
         limit = max_hit_tokens(len(prompt_token_ids), self.keys.block_size)
         hashes = self.keys.chunk_hashes(prompt_token_ids[: n * self.keys.chunk_size])
         hit = 0
@@ -232,6 +237,8 @@ class KVPoolScheduler:
         return meta
 
     def _plan_save(self, st: _ReqState, req_id: str, computed: int) -> SaveSpec | None:
+        if not self.save_enabled:
+            return None
         cs = self.keys.chunk_size
         tokens: Sequence[int] = st.prompt
         if self.cfg.save_decode and st.request is not None:

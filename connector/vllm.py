@@ -198,8 +198,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._sched: KVPoolScheduler | None = None
         self._worker: KVPoolWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            ktc = self._kv_transfer_config
             self._sched = KVPoolScheduler(self.cfg, self.keys, len(self.layer_names),
-                                          self.store, self.stats)
+                                          self.store, self.stats, load=bool(ktc.is_kv_consumer),
+                                          save=bool(ktc.is_kv_producer))
         else:
             self._worker = KVPoolWorker(self.cfg, self.keys, self.store, self.stats)
         log.info("KVPoolConnector (%s): keys %s, %d layers, config %s",

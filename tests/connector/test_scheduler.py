@@ -194,3 +194,17 @@ def test_store_down_is_a_fast_miss() -> None:
         assert s.lookup(f"q{i}", toks, 0) == (0, False)
     assert store.failures == 1
     assert s.stats.totals()["lookup_errors"] == 21
+
+
+def test_roles_consumer_never_saves_producer_never_loads(pool: str, client: Any) -> None:
+    toks = list(range(7000, 7070))
+    _store_chunks(client, toks, 2)
+    cfg = ConnectorConfig(master_address=pool, chunk_size=CHUNK)
+    producer = KVPoolScheduler(cfg, KS, LAYERS, StoreAccess(cfg), load=False)
+    assert producer.lookup("p", toks, 0) == (0, False)
+    consumer = KVPoolScheduler(cfg, KS, LAYERS, StoreAccess(cfg), save=False)
+    assert consumer.lookup("c", toks, 0) == (64, False)
+    consumer.after_alloc("c", FakeRequest(toks), toks, [1, 2, 3, 4, 5], 64)
+    m = consumer.build_meta(StepInfo(new=[NewReq("c", [1, 2, 3, 4, 5], 64)],
+                                     num_scheduled_tokens={"c": 6}))
+    assert len(m.loads) == 1 and m.saves == []
