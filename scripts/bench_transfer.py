@@ -12,7 +12,12 @@ socket between two processes, Python ``sendall``/``recv_into``), and
 mapping, no engine: the ceiling for shm, whose pages are 4 KiB here while big
 numpy arrays get transparent huge pages).
 
-    python scripts/bench_transfer.py --json out/bench_transfer.json [--duration 0.5]
+    python scripts/bench_transfer.py --json out/bench_transfer.json [--duration 0.5] [--no-curve]
+
+``tcp+curve``: the same tcp transfers to a second peer whose transfer server
+requires ZeroMQ CURVE (a fresh cluster keypair; every frame encrypted and
+authenticated), measured back to back with plain ``tcp`` (the cost of
+``--curve on``, docs/security.md). Skipped with ``--no-curve``.
 
 JSON: list of {transport, op, size, batch, gbps, ops_per_s, p50_us, p99_us};
 p50/p99 are per batch call, gbps and ops_per_s derive from the p50. Every
@@ -27,6 +32,7 @@ import multiprocessing as mp
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -129,18 +135,45 @@ class _SocketLimit:
                 self.proc.kill()
 
 
-def run_all(duration: float, transports: list[str]) -> list[dict[str, Any]]:
+def _start_peer(seg_id: str, region: int, host: str,
+                extra: list[str]) -> tuple[subprocess.Popen[str], SegmentDescriptor]:
+    peer = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.transfer.peer", "--segment-id", seg_id,
+         "--size", str(region), "--host-id", host, *extra],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert peer.stdout is not None and peer.stdin is not None
+    return peer, SegmentDescriptor.from_wire(json.loads(peer.stdout.readline()))
+
+
+def _stop_peer(peer: subprocess.Popen[str]) -> None:
+    assert peer.stdin is not None
+    peer.stdin.write("exit\n")
+    peer.stdin.flush()
+    peer.wait(10)
+
+
+def run_all(duration: float, transports: list[str], curve: bool = True) -> list[dict[str, Any]]:
     """Every configuration measures its limits and transports back to back, so
     load from other processes on the machine skews them alike."""
     region = max(SIZES) * max(BATCHES)
     host = "bench-host"
-    peer = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.transfer.peer", "--segment-id", "bench-seg",
-         "--size", str(region), "--host-id", host],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert peer.stdout is not None and peer.stdin is not None
-    desc = SegmentDescriptor.from_wire(json.loads(peer.stdout.readline()))
+    peer, desc = _start_peer("bench-seg", region, host, [])
     engine = TransferEngine(load_transfer_config(), host)
+    cpeer: subprocess.Popen[str] | None = None
+    cengine: TransferEngine | None = None
+    keydir = tempfile.TemporaryDirectory(prefix="kvpool-bench-keys-")
+    if curve and "tcp" in transports:
+        from kvpool.master.auth import CurveConfig, save_keypair
+
+        _, secret = save_keypair(keydir.name, "cluster")
+        # another host id: the tcp transport to a CURVE transfer server
+        cpeer, cdesc = _start_peer("bench-seg-curve", region, "curve-host",
+                                   ["--curve-key", str(secret)])
+        cengine = TransferEngine(load_transfer_config(), host,
+                                 curve=CurveConfig(enabled=True, secret_key_file=str(secret)))
+        cengine.add_peer_segment(cdesc)
+        ch = cengine.register_buffer(np.random.default_rng(2).integers(0, 256, region,
+                                                                       dtype=np.uint8))
     sock = _SocketLimit()
     # memcpy limit: the same buffers and offsets as the engine (one big region,
     # request i at i*size) so cache/TLB behaviour match; two small arrays that
@@ -194,20 +227,37 @@ def run_all(duration: float, transports: list[str]) -> list[dict[str, Any]]:
                                 raise RuntimeError(f"transfer failed: {bad[0]}")
 
                         out.append(_record(t, op.name, size, batch, _timed(run, duration)))
+                        if t == "tcp" and cengine is not None:
+                            creqs = [TransferRequest(op, ch, "bench-seg-curve", i * size, size,
+                                                     buffer_offset=i * size, transport="tcp")
+                                     for i in range(batch)]
+
+                            def crun(reqs: list[TransferRequest] = creqs) -> None:
+                                assert cengine is not None
+                                st = cengine.transfer(reqs, timeout=60)
+                                bad = [s for s in st if not s.ok]
+                                if bad:
+                                    raise RuntimeError(f"curve transfer failed: {bad[0]}")
+
+                            out.append(_record("tcp+curve", op.name, size, batch,
+                                               _timed(crun, duration)))
     finally:
         sock.close()
         engine.close()
-        peer.stdin.write("exit\n")
-        peer.stdin.flush()
-        peer.wait(10)
+        _stop_peer(peer)
+        if cengine is not None:
+            cengine.close()
+        if cpeer is not None:
+            _stop_peer(cpeer)
+        keydir.cleanup()
     return out
 
 
 def _table(records: list[dict[str, Any]]) -> str:
-    lines = [f"{'transport':<9} {'op':<5} {'size':>9} {'batch':>5} {'GB/s':>8} {'ops/s':>10} "
+    lines = [f"{'transport':<10} {'op':<5} {'size':>9} {'batch':>5} {'GB/s':>8} {'ops/s':>10} "
              f"{'p50 us':>10} {'p99 us':>10}"]
     for r in records:
-        lines.append(f"{r['transport']:<9} {r['op']:<5} {r['size']:>9} {r['batch']:>5} "
+        lines.append(f"{r['transport']:<10} {r['op']:<5} {r['size']:>9} {r['batch']:>5} "
                      f"{r['gbps']:>8.2f} {r['ops_per_s']:>10.0f} {r['p50_us']:>10.1f} "
                      f"{r['p99_us']:>10.1f}")
     return "\n".join(lines)
@@ -228,7 +278,9 @@ def _ratios(records: list[dict[str, Any]]) -> list[str]:
             shm = get("shm", op, batch)
             out.append(f"16MiB batch {batch} {op}: shm/memcpy = {shm / mem:.2f} (target >= 0.7),"
                        f" shm/memcpy_shm = {shm / get('memcpy_shm', op, batch):.2f},"
-                       f" tcp/socket = {get('tcp', op, batch) / sock:.2f} (target >= 0.8)")
+                       f" tcp/socket = {get('tcp', op, batch) / sock:.2f} (target >= 0.8),"
+                       f" tcp+curve/tcp = "
+                       f"{get('tcp+curve', op, batch) / get('tcp', op, batch):.2f}")
     return out
 
 
@@ -238,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=0.3,
                     help="seconds per configuration (default 0.3; use 2+ for stable numbers)")
     ap.add_argument("--transports", default="shm,tcp")
+    ap.add_argument("--no-curve", action="store_true",
+                    help="skip the tcp+curve records (CURVE-encrypted tcp to a second peer)")
     args = ap.parse_args(argv)
-    records = run_all(args.duration, args.transports.split(","))
+    records = run_all(args.duration, args.transports.split(","), curve=not args.no_curve)
     print(_table(records))
     for line in _ratios(records):
         print(line)

@@ -40,10 +40,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-id", default="peer-host")
     ap.add_argument("--client-id", default="peer")
     ap.add_argument("--no-prefault", action="store_true")
+    ap.add_argument("--curve-key", default=None,
+                    help="serve with ZeroMQ CURVE using this (cluster) *.key_secret")
     args = ap.parse_args(argv)
+    curve = None
+    if args.curve_key:
+        from kvpool.master.auth import CurveConfig
+
+        curve = CurveConfig(enabled=True, secret_key_file=args.curve_key)
     seg = MemorySegment.create(args.segment_id, parse_size(args.size),
                                prefault=not args.no_prefault)
-    engine = TransferEngine(load_transfer_config(), args.host_id, client_id=args.client_id)
+    engine = TransferEngine(load_transfer_config(), args.host_id, client_id=args.client_id,
+                            curve=curve)
     try:
         desc = engine.add_local_segment(seg)
         print(json.dumps(desc.to_wire()), flush=True)

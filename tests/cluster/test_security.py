@@ -180,3 +180,15 @@ def test_curve_on_transfer_server_keeps_unauthenticated_peers_out(tmp_path: Path
             assert rep["stats"]["curve_denied"] >= 1  # the wrong-key handshake above
         finally:
             peer.close()
+
+
+def test_shm_segments_are_owner_only(
+        cluster: tuple[MasterProcess, list[NodeDaemonProcess], Path]) -> None:
+    """The shm trust boundary: only the same user on the same host maps a segment."""
+    import os
+    import stat
+
+    _, (a, _b), _ = cluster
+    for name in a.info["shm_names"]:
+        mode = stat.S_IMODE(os.stat(f"/dev/shm/{name.lstrip('/')}").st_mode)
+        assert mode == 0o600, oct(mode)
