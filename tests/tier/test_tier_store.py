@@ -223,3 +223,31 @@ def test_offload_to_another_hosts_disk_over_tcp(master, make_client, tmp_path):
     finally:
         mem.__exit__()
         disk.__exit__()
+
+
+def test_master_and_node_restart_readopt_disk_objects_from_the_journal(
+        make_daemon, make_client, master):
+    """Both the master (kill -9: state from its journal) and the node come back;
+    the node's file segment and every object recorded in it are adopted again,
+    also after the master gave up waiting for the owner (client_ttl 2 s)."""
+    d = make_daemon(memory="8MiB")
+    c = make_client()
+    tag = uuid.uuid4().hex[:6]
+    values = {f"{tag}/{i}": pattern(200 + i, 100_000 + 7 * i).tobytes() for i in range(8)}
+    for k, v in values.items():
+        c.put(k, v, DISK)
+    d.stop()  # clean stop: the file segment stays mounted (kept for a restart)
+    master.restart(kill=True)
+    time.sleep(3.5)  # longer than client_ttl: restored memory segments are dropped
+    assert _stats(master)["file_segments_awaiting"] == 1
+    d.start()
+    for k, v in values.items():
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert c.get(k) == v
+                break
+            except StoreError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
