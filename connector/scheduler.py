@@ -127,6 +127,7 @@ class KVPoolScheduler:
         self._lookups: dict[str, Lookup] = {}
         self._reqs: dict[str, _ReqState] = {}
         self._loads: list[LoadSpec] = []
+        self._async_loading: set[str] = set()  # async loads not reported done yet
         if cfg.lookup_all_layers or num_layers <= 2:
             self._check_layers = list(range(num_layers))
         else:  # first and last layer: saves write every layer in one batch
@@ -199,6 +200,8 @@ class KVPoolScheduler:
         tail = (end - last * cs) // bs
         self._loads.append(LoadSpec(req_id, chunks, skip, self.cfg.load_async,
                                     0 if tail == bpc else tail))
+        if self.cfg.load_async:
+            self._async_loading.add(req_id)
         self.stats.add(hit_tokens=end - start)
 
     # ------------------------------------------------------------ per step
@@ -256,9 +259,15 @@ class KVPoolScheduler:
         st.had_saves = True
         return SaveSpec(req_id, chunks)
 
+    def loads_done(self, req_ids: set[str] | None) -> None:
+        """``update_connector_output``: async loads the workers reported finished."""
+        self._async_loading -= set(req_ids or ())
+
     def finished(self, req_id: str) -> bool:
-        """``request_finished``: True when saves were queued for the request, so
-        vLLM keeps its blocks until the worker reports the saves done."""
+        """``request_finished``: True when vLLM must keep the request's blocks:
+        saves were queued (freed when the worker reports them done), or an
+        async load is still writing into them (aborted while waiting for KV;
+        freed when the load is reported)."""
         st = self._reqs.pop(req_id, None)
         self._lookups.pop(req_id, None)
-        return bool(st and st.had_saves)
+        return bool(st and st.had_saves) or req_id in self._async_loading

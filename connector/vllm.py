@@ -334,6 +334,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         return KVPoolConnectorMetadata(loads=meta.loads, saves=meta.saves,
                                        preempted_req_ids=meta.preempted_req_ids)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Track which async loads the workers finished."""
+        if self._sched is not None:
+            self._sched.loads_done(connector_output.finished_recving)
+
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Delay freeing the blocks while the request's saves are in flight."""

@@ -155,6 +155,7 @@ class KVPoolWorker:
                               f"{self.keys.blocks_per_chunk}), write range {skip}:{end}")
         direct = skip == 0 and end == n and consecutive_run(ids)
         out = []
+        idx: Any = None  # block index tensor, made once per chunk
         for layer in self.layers:
             key = self.keys.object_key(chunk.hash, layer.index)
             if direct and layer.dense:
@@ -164,7 +165,8 @@ class KVPoolWorker:
 
                 buf = torch.empty(n * layer.block_bytes, dtype=torch.uint8, device=layer.device)
                 if not for_load:  # gather whole blocks into the staging tensor
-                    idx = torch.tensor(ids, dtype=torch.long, device=layer.device)
+                    if idx is None or idx.device != layer.device:
+                        idx = torch.tensor(ids, dtype=torch.long, device=layer.device)
                     torch.index_select(layer.blocks, 0, idx, out=buf.view(n, layer.block_bytes))
                 staged = True
             out.append(_Obj(key, layer, ids, skip, end, buf, staged))

@@ -208,3 +208,18 @@ def test_roles_consumer_never_saves_producer_never_loads(pool: str, client: Any)
     m = consumer.build_meta(StepInfo(new=[NewReq("c", [1, 2, 3, 4, 5], 64)],
                                      num_scheduled_tokens={"c": 6}))
     assert len(m.loads) == 1 and m.saves == []
+
+
+def test_abort_during_async_load_keeps_blocks_until_loaded(pool: str, client: Any) -> None:
+    toks = list(range(8000, 8070))
+    _store_chunks(client, toks, 2)
+    s = _sched(pool, load_async=True)
+    assert s.lookup("a", toks, 0) == (64, True)
+    s.after_alloc("a", FakeRequest(toks), toks, [1, 2, 3, 4, 5], 64)
+    assert s.build_meta(StepInfo()).loads[0].is_async
+    s.loads_done({"other"})
+    assert s.finished("a") is True  # the worker may still be writing into the blocks
+    assert s.lookup("b", toks, 0) == (64, True)
+    s.after_alloc("b", FakeRequest(toks), toks, [6, 7, 8, 9, 10], 64)
+    s.loads_done({"b"})
+    assert s.finished("b") is False
