@@ -10,8 +10,10 @@ One store object holds one layer of one chunk::
 
     kvpool/v1/<model>/<dtype>/b<block>/c<chunk>/kv<shard>of<shards>/<hash>/<layer>
 
-``shard`` is the KV-head shard a tensor-parallel rank holds: ranks that hold
-identical bytes (KV heads replicated when tp_size > num_kv_heads) share keys.
+``dtype`` is the KV format (the vLLM adapter passes dtype plus the byte
+order inside a block, e.g. ``bfloat16-HNC``). ``shard`` is the KV-head
+shard a tensor-parallel rank holds: ranks that hold identical bytes (KV
+heads replicated when tp_size > num_kv_heads) share keys.
 """
 
 from __future__ import annotations

@@ -146,11 +146,17 @@ def _layer_names(kv_cache_config: Any) -> list[str]:
     return names
 
 
-def _kv_dtype(vllm_config: Any) -> str:
+def _kv_format(vllm_config: Any, kv_cache_config: Any) -> str:
+    """KV dtype plus the byte order inside a block (e.g. ``bfloat16-HNC``): engines
+    whose blocks hold different byte layouts (CPU's HNC vs CUDA's NHC) must
+    not share objects; the layer/block placement (LB.. vs BL..) does not matter."""
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     if cache_dtype == "auto":
-        return str(vllm_config.model_config.dtype).replace("torch.", "")
-    return cache_dtype
+        cache_dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
+    layout = (getattr(kv_cache_config, "kv_cache_layout", None)
+              or getattr(vllm_config.cache_config, "kv_cache_layout", None))
+    interior = "".join(c for c in str(layout) if c in "HNC") if layout else "unknown"
+    return f"{cache_dtype}-{interior}"
 
 
 class KVPoolConnector(KVConnectorBase_V1):
@@ -188,7 +194,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             tp_rank = 0
         shard, num_shards = kv_shard(tp_rank, tp_size, num_kv_heads)
         self.keys = KeySpace(
-            model=self.cfg.model_id or str(mc.model), kv_dtype=_kv_dtype(vllm_config),
+            model=self.cfg.model_id or str(mc.model),
+            kv_dtype=_kv_format(vllm_config, kv_cache_config),
             block_size=block_size, chunk_size=self.cfg.chunk_size,
             shard=shard, num_shards=num_shards,
         )

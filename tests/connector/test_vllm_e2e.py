@@ -43,7 +43,7 @@ def _engine(model: str, master: str, prefix_caching: bool = True, **extra: Any) 
 
 
 def _keys(model: str, prompt_ids: list[int], n_chunks: int) -> list[str]:
-    ks = KeySpace(model=model, kv_dtype="bfloat16", block_size=BLOCK, chunk_size=CHUNK)
+    ks = KeySpace(model=model, kv_dtype="bfloat16-HNC", block_size=BLOCK, chunk_size=CHUNK)
     hashes = ks.chunk_hashes(prompt_ids)[:n_chunks]
     return [ks.object_key(h, layer) for h in hashes for layer in range(2)]
 
