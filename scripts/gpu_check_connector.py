@@ -158,7 +158,7 @@ def run(report: dict[str, Any], **overrides: Any) -> None:
                                  "load": best["load_GBps"] / big["h2d"],
                                  "chunk_tokens": best["chunk_tokens"]}
     if not res["all_bytes_equal"]:
-        res["status"] = "failed"
+        res["status"] = report["status"] = "failed"
 
 
 def main() -> None:
