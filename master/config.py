@@ -9,7 +9,7 @@ from typing import Any
 
 from kvpool.master.auth import CurveConfig
 from kvpool.master.common import ConfigError, load_dataclass
-from kvpool.master.tiering import TieringConfig
+from kvpool.master.tiering_config import TieringConfig
 
 __all__ = ["FsyncPolicy", "MasterConfig", "load_master_config"]
 

@@ -41,14 +41,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvpool.master.common import ConfigError
+from kvpool.master.directory import (
+    HARD_PIN,
+    Directory,
+    EvictionPolicy,
+    Obj,
+    Rec,
+    Segment,
+    SegState,
+)
 from kvpool.master.errors import ErrorCode
 from kvpool.master.protocol import SegmentDescriptor, SegmentKind
-
-if TYPE_CHECKING:
-    from kvpool.master.directory import Directory, Obj, Segment
+from kvpool.master.tiering_config import TieringConfig
 
 __all__ = ["CopyTask", "TaskKind", "TieringConfig", "TieringPolicy"]
 
@@ -63,47 +69,6 @@ class TaskKind(IntEnum):
     OFFLOAD = 1  # memory replica -> new disk replica, then free the memory replica
     PROMOTE = 2  # disk replica -> new memory replica (disk replica kept)
     COPY = 3  # memory replica -> new disk replica, memory kept (offload ahead of eviction)
-
-
-@dataclass
-class TieringConfig:
-    """Tiering knobs (the master config's ``tiering`` fields map onto these).
-
-    ``offload_on_evict``: true | false | "auto" (on when a FILE segment exists).
-    ``offload_ahead_watermark``: above this fraction of memory in use, the
-    least recently used memory-only objects are copied to disk ahead of
-    eviction (memory kept), so eviction can free them at once (0 = off).
-    ``offload_ahead_bytes``: bytes of such copies started per timer tick.
-    ``promote_on_hit``: copy a disk-only object back into memory when read.
-    ``task_timeout_s``: a task not reported done by then is failed (its
-    destination allocation freed). ``max_tasks_per_ping``: tasks handed to one
-    node per PING reply. ``file_owner_ttl_s``: how long a FILE segment whose
-    owner died waits for it (0 = drop with the owner, like memory).
-    ``max_inflight_bytes``: bytes of tasks in flight at once (0 = no limit).
-    """
-
-    offload_on_evict: bool | str = "auto"
-    offload_ahead_watermark: float = 0.7
-    offload_ahead_bytes: int = 256 << 20
-    promote_on_hit: bool = True
-    task_timeout_s: float = 30.0
-    max_tasks_per_ping: int = 64
-    file_owner_ttl_s: float = 3600.0
-    max_inflight_bytes: int = 0
-
-    def validate(self) -> None:
-        if isinstance(self.offload_on_evict, str):
-            low = self.offload_on_evict.lower()
-            if low not in ("auto", "true", "false"):
-                raise ConfigError("offload_on_evict must be true, false or auto")
-            self.offload_on_evict = "auto" if low == "auto" else low == "true"
-        if not 0 <= self.offload_ahead_watermark < 1 or self.offload_ahead_bytes < 0:
-            raise ConfigError("offload_ahead_watermark must be in [0, 1), "
-                              "offload_ahead_bytes >= 0")
-        if self.task_timeout_s <= 0 or self.max_tasks_per_ping < 1:
-            raise ConfigError("task_timeout_s must be > 0 and max_tasks_per_ping >= 1")
-        if self.file_owner_ttl_s < 0 or self.max_inflight_bytes < 0:
-            raise ConfigError("file_owner_ttl_s and max_inflight_bytes must be >= 0")
 
 
 @dataclass(eq=False)
@@ -128,7 +93,7 @@ class CopyTask:
                 "src": [self.src.id, self.src_off], "dst": [self.dst.id, self.dst_off]}
 
 
-class TieringPolicy:
+class TieringPolicy(EvictionPolicy):
     """Eviction policy + task book-keeping of the SSD tier (see module doc).
 
     Implements the directory's ``EvictionPolicy.on_evict`` hook, plus
@@ -166,8 +131,6 @@ class TieringPolicy:
     @staticmethod
     def _active_replica(d: Directory, obj: Obj, kind: SegmentKind,
                         live_owner: bool = False) -> tuple[Segment, int] | None:
-        from kvpool.master.directory import SegState
-
         reps = obj.replicas
         for i in range(0, len(reps), 2):
             seg = reps[i]
@@ -211,8 +174,6 @@ class TieringPolicy:
 
     def _journal_replicas(self, d: Directory, key: str, obj: Obj) -> None:
         """Record the object's whole replica set (replay: remove + re-add)."""
-        from kvpool.master.directory import Rec, SegState
-
         if not d.journaling:
             return
         wire: list[Any] = []
@@ -269,8 +230,6 @@ class TieringPolicy:
         the least recently used memory-only objects (up to
         ``offload_ahead_bytes``): when eviction reaches them they already have
         a disk replica and their memory is freed at once. Returns tasks queued."""
-        from kvpool.master.directory import HARD_PIN
-
         ahead = self.cfg.offload_ahead_watermark
         cap = d.pool_cap[_MEM]
         if not ahead or not cap or d.pool_used[_MEM] <= ahead * cap \
@@ -358,8 +317,6 @@ class TieringPolicy:
         journals it); frees the destination on failure. Returns OK, or
         OBJECT_NOT_FOUND for an unknown/expired task, INVALID_WRITE when
         ``client_id`` is not its executor."""
-        from kvpool.master.directory import SegState
-
         t = self.tasks.get(task_id)
         if t is None:
             return ErrorCode.OBJECT_NOT_FOUND
@@ -436,8 +393,6 @@ class TieringPolicy:
         it (a FILE segment now AWAITING its owner for ``file_owner_ttl_s``;
         :meth:`tick` revives it when the owner pings again and drops it at
         the deadline; a mount of the same id re-adopts it)."""
-        from kvpool.master.directory import SegState
-
         if seg.kind != _FILE or self.cfg.file_owner_ttl_s <= 0:
             return False
         if seg.state == SegState.ACTIVE:
@@ -486,8 +441,6 @@ class TieringPolicy:
         """Timer (a few times a second): expire tasks; revive kept FILE
         segments whose owner pinged again; drop those past their deadline or
         already re-adopted by a mount. Returns tasks expired + segments dropped."""
-        from kvpool.master.directory import SegState
-
         n = self.expire_tasks(d)
         self.copy_ahead(d)
         if not self.file_awaiting:
