@@ -80,12 +80,24 @@ def _stats(master: MasterProcess) -> dict[str, Any]:
         return mc.call(Op.STATS)
 
 
-def _wait(cond: Callable[[], bool], timeout: float = 15.0) -> None:
+def _wait(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.05)
+
+
+def _get_eventually(c: Client, key: str, timeout: float = 15.0) -> bytes:
+    """Get, retrying while a restarted node's segment is being re-adopted."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return c.get(key)
+        except StoreError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _put_retry(c: Client, key: str, value: bytes, cfg: ReplicateConfig | None = None) -> None:
@@ -158,13 +170,13 @@ def test_kill9_and_restart_on_same_disk_dir_readopts_objects(make_daemon, make_c
     d.restart(kill=True)  # at once: the master still thinks the old owner lives
     assert set(d.segment_ids) & old_ids  # the file segment id came back from the header
     for k, v in values.items():
-        assert c.get(k) == v
+        assert _get_eventually(c, k) == v
     # and again after the master gave up on the old owner (client_ttl 2 s)
     d.kill()
     time.sleep(3.5)
     d.start()
     for k, v in values.items():
-        assert c.get(k) == v
+        assert _get_eventually(c, k) == v
 
 
 def test_mismatched_or_truncated_segment_file_is_refused(make_daemon, tmp_path):
@@ -242,12 +254,4 @@ def test_master_and_node_restart_readopt_disk_objects_from_the_journal(
     assert _stats(master)["file_segments_awaiting"] == 1
     d.start()
     for k, v in values.items():
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                assert c.get(k) == v
-                break
-            except StoreError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        assert _get_eventually(c, k) == v
