@@ -100,6 +100,25 @@ class MasterCollector(Collector):
         c = CounterMetricFamily("kvpool_master_expired_clients", "clients dropped for silence")
         c.add_metric([], st["expired_clients"])
         yield c
+        tier = _copy(s.tiering.stats)  # SSD tier (issue 5)
+        c = CounterMetricFamily("kvpool_master_tier_events",
+                                "SSD tier: copy tasks and file segments, by event",
+                                labels=["event"])
+        for name, n in tier.items():
+            if name not in ("tier_tasks_inflight", "tier_inflight_bytes",
+                            "file_segments_awaiting"):
+                c.add_metric([name], n)
+        yield c
+        g = GaugeMetricFamily("kvpool_master_tier_tasks_inflight", "tier copy tasks in flight")
+        g.add_metric([], tier["tier_tasks_inflight"])
+        yield g
+        g = GaugeMetricFamily("kvpool_master_tier_inflight_bytes", "bytes of tier tasks in flight")
+        g.add_metric([], tier["tier_inflight_bytes"])
+        yield g
+        g = GaugeMetricFamily("kvpool_master_file_segments_awaiting",
+                              "file segments kept for an owner that left (warm restart)")
+        g.add_metric([], tier["file_segments_awaiting"])
+        yield g
         c = CounterMetricFamily("kvpool_master_curve_denied",
                                 "CURVE handshakes refused by the ZAP allow-list")
         c.add_metric([], s._auth.denied if s._auth is not None else 0)

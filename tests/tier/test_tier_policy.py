@@ -356,3 +356,20 @@ def test_copy_ahead_off_and_without_disk() -> None:
         for i in range(7):
             put(d, f"k{i}", 100 * KiB)
         assert p.copy_ahead(d) == 0 and not p.tasks
+
+
+def test_tier_counters_in_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from kvpool.master.metrics import make_registry
+    from kvpool.master.server import MasterServer
+
+    server = MasterServer(MasterConfig(port=0, metrics_port=0))
+    try:
+        server.tiering.counters["offload_done"] = 3
+        text = generate_latest(make_registry(server)).decode()
+        assert 'kvpool_master_tier_events_total{event="offload_done"} 3.0' in text
+        assert "kvpool_master_tier_tasks_inflight 0.0" in text
+        assert "kvpool_master_file_segments_awaiting 0.0" in text
+    finally:
+        server.close()
