@@ -87,6 +87,7 @@ class CopyTask:
     executor: str
     deadline: float
     sent: bool = False
+    cancelled: bool = False  # its object went away while the node may be copying
 
     def to_wire(self) -> dict[str, Any]:
         return {"id": self.id, "kind": int(self.kind), "key": self.key, "size": self.size,
@@ -196,7 +197,7 @@ class TieringPolicy(EvictionPolicy):
         t = self._by_key.get(key)
         if t is not None:
             if t.obj is not obj:  # stale (object replaced): forget it
-                self._fail(d, t, "object replaced", count=False)
+                self._cancel(d, t, "object replaced")
             elif t.src.kind == kind:
                 return True  # its source replica is being copied: keep it meanwhile
             elif t.kind is TaskKind.PROMOTE and kind == _FILE:
@@ -300,11 +301,19 @@ class TieringPolicy(EvictionPolicy):
             return [], {}
         out: list[dict[str, Any]] = []
         segs: dict[str, Any] = {}
+        now = self.clock()
+        ttl = self.cfg.task_timeout_s
         for t in q:
             if t.sent:
                 continue
             t.sent = True
-            out.append(t.to_wire())
+            # the node gets the whole timeout from now; it never starts a copy
+            # after half of it (its clock: "ttl_ms" is relative), so nothing
+            # lands in the destination after the master gave up and freed it
+            t.deadline = now + ttl
+            w = t.to_wire()
+            w["ttl_ms"] = int(ttl * 1000)
+            out.append(w)
             segs[t.src.id] = t.src.wire
             segs[t.dst.id] = t.dst.wire
             if len(out) >= self.cfg.max_tasks_per_ping:
@@ -323,6 +332,9 @@ class TieringPolicy(EvictionPolicy):
         if t.executor != client_id:
             return ErrorCode.INVALID_WRITE
         d.touch(client_id)
+        if t.cancelled:  # the node is done with it: its destination can be reused now
+            self._fail(d, t, "cancelled", count=False)
+            return ErrorCode.OK
         if not ok:
             self._fail(d, t, error or "node reported failure")
             return ErrorCode.OK
@@ -362,6 +374,17 @@ class TieringPolicy(EvictionPolicy):
             self.counters["promote_done"] += 1
         self._journal_replicas(d, t.key, obj)
         return ErrorCode.OK
+
+    def _cancel(self, d: Directory, t: CopyTask, why: str) -> None:
+        """Detach a task from its key. A task already handed out keeps its
+        destination allocated until the node reports or the deadline passes
+        (a late copy must not land in reused space); an unsent one is failed."""
+        if not t.sent:
+            self._fail(d, t, why, count=False)
+            return
+        t.cancelled = True
+        if self._by_key.get(t.key) is t:
+            del self._by_key[t.key]
 
     def _fail(self, d: Directory, t: CopyTask, why: str, count: bool = True) -> None:
         self._forget(t)

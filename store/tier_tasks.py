@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,13 +46,16 @@ class TierTask:
     dst_id: str
     dst_off: int
     capability: bytes = b""  # WRITE capability on the destination (issue 7), if any
+    ttl_ms: int = 0  # the master gives up after this (0: no limit sent)
+    received: float = 0.0  # monotonic time this node got it
 
     @classmethod
     def from_wire(cls, w: dict[str, Any]) -> TierTask:
         try:
             return cls(int(w["id"]), int(w["kind"]), str(w["key"]), int(w["size"]),
                        str(w["src"][0]), int(w["src"][1]), str(w["dst"][0]), int(w["dst"][1]),
-                       bytes(w.get("cap") or b""))
+                       bytes(w.get("cap") or b""), int(w.get("ttl_ms") or 0),
+                       time.monotonic())
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise KVPoolError(f"bad tier task {w!r}: {exc}", ErrorCode.INVALID_PARAMS) from exc
 
@@ -107,7 +111,15 @@ class TierTaskRunner:
             task, segs = entry
             ok, err = True, ""
             try:
-                self._execute(task, segs)
+                timeout = self.timeout_s
+                if task.ttl_ms:
+                    # start no copy after half the master's timeout: past its
+                    # deadline it frees the destination for reuse
+                    left = task.received + task.ttl_ms / 2000.0 - time.monotonic()
+                    if left <= 0:
+                        raise KVPoolError("task arrived too long ago", ErrorCode.TIMEOUT)
+                    timeout = min(timeout, left)
+                self._execute(task, segs, timeout)
             except Exception as exc:  # report every failure to the master
                 ok, err = False, f"{type(exc).__name__}: {exc}"
                 log.info("tier task %d (%s) failed: %s", task.id, task.key[:64], err)
@@ -115,7 +127,7 @@ class TierTaskRunner:
             if self._q.empty() and self.on_drained is not None:
                 self.on_drained()  # the master may have more for us: ask now
 
-    def _execute(self, t: TierTask, segs: dict[str, Any]) -> None:
+    def _execute(self, t: TierTask, segs: dict[str, Any], timeout: float) -> None:
         engine = self.engine
         src = engine.local_segment(t.src_id)
         if src is None:
@@ -138,7 +150,7 @@ class TierTaskRunner:
 
         st = engine.transfer([TransferRequest(TransferOp.WRITE, data, t.dst_id, t.dst_off,
                                               t.size, capability=t.capability)],
-                             timeout=self.timeout_s)
+                             timeout=timeout)
         if not st[0].ok:
             raise KVPoolError(f"copy to {t.dst_id} failed: {st[0].errors}", st[0].code)
 

@@ -373,3 +373,23 @@ def test_tier_counters_in_metrics() -> None:
         assert "kvpool_master_file_segments_awaiting 0.0" in text
     finally:
         server.close()
+
+
+def test_cancelled_task_keeps_its_destination_until_the_node_reports() -> None:
+    d, p, clock = make({"task_timeout_s": 10})
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    fill_memory(d)
+    clock.t += 3
+    tasks, _ = p.tasks_for(d, "node")  # handed out: the node may be copying now
+    assert tasks and all(t["ttl_ms"] == 10_000 for t in tasks)
+    assert all(p.tasks[t["id"]].deadline == clock.t + 10 for t in tasks)
+    key = tasks[0]["key"]
+    used = d.pool_used[FILE]
+    assert d.remove(key, force=True) == ErrorCode.OK
+    assert put(d, key, 100 * KiB) == ErrorCode.OK  # same key, a new object
+    p.on_evict(d, key, d.objects[key], MEM)  # finds the stale task: cancels it
+    assert p.tasks[tasks[0]["id"]].cancelled
+    assert d.pool_used[FILE] >= used  # not freed while a late copy could land there
+    assert p.complete(d, "node", tasks[0]["id"], True) == ErrorCode.OK
+    assert tasks[0]["id"] not in p.tasks and kinds(d, key) == [MEM]  # new object untouched

@@ -98,3 +98,22 @@ def test_task_wire_roundtrip():
     assert (t.id, t.kind, t.key, t.size, t.src_id, t.src_off, t.dst_id, t.dst_off,
             t.capability) == (5, 2, "k5", 77, "a", 1, "b", 2, b"token")
     assert TierTask.from_wire(_task(5, 2, 77, ("a", 1), ("b", 2))).capability == b""
+
+
+def test_task_past_half_its_ttl_is_not_started(node):
+    _engine, mem, disk, runner = node
+    mem.array()[:4096] = 7
+    w = {**_task(1, 1, 4096, (mem.segment_id, 0), (disk.segment_id, 0)), "ttl_ms": 200}
+    time.sleep(0.01)
+    runner._q.put((TierTask.from_wire(w), {}))
+    _wait(runner, 1)
+    assert runner.done == 1  # fresh: copied
+    late = TierTask.from_wire({**_task(2, 1, 4096, (mem.segment_id, 0),
+                                      (disk.segment_id, 8192)), "ttl_ms": 200})
+    late.received -= 0.15  # arrived 150 ms ago: past half of 200 ms
+    runner._q.put((late, {}))
+    _wait(runner, 2)
+    assert runner.failed == 1
+    out = np.empty(4096, np.uint8)
+    disk.read_into(8192, out)
+    assert not out.any()  # nothing written
