@@ -59,6 +59,9 @@ class ClientConfig:
     # ZeroMQ CURVE towards the master and on/towards transfer servers (docs/security.md):
     # auto = off for loopback addresses, required for any other
     curve: CurveConfig = field(default_factory=CurveConfig)
+    # node daemon only: Prometheus /metrics on 127.0.0.1:metrics_port (0 = off):
+    # capability refusals by reason, transfer server counters
+    metrics_port: int = 0
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on values that cannot work."""

@@ -44,8 +44,11 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stop.set())
     client = Client(config)
+    http: Any = None
     try:
         client.setup()
+        if config.metrics_port:
+            http = _start_metrics(client, config.metrics_port)
         info = {
             "pid": os.getpid(),
             "client_id": client.client_id,
@@ -63,5 +66,39 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
             pass
         log.info("node daemon stopping: unmounting %s", client.segment_ids)
     finally:
+        if http is not None:
+            http.shutdown()
+            http.server_close()
         client.close()
     return 0
+
+
+def _start_metrics(client: Client, port: int) -> Any:
+    """Prometheus /metrics on 127.0.0.1:``port``: the engine's capability
+    refusals (``kvpool_capability_refusals_total{reason}``, issue 7) and the
+    transfer server's request counters, read at scrape time."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily
+    from prometheus_client.registry import Collector
+
+    from kvpool.master.capability import refusal_metrics
+
+    engine = client.engine
+
+    class _Collector(Collector):
+        def collect(self) -> Any:
+            yield from refusal_metrics(engine.capabilities)
+            server = engine.server
+            if server is not None:
+                for name, value in (("served", server.requests_served),
+                                    ("refused", server.requests_refused)):
+                    m = CounterMetricFamily(f"kvpool_transfer_requests_{name}",
+                                            f"transfer server requests {name}")
+                    m.add_metric([], value)
+                    yield m
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector())
+    http, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    log.info("node daemon metrics on http://127.0.0.1:%d/metrics", port)
+    return http

@@ -25,6 +25,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--disk-dir", default=None, help="directory for the SSD tier")
     p.add_argument("--disk", default=None, help="SSD tier size, e.g. 200GiB")
     p.add_argument("--no-prefault", action="store_true", help="do not pre-fault the segment")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus /metrics on 127.0.0.1:PORT (capability refusals; 0 = off)")
     p.add_argument("--config", default=None, help="client YAML (configs/client.yaml)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     from kvpool.master.auth import add_curve_arguments
@@ -48,6 +50,7 @@ def _main(args: argparse.Namespace) -> int:
         "disk_dir": args.disk_dir,
         "disk_size": parse_size(args.disk) if args.disk is not None else None,
         "prefault": False if args.no_prefault else None,
+        "metrics_port": args.metrics_port,
     }
     from kvpool.master.auth import curve_config_from_args
 

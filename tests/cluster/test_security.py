@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from kvpool.master.auth import CurveConfig, save_keypair
 from kvpool.master.capability import DenyReason
 from kvpool.master.errors import ErrorCode
 from kvpool.master.protocol import Op, SegmentDescriptor, decode_frame, encode_frame
-from kvpool.master.testing import MasterProcess
+from kvpool.master.testing import MasterProcess, find_free_port
 from kvpool.store import Client, ClientConfig, ReplicateConfig
 from kvpool.store.testing import NodeDaemonProcess
 from kvpool.transfer import TransferEngine, TransferOp, TransferRequest, load_transfer_config
@@ -47,7 +48,11 @@ class RawPeer:
              payload: bytes | None = None, timeout_s: float = 5.0) -> tuple[dict[str, Any], bytes]:
         rid = next(_ids)
         hdr = encode_frame({"op": op, "id": rid, "seg": seg, "off": off, "len": n, "cap": cap})
-        self.sock.send_multipart([hdr] if payload is None else [hdr, payload])
+        # a peer that fails the CURVE handshake never gets a usable pipe: even
+        # sending would block, so wait for POLLOUT with the same deadline
+        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+            raise TimeoutError("cannot send")
+        self.sock.send_multipart([hdr] if payload is None else [hdr, payload], zmq.NOBLOCK)
         if not self.sock.poll(int(timeout_s * 1000)):
             raise TimeoutError("no reply")
         frames = self.sock.recv_multipart()
@@ -67,8 +72,9 @@ def cluster(tmp_path: Path) -> Iterator[tuple[MasterProcess, list[NodeDaemonProc
     ccfg = tmp_path / "client.yaml"
     ccfg.write_text("transfer_overrides:\n  server:\n    capability_leeway_ms: 0\n")
     with MasterProcess(data_dir=str(tmp_path / "m"), extra_args=["--config", str(mcfg)]) as m:
+        metrics = ["--metrics-port", str(find_free_port())]
         ds = [NodeDaemonProcess(m.address, "16MiB", host_id=f"node{i}",
-                                extra_args=["--config", str(ccfg)],
+                                extra_args=["--config", str(ccfg), *(metrics if i == 0 else [])],
                                 log_dir=str(tmp_path / f"d{i}")) for i in range(2)]
         try:
             for d in ds:
@@ -124,6 +130,14 @@ def test_transfer_server_refuses_bad_capabilities(
                            DenyReason.MALFORMED, DenyReason.EXPIRED):
                 assert refusals[reason.value] >= 1, (reason, refusals)
             assert stats["stats"]["capability_accepted"] >= 2
+            # ... and on the daemon's Prometheus endpoint (kvpool client --metrics-port)
+            port = a.extra_args[a.extra_args.index("--metrics-port") + 1]
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            for reason, n in refusals.items():
+                if n:
+                    assert f'kvpool_capability_refusals_total{{reason="{reason}"}} {float(n)}' \
+                        in text, (reason, text)
         finally:
             peer.close()
         # the refused WRITE changed nothing, and the server still serves
