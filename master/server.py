@@ -128,6 +128,10 @@ class MasterServer:
         if cfg.capabilities:
             self.signer = CapabilitySigner(cfg.capability_ttl_ms or cfg.lease_ttl_ms)
         self._grant = self.signer.grant_fast if self.signer is not None else None
+        # a WRITE grant lasts as long as the put may (a big put over a slow link
+        # must not be cut off mid-way); READ grants last a read lease
+        self._write_ttl_ms = max(cfg.capability_ttl_ms or cfg.lease_ttl_ms,
+                                 int(cfg.put_start_discard_timeout_s * 1000))
         self._keys_dirty = False
         self.too_many_requests = 0
         self._handlers: dict[int, tuple[str, Handler]] = {
@@ -726,7 +730,7 @@ class MasterServer:
             # WRITE grants are for fresh allocations; READ grants of hot objects
             # come from the signer's cache (CapabilitySigner.grant_read)
             grant = signer.grant_read if status != _PROCESSING else None
-            exp = now + signer.ttl_ms
+            exp = now + self._write_ttl_ms
         if len(reps) == 2:
             seg = reps[0]
             sid = seg.id
