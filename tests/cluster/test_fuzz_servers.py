@@ -36,7 +36,7 @@ def _rand_value(rng: random.Random, depth: int = 0) -> Any:
     if k == "int":
         return rng.randint(0, 1 << 20)
     if k == "bigint":
-        return rng.choice([(1 << 63) - 1, 1 << 64 - 1, 1 << 62, 1 << 40])
+        return rng.choice([(1 << 63) - 1, (1 << 64) - 1, 1 << 62, 1 << 40])
     if k == "neg":
         return -rng.randint(1, 1 << 62)
     if k == "float":
@@ -179,19 +179,22 @@ def test_fuzz_master_and_transfer_server(
         r = rng.random()
         if r < 0.02:
             return [b"\x80" + b"\x00" * 5000]  # header over max_header_bytes
-        hdr = {"op": rng.choice([1, 2, 3, 4, 0, 99, -1, True, "READ", None]),
-               "id": i,
-               "seg": rng.choice([seg, seg, "nope", "", 7, None, seg + "x"]),
-               "off": rng.choice([0, 64, -1, 8 << 20, 1 << 64 - 1, 1.5, "0", None, True]),
-               "len": rng.choice([0, 1, 64, 4096, -5, 2 << 20, 1 << 62, "x", None]),
-               "cap": rng.choice([b"", rng.randbytes(70), "cap", 5, None,
-                                  b"\x02\x02" + rng.randbytes(60)])}
+        hdr: dict[str, Any] = {
+            "op": rng.choice([1, 2, 3, 4, 0, 99, -1, True, "READ", None]),
+            "id": i,
+            "seg": rng.choice([seg, seg, "nope", "", 7, None, seg + "x"]),
+            "off": rng.choice([0, 64, -1, 8 << 20, (1 << 64) - 1, 1.5, "0", None, True]),
+            "len": rng.choice([0, 1, 64, 4096, -5, 2 << 20, 1 << 62, "x", None]),
+            "cap": rng.choice([b"", rng.randbytes(70), "cap", 5, None,
+                               b"\x02\x02" + rng.randbytes(60)]),
+        }
         for k in list(hdr):
             if rng.random() < 0.05:
                 del hdr[k]
         frames = [msgpack.packb(hdr, use_bin_type=True)]
         if hdr.get("op") == 2 or rng.random() < 0.1:  # WRITE payloads, right size or not
-            n = hdr.get("len") if isinstance(hdr.get("len"), int) else 10
+            ln = hdr.get("len")
+            n = ln if isinstance(ln, int) else 10
             frames.append(b"\xee" * max(0, min(n if rng.random() < 0.7 else n + 3, 1 << 16)))
         return frames
 
