@@ -37,8 +37,12 @@ class ConnectorConfig:
       a dead master costs little).
     - ``retry_interval_s``: after a store failure, skip the store this long.
     - ``replica_num``: memory replicas per stored object.
-    - ``lookup_all_layers``: check every layer's object in the existence query
-      (else only the first and last layer of each chunk).
+    - ``staging_mib``: size of each of the worker's two staging buffers (save,
+      load) on the KV cache's device; a chunk's blocks are gathered there
+      and moved as one object. Requests larger than it move in groups of
+      whole chunks (one store batch per group).
+    - ``lookup_all_layers``: accepted for compatibility, no effect (one object
+      per chunk holds every layer).
     """
 
     master_address: str | None = None
@@ -51,6 +55,7 @@ class ConnectorConfig:
     rpc_timeout_s: float = 2.0
     retry_interval_s: float = 5.0
     replica_num: int = 1
+    staging_mib: float = 512
     lookup_all_layers: bool = True
 
     @classmethod
@@ -81,6 +86,9 @@ class ConnectorConfig:
                 raise ConfigError(f"{name} must be a bool")
         if self.rpc_timeout_s <= 0 or self.retry_interval_s < 0:
             raise ConfigError("rpc_timeout_s must be > 0 and retry_interval_s >= 0")
+        if (not isinstance(self.staging_mib, int | float) or isinstance(self.staging_mib, bool)
+                or self.staging_mib <= 0):
+            raise ConfigError(f"staging_mib must be a positive number, got {self.staging_mib!r}")
         if self.replica_num < 1:
             raise ConfigError("replica_num must be >= 1")
         if not isinstance(self.client_overrides, dict):

@@ -6,9 +6,13 @@ tokens_i)``, with ``h_{-1}`` derived from the key namespace, so equal hashes
 mean equal prefixes. Hashes use :mod:`hashlib` (never Python's salted
 ``hash``) and are identical across processes and hosts.
 
-One store object holds one layer of one chunk::
+One store object holds one chunk over every KV layer of the worker
+(layer-major: for each layer, the chunk's blocks back to back)::
 
-    kvpool/v1/<model>/<dtype>/b<block>/c<chunk>/kv<shard>of<shards>/<hash>/<layer>
+    kvpool/v2/<model>/<dtype>/b<block>/c<chunk>/kv<shard>of<shards>/<hash>
+
+(``v1`` keys held one object per (chunk, layer); ``v2`` objects are larger
+so a GPU moves each with one copy.)
 
 ``dtype`` is the KV format (the vLLM adapter passes dtype plus the byte
 order inside a block, e.g. ``bfloat16-HNC``). ``shard`` is the KV-head
@@ -96,7 +100,7 @@ class KeySpace:
         model = _SAFE.sub("_", self.model).strip("_") or "model"
         dtype = _SAFE.sub("_", self.kv_dtype.replace("torch.", ""))
         return (
-            f"kvpool/v1/{model}/{dtype}/b{self.block_size}/c{self.chunk_size}"
+            f"kvpool/v2/{model}/{dtype}/b{self.block_size}/c{self.chunk_size}"
             f"/kv{self.shard}of{self.num_shards}"
         )
 
@@ -123,6 +127,6 @@ class KeySpace:
         tail = token_ids[len(hashes) * self.chunk_size : n_full * self.chunk_size]
         return hashes + chain_hashes(tail, self.chunk_size, self.seed, start=start)
 
-    def object_key(self, chunk_hash: str, layer: int) -> str:
-        """Key of layer ``layer`` of the chunk with hash ``chunk_hash``."""
-        return f"{self.prefix}/{chunk_hash}/{layer}"
+    def chunk_key(self, chunk_hash: str) -> str:
+        """Key of the object holding every layer of the chunk with hash ``chunk_hash``."""
+        return f"{self.prefix}/{chunk_hash}"

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvpool.master.common import ConfigError
 
-__all__ = ["LayerLayout", "consecutive_run"]
+__all__ = ["ChunkLayout", "LayerLayout", "consecutive_run"]
 
 
 def consecutive_run(block_ids: list[int]) -> bool:
@@ -108,3 +108,119 @@ class LayerLayout:
             raise ConfigError(f"layer {name}: view exceeds its storage")
         blocks = flat.as_strided((num_blocks, block_bytes), (block_stride, 1), offset)
         return cls(name, index, num_blocks, block_bytes, block_stride, offset, blocks, flat)
+
+
+class ChunkLayout:
+    """Byte layout of one stored chunk: every layer of this worker, layer-major.
+
+    A chunk object is ``[layer][block][block_bytes]``: for each layer (in
+    ``layers`` order) the chunk's ``blocks_per_chunk`` blocks back to back.
+    :meth:`gather` copies the blocks of many chunks into a contiguous staging
+    tensor (one object after another) and :meth:`scatter` copies them back
+    into (other) blocks, both with a few device-side kernels per call, never
+    one copy per block: when every layer lives in one allocation at offsets
+    and strides that are whole blocks (vLLM's layer-outermost and
+    block-outermost layouts), the whole request is ONE ``index_select`` /
+    ``index_copy_`` over a ``[rows, block_bytes]`` view of that allocation;
+    otherwise two kernels per layer.
+    """
+
+    def __init__(self, layers: list[LayerLayout], blocks_per_chunk: int) -> None:
+        import torch
+
+        if not layers:
+            raise ConfigError("no KV layers")
+        self.layers = layers
+        self.bpc = blocks_per_chunk
+        self.device = layers[0].device
+        self.object_bytes = blocks_per_chunk * sum(lay.block_bytes for lay in layers)
+        bb = layers[0].block_bytes
+        self._rows: Any = None  # [rows, bb] view of the one shared allocation
+        same = all(lay.storage.data_ptr() == layers[0].storage.data_ptr()
+                   and lay.storage.numel() == layers[0].storage.numel() for lay in layers)
+        if same and all(lay.block_bytes == bb and lay.offset % bb == 0
+                        and lay.block_stride % bb == 0 for lay in layers):
+            st = layers[0].storage
+            self._rows = st.as_strided((st.numel() // bb, bb), (bb, 1), 0)
+            self._row_off = torch.tensor([lay.offset // bb for lay in layers], dtype=torch.long,
+                                         device=self.device).view(1, -1, 1)
+            self._row_step = torch.tensor([lay.block_stride // bb for lay in layers],
+                                          dtype=torch.long, device=self.device).view(1, -1, 1)
+        # column range of each layer inside one object
+        self._cols: list[tuple[int, int]] = []
+        col = 0
+        for lay in layers:
+            self._cols.append((col, col + blocks_per_chunk * lay.block_bytes))
+            col += blocks_per_chunk * lay.block_bytes
+
+    @property
+    def single_kernel(self) -> bool:
+        """True when gather/scatter are one kernel for all layers."""
+        return self._rows is not None
+
+    def _ids(self, block_ids: list[list[int]]) -> Any:
+        import torch
+
+        for ids in block_ids:
+            if len(ids) != self.bpc:
+                raise ConfigError(f"chunk has {len(ids)} blocks, expected {self.bpc}")
+        nb = self.layers[0].num_blocks
+        if any(not 0 <= b < nb for ids in block_ids for b in ids):
+            raise ConfigError(f"block id outside 0..{nb - 1}")
+        return torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def gather(self, block_ids: list[list[int]], out: Any) -> None:
+        """Copy chunk ``c``'s blocks (``block_ids[c]``) into object ``c`` of ``out``
+        (uint8, >= ``len(block_ids) * object_bytes``, contiguous). Asynchronous
+        on the current stream for CUDA tensors."""
+        import torch
+
+        n = len(block_ids)
+        if n == 0:
+            return
+        idx = self._ids(block_ids)  # [n, bpc]
+        objs = out[: n * self.object_bytes].view(n, self.object_bytes)
+        if self._rows is not None:
+            rows = (self._row_off + idx.view(n, 1, self.bpc) * self._row_step).reshape(-1)
+            torch.index_select(self._rows, 0, rows, out=objs.view(-1, self._rows.shape[1]))
+            return
+        flat = idx.reshape(-1)
+        for lay, (a, b) in zip(self.layers, self._cols, strict=True):
+            objs[:, a:b].copy_(lay.blocks.index_select(0, flat).view(n, b - a))
+
+    def scatter(self, block_ids: list[list[int]], src: Any,
+                ranges: list[tuple[int, int]] | None = None) -> None:
+        """Copy object ``c`` of ``src`` into blocks ``block_ids[c]``; with ``ranges``
+        only blocks ``ranges[c][0] <= j < ranges[c][1]`` of chunk ``c`` are written."""
+        import torch
+
+        n = len(block_ids)
+        if n == 0:
+            return
+        idx = self._ids(block_ids)  # [n, bpc]
+        objs = src[: n * self.object_bytes].view(n, self.object_bytes)
+        sel: Any = None  # positions (chunk * bpc + j) to write, None = all
+        if ranges is not None and any(r != (0, self.bpc) for r in ranges):
+            pos = [c * self.bpc + j for c, (a, b) in enumerate(ranges) for j in range(a, b)]
+            if not pos:
+                return
+            sel = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
+        if self._rows is not None:
+            L = len(self.layers)
+            rows = (self._row_off + idx.view(n, 1, self.bpc) * self._row_step).reshape(-1)
+            data = objs.view(-1, self._rows.shape[1])
+            if sel is not None:  # same positions in every layer
+                lsel = (sel.view(1, -1) // self.bpc * (L * self.bpc)
+                        + torch.arange(L, device=self.device).view(-1, 1) * self.bpc
+                        + sel.view(1, -1) % self.bpc).reshape(-1)
+                rows, data = rows.index_select(0, lsel), data.index_select(0, lsel)
+            self._rows.index_copy_(0, rows, data)
+            return
+        flat = idx.reshape(-1)
+        if sel is not None:
+            flat = flat.index_select(0, sel)
+        for lay, (a, b) in zip(self.layers, self._cols, strict=True):
+            part = objs[:, a:b].reshape(n * self.bpc, lay.block_bytes)
+            if sel is not None:
+                part = part.index_select(0, sel)
+            lay.blocks.index_copy_(0, flat, part)

@@ -128,10 +128,6 @@ class KVPoolScheduler:
         self._reqs: dict[str, _ReqState] = {}
         self._loads: list[LoadSpec] = []
         self._async_loading: set[str] = set()  # async loads not reported done yet
-        if cfg.lookup_all_layers or num_layers <= 2:
-            self._check_layers = list(range(num_layers))
-        else:  # first and last layer: saves write every layer in one batch
-            self._check_layers = [0, num_layers - 1]
         self._shards = [keys.for_shard(s) for s in range(keys.num_shards)]
 
     # ------------------------------------------------------------ lookup
@@ -147,11 +143,11 @@ class KVPoolScheduler:
         hashes = self.keys.chunk_hashes(prompt_token_ids[: n * self.keys.chunk_size])
         hit = 0
         if n and min(n * self.keys.chunk_size, limit) > num_computed_tokens:
-            keys = [ks.object_key(h, layer) for h in hashes for ks in self._shards
-                    for layer in self._check_layers]
+            # one object per (chunk, shard) holds every layer
+            keys = [ks.chunk_key(h) for h in hashes for ks in self._shards]
             try:
                 exists = self.store.batch_exists(keys)
-                hit = leading_hits(exists, len(self._shards) * len(self._check_layers))
+                hit = leading_hits(exists, len(self._shards))
             except Exception as exc:  # the store never fails a request: a miss
                 if not isinstance(exc, StoreUnavailable | KVPoolError):
                     log.warning("kvpool lookup failed (treated as a miss): %r", exc)

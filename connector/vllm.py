@@ -217,7 +217,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Record the paged KV tensors and register them with kvpool (zero-copy)."""
+        """Record the paged KV tensors (their block layout) for the worker's copies."""
         assert self._worker is not None
         index = {n: i for i, n in enumerate(self.layer_names)}
         for n in kv_caches:

@@ -50,15 +50,15 @@ def test_hash_is_stable_across_processes() -> None:
     assert outs == {KS.chunk_hashes(list(range(200)))[-1]}
 
 
-def test_key_names_namespace_and_layer() -> None:
+def test_key_names_namespace() -> None:
     h = KS.chunk_hashes(list(range(64)))[0]
-    k = KS.object_key(h, 3)
-    assert k == f"kvpool/v1/org_My_Model/bfloat16/b16/c64/kv0of1/{h}/3"
+    k = KS.chunk_key(h)
+    assert k == f"kvpool/v2/org_My_Model/bfloat16/b16/c64/kv0of1/{h}"
     other = KeySpace(model="org/My Model", kv_dtype="float16", block_size=16, chunk_size=64)
     assert other.chunk_hashes(list(range(64)))[0] != h  # dtype is part of the chain seed
-    assert KS.for_shard(0).object_key(h, 3) == k
+    assert KS.for_shard(0).chunk_key(h) == k
     two = KeySpace("m", "bf16", 16, 64, shard=1, num_shards=2)
-    assert "/kv1of2/" in two.object_key(h, 0)
+    assert "/kv1of2/" in two.chunk_key(h)
     assert two.chunk_hashes(range(64)) == two.for_shard(0).chunk_hashes(range(64))
 
 

@@ -50,7 +50,7 @@ def test_lookups_recover_when_the_master_comes_back() -> None:
     with MasterProcess(port=port) as m, NodeDaemonProcess(m.address, memory="8MiB"):
         with Client(ClientConfig(master_address=m.address)) as c:
             for h in ks.chunk_hashes(toks):
-                c.put(ks.object_key(h, 0), b"kv")
+                c.put(ks.chunk_key(h), b"kv")
         time.sleep(0.6)  # retry interval over: the next lookup reconnects
         assert sched.lookup("b", toks, 0) == (64, False)
     store.close()

@@ -45,7 +45,7 @@ def _engine(model: str, master: str, prefix_caching: bool = True, **extra: Any) 
 def _keys(model: str, prompt_ids: list[int], n_chunks: int) -> list[str]:
     ks = KeySpace(model=model, kv_dtype="bfloat16-HNC", block_size=BLOCK, chunk_size=CHUNK)
     hashes = ks.chunk_hashes(prompt_ids)[:n_chunks]
-    return [ks.object_key(h, layer) for h in hashes for layer in range(2)]
+    return [ks.chunk_key(h) for h in hashes]
 
 
 def test_store_hit_prefix_noise_and_master_down(tiny_model: str, pool: tuple[Any, Any]) -> None:

@@ -47,6 +47,10 @@ def _caches(layout: str = "LBHNC", seed: int = 0) -> dict[str, Any]:
     if layout == "BLHNC":  # block outermost: layers of one block are adjacent
         buf = torch.randn(NB, LAYERS, HEADS, BLOCK, 2 * HEAD, generator=g).to(torch.bfloat16)
         return {f"model.layers.{i}.attn": buf[:, i] for i in range(LAYERS)}
+    if layout == "separate":  # one allocation per layer: gathered layer by layer
+        return {f"model.layers.{i}.attn":
+                torch.randn(NB, HEADS, BLOCK, 2 * HEAD, generator=g).to(torch.bfloat16)
+                for i in range(LAYERS)}
     raise ValueError(layout)
 
 
@@ -83,15 +87,46 @@ def test_layout_of_vllm_views() -> None:
     assert consecutive_run([4, 5, 6]) and not consecutive_run([4, 6])
 
 
-@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_chunk_layout_gather_scatter_all_layouts() -> None:
+    """One chunk object = every layer's blocks, layer-major; the single-kernel
+    path (one shared allocation) and the per-layer path agree byte for byte."""
+    import torch
+
+    from kvpool.connector.layout import ChunkLayout
+
+    objs = {}
+    for layout in ("LBHNC", "BLHNC", "separate"):
+        c = _caches(layout, seed=7)
+        lays = [LayerLayout.from_tensor(n, i, t) for i, (n, t) in enumerate(c.items())]
+        cl = ChunkLayout(lays, 2)
+        assert cl.single_kernel == (layout != "separate")
+        assert cl.object_bytes == 2 * LAYERS * lays[0].block_bytes
+        out = torch.zeros(2 * cl.object_bytes, dtype=torch.uint8)
+        cl.gather([[5, 2], [7, 8]], out)
+        for c, ids in enumerate([[5, 2], [7, 8]]):
+            want = torch.cat([lay.blocks[b] for lay in lays for b in ids])
+            assert out[c * cl.object_bytes : (c + 1) * cl.object_bytes].equal(want)
+        objs[layout] = out
+        # scatter object 1 into blocks 0,1 but only its second block (range 1:2)
+        before = [lay.blocks[0].clone() for lay in lays]
+        cl.scatter([[0, 1]], out[cl.object_bytes:], [(1, 2)])
+        for lay, b in zip(lays, before, strict=True):
+            assert lay.blocks[0].equal(b) and lay.blocks[1].equal(lay.blocks[8])
+        with pytest.raises(ConfigError):
+            cl.gather([[0, NB]], out)
+    # same generator sequence: layer-outermost and separate layers hold the same values
+    assert objs["LBHNC"].equal(objs["separate"])
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "separate"])
 def test_save_then_load_into_other_blocks(pool: str, layout: str) -> None:
     src = _caches(layout, seed=1)
     w = _worker(pool, src)
-    chunks = _chunks([[2, 3], [4, 5]], seed=len(layout) + ord(layout[0]))  # consecutive: zero-copy
+    chunks = _chunks([[2, 3], [4, 5]], seed=len(layout) + ord(layout[0]))
     assert w.save([SaveSpec("r", chunks)]) == 2
     tot = w.stats.totals()
     assert tot["saved_bytes"] == 2 * LAYERS * w.keys.blocks_per_chunk * w.layers[0].block_bytes
-    assert (tot["zero_copy_objects"] > 0) == (layout == "LBHNC")
+    assert tot["staged_objects"] == 2 and tot["save_batches"] == 1
     assert w.save([SaveSpec("r", chunks)]) == 0  # already stored: skipped
     assert w.stats.totals()["skipped_chunks"] == 2
     want = _blocks(src, [2, 3, 4, 5])
@@ -99,7 +134,7 @@ def test_save_then_load_into_other_blocks(pool: str, layout: str) -> None:
 
     dst = _caches(layout, seed=2)
     w2 = _worker(pool, dst)
-    # Scattered destination blocks (staged), then a consecutive run (zero-copy).
+    # Scattered destination blocks, then a consecutive run.
     load = [ChunkRef(c.index, c.hash, b) for c, b in zip(chunks, [[9, 1], [12, 13]], strict=True)]
     res = w2.load(LoadSpec("q", load))
     assert res.failed_block_ids == set() and res.loaded_chunks == 2
@@ -176,5 +211,34 @@ def test_async_saves_and_loads_reported_by_get_finished(pool: str) -> None:
     assert w2.take_load_errors() == set()
     assert all(a.equal(b) for a, b in zip(_blocks(src, [0, 1]), _blocks(dst, [3, 4]),
                                           strict=True))
+    w.close()
+    w2.close()
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "separate"])
+def test_groups_smaller_than_request_and_partial_group_failure(pool: str, layout: str) -> None:
+    """staging_mib below the request: chunks move in groups (one store batch
+    each); a chunk missing inside a group fails alone, the others land."""
+    src = _caches(layout, seed=11)
+    w = _worker(pool, src, staging_mib=0.1)  # 2 chunk objects of 48 KiB per group
+    assert w._group_size() == 2
+    chunks = _chunks([[0, 1], [2, 3], [4, 5]], seed=900 + len(layout))
+    assert w.save([SaveSpec("r", [chunks[0], chunks[2]])]) == 2
+    assert w.stats.totals()["save_batches"] == 1
+    assert w.save([SaveSpec("r", chunks)]) == 1  # two skipped, one written
+    dst = _caches(layout, seed=12)
+    w2 = _worker(pool, dst, staging_mib=0.1)
+    w.store.call(lambda c: c.remove(w.keys.chunk_key(chunks[1].hash), force=True))
+    load = [ChunkRef(c.index, c.hash, b)
+            for c, b in zip(chunks, [[15, 14], [9, 8], [7, 1]], strict=True)]
+    before = _blocks(dst, [9, 8])
+    res = w2.load(LoadSpec("q", load, skip_blocks=1, last_blocks=1))
+    assert res.failed_block_ids == {9, 8} and res.loaded_chunks == 2
+    assert all(a.equal(b) for a, b in zip(_blocks(src, [1, 4]), _blocks(dst, [14, 7]),
+                                          strict=True))
+    assert all(a.equal(b) for a, b in zip(before, _blocks(dst, [9, 8]), strict=True))
+    untouched = _caches(layout, seed=12)
+    for t, u in zip(dst.values(), untouched.values(), strict=True):
+        assert t[[15, 1]].equal(u[[15, 1]])  # skipped first / not-loaded last blocks
     w.close()
     w2.close()
