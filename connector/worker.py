@@ -145,6 +145,10 @@ class KVPoolWorker:
         t0 = time.perf_counter()
         key = f"{self.keys.prefix}/warmup/{uuid.uuid4().hex}"
         try:
+            assert self.chunk_layout is not None
+            # load the gather/scatter kernels now (CUDA loads modules lazily, ~70 ms
+            # on first use); reads KV blocks only, scatters into scratch memory
+            self.chunk_layout.warm_up(self._staging["save"])
             client.put_from(key, self._staging["save"][:4096])
             client.get_into(key, self._staging["load"][:4096])
             client.remove(key, force=True)

@@ -34,7 +34,7 @@ from kvpool.connector.worker import KVPoolWorker
 
 DEFAULTS: dict[str, Any] = dict(layers=32, blocks=2048, block=16, heads=8, head=128,
                                 chunk_tokens=(256, 1024), stored_gib=1.0, device="cuda",
-                                staging_mib=512, repeat=2)
+                                staging_mib=(512,), repeat=2)
 
 
 def _sync(torch: Any, device: str) -> None:
@@ -81,7 +81,9 @@ def _check_one(torch: Any, w: KVPoolWorker, kv: Any, chunk_tokens: int, block: i
     best["load_GBps"] = max(r["load_GBps"] for r in rounds)
     best["bytes_equal"] = all(r["bytes_equal"] for r in rounds)
     best["failed_blocks"] = sum(r["failed_blocks"] for r in rounds)
-    best["rounds"] = [{k: round(r[k], 2) for k in ("save_GBps", "load_GBps")} for r in rounds]
+    best["rounds"] = [{k: round(r[k], 4) for k in ("save_GBps", "load_GBps", "save_s",
+                                                  "save_store_s", "load_s", "load_store_s")}
+                      for r in rounds]
     return best
 
 
@@ -101,14 +103,33 @@ def _round(torch: Any, w: KVPoolWorker, kv: Any, chunk_tokens: int, block: int,
     src = [ChunkRef(i, h, src_ids[i * bpc : (i + 1) * bpc]) for i, h in enumerate(hashes)]
     dst = [ChunkRef(i, h, dst_ids[i * bpc : (i + 1) * bpc]) for i, h in enumerate(hashes)]
     nbytes = n_chunks * w.chunk_bytes
-    _sync(torch, device)
-    t0 = time.perf_counter()
-    written = w.save([SaveSpec("gpu-check", src)])
-    t_save = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    res = w.load(LoadSpec("gpu-check", dst))
-    _sync(torch, device)
-    t_load = time.perf_counter() - t0
+    # time spent inside store calls (RPCs + copies); the rest is gather/scatter
+    store_s = [0.0]
+    calls = [0]
+    orig = w.store.call
+
+    def timed(fn: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return orig(fn)
+        finally:
+            store_s[0] += time.perf_counter() - t
+            calls[0] += 1
+
+    w.store.call = timed  # type: ignore[method-assign]
+    try:
+        _sync(torch, device)
+        t0 = time.perf_counter()
+        written = w.save([SaveSpec("gpu-check", src)])
+        t_save = time.perf_counter() - t0
+        save_store_s, save_calls = store_s[0], calls[0]
+        store_s[0], calls[0] = 0.0, 0
+        t0 = time.perf_counter()
+        res = w.load(LoadSpec("gpu-check", dst))
+        _sync(torch, device)
+        t_load = time.perf_counter() - t0
+    finally:
+        w.store.call = orig  # type: ignore[method-assign]
     s_idx = torch.tensor(src_ids, device=device)
     d_idx = torch.tensor(dst_ids, device=device)
     ok = bool(torch.equal(kv.index_select(1, s_idx), kv.index_select(1, d_idx)))
@@ -118,6 +139,8 @@ def _round(torch: Any, w: KVPoolWorker, kv: Any, chunk_tokens: int, block: int,
         "written_chunks": written, "loaded_chunks": res.loaded_chunks,
         "failed_blocks": len(res.failed_block_ids), "bytes_equal": ok,
         "save_GBps": nbytes / t_save / 1e9, "load_GBps": nbytes / t_load / 1e9,
+        "save_s": t_save, "save_store_s": save_store_s, "save_store_calls": save_calls,
+        "load_s": t_load, "load_store_s": store_s[0], "load_store_calls": calls[0],
     }
 
 
@@ -146,15 +169,17 @@ def run(report: dict[str, Any], **overrides: Any) -> None:
     page = N * H * C * 2
     store_bytes = int(p["stored_gib"] * (1 << 30))
     pool_bytes = int(store_bytes * 2.5) + (64 << 20)
+    mibs = p["staging_mib"]
+    mibs = [mibs] if isinstance(mibs, int | float) else list(mibs)
     with MasterProcess() as m, NodeDaemonProcess(m.address, memory=pool_bytes,
                                                  start_timeout_s=120) as _d:
-        for ct in p["chunk_tokens"]:
+        for ct, mib in [(ct, mib) for ct in p["chunk_tokens"] for mib in mibs]:
             n_chunks = max(1, store_bytes // (L * page * (ct // N)))
             if 2 * n_chunks * (ct // N) > B:
                 n_chunks = B // (2 * (ct // N))
             ks = KeySpace("gpu-check", "bfloat16", N, ct)
             cfg = ConnectorConfig(master_address=m.address, chunk_size=ct,
-                                  staging_mib=p["staging_mib"])
+                                  staging_mib=mib)
             w = KVPoolWorker(cfg, ks, StoreAccess(cfg))
             w.register_kv_caches(caches)
             res.setdefault("warmup_s", []).append(w.warmup_s)
@@ -162,6 +187,7 @@ def run(report: dict[str, Any], **overrides: Any) -> None:
                 for scattered in (False, True):
                     r = _check_one(torch, w, kv_bytes, ct, N, n_chunks, scattered, ct,
                                    device, p["repeat"])
+                    r["staging_mib"] = mib
                     r["single_kernel_gather"] = bool(w.chunk_layout
                                                      and w.chunk_layout.single_kernel)
                     pin = _pinned(torch, r["bytes"], r["object_bytes"], device=device)
@@ -169,7 +195,8 @@ def run(report: dict[str, Any], **overrides: Any) -> None:
                     r["save_vs_pinned_d2h"] = r["save_GBps"] / pin["d2h"]
                     r["load_vs_pinned_h2d"] = r["load_GBps"] / pin["h2d"]
                     res.setdefault("cases", []).append(r)
-                    print(f"connector chunk={ct} scattered={scattered}: save {r['save_GBps']:.1f}"
+                    print(f"connector chunk={ct} staging={mib}MiB scattered={scattered}: save "
+                          f"{r['save_GBps']:.1f}"
                           f" GB/s ({r['save_vs_pinned_d2h']:.2f}x pinned D2H), load "
                           f"{r['load_GBps']:.1f} GB/s ({r['load_vs_pinned_h2d']:.2f}x pinned H2D),"
                           f" bytes_equal={r['bytes_equal']} rounds={r['rounds']}")
@@ -196,7 +223,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=DEFAULTS["blocks"])
     ap.add_argument("--stored-gib", type=float, default=DEFAULTS["stored_gib"])
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run")
-    ap.add_argument("--staging-mib", type=float, default=DEFAULTS["staging_mib"])
+    ap.add_argument("--staging-mib", type=float, nargs="+", default=DEFAULTS["staging_mib"],
+                    help="staging buffer sizes to run (MiB each)")
     ap.add_argument("--repeat", type=int, default=DEFAULTS["repeat"])
     a = ap.parse_args()
     report: dict[str, Any] = {}

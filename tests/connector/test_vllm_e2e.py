@@ -65,8 +65,8 @@ def test_store_hit_prefix_noise_and_master_down(tiny_model: str, pool: tuple[Any
         # Keys recomputed in this process match the engine's (deterministic hashing).
         assert c.batch_exists(keys) == [True] * len(keys)
         sizes = [c.get_size(k) for k in keys]
-    # KV of 2 blocks x 4 heads x 32 tokens x (2*32) x bf16 per layer per chunk.
-    assert sizes == [2 * 4 * 32 * 64 * 2] * len(keys)
+    # One object per chunk: 2 layers x 2 blocks x 4 heads x 32 tokens x (2*32) x bf16.
+    assert sizes == [2 * 2 * 4 * 32 * 64 * 2] * len(keys)
 
     # 2. A fresh engine (own prefix cache off, so every hit is kvpool's).
     with _engine(tiny_model, master.address, prefix_caching=False) as e2:

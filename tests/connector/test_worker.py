@@ -114,6 +114,9 @@ def test_chunk_layout_gather_scatter_all_layouts() -> None:
             assert lay.blocks[0].equal(b) and lay.blocks[1].equal(lay.blocks[8])
         with pytest.raises(ConfigError):
             cl.gather([[0, NB]], out)
+        kept = [lay.blocks.clone() for lay in lays]
+        cl.warm_up(torch.empty(cl.object_bytes, dtype=torch.uint8))  # writes no block
+        assert all(lay.blocks.equal(k) for lay, k in zip(lays, kept, strict=True))
     # same generator sequence: layer-outermost and separate layers hold the same values
     assert objs["LBHNC"].equal(objs["separate"])
 
