@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import itertools
 import os
 import struct
 import threading
@@ -72,6 +71,7 @@ _PERSON = b"kvpool-cap-v2"  # BLAKE2 personalization: domain separation
 _HEADER = struct.Struct(">BBHQQQ8s")
 _HEADER_FAST = struct.Struct(">BBHQQQQ")  # the same layout, nonce packed from an int
 _U64 = (1 << 64) - 1
+_PACK = _HEADER_FAST.pack
 _MIN_LENGTH = _HEADER.size + TAG_LENGTH
 
 
@@ -282,25 +282,19 @@ class CapabilitySigner:
             raise KVPoolError("capability ttl_ms must be > 0", ErrorCode.INVALID_PARAMS)
         self.ttl_ms = ttl_ms
         self._keys: dict[str, bytes] = {}
-        # segment id -> (keyed MAC state, utf-8 id) for grant_fast
-        self._states: dict[str, tuple[Any, bytes]] = {}
-        # READ grants of hot objects are reused while at least half their
-        # lifetime is left: segment id -> {(offset, length): (expiry, token)}
-        self._cache: dict[str, dict[tuple[int, int], tuple[int, bytes]]] = {}
-        self.cache_hits = 0
+        # segment id -> (keyed MAC state, utf-8 id, its length) for grant_fast
+        self._states: dict[str, tuple[Any, bytes, int]] = {}
         self._lock = threading.Lock()
         # nonces only make two grants of one range distinct: a counter from a
         # random start is enough and saves a getrandom() per token
-        self._nonce = itertools.count(int.from_bytes(os.urandom(8), "big") >> 1)
-        self.granted = 0
+        self._n0 = self._n = int.from_bytes(os.urandom(8), "big") >> 2
 
     def _install(self, segment_id: str, key: bytes) -> None:
         seg = segment_id.encode()
         if not seg or len(seg) > MAX_SEGMENT_ID_LENGTH:
             raise KVPoolError("capability segment id empty or too long", ErrorCode.INVALID_PARAMS)
         self._keys[segment_id] = key
-        self._states[segment_id] = (_mac_state(key), seg)
-        self._cache.pop(segment_id, None)
+        self._states[segment_id] = (_mac_state(key), seg, len(seg))
 
     def key_for(self, segment_id: str) -> bytes:
         """The segment's key, created on first use (hand it to the owner at mount)."""
@@ -327,7 +321,6 @@ class CapabilitySigner:
         with self._lock:
             self._keys.pop(segment_id, None)
             self._states.pop(segment_id, None)
-            self._cache.pop(segment_id, None)
 
     def expiry(self, ttl_ms: int | None = None) -> int:
         """The expiry (epoch ms) of a grant made now."""
@@ -341,33 +334,16 @@ class CapabilitySigner:
         st = self._states.get(segment_id)
         if st is None:
             return b""
-        state, seg = st
-        body = _HEADER_FAST.pack(TOKEN_VERSION, op, len(seg), offset, length, expiry_ms,
-                                 next(self._nonce) & _U64) + seg
-        h = state.copy()
+        self._n += 1
+        body = _PACK(TOKEN_VERSION, op, st[2], offset, length, expiry_ms, self._n & _U64) + st[1]
+        h = st[0].copy()
         h.update(body)
-        self.granted += 1
         return body + h.digest()
 
-    def grant_read(self, segment_id: str, offset: int, length: int, now_ms: int) -> bytes:
-        """A READ token for ``[offset, offset+length)`` valid at least ``ttl_ms/2``
-        from ``now_ms``: a cached one when still fresh enough (hot objects are
-        read again and again), else a new one valid ``ttl_ms``."""
-        cache = self._cache.get(segment_id)
-        if cache is None:
-            if segment_id not in self._states:
-                return b""
-            cache = self._cache[segment_id] = {}
-        hit = cache.get((offset, length))
-        if hit is not None and hit[0] - now_ms >= self.ttl_ms >> 1:
-            self.cache_hits += 1
-            return hit[1]
-        if len(cache) >= 65536:  # bound the memory; rebuilt by the hot set
-            cache.clear()
-        exp = now_ms + self.ttl_ms
-        token = self.grant_fast(segment_id, offset, length, CapOp.READ, exp)
-        cache[(offset, length)] = (exp, token)
-        return token
+    @property
+    def granted(self) -> int:
+        """Tokens signed by grant_fast so far."""
+        return self._n - self._n0
 
     def grant(self, segment_id: str, offset: int, length: int, op: CapOp | Any,
               ttl_ms: int | None = None) -> bytes:
