@@ -68,6 +68,10 @@ class MasterConfig:
     # loop pass gets TOO_MANY_REQUESTS for the excess (back-pressure: its
     # ZeroMQ pipe is also bounded, so a flood stalls in TCP, not in RAM)
     max_inflight_per_client: int = 128
+    # same-host RPC over a Unix socket (kvpool.master.local_rpc): ~4x shorter
+    # round trips than ZeroMQ for clients on this host. "auto": a 0600 socket in
+    # $TMPDIR unless CURVE is on; "off"; or an explicit path.
+    local_socket: str = "auto"
     # ZeroMQ CURVE on the RPC socket (kvpool.master.auth; docs/security.md):
     # auto = off on loopback binds, required on any other bind
     curve: CurveConfig = field(default_factory=CurveConfig)

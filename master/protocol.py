@@ -41,6 +41,8 @@ Op reference (args -> result). ``client_id`` identifies the calling process
 - STATS {} -> {uptime_s, objects, bytes_used, bytes_capacity, segments: int, ...}
 - LIST_SEGMENTS {} -> {segments: [SegmentDescriptor + {used, capacity, fragmentation}]}
 - GET_SEGMENTS {segment_ids: [str]} -> {segments: {id: SegmentDescriptor}}
+- LOCAL_ENDPOINT {} -> {path: str, instance: str} (the master's same-host Unix
+  socket, :mod:`kvpool.master.local_rpc`; ``{}`` when it has none)
 - TIER_TASK_DONE {client_id, task_id, ok, error=""} -> {} (SSD tier, issue 5: a node
   reports a copy task it got in a PING reply; OBJECT_NOT_FOUND for an unknown or
   expired task). PING replies then carry ``tasks: [{id, kind (1 offload, 2
@@ -96,6 +98,7 @@ class Op(IntEnum):
     STATS = 50
     LIST_SEGMENTS = 51
     GET_SEGMENTS = 52
+    LOCAL_ENDPOINT = 53
     TIER_TASK_DONE = 60
 
 

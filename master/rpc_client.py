@@ -3,12 +3,21 @@
 Thread-safe: one DEALER socket guarded by a lock; every call has a timeout.
 A timed-out call closes and recreates the socket so a late reply can never be
 taken as the answer to a later request.
+
+Same-host fast path (``local="auto"``, the default): after the first
+successful call the client asks the master for its Unix socket
+(``Op.LOCAL_ENDPOINT``, :mod:`kvpool.master.local_rpc`) and, when that
+socket answers with the same master instance, sends every later call over
+it (~4x shorter round trips than ZeroMQ). If it breaks (master restarted),
+calls go over ZeroMQ again and the socket is looked up anew. Never used with
+CURVE (``local="off"`` forces ZeroMQ).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 import time
 from typing import Any
@@ -16,6 +25,7 @@ from typing import Any
 import zmq
 
 from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.master.local_rpc import HEADER
 from kvpool.master.protocol import Op, decode_frame, encode_frame
 
 __all__ = ["MasterClient", "MasterRPCError"]
@@ -35,6 +45,14 @@ def normalize_address(address: str) -> str:
     return f"tcp://{address}"
 
 
+def _unsent(exc: BaseException) -> bool:
+    """Whether a local-socket failure happened before the request left (EPIPE /
+    reset on send): safe to send it again over ZeroMQ."""
+    cause = exc.__cause__
+    return isinstance(cause, BrokenPipeError | ConnectionRefusedError) or (
+        isinstance(cause, ConnectionResetError) and "closed the local" not in str(cause))
+
+
 class MasterClient:
     """Synchronous RPC stub: ``call(op, **args) -> result dict``.
 
@@ -49,7 +67,10 @@ class MasterClient:
         context: zmq.Context | None = None,
         curve_server_key: bytes | None = None,
         curve_keypair: tuple[bytes, bytes] | None = None,
+        local: str = "auto",
     ) -> None:
+        if local not in ("auto", "off"):
+            raise ValueError(f"local must be 'auto' or 'off', not {local!r}")
         self.address = normalize_address(address)
         self.timeout_s = timeout_s
         self._ctx = context or zmq.Context.instance()
@@ -59,6 +80,109 @@ class MasterClient:
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         self._closed = False
+        # same-host Unix socket (see module docstring)
+        self._local_on = local == "auto" and curve_server_key is None
+        self._usock: socket.socket | None = None
+        self._zmq_ok = 0  # successful ZeroMQ calls since the last lookup
+        self._next_lookup = 0.0
+        self.local_calls = 0
+        self._rbuf = bytearray(64 << 10)
+
+    @property
+    def local(self) -> bool:
+        """Whether calls currently go over the master's Unix socket."""
+        return self._usock is not None
+
+    def _local_socket(self) -> socket.socket | None:
+        """The Unix socket to the same master, looked up once the master
+        has answered over ZeroMQ (so a one-shot client never pays for it)."""
+        if self._usock is not None or not self._local_on:
+            return self._usock
+        if self._zmq_ok == 0 or time.monotonic() < self._next_lookup:
+            return None
+        self._next_lookup = time.monotonic() + 5.0  # at most one lookup per 5 s
+        try:
+            info = self._call_zmq(Op.LOCAL_ENDPOINT, {}, min(self.timeout_s, 1.0))
+            if int(info.get("code", -1)) != ErrorCode.OK:
+                return None  # an older master: no such op
+            res = info.get("result") or {}
+            path, instance = res.get("path"), res.get("instance")
+            if not path or not instance:
+                return None
+            us = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                us.settimeout(1.0)
+                us.connect(path)  # fails where the path is on another host
+                self._usock = us
+                check = self._call_local(Op.LOCAL_ENDPOINT, {}, 1.0)
+            except BaseException:
+                self._drop_local()
+                us.close()
+                raise
+            if (check.get("result") or {}).get("instance") != instance:
+                self._drop_local()  # another master's socket at that path
+                return None
+            log.debug("master %s: using local socket %s", self.address, path)
+            return us
+        except (OSError, KVPoolError) as exc:
+            log.debug("master %s: no local socket (%s)", self.address, exc)
+            return None
+
+    def _drop_local(self) -> None:
+        if self._usock is not None:
+            self._usock.close()
+            self._usock = None
+            self._zmq_ok = 0
+
+    def _call_local(self, op: Op, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One request/reply over the Unix socket; returns the reply map.
+        Raises RPC_TIMEOUT / RPC_FAIL (the socket is then dropped, so a late
+        reply is never read as another call's)."""
+        us = self._usock
+        assert us is not None
+        req_id = next(self._ids)
+        payload = encode_frame({"op": int(op), "id": req_id, "args": args})
+        deadline = time.monotonic() + timeout
+        rbuf = self._rbuf
+        try:
+            us.settimeout(timeout)
+            us.sendall(len(payload).to_bytes(HEADER, "little") + payload)
+            # most replies fit the reusable buffer in one recv_into (no allocation)
+            got = us.recv_into(rbuf)
+            buf: bytearray | memoryview = memoryview(rbuf)[:got]
+            need = HEADER + int.from_bytes(rbuf[:HEADER], "little") if got >= HEADER else HEADER
+            if got < need:
+                buf = bytearray(buf)
+            while len(buf) < need:
+                if not got:
+                    raise ConnectionResetError("master closed the local socket")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                us.settimeout(remaining)
+                chunk = us.recv(max(65536, need - len(buf)))
+                got = len(chunk)
+                assert isinstance(buf, bytearray)
+                buf += chunk
+                if need == HEADER and len(buf) >= HEADER:
+                    need = HEADER + int.from_bytes(buf[:HEADER], "little")
+        except TimeoutError as exc:
+            self._drop_local()
+            raise MasterRPCError(
+                f"{op.name}: no reply from master {self.address} within {timeout:.1f}s",
+                ErrorCode.RPC_TIMEOUT) from exc
+        except OSError as exc:
+            self._drop_local()
+            raise MasterRPCError(f"{op.name}: local socket to master {self.address}: {exc}",
+                                 ErrorCode.RPC_FAIL) from exc
+        reply = decode_frame(memoryview(buf)[HEADER:need] if isinstance(buf, bytearray)
+                             else buf[HEADER:need])
+        if not isinstance(reply, dict) or reply.get("id") != req_id:
+            self._drop_local()
+            raise MasterRPCError(f"{op.name}: unexpected reply on the local socket",
+                                 ErrorCode.RPC_FAIL)
+        self.local_calls += 1
+        return reply
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -87,39 +211,54 @@ class MasterClient:
             raise MasterRPCError("master client is closed", ErrorCode.CLOSED)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            req_id = next(self._ids)
-            sock = self._socket()
-            try:
-                sock.send(encode_frame({"op": int(op), "id": req_id, "args": args}), zmq.NOBLOCK)
-            except zmq.Again as exc:
-                self._reset()
-                raise MasterRPCError(
-                    f"cannot send to master {self.address}", ErrorCode.RPC_FAIL
-                ) from exc
-            deadline = time.monotonic() + timeout
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
-                    self._reset()
-                    raise MasterRPCError(
-                        f"{op.name}: no reply from master {self.address} within {timeout:.1f}s",
-                        ErrorCode.RPC_TIMEOUT,
-                    )
-                frames = sock.recv_multipart()
-                reply = decode_frame(frames[-1])
-                if not isinstance(reply, dict) or reply.get("id") != req_id:
-                    continue  # a stale reply to an earlier, timed-out request
-                break
+            reply: dict[str, Any] | None = None
+            if self._local_on and self._local_socket() is not None:
+                try:
+                    reply = self._call_local(op, args, timeout)
+                except MasterRPCError as exc:
+                    if exc.code != ErrorCode.RPC_FAIL or not _unsent(exc):
+                        raise
+                    reply = None  # the master went away before it got the request
+            if reply is None:
+                reply = self._call_zmq(op, args, timeout)
+                self._zmq_ok += 1
         code = int(reply.get("code", ErrorCode.INTERNAL_ERROR))
         if code != ErrorCode.OK:
             raise MasterRPCError(f"{op.name}: {reply.get('error', '')}", code)
         result = reply.get("result")
         return result if isinstance(result, dict) else {}
 
+    def _call_zmq(self, op: Op, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One request/reply over the DEALER socket (lock held); the reply map."""
+        req_id = next(self._ids)
+        sock = self._socket()
+        try:
+            sock.send(encode_frame({"op": int(op), "id": req_id, "args": args}), zmq.NOBLOCK)
+        except zmq.Again as exc:
+            self._reset()
+            raise MasterRPCError(
+                f"cannot send to master {self.address}", ErrorCode.RPC_FAIL
+            ) from exc
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                self._reset()
+                raise MasterRPCError(
+                    f"{op.name}: no reply from master {self.address} within {timeout:.1f}s",
+                    ErrorCode.RPC_TIMEOUT,
+                )
+            frames = sock.recv_multipart()
+            reply = decode_frame(frames[-1])
+            if not isinstance(reply, dict) or reply.get("id") != req_id:
+                continue  # a stale reply to an earlier, timed-out request
+            return reply
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._reset()
+            self._drop_local()
 
     def __enter__(self) -> MasterClient:
         return self

@@ -38,6 +38,7 @@ from kvpool.master.journal import (
     list_snapshots,
     read_journal,
 )
+from kvpool.master.local_rpc import LocalRpcServer, default_socket_path
 from kvpool.master.protocol import Op, SegmentDescriptor, SegmentKind, decode_frame, encode_frame
 from kvpool.master.tiering import TieringPolicy
 
@@ -172,6 +173,16 @@ class MasterServer:
         else:
             self.sock.bind(f"tcp://{cfg.host}:{cfg.port}")
             self.port = cfg.port
+        # same-host clients: a Unix socket served from the loop (local_rpc)
+        self.local_rpc: LocalRpcServer | None = None
+        local = cfg.local_socket
+        if local == "auto":
+            local = "off" if self._auth is not None else default_socket_path(self.port)
+        if local and local != "off":
+            try:
+                self.local_rpc = LocalRpcServer(local, cfg.max_frame_size)
+            except OSError as exc:
+                log.warning("no local socket at %s (%s); same-host clients use tcp", local, exc)
         self._http: ThreadingHTTPServer | None = None
         self.metrics_port = 0
         if cfg.metrics_port:
@@ -391,11 +402,18 @@ class MasterServer:
         inflight_limit = self.cfg.max_inflight_per_client
         journal = self.journal
         d = self.dir
+        local = self.local_rpc
+        if local is not None:
+            local.register(poller)
+
+        def local_too_many(payload: bytes) -> bytes:
+            return (self._too_many([b"", payload]) or [b""])[-1]
         next_expiry = next_sweep = next_freeze = time.monotonic()
         while not self._stop:
             timeout = 0 if (d.purge_pending or d.evicting
                             or self._snapshot is not None) else 50
-            if not poller.poll(timeout):
+            events = poller.poll(timeout)
+            if not events:
                 replies: list[list[bytes]] = []
             else:
                 t_start = time.perf_counter()
@@ -415,6 +433,8 @@ class MasterServer:
                         out = handle(frames)
                     if out is not None:
                         replies.append(out)
+                local_replies = local.serve(events, self.handle_payload, local_too_many,
+                                            inflight_limit) if local is not None else None
                 if journal is not None and d.records:
                     journal.append_many(d.records)
                     d.records.clear()
@@ -426,6 +446,8 @@ class MasterServer:
                         send(r, zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass  # peer gone / HWM: the client times out and retries
+                if local_replies:
+                    local.send_all(local_replies)  # type: ignore[union-attr]
                 loop_ms = (time.perf_counter() - t_start) * 1000
                 if loop_ms > self.max_loop_ms:
                     self.max_loop_ms = loop_ms
@@ -477,6 +499,9 @@ class MasterServer:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+        if self.local_rpc is not None:
+            self.local_rpc.close()
+            self.local_rpc = None
         self.sock.close(0)
         if self._auth is not None:
             self._auth.close()
@@ -657,6 +682,11 @@ class MasterServer:
             out.append(w)
         return {"segments": out}
 
+    def _op_local_endpoint(self, args: dict[str, Any]) -> dict[str, Any]:
+        if self.local_rpc is None:
+            return {}
+        return {"path": self.local_rpc.path, "instance": self.local_rpc.instance}
+
     def _op_stats(self, args: dict[str, Any]) -> dict[str, Any]:
         s = self.dir.stats()
         s.update(self.tiering.stats())
@@ -677,6 +707,8 @@ class MasterServer:
                  restored_objects=self.restored_objects,
                  max_loop_ms=self.max_loop_ms,
                  journal_seq=self.journal.seq if self.journal else None,
+                 local_rpc_requests=self.local_rpc.requests if self.local_rpc else 0,
+                 local_rpc_connections=self.local_rpc.connections if self.local_rpc else 0,
                  pid=os.getpid())
         return s
 

@@ -1,0 +1,249 @@
+"""Same-host fast path for master RPC: a Unix-domain stream socket.
+
+A ZeroMQ round trip crosses four threads (client app -> client I/O thread ->
+master I/O thread -> master loop, and back); on a loaded 2-core host that is
+~100 µs, ~45 µs idle. A Unix stream socket served directly from the master's
+poll loop crosses two (~12 µs measured here). A put is two round trips
+(PUT_START, PUT_END), so this is most of a small put's latency.
+
+Wire format: the master's own request/reply payloads (msgpack, see
+:mod:`kvpool.master.protocol`), each prefixed with its length as 4 bytes
+little-endian. One connection carries one request at a time per client
+(:class:`~kvpool.master.rpc_client.MasterClient` holds a lock).
+
+Discovery: ``Op.LOCAL_ENDPOINT`` over ZeroMQ answers ``{path, instance}``;
+the client connects to ``path`` and repeats the op over the socket, and uses
+it only when the ``instance`` matches (the same master process). Access is
+the file's mode (0600: the master's user only); the master does not open it
+when CURVE is on (``local_socket: auto``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvpool.master.errors import ErrorCode
+from kvpool.master.protocol import encode_frame
+
+__all__ = ["HEADER", "LocalRpcServer", "default_socket_path"]
+
+log = logging.getLogger(__name__)
+
+HEADER = 4  # bytes of the little-endian length prefix
+_RECV = 256 << 10  # read buffer (recv(n) would allocate n bytes per call)
+_MAX_OUT = 256 << 20  # a client that does not read its replies is dropped
+_MAX_CONNS = 4096
+# plain ints: enum arithmetic costs ~1 µs per operation on the hot path
+_POLLIN, _POLLOUT, _POLLERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)
+
+
+def default_socket_path(port: int) -> str:
+    """``$TMPDIR/kvpool-master-<uid>-<port>.sock``."""
+    return os.path.join(tempfile.gettempdir(), f"kvpool-master-{os.getuid()}-{port}.sock")
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    inbuf: bytearray = field(default_factory=bytearray)
+    outbuf: bytearray = field(default_factory=bytearray)
+    closing: bool = False  # answered a frame it cannot resync past: close after the reply
+
+
+class LocalRpcServer:
+    """The listening socket and its connections, driven by the master loop.
+
+    ``register(poller)`` adds the listener to the loop's ``zmq.Poller``;
+    ``serve(events, handle, too_many, limit)`` accepts, reads and answers
+    every complete request among the poll events, returning the replies
+    (sent by ``send_all`` once the journal is committed, as for ZeroMQ).
+    ``close()`` closes everything and unlinks the path.
+    """
+
+    def __init__(self, path: str, max_frame_size: int) -> None:
+        self.path = path
+        self.max_frame = max_frame_size
+        self.instance = uuid.uuid4().hex
+        self._poller: zmq.Poller | None = None
+        self._conns: dict[int, _Conn] = {}
+        self.requests = 0
+        self._rbuf = bytearray(_RECV)
+        self._rview = memoryview(self._rbuf)
+        self._claim_path(path)
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            old = os.umask(0o177)  # the socket file is created 0600
+            try:
+                lst.bind(path)
+            finally:
+                os.umask(old)
+            lst.listen(128)
+            lst.setblocking(False)
+        except BaseException:
+            lst.close()
+            raise
+        self._listener = lst
+        self._lfd = lst.fileno()
+
+    @staticmethod
+    def _claim_path(path: str) -> None:
+        """Remove a stale socket file; refuse to take a live master's."""
+        if not os.path.lexists(path):
+            return
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(0.5)
+            probe.connect(path)
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK):
+                os.unlink(path)  # left behind by a master that died
+                return
+            raise
+        finally:
+            probe.close()
+        raise OSError(errno.EADDRINUSE, f"another master serves {path}")
+
+    def register(self, poller: zmq.Poller) -> None:
+        self._poller = poller
+        poller.register(self._lfd, zmq.POLLIN)
+
+    def _close_conn(self, fd: int) -> None:
+        c = self._conns.pop(fd, None)
+        if c is None:
+            return
+        if self._poller is not None:
+            self._poller.unregister(fd)
+        c.sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                s, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("local rpc accept: %s", exc)
+                return
+            if len(self._conns) >= _MAX_CONNS:
+                s.close()
+                continue
+            s.setblocking(False)
+            fd = s.fileno()
+            self._conns[fd] = _Conn(s)
+            if self._poller is not None:
+                self._poller.register(fd, zmq.POLLIN)
+
+    def serve(self, events: list[tuple[Any, int]], handle: Callable[[bytes], bytes],
+              too_many: Callable[[bytes], bytes], limit: int) -> list[tuple[_Conn, bytes]]:
+        """Handle this poll round's events; return ``(conn, reply)`` pairs."""
+        out: list[tuple[_Conn, bytes]] = []
+        for fd, ev in events:
+            if type(fd) is not int:
+                continue  # a ZeroMQ socket: the loop drains those itself
+            if fd == self._lfd:
+                self._accept()
+                continue
+            c = self._conns.get(fd)
+            if c is None:
+                continue
+            if ev & _POLLOUT:
+                self._flush(fd, c)
+            if ev & _POLLIN:
+                try:
+                    got = c.sock.recv_into(self._rbuf)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    got = 0
+                if not got:
+                    self._close_conn(fd)
+                    continue
+                if c.closing:
+                    continue
+                c.inbuf += self._rview[:got]
+                n = 0
+                buf = c.inbuf
+                while len(buf) >= HEADER:
+                    size = int.from_bytes(buf[:HEADER], "little")
+                    if size > self.max_frame:
+                        # cannot resync past a frame we refuse to buffer: answer, then drop
+                        out.append((c, too_large(size)))
+                        buf.clear()
+                        c.closing = True
+                        break
+                    if len(buf) < HEADER + size:
+                        break
+                    payload = bytes(buf[HEADER:HEADER + size])
+                    del buf[:HEADER + size]
+                    n += 1
+                    self.requests += 1
+                    out.append((c, handle(payload) if n <= limit else too_many(payload)))
+            elif ev & _POLLERR:
+                self._close_conn(fd)
+        return out
+
+    def _flush(self, fd: int, c: _Conn) -> None:
+        try:
+            sent = c.sock.send(c.outbuf)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close_conn(fd)
+            return
+        del c.outbuf[:sent]
+        if self._poller is not None and fd in self._conns:
+            self._poller.modify(fd, _POLLIN | (_POLLOUT if c.outbuf else 0))
+
+    def send_all(self, replies: list[tuple[_Conn, bytes]]) -> None:
+        """Queue and send the replies (non-blocking; the rest goes on POLLOUT)."""
+        touched: dict[int, _Conn] = {}
+        for c, reply in replies:
+            fd = c.sock.fileno()
+            if fd < 0 or self._conns.get(fd) is not c:
+                continue  # closed meanwhile
+            c.outbuf += len(reply).to_bytes(HEADER, "little")
+            c.outbuf += reply
+            touched[fd] = c
+        for fd, c in touched.items():
+            had_out = len(c.outbuf)
+            self._flush(fd, c)
+            if c.closing:
+                self._close_conn(fd)
+            elif fd in self._conns and len(c.outbuf) > _MAX_OUT:
+                log.warning("local rpc: client not reading %d bytes of replies; dropped",
+                            had_out)
+                self._close_conn(fd)
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    def close(self) -> None:
+        for fd in list(self._conns):
+            self._close_conn(fd)
+        if self._poller is not None:
+            try:
+                self._poller.unregister(self._lfd)
+            except KeyError:
+                pass
+        self._listener.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def too_large(size: int) -> bytes:
+    """The reply to a frame above ``max_frame_size`` (its id is unknown)."""
+    return encode_frame({"id": None, "code": int(ErrorCode.FRAME_TOO_LARGE), "result": None,
+                         "error": f"frame of {size} bytes exceeds the limit"})
