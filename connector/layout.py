@@ -30,7 +30,7 @@ class LayerLayout:
 
     ``blocks`` is a uint8 view ``[num_blocks, block_bytes]`` (strided when
     blocks are not adjacent); ``storage`` is a flat uint8 tensor over the
-    whole backing allocation (what gets registered for zero-copy);
+    whole backing allocation (what :class:`ChunkLayout` indexes when layers share it);
     ``dense`` is True when block ``b + 1`` starts right after block ``b``, so a
     run of consecutive blocks is one contiguous byte range.
     """

@@ -32,7 +32,7 @@ FIELDS = (
     "save_errors",
     "save_time_s",
     "save_batches",
-    "zero_copy_objects",  # objects moved straight between kvpool and KV blocks
+    "zero_copy_objects",  # kept for compatibility: 0 since chunk objects span layers
     "staged_objects",     # objects that went through a staging buffer
 )
 
