@@ -80,7 +80,7 @@ def test_openai_server_loads_from_kvpool(tiny_model: str) -> None:
                     break
                 time.sleep(0.5)
             assert _metric(metrics, "vllm:kvpool_hit_tokens_total") == 192
-            stored = 3 * 2 * 32768  # chunks x layers x bytes per (chunk, layer) object
+            stored = 3 * 2 * 32768  # chunks x (2 layers x 32 KiB) per chunk object
             assert _metric(metrics, "vllm:kvpool_saved_bytes_total") == stored
             assert _metric(metrics, "vllm:kvpool_loaded_bytes_total") == stored
         finally:
