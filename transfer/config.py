@@ -180,6 +180,10 @@ class ServerConfig:
     capabilities: str = "auto"
     capability_leeway_ms: int = 2000
     max_queued_requests: int = 64
+    #: also serve READ/WRITE payloads over a plain TCP socket that reads/writes
+    #: them in place (kvpool.transfer.bulk; one copy less than ZeroMQ). Never
+    #: opened when the server uses CURVE.
+    bulk: bool = True
 
     def validate(self) -> None:
         if self.capabilities not in ("auto", "on", "off"):

@@ -40,16 +40,18 @@ import zmq
 from kvpool.master.auth import CurveAuthenticator, CurveConfig
 from kvpool.master.errors import ErrorCode, KVPoolError
 from kvpool.master.protocol import decode_frame, encode_frame
+from kvpool.transfer.bulk import BulkServer
 from kvpool.transfer.config import ServerConfig
 from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.types import TransferOp
 
-__all__ = ["OP_PING", "OP_STATS", "CapabilityVerifier", "TransferServer"]
+__all__ = ["OP_BULK", "OP_PING", "OP_STATS", "CapabilityVerifier", "TransferServer"]
 
 log = logging.getLogger(__name__)
 
 OP_PING = 3
 OP_STATS = 4
+OP_BULK = 5  # -> {"bulk": port of the plain-TCP bulk path (transfer.bulk), 0 = none, "max": bytes}
 _MIN_ZERO_COPY = 64 << 10  # below this, copying the frame is cheaper than tracking it
 
 #: (segment, op, offset, length, capability) -> None to allow, or an ErrorCode to refuse.
@@ -106,6 +108,12 @@ class TransferServer:
         self._stop = threading.Event()
         self.requests_served = 0
         self.requests_refused = 0
+        # payloads straight into place over plain TCP (never beside CURVE)
+        self.bulk: BulkServer | None = None
+        if self.config.bulk and not self.curve:
+            self.bulk = BulkServer(bind_host, self._validate, self._count,
+                                   int(self.config.max_header_bytes),
+                                   int(self.config.max_request_bytes))
         self._thread = threading.Thread(target=self._run, name=f"kvpool-xfer-server:{port}",
                                         daemon=True)
         self._thread.start()
@@ -137,6 +145,12 @@ class TransferServer:
     def _drain(self, sock: zmq.Socket) -> None:
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv(copy=False)
+
+    def _count(self, ok: bool) -> None:
+        if ok:
+            self.requests_served += 1
+        else:
+            self.requests_refused += 1
 
     def _reply(self, sock: zmq.Socket, ident: Any, rid: Any, code: ErrorCode, err: str = "",
                payload: Any = None) -> None:
@@ -173,6 +187,13 @@ class TransferServer:
         if op == OP_PING:
             self._drain(sock)
             self._reply(sock, ident, rid, ErrorCode.OK)
+            return
+        if op == OP_BULK:
+            self._drain(sock)
+            sock.send_multipart([ident, encode_frame(
+                {"id": rid, "code": 0, "err": "",
+                 "bulk": self.bulk.port if self.bulk is not None else 0,
+                 "max": int(self.config.max_request_bytes)})])
             return
         if op == OP_STATS:
             self._drain(sock)
@@ -222,7 +243,7 @@ class TransferServer:
 
     def _validate(self, hdr: dict[str, Any]) -> tuple[LocalSegment, int, int, int]:
         op = hdr.get("op")
-        if op == OP_PING or op == OP_STATS:
+        if op == OP_PING or op == OP_STATS or op == OP_BULK:
             return None, op, 0, 0  # type: ignore[return-value]
         if op not in (TransferOp.READ, TransferOp.WRITE) or isinstance(op, bool):
             raise KVPoolError(f"unknown op {op!r}", ErrorCode.UNKNOWN_OP)
@@ -269,6 +290,8 @@ class TransferServer:
         if self._stop.is_set():
             return
         self._stop.set()
+        if self.bulk is not None:
+            self.bulk.close()
         self._thread.join(timeout=2.0)
         if self._auth is not None:  # its ZAP sockets live on our context: stop it first
             self._auth.close()

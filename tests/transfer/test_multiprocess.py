@@ -107,7 +107,7 @@ def test_peer_killed_mid_transfer_errors_within_timeout(make_engine: Any,
     timeout = 10.0
     e = make_engine("host-test", overrides={
         "transports": {"tcp": {"timeout_s": timeout, "retries": 0, "chunk_size": "256KiB",
-                               "window": 2}}})
+                               "window": 2, "options": {"bulk": False}}}})  # ZeroMQ path
     e.add_peer_segment(peer.desc)
     dst = np.zeros(64 * MiB, np.uint8)
     reqs = [TransferRequest(R, dst, peer.segment_id, i * 4 * MiB, 4 * MiB,

@@ -28,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvpool.master.errors import ErrorCode
 from kvpool.master.protocol import SegmentKind, decode_frame, encode_frame
+from kvpool.transfer.bulk import BulkClient
 from kvpool.transfer.gpu import CudaRuntime, PinnedPool, cuda_runtime
 from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
 from kvpool.transfer.types import TransferError, TransferOp
@@ -37,6 +38,11 @@ __all__ = ["TcpTransport"]
 log = logging.getLogger(__name__)
 
 _MIN_ZERO_COPY = 64 << 10
+# host-buffer requests from this size go over the peer's bulk socket when it has
+# one (kvpool.transfer.bulk: no extra copy of the payload on the receiving side)
+_BULK_MIN = 64 << 10
+_BULK_RETRY_S = 10.0  # how long "this peer has no bulk socket" is believed
+_OP_BULK = 5  # kvpool.transfer.server.OP_BULK
 # server refusals that no other attempt can fix
 _FINAL_CODES = {
     ErrorCode.OUT_OF_BOUNDS, ErrorCode.PERMISSION_DENIED, ErrorCode.UNKNOWN_OP,
@@ -86,6 +92,11 @@ class TcpTransport(Transport):
         self._pool: PinnedPool | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
+        # endpoint -> (bulk port, retry at, largest request the peer takes)
+        self._bulk_ports: dict[str, tuple[int, float, int]] = {}
+        self._bulk_all: set[BulkClient] = set()
+        self._bulk_idle: dict[str, list[BulkClient]] = {}
+        self.bulk_requests = 0
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -179,8 +190,139 @@ class TcpTransport(Transport):
                                         self.settings.staging_bytes)
             return rt, self._pool
 
+    # -- bulk path --------------------------------------------------------------
+    def _bulk_port(self, endpoint: str) -> tuple[int, int]:
+        """The peer's bulk port (0: none / not known yet / CURVE active towards
+        it) and the largest request it accepts. Never blocks: an unknown peer
+        is asked in the background and served over ZeroMQ meanwhile."""
+        now = time.monotonic()
+        with self._lock:
+            ent = self._bulk_ports.get(endpoint)
+            if ent is not None and (ent[0] > 0 or now < ent[1]):
+                return ent[0], ent[2]
+            # negative until the answer arrives (or for _BULK_RETRY_S on failure)
+            self._bulk_ports[endpoint] = (0, now + _BULK_RETRY_S, 0)
+        curve = getattr(getattr(self, "ctx", None), "curve", None)
+        if curve is None or not curve.active(endpoint):
+            threading.Thread(target=self._query_bulk, args=(endpoint, 1.0), daemon=True,
+                             name="kvpool-tcp-bulk-query").start()
+        return 0, 0
+
+    def _query_bulk(self, endpoint: str, timeout: float) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            if self._zctx is None:
+                self._zctx = zmq.Context()
+            s = self._zctx.socket(zmq.DEALER)
+            self._socks.add(s)
+        try:
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(endpoint)
+            s.send(encode_frame({"op": _OP_BULK, "id": 0}))
+            if not s.poll(int(timeout * 1000) + 1, zmq.POLLIN):
+                return
+            rep = decode_frame(s.recv_multipart()[-1])
+            if isinstance(rep, dict) and rep.get("code") == ErrorCode.OK:
+                port, most = rep.get("bulk", 0), rep.get("max", 0)
+                if isinstance(port, int) and 0 < port < 65536 and isinstance(most, int):
+                    with self._lock:
+                        self._bulk_ports[endpoint] = (port, 0.0, most)
+        except Exception as exc:  # an old or odd peer, or closing: no bulk path
+            log.debug("tcp: bulk port of %s: %s", endpoint, exc)
+        finally:
+            with self._lock:
+                self._socks.discard(s)
+            try:
+                s.close(linger=0)
+            except zmq.ZMQError:
+                pass
+
+    def _bulk_checkout(self, endpoint: str, port: int, deadline: float) -> BulkClient | None:
+        """An idle connection to the peer's bulk port, or a new one (None: cannot connect)."""
+        with self._lock:
+            idle = self._bulk_idle.get(endpoint)
+            if idle:
+                return idle.pop()
+        host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        try:
+            bc = BulkClient(host, port, min(2.0, deadline - time.monotonic()))
+        except OSError as exc:
+            log.debug("tcp: bulk connect %s:%d: %s", host, port, exc)
+            with self._lock:
+                self._bulk_ports[endpoint] = (0, time.monotonic() + _BULK_RETRY_S, 0)
+            return None
+        with self._lock:
+            if self.closed:
+                bc.close()
+                return None
+            self._bulk_all.add(bc)
+        return bc
+
+    def _bulk_checkin(self, endpoint: str, bc: BulkClient) -> None:
+        with self._lock:
+            if not bc.broken and not self.closed:
+                self._bulk_idle.setdefault(endpoint, []).append(bc)
+                return
+            self._bulk_all.discard(bc)
+        bc.close()
+
+    def _execute_bulk(self, items: Sequence[WorkItem], deadline: float,
+                      report: ReportFn) -> list[WorkItem]:
+        """Run what can go over peers' bulk sockets; return the rest.
+        ``options: {bulk: false}`` in the tcp settings turns the path off."""
+        if not self.settings.options.get("bulk", True):
+            return list(items)
+        rest: list[WorkItem] = []
+        by_ep: dict[str, list[WorkItem]] = {}
+        for it in items:
+            ep = it.segment.endpoint
+            if (it.length >= _BULK_MIN and ep and not it.buffer.is_gpu
+                    and it.segment.kind == SegmentKind.MEMORY):
+                port, most = self._bulk_port(ep)
+                if port > 0 and it.length <= most:
+                    by_ep.setdefault(ep, []).append(it)
+                    continue
+            rest.append(it)
+        jobs: list[tuple[str, list[WorkItem], BulkClient]] = []
+        for ep, its in by_ep.items():
+            bc = self._bulk_checkout(ep, self._bulk_ports[ep][0], deadline)
+            if bc is None:
+                rest.extend(its)
+            else:
+                jobs.append((ep, its, bc))
+
+        def rep(it: WorkItem, err: TransferError | None) -> None:
+            if err is None:
+                if it.op is TransferOp.READ:
+                    self.bytes_received += it.length
+                else:
+                    self.bytes_sent += it.length
+            report(it, err)
+
+        def run(ep: str, its: list[WorkItem], bc: BulkClient) -> None:
+            try:
+                bc.run(its, deadline, rep, _FINAL_CODES, time.monotonic)
+            finally:
+                self.bulk_requests += len(its)
+                self._bulk_checkin(ep, bc)
+
+        # one thread per extra peer: a silent peer must not hold up a live one
+        threads = [threading.Thread(target=run, args=job, daemon=True,
+                                    name="kvpool-tcp-bulk") for job in jobs[1:]]
+        for t in threads:
+            t.start()
+        if jobs:
+            run(*jobs[0])
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        return rest
+
     # -- execute ----------------------------------------------------------------
     def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
+        items = self._execute_bulk(items, deadline, report)
+        if not items:
+            return
         conns: dict[str, _Conn] = {}
         states: list[_ItemState] = []
         gpu = any(it.buffer.is_gpu for it in items)
@@ -388,10 +530,16 @@ class TcpTransport(Transport):
             sock.recv(copy=False)
 
     def stats(self) -> dict[str, int]:
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}
+        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+                "bulk_requests": self.bulk_requests}
 
     def close(self) -> None:
         super().close()
+        with self._lock:
+            bulk, self._bulk_all = list(self._bulk_all), set()
+            self._bulk_idle.clear()
+        for bc in bulk:
+            bc.close()
         with self._lock:
             socks, self._socks = list(self._socks), set()
             pool, self._pool = self._pool, None

@@ -1,0 +1,164 @@
+"""The tcp transport's bulk path (kvpool.transfer.bulk) against real peer processes."""
+
+from __future__ import annotations
+
+import socket
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvpool.master.errors import ErrorCode
+from kvpool.master.protocol import decode_frame, encode_frame
+from kvpool.transfer import RequestState, TransferOp, TransferRequest
+from kvpool.transfer.peer import fill_pattern
+from kvpool.transfer.server import OP_BULK
+
+MiB = 1 << 20
+R, W = TransferOp.READ, TransferOp.WRITE
+
+
+def _bulk_ready(e: Any, peer: Any) -> Any:
+    """Make the engine learn the peer's bulk port (asked in the background)."""
+    tcp = e.transport("tcp")
+    buf = np.zeros(MiB, np.uint8)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 5:
+        before = tcp.stats()["bulk_requests"]
+        assert e.transfer([TransferRequest(R, buf, peer.segment_id, 0, MiB)], 10)[0].ok
+        if tcp.stats()["bulk_requests"] > before:
+            return tcp
+        time.sleep(0.02)
+    raise AssertionError("the bulk path was never used")
+
+
+def test_bulk_data_checksums_and_refusals(make_engine: Any, make_peer: Any) -> None:
+    seg = 40 * MiB
+    peer = make_peer(seg, host_id="far-away")
+    peer.cmd("fill 9")
+    e = make_engine("host-test")
+    e.add_peer_segment(peer.desc)
+    tcp = _bulk_ready(e, peer)
+    n0 = tcp.stats()["bulk_requests"]
+    pattern = fill_pattern(9, seg)
+    cases = [(64 * 1024, 1), (MiB + 7, 4093), (16 * MiB, 12345), (33 * MiB, 3)]
+    for size, off in cases:  # reads first: the writes below change the pattern
+        dst = np.zeros(size + 5, np.uint8)
+        st = e.transfer([TransferRequest(R, dst, peer.segment_id, off, size, buffer_offset=5)],
+                        30)
+        assert st[0].ok and st[0].transport == "tcp", st
+        assert zlib.crc32(dst[5:]) == zlib.crc32(pattern[off:off + size])
+    for size, off in cases:
+        src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+        st = e.transfer([TransferRequest(W, memoryview(src), peer.segment_id, off + 1, size)], 30)
+        assert st[0].ok
+        assert peer.crc(off + 1, size) == zlib.crc32(src)
+    assert tcp.stats()["bulk_requests"] >= n0 + 8
+    # refusals keep their codes and the connection stays in step
+    big = np.zeros(2 * MiB, np.uint8)
+    st = e.transfer([TransferRequest(W, big, peer.segment_id, seg - MiB, 2 * MiB),
+                     TransferRequest(R, big, peer.segment_id, seg - MiB, 2 * MiB),
+                     TransferRequest(W, big, peer.segment_id, 0, 2 * MiB)], 10)
+    assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.OUT_OF_BOUNDS
+    assert st[1].state is RequestState.FAILED and st[1].code == ErrorCode.OUT_OF_BOUNDS
+    assert st[2].ok
+    assert peer.crc(0, 2 * MiB) == zlib.crc32(big)
+
+
+def test_bulk_batch_to_two_peers_and_off_switch(make_engine: Any, make_peer: Any) -> None:
+    a, b = make_peer(8 * MiB, host_id="far-1"), make_peer(8 * MiB, host_id="far-2")
+    e = make_engine("host-test")
+    e.add_peer_segment(a.desc)
+    e.add_peer_segment(b.desc)
+    _bulk_ready(e, a)
+    tcp = _bulk_ready(e, b)
+    src = np.random.default_rng(1).integers(0, 256, 8 * MiB, dtype=np.uint8)
+    reqs = [TransferRequest(W, src, p.segment_id, i * MiB, MiB, buffer_offset=i * MiB)
+            for p in (a, b) for i in range(8)]
+    n0 = tcp.stats()["bulk_requests"]
+    st = e.transfer(reqs, 30)
+    assert all(s.ok for s in st), st
+    assert tcp.stats()["bulk_requests"] == n0 + 16
+    assert a.crc(0, 8 * MiB) == zlib.crc32(src) == b.crc(0, 8 * MiB)
+    off = make_engine("host-test", overrides={"transports": {"tcp": {"options": {"bulk": False}}}})
+    off.add_peer_segment(a.desc)
+    dst = np.zeros(8 * MiB, np.uint8)
+    for _ in range(3):
+        assert off.transfer([TransferRequest(R, dst, a.segment_id, 0, 8 * MiB)], 30)[0].ok
+    assert off.transport("tcp").stats()["bulk_requests"] == 0
+    assert zlib.crc32(dst) == zlib.crc32(src)
+
+
+def test_bulk_peer_killed_mid_transfer(make_engine: Any, make_peer: Any) -> None:
+    peer = make_peer(256 * MiB, host_id="far-away")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"timeout_s": 10.0,
+                                                                   "retries": 0}}})
+    e.add_peer_segment(peer.desc)
+    _bulk_ready(e, peer)
+    dst = np.zeros(256 * MiB, np.uint8)
+    reqs = [TransferRequest(R, dst, peer.segment_id, i * 16 * MiB, 16 * MiB,
+                            buffer_offset=i * 16 * MiB) for i in range(16)]
+    t0 = time.monotonic()
+    h = e.submit(reqs)
+    time.sleep(0.01)
+    peer.kill()
+    assert h.wait(8.0), "batch hung after the peer was killed"
+    assert time.monotonic() - t0 < 5.0  # EOF/reset, not the 10 s deadline
+    st = h.status()
+    failed = [s for s in st if s.state is RequestState.FAILED]
+    assert failed, "every request finished although the peer was killed 10 ms in"
+    for s in failed:
+        assert s.code in (ErrorCode.TRANSFER_FAIL, ErrorCode.TIMEOUT), s
+        assert s.errors and s.transport == "tcp"
+
+
+def test_bulk_socket_garbage_and_op_query(make_peer: Any) -> None:
+    peer = make_peer(MiB, host_id="far-away")
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(peer.desc.endpoint)
+        s.send(encode_frame({"op": OP_BULK, "id": 3}))
+        assert s.poll(5000)
+        rep = decode_frame(s.recv_multipart()[-1])
+        s.close()
+    finally:
+        ctx.term()
+    assert rep["code"] == 0 and rep["id"] == 3 and rep["bulk"] > 0 and rep["max"] >= MiB
+    host = peer.desc.endpoint.split("://")[1].rsplit(":", 1)[0]
+
+    def exchange(data: bytes) -> bytes:
+        with socket.create_connection((host, rep["bulk"]), timeout=5) as c:
+            c.sendall(data)
+            c.shutdown(socket.SHUT_WR)
+            out = b""
+            try:
+                while chunk := c.recv(65536):
+                    out += chunk
+            except ConnectionResetError:  # closed with our bytes unread: a reset
+                pass
+            return out
+
+    # garbage / a huge header length / an unknown op: answered or closed, never served
+    assert exchange(b"\xff\xff\xff\xff" + b"x" * 64) == b""
+    assert exchange(b"\x05\x00\x00\x00\xc1\xc1\xc1\xc1\xc1") == b""
+    hdr = encode_frame({"op": 3, "id": 1})
+    out = exchange(len(hdr).to_bytes(4, "little") + hdr)
+    assert decode_frame(out[4:])["code"] == ErrorCode.UNKNOWN_OP
+    # a refused WRITE's payload is skipped: the next request on the stream is served
+    bad = encode_frame({"op": 2, "id": 1, "seg": "nope", "off": 0, "len": 10, "cap": b""})
+    good = encode_frame({"op": 1, "id": 2, "seg": peer.segment_id, "off": 0, "len": 4,
+                         "cap": b""})
+    out = exchange(len(bad).to_bytes(4, "little") + bad + b"0123456789"
+                   + len(good).to_bytes(4, "little") + good)
+    n1 = int.from_bytes(out[:4], "little")
+    assert decode_frame(out[4:4 + n1])["code"] == ErrorCode.SEGMENT_NOT_FOUND
+    rest = out[4 + n1:]
+    n2 = int.from_bytes(rest[:4], "little")
+    r2 = decode_frame(rest[4:4 + n2])
+    assert r2["code"] == 0 and r2["id"] == 2 and len(rest[4 + n2:]) == 4
+    # the peer still serves over ZeroMQ
+    assert peer.crc(0, 16) >= 0
