@@ -7,8 +7,9 @@ Memory layout (the 1M-object target is <= 400 B/object): an object is a
 ``__slots__`` instance whose ``replicas`` is one flat tuple
 ``(segment, offset, segment, offset, ...)`` (every replica has the object's
 length); ``objects`` is an :class:`ObjectTable`: 256 insertion-ordered dict
-shards, each an LRU list (a read moves the key to the end of its shard;
-eviction scans the shard fronts round-robin: approximate global LRU). Shards
+shards, each an LRU list (a read moves the key to the end of its shard and
+stamps it with a global use tick; eviction merges the shard fronts by tick:
+global LRU order). Shards
 let a snapshot copy keys one shard at a time instead of 1M keys at once. Segments keep the
 set of keys that have a replica on them so dropping a segment touches only
 its own objects, in bounded slices.
@@ -16,6 +17,8 @@ its own objects, in bounded slices.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import operator
 import random
@@ -96,10 +99,15 @@ class Segment:
         return f"Segment({self.id!r}, {self.kind.name}, {self.state.name})"
 
 
+# Monotonic use counter shared by every object: each shard is in use order,
+# so merging the shards by tick yields exact global LRU order.
+_TICKS = itertools.count(1)
+
+
 class Obj:
     """A COMPLETE object. ``replicas`` = (segment, offset, segment, offset, ...)."""
 
-    __slots__ = ("checksum", "flags", "lease", "replicas", "size")
+    __slots__ = ("checksum", "flags", "lease", "replicas", "size", "tick")
 
     def __init__(self, size: int, replicas: tuple[Any, ...], flags: int, checksum: Any) -> None:
         self.size = size
@@ -107,6 +115,7 @@ class Obj:
         self.flags = flags
         self.checksum = checksum
         self.lease = 0.0
+        self.tick = next(_TICKS)  # last-use stamp: orders objects across shards for LRU
 
 
 class Pending:
@@ -122,6 +131,10 @@ class Pending:
         self.checksum = checksum
         self.client_id = client_id
         self.started = started
+
+
+def _item_tick(item: tuple[str, Obj]) -> int:
+    return item[1].tick
 
 
 class ObjectTable:
@@ -151,6 +164,7 @@ class ObjectTable:
         return self.shards[hash(key) & self.mask][key]
 
     def __setitem__(self, key: str, obj: Obj) -> None:
+        obj.tick = next(_TICKS)  # it goes to the end of its shard: keep the shard in use order
         self.shards[hash(key) & self.mask][key] = obj
 
     def __delitem__(self, key: str) -> None:
@@ -168,16 +182,10 @@ class ObjectTable:
             yield from shard.items()
 
     def lru_items(self) -> Iterator[tuple[str, Obj]]:
-        """Oldest first, approximately: one entry from each shard's front in turn."""
-        iters = [iter(shard.items()) for shard in self.shards if shard]
-        while iters:
-            alive = []
-            for it in iters:
-                item = next(it, None)
-                if item is not None:
-                    yield item
-                    alive.append(it)
-            iters = alive
+        """Least recently used first: a lazy k-way merge of the shards (each in
+        use order) by their objects' ``tick`` (O(log shards) per item)."""
+        return heapq.merge(*(shard.items() for shard in self.shards if shard),
+                           key=_item_tick)
 
     def key_chunks(self) -> Iterator[list[str]]:
         """The keys, one shard per chunk, each copied when it is reached (for a
@@ -635,6 +643,7 @@ class Directory:
                     return ErrorCode.OBJECT_NOT_FOUND, None
                 return ErrorCode.REPLICA_IS_NOT_READY, None
         obj.lease = self.clock() + self.lease_s
+        obj.tick = next(_TICKS)
         del shard[key]
         shard[key] = obj  # LRU: most recent at the end of its shard
         return OK, (obj, reps)
@@ -648,6 +657,7 @@ class Directory:
         if not any(s.state != SegState.DEAD for s in obj.replicas[::2]):
             return False
         obj.lease = self.clock() + self.lease_s
+        obj.tick = next(_TICKS)
         del shard[key]
         shard[key] = obj
         return True

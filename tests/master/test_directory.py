@@ -323,6 +323,22 @@ def test_sharded_eviction_is_approximately_lru() -> None:
     assert sum(i < 1000 for i in gone) >= 0.9 * len(gone)
 
 
+def test_eviction_order_is_global_lru_across_shards() -> None:
+    """Few objects spread over 256 shards: eviction still takes the least
+    recently used first (shards merged by use tick), not shard order."""
+    d, clock = make(lease_ttl_ms=1, eviction_high_watermark=0.9, eviction_ratio=0.0)
+    mount(d, "s", 64 * 20)
+    for i in range(18):
+        assert put(d, f"k{i}", 64) == 0
+    for i in (0, 1, 2):  # read: now the most recently used
+        assert d.get_replicas(f"k{i}")[0] == 0
+    clock.t += 1  # leases over
+    assert put(d, "new", 64) == 0  # 19/20 > 90%: evict down to 90% (1 object) ...
+    assert put(d, "new2", 64) == 0
+    gone = sorted(int(k[1:]) for k in (f"k{i}" for i in range(18)) if k not in d.objects)
+    assert gone and gone == list(range(3, 3 + len(gone)))  # oldest unread first, in order
+
+
 def test_watermark_eviction_proceeds_in_bounded_batches() -> None:
     d, _ = make(eviction_high_watermark=0.9, eviction_ratio=0.5, eviction_batch=10)
     mount(d, "s", 64 * 100)
