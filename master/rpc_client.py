@@ -33,6 +33,27 @@ __all__ = ["MasterClient", "MasterRPCError"]
 log = logging.getLogger(__name__)
 
 
+def _address_is_ours(address: str) -> bool:
+    """True if ``tcp://HOST:PORT``'s host is loopback or an address assigned in
+    this network namespace (binding to it succeeds), or for ``ipc://``."""
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    hostport = address.split("://", 1)[-1]
+    host = hostport.rsplit(":", 1)[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _type, _proto, _canon, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((sockaddr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
 class MasterRPCError(KVPoolError):
     """An op failed at the master (``code`` is the master's error code) or the
     master could not be reached (RPC_FAIL / RPC_TIMEOUT)."""
@@ -101,6 +122,13 @@ class MasterClient:
         if self._zmq_ok == 0 or time.monotonic() < self._next_lookup:
             return None
         self._next_lookup = time.monotonic() + 5.0  # at most one lookup per 5 s
+        if not _address_is_ours(self.address):
+            # a socket path can be reachable from another network namespace
+            # (same filesystem, other "host": containers, the chaos suite's
+            # netns hosts); only a master whose TCP address is an address of
+            # our own namespace is the same host
+            self._local_on = False
+            return None
         try:
             info = self._call_zmq(Op.LOCAL_ENDPOINT, {}, min(self.timeout_s, 1.0))
             if int(info.get("code", -1)) != ErrorCode.OK:
