@@ -8,6 +8,12 @@ store performs that same copy inline: map the segment once (public
 ``kvpool.transfer.segment.map_shm``), ``np.copyto`` between it and the caller's
 host buffer. Anything else (GPU buffers, file segments, other hosts, a rule
 that does not pick shm first, any error) goes through the engine unchanged.
+
+No capability is checked here (nor by the engine's ``shm`` transport): a
+same-host segment is a mode-0600 file in /dev/shm, so only the same user on
+the same host can map it at all. That is the documented trust boundary
+(docs/security.md, "Shared memory on one host"); capabilities guard the
+network path through transfer servers.
 """
 
 from __future__ import annotations
