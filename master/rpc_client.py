@@ -207,6 +207,11 @@ class MasterClient:
                              else buf[HEADER:need])
         if not isinstance(reply, dict) or reply.get("id") != req_id:
             self._drop_local()
+            if isinstance(reply, dict) and reply.get("id") is None \
+                    and reply.get("code") == ErrorCode.FRAME_TOO_LARGE:
+                # the master refused a frame it would not buffer (and closed the socket)
+                raise MasterRPCError(f"{op.name}: {reply.get('error', '')}",
+                                     ErrorCode.FRAME_TOO_LARGE)
             raise MasterRPCError(f"{op.name}: unexpected reply on the local socket",
                                  ErrorCode.RPC_FAIL)
         self.local_calls += 1
