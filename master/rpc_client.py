@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -108,6 +109,7 @@ class MasterClient:
         self._next_lookup = 0.0
         self.local_calls = 0
         self._rbuf = bytearray(64 << 10)
+        self._utimeout = -1.0  # the kernel send/recv timeout set on the Unix socket
 
     @property
     def local(self) -> bool:
@@ -141,6 +143,8 @@ class MasterClient:
             try:
                 us.settimeout(1.0)
                 us.connect(path)  # fails where the path is on another host
+                us.settimeout(None)  # blocking; _call_local sets kernel timeouts
+                self._utimeout = -1.0
                 self._usock = us
                 check = self._call_local(Op.LOCAL_ENDPOINT, {}, 1.0)
             except BaseException:
@@ -173,7 +177,13 @@ class MasterClient:
         deadline = time.monotonic() + timeout
         rbuf = self._rbuf
         try:
-            us.settimeout(timeout)
+            if timeout != self._utimeout:
+                # kernel timeouts on a blocking socket: no poll() syscall per
+                # send/recv as Python's own socket timeouts would add
+                tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
+                us.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+                us.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+                self._utimeout = timeout
             us.sendall(len(payload).to_bytes(HEADER, "little") + payload)
             # most replies fit the reusable buffer in one recv_into (no allocation)
             got = us.recv_into(rbuf)
@@ -184,17 +194,15 @@ class MasterClient:
             while len(buf) < need:
                 if not got:
                     raise ConnectionResetError("master closed the local socket")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if deadline - time.monotonic() <= 0:
                     raise TimeoutError
-                us.settimeout(remaining)
                 chunk = us.recv(max(65536, need - len(buf)))
                 got = len(chunk)
                 assert isinstance(buf, bytearray)
                 buf += chunk
                 if need == HEADER and len(buf) >= HEADER:
                     need = HEADER + int.from_bytes(buf[:HEADER], "little")
-        except TimeoutError as exc:
+        except (TimeoutError, BlockingIOError) as exc:  # EAGAIN: SO_RCVTIMEO/SO_SNDTIMEO
             self._drop_local()
             raise MasterRPCError(
                 f"{op.name}: no reply from master {self.address} within {timeout:.1f}s",
