@@ -29,6 +29,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
@@ -43,6 +44,14 @@ from kvpool.master.errors import ErrorCode, KVPoolError
 __all__ = ["KVPoolWorker", "LoadResult"]
 
 log = logging.getLogger("kvpool.connector")
+
+
+def _batch_get_into(client: Any, keys: list[str], bufs: list[Any]) -> list[int]:
+    return list(client.batch_get_into(keys, bufs))
+
+
+def _batch_put_from(client: Any, keys: list[str], bufs: list[Any], config: Any) -> list[Any]:
+    return list(client.batch_put_from(keys, bufs, config))
 
 
 @dataclass
@@ -222,7 +231,7 @@ class KVPoolWorker:
                 keys = [self.keys.chunk_key(c.hash) for c in group]
                 bufs = [buf[i * ob : (i + 1) * ob] for i in range(len(group))]
                 try:
-                    results = self.store.call(lambda c, k=keys, b=bufs: c.batch_get_into(k, b))
+                    results = self.store.call(partial(_batch_get_into, keys=keys, bufs=bufs))
                 except Exception as exc:  # never fail the request: vLLM recomputes
                     log.warning("kvpool: load of %s failed, recomputing: %r", spec.req_id, exc)
                     results = [-int(ErrorCode.RPC_FAIL)] * len(group)
@@ -345,7 +354,7 @@ class KVPoolWorker:
                 batches += 1
                 try:
                     codes = self.store.call(
-                        lambda c, k=gkeys, b=bufs: c.batch_put_from(k, b, rc))
+                        partial(_batch_put_from, keys=gkeys, bufs=bufs, config=rc))
                 except Exception as exc:  # saving is best effort
                     log.warning("kvpool: save failed: %r", exc)
                     codes = [ErrorCode.RPC_FAIL] * len(group)
