@@ -14,6 +14,9 @@ fi
 .venv/bin/python -m pip install -q -e '.[test]'
 bash scripts/lint.sh
 .venv/bin/python -m pytest -q -m "not vllm" tests
+# 1-minute soak: RSS, fd and shm-file growth under churn (scripts/soak.py --minutes 10 for the full run)
+mkdir -p out
+.venv/bin/python scripts/soak.py --minutes 1 --json out/soak_ci.json
 if [ "${KVPOOL_SKIP_VLLM:-0}" != 1 ] && [ -d tests/connector ]; then
   bash scripts/install_vllm.sh
   .venv/bin/python -m pytest -q -m vllm tests/connector
