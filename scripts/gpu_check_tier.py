@@ -11,7 +11,9 @@ Target: GPU<->file >= 0.9x the disk limit. It states whether GPUDirect Storage
 is present: without the nvidia-fs driver kvikio runs in its POSIX
 compatibility mode (bounce buffers), which is what the H200 machine has.
 
-Standalone: ``python scripts/gpu_check_tier.py [--json OUT]``.
+Standalone: ``python scripts/gpu_check_tier.py [--json OUT]``; env
+``KVPOOL_GPU_TIER_OPTIONS`` (JSON) sets transport options for a comparison run,
+e.g. ``{"posix": {"pipeline_depth": 1}, "gds": {"threads": 1}}`` = serial bounce.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from kvpool.transfer import TransferEngine, TransferOp, TransferRequest, load_tr
 from kvpool.transfer.file_segment import FileSegment
 from kvpool.transfer.gpu import cuda_runtime
 
+# transport options to try, e.g. '{"posix": {"pipeline_depth": 1}, "gds": {"threads": 1}}'
+_OPTIONS: dict[str, dict[str, Any]] = json.loads(os.environ.get("KVPOOL_GPU_TIER_OPTIONS") or "{}")
 CHUNK = 16 << 20
 BATCH = 16  # 256 MiB per pass
 ITERS = 3
@@ -117,8 +121,10 @@ def run(report: dict[str, Any]) -> None:
     lib_name, lib = found
     total = CHUNK * BATCH
     base = tempfile.mkdtemp(prefix="kvpool-gpu-tier-", dir="/var/tmp")
-    engine = TransferEngine(load_transfer_config(overrides={
-        "transports": {"gds": {"timeout_s": 300}, "posix": {"timeout_s": 300}}}), "gpu-tier")
+    engine = TransferEngine(load_transfer_config(overrides={"transports": {
+        "gds": {"timeout_s": 300, "options": dict(_OPTIONS.get("gds", {}))},
+        "posix": {"timeout_s": 300, "options": dict(_OPTIONS.get("posix", {}))}}}),
+        "gpu-tier")
     seg = FileSegment.open(base, total)
     rows: list[dict[str, Any]] = []
     try:
@@ -126,6 +132,9 @@ def run(report: dict[str, Any]) -> None:
         gds_ok, gds_why = engine.transports().get("gds", (False, "not configured"))
         gds = engine.transport("gds")
         res["kvikio_compat_mode"] = gds.stats().get("compat_mode") if gds else None
+        res["kvikio_threads"] = gds.stats().get("kvikio_threads") if gds else None
+        posix = engine.transport("posix")
+        res["posix_pipeline_depth"] = getattr(posix, "pipeline_depth", None)
         res["statement"] = (
             "GPUDirect Storage driver (nvidia-fs) present" if res["gds_driver"] else
             "no GPUDirect Storage driver (nvidia-fs) on this machine: kvikio runs in its "
@@ -133,7 +142,8 @@ def run(report: dict[str, Any]) -> None:
         if not gds_ok:
             res["gds_unavailable"] = gds_why
         print(f"gds: {'available' if gds_ok else 'unavailable: ' + gds_why}; kvikio "
-              f"compat_mode={res['kvikio_compat_mode']}; {res['statement']}")
+              f"compat_mode={res['kvikio_compat_mode']} threads={res['kvikio_threads']}; posix "
+              f"pipeline_depth={res['posix_pipeline_depth']}; {res['statement']}")
         res["disk_limit_gbps"] = _disk_limit(os.path.join(base, "limit.dat"), total)
         engine.add_local_segment(seg)
         if lib_name == "torch":

@@ -14,7 +14,12 @@ each in-flight future is held together with its buffer until it completes
 (even past a deadline: an abandoned future keeps its buffer until it is done).
 
 Options (``transports.gds.options``): ``task_size`` (bytes per kvikio task,
-default kvikio's).
+default kvikio's); ``threads`` (kvikio's thread pool is raised to at least this
+many threads, default 4; kvikio's own default is 1, which in compatibility
+mode runs each request's tasks one after the other, every bounce copy leaving
+the disk idle; several threads overlap one task's copy with another's write.
+The pool is process-wide: it is only ever raised, never lowered, so
+``KVIKIO_NTHREADS`` set higher wins).
 """
 
 from __future__ import annotations
@@ -75,12 +80,38 @@ def _compat_mode(kvikio: Any) -> str:
     return "unknown"
 
 
+def _raise_threads(kvikio: Any, want: int) -> int | None:
+    """Raise kvikio's process-wide thread pool to ``want`` threads (never
+    lower it); the resulting size, or None where this kvikio has no such
+    setting (API differs across versions)."""
+    defaults = getattr(kvikio, "defaults", None)
+    try:
+        have = int(defaults.get("num_threads"))  # type: ignore[union-attr]
+        if have < want:
+            defaults.set("num_threads", want)  # type: ignore[union-attr]
+        return int(defaults.get("num_threads"))  # type: ignore[union-attr]
+    except Exception:
+        pass
+    try:  # kvikio < 24.12
+        have = int(defaults.get_num_threads())  # type: ignore[union-attr]
+        if have < want:
+            defaults.num_threads_reset(want)  # type: ignore[union-attr]
+        return int(defaults.get_num_threads())  # type: ignore[union-attr]
+    except Exception:
+        log.debug("cannot set kvikio's thread count", exc_info=True)
+        return None
+
+
 def kvikio_status() -> tuple[Any | None, str]:
     """(kvikio module, "") when kvikio can do I/O here, else (None, reason)."""
     try:
         import kvikio
     except ImportError as exc:
         return None, f"kvikio not installed (the gds extra: pip install 'kvpool[gds]'): {exc}"
+    try:  # ``import kvikio`` does not import its ``defaults`` submodule (kvikio 26.x)
+        import kvikio.defaults
+    except ImportError:
+        log.debug("kvikio.defaults not importable", exc_info=True)
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
@@ -100,6 +131,8 @@ class GdsTransport(Transport):
     def __init__(self, settings=None) -> None:  # type: ignore[no-untyped-def]
         super().__init__(settings)
         self.task_size: int | None = self.settings.options.get("task_size")
+        self.threads = max(1, int(self.settings.options.get("threads", 4)))
+        self.kvikio_threads: int | None = None
         self._kvikio: Any = None
         self._files: dict[str, tuple[str, Any]] = {}  # peer segments: id -> (path, CuFile)
         self._lock = threading.Lock()
@@ -114,8 +147,9 @@ class GdsTransport(Transport):
             return False, reason
         self._kvikio = mod
         self.compat_mode = _compat_mode(mod)
-        log.info("gds: kvikio %s, compat_mode=%s", getattr(mod, "__version__", "?"),
-                 self.compat_mode)
+        self.kvikio_threads = _raise_threads(mod, self.threads)
+        log.info("gds: kvikio %s, compat_mode=%s, threads=%s",
+                 getattr(mod, "__version__", "?"), self.compat_mode, self.kvikio_threads)
         return True, ""
 
     def supports(self, kind: SegmentKind, same_host: bool, device: str) -> bool:
@@ -236,7 +270,8 @@ class GdsTransport(Transport):
         report(fl.item, None)
 
     def stats(self) -> dict[str, Any]:
-        return {"compat_mode": self.compat_mode, "open_peer_files": len(self._files),
+        return {"compat_mode": self.compat_mode, "kvikio_threads": self.kvikio_threads,
+                "open_peer_files": len(self._files),
                 "orphaned_futures": len(self._orphans), "bytes_read": self.bytes_read,
                 "bytes_written": self.bytes_written}
 
