@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+from kvpool.transfer.copy import parallel_copyto
 
 __all__ = ["InlineShm"]
 
@@ -117,7 +118,7 @@ class InlineShm:
         region = self.region(desc)
         if offset < 0 or offset + src.size > region.size:
             raise ValueError("range outside segment")
-        np.copyto(region[offset:offset + src.size], src)
+        parallel_copyto(region[offset:offset + src.size], src)
         self.copies += 1
 
     def read(self, desc: SegmentDescriptor, offset: int, dst: np.ndarray) -> None:
@@ -125,7 +126,7 @@ class InlineShm:
         region = self.region(desc)
         if offset < 0 or offset + dst.size > region.size:
             raise ValueError("range outside segment")
-        np.copyto(dst, region[offset:offset + dst.size])
+        parallel_copyto(dst, region[offset:offset + dst.size])
         self.copies += 1
 
     def read_bytes(self, desc: SegmentDescriptor, offset: int, length: int) -> bytes:

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvpool.master.common import parse_size
 from kvpool.master.errors import ErrorCode
 from kvpool.master.protocol import SegmentKind
+from kvpool.transfer.copy import DEFAULT_SPLIT_MIN_BYTES, parallel_copyto
 from kvpool.transfer.gpu import CudaRuntime, cuda_runtime
 from kvpool.transfer.segment import SHM_DIR, MemorySegment, map_shm
 from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
@@ -54,6 +56,10 @@ class ShmTransport(Transport):
         self._maps: dict[str, _Mapping] = {}
         self._lock = threading.Lock()
         self.bytes_copied = 0
+        opts = self.settings.options
+        # large host copies are split across threads (see kvpool.transfer.copy)
+        self._copy_threads = int(opts.get("copy_threads", 0))
+        self._split_min = int(parse_size(opts.get("split_min_bytes", DEFAULT_SPLIT_MIN_BYTES)))
 
     def available(self) -> tuple[bool, str]:
         if not os.path.isdir(SHM_DIR):
@@ -158,9 +164,9 @@ class ShmTransport(Transport):
         if not buf.is_gpu:
             host = buf.host_view(item.buffer_offset, n)
             if item.op is TransferOp.READ:
-                host[...] = region[off:off + n]
+                parallel_copyto(host, region[off:off + n], self._copy_threads, self._split_min)
             else:
-                region[off:off + n] = host
+                parallel_copyto(region[off:off + n], host, self._copy_threads, self._split_min)
             return
         rt, reason = cuda_runtime()
         if rt is None:
