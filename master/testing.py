@@ -19,12 +19,13 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from typing import IO, Self
 
 from kvpool.master.errors import ErrorCode, KVPoolError
 from kvpool.master.protocol import Op, SegmentDescriptor, SegmentKind
 from kvpool.master.rpc_client import MasterClient, MasterRPCError
 
-__all__ = ["MasterProcess", "find_free_port", "segment_wire"]
+__all__ = ["ManagedProcess", "MasterProcess", "find_free_port", "segment_wire"]
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,100 @@ def segment_wire(segment_id: str, client_id: str, size: int = 1 << 20,
                              endpoint=endpoint).to_wire()
 
 
-class MasterProcess:
+class ManagedProcess:
+    """The subprocess lifecycle shared by the test helpers (MasterProcess here,
+    store.testing.NodeDaemonProcess): spawn with output to ``log_path``,
+    ``stop()`` (SIGTERM, then SIGKILL after a timeout), ``kill()`` (SIGKILL),
+    ``restart()``, ``log_tail()`` and the context manager (start on enter,
+    stop and ``_cleanup()`` on exit). Subclasses define ``start()`` (spawn via
+    ``_spawn()`` and wait until ready), ``log_path`` and ``_what`` (the name
+    in log messages).
+    """
+
+    _what = "process"
+    log_path: str
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> Self:
+        """Spawn the process and return once it is ready (subclasses)."""
+        raise NotImplementedError
+
+    def _spawn(self, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start ``cmd`` with stdout+stderr appended to ``log_path`` (closed in ``_reap``)."""
+        log_file = open(self.log_path, "ab")
+        self._log_file = log_file
+        self._proc = subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+        return self._proc
+
+    def log_tail(self, n: int = 4000) -> str:
+        """The last ``n`` bytes of the log, decoded ("" when unreadable)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                data = f.read()
+            return data[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _reap(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """SIGTERM and wait (SIGKILL after ``timeout_s``); return the exit code."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s %s ignored SIGTERM; killing", self._what, self._proc.pid)
+                self._proc.kill()
+                self._proc.wait()
+        self._reap()
+        return self._proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (a crash: no clean shutdown) and wait."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._reap()
+
+    def restart(self, kill: bool = False) -> Self:
+        """Stop (or kill) and ``start()`` again with the same settings."""
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        return self.start()
+
+    def _cleanup(self) -> None:
+        """Remove what this helper created (run on context exit, after ``stop()``)."""
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self._cleanup()
+
+
+class MasterProcess(ManagedProcess):
     """A ``kvpool master`` subprocess on a free loopback port.
 
     ``start()`` returns once the master answers (a STATS probe); ``stop()`` sends SIGTERM
@@ -56,6 +150,8 @@ class MasterProcess:
     ``curve_key`` (a ``*.key_secret`` file) turns CURVE on; ``client()`` then
     authenticates with the same cluster keypair.
     """
+
+    _what = "master"
 
     def __init__(
         self,
@@ -68,6 +164,7 @@ class MasterProcess:
         start_timeout_s: float = 20.0,
         curve_key: str | None = None,
     ) -> None:
+        super().__init__()
         self.data_dir = data_dir
         self.port = port or find_free_port()
         self.metrics_port = metrics_port
@@ -76,8 +173,6 @@ class MasterProcess:
         self.extra_args = list(extra_args)
         self.start_timeout_s = start_timeout_s
         self.curve_key = curve_key  # a *.key_secret: CURVE on, clients use the same key
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: object | None = None
         if data_dir:
             os.makedirs(data_dir, exist_ok=True)
             self.log_path = os.path.join(data_dir, "master.log")
@@ -89,14 +184,6 @@ class MasterProcess:
     def address(self) -> str:
         """``127.0.0.1:PORT`` (what MasterClient and ClientConfig take)."""
         return f"127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     def command(self) -> list[str]:
         cmd = [
@@ -113,22 +200,18 @@ class MasterProcess:
             cmd += ["--curve", "on", "--curve-key", self.curve_key]
         return cmd + self.extra_args
 
-    def start(self) -> MasterProcess:
+    def start(self) -> Self:
         """Spawn the master and wait until it answers a STATS probe (raises on timeout/exit)."""
         if self.running:
             return self
-        log_file = open(self.log_path, "ab")  # closed in _reap
-        self._log_file = log_file
-        self._proc = subprocess.Popen(
-            self.command(), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
+        proc = self._spawn(self.command())
         deadline = time.monotonic() + self.start_timeout_s
         with self.client(timeout_s=0.5) as c:
             while True:
-                if self._proc.poll() is not None:
+                if proc.poll() is not None:
                     self._reap()
                     raise KVPoolError(
-                        f"master exited with {self._proc.returncode} at startup; "
+                        f"master exited with {proc.returncode} at startup; "
                         f"see {self.log_path}:\n{self.log_tail()}",
                         ErrorCode.INTERNAL_ERROR,
                     )
@@ -144,49 +227,6 @@ class MasterProcess:
                         ) from None
                     time.sleep(0.05)
 
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                data = f.read()
-            return data[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def _reap(self) -> None:
-        if self._log_file is not None:
-            self._log_file.close()  # type: ignore[attr-defined]
-            self._log_file = None
-
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM and wait (SIGKILL after ``timeout_s``); return the exit code."""
-        if self._proc is None:
-            return None
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("master %s ignored SIGTERM; killing", self._proc.pid)
-                self._proc.kill()
-                self._proc.wait()
-        self._reap()
-        return self._proc.returncode
-
-    def kill(self) -> None:
-        """SIGKILL (a crash: no clean shutdown) and wait."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self._reap()
-
-    def restart(self, kill: bool = False) -> MasterProcess:
-        """Stop (or kill) and start again on the same port and data dir."""
-        if kill:
-            self.kill()
-        else:
-            self.stop()
-        return self.start()
-
     def client(self, timeout_s: float = 5.0) -> MasterClient:
         """A new MasterClient to this master (caller closes it); with
         ``curve_key`` it authenticates with that (cluster) keypair."""
@@ -198,11 +238,7 @@ class MasterProcess:
                                 curve_keypair=(kp.public, kp.secret))
         return MasterClient(self.address, timeout_s=timeout_s)
 
-    def __enter__(self) -> MasterProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _cleanup(self) -> None:
         if not self.data_dir:
             try:
                 os.unlink(self.log_path)

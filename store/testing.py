@@ -12,25 +12,24 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import Any, Self
 
 from kvpool.master.common import parse_size
 from kvpool.master.errors import ErrorCode, KVPoolError
 from kvpool.master.protocol import Op
 from kvpool.master.rpc_client import MasterClient, MasterRPCError
+from kvpool.master.testing import ManagedProcess
 
 __all__ = ["NodeDaemonProcess"]
 
 log = logging.getLogger(__name__)
 
 
-class NodeDaemonProcess:
+class NodeDaemonProcess(ManagedProcess):
     """A ``kvpool client`` subprocess contributing ``memory`` to ``master_address``.
 
     ``start()`` returns once the daemon's segment is mounted at the master
@@ -39,6 +38,8 @@ class NodeDaemonProcess:
     (a crash: the master drops it after ``client_ttl``); ``restart()`` starts a
     new daemon (new client id and segment id). Context manager: start/stop.
     """
+
+    _what = "node daemon"
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class NodeDaemonProcess:
         log_dir: str | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
+        super().__init__()
         self.master_address = master_address
         self.memory = parse_size(memory)
         self.host_id = host_id
@@ -59,18 +61,8 @@ class NodeDaemonProcess:
         self._own_dir = log_dir is None
         self.dir = log_dir or tempfile.mkdtemp(prefix="kvpool-daemon-")
         os.makedirs(self.dir, exist_ok=True)
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
         self.info: dict[str, Any] = {}
         self._n = 0
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     @property
     def segment_ids(self) -> list[str]:
@@ -81,7 +73,7 @@ class NodeDaemonProcess:
         return str(self.info.get("client_id", ""))
 
     @property
-    def log_path(self) -> str:
+    def log_path(self) -> str:  # type: ignore[override]  # per-start file; read-only here
         return os.path.join(self.dir, f"daemon-{self._n}.log")
 
     def command(self, ready_file: str) -> list[str]:
@@ -92,21 +84,18 @@ class NodeDaemonProcess:
             cmd += ["--host-id", self.host_id]
         return cmd + self.extra_args
 
-    def start(self) -> NodeDaemonProcess:
+    def start(self) -> Self:
         """Spawn the daemon; return once its segments are mounted (raise on exit/timeout)."""
         if self.running:
             return self
         self._n += 1
         ready = os.path.join(self.dir, f"ready-{self._n}.json")
-        self._log = open(self.log_path, "ab")
-        env = dict(os.environ, **(self.env or {}))
-        self._proc = subprocess.Popen(self.command(ready), stdout=self._log,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = self._spawn(self.command(ready), env=dict(os.environ, **(self.env or {})))
         deadline = time.monotonic() + self.start_timeout_s
         while not os.path.exists(ready):
-            if self._proc.poll() is not None:
+            if proc.poll() is not None:
                 self._reap()
-                raise KVPoolError(f"node daemon exited with {self._proc.returncode} at startup:\n"
+                raise KVPoolError(f"node daemon exited with {proc.returncode} at startup:\n"
                                   + self.log_tail(), ErrorCode.INTERNAL_ERROR)
             if time.monotonic() > deadline:
                 self.kill()
@@ -145,40 +134,10 @@ class NodeDaemonProcess:
                                       ErrorCode.TIMEOUT)
                 time.sleep(0.05)
 
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def _reap(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def stop(self, timeout_s: float = 15.0) -> int | None:
-        """SIGTERM (clean unmount) and wait; SIGKILL after ``timeout_s``. Returns the exit code."""
-        if self._proc is None:
-            return None
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log.warning("node daemon %s ignored SIGTERM; killing", self._proc.pid)
-                self._proc.kill()
-                self._proc.wait()
-        self._reap()
-        return self._proc.returncode
-
     def kill(self) -> None:
         """SIGKILL (a crash) and wait. Its /dev/shm segment is removed here, as
         the dead process cannot; the master drops the client after client_ttl."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-        self._reap()
+        super().kill()
         self._unlink_orphans()
 
     def _unlink_orphans(self) -> None:
@@ -191,19 +150,7 @@ class NodeDaemonProcess:
             except OSError:
                 pass
 
-    def restart(self, kill: bool = False) -> NodeDaemonProcess:
-        """Stop (or kill) and start a fresh daemon with the same settings."""
-        if kill:
-            self.kill()
-        else:
-            self.stop()
-        return self.start()
-
-    def __enter__(self) -> NodeDaemonProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def _cleanup(self) -> None:
         if self._own_dir:
             for name in os.listdir(self.dir):
                 try:
