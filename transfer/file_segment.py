@@ -65,6 +65,7 @@ __all__ = [
     "FileSegment",
     "SegmentFileError",
     "SegmentHeader",
+    "check_peer_header",
     "read_header",
 ]
 
@@ -144,6 +145,21 @@ def read_header(path: str) -> SegmentHeader:
         raise SegmentFileError(f"{path}: no such segment file", ErrorCode.SEGMENT_NOT_FOUND) \
             from exc
     return SegmentHeader.decode(raw, path)
+
+
+def check_peer_header(desc: SegmentDescriptor) -> SegmentHeader:
+    """Read the header of the segment file a descriptor names and check that it is
+    the one the descriptor describes: same segment id, base offset and size
+    (SegmentFileError SEGMENT_MISMATCH if not). Every transport that opens a
+    peer's segment file goes through this before touching the data."""
+    header = read_header(desc.name)
+    if (header.segment_id != desc.segment_id or header.base_offset != desc.base_offset
+            or header.size != desc.size):
+        raise SegmentFileError(
+            f"{desc.name}: holds segment {header.segment_id!r} ({header.size} B at "
+            f"{header.base_offset}), descriptor says {desc.segment_id!r} ({desc.size} B at "
+            f"{desc.base_offset})")
+    return header
 
 
 def _aligned(*values: int) -> bool:

@@ -22,8 +22,9 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
+from kvpool.master.errors import ErrorCode
 from kvpool.master.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.buffers import BufferHandle
 from kvpool.transfer.types import TransferError, TransferOp
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from kvpool.transfer.config import TransportSettings
     from kvpool.transfer.segment import LocalSegment
 
-__all__ = ["EngineContext", "ReportFn", "Transport", "WorkItem"]
+__all__ = ["EngineContext", "PeerFiles", "ReportFn", "Transport", "WorkItem"]
 
 
 @dataclass(slots=True, eq=False)
@@ -62,6 +63,55 @@ class WorkItem:
 
 
 ReportFn = Callable[[WorkItem, TransferError | None], None]
+
+_H = TypeVar("_H")
+
+
+class PeerFiles(Generic[_H]):
+    """Open handles to same-host peers' segment files, by segment id (posix: FileIO,
+    gds: kvikio.CuFile). ``get()`` reuses the handle while the descriptor names the
+    same file, closes it and opens anew (through ``opener``, which checks the file's
+    header) when it names another. Thread-safe; ``opener`` runs under the lock, so
+    one segment is never opened twice at once.
+    """
+
+    def __init__(self, opener: Callable[[SegmentDescriptor], _H]) -> None:
+        self._opener = opener
+        self._files: dict[str, tuple[str, _H]] = {}  # segment id -> (path, handle)
+        self._lock = threading.Lock()
+
+    def get(self, item: WorkItem) -> _H:
+        """The handle for ``item``'s peer segment. The caller handles a local
+        FileSegment first; any other local segment is INVALID_PARAMS."""
+        if item.local is not None:
+            raise TransferError(f"segment {item.segment.segment_id} is not a file segment",
+                                ErrorCode.INVALID_PARAMS, retryable=False)
+        desc = item.segment
+        with self._lock:
+            cached = self._files.get(desc.segment_id)
+            if cached is not None and cached[0] == desc.name:
+                return cached[1]
+            if cached is not None:
+                cached[1].close()  # type: ignore[attr-defined]
+            handle = self._opener(desc)
+            self._files[desc.segment_id] = (desc.name, handle)
+            return handle
+
+    def forget(self, segment_id: str) -> None:
+        """Close and drop the handle of ``segment_id`` (no-op if none is open)."""
+        with self._lock:
+            cached = self._files.pop(segment_id, None)
+        if cached is not None:
+            cached[1].close()  # type: ignore[attr-defined]
+
+    def take_all(self) -> list[_H]:
+        """Drop every handle and return them; the caller closes them."""
+        with self._lock:
+            files, self._files = list(self._files.values()), {}
+        return [h for _, h in files]
+
+    def __len__(self) -> int:
+        return len(self._files)
 
 
 class EngineContext(Protocol):

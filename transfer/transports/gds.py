@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentKind
-from kvpool.transfer.file_segment import FileSegment, SegmentFileError, read_header
+from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+from kvpool.transfer.file_segment import FileSegment, check_peer_header
 from kvpool.transfer.gpu import cuda_runtime
-from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
+from kvpool.transfer.transports.base import PeerFiles, ReportFn, Transport, WorkItem
 from kvpool.transfer.types import TransferError, TransferOp
 
 __all__ = ["GdsTransport", "kvikio_status"]
@@ -134,7 +134,7 @@ class GdsTransport(Transport):
         self.threads = max(1, int(self.settings.options.get("threads", 4)))
         self.kvikio_threads: int | None = None
         self._kvikio: Any = None
-        self._files: dict[str, tuple[str, Any]] = {}  # peer segments: id -> (path, CuFile)
+        self._files: PeerFiles[Any] = PeerFiles(self._open_peer)  # peer segments' CuFiles
         self._lock = threading.Lock()
         self._orphans: list[_InFlight] = []  # timed-out futures still holding buffers
         self.compat_mode = "unknown"
@@ -173,29 +173,14 @@ class GdsTransport(Transport):
                     local.cache["kvikio"] = f
                     local.cache["close_hook"] = f.close
                 return f
-        if local is not None:
-            raise TransferError(f"segment {item.segment.segment_id} is not a file segment",
-                                ErrorCode.INVALID_PARAMS, retryable=False)
-        desc = item.segment
-        with self._lock:
-            cached = self._files.get(desc.segment_id)
-            if cached is not None and cached[0] == desc.name:
-                return cached[1]
-            if cached is not None:
-                cached[1].close()
-            header = read_header(desc.name)
-            if header.segment_id != desc.segment_id or header.base_offset != desc.base_offset:
-                raise SegmentFileError(f"{desc.name}: holds segment {header.segment_id!r}, "
-                                       f"descriptor says {desc.segment_id!r}")
-            f = kvikio.CuFile(desc.name, "r+")
-            self._files[desc.segment_id] = (desc.name, f)
-            return f
+        return self._files.get(item)
+
+    def _open_peer(self, desc: SegmentDescriptor) -> Any:
+        check_peer_header(desc)
+        return self._kvikio.CuFile(desc.name, "r+")
 
     def forget_segment(self, segment_id: str) -> None:
-        with self._lock:
-            cached = self._files.pop(segment_id, None)
-        if cached is not None:
-            cached[1].close()
+        self._files.forget(segment_id)
 
     @staticmethod
     def _kv_buffer(item: WorkItem) -> Any:
@@ -277,15 +262,15 @@ class GdsTransport(Transport):
 
     def close(self) -> None:
         super().close()
+        files = self._files.take_all()
         with self._lock:
-            files, self._files = list(self._files.values()), {}
             orphans, self._orphans = self._orphans, []
         for o in orphans:  # wait: their buffers must outlive the I/O
             try:
                 o.future.get()
             except Exception:
                 pass
-        for _, f in files:
+        for f in files:
             try:
                 f.close()
             except Exception:

@@ -31,9 +31,9 @@ from typing import Any
 
 from kvpool.master.errors import ErrorCode
 from kvpool.master.protocol import SegmentDescriptor, SegmentKind
-from kvpool.transfer.file_segment import FileIO, FileSegment, SegmentFileError, read_header
+from kvpool.transfer.file_segment import FileIO, FileSegment, check_peer_header
 from kvpool.transfer.gpu import PinnedPool, cuda_runtime
-from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
+from kvpool.transfer.transports.base import PeerFiles, ReportFn, Transport, WorkItem
 from kvpool.transfer.types import TransferError, TransferOp
 
 __all__ = ["PosixTransport", "open_peer_file"]
@@ -44,13 +44,7 @@ log = logging.getLogger(__name__)
 def open_peer_file(desc: SegmentDescriptor, direct: bool = True) -> FileIO:
     """Open the segment file a descriptor names after checking that its
     header is the one the descriptor describes (SEGMENT_MISMATCH if not)."""
-    header = read_header(desc.name)
-    if (header.segment_id != desc.segment_id or header.base_offset != desc.base_offset
-            or header.size != desc.size):
-        raise SegmentFileError(
-            f"{desc.name}: holds segment {header.segment_id!r} ({header.size} B at "
-            f"{header.base_offset}), descriptor says {desc.segment_id!r} ({desc.size} B at "
-            f"{desc.base_offset})")
+    check_peer_header(desc)
     return FileIO(desc.name, writable=True, direct=direct)
 
 
@@ -62,8 +56,7 @@ class PosixTransport(Transport):
     def __init__(self, settings=None) -> None:  # type: ignore[no-untyped-def]
         super().__init__(settings)
         self.o_direct = bool(self.settings.options.get("o_direct", True))
-        self._files: dict[str, tuple[str, FileIO]] = {}
-        self._lock = threading.Lock()
+        self._files = PeerFiles(lambda desc: open_peer_file(desc, direct=self.o_direct))
         self._pool: PinnedPool | None = None
         self._pool_lock = threading.Lock()
         self._io: ThreadPoolExecutor | None = None
@@ -87,25 +80,10 @@ class PosixTransport(Transport):
                 raise TransferError(f"file segment {local.segment_id} is closed",
                                     ErrorCode.CLOSED, retryable=False)
             return local.io
-        if local is not None:
-            raise TransferError(f"segment {item.segment.segment_id} is not a file segment",
-                                ErrorCode.INVALID_PARAMS, retryable=False)
-        desc = item.segment
-        with self._lock:
-            cached = self._files.get(desc.segment_id)
-            if cached is not None and cached[0] == desc.name:
-                return cached[1]
-            if cached is not None:
-                cached[1].close()
-            fio = open_peer_file(desc, direct=self.o_direct)
-            self._files[desc.segment_id] = (desc.name, fio)
-            return fio
+        return self._files.get(item)
 
     def forget_segment(self, segment_id: str) -> None:
-        with self._lock:
-            cached = self._files.pop(segment_id, None)
-        if cached is not None:
-            cached[1].close()
+        self._files.forget(segment_id)
 
     def _staging(self) -> PinnedPool:
         with self._pool_lock:
@@ -254,9 +232,7 @@ class PosixTransport(Transport):
 
     def close(self) -> None:
         super().close()
-        with self._lock:
-            files, self._files = list(self._files.values()), {}
-        for _, fio in files:
+        for fio in self._files.take_all():
             fio.close()
         with self._pool_lock:
             io, self._io = self._io, None
