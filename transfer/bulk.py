@@ -162,8 +162,8 @@ class BulkServer:
                     left -= k
             _send_msg(conn, {"id": rid, "code": int(exc.code), "err": str(exc)})
             return True
-        view = seg.view()
         if op == TransferOp.WRITE:
+            view = seg.view()
             if view is not None:
                 ok = _recv_exact(conn, view[off:off + n])
             else:
@@ -176,12 +176,7 @@ class BulkServer:
             self._count(True)
             _send_msg(conn, {"id": rid, "code": 0, "err": ""})
         else:
-            if view is not None:
-                payload: Any = view[off:off + n]
-            else:
-                tmp = np.empty(n, dtype=np.uint8)
-                seg.read_into(off, tmp)
-                payload = tmp.data
+            payload = seg.read_payload(off, n)
             self._count(True)
             _send_msg(conn, {"id": rid, "code": 0, "err": ""}, payload)
         return True

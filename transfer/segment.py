@@ -77,6 +77,17 @@ class LocalSegment(ABC):
     def write_from(self, offset: int, src: memoryview | np.ndarray | bytes) -> None:
         """Copy ``src`` into the usable region at ``offset``."""
 
+    def read_payload(self, offset: int, length: int) -> memoryview:
+        """``length`` bytes at usable ``offset`` to send to a peer: a slice of
+        ``view()`` when the region is mapped (zero copy), else a fresh copy.
+        The caller has validated the range (the servers' ``_validate``)."""
+        view = self.view()
+        if view is not None:
+            return view[offset:offset + length]
+        buf = np.empty(length, dtype=np.uint8)
+        self.read_into(offset, buf)
+        return buf.data
+
     @abstractmethod
     def close(self) -> None:
         """Release the region (the owner also deletes it)."""

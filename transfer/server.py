@@ -34,7 +34,6 @@ import threading
 from collections.abc import Callable
 from typing import Any, cast
 
-import numpy as np
 import zmq
 
 from kvpool.master.auth import CurveAuthenticator, CurveConfig
@@ -206,14 +205,7 @@ class TransferServer:
                 self._reply(sock, ident, rid, ErrorCode.OK)
             else:
                 self._drain(sock)
-                view = seg.view()
-                if view is not None:
-                    payload: Any = view[off:off + n]
-                else:
-                    buf = np.empty(n, dtype=np.uint8)
-                    seg.read_into(off, buf)
-                    payload = buf.data
-                self._reply(sock, ident, rid, ErrorCode.OK, payload=payload)
+                self._reply(sock, ident, rid, ErrorCode.OK, payload=seg.read_payload(off, n))
             self.requests_served += 1
         except KVPoolError as exc:
             self._drain(sock)
