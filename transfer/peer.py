@@ -15,22 +15,103 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import subprocess
 import sys
 import zlib
 
 import numpy as np
 
 from kvpool.master.common import parse_size
+from kvpool.master.protocol import SegmentDescriptor
 from kvpool.transfer.config import load_transfer_config
 from kvpool.transfer.engine import TransferEngine
-from kvpool.transfer.segment import MemorySegment
+from kvpool.transfer.segment import LocalSegment, MemorySegment
 
-__all__ = ["fill_pattern", "main"]
+__all__ = ["PeerProcess", "fill_pattern", "main", "serve_stdin"]
 
 
 def fill_pattern(seed: int, n: int) -> np.ndarray:
     """``n`` deterministic pseudo-random bytes for ``seed``."""
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def serve_stdin(engine: TransferEngine, seg: LocalSegment) -> None:
+    """Add ``seg`` to ``engine``, print its descriptor as one JSON line, then answer
+    the line commands of the module docstring on stdin until ``exit`` or EOF.
+    Shared by this peer (memory segment) and the tier tests' file-segment peer."""
+    desc = engine.add_local_segment(seg)
+    print(json.dumps(desc.to_wire()), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "fill":
+            seg.write_from(0, fill_pattern(int(cmd[1]), seg.size))
+            print("ok", flush=True)
+        elif cmd[0] == "crc":
+            off, n = int(cmd[1]), int(cmd[2])
+            view = seg.view()
+            if view is not None:
+                print("ok", zlib.crc32(view[off:off + n]), flush=True)
+            else:
+                buf = np.empty(n, np.uint8)
+                seg.read_into(off, buf)
+                print("ok", zlib.crc32(buf.data), flush=True)
+        elif cmd[0] == "stop-server":
+            if engine.server is not None:
+                engine.server.close()
+            print("ok", flush=True)
+        elif cmd[0] == "exit":
+            break
+        else:
+            print("error unknown command", flush=True)
+
+
+class PeerProcess:
+    """The test side of a peer process speaking ``serve_stdin``'s protocol: spawn
+    ``cmd``, read the descriptor line (``desc``), send commands (``cmd()``
+    asserts an ``ok`` reply), ``close()`` (``exit``, SIGKILL if it hangs) or
+    ``kill()`` (SIGKILL)."""
+
+    def __init__(self, argv: list[str], what: str = "peer process") -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{what} died before printing its descriptor")
+        self.desc = SegmentDescriptor.from_wire(json.loads(line))
+
+    def cmd(self, text: str) -> list[str]:
+        """Send one command line; return the words after ``ok`` (asserts ``ok``)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline().split()
+        assert reply and reply[0] == "ok", f"peer replied {reply!r} to {text!r}"
+        return reply[1:]
+
+    def crc(self, off: int, n: int) -> int:
+        """crc32 of the segment's bytes ``[off, off+n)``."""
+        return int(self.cmd(f"crc {off} {n}")[0])
+
+    def kill(self) -> None:
+        """SIGKILL and wait."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(5)
+
+    def close(self) -> None:
+        """Ask it to exit (it closes its segment); SIGKILL if that fails."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("exit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,26 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = TransferEngine(load_transfer_config(), args.host_id, client_id=args.client_id,
                             curve=curve)
     try:
-        desc = engine.add_local_segment(seg)
-        print(json.dumps(desc.to_wire()), flush=True)
-        for line in sys.stdin:
-            cmd = line.split()
-            if not cmd:
-                continue
-            if cmd[0] == "fill":
-                seg.array()[:] = fill_pattern(int(cmd[1]), seg.size)
-                print("ok", flush=True)
-            elif cmd[0] == "crc":
-                off, n = int(cmd[1]), int(cmd[2])
-                print("ok", zlib.crc32(seg.array()[off:off + n].data), flush=True)
-            elif cmd[0] == "stop-server":
-                if engine.server is not None:
-                    engine.server.close()
-                print("ok", flush=True)
-            elif cmd[0] == "exit":
-                break
-            else:
-                print("error unknown command", flush=True)
+        serve_stdin(engine, seg)
     finally:
         engine.close()
         seg.close()

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import sys
 
 import numpy as np
 
-from kvpool.master.protocol import SegmentDescriptor
+from kvpool.transfer.peer import PeerProcess
 
 __all__ = ["FilePeer", "aligned_empty", "pattern"]
 
@@ -29,7 +26,7 @@ def aligned_empty(n: int, align: int = 4096) -> np.ndarray:
     return raw[skip:skip + n]
 
 
-class FilePeer:
+class FilePeer(PeerProcess):
     """A child process owning a file segment (tests/tier/file_peer.py)."""
 
     def __init__(self, directory: str, size: int, host_id: str,
@@ -38,32 +35,4 @@ class FilePeer:
                "--host-id", host_id]
         if segment_id:
             cmd += ["--segment-id", segment_id]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("file peer died before printing its descriptor")
-        self.desc = SegmentDescriptor.from_wire(json.loads(line))
-
-    def cmd(self, text: str) -> list[str]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(text + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline().split()
-        assert reply and reply[0] == "ok", f"peer replied {reply!r} to {text!r}"
-        return reply[1:]
-
-    def crc(self, off: int, n: int) -> int:
-        return int(self.cmd(f"crc {off} {n}")[0])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write("exit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(5)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.send_signal(signal.SIGKILL)
-                self.proc.wait(5)
+        super().__init__(cmd, what="file peer")

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -13,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from kvpool.master.protocol import SegmentDescriptor
 from kvpool.transfer import MemorySegment, TransferEngine, load_transfer_config
+from kvpool.transfer.peer import PeerProcess
 
 
-class Peer:
+class Peer(PeerProcess):
     """A ``python -m kvpool.transfer.peer`` child owning one shm segment."""
 
     def __init__(self, size: int, host_id: str = "host-test", segment_id: str | None = None,
@@ -27,39 +24,10 @@ class Peer:
                "--size", str(size), "--host-id", host_id]
         if not prefault:
             cmd.append("--no-prefault")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("peer process died before printing its descriptor")
-        self.desc = SegmentDescriptor.from_wire(json.loads(line))
-
-    def cmd(self, text: str) -> list[str]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(text + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline().split()
-        assert reply and reply[0] == "ok", f"peer replied {reply!r} to {text!r}"
-        return reply[1:]
-
-    def crc(self, off: int, n: int) -> int:
-        return int(self.cmd(f"crc {off} {n}")[0])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(5)
+        super().__init__(cmd, what="peer process")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write("exit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(5)
-            except (OSError, subprocess.TimeoutExpired):
-                self.kill()
+        super().close()
         # a killed peer cannot unlink its segment: clean up for it
         path = os.path.join("/dev/shm", self.desc.name)
         if os.path.exists(path):
