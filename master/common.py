@@ -20,6 +20,7 @@ __all__ = [
     "ConfigError",
     "format_size",
     "load_dataclass",
+    "load_yaml_mapping",
     "parse_size",
     "setup_logging",
 ]
@@ -150,6 +151,22 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     return value
 
 
+def load_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """The top-level mapping of the YAML file at ``path`` (an empty file is ``{}``).
+    An unreadable file, invalid YAML or a top level that is not a mapping raises
+    :class:`ConfigError` naming the file."""
+    p = Path(path)
+    try:
+        loaded = yaml.safe_load(p.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {p}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML in {p}: {exc}") from exc
+    if not isinstance(loaded, Mapping):
+        raise ConfigError(f"{p}: top level must be a mapping")
+    return dict(loaded)
+
+
 def load_dataclass(
     cls: type[T],
     data: Mapping[str, Any] | str | Path | None = None,
@@ -167,16 +184,7 @@ def load_dataclass(
     if data is None:
         mapping: dict[str, Any] = {}
     elif isinstance(data, str | Path):
-        path = Path(data)
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"invalid YAML in {path}: {exc}") from exc
-        if not isinstance(loaded, Mapping):
-            raise ConfigError(f"{path}: top level must be a mapping")
-        mapping = dict(loaded)
+        mapping = load_yaml_mapping(data)
     else:
         mapping = dict(data)
     for k, v in (overrides or {}).items():

@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from kvpool.master.common import ConfigError, load_dataclass, parse_size
+from kvpool.master.common import ConfigError, load_dataclass, load_yaml_mapping, parse_size
 from kvpool.master.protocol import SegmentKind
 from kvpool.transfer.transports import TRANSPORT_CLASSES
 
@@ -275,15 +273,7 @@ def load_transfer_config(
     if path is None and not p.exists():
         data: dict[str, Any] = {}
     else:
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {p}: {exc}") from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"invalid YAML in {p}: {exc}") from exc
-        if not isinstance(loaded, Mapping):
-            raise ConfigError(f"{p}: top level must be a mapping")
-        data = dict(loaded)
+        data = load_yaml_mapping(p)
     if overrides:
         data = _deep_merge(data, overrides)
     if "rules" not in data:
