@@ -285,6 +285,20 @@ def completion_error(c: Completion) -> TransferError:
 # -- client side: connections ---------------------------------------------------------
 
 
+def _close_verbs(qps: Sequence[QueuePair], cq: CompletionQueue) -> None:
+    """Close ``qps`` and then their CQ (the QPs must go first); a failure is
+    logged and never raised, so one broken object does not leak the rest."""
+    for qp in qps:
+        try:
+            qp.close()
+        except Exception:
+            log.debug("QP close failed", exc_info=True)
+    try:
+        cq.close()
+    except Exception:
+        log.debug("CQ close failed", exc_info=True)
+
+
 class _Connection:
     """The requester end towards one peer: a CQ, N connected QPs and the
     peer's segment registrations learned so far."""
@@ -306,16 +320,8 @@ class _Connection:
                 log.debug("QP %d -> ERR failed", qp.qp_num, exc_info=True)
 
     def close(self) -> None:
-        for qp in self.qps:
-            try:
-                qp.close()
-            except Exception:
-                log.debug("QP close failed", exc_info=True)
+        _close_verbs(self.qps, self.cq)
         self.qps = []
-        try:
-            self.cq.close()
-        except Exception:
-            log.debug("CQ close failed", exc_info=True)
 
 
 @dataclass
@@ -337,15 +343,7 @@ class _Accepted:
     qps: list[QueuePair]
 
     def close(self) -> None:
-        for qp in self.qps:
-            try:
-                qp.close()
-            except Exception:
-                log.debug("QP close failed", exc_info=True)
-        try:
-            self.cq.close()
-        except Exception:
-            log.debug("CQ close failed", exc_info=True)
+        _close_verbs(self.qps, self.cq)
 
 
 class _Staging:
