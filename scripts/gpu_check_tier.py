@@ -34,22 +34,14 @@ from kvpool.transfer import TransferEngine, TransferOp, TransferRequest, load_tr
 from kvpool.transfer.file_segment import FileSegment
 from kvpool.transfer.gpu import cuda_runtime
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench script
+from bench_tier import drop_cache  # one page-cache dropper for bench and check
+
 # transport options to try, e.g. '{"posix": {"pipeline_depth": 1}, "gds": {"threads": 1}}'
 _OPTIONS: dict[str, dict[str, Any]] = json.loads(os.environ.get("KVPOOL_GPU_TIER_OPTIONS") or "{}")
 CHUNK = 16 << 20
 BATCH = 16  # 256 MiB per pass
 ITERS = 3
-
-
-def _drop_cache(fd: int) -> str:
-    os.fsync(fd)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "drop_caches"
-    except OSError:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return "fadvise"
 
 
 def _gds_driver() -> bool:
@@ -69,7 +61,7 @@ def _disk_limit(path: str, total: int) -> dict[str, float]:
             best = 0.0
             for _ in range(ITERS):
                 if op == "read":
-                    _drop_cache(fd)
+                    drop_cache(fd)
                 t0 = time.perf_counter()
                 for i in range(total // CHUNK):
                     if op == "write":
@@ -170,7 +162,7 @@ def run(report: dict[str, Any]) -> None:
                 best, ok, errors = 0.0, True, []
                 for _ in range(ITERS):
                     if op is TransferOp.READ:
-                        _drop_cache(seg.io.fd)
+                        drop_cache(seg.io.fd)
                     t0 = time.perf_counter()
                     st = engine.transfer(reqs, timeout=300)
                     if op is TransferOp.WRITE:
