@@ -18,16 +18,42 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
-from typing import IO, Self
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import IO, Any, Self, TypeVar
 
 from kvpool.master.errors import ErrorCode, KVPoolError
 from kvpool.master.protocol import Op, SegmentDescriptor, SegmentKind
 from kvpool.master.rpc_client import MasterClient, MasterRPCError
 
-__all__ = ["ManagedProcess", "MasterProcess", "find_free_port", "segment_wire"]
+__all__ = ["ManagedProcess", "MasterProcess", "closing_factory", "find_free_port", "segment_wire"]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+@contextmanager
+def closing_factory(make: Callable[..., _T],
+                    close: Callable[[_T], Any] = lambda obj: obj.close()  # type: ignore[attr-defined]
+                    ) -> Iterator[Callable[..., _T]]:
+    """For "make_*" test fixtures: yields a factory that calls ``make(*args, **kw)``
+    and remembers what it made; on exit every object made is closed (``close(obj)``,
+    by default ``obj.close()``) in the order made. Usage in a fixture::
+
+        with closing_factory(lambda size=1 << 20: Peer(size)) as make:
+            yield make
+    """
+    made: list[_T] = []
+
+    def factory(*args: Any, **kw: Any) -> _T:
+        obj = make(*args, **kw)
+        made.append(obj)
+        return obj
+
+    yield factory
+    for obj in made:
+        close(obj)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

@@ -15,18 +15,39 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Self
 
 from kvpool.master.common import parse_size
 from kvpool.master.errors import ErrorCode, KVPoolError
 from kvpool.master.protocol import Op
 from kvpool.master.rpc_client import MasterClient, MasterRPCError
-from kvpool.master.testing import ManagedProcess
+from kvpool.master.testing import ManagedProcess, closing_factory
+from kvpool.store.client import Client
+from kvpool.store.config import ClientConfig
 
-__all__ = ["NodeDaemonProcess"]
+__all__ = ["NodeDaemonProcess", "client_factory"]
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def client_factory(master_address: str, **defaults: Any) -> Iterator[Callable[..., Client]]:
+    """For "make_client" fixtures: yields ``make(**kw)``, which builds a Client of
+    ``ClientConfig(**kw)`` (``master_address`` and ``defaults`` filled in where
+    ``kw`` lacks them) and sets it up; every client made is closed on exit."""
+
+    def make(**kw: Any) -> Client:
+        kw.setdefault("master_address", master_address)
+        for k, v in defaults.items():
+            kw.setdefault(k, v)
+        c = Client(ClientConfig(**kw))
+        c.setup()
+        return c
+
+    with closing_factory(make) as factory:
+        yield factory
 
 
 class NodeDaemonProcess(ManagedProcess):

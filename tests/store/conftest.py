@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvpool.master.testing import MasterProcess
-from kvpool.store import Client, ClientConfig
-from kvpool.store.testing import NodeDaemonProcess
+from kvpool.store import Client
+from kvpool.store.testing import NodeDaemonProcess, client_factory
 
 LEASE_TTL_MS = 1000
 
@@ -37,19 +37,8 @@ def daemons(master: MasterProcess) -> Iterator[list[NodeDaemonProcess]]:
 
 @pytest.fixture
 def make_client(master: MasterProcess) -> Iterator[Callable[..., Client]]:
-    made: list[Client] = []
-
-    def make(**kw: object) -> Client:
-        kw.setdefault("master_address", master.address)
-        kw.setdefault("rpc_timeout_s", 5.0)
-        c = Client(ClientConfig(**kw))  # type: ignore[arg-type]
-        c.setup()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+    with client_factory(master.address, rpc_timeout_s=5.0) as make:
+        yield make
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ from tier_helpers import pattern
 from kvpool.master.errors import ErrorCode, KVPoolError
 from kvpool.master.protocol import Op, SegmentKind
 from kvpool.master.testing import MasterProcess
-from kvpool.store import Client, ClientConfig, ReplicateConfig
+from kvpool.store import Client, ReplicateConfig
 from kvpool.store.errors import NoSpace, StoreError
-from kvpool.store.testing import NodeDaemonProcess
+from kvpool.store.testing import NodeDaemonProcess, client_factory
 from kvpool.transfer.file_segment import DEFAULT_FILE_NAME, HEADER_SIZE
 
 MiB = 1 << 20
@@ -53,19 +53,8 @@ def make_daemon(master: MasterProcess, tmp_path: Any) -> Iterator[Callable[..., 
 
 @pytest.fixture
 def make_client(master: MasterProcess) -> Iterator[Callable[..., Client]]:
-    made: list[Client] = []
-
-    def make(**kw: Any) -> Client:
-        kw.setdefault("master_address", master.address)
-        kw.setdefault("checksum", "crc32")
-        c = Client(ClientConfig(**kw))
-        c.setup()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
+    with client_factory(master.address, checksum="crc32") as make:
+        yield make
 
 
 def _kinds(master: MasterProcess, key: str) -> list[SegmentKind]:

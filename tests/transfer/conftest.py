@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.master.testing import closing_factory
 from kvpool.transfer import MemorySegment, TransferEngine, load_transfer_config
 from kvpool.transfer.peer import PeerProcess
 
@@ -36,52 +37,39 @@ class Peer(PeerProcess):
 
 @pytest.fixture
 def make_peer() -> Iterator[Any]:
-    peers: list[Peer] = []
+    with closing_factory(lambda size=1 << 20, **kw: Peer(size, **kw)) as make:
+        yield make
 
-    def factory(size: int = 1 << 20, **kw: Any) -> Peer:
-        p = Peer(size, **kw)
-        peers.append(p)
-        return p
 
-    yield factory
-    for p in peers:
-        p.close()
+def _engine(host_id: str = "host-test", overrides: dict[str, Any] | None = None,
+            **kw: Any) -> TransferEngine:
+    base: dict[str, Any] = {"transports": {"tcp": {"timeout_s": 3.0},
+                                           "shm": {"timeout_s": 3.0}}}
+    if overrides:
+        for k, v in overrides.items():
+            if k == "transports":
+                for t, s in v.items():
+                    base["transports"].setdefault(t, {}).update(s)
+            else:
+                base[k] = v
+    return TransferEngine(load_transfer_config(overrides=base), host_id, **kw)
 
 
 @pytest.fixture
 def make_engine() -> Iterator[Any]:
-    engines: list[TransferEngine] = []
+    with closing_factory(_engine) as make:
+        yield make
 
-    def factory(host_id: str = "host-test", overrides: dict[str, Any] | None = None,
-                **kw: Any) -> TransferEngine:
-        base: dict[str, Any] = {"transports": {"tcp": {"timeout_s": 3.0},
-                                               "shm": {"timeout_s": 3.0}}}
-        if overrides:
-            for k, v in overrides.items():
-                if k == "transports":
-                    for t, s in v.items():
-                        base["transports"].setdefault(t, {}).update(s)
-                else:
-                    base[k] = v
-        e = TransferEngine(load_transfer_config(overrides=base), host_id, **kw)
-        engines.append(e)
-        return e
 
-    yield factory
-    for e in engines:
-        e.close()
+def _close_segment(s: MemorySegment) -> None:
+    s.close()
+    assert not os.path.exists(os.path.join("/dev/shm", s.name))
 
 
 @pytest.fixture
 def make_segment() -> Iterator[Any]:
-    segs: list[MemorySegment] = []
+    def create(size: int = 1 << 20, segment_id: str | None = None) -> MemorySegment:
+        return MemorySegment.create(segment_id or f"local-{uuid.uuid4().hex[:8]}", size)
 
-    def factory(size: int = 1 << 20, segment_id: str | None = None) -> MemorySegment:
-        s = MemorySegment.create(segment_id or f"local-{uuid.uuid4().hex[:8]}", size)
-        segs.append(s)
-        return s
-
-    yield factory
-    for s in segs:
-        s.close()
-        assert not os.path.exists(os.path.join("/dev/shm", s.name))
+    with closing_factory(create, _close_segment) as make:
+        yield make
