@@ -38,8 +38,17 @@ def fill_pattern(seed: int, n: int) -> np.ndarray:
 
 def serve_stdin(engine: TransferEngine, seg: LocalSegment) -> None:
     """Add ``seg`` to ``engine``, print its descriptor as one JSON line, then answer
-    the line commands of the module docstring on stdin until ``exit`` or EOF.
-    Shared by this peer (memory segment) and the tier tests' file-segment peer."""
+    the line commands of the module docstring on stdin until ``exit`` or EOF; in
+    the end (also on error) close ``engine`` and then ``seg``. Shared by this peer
+    (memory segment) and the tier tests' file-segment peer."""
+    try:
+        _serve_commands(engine, seg)
+    finally:
+        engine.close()
+        seg.close()
+
+
+def _serve_commands(engine: TransferEngine, seg: LocalSegment) -> None:
     desc = engine.add_local_segment(seg)
     print(json.dumps(desc.to_wire()), flush=True)
     for line in sys.stdin:
@@ -133,11 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                                prefault=not args.no_prefault)
     engine = TransferEngine(load_transfer_config(), args.host_id, client_id=args.client_id,
                             curve=curve)
-    try:
-        serve_stdin(engine, seg)
-    finally:
-        engine.close()
-        seg.close()
+    serve_stdin(engine, seg)
     return 0
 
 

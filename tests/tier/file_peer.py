@@ -27,11 +27,7 @@ def main() -> int:
     args = ap.parse_args()
     seg = FileSegment.open(args.dir, parse_size(args.size), args.segment_id)
     engine = TransferEngine(load_transfer_config(), args.host_id, client_id="file-peer")
-    try:
-        serve_stdin(engine, seg)
-    finally:
-        engine.close()
-        seg.close()
+    serve_stdin(engine, seg)
     return 0
 
 
