@@ -46,18 +46,20 @@ class _Recorder:
     and records which chunk ran and how many file I/Os were in flight when
     each cudaMemcpy of the double happened."""
 
-    def __init__(self, delay_s: float = 0.003, fail_at: int | None = None) -> None:
+    def __init__(self, delay_s: float = 0.02, fail_at: int | None = None) -> None:
         self.delay_s = delay_s
         self.fail_at = fail_at  # file offset whose write fails
         self.lock = threading.Lock()
         self.inflight = 0
         self.io: list[tuple[str, int, int]] = []
         self.overlap_at_copy: list[int] = []
+        self.max_inflight = 0  # most file I/Os running at once (read-ahead depth)
 
     def wrap(self, name: str, orig: Any) -> Any:
         def call(fio: FileIO, off: int, buf: Any) -> None:
             with self.lock:
                 self.inflight += 1
+                self.max_inflight = max(self.max_inflight, self.inflight)
             try:
                 time.sleep(self.delay_s)
                 if name == "write" and off == self.fail_at:
@@ -124,6 +126,7 @@ def test_gpu_write_read_pipelined_through_double(make_engine: Any, tmp_path: Any
 
         rec.io.clear()
         rec.overlap_at_copy.clear()
+        rec.max_inflight = 0
         copies_before = rec.rt.copies  # type: ignore[attr-defined]
         dev_back = np.zeros(n, np.uint8)
         dst = engine.register_buffer((int(dev_back.ctypes.data), n), device="cuda")
@@ -141,9 +144,12 @@ def test_gpu_write_read_pipelined_through_double(make_engine: Any, tmp_path: Any
             # serial bounce: no cudaMemcpy ever runs while a file I/O is in flight
             assert max(write_overlap) == 0 and max(rec.overlap_at_copy) == 0
         else:
-            # pipelined: copies ran while the I/O of other chunks was in flight
-            assert max(write_overlap) >= 1 and max(rec.overlap_at_copy) >= 1
+            # pipelined writes: copies ran while the I/O of other chunks was in flight;
+            # pipelined reads: several chunks were read ahead at once (whether a copy
+            # then meets one still running depends on thread timing, so not asserted)
+            assert max(write_overlap) >= 1 and rec.max_inflight >= 2
             assert max(write_overlap) <= depth - 1  # never more I/O than free buffers allow
+            assert rec.max_inflight <= depth
     finally:
         seg.close()
 

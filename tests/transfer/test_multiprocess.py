@@ -4,6 +4,8 @@ runs its transfer server (python -m kvpool.transfer.peer)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import time
 import zlib
 from typing import Any
@@ -112,6 +114,9 @@ def test_peer_killed_mid_transfer_errors_within_timeout(make_engine: Any,
     dst = np.zeros(64 * MiB, np.uint8)
     reqs = [TransferRequest(R, dst, peer.segment_id, i * 4 * MiB, 4 * MiB,
                             buffer_offset=i * 4 * MiB) for i in range(16)]
+    # freeze the peer first so the batch cannot finish before the kill lands
+    # (on an idle box 64 MiB can cross loopback within the 50 ms below)
+    os.kill(peer.proc.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     h = e.submit(reqs)
     time.sleep(0.05)
@@ -123,7 +128,7 @@ def test_peer_killed_mid_transfer_errors_within_timeout(make_engine: Any,
     assert elapsed < 3.0, elapsed
     st = h.status()
     failed = [s for s in st if s.state is RequestState.FAILED]
-    assert failed, "every request finished although the peer was killed 50 ms in"
+    assert len(failed) == len(st), "requests finished although the peer was frozen, then killed"
     for s in failed:
         assert s.code in (ErrorCode.TRANSFER_FAIL, ErrorCode.TIMEOUT), s
         assert "disconnected" in s.errors[-1] or "cannot connect" in s.errors[-1], s
