@@ -19,5 +19,7 @@ mkdir -p out
 .venv/bin/python scripts/soak.py --minutes 1 --json out/soak_ci.json
 if [ "${KVPOOL_SKIP_VLLM:-0}" != 1 ] && [ -d tests/connector ]; then
   bash scripts/install_vllm.sh
+  # torch CPU tensors as transfer buffers (torch arrives with the vllm extra)
+  .venv/bin/python -m pytest -q -k torch tests/transfer/test_buffers.py tests/transfer/test_engine.py
   .venv/bin/python -m pytest -q -m vllm tests/connector
 fi
