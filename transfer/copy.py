@@ -8,6 +8,7 @@ the same bytes faster. Used by the shm transport and the store's inline path.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ def _executor(threads: int) -> ThreadPoolExecutor:
     return _pool
 
 
+@functools.cache
 def default_copy_threads() -> int:
     """Copy threads by default: the CPUs this process may use, at most 4."""
     try:
@@ -49,8 +51,11 @@ def parallel_copyto(dst: np.ndarray, src: np.ndarray, threads: int = 0,
     (``threads`` 0 = :func:`default_copy_threads`). The calling thread copies
     one part itself; returns when every part is done (exceptions propagate)."""
     n = dst.size
+    if n < split_min_bytes:  # the common small copy: no thread bookkeeping at all
+        np.copyto(dst, src)
+        return
     threads = threads or default_copy_threads()
-    if threads <= 1 or n < split_min_bytes:
+    if threads <= 1:
         np.copyto(dst, src)
         return
     part = -(-n // threads)
