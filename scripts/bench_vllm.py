@@ -19,8 +19,10 @@ Target: hit <= 0.3x miss. Prints (and with --json writes) medians and ratios.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -58,6 +60,7 @@ def main() -> None:
 
     vocab = 4096
     model_dir = tempfile.mkdtemp(prefix="kvpool-bench-model-")
+    atexit.register(shutil.rmtree, model_dir, True)  # the random model is throwaway
     head_dim = args.hidden // args.heads
     build_tiny_llama(model_dir, hidden_size=args.hidden, num_layers=args.layers,
                      num_heads=args.heads, num_kv_heads=args.heads, head_dim=head_dim,
