@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO, Any, Self, TypeVar
@@ -158,11 +159,23 @@ class ManagedProcess:
         """Remove what this helper created (run on context exit, after ``stop()``)."""
 
     def __enter__(self) -> Self:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # __exit__ will not run: do its work here
+            self.stop()
+            self._cleanup()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self._cleanup()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class MasterProcess(ManagedProcess):
@@ -205,6 +218,8 @@ class MasterProcess(ManagedProcess):
         else:
             name = f"kvpool-master-{self.port}-{uuid.uuid4().hex[:6]}.log"
             self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), name)
+            # also when used without ``with`` or when start() fails: gone at GC/exit
+            weakref.finalize(self, _unlink_quietly, self.log_path)
 
     @property
     def address(self) -> str:
@@ -266,7 +281,4 @@ class MasterProcess(ManagedProcess):
 
     def _cleanup(self) -> None:
         if not self.data_dir:
-            try:
-                os.unlink(self.log_path)
-            except OSError:
-                pass
+            _unlink_quietly(self.log_path)
