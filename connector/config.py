@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvpool.master.common import ConfigError
+from kvpool.core.config import ConfigError
 
 __all__ = ["ConnectorConfig"]
 

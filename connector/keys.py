@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.master.common import ConfigError
+from kvpool.core.config import ConfigError
 
 __all__ = ["KeySpace", "chain_hashes", "kv_shard"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.master.common import ConfigError
+from kvpool.core.config import ConfigError
 
 __all__ = ["ChunkLayout", "LayerLayout", "consecutive_run"]
 

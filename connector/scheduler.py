@@ -21,7 +21,7 @@ from kvpool.connector.keys import KeySpace
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess, StoreUnavailable
-from kvpool.master.errors import KVPoolError
+from kvpool.core.errors import KVPoolError
 
 __all__ = [
     "CachedReq",

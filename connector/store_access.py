@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = ["StoreAccess", "StoreUnavailable", "make_client"]
 

@@ -38,8 +38,8 @@ from kvpool.connector.layout import ChunkLayout, LayerLayout
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess, StoreUnavailable
-from kvpool.master.common import ConfigError
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.config import ConfigError
+from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = ["KVPoolWorker", "LoadResult"]
 

@@ -34,7 +34,7 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
 def register(subparsers: Any) -> None:
     """Add the ``master`` subcommand to the ``kvpool`` parser."""
     p = subparsers.add_parser("master", help="run the master (control plane)")
-    from kvpool.master.auth import add_curve_arguments
+    from kvpool.core.auth import add_curve_arguments
 
     p.add_argument("--config", help="YAML config (configs/master.yaml documents the keys)")
     for flag, dest, tp, help_ in _FLAGS:
@@ -45,7 +45,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the config, start the server, serve until SIGTERM/SIGINT."""
-    from kvpool.master.auth import curve_config_from_args
+    from kvpool.core.auth import curve_config_from_args
     from kvpool.master.config import load_master_config
     from kvpool.master.server import MasterServer
 

@@ -7,8 +7,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from kvpool.master.auth import CurveConfig
-from kvpool.master.common import ConfigError, load_dataclass
+from kvpool.core.auth import CurveConfig
+from kvpool.core.config import ConfigError, load_dataclass
 from kvpool.master.tiering_config import TieringConfig
 
 __all__ = ["FsyncPolicy", "MasterConfig", "load_master_config"]
@@ -72,7 +72,7 @@ class MasterConfig:
     # round trips than ZeroMQ for clients on this host. "auto": a 0600 socket in
     # $TMPDIR unless CURVE is on; "off"; or an explicit path.
     local_socket: str = "auto"
-    # ZeroMQ CURVE on the RPC socket (kvpool.master.auth; docs/security.md):
+    # ZeroMQ CURVE on the RPC socket (kvpool.core.auth; docs/security.md):
     # auto = off on loopback binds, required on any other bind
     curve: CurveConfig = field(default_factory=CurveConfig)
     # SSD tier (kvpool.master.tiering): offload on eviction, promotion, warm restart

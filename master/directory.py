@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterable, Iterator
 from enum import IntEnum
 from typing import Any
 
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.allocator import Allocator
 from kvpool.master.config import MasterConfig
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import SegmentDescriptor, SegmentKind
 
 __all__ = [
     "HARD_PIN",

@@ -7,9 +7,9 @@ poll loop crosses two (~12 µs measured here). A put is two round trips
 (PUT_START, PUT_END), so this is most of a small put's latency.
 
 Wire format: the master's own request/reply payloads (msgpack, see
-:mod:`kvpool.master.protocol`), each prefixed with its length as 4 bytes
+:mod:`kvpool.core.protocol`), each prefixed with its length as 4 bytes
 little-endian. One connection carries one request at a time per client
-(:class:`~kvpool.master.rpc_client.MasterClient` holds a lock).
+(:class:`~kvpool.core.rpc_client.MasterClient` holds a lock).
 
 Discovery: ``Op.LOCAL_ENDPOINT`` over ZeroMQ answers ``{path, instance}``;
 the client connects to ``path`` and repeats the op over the socket, and uses
@@ -32,14 +32,14 @@ from typing import Any
 
 import zmq
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import encode_frame
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
+from kvpool.core.protocol import encode_frame
 
-__all__ = ["HEADER", "LocalRpcServer", "default_socket_path"]
+__all__ = ["LocalRpcServer", "default_socket_path"]
 
 log = logging.getLogger(__name__)
 
-HEADER = 4  # bytes of the little-endian length prefix
 _RECV = 256 << 10  # read buffer (recv(n) would allocate n bytes per call)
 _MAX_OUT = 256 << 20  # a client that does not read its replies is dropped
 _MAX_CONNS = 4096

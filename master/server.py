@@ -25,11 +25,12 @@ from typing import Any
 import msgpack
 import zmq
 
-from kvpool.master import __version__
-from kvpool.master.capability import CapabilitySigner, CapOp
+from kvpool.core import __version__
+from kvpool.core.capability import CapabilitySigner, CapOp
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import Op, SegmentDescriptor, SegmentKind, decode_frame, encode_frame
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, Pending, SegState
-from kvpool.master.errors import ErrorCode, KVPoolError
 from kvpool.master.journal import (
     Journal,
     SnapshotWriter,
@@ -39,7 +40,6 @@ from kvpool.master.journal import (
     read_journal,
 )
 from kvpool.master.local_rpc import LocalRpcServer, default_socket_path
-from kvpool.master.protocol import Op, SegmentDescriptor, SegmentKind, decode_frame, encode_frame
 from kvpool.master.tiering import TieringPolicy
 
 __all__ = ["MasterServer"]
@@ -97,7 +97,7 @@ def _peek_id(payload: bytes) -> Any:
 
 
 class MasterServer:
-    """Serve the op table of :mod:`kvpool.master.protocol` until ``stop()``.
+    """Serve the op table of :mod:`kvpool.core.protocol` until ``stop()``.
 
     Construction binds the sockets (``port`` 0 picks a free one; see
     ``self.port``) and restores state from ``data_dir``.

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.directory import (
     HARD_PIN,
     Directory,
@@ -52,8 +54,6 @@ from kvpool.master.directory import (
     Segment,
     SegState,
 )
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.tiering_config import TieringConfig
 
 __all__ = ["CopyTask", "TaskKind", "TieringConfig", "TieringPolicy"]

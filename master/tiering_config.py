@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool.master.common import ConfigError
+from kvpool.core.config import ConfigError
 
 __all__ = ["TieringConfig"]
 

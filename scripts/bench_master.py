@@ -34,9 +34,9 @@ from typing import Any
 
 import psutil
 
-from kvpool.master.protocol import Op, SegmentKind
-from kvpool.master.rpc_client import MasterClient
-from kvpool.master.testing import MasterProcess, segment_wire
+from kvpool.cluster.processes import MasterProcess
+from kvpool.core.protocol import Op, SegmentDescriptor, SegmentKind
+from kvpool.core.rpc_client import MasterClient
 
 TARGETS = {"key_ops_per_s": 200_000, "rss_bytes_per_object": 400, "snapshot_pause_ms": 20}
 
@@ -180,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             meter = Meter(m.pid)
             for i in range(4):  # 4 x 64 TiB: capacity never limits the benchmark
                 c.call(Op.MOUNT_SEGMENT, client_id="bench",
-                       segment=segment_wire(f"bench-seg-{i}", "bench", 64 << 40,
-                                            SegmentKind.MEMORY))
+                       segment=SegmentDescriptor(f"bench-seg-{i}", "bench", "host-bench",
+                                                 SegmentKind.MEMORY, 64 << 40,
+                                                 f"kvpool-bench-seg-{i}").to_wire())
             phases = []
             counter = [0, 0]
             for batch in (1, 128):

@@ -67,7 +67,7 @@ def _worker(conn: Connection, master: str) -> None:
     Commands: ("run", transport, op, size, batch, n, tag) -> record;
     ("quit",) -> None.
     """
-    from kvpool.master.common import setup_logging
+    from kvpool.core.config import setup_logging
     from kvpool.store import Client, ClientConfig
 
     setup_logging("WARNING")
@@ -221,10 +221,9 @@ class _RawSocket:
 # ----------------------------------------------------------------------------- driver
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from kvpool.master.common import parse_size
-    from kvpool.master.protocol import Op
-    from kvpool.master.testing import MasterProcess
-    from kvpool.store.testing import NodeDaemonProcess
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+    from kvpool.core.config import parse_size
+    from kvpool.core.protocol import Op
 
     records: list[dict[str, Any]] = []
     raw = _RawSocket()
@@ -377,7 +376,7 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvpool.master.common import parse_size
+    from kvpool.core.config import parse_size
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", required=True, help="write records here")

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.master.common import parse_size
+from kvpool.core.config import parse_size
 from kvpool.transfer import TransferEngine, TransferOp, TransferRequest, load_transfer_config
 from kvpool.transfer.file_segment import FileSegment
 
@@ -139,10 +139,9 @@ def bench_store(base: str, sizes: list[int], total: int, rounds: int, buf: np.nd
                 acc_by_size: dict[int, Lat], memory: int) -> None:
     """put_from/get_into through the store (master + node daemon with a disk
     tier, objects on disk only) from this process; reads cold."""
-    from kvpool.master.testing import MasterProcess
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
     from kvpool.store import Client, ClientConfig, ReplicateConfig
     from kvpool.store.errors import NoSpace
-    from kvpool.store.testing import NodeDaemonProcess
 
     disk_dir = os.path.join(base, "store-disk")
     disk_cfg = ReplicateConfig(replica_num=0, disk_replica_num=1)

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.master.protocol import SegmentDescriptor
+from kvpool.core.protocol import SegmentDescriptor
 from kvpool.transfer import TransferEngine, TransferOp, TransferRequest, load_transfer_config
 from kvpool.transfer.segment import map_shm
 
@@ -163,7 +163,7 @@ def run_all(duration: float, transports: list[str], curve: bool = True) -> list[
     cengine: TransferEngine | None = None
     keydir = tempfile.TemporaryDirectory(prefix="kvpool-bench-keys-")
     if curve and "tcp" in transports:
-        from kvpool.master.auth import CurveConfig, save_keypair
+        from kvpool.core.auth import CurveConfig, save_keypair
 
         _, secret = save_keypair(keydir.name, "cluster")
         # another host id: the tcp transport to a CURVE transfer server

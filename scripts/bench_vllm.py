@@ -24,11 +24,14 @@ import json
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from kvpool.connector.testing import EngineProc, build_tiny_llama, kv_transfer_config
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # test support
+from support.vllm_engine import EngineProc, build_tiny_llama, kv_transfer_config
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict[str, Any]]:
@@ -55,8 +58,7 @@ def main() -> None:
     ap.add_argument("--pool-memory", default="1GiB")
     args = ap.parse_args()
 
-    from kvpool.master.testing import MasterProcess
-    from kvpool.store.testing import NodeDaemonProcess
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 
     vocab = 4096
     model_dir = tempfile.mkdtemp(prefix="kvpool-bench-model-")

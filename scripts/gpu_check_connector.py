@@ -158,8 +158,7 @@ def run(report: dict[str, Any], **overrides: Any) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         res["skipped"] = "no CUDA device"
         return
-    from kvpool.master.testing import MasterProcess
-    from kvpool.store.testing import NodeDaemonProcess
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 
     L, B, N, H, C = p["layers"], p["blocks"], p["block"], p["heads"], 2 * p["head"]
     # vLLM 0.32 CUDA default layout LBNHC: [L, B, N, H, C] physical.

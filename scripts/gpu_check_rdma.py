@@ -8,7 +8,7 @@ for real on the GPU: torch CUDA tensors (registered with the engine, but not
 registrable by the NIC, as without nvidia-peermem) WRITTEN to and READ back
 from a remote memory segment, with cudaMemcpy through the transport's
 registered host staging buffers and the verbs layer replaced by
-LoopbackVerbsDouble (tests/transfer/test_rdma_double.py; a fake of the RDMA
+LoopbackVerbsDouble (tests/support/verbs_double.py; a fake of the RDMA
 hardware whose "wire" is a memmove). Correctness is checked byte for byte;
 the GB/s are those of staging + memmove, NOT of RDMA.
 """
@@ -28,10 +28,10 @@ MiB = 1 << 20
 
 
 def _double() -> Any:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "transfer"))
-    import test_rdma_double
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from support import verbs_double
 
-    return test_rdma_double
+    return verbs_double
 
 
 def run(report: dict[str, Any]) -> None:

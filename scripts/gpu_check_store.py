@@ -107,8 +107,7 @@ def run(report: dict[str, Any]) -> None:
 
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA device")
-    from kvpool.master.testing import MasterProcess
-    from kvpool.store.testing import NodeDaemonProcess
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 
     out: dict[str, Any] = report.setdefault("store", {})
     with MasterProcess() as m, NodeDaemonProcess(m.address, (BATCH * 2 + 8) * SIZE):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.master.protocol import SegmentDescriptor
+from kvpool.core.protocol import SegmentDescriptor
 from kvpool.transfer import TransferEngine, TransferOp, TransferRequest, load_transfer_config
 from kvpool.transfer.gpu import PinnedPool, cuda_runtime
 

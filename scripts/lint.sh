@@ -4,11 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-"$PY" -m ruff check master store transfer connector tests scripts
+"$PY" -m ruff check core master store transfer connector cluster tests scripts
 tree=.tmp/mypy/kvpool
 mkdir -p "$tree"
-for layer in master store transfer connector; do
+for layer in core master store transfer connector cluster; do
   ln -sfn "$PWD/$layer" "$tree/$layer"
 done
 MYPYPATH=.tmp/mypy "$PY" -m mypy --cache-dir .tmp/mypy-cache \
-  -p kvpool.master -p kvpool.store -p kvpool.transfer -p kvpool.connector
+  -p kvpool.core -p kvpool.master -p kvpool.store -p kvpool.transfer -p kvpool.connector \
+  -p kvpool.cluster

@@ -70,7 +70,7 @@ def value_for(key: str) -> bytes:
 
 def worker_main(args: argparse.Namespace) -> int:
     """One client: mixed ops for ``--seconds``, then a clean exit; JSON stats on stdout."""
-    from kvpool.master.errors import ErrorCode, KVPoolError
+    from kvpool.core.errors import ErrorCode, KVPoolError
     from kvpool.store import Client, ClientConfig, ReplicateConfig
 
     stop = {"flag": False}
@@ -220,7 +220,7 @@ class Soak:
         s.shm_files = len(self.shm_files())
         s.workers = len(self.workers)
         try:
-            from kvpool.master.protocol import Op
+            from kvpool.core.protocol import Op
 
             with self.master.client(timeout_s=5) as mc:
                 st = mc.call(Op.STATS)
@@ -252,8 +252,7 @@ class Soak:
                                      f"(bound {a.fd_growth})")
 
     def run(self) -> int:
-        from kvpool.master.testing import MasterProcess
-        from kvpool.store.testing import NodeDaemonProcess
+        from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 
         a = self.args
         total_s = a.minutes * 60

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.copy import parallel_copyto
 
 __all__ = ["InlineShm"]

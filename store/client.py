@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import (
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import (
     Op,
     ReplicaDescriptor,
     ReplicaStatus,
@@ -40,7 +40,7 @@ from kvpool.master.protocol import (
     SegmentKind,
     validate_key,
 )
-from kvpool.master.rpc_client import MasterClient, MasterRPCError
+from kvpool.core.rpc_client import MasterClient, MasterRPCError
 from kvpool.store._bufutil import (
     alloc_bytes,
     buffer_nbytes,

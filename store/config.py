@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.master.auth import CurveConfig
-from kvpool.master.common import ConfigError, load_dataclass
+from kvpool.core.auth import CurveConfig
+from kvpool.core.config import ConfigError, load_dataclass
 
 __all__ = [
     "CHECKSUM_ALGOS",

@@ -81,7 +81,7 @@ def _start_metrics(client: Client, port: int) -> Any:
     from prometheus_client.core import CounterMetricFamily
     from prometheus_client.registry import Collector
 
-    from kvpool.master.capability import refusal_metrics
+    from kvpool.core.capability import refusal_metrics
 
     engine = client.engine
 

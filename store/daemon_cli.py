@@ -29,14 +29,14 @@ def register(subparsers: Any) -> None:
                    help="Prometheus /metrics on 127.0.0.1:PORT (capability refusals; 0 = off)")
     p.add_argument("--config", default=None, help="client YAML (configs/client.yaml)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
-    from kvpool.master.auth import add_curve_arguments
+    from kvpool.core.auth import add_curve_arguments
 
     add_curve_arguments(p)
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    from kvpool.master.common import parse_size
+    from kvpool.core.config import parse_size
     from kvpool.store.config import load_client_config
     from kvpool.store.daemon import run_daemon
 
@@ -52,7 +52,7 @@ def _main(args: argparse.Namespace) -> int:
         "prefault": False if args.no_prefault else None,
         "metrics_port": args.metrics_port,
     }
-    from kvpool.master.auth import curve_config_from_args
+    from kvpool.core.auth import curve_config_from_args
 
     cfg = load_client_config(args.config, overrides)
     cfg.curve = curve_config_from_args(args, cfg.curve)

@@ -7,7 +7,7 @@ on ``exc.code`` (the same integer the Mooncake-compatible API returns).
 
 from __future__ import annotations
 
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = [
     "AlreadyExists",

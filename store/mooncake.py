@@ -26,7 +26,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.store._gpuptr import pointer_is_device
 from kvpool.store.client import Client
 from kvpool.store.config import ClientConfig, ReplicateConfig
@@ -120,7 +120,7 @@ class MooncakeDistributedStore:
             log.error("protocol must be 'tcp' or 'rdma', got %r", protocol)
             return _INVALID
         try:
-            from kvpool.master.common import parse_size
+            from kvpool.core.config import parse_size
 
             host = str(local_hostname)
             cfg_args: dict[str, Any] = {

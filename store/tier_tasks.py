@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import Op, SegmentDescriptor
-from kvpool.master.rpc_client import MasterClient, MasterRPCError
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import Op, SegmentDescriptor
+from kvpool.core.rpc_client import MasterClient, MasterRPCError
 
 __all__ = ["TierTask", "TierTaskRunner"]
 

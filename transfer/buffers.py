@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.master.errors import ErrorCode
+from kvpool.core.errors import ErrorCode
 from kvpool.transfer.types import TransferError
 
 __all__ = ["BufferHandle", "as_buffer"]

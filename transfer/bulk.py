@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import decode_frame, encode_frame
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import decode_frame, encode_frame
 from kvpool.transfer.types import TransferError, TransferOp
 
 __all__ = ["BulkClient", "BulkServer"]

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.master.common import ConfigError, load_dataclass, load_yaml_mapping, parse_size
-from kvpool.master.protocol import SegmentKind
+from kvpool.core.config import ConfigError, load_dataclass, load_yaml_mapping, parse_size
+from kvpool.core.protocol import SegmentKind
 from kvpool.transfer.transports import TRANSPORT_CLASSES
 
 __all__ = [

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from kvpool.master.auth import CurveConfig
-from kvpool.master.capability import CapabilityVerifier as CapVerifier
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.auth import CurveConfig
+from kvpool.core.capability import CapabilityVerifier as CapVerifier
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.buffers import BufferHandle, as_buffer
 from kvpool.transfer.config import RuleConfig, TransferConfig, TransportSettings
 from kvpool.transfer.segment import LocalSegment
@@ -246,7 +246,7 @@ class TransferEngine:
 
     # -- transports -------------------------------------------------------------
     def _load_transports(self) -> None:
-        from kvpool.master.common import ConfigError
+        from kvpool.core.config import ConfigError
 
         names: list[str] = []
         for rule in self.config.rules:

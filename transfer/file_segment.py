@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.types import TransferError
 

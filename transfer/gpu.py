@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.master.errors import ErrorCode
+from kvpool.core.errors import ErrorCode
 from kvpool.transfer.types import TransferError
 
 __all__ = ["CudaRuntime", "PinnedPool", "cuda_available", "cuda_runtime"]

@@ -22,8 +22,8 @@ import zlib
 
 import numpy as np
 
-from kvpool.master.common import parse_size
-from kvpool.master.protocol import SegmentDescriptor
+from kvpool.core.config import parse_size
+from kvpool.core.protocol import SegmentDescriptor
 from kvpool.transfer.config import load_transfer_config
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.segment import LocalSegment, MemorySegment
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     curve = None
     if args.curve_key:
-        from kvpool.master.auth import CurveConfig
+        from kvpool.core.auth import CurveConfig
 
         curve = CurveConfig(enabled=True, secret_key_file=args.curve_key)
     seg = MemorySegment.create(args.segment_id, parse_size(args.size),

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.transfer.rdma_verbs import MTU_BYTES, RemoteQp, valid_gid
 
 __all__ = [

@@ -22,8 +22,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.types import TransferError, TransferOp
 
 __all__ = ["SHM_DIR", "SHM_PREFIX", "LocalSegment", "MemorySegment", "map_shm"]

@@ -36,9 +36,9 @@ from typing import Any, cast
 
 import zmq
 
-from kvpool.master.auth import CurveAuthenticator, CurveConfig
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import decode_frame, encode_frame
+from kvpool.core.auth import CurveAuthenticator, CurveConfig
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import decode_frame, encode_frame
 from kvpool.transfer.bulk import BulkServer
 from kvpool.transfer.config import ServerConfig
 from kvpool.transfer.segment import LocalSegment

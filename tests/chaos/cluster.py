@@ -49,7 +49,7 @@ class ClusterError(RuntimeError):
 
 @functools.cache
 def _cli_flags(sub: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "kvpool.store.cli", sub, "--help"],
+    out = subprocess.run([sys.executable, "-m", "kvpool.cluster.cli", sub, "--help"],
                          capture_output=True, text=True, timeout=60)
     return out.stdout
 
@@ -180,7 +180,7 @@ class ChaosCluster:
         host = self.topo.host("master")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         f, path = self._log("master")
-        cmd = [sys.executable, "-m", "kvpool.store.cli", "--log-level", LOG_LEVEL, "master",
+        cmd = [sys.executable, "-m", "kvpool.cluster.cli", "--log-level", LOG_LEVEL, "master",
                "--host", host.address,
                "--port", str(MASTER_PORT), "--metrics-port", "0", "--data-dir",
                str(self.data_dir), "--client-ttl-s", str(self.client_ttl_s),
@@ -204,7 +204,7 @@ class ChaosCluster:
         ready = self.workdir / f"{name}-ready-{self._starts[name]}.json"
         with contextlib.suppress(FileNotFoundError):
             ready.unlink()
-        cmd = [sys.executable, "-m", "kvpool.store.cli", "--log-level", LOG_LEVEL,
+        cmd = [sys.executable, "-m", "kvpool.cluster.cli", "--log-level", LOG_LEVEL,
                "client", "--master",
                self.master_address, "--memory", self.node_memory, "--host-id", name,
                "--bind-host", host.address, "--ready-file", str(ready),

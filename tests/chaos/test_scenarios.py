@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster import ChaosCluster
 from workload import WRONG_BYTES, make_key
 
-from kvpool.master.errors import ErrorCode
+from cluster import ChaosCluster
+from kvpool.core.errors import ErrorCode
 
 pytestmark = pytest.mark.timeout(150)
 

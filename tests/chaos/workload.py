@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.errors import ErrorCode, KVPoolError
 
 log = logging.getLogger("chaos.workload")
 
@@ -156,7 +156,7 @@ def agent_main(args: argparse.Namespace) -> int:
                        transfer_timeout_s=args.transfer_timeout_s, ping_interval_s=0.5,
                        checksum="crc32")
     if hasattr(cfg, "curve"):  # the chaos suite tests faults, not authentication
-        from kvpool.master.auth import CurveConfig
+        from kvpool.core.auth import CurveConfig
 
         cfg.curve = CurveConfig(enabled=False)
     out = sys.stdout
@@ -181,8 +181,8 @@ def agent_main(args: argparse.Namespace) -> int:
 
 
 def probe_main(address: str, timeout_s: float) -> int:
-    from kvpool.master.protocol import Op
-    from kvpool.master.rpc_client import MasterClient, MasterRPCError
+    from kvpool.core.protocol import Op
+    from kvpool.core.rpc_client import MasterClient, MasterRPCError
 
     deadline = time.monotonic() + timeout_s
     with MasterClient(address, timeout_s=0.5) as mc:

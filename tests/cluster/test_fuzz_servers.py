@@ -16,11 +16,10 @@ import msgpack
 import pytest
 import zmq
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import Op, decode_frame
-from kvpool.master.testing import MasterProcess
+from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import Op, decode_frame
 from kvpool.store import Client, ClientConfig
-from kvpool.store.testing import NodeDaemonProcess
 
 N_FRAMES = 10_500
 SEED = 20261129

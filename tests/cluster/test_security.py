@@ -16,13 +16,12 @@ from typing import Any
 import pytest
 import zmq
 
-from kvpool.master.auth import CurveConfig, save_keypair
-from kvpool.master.capability import DenyReason
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import Op, SegmentDescriptor, decode_frame, encode_frame
-from kvpool.master.testing import MasterProcess, find_free_port
+from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess, find_free_port
+from kvpool.core.auth import CurveConfig, save_keypair
+from kvpool.core.capability import DenyReason
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import Op, SegmentDescriptor, decode_frame, encode_frame
 from kvpool.store import Client, ClientConfig, ReplicateConfig
-from kvpool.store.testing import NodeDaemonProcess
 from kvpool.transfer import TransferEngine, TransferOp, TransferRequest, load_transfer_config
 
 READ, WRITE, STATS = int(TransferOp.READ), int(TransferOp.WRITE), 4

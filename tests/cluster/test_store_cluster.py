@@ -17,12 +17,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import Op
-from kvpool.master.testing import MasterProcess
+from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import Op
 from kvpool.store import Client, ClientConfig, ReplicateConfig
 from kvpool.store.errors import LeaseExpired, MasterUnreachable, ObjectNotFound, StoreTimeout
-from kvpool.store.testing import NodeDaemonProcess
 
 
 @pytest.fixture
@@ -179,7 +178,7 @@ def test_daemon_sigterm_unmounts_cleanly_and_status(tmp_path) -> None:  # type: 
         d.start()
         (shm,) = d.info["shm_names"]
         assert os.path.exists(f"/dev/shm/{shm}")
-        out = subprocess.run([sys.executable, "-m", "kvpool.store.cli", "status",
+        out = subprocess.run([sys.executable, "-m", "kvpool.cluster.cli", "status",
                               "--master", m.address], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         assert d.segment_ids[0] in out.stdout and "node-a" in out.stdout
@@ -189,7 +188,7 @@ def test_daemon_sigterm_unmounts_cleanly_and_status(tmp_path) -> None:  # type: 
         with m.client() as mc:
             assert mc.call(Op.LIST_SEGMENTS)["segments"] == []
         d.__exit__()
-        bad = subprocess.run([sys.executable, "-m", "kvpool.store.cli", "client", "--master",
+        bad = subprocess.run([sys.executable, "-m", "kvpool.cluster.cli", "client", "--master",
                               m.address, "--memory", "lots"], capture_output=True, text=True,
                              timeout=30)
         assert bad.returncode != 0 and "CONFIG_ERROR" in bad.stderr
@@ -197,7 +196,7 @@ def test_daemon_sigterm_unmounts_cleanly_and_status(tmp_path) -> None:  # type: 
 
 def test_demo_runs() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvpool.store.cli", "demo", "--requests", "12",
+        [sys.executable, "-m", "kvpool.cluster.cli", "demo", "--requests", "12",
          "--memory", "48MiB", "--max-value", "4MiB", "--no-progress"],
         capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -13,6 +13,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random 2-layer Llama with a locally trained tokenizer (built once)."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm not importable: install the vllm extra (scripts/install_vllm.sh)")
-    from kvpool.connector.testing import build_tiny_llama
+    from support.vllm_engine import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tinyllama")))

@@ -9,8 +9,8 @@ import pytest
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.keys import KeySpace, chain_hashes, kv_shard
-from kvpool.master.common import ConfigError
-from kvpool.master.errors import ErrorCode
+from kvpool.core.config import ConfigError
+from kvpool.core.errors import ErrorCode
 
 KS = KeySpace(model="org/My Model", kv_dtype="torch.bfloat16", block_size=16, chunk_size=64)
 

@@ -49,8 +49,7 @@ def test_leading_hits() -> None:
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[str]:
-    from kvpool.master.testing import MasterProcess
-    from kvpool.store.testing import NodeDaemonProcess
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 
     with MasterProcess() as m, NodeDaemonProcess(m.address, memory="16MiB"):
         yield m.address
@@ -178,7 +177,7 @@ def test_preempted_request_resumes_with_new_blocks(pool: str, client: Any) -> No
 
 
 def test_store_down_is_a_fast_miss() -> None:
-    from kvpool.master.testing import find_free_port
+    from kvpool.cluster.processes import find_free_port
 
     cfg = ConnectorConfig(master_address=f"127.0.0.1:{find_free_port()}", chunk_size=CHUNK,
                           rpc_timeout_s=0.3, retry_interval_s=60)

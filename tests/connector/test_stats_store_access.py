@@ -33,9 +33,8 @@ def test_interval_counters_and_prometheus() -> None:
 
 
 def test_lookups_recover_when_the_master_comes_back() -> None:
-    from kvpool.master.testing import MasterProcess, find_free_port
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess, find_free_port
     from kvpool.store import Client, ClientConfig
-    from kvpool.store.testing import NodeDaemonProcess
 
     port = find_free_port()
     cfg = ConnectorConfig(master_address=f"127.0.0.1:{port}", chunk_size=32,

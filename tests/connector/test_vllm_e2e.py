@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvpool.connector.keys import KeySpace
-from kvpool.connector.testing import EngineProc, kv_transfer_config, make_prompt
+from support.vllm_engine import EngineProc, kv_transfer_config, make_prompt
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
@@ -28,8 +28,7 @@ P3 = make_prompt(3, 100)
 
 @pytest.fixture
 def pool() -> Iterator[tuple[Any, Any]]:
-    from kvpool.master.testing import MasterProcess
-    from kvpool.store.testing import NodeDaemonProcess
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 
     with MasterProcess() as m, NodeDaemonProcess(m.address, memory="64MiB") as d:
         yield m, d

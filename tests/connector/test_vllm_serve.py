@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvpool.connector.testing import make_prompt
+from support.vllm_engine import make_prompt
 
 pytestmark = [
     pytest.mark.vllm,
@@ -38,8 +38,7 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_openai_server_loads_from_kvpool(tiny_model: str) -> None:
-    from kvpool.master.testing import MasterProcess, find_free_port
-    from kvpool.store.testing import NodeDaemonProcess
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess, find_free_port
 
     with MasterProcess() as m, NodeDaemonProcess(m.address, memory="64MiB"):
         port = find_free_port()

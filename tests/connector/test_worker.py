@@ -15,7 +15,7 @@ from kvpool.connector.layout import LayerLayout, consecutive_run
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec
 from kvpool.connector.store_access import StoreAccess
 from kvpool.connector.worker import KVPoolWorker
-from kvpool.master.common import ConfigError
+from kvpool.core.config import ConfigError
 
 needs_torch = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None, reason="torch not importable (the vllm extra)"
@@ -29,8 +29,7 @@ LAYERS = 3
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[str]:
-    from kvpool.master.testing import MasterProcess
-    from kvpool.store.testing import NodeDaemonProcess
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 
     with MasterProcess() as m, NodeDaemonProcess(m.address, memory="32MiB"):
         yield m.address
@@ -177,7 +176,7 @@ def test_skip_blocks_and_missing_chunks(pool: str) -> None:
 
 
 def test_store_down_fails_loads_not_requests() -> None:
-    from kvpool.master.testing import find_free_port
+    from kvpool.cluster.processes import find_free_port
 
     addr = f"127.0.0.1:{find_free_port()}"
     w = _worker(addr, _caches(), rpc_timeout_s=0.3)

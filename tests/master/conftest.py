@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.master.rpc_client import MasterClient
-from kvpool.master.testing import MasterProcess
+from kvpool.cluster.processes import MasterProcess
+from kvpool.core.rpc_client import MasterClient
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from kvpool.core.errors import KVPoolError
 from kvpool.master.allocator import Allocator
-from kvpool.master.errors import KVPoolError
 
 
 def test_alignment_and_exhaustion() -> None:

@@ -13,7 +13,8 @@ import pytest
 import zmq
 import zmq.auth
 
-from kvpool.master.auth import (
+from kvpool.cluster.cli import main as kvpool_main
+from kvpool.core.auth import (
     CurveAuthenticator,
     CurveConfig,
     CurveKeyPair,
@@ -29,8 +30,7 @@ from kvpool.master.auth import (
     load_public_keys,
     save_keypair,
 )
-from kvpool.master.common import ConfigError
-from kvpool.store.cli import main as kvpool_main
+from kvpool.core.config import ConfigError
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
 

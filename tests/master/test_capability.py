@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.master.capability import (
+from kvpool.core.capability import (
     TAG_LENGTH,
     TOKEN_VERSION,
     CapabilityError,
@@ -23,8 +23,8 @@ from kvpool.master.capability import (
     verify,
     wall_clock_ms,
 )
-from kvpool.master.capability import Capability as Cap
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.capability import Capability as Cap
+from kvpool.core.errors import ErrorCode, KVPoolError
 
 SEG = "node1:40001"
 NOW = 1_800_000_000_000

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, EvictionPolicy, Obj, SegState
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import SegmentDescriptor, SegmentKind
 
 MEM = SegmentKind.MEMORY
 FILE = SegmentKind.FILE

@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from kvpool.master.errors import ErrorCode
+from kvpool.cluster.processes import MasterProcess
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import Op, SegmentKind
+from kvpool.core.rpc_client import MasterClient, MasterRPCError
 from kvpool.master.journal import list_journals, list_snapshots
-from kvpool.master.protocol import Op, SegmentKind
-from kvpool.master.rpc_client import MasterClient, MasterRPCError
-from kvpool.master.testing import MasterProcess, segment_wire
+from support.factories import segment_wire
 
 
 def mount(c: MasterClient, sid: str, client_id: str = "c1", size: int = 64 << 20,

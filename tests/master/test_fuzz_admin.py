@@ -15,10 +15,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import Op, decode_frame, encode_frame
-from kvpool.master.rpc_client import MasterClient
-from kvpool.master.testing import MasterProcess, find_free_port, segment_wire
+from kvpool.cluster.processes import MasterProcess, find_free_port
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import Op, decode_frame, encode_frame
+from kvpool.core.rpc_client import MasterClient
+from support.factories import segment_wire
 
 
 def _setup(c: MasterClient) -> dict[str, Any]:
@@ -166,17 +167,17 @@ def test_metrics_and_health(tmp_path: Path) -> None:
 
 
 def test_cli_help_and_bad_flag() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvpool.store.cli", "master", "--help"],
+    out = subprocess.run([sys.executable, "-m", "kvpool.cluster.cli", "master", "--help"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "--lease-ttl-ms" in out.stdout and "--data-dir" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "kvpool.store.cli", "master",
+    out = subprocess.run([sys.executable, "-m", "kvpool.cluster.cli", "master",
                           "--eviction-high-watermark", "1.5", "--port", "0",
                           "--metrics-port", "0"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "eviction_high_watermark" in out.stderr
 
 
 def test_curve_master_refuses_unauthenticated_clients(tmp_path: Path) -> None:
-    from kvpool.master.auth import load_keypair, save_keypair
+    from kvpool.core.auth import load_keypair, save_keypair
 
     _, secret = save_keypair(tmp_path / "keys", "cluster")
     _, stranger = save_keypair(tmp_path / "keys2", "stranger")
@@ -207,7 +208,7 @@ def test_curve_master_refuses_unauthenticated_clients(tmp_path: Path) -> None:
 
 def test_non_loopback_bind_without_key_refuses_to_start() -> None:
     # 192.0.2.1 (TEST-NET-1) is never local: even a bug could not expose a socket
-    out = subprocess.run([sys.executable, "-m", "kvpool.store.cli", "master", "--host", "192.0.2.1",
-                          "--port", "0", "--metrics-port", "0"],
+    out = subprocess.run([sys.executable, "-m", "kvpool.cluster.cli", "master",
+                          "--host", "192.0.2.1", "--port", "0", "--metrics-port", "0"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "CURVE is required" in out.stderr

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.config import FsyncPolicy, MasterConfig
 from kvpool.master.directory import Directory, SegState
 from kvpool.master.journal import (
@@ -18,7 +19,6 @@ from kvpool.master.journal import (
     read_journal,
     read_snapshot,
 )
-from kvpool.master.protocol import SegmentDescriptor, SegmentKind
 
 
 def state(d: Directory) -> dict[str, Any]:

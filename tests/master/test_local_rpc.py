@@ -7,11 +7,12 @@ import socket
 import stat
 from pathlib import Path
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.local_rpc import HEADER
-from kvpool.master.protocol import Op, decode_frame, encode_frame
-from kvpool.master.rpc_client import MasterClient
-from kvpool.master.testing import MasterProcess, segment_wire
+from kvpool.cluster.processes import MasterProcess
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
+from kvpool.core.protocol import Op, decode_frame, encode_frame
+from kvpool.core.rpc_client import MasterClient
+from support.factories import segment_wire
 
 
 def _raw_call(path: str, payload: bytes) -> dict:

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvpool.master.capability import CapabilityError, CapOp, DenyReason, verify
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import Op, decode_frame, encode_frame
-from kvpool.master.rpc_client import MasterClient
-from kvpool.master.testing import MasterProcess, segment_wire
+from kvpool.cluster.processes import MasterProcess
+from kvpool.core.capability import CapabilityError, CapOp, DenyReason, verify
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import Op, decode_frame, encode_frame
+from kvpool.core.rpc_client import MasterClient
+from support.factories import segment_wire
 
 
 def _mount(c: MasterClient, sid: str, client_id: str = "c1") -> bytes:

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 import zmq
 
-from kvpool.master.capability import CapabilityError, CapOp, verify
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import Op, SegmentKind, decode_frame, encode_frame
-from kvpool.master.rpc_client import MasterClient, MasterRPCError
-from kvpool.master.testing import MasterProcess, segment_wire
+from kvpool.cluster.processes import MasterProcess
+from kvpool.core.capability import CapabilityError, CapOp, verify
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import Op, SegmentKind, decode_frame, encode_frame
+from kvpool.core.rpc_client import MasterClient, MasterRPCError
+from support.factories import segment_wire
 
 MEM = SegmentKind.MEMORY
 FILE = SegmentKind.FILE

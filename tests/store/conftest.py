@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvpool.master.testing import MasterProcess
+from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 from kvpool.store import Client
-from kvpool.store.testing import NodeDaemonProcess, client_factory
+from support.factories import client_factory
 
 LEASE_TTL_MS = 1000
 

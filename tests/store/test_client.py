@@ -11,9 +11,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import Op
-from kvpool.master.testing import MasterProcess, find_free_port
+from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess, find_free_port
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import Op
 from kvpool.store import Client, ClientConfig, ReplicateConfig
 from kvpool.store.errors import (
     AlreadyExists,
@@ -24,7 +24,6 @@ from kvpool.store.errors import (
     ObjectNotFound,
     StoreError,
 )
-from kvpool.store.testing import NodeDaemonProcess
 
 Key = Callable[..., str]
 LEASE_TTL_MS = 1000  # the master fixture's lease (conftest.py)

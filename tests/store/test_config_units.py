@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool.master.common import ConfigError
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.config import ConfigError
+from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.store import ClientConfig, ReplicateConfig, load_client_config
 from kvpool.store._bufutil import (
     alloc_bytes,

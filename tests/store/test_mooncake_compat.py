@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.testing import MasterProcess, find_free_port
+from kvpool.cluster.processes import MasterProcess, find_free_port
+from kvpool.core.errors import ErrorCode
 from kvpool.store import MooncakeDistributedStore, ReplicateConfig
 
 LEASE_MS = 500

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from tier_helpers import FilePeer
 
-from kvpool.master.testing import closing_factory
 from kvpool.transfer import TransferEngine, load_transfer_config
+from support.factories import closing_factory
 
 
 @pytest.fixture

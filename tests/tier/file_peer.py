@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvpool.master.common import parse_size
+from kvpool.core.config import parse_size
 from kvpool.transfer import TransferEngine, load_transfer_config
 from kvpool.transfer.file_segment import FileSegment
 from kvpool.transfer.peer import serve_stdin

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from tier_helpers import pattern
 
-from kvpool.master.errors import ErrorCode
+from kvpool.core.errors import ErrorCode
 from kvpool.transfer import TransferOp, TransferRequest
 from kvpool.transfer import gpu as gpu_mod
 from kvpool.transfer.file_segment import FileIO, FileSegment

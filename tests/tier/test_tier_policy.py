@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from kvpool.master.common import ConfigError
+from kvpool.core.config import ConfigError
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.config import MasterConfig, load_master_config
 from kvpool.master.directory import Directory, Rec, SegState
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.tiering import TaskKind, TieringConfig, TieringPolicy
 
 MEM = SegmentKind.MEMORY

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from tier_helpers import pattern
 
-from kvpool.master.rpc_client import MasterClient
-from kvpool.master.testing import find_free_port
+from kvpool.cluster.processes import find_free_port
+from kvpool.core.rpc_client import MasterClient
 from kvpool.store.tier_tasks import TierTask, TierTaskRunner
 from kvpool.transfer import MemorySegment
 from kvpool.transfer.file_segment import FileSegment

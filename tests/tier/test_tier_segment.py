@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from tier_helpers import aligned_empty, pattern
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentKind
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentKind
 from kvpool.transfer.file_segment import (
     DEFAULT_FILE_NAME,
     FORMAT_VERSION,

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 from tier_helpers import pattern
 
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import Op, SegmentKind
-from kvpool.master.testing import MasterProcess
+from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import Op, SegmentKind
 from kvpool.store import Client, ReplicateConfig
 from kvpool.store.errors import NoSpace, StoreError
-from kvpool.store.testing import NodeDaemonProcess, client_factory
 from kvpool.transfer.file_segment import DEFAULT_FILE_NAME, HEADER_SIZE
+from support.factories import client_factory
 
 MiB = 1 << 20
 DISK = ReplicateConfig(replica_num=0, disk_replica_num=1)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from tier_helpers import aligned_empty, pattern
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer import RequestState, TransferOp, TransferRequest
 from kvpool.transfer.file_segment import FileSegment
 from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from kvpool.master.testing import closing_factory
 from kvpool.transfer import MemorySegment, TransferEngine, load_transfer_config
 from kvpool.transfer.peer import PeerProcess
+from support.factories import closing_factory
 
 
 class Peer(PeerProcess):

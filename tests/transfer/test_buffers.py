@@ -8,7 +8,7 @@ import mmap
 import numpy as np
 import pytest
 
-from kvpool.master.errors import ErrorCode
+from kvpool.core.errors import ErrorCode
 from kvpool.transfer import BufferHandle, TransferError, as_buffer
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import decode_frame, encode_frame
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import decode_frame, encode_frame
 from kvpool.transfer import RequestState, TransferOp, TransferRequest
 from kvpool.transfer.peer import fill_pattern
 from kvpool.transfer.server import OP_BULK

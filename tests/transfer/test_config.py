@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.master.common import ConfigError
-from kvpool.master.protocol import SegmentKind
+from kvpool.core.config import ConfigError
+from kvpool.core.protocol import SegmentKind
 from kvpool.transfer import TransferEngine, load_transfer_config
 from kvpool.transfer.config import DEFAULT_CONFIG_PATH
 

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentKind
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentKind
 from kvpool.transfer import (
     RequestState,
     TransferError,

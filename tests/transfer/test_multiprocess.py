@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool.master.errors import ErrorCode
+from kvpool.core.errors import ErrorCode
 from kvpool.transfer import RequestState, TransferOp, TransferRequest
 from kvpool.transfer.peer import fill_pattern
 

@@ -4,7 +4,7 @@ Messages, options, planning and completion mapping are tested directly; the
 data path, connection setup and failover run through real TransferEngines
 (real transfer servers and tcp over loopback, real shm segments, real peer
 processes) with the verbs layer replaced by LoopbackVerbsDouble, a fake of
-the RDMA hardware this machine lacks (see test_rdma_double.py).
+the RDMA hardware this machine lacks (tests/support/verbs_double.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from test_rdma_double import LoopbackFabric, LoopbackVerbsDouble
 
-from kvpool.master.common import ConfigError
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import SegmentDescriptor
+from kvpool.core.config import ConfigError
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import SegmentDescriptor
 from kvpool.transfer import (
     MemorySegment,
     RequestState,
@@ -53,6 +52,7 @@ from kvpool.transfer.transports.rdma import (
     completion_error,
     plan_work_requests,
 )
+from support.verbs_double import LoopbackFabric, LoopbackVerbsDouble
 
 GID = "fe80:0000:0000:0000:0000:0000:0000:0001"
 KiB = 1 << 10

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvpool.master.errors import ErrorCode
+from kvpool.core.errors import ErrorCode
 from kvpool.transfer import TransferEngine, TransferOp
 from kvpool.transfer.segment import LocalSegment, MemorySegment
 from kvpool.transfer.server import OP_PING

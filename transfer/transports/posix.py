@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.file_segment import FileIO, FileSegment, check_peer_header
 from kvpool.transfer.gpu import PinnedPool, cuda_runtime
 from kvpool.transfer.transports.base import PeerFiles, ReportFn, Transport, WorkItem

@@ -1,7 +1,7 @@
 """``rdma``: remote memory segments over RC queue pairs (RDMA READ/WRITE).
 
 Not yet run on RDMA hardware: the data path is exercised against a loopback
-test double of the verbs layer (tests/transfer/test_rdma_double.py); see
+test double of the verbs layer (tests/support/verbs_double.py); see
 docs/rdma.md.
 
 How it works:
@@ -55,9 +55,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from kvpool.master.common import ConfigError, parse_size
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import SegmentKind, decode_frame, encode_frame
+from kvpool.core.config import ConfigError, parse_size
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import SegmentKind, decode_frame, encode_frame
 from kvpool.transfer.buffers import BufferHandle
 from kvpool.transfer.config import TransportSettings
 from kvpool.transfer.rdma_proto import (

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpool.master.common import parse_size
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentKind
+from kvpool.core.config import parse_size
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentKind
 from kvpool.transfer.copy import DEFAULT_SPLIT_MIN_BYTES, parallel_copyto
 from kvpool.transfer.gpu import CudaRuntime, cuda_runtime
 from kvpool.transfer.segment import SHM_DIR, MemorySegment, map_shm

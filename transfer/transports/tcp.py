@@ -26,8 +26,8 @@ from typing import cast
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvpool.master.errors import ErrorCode
-from kvpool.master.protocol import SegmentKind, decode_frame, encode_frame
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentKind, decode_frame, encode_frame
 from kvpool.transfer.bulk import BulkClient
 from kvpool.transfer.gpu import CudaRuntime, PinnedPool, cuda_runtime
 from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem

@@ -59,9 +59,10 @@ from typing import Any
 
 import msgpack
 
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = [
+    "LOCAL_FRAME_HEADER",
     "MAX_KEY_LENGTH",
     "Op",
     "ReplicaDescriptor",
@@ -74,6 +75,9 @@ __all__ = [
 ]
 
 MAX_KEY_LENGTH = 4096
+# Same-host Unix-socket framing (master/local_rpc.py): each payload is prefixed
+# with its length as this many bytes, little-endian.
+LOCAL_FRAME_HEADER = 4
 
 
 class Op(IntEnum):

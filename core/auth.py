@@ -39,8 +39,8 @@ import zmq
 from zmq.auth import CURVE_ALLOW_ANY
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvpool.master.common import ConfigError
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.config import ConfigError
+from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = [
     "CurveAuthenticator",

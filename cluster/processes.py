@@ -1,60 +1,37 @@
-"""Test helpers: run a real ``kvpool master`` subprocess.
+"""Run a real kvpool pool as processes: the master, node daemons, a whole local cluster.
 
-Usage::
+What ``kvpool demo``, the benchmarks and the tests use::
 
-    with MasterProcess(data_dir=str(tmp_path)) as m:
+    with MasterProcess(data_dir=str(tmp_path)) as m, NodeDaemonProcess(m.address, "64MiB") as d:
         client = MasterClient(m.address)
-        ...
+        d.segment_ids          # mounted at the master once start() returned
         m.kill(); m.restart()
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import IO, Any, Self, TypeVar
+from collections.abc import Sequence
+from typing import IO, Any, Self
 
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.protocol import Op, SegmentDescriptor, SegmentKind
-from kvpool.master.rpc_client import MasterClient, MasterRPCError
+from kvpool.core.config import parse_size
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import Op
+from kvpool.core.rpc_client import MasterClient, MasterRPCError
 
-__all__ = ["ManagedProcess", "MasterProcess", "closing_factory", "find_free_port", "segment_wire"]
+__all__ = ["ManagedProcess", "MasterProcess", "NodeDaemonProcess", "find_free_port"]
 
 log = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
-
-
-@contextmanager
-def closing_factory(make: Callable[..., _T],
-                    close: Callable[[_T], Any] = lambda obj: obj.close()  # type: ignore[attr-defined]
-                    ) -> Iterator[Callable[..., _T]]:
-    """For "make_*" test fixtures: yields a factory that calls ``make(*args, **kw)``
-    and remembers what it made; on exit every object made is closed (``close(obj)``,
-    by default ``obj.close()``) in the order made. Usage in a fixture::
-
-        with closing_factory(lambda size=1 << 20: Peer(size)) as make:
-            yield make
-    """
-    made: list[_T] = []
-
-    def factory(*args: Any, **kw: Any) -> _T:
-        obj = make(*args, **kw)
-        made.append(obj)
-        return obj
-
-    yield factory
-    for obj in made:
-        close(obj)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -65,17 +42,9 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def segment_wire(segment_id: str, client_id: str, size: int = 1 << 20,
-                 kind: SegmentKind = SegmentKind.MEMORY, host_id: str = "host-test",
-                 endpoint: str = "tcp://127.0.0.1:1") -> dict[str, object]:
-    """A SegmentDescriptor wire dict for MOUNT_SEGMENT in tests (no real region)."""
-    return SegmentDescriptor(segment_id, client_id, host_id, kind, size, f"kvpool-{segment_id}",
-                             endpoint=endpoint).to_wire()
-
-
 class ManagedProcess:
     """The subprocess lifecycle shared by the test helpers (MasterProcess here,
-    store.testing.NodeDaemonProcess): spawn with output to ``log_path``,
+    NodeDaemonProcess): spawn with output to ``log_path``,
     ``stop()`` (SIGTERM, then SIGKILL after a timeout), ``kill()`` (SIGKILL),
     ``restart()``, ``log_tail()`` and the context manager (start on enter,
     stop and ``_cleanup()`` on exit). Subclasses define ``start()`` (spawn via
@@ -228,7 +197,7 @@ class MasterProcess(ManagedProcess):
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "kvpool.store.cli", "master",
+            sys.executable, "-m", "kvpool.cluster.cli", "master",
             "--host", "127.0.0.1",
             "--port", str(self.port),
             "--metrics-port", str(self.metrics_port),
@@ -272,7 +241,7 @@ class MasterProcess(ManagedProcess):
         """A new MasterClient to this master (caller closes it); with
         ``curve_key`` it authenticates with that (cluster) keypair."""
         if self.curve_key:
-            from kvpool.master.auth import load_keypair
+            from kvpool.core.auth import load_keypair
 
             kp = load_keypair(self.curve_key)
             return MasterClient(self.address, timeout_s=timeout_s, curve_server_key=kp.public,
@@ -282,3 +251,137 @@ class MasterProcess(ManagedProcess):
     def _cleanup(self) -> None:
         if not self.data_dir:
             _unlink_quietly(self.log_path)
+
+
+class NodeDaemonProcess(ManagedProcess):
+    """A ``kvpool client`` subprocess contributing ``memory`` to ``master_address``.
+
+    ``start()`` returns once the daemon's segment is mounted at the master
+    (its ready file is written and LIST_SEGMENTS shows every segment id);
+    ``stop()`` sends SIGTERM (clean unmount) and waits; ``kill()`` SIGKILLs
+    (a crash: the master drops it after ``client_ttl``); ``restart()`` starts a
+    new daemon (new client id and segment id). Context manager: start/stop.
+    """
+
+    _what = "node daemon"
+
+    def __init__(
+        self,
+        master_address: str,
+        memory: str | int = "64MiB",
+        host_id: str | None = None,
+        extra_args: Sequence[str] = (),
+        start_timeout_s: float = 30.0,
+        log_dir: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.master_address = master_address
+        self.memory = parse_size(memory)
+        self.host_id = host_id
+        self.extra_args = list(extra_args)
+        self.start_timeout_s = start_timeout_s
+        self.env = env
+        self._own_dir = log_dir is None
+        self.dir = log_dir or tempfile.mkdtemp(prefix="kvpool-daemon-")
+        os.makedirs(self.dir, exist_ok=True)
+        self.info: dict[str, Any] = {}
+        self._n = 0
+
+    @property
+    def segment_ids(self) -> list[str]:
+        return list(self.info.get("segment_ids", []))
+
+    @property
+    def client_id(self) -> str:
+        return str(self.info.get("client_id", ""))
+
+    @property
+    def log_path(self) -> str:  # type: ignore[override]  # per-start file; read-only here
+        return os.path.join(self.dir, f"daemon-{self._n}.log")
+
+    def command(self, ready_file: str) -> list[str]:
+        cmd = [sys.executable, "-m", "kvpool.cluster.cli", "client",
+               "--master", self.master_address, "--memory", str(self.memory),
+               "--ready-file", ready_file]
+        if self.host_id:
+            cmd += ["--host-id", self.host_id]
+        return cmd + self.extra_args
+
+    def start(self) -> Self:
+        """Spawn the daemon; return once its segments are mounted (raise on exit/timeout)."""
+        if self.running:
+            return self
+        self._n += 1
+        ready = os.path.join(self.dir, f"ready-{self._n}.json")
+        proc = self._spawn(self.command(ready), env=dict(os.environ, **(self.env or {})))
+        deadline = time.monotonic() + self.start_timeout_s
+        while not os.path.exists(ready):
+            if proc.poll() is not None:
+                self._reap()
+                raise KVPoolError(f"node daemon exited with {proc.returncode} at startup:\n"
+                                  + self.log_tail(), ErrorCode.INTERNAL_ERROR)
+            if time.monotonic() > deadline:
+                self.kill()
+                raise KVPoolError(f"node daemon not ready within {self.start_timeout_s}s:\n"
+                                  + self.log_tail(), ErrorCode.TIMEOUT)
+            time.sleep(0.02)
+        with open(ready) as f:
+            self.info = json.load(f)
+        self._wait_mounted(deadline)
+        return self
+
+    def _master_client(self) -> MasterClient:
+        """A MasterClient; authenticated with the daemon's ``--curve-key``
+        (a cluster key) when its extra_args give one."""
+        args = self.extra_args
+        if "--curve-key" in args:
+            from kvpool.core.auth import load_keypair
+
+            kp = load_keypair(args[args.index("--curve-key") + 1])
+            return MasterClient(self.master_address, timeout_s=2.0, curve_server_key=kp.public,
+                                curve_keypair=(kp.public, kp.secret))
+        return MasterClient(self.master_address, timeout_s=2.0)
+
+    def _wait_mounted(self, deadline: float) -> None:
+        want = set(self.segment_ids)
+        with self._master_client() as mc:
+            while True:
+                try:
+                    segs = mc.call(Op.LIST_SEGMENTS).get("segments", [])
+                    if want <= {s.get("segment_id") for s in segs}:
+                        return
+                except MasterRPCError as exc:
+                    log.debug("LIST_SEGMENTS: %s", exc)
+                if time.monotonic() > deadline:
+                    raise KVPoolError(f"segments {sorted(want)} not mounted in time",
+                                      ErrorCode.TIMEOUT)
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL (a crash) and wait. Its /dev/shm segment is removed here, as
+        the dead process cannot; the master drops the client after client_ttl."""
+        super().kill()
+        self._unlink_orphans()
+
+    def _unlink_orphans(self) -> None:
+        pid = self.info.get("pid")
+        if pid is None or self._proc is None or self._proc.pid != pid:
+            return
+        for name in self.info.get("shm_names", []):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+
+    def _cleanup(self) -> None:
+        if self._own_dir:
+            for name in os.listdir(self.dir):
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except OSError:
+                    pass
+            try:
+                os.rmdir(self.dir)
+            except OSError:
+                pass

@@ -25,7 +25,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the keypair; print the two paths and the public key."""
-    from kvpool.master.auth import save_keypair
+    from kvpool.core.auth import save_keypair
 
     pub, sec = save_keypair(args.out, args.name, overwrite=args.force)
     public = pub.read_text().split('public-key = "', 1)[1].split('"', 1)[0]

@@ -28,8 +28,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from kvpool.master.common import format_size
-from kvpool.master.errors import ErrorCode
+from kvpool.core.config import format_size
+from kvpool.core.errors import ErrorCode
 from kvpool.store.client import Client
 from kvpool.store.config import ClientConfig, ReplicateConfig
 from kvpool.store.errors import StoreError
@@ -103,8 +103,7 @@ def _value_view(pool: np.ndarray, key: str, size: int) -> np.ndarray:
 
 def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
     """Run the demo; return 0 when every check passed."""
-    from kvpool.master.testing import MasterProcess
-    from kvpool.store.testing import NodeDaemonProcess
+    from kvpool.cluster.local import LocalCluster
 
     for name in ("kvpool.transfer", "kvpool.store.client"):  # keep the demo's output readable
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -114,19 +113,15 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
         0, 255, size=cfg.max_value * 2, dtype=np.uint8)
     print(f"kvpool demo: master + 2 node daemons x {format_size(cfg.memory)} on loopback "
           f"(work dir {tmp})", file=out)
-    master = MasterProcess(data_dir=f"{tmp}/master", client_ttl_s=cfg.client_ttl_s,
-                           lease_ttl_ms=2000)
-    daemons = [NodeDaemonProcess("", cfg.memory, log_dir=f"{tmp}/daemon{i}") for i in range(2)]
+    cluster = LocalCluster(nodes=2, memory=cfg.memory, work_dir=tmp,
+                           client_ttl_s=cfg.client_ttl_s, lease_ttl_ms=2000)
     client: Client | None = None
     try:
         t_start = time.monotonic()
-        master.start()
-        for d in daemons:
-            d.master_address = master.address
-            d.start()
-        print(f"  cluster up in {time.monotonic() - t_start:.1f}s: master {master.address}, "
-              f"segments {[s for d in daemons for s in d.segment_ids]}", file=out)
-        client = Client(ClientConfig(master_address=master.address, memory_size=0,
+        cluster.start()
+        print(f"  cluster up in {time.monotonic() - t_start:.1f}s: master {cluster.address}, "
+              f"segments {cluster.segment_ids}", file=out)
+        client = Client(ClientConfig(master_address=cluster.address, memory_size=0,
                                      checksum="crc32"))
         client.setup()
         st = _Stats()
@@ -201,16 +196,13 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
         stats = client.stats()
         _summary(out, cfg, st, stats, wall)
         ok = st.corrupt == 0
-        ok &= _kill_and_check(out, client, daemons[1], master.address, prompts, pool, cfg)
+        ok &= _kill_and_check(out, client, cluster.daemons[1], prompts, pool, cfg)
         print(f"  done in {time.monotonic() - t_start:.1f}s: {'OK' if ok else 'FAILED'}", file=out)
         return 0 if ok else 1
     finally:
         if client is not None:
             client.close()
-        for d in daemons:
-            d.stop()
-            d.__exit__()
-        master.stop()
+        cluster.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -238,7 +230,7 @@ def _summary(out: TextIO, cfg: DemoConfig, st: _Stats, stats: dict[str, Any], wa
           f"failed puts {st.put_failed or 0}", file=out)
 
 
-def _kill_and_check(out: TextIO, client: Client, victim: Any, master_address: str,
+def _kill_and_check(out: TextIO, client: Client, victim: Any,
                     prompts: list[list[tuple[str, int, bool]]], pool: np.ndarray,
                     cfg: DemoConfig) -> bool:
     replicated = {k: s for chain in prompts for k, s, r in chain if r}

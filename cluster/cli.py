@@ -14,9 +14,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvpool.master import __version__
-from kvpool.master.common import setup_logging
-from kvpool.master.errors import KVPoolError
+from kvpool.core import __version__
+from kvpool.core.config import setup_logging
+from kvpool.core.errors import KVPoolError
 
 __all__ = ["SUBCOMMAND_MODULES", "build_parser", "main"]
 
@@ -26,9 +26,9 @@ log = logging.getLogger("kvpool")
 SUBCOMMAND_MODULES: dict[str, str] = {
     "master": "kvpool.master.cli",
     "client": "kvpool.store.daemon_cli",
-    "status": "kvpool.store.status_cli",
-    "demo": "kvpool.store.demo_cli",
-    "keygen": "kvpool.store.keygen_cli",
+    "status": "kvpool.cluster.status_cli",
+    "demo": "kvpool.cluster.demo_cli",
+    "keygen": "kvpool.cluster.keygen_cli",
 }
 
 

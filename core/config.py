@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = [
     "ConfigError",

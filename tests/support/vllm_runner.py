@@ -1,7 +1,7 @@
 """A vLLM engine in its own process, driven by JSON lines (used by the e2e tests
-and scripts/bench_vllm.py through :class:`kvpool.connector.testing.EngineProc`).
+and scripts/bench_vllm.py through :class:`support.vllm_engine.EngineProc`).
 
-    python -m kvpool.connector.vllm_runner '<json engine config>'
+    python tests/support/vllm_runner.py '<json engine config>'
 
 stdin: one JSON command per line, ``{"prompts": [...], "max_tokens": N}`` or
 ``{"quit": true}``. stdout: one line per command, ``@@KVPOOL@@ {json}`` with

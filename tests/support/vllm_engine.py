@@ -5,7 +5,7 @@
   needs head sizes from {32, 64, 80, ...} and block sizes that are multiples
   of 32; the defaults satisfy both.
 - :class:`EngineProc`: a vLLM engine in a subprocess
-  (``python -m kvpool.connector.vllm_runner``), driven by JSON lines.
+  (``python tests/support/vllm_runner.py``), driven by JSON lines.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ class EngineProc:
                     "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"})
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [python or sys.executable, "-m", "kvpool.connector.vllm_runner", json.dumps(config)],
+            [python or sys.executable, str(Path(__file__).with_name("vllm_runner.py")),
+             json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
             text=True, bufsize=1,
         )

@@ -33,8 +33,8 @@ def register(subparsers: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from kvpool.master.common import ConfigError, parse_size
-    from kvpool.store.demo import DemoConfig, run_demo
+    from kvpool.cluster.demo import DemoConfig, run_demo
+    from kvpool.core.config import ConfigError, parse_size
 
     cfg = DemoConfig(
         requests=args.requests, hit_rate=args.hit_rate, max_chunks=args.max_chunks,

@@ -30,9 +30,9 @@ from typing import Any
 
 import zmq
 
-from kvpool.master.errors import ErrorCode, KVPoolError
-from kvpool.master.local_rpc import HEADER
-from kvpool.master.protocol import Op, decode_frame, encode_frame
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
+from kvpool.core.protocol import Op, decode_frame, encode_frame
 
 __all__ = ["MasterClient", "MasterRPCError"]
 

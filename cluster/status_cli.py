@@ -28,8 +28,8 @@ def _fmt_uptime(s: float) -> str:
 
 def format_status(stats: dict[str, Any], segments: list[dict[str, Any]]) -> str:
     """Render STATS + LIST_SEGMENTS as a text table."""
-    from kvpool.master.common import format_size
-    from kvpool.master.protocol import SegmentKind
+    from kvpool.core.config import format_size
+    from kvpool.core.protocol import SegmentKind
 
     rows = [("SEGMENT", "OWNER", "HOST", "KIND", "USED", "CAPACITY", "USE%")]
     for s in sorted(segments, key=lambda s: (str(s.get("host_id")), str(s.get("segment_id")))):
@@ -56,8 +56,8 @@ def format_status(stats: dict[str, Any], segments: list[dict[str, Any]]) -> str:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from kvpool.master.protocol import Op
-    from kvpool.master.rpc_client import MasterClient, MasterRPCError
+    from kvpool.core.protocol import Op
+    from kvpool.core.rpc_client import MasterClient, MasterRPCError
 
     with MasterClient(args.master, timeout_s=args.timeout) as mc:
         try:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Any
 
-from kvpool.master.errors import ErrorCode, KVPoolError
+from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = [
     "KEY_LENGTH",
