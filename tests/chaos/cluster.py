@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from netns import Host, Topology
+from support.netns import Host, Topology
 
 __all__ = ["Agent", "ChaosCluster", "ClusterError"]
 

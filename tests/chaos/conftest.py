@@ -7,7 +7,8 @@ per session; leftovers of earlier runs that died are removed first.
 from __future__ import annotations
 
 import pytest
-from netns import cleanup_stale, probe
+
+from support.netns import cleanup_stale, probe
 
 _reason: list[str | None] = []
 

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from netns import Host, Topology, list_netns
+
+from support.netns import Host, Topology, list_netns
 
 PROBE = str(Path(__file__).with_name("netprobe.py"))
 PORT = 47001
