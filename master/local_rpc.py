@@ -6,9 +6,9 @@ master I/O thread -> master loop, and back); on a loaded 2-core host that is
 poll loop crosses two (~12 µs measured here). A put is two round trips
 (PUT_START, PUT_END), so this is most of a small put's latency.
 
-Wire format: the master's own request/reply payloads (msgpack, see
-:mod:`kvpool.core.protocol`), each prefixed with its length as 4 bytes
-little-endian. One connection carries one request at a time per client
+Wire format: the master's own request/reply frames (the same bytes as over
+ZeroMQ, see :mod:`kvpool.core.protocol`), each prefixed with its length as
+4 bytes little-endian. One connection carries one request at a time per client
 (:class:`~kvpool.core.rpc_client.MasterClient` holds a lock).
 
 Discovery: ``Op.LOCAL_ENDPOINT`` over ZeroMQ answers ``{path, instance}``;
@@ -34,7 +34,7 @@ import zmq
 
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
-from kvpool.core.protocol import encode_frame
+from kvpool.core.protocol import encode_error
 
 __all__ = ["LocalRpcServer", "default_socket_path"]
 
@@ -245,5 +245,5 @@ class LocalRpcServer:
 
 def too_large(size: int) -> bytes:
     """The reply to a frame above ``max_frame_size`` (its id is unknown)."""
-    return encode_frame({"id": None, "code": int(ErrorCode.FRAME_TOO_LARGE), "result": None,
-                         "error": f"frame of {size} bytes exceeds the limit"})
+    return encode_error(None, ErrorCode.FRAME_TOO_LARGE,
+                        f"frame of {size} bytes exceeds the limit")
