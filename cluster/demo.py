@@ -30,6 +30,7 @@ import numpy as np
 
 from kvpool.core.config import format_size
 from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import StatsReply
 from kvpool.store.client import Client
 from kvpool.store.config import ClientConfig, ReplicateConfig
 from kvpool.store.errors import StoreError
@@ -206,7 +207,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _summary(out: TextIO, cfg: DemoConfig, st: _Stats, stats: dict[str, Any], wall: float) -> None:
+def _summary(out: TextIO, cfg: DemoConfig, st: _Stats, stats: StatsReply, wall: float) -> None:
     rows = [("op", "count", "bytes", "GB/s", "p50 ms", "p90 ms", "p99 ms")]
     for op in ("put", "get"):
         lat = st.lat[op]
@@ -219,14 +220,13 @@ def _summary(out: TextIO, cfg: DemoConfig, st: _Stats, stats: dict[str, Any], wa
     for r in rows:
         print("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)), file=out)
     hit = st.chunks_hit / st.chunks_wanted if st.chunks_wanted else 0.0
-    evictions = stats.get("evictions", stats.get("evicted", "n/a"))
     print("", file=out)
     print(f"  requests {cfg.requests} in {wall:.1f}s; prefix hit rate {100 * hit:.1f}% "
           f"({st.chunks_hit}/{st.chunks_wanted} chunks of continued prompts); "
           f"reads verified {st.verified}, corrupt {st.corrupt}", file=out)
-    print(f"  pool: {stats.get('objects', '?')} objects, "
-          f"{format_size(int(stats.get('bytes_used', 0)))} / "
-          f"{format_size(int(stats.get('bytes_capacity', 0)))} used; evictions {evictions}; "
+    print(f"  pool: {stats.objects} objects, "
+          f"{format_size(stats.bytes_used)} / "
+          f"{format_size(stats.bytes_capacity)} used; evictions {stats.evictions}; "
           f"failed puts {st.put_failed or 0}", file=out)
 
 
@@ -246,7 +246,7 @@ def _kill_and_check(out: TextIO, client: Client, victim: Any,
     victim.kill()
     deadline = time.monotonic() + cfg.client_ttl_s * 3 + 5
     while time.monotonic() < deadline:
-        segs = {s.get("segment_id") for s in client.list_segments()}
+        segs = {s.descriptor.segment_id for s in client.list_segments()}
         if not victim_segments & segs:
             break
         time.sleep(0.2)

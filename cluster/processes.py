@@ -26,7 +26,7 @@ from typing import IO, Any, Self
 
 from kvpool.core.config import parse_size
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import Op
+from kvpool.core.protocol import ListSegments, Stats
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
 
 __all__ = ["ManagedProcess", "MasterProcess", "NodeDaemonProcess", "find_free_port"]
@@ -226,7 +226,7 @@ class MasterProcess(ManagedProcess):
                         ErrorCode.INTERNAL_ERROR,
                     )
                 try:
-                    c.call(Op.STATS)  # read-only: the probe leaves no client record
+                    c.call(Stats())  # read-only: the probe leaves no client record
                     return self
                 except MasterRPCError:
                     if time.monotonic() > deadline:
@@ -348,8 +348,8 @@ class NodeDaemonProcess(ManagedProcess):
         with self._master_client() as mc:
             while True:
                 try:
-                    segs = mc.call(Op.LIST_SEGMENTS).get("segments", [])
-                    if want <= {s.get("segment_id") for s in segs}:
+                    segs = mc.call(ListSegments()).segments
+                    if want <= {s.descriptor.segment_id for s in segs}:
                         return
                 except MasterRPCError as exc:
                     log.debug("LIST_SEGMENTS: %s", exc)

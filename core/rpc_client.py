@@ -42,7 +42,6 @@ from kvpool.core.protocol import (
     ReplyFrame,
     Request,
     decode_reply,
-    encode_frame,
     encode_request,
 )
 
@@ -303,7 +302,7 @@ class MasterClient:
         tests that probe the master with malformed requests. Returns the
         decoded reply Struct of a known op."""
         rid = next(self._ids)
-        payload = encode_frame([int(op), rid, args])
+        payload = msgspec.msgpack.encode([int(op), rid, args])
         try:
             known = Op(op)
         except ValueError:

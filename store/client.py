@@ -29,15 +29,39 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import (
-    Op,
+    MAX_KEY_LENGTH,
+    BatchExist,
+    BatchGetReplicaList,
+    BatchPutEnd,
+    BatchPutRevoke,
+    BatchPutStart,
+    Checksum,
+    Exist,
+    GetReplicaList,
+    GetSize,
+    ListSegments,
+    MountSegment,
+    Ping,
+    PutEnd,
+    PutOptions,
+    PutRevoke,
+    PutStart,
+    Remove,
+    RemoveAll,
     ReplicaDescriptor,
     ReplicaStatus,
+    Reply,
+    Request,
     SegmentDescriptor,
+    SegmentInfo,
     SegmentKind,
+    Stats,
+    StatsReply,
+    UnmountSegment,
     validate_key,
 )
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
@@ -72,19 +96,24 @@ _TIER_POLL_S = 0.1  # ping period while tier tasks keep coming
 _TIER_BUSY_S = 5.0  # ... for this long after the last reply that carried tasks
 
 _LAZY_BYTES = object()  # batch-read target: "allocate a bytes result when needed"
-_SUSPECT_S = 10.0
+_SUSPECT_S = 10.0  # how long a segment that failed a read is tried last
 _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
-_STATUS = {int(s): s for s in ReplicaStatus}  # how long a segment that failed a read is tried last
+_COMPLETE = ReplicaStatus.COMPLETE
+_NO_CAPS: list[bytes] = []
+R = TypeVar("R", bound=Reply)
+_DEFAULT_OPTIONS = PutOptions()
 
 
 @dataclass(slots=True)
 class _ReadPlan:
-    """Where one key's bytes can be read from, nearest replica first."""
+    """Where one key's bytes can be read from, nearest replica first; ``caps``
+    are the capability tokens the replicas point at."""
 
     size: int
-    checksum: str | None
+    checksum: Checksum
     deadline: float  # monotonic time the read lease ends
     replicas: list[ReplicaDescriptor]
+    caps: list[bytes]
 
 
 def _master_error(exc: MasterRPCError) -> StoreError:
@@ -193,7 +222,7 @@ class Client:
         self._ping_master = self._new_master()
         # Fail fast (typed) when the master is not there, before allocating memory.
         try:
-            self._ping_master.call(Op.PING, client_id=self.client_id)
+            self._ping_master.call(Ping(self.client_id))
         except MasterRPCError as exc:
             raise MasterUnreachable(
                 f"master {cfg.master_address} unreachable: {exc}", exc.code
@@ -255,7 +284,7 @@ class Client:
         self._tier_runner = TierTaskRunner(
             self._engine, self._new_master(),
             self.client_id,
-            learn_segment=lambda d: self._learn_segments({d.segment_id: d.to_wire()}),
+            learn_segment=lambda d: self._learn_segments({d.segment_id: d}),
             transfer_timeout_s=self.config.transfer_timeout_s,
             on_drained=self._wake.set)  # fetch the next tasks without waiting a ping interval
 
@@ -276,13 +305,12 @@ class Client:
     def _mount(self, desc: SegmentDescriptor) -> None:
         assert self._master is not None
         try:
-            res = self._master.call(Op.MOUNT_SEGMENT, client_id=self.client_id,
-                                    segment=desc.to_wire())
+            res = self._master.call(MountSegment(self.client_id, desc))
         except MasterRPCError as exc:
             if exc.code == ErrorCode.SEGMENT_ALREADY_EXISTS:
                 return  # already mounted by us (a remount racing a ping)
             raise _master_error(exc) from exc
-        key = res.get("capability_key")
+        key = res.capability_key
         if key and self._engine is not None:
             # issue 7: our transfer server now refuses any READ/WRITE of this
             # segment without a capability the master signed with this key
@@ -304,14 +332,14 @@ class Client:
             if self._stop.is_set():
                 break
             try:
-                res = self._ping_master.call(Op.PING, client_id=self.client_id)
-                if res.get("tasks") and self._tier_runner is not None:
-                    self._tier_runner.submit(res["tasks"], res.get("segments"))
+                res = self._ping_master.call(Ping(self.client_id))
+                if res.tasks and self._tier_runner is not None:
+                    self._tier_runner.submit(res.tasks, res.segments, res.caps)
                     tier_busy_until = time.monotonic() + _TIER_BUSY_S
-                remount = bool(res.get("remount"))
-                if not remount and self._own_descs and "segment_ids" in res:
+                remount = res.remount
+                if not remount and self._own_descs:
                     # the master knows us but lost a segment of ours: mount it again
-                    remount = not set(self._own_descs) <= set(res["segment_ids"] or ())
+                    remount = not set(self._own_descs) <= set(res.segment_ids)
             except MasterRPCError as exc:
                 if exc.code != ErrorCode.CLIENT_NOT_FOUND:
                     log.debug("ping failed: %s", exc)
@@ -351,10 +379,8 @@ class Client:
                     # re-adopts its objects (warm restart)
                     continue
                 try:
-                    self._master.call(
-                        Op.UNMOUNT_SEGMENT, client_id=self.client_id, segment_id=seg_id,
-                        timeout_s=min(2.0, self.config.rpc_timeout_s),
-                    )
+                    self._master.call(UnmountSegment(self.client_id, seg_id),
+                                      timeout_s=min(2.0, self.config.rpc_timeout_s))
                 except (MasterRPCError, KVPoolError) as exc:
                     log.debug("unmount %s: %s", seg_id, exc)
         if self._engine is not None:
@@ -397,13 +423,13 @@ class Client:
 
     # ------------------------------------------------------------------ helpers
 
-    def _call(self, op: Op, **args: Any) -> dict[str, Any]:
+    def _call(self, request: Request[R]) -> R:
         self._check_open()
         master = getattr(self._rpc_local, "master", None)
         if master is None:
             master = self._thread_master()
         try:
-            return master.call(op, **args)
+            return master.call(request)
         except MasterRPCError as exc:
             raise _master_error(exc) from exc
 
@@ -424,16 +450,15 @@ class Client:
         self._rpc_local.master = master
         return master
 
-    def _learn_segments(self, segments: dict[str, Any] | None) -> None:
+    def _learn_segments(self, segments: dict[str, SegmentDescriptor]) -> None:
         """Hand new segment descriptors to the engine (once per segment id)."""
         if not segments:
             return
-        for seg_id, wire in segments.items():
+        for seg_id, desc in segments.items():
             known = self._known.get(seg_id)
-            if known is not None and known.name == wire.get("name") \
-                    and known.client_id == wire.get("client_id"):
+            if known is not None and known.name == desc.name \
+                    and known.client_id == desc.client_id:
                 continue
-            desc = SegmentDescriptor.from_wire(wire)
             with self._known_lock:
                 known = self._known.get(seg_id)
                 if known is not None:
@@ -507,19 +532,16 @@ class Client:
             out.append(st)
         return out
 
-    @staticmethod
-    def _replicas(value: Any) -> list[ReplicaDescriptor]:
-        raw = value.get("replicas", []) if isinstance(value, dict) else (value or [])
-        # ReplicaDescriptor.from_wire without its per-field conversions (hot path)
-        return [ReplicaDescriptor(w[0], w[1], w[2], _STATUS.get(w[3], ReplicaStatus.PROCESSING),
-                                  w[4] or b"") for w in raw]
-
     # ------------------------------------------------------------------ put
 
-    def _put_args(self, config: ReplicateConfig | None) -> dict[str, Any]:
+    @staticmethod
+    def _put_options(config: ReplicateConfig | None) -> PutOptions | None:
+        """The placement a config stands for (None: every default)."""
         if config is None:
-            return {}  # every PUT_START default
-        return config.to_wire_args()
+            return None
+        opts = PutOptions(int(config.replica_num), int(config.disk_replica_num),
+                          config.segments(), bool(config.with_hard_pin), bool(config.soft_pin))
+        return None if opts == _DEFAULT_OPTIONS else opts
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
         """Store ``value`` (bytes-like or any buffer) under ``key``.
@@ -537,17 +559,14 @@ class Client:
         size = buffer_nbytes(buffer)
         if size <= 0:
             raise StoreError("cannot put an empty value", ErrorCode.INVALID_PARAMS)
-        args = self._put_args(config)
-        if self._checksum_algo is not None:
-            checksum = self._checksum(buffer)
-            if checksum is not None:
-                args["checksum"] = checksum
-        res = self._call(Op.PUT_START, client_id=self.client_id, key=key, size=size, **args)
-        self._learn_segments(res.get("segments"))
-        replicas = self._replicas(res)
+        checksum = self._checksum(buffer) if self._checksum_algo is not None else None
+        res = self._call(PutStart(self.client_id, key, size, self._put_options(config),
+                                  checksum))
+        self._learn_segments(res.segments)
+        replicas = res.replicas
         try:
             results = self._copy_batch(True, [(buffer, r, size) for r in replicas],
-                                       self.config.transfer_timeout_s)
+                                       self.config.transfer_timeout_s, res.caps)
             failed = [(r, err) for r, (ok, err) in zip(replicas, results, strict=True) if not ok]
             if failed or not replicas:
                 for r, _ in failed:
@@ -559,12 +578,13 @@ class Client:
         except BaseException:
             self._revoke([key])
             raise
-        self._call(Op.PUT_END, client_id=self.client_id, key=key)
+        self._call(PutEnd(self.client_id, key))
 
     def _copy_batch(self, write: bool, jobs: list[tuple[Any, ReplicaDescriptor, int]],
-                    timeout: float) -> list[tuple[bool, str]]:
+                    timeout: float, caps: list[bytes]) -> list[tuple[bool, str]]:
         """Copy every ``(buffer, replica, size)`` job: same-host shm copies inline
-        (see ``_fastpath``), the rest as ONE engine batch. Returns ``(ok, error)``
+        (see ``_fastpath``), the rest as ONE engine batch (each request with the
+        capability token of ``caps`` its replica points at). Returns ``(ok, error)``
         per job. Writes raise StoreTimeout when the batch overruns ``timeout``;
         reads report the overrunning requests as failed (TIMEOUT)."""
         results: list[tuple[bool, str]] = [(False, "")] * len(jobs)
@@ -588,32 +608,28 @@ class Client:
                                   "write" if write else "read", r.segment_id, exc)
             via_engine.append(j)
         if via_engine:
-            make = self._write_req if write else self._read_req
-            reqs = [make(jobs[j][0], jobs[j][1], jobs[j][2]) for j in via_engine]
+            t = self._transfer_mod
+            top = t.TransferOp.WRITE if write else t.TransferOp.READ
+            make = t.TransferRequest
+            reqs = []
+            for j in via_engine:
+                buf, r, size = jobs[j]
+                reqs.append(make(top, buf, r.segment_id, r.offset, size,
+                                 capability=caps[r.cap] if r.cap >= 0 else b""))
             statuses = self._transfer(reqs, timeout) if write else self._run(reqs, timeout)
             for j, st in zip(via_engine, statuses, strict=True):
                 results[j] = (bool(st.ok), "" if st.ok else ("; ".join(st.errors)
                                                               or st.code.name))
         return results
 
-    def _write_req(self, buffer: Any, r: ReplicaDescriptor, size: int) -> Any:
-        t = self._transfer_mod
-        return t.TransferRequest(t.TransferOp.WRITE, buffer, r.segment_id, r.offset, size,
-                                 capability=r.capability)
-
-    def _read_req(self, buffer: Any, r: ReplicaDescriptor, size: int) -> Any:
-        t = self._transfer_mod
-        return t.TransferRequest(t.TransferOp.READ, buffer, r.segment_id, r.offset, size,
-                                 capability=r.capability)
-
     def _revoke(self, keys: list[str]) -> None:
         if not keys:
             return
         try:
             if len(keys) == 1:
-                self._call(Op.PUT_REVOKE, client_id=self.client_id, key=keys[0])
+                self._call(PutRevoke(self.client_id, keys[0]))
             else:
-                self._call(Op.BATCH_PUT_REVOKE, client_id=self.client_id, keys=keys)
+                self._call(BatchPutRevoke(self.client_id, keys))
         except StoreError as exc:
             log.warning("put_revoke %s failed: %s", keys[:3], exc)
 
@@ -645,63 +661,66 @@ class Client:
         codes: list[ErrorCode] = [ErrorCode.OK] * n
         if n == 0:
             return codes
-        args = self._put_args(config)
-        items: list[dict[str, Any]] = []
-        idx: list[int] = []  # item position -> key index
-        sizes = [0] * n
+        put_keys: list[str] = []
+        put_sizes: list[int] = []
+        idx: list[int] = []  # position in the request -> key index
         seen: set[str] = set()
-        for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
-            try:
-                self._valid_key(key)
-            except StoreError:
+        checksums: list[Checksum] | None = [] if self._checksum_algo is not None else None
+        for i in range(n):
+            key = keys[i]
+            if type(key) is not str or not key or len(key) > MAX_KEY_LENGTH:
                 codes[i] = ErrorCode.INVALID_KEY
                 continue
             if key in seen:  # a second put of the same key in one batch
                 codes[i] = ErrorCode.OBJECT_ALREADY_EXISTS
                 continue
+            buf = buffers[i]
             size = buffer_nbytes(buf)
             if size <= 0:
                 codes[i] = ErrorCode.INVALID_PARAMS
                 continue
             seen.add(key)
-            sizes[i] = size
-            item = {"key": key, "size": size, **args}
-            if self._checksum_algo is not None:
-                item["checksum"] = self._checksum(buf)
-            items.append(item)
+            put_keys.append(key)
+            put_sizes.append(size)
+            if checksums is not None:
+                checksums.append(self._checksum(buf))
             idx.append(i)
-        if not items:
+        if not idx:
             return codes
-        res = self._call(Op.BATCH_PUT_START, client_id=self.client_id, items=items)
-        self._learn_segments(res.get("segments"))
+        res = self._call(BatchPutStart(self.client_id, put_keys, put_sizes,
+                                       self._put_options(config), checksums))
+        self._learn_segments(res.segments)
         jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
         owner: list[int] = []  # job -> key index
-        for pos, (code, value) in enumerate(res.get("results", [])):
+        ok_pos: list[int] = []  # request positions whose PUT_START succeeded
+        for pos, (code, reps) in enumerate(zip(res.codes, res.replicas, strict=True)):
             i = idx[pos]
-            if code != ErrorCode.OK:
+            if code:
                 codes[i] = self._code(code)
                 continue
-            for r in self._replicas(value):
-                jobs.append((buffers[i], r, sizes[i]))
+            ok_pos.append(pos)
+            buf = buffers[i]
+            size = put_sizes[pos]
+            for r in reps:
+                jobs.append((buf, r, size))
                 owner.append(i)
-        ok_keys = [keys[i] for i in idx if codes[i] == ErrorCode.OK]
         try:
-            results = self._copy_batch(True, jobs, self.config.transfer_timeout_s)
+            results = self._copy_batch(True, jobs, self.config.transfer_timeout_s, res.caps)
         except BaseException:
-            self._revoke(ok_keys)
+            self._revoke([put_keys[pos] for pos in ok_pos])
             raise
         for (_b, r, _s), i, (ok, _err) in zip(jobs, owner, results, strict=True):
             if not ok:
                 codes[i] = ErrorCode.TRANSFER_FAIL
                 self._forget_segment(r.segment_id)
-        done = [keys[i] for i in idx if codes[i] == ErrorCode.OK]
-        failed = [keys[i] for i in idx if codes[i] == ErrorCode.TRANSFER_FAIL]
-        self._revoke(failed)
+        done = [pos for pos in ok_pos if codes[idx[pos]] == ErrorCode.OK]
+        self._revoke([put_keys[pos] for pos in ok_pos
+                      if codes[idx[pos]] == ErrorCode.TRANSFER_FAIL])
         if done:
-            end = self._call(Op.BATCH_PUT_END, client_id=self.client_id, keys=done)
-            for key, (code, _v) in zip(done, end.get("results", []), strict=False):
-                if code != ErrorCode.OK:
-                    codes[keys.index(key)] = self._code(code)
+            end = self._call(BatchPutEnd(self.client_id, [put_keys[pos] for pos in done]))
+            for pos, code in zip(done, end.codes, strict=True):
+                if code:
+                    codes[idx[pos]] = self._code(code)
         return codes
 
     @staticmethod
@@ -713,19 +732,22 @@ class Client:
 
     # ------------------------------------------------------------------ get
 
-    def _plan(self, value: dict[str, Any], t0: float, default_ttl_ms: Any) -> _ReadPlan:
-        ttl_ms = value.get("lease_ttl_ms", default_ttl_ms)
-        deadline = t0 + float(ttl_ms) / 1000.0 if ttl_ms else float("inf")
-        replicas = [r for r in self._replicas(value) if r.status == ReplicaStatus.COMPLETE]
-        replicas.sort(key=lambda r: self._rank(r.segment_id))
-        checksum = value.get("checksum")
-        return _ReadPlan(int(value["size"]), checksum if checksum else None, deadline, replicas)
+    def _nearest_first(self, reps: list[ReplicaDescriptor]) -> list[ReplicaDescriptor]:
+        """The complete replicas, nearest first (see :meth:`_rank`)."""
+        if len(reps) == 1:
+            return reps if reps[0].status is _COMPLETE else []
+        out = [r for r in reps if r.status is _COMPLETE]
+        out.sort(key=lambda r: self._rank(r.segment_id))
+        return out
 
     def _locate(self, key: str) -> _ReadPlan:
         t0 = time.monotonic()  # the lease starts no earlier than our request
-        res = self._call(Op.GET_REPLICA_LIST, key=key)
-        self._learn_segments(res.get("segments"))
-        return self._plan(res, t0, None)
+        res = self._call(GetReplicaList(key))
+        self._learn_segments(res.segments)
+        ttl_ms = res.lease_ttl_ms
+        deadline = t0 + ttl_ms / 1000.0 if ttl_ms else float("inf")
+        return _ReadPlan(res.size, res.checksum or None, deadline,
+                         self._nearest_first(res.replicas), res.caps)
 
     def _read(self, key: str, plan: _ReadPlan, buffer: Any) -> int:
         """Read ``plan.size`` bytes into ``buffer``: nearest replica first, then the rest."""
@@ -740,7 +762,7 @@ class Client:
             # leave the replicas after this one a share of the lease: a dead
             # peer must not use up all of it
             budget = min(self.config.transfer_timeout_s, remaining / (n - idx))
-            ((ok, err),) = self._copy_batch(False, [(buffer, r, plan.size)], budget)
+            ((ok, err),) = self._copy_batch(False, [(buffer, r, plan.size)], budget, plan.caps)
             if ok:
                 if time.monotonic() > plan.deadline:
                     raise LeaseExpired(f"read of {key!r} ended after its lease; bytes discarded")
@@ -770,7 +792,7 @@ class Client:
             return None
 
     def _verify(self, key: str, plan: _ReadPlan, buffer: Any) -> None:
-        if plan.checksum is None or not self.config.verify_checksum:
+        if not isinstance(plan.checksum, str) or not self.config.verify_checksum:
             return
         view = host_view(buffer)
         if view is None:
@@ -846,25 +868,32 @@ class Client:
         if n == 0:
             return results
         valid: list[int] = []
-        for i, key in enumerate(keys):
-            try:
-                self._valid_key(key)
+        for i in range(n):
+            key = keys[i]
+            if type(key) is str and key and len(key) <= MAX_KEY_LENGTH:
                 valid.append(i)
-            except StoreError:
+            else:
                 results[i] = int(ErrorCode.INVALID_KEY)
         if not valid:
             return results
         t0 = time.monotonic()
-        res = self._call(Op.BATCH_GET_REPLICA_LIST, keys=[keys[i] for i in valid])
-        self._learn_segments(res.get("segments"))
-        default_ttl = res.get("lease_ttl_ms")
+        res = self._call(BatchGetReplicaList([keys[i] for i in valid] if len(valid) < n
+                                             else list(keys)))
+        self._learn_segments(res.segments)
+        ttl_ms = res.lease_ttl_ms
+        deadline = t0 + ttl_ms / 1000.0 if ttl_ms else float("inf")
+        caps = res.caps
+        checksums = res.checksums
+        nearest = self._nearest_first
         plans: dict[int, _ReadPlan] = {}
         bufs: dict[int, Any] = {}
-        for i, (code, value) in zip(valid, res.get("results", []), strict=False):
-            if code != ErrorCode.OK:
+        for pos, i in enumerate(valid):
+            code = res.codes[pos]
+            if code:
                 results[i] = int(self._code(code))
                 continue
-            plan = self._plan(value, t0, default_ttl)
+            plan = _ReadPlan(res.sizes[pos], checksums[pos] if checksums else None, deadline,
+                             nearest(res.replicas[pos]), caps)
             if not plan.replicas:
                 results[i] = int(ErrorCode.OBJECT_NOT_FOUND)
                 continue
@@ -894,7 +923,7 @@ class Client:
                 if bufs[i] is _LAZY_BYTES:
                     assert outs is not None
                     fast = self._read_inline_bytes(_ReadPlan(plan.size, None, plan.deadline,
-                                                             [r]))
+                                                             [r], caps))
                     if fast is not None:
                         outs[i] = fast
                         bufs[i] = fast
@@ -909,7 +938,7 @@ class Client:
             lease_left = min(plans[i].deadline for i in owners) - now
             left = max(len(plans[i].replicas) - attempt for i in owners)
             timeout = max(0.001, min(self.config.transfer_timeout_s, lease_left / left))
-            copied = self._copy_batch(False, jobs, timeout)
+            copied = self._copy_batch(False, jobs, timeout, caps)
             pending = []
             for (buf, r, _s), i, (ok, _err) in zip(jobs, owners, copied, strict=True):
                 if not ok:
@@ -958,7 +987,7 @@ class Client:
         """True when ``key`` has a complete replica (grants a read lease)."""
         self._valid_key(key)
         try:
-            return bool(self._call(Op.EXIST, key=key).get("exists"))
+            return self._call(Exist(key)).exists
         except ObjectNotFound:
             return False
 
@@ -969,31 +998,23 @@ class Client:
             return []
         for k in keys:
             self._valid_key(k)
-        res = self._call(Op.BATCH_EXIST, keys=list(keys))
-        out: list[bool] = []
-        for code, value in res.get("results", []):
-            if code != ErrorCode.OK:
-                out.append(False)
-            elif isinstance(value, dict):
-                out.append(bool(value.get("exists")))
-            else:
-                out.append(bool(value))
-        return out
+        res = self._call(BatchExist(list(keys)))
+        return [not code and found for code, found in zip(res.codes, res.exists, strict=True)]
 
     def get_size(self, key: str) -> int:
         """Size in bytes of ``key``'s value (ObjectNotFound if missing)."""
         self._valid_key(key)
-        return int(self._call(Op.GET_SIZE, key=key)["size"])
+        return self._call(GetSize(key)).size
 
     def remove(self, key: str, force: bool = False) -> None:
         """Remove ``key``. A leased object raises StoreError(OBJECT_HAS_LEASE)
         unless ``force``; a missing one raises ObjectNotFound."""
         self._valid_key(key)
-        self._call(Op.REMOVE, key=key, force=bool(force))
+        self._call(Remove(key, bool(force)))
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every (unleased, or all with ``force``) object; return the count."""
-        return int(self._call(Op.REMOVE_ALL, force=bool(force)).get("removed", 0))
+        return self._call(RemoveAll(bool(force))).removed
 
     def replica_segments(self, key: str) -> list[str]:
         """Segment ids holding a complete replica of ``key``, nearest first
@@ -1001,13 +1022,13 @@ class Client:
         self._valid_key(key)
         return [r.segment_id for r in self._locate(key).replicas]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StatsReply:
         """The master's STATS (uptime, objects, bytes used/capacity, ...)."""
-        return self._call(Op.STATS)
+        return self._call(Stats())
 
-    def list_segments(self) -> list[dict[str, Any]]:
+    def list_segments(self) -> list[SegmentInfo]:
         """The master's LIST_SEGMENTS: every mounted segment with used/capacity."""
-        return list(self._call(Op.LIST_SEGMENTS).get("segments", []))
+        return self._call(ListSegments()).segments
 
     def is_gpu(self, buffer: Any) -> bool:
         """Whether ``buffer`` is device memory (checksums skip those)."""
