@@ -223,7 +223,7 @@ class _RawSocket:
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
     from kvpool.core.config import parse_size
-    from kvpool.core.protocol import Op
+    from kvpool.core.protocol import RemoveAll
 
     records: list[dict[str, Any]] = []
     raw = _RawSocket()
@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 tag = f"{transport}/{WRITE_OF[op]}/{size}/{batch}"
                                 rec = ask("getter", transport, op, size, batch, n, tag)
                             else:
-                                mc.call(Op.REMOVE_ALL, force=True)
+                                mc.call(RemoveAll(force=True))
                                 tag = f"{transport}/{op}/{size}/{batch}"
                                 rec = ask("putter", transport, op, size, batch, n, tag)
                             records.append(rec)

@@ -16,7 +16,7 @@ from tier_helpers import pattern
 
 from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import Op, SegmentKind
+from kvpool.core.protocol import GetReplicaList, SegmentKind, Stats
 from kvpool.store import Client, ReplicateConfig
 from kvpool.store.errors import NoSpace, StoreError
 from kvpool.transfer.file_segment import DEFAULT_FILE_NAME, HEADER_SIZE
@@ -59,14 +59,13 @@ def make_client(master: MasterProcess) -> Iterator[Callable[..., Client]]:
 
 def _kinds(master: MasterProcess, key: str) -> list[SegmentKind]:
     with master.client() as mc:
-        res = mc.call(Op.GET_REPLICA_LIST, key=key)
-    segs = res["segments"]
-    return [SegmentKind(int(segs[r[0]]["kind"])) for r in res["replicas"]]
+        res = mc.call(GetReplicaList(key))
+    return [res.segments[r.segment_id].kind for r in res.replicas]
 
 
 def _stats(master: MasterProcess) -> dict[str, Any]:
     with master.client() as mc:
-        return mc.call(Op.STATS)
+        return mc.call(Stats()).as_dict()
 
 
 def _disk_copies(master: MasterProcess) -> int:
