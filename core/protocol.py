@@ -774,5 +774,7 @@ def op_table_markdown() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    print(op_table_markdown())
+if __name__ == "__main__":  # print the table of the imported module (not of __main__'s copy)
+    from kvpool.core import protocol
+
+    print(protocol.op_table_markdown())
