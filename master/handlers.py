@@ -104,6 +104,10 @@ _INVALID_KEY = int(ErrorCode.INVALID_KEY)
 _INVALID_PARAMS = int(ErrorCode.INVALID_PARAMS)
 _time_ns = time.time_ns  # capability expiry is wall-clock epoch ms (it crosses hosts)
 _NO_REPLICAS: list[ReplicaDescriptor] = []  # shared by every failed key of a reply
+
+
+def _never_open(_sid: str) -> None:
+    return None
 _STATS_FIELDS = frozenset(StatsReply.__struct_fields__)
 _CODE_NAMES = {int(c): c.name for c in ErrorCode}
 
@@ -446,6 +450,9 @@ class OpHandlers:
         segs: dict[str, SegmentDescriptor] = {}
         grants = self._grants(_CAP_WRITE)
         slot = grants.slot
+        # the token still filling for a segment, used inline below (as slot() would)
+        open_get = grants.open.get if grants.signer is not None else _never_open
+        full = 2 * MAX_RANGES
         codes = [0] * n
         out: list[list[ReplicaDescriptor]] = [_NO_REPLICAS] * n
         for i in range(n):
@@ -469,10 +476,15 @@ class OpHandlers:
             if len(reps) == 2:  # one replica (the common case), inlined
                 seg = reps[0]
                 sid = seg.id
-                if sid not in segs:
-                    segs[sid] = seg.desc
                 off = reps[1]
-                out[i] = [ReplicaDescriptor(sid, off, size, _PROCESSING, slot(sid, off, size))]
+                entry = open_get(sid)
+                if entry is None or len(entry[1]) >= full:
+                    cap = slot(sid, off, size)
+                    segs[sid] = seg.desc
+                else:
+                    cap = entry[0]
+                    entry[1].extend((off, size))
+                out[i] = [ReplicaDescriptor(sid, off, size, _PROCESSING, cap)]
             else:
                 out[i] = self._replicas(reps, size, _PROCESSING, segs, grants)
         self._count("put_start", codes)
@@ -498,8 +510,14 @@ class OpHandlers:
 
     def batch_put_end(self, req: BatchPutEnd) -> BatchKeysReply:
         client_id = self._client(req.client_id)
+        keys = req.keys
+        self._batch(keys)
         put_end = self.dir.put_end
-        return self._keyed("put_end", req.keys, lambda k: put_end(client_id, k))
+        max_key = self.max_key
+        codes = [put_end(client_id, k) if k and len(k) <= max_key else _INVALID_KEY
+                 for k in keys]
+        self._count("put_end", codes)
+        return BatchKeysReply(codes)
 
     def batch_put_revoke(self, req: BatchPutRevoke) -> BatchKeysReply:
         client_id = self._client(req.client_id)
@@ -531,6 +549,8 @@ class OpHandlers:
         segs: dict[str, SegmentDescriptor] = {}
         grants = self._grants(_CAP_READ)
         slot = grants.slot
+        open_get = grants.open.get if grants.signer is not None else _never_open
+        full = 2 * MAX_RANGES
         codes = [0] * n
         sizes = [0] * n
         out: list[list[ReplicaDescriptor]] = [_NO_REPLICAS] * n
@@ -559,7 +579,13 @@ class OpHandlers:
                 if sid not in segs:
                     segs[sid] = seg.desc
                 off = reps[1]
-                out[i] = [ReplicaDescriptor(sid, off, size, _COMPLETE, slot(sid, off, size))]
+                entry = open_get(sid)
+                if entry is None or len(entry[1]) >= full:
+                    cap = slot(sid, off, size)
+                else:
+                    cap = entry[0]
+                    entry[1].extend((off, size))
+                out[i] = [ReplicaDescriptor(sid, off, size, _COMPLETE, cap)]
             else:
                 out[i] = self._replicas(reps, size, _COMPLETE, segs, grants)
         self._count("get_replica_list", codes)

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "rss_bytes_per_object": round(per_obj, 1),
                                  "fill_s": round(fill_s, 2),
                                  "fill_objects_per_s": round(args.objects / fill_s)}
-            print(f"RSS per object at {st['objects']:,}: {per_obj:.0f} B "
+            print(f"RSS per object at {st.objects:,}: {per_obj:.0f} B "
                   f"(fill {args.objects / fill_s:,.0f} obj/s)", file=sys.stderr)
             snap = snapshot_pause(m, c)
             results["snapshot"] = snap
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     best = max((p["master_cpu_key_ops_per_s"] or 0) for p in results["ops"] if p["batch"] == 128)
     results["summary"] = {
         "batched_key_ops_per_master_cpu_s_best": best,
-        "batched_key_ops_per_s_wall": {p.op: p["key_ops_per_s"] for p in results["ops"]
+        "batched_key_ops_per_s_wall": {p["op"]: p["key_ops_per_s"] for p in results["ops"]
                                        if p["batch"] == 128},
         "rss_bytes_per_object": results["memory"]["rss_bytes_per_object"],
         "snapshot_pause_ms": results["snapshot"]["start_pause_ms"],
