@@ -58,6 +58,7 @@ class _Conn:
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     closing: bool = False  # answered a frame it cannot resync past: close after the reply
+    polling_out: bool = False  # registered for POLLOUT (replies queued)
 
 
 class LocalRpcServer:
@@ -201,8 +202,11 @@ class LocalRpcServer:
             self._close_conn(fd)
             return
         del c.outbuf[:sent]
-        if self._poller is not None and fd in self._conns:
-            self._poller.modify(fd, _POLLIN | (_POLLOUT if c.outbuf else 0))
+        want = bool(c.outbuf)
+        if want != c.polling_out and self._poller is not None and fd in self._conns:
+            # ask for POLLOUT only while replies are queued (modify re-registers)
+            self._poller.modify(fd, _POLLIN | (_POLLOUT if want else 0))
+            c.polling_out = want
 
     def send_all(self, replies: list[tuple[_Conn, bytes]]) -> None:
         """Queue and send the replies (non-blocking; the rest goes on POLLOUT)."""
