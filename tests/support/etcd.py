@@ -72,6 +72,7 @@ class EtcdProcess(ManagedProcess):
         data_dir: str | None = None,
         cmd_prefix: Sequence[str] = (),
         extra_args: Sequence[str] = (),
+        cluster_token: str | None = None,
     ) -> None:
         super().__init__()
         binary = etcd_binary()
@@ -87,6 +88,7 @@ class EtcdProcess(ManagedProcess):
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="kvpool-etcd-")
         self.log_path = os.path.join(self.data_dir, "etcd.log")
         self.member_dir = os.path.join(self.data_dir, "member-data")
+        self.cluster_token = cluster_token or os.path.basename(self.data_dir)
         self.cmd_prefix = list(cmd_prefix)
         self.extra_args = list(extra_args)
 
@@ -109,7 +111,7 @@ class EtcdProcess(ManagedProcess):
                 "--initial-advertise-peer-urls", self.peer_url,
                 "--initial-cluster", self.initial_cluster,
                 "--initial-cluster-state", "new",
-                "--initial-cluster-token", os.path.basename(self.data_dir),
+                "--initial-cluster-token", self.cluster_token,
                 "--unsafe-no-fsync",
                 "--log-level", "warn",
                 *self.extra_args]
@@ -139,8 +141,8 @@ class EtcdProcess(ManagedProcess):
             os.kill(self._proc.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        if self._proc is not None:
-            os.kill(self._proc.pid, signal.SIGCONT)
+        if self.running:
+            os.kill(self._proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
 
     def stop(self, timeout_s: float = 15.0) -> int | None:
         self.resume()  # a stopped process cannot act on SIGTERM
@@ -158,7 +160,9 @@ class EtcdCluster:
         names = [f"etcd{i}" for i in range(n)]
         peers = [find_free_port(host) for _ in names]
         initial = ",".join(f"{nm}=http://{host}:{p}" for nm, p in zip(names, peers, strict=True))
-        self.members = [EtcdProcess(nm, host, peer_port=p, initial_cluster=initial)
+        token = f"kvpool-etcd-{os.getpid()}-{peers[0]}"
+        self.members = [EtcdProcess(nm, host, peer_port=p, initial_cluster=initial,
+                                    cluster_token=token)
                         for nm, p in zip(names, peers, strict=True)]
 
     @property
