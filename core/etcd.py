@@ -365,7 +365,8 @@ class EtcdClient:
                     raise EtcdError(f"etcd {endpoint}: bad reply to {path}: {raw[:200]!r}",
                                     ErrorCode.INTERNAL_ERROR) from exc
                 if resp.status != 200:
-                    msg = reply.get("message") or reply.get("error") or raw[:200]
+                    msg = str(reply.get("message") or reply.get("error")
+                              or raw[:200].decode(errors="replace"))
                     code = ErrorCode.INTERNAL_ERROR
                     if resp.status in (503, 504) or "timed out" in str(msg) \
                             or "no leader" in str(msg):

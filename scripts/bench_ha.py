@@ -34,15 +34,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from support.etcd import EtcdProcess  # noqa: E402
-
-from kvpool.core.etcd import (  # noqa: E402
+from kvpool.core.etcd import (
     Compare,
     CompareTarget,
     EtcdClient,
     PutOp,
     RangeOp,
 )
+from support.etcd import EtcdProcess
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
@@ -197,9 +196,63 @@ def cmd_clients(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_election(args: argparse.Namespace) -> dict[str, Any]:
-    from kvpool.master.ha.election_bench import measure_failover
+    """Kill the leader of three candidates ``--kills`` times (a fresh one
+    replaces it each time); time from SIGKILL to the successor's first ack."""
+    import tempfile
+    import uuid
 
-    return measure_failover(args.kills, args.ttl)
+    from support.ha_candidate import CandidateProcess, acks_overlap
+
+    times: list[float] = []
+    with EtcdProcess() as etcd, tempfile.TemporaryDirectory() as tmp:
+        cluster = f"bench-{uuid.uuid4().hex[:6]}"
+        seq = iter(range(10**6))
+
+        def spawn() -> CandidateProcess:
+            return CandidateProcess(etcd.endpoint, cluster, f"c{next(seq)}", tmp,
+                                    ttl=args.ttl).start()
+        cands = [spawn() for _ in range(3)]
+        all_cands = list(cands)
+        try:
+            for _ in range(args.kills):
+                leader = _await_leader(cands, None, 30)
+                time.sleep(0.5)
+                t_kill = time.time()
+                leader.kill()
+                cands.remove(leader)
+                new = _await_leader(cands, leader, 30)
+                epoch = new.last()["epoch"]
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    acks = [t for e, t in new.acks() if e == epoch]
+                    if acks:
+                        times.append(min(acks) / 1e9 - t_kill)
+                        break
+                    time.sleep(0.01)
+                c = spawn()
+                cands.append(c)
+                all_cands.append(c)
+            overlaps = acks_overlap(all_cands)
+        finally:
+            for c in all_cands:
+                c.stop()
+    times.sort()
+    return {"lease_ttl_s": args.ttl, "kills": args.kills, "measured": len(times),
+            "failover_p50_s": round(statistics.median(times), 3) if times else None,
+            "failover_max_s": round(times[-1], 3) if times else None,
+            "failover_min_s": round(times[0], 3) if times else None,
+            "bound_s": args.ttl + 0.5, "acknowledgment_overlaps": overlaps,
+            "loadavg_1m": os.getloadavg()[0]}
+
+
+def _await_leader(cands: list[Any], not_this: Any, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for c in cands:
+            if c is not not_this and c.running and c.last().get("role") == "leader":
+                return c
+        time.sleep(0.01)
+    raise RuntimeError("no leader elected")
 
 
 def main() -> None:

