@@ -9,6 +9,7 @@ leader after its successor exists.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -68,8 +69,10 @@ def _settled(cands: list[CandidateProcess]) -> bool:
 
 
 def _stop(cands: list[CandidateProcess]) -> None:
-    for c in cands:
-        c.stop()
+    for c in cands:  # each one, even if stopping another failed
+        with contextlib.suppress(Exception):
+            c.stop()
+        c.kill()
 
 
 def test_one_leader_and_kill9_failover(etcd: EtcdProcess, tmp_path: Path) -> None:
