@@ -48,6 +48,11 @@ class ErrorCode(IntEnum):
     TIMEOUT = -1009
     SEGMENT_MISMATCH = -1010
     CLOSED = -1011
+    # high availability (kvpool.core.etcd, kvpool.master.ha)
+    NOT_LEADER = -1100  # this master instance is a follower: ask the leader
+    STALE_EPOCH = -1101  # a request, record or capability of an older leader term
+    COORDINATION_UNAVAILABLE = -1102  # etcd unreachable: writes refused until it returns
+    NO_LEADER = -1103  # no instance of the group leads right now
 
 
 class KVPoolError(Exception):

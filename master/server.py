@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -219,7 +219,7 @@ class MasterServer:
                 per_peer: dict[bytes, int] = {}
                 for _ in range(_DRAIN):
                     # check EVENTS rather than catching zmq.Again (exceptions are slow)
-                    if not sock.get(_EVENTS) & _POLLIN:
+                    if not cast(int, sock.get(_EVENTS)) & _POLLIN:
                         break
                     frames = recv(_NOBLOCK, copy=True)
                     ident = frames[0]

@@ -1,10 +1,11 @@
 """The store client: Put/Get of objects held in the pool, with buffers and replicas.
 
-One :class:`Client` per process. ``setup()`` connects to the master, creates
-and mounts this process's memory segment (``memory_size`` > 0), starts its
-transfer server (inside :class:`kvpool.transfer.TransferEngine`) and a
-background ping thread that re-mounts the segments when the master asks
-(e.g. after a master restart). ``close()`` unmounts and releases all of it.
+One :class:`Client` per process. ``setup()`` connects to the master, starts
+its transfer server (inside :class:`kvpool.transfer.TransferEngine`) and its
+:class:`kvpool.store.segment_host.SegmentHost`, which creates and mounts this
+process's segments (``memory_size`` > 0, ``disk_dir``), pings the master and
+re-mounts when asked (e.g. after a master restart). ``close()`` unmounts and
+releases all of it. This module is the data path.
 
 Hot paths, kept lean on purpose:
 
@@ -44,8 +45,6 @@ from kvpool.core.protocol import (
     GetReplicaList,
     GetSize,
     ListSegments,
-    MountSegment,
-    Ping,
     PutEnd,
     PutOptions,
     PutRevoke,
@@ -61,7 +60,6 @@ from kvpool.core.protocol import (
     SegmentKind,
     Stats,
     StatsReply,
-    UnmountSegment,
     validate_key,
 )
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
@@ -87,14 +85,12 @@ from kvpool.store.errors import (
     TransferFailed,
     error_for_code,
 )
+from kvpool.store.segment_host import SegmentHost
 from kvpool.transfer.copy import parallel_copyto
 
 __all__ = ["Client", "ClientConfig", "ReplicateConfig"]
 
 log = logging.getLogger(__name__)
-
-_TIER_POLL_S = 0.1  # ping period while tier tasks keep coming
-_TIER_BUSY_S = 5.0  # ... for this long after the last reply that carried tasks
 
 _LAZY_BYTES = object()  # batch-read target: "allocate a bytes result when needed"
 _SUSPECT_S = 10.0  # how long a segment that failed a read is tried last
@@ -145,37 +141,33 @@ class Client:
         self._rpc_local = threading.local()
         self._rpc_all: list[MasterClient] = []
         self._rpc_lock = threading.Lock()
-        self._ping_master: MasterClient | None = None
         self._engine: Any = None
-        self._local_segments: list[Any] = []  # MemorySegment / file segments we own
-        self._own_descs: dict[str, SegmentDescriptor] = {}
+        # the segments this client owns, their mount and liveness (segment_host.py)
+        self._host = SegmentHost(config, self.client_id, self.host_id, self._new_master,
+                                 self._learn_segments)
+        self._own_descs: dict[str, SegmentDescriptor] = self._host.descs
         self._known: dict[str, SegmentDescriptor] = {}  # segment descriptors given to the engine
         self._known_lock = threading.Lock()
         # segment id -> monotonic time until which its replicas are tried last
         # (a read from it just failed or timed out: e.g. its owner died)
         self._suspect: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # ping now (the tier runner drained its tasks)
-        self._ping_thread: threading.Thread | None = None
-        self._remounts = 0
         self._closed = False
         self._started = False
         self._checksum_algo = resolve_checksum_algo(config.checksum)
         self._transfer_mod: Any = None
         self._inline: InlineShm | None = None
-        self._tier_runner: Any = None  # store.tier_tasks.TierTaskRunner (segment owners)
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
     def segment_ids(self) -> list[str]:
         """Ids of the segments this client contributes (empty for a pure client)."""
-        return list(self._own_descs)
+        return self._host.segment_ids
 
     @property
     def shm_names(self) -> list[str]:
         """/dev/shm names of this client's memory segments."""
-        return [d.name for d in self._own_descs.values() if d.kind == SegmentKind.MEMORY]
+        return self._host.shm_names
 
     @property
     def endpoint(self) -> str:
@@ -191,7 +183,7 @@ class Client:
     @property
     def remount_count(self) -> int:
         """How many times the ping thread re-mounted after the master asked."""
-        return self._remounts
+        return self._host.remounts
 
     def setup(self) -> Client:
         """Connect, create and mount segments, start the transfer server and pinger.
@@ -223,10 +215,9 @@ class Client:
         self._transfer_mod = transfer
         cfg = self.config
         self._master = self._new_master()
-        self._ping_master = self._new_master()
         # Fail fast (typed) when the master is not there, before allocating memory.
         try:
-            self._ping_master.call(Ping(self.client_id))
+            self._host.check_master()
         except MasterRPCError as exc:
             raise MasterUnreachable(
                 f"master {cfg.master_address} unreachable: {exc}", exc.code
@@ -239,58 +230,12 @@ class Client:
         self._inline = InlineShm(list(tcfg.rules), self.host_id, cfg.inline_shm)
         port = self._engine.endpoint.rsplit(":", 1)[-1]
         base_id = cfg.segment_id or f"{self.host_id}:{port}"
-        if cfg.memory_size > 0:
-            seg = transfer.MemorySegment.create(base_id, cfg.memory_size, prefault=cfg.prefault)
-            self._local_segments.append(seg)
-            self._engine.add_local_segment(seg)
-            self._inline.add_own(seg.segment_id, seg.array())
-            desc = seg.descriptor(self.client_id, self.host_id, self._engine.endpoint)
-            self._own_descs[desc.segment_id] = desc
-            self._start_tier_runner()
-        self._own_descs.update(self._create_file_segments(base_id))
-        for desc in self._own_descs.values():
-            self._mount(desc)
-        self._ping_thread = threading.Thread(
-            target=self._ping_loop, name=f"kvpool-ping-{self.client_id[:6]}", daemon=True
-        )
-        self._ping_thread.start()
+        self._host.create_segments(self._engine, self._inline, base_id)
+        self._host.start(self._master)
         log.info(
             "client %s up: host %s, segments %s, endpoint %s",
             self.client_id[:8], self.host_id, list(self._own_descs), self._engine.endpoint,
         )
-
-    def _create_file_segments(self, base_id: str) -> dict[str, SegmentDescriptor]:
-        """Create or reopen the SSD-tier FILE segment (``disk_dir``/``disk_size``).
-
-        An existing segment file in ``disk_dir`` is reopened (warm restart:
-        its id comes from the file header, so the master re-adopts the objects
-        recorded in it); a file that does not match (foreign, truncated,
-        another size) is refused with ``SEGMENT_MISMATCH`` and left untouched.
-        """
-        cfg = self.config
-        if not cfg.disk_dir or cfg.disk_size <= 0:
-            return {}
-        from kvpool.transfer.file_segment import FileSegment
-
-        seg = FileSegment.create(f"{base_id}:disk", cfg.disk_dir, cfg.disk_size)
-        self._local_segments.append(seg)
-        self._engine.add_local_segment(seg)
-        desc = seg.descriptor(self.client_id, self.host_id, self._engine.endpoint)
-        if self._tier_runner is None:
-            self._start_tier_runner()
-        return {desc.segment_id: desc}
-
-    def _start_tier_runner(self) -> None:
-        """The node side of the SSD tier: run the copy tasks (offload,
-        promotion) the master hands out in PING replies."""
-        from kvpool.store.tier_tasks import TierTaskRunner
-
-        self._tier_runner = TierTaskRunner(
-            self._engine, self._new_master(),
-            self.client_id,
-            learn_segment=lambda d: self._learn_segments({d.segment_id: d}),
-            transfer_timeout_s=self.config.transfer_timeout_s,
-            on_drained=self._wake.set)  # fetch the next tasks without waiting a ping interval
 
     def _new_master(self) -> MasterClient:
         """A master RPC stub; with CURVE when the policy makes it active for the
@@ -306,112 +251,30 @@ class Client:
                             curve_server_key=curve.server_public_key(),
                             curve_keypair=(kp.public, kp.secret))
 
-    def _mount(self, desc: SegmentDescriptor) -> None:
-        assert self._master is not None
-        try:
-            res = self._master.call(MountSegment(self.client_id, desc))
-        except MasterRPCError as exc:
-            if exc.code == ErrorCode.SEGMENT_ALREADY_EXISTS:
-                return  # already mounted by us (a remount racing a ping)
-            raise _master_error(exc) from exc
-        key = res.capability_key
-        if key and self._engine is not None:
-            # issue 7: our transfer server now refuses any READ/WRITE of this
-            # segment without a capability the master signed with this key
-            self._engine.set_capability_key(desc.segment_id, bytes(key))
-
-    def _ping_loop(self) -> None:
-        """Ping every ``ping_interval_s``; re-mount our segments when the master asks."""
-        assert self._ping_master is not None
-        base_interval = self.config.ping_interval_s
-        tier_busy_until = 0.0
-        while True:
-            # while the master hands out tier copy tasks (offload, promotion),
-            # poll for more every _TIER_POLL_S rather than every ping interval
-            interval = base_interval
-            if time.monotonic() < tier_busy_until:
-                interval = min(base_interval, _TIER_POLL_S)
-            self._wake.wait(interval)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            try:
-                res = self._ping_master.call(Ping(self.client_id))
-                if res.tasks and self._tier_runner is not None:
-                    self._tier_runner.submit(res.tasks, res.segments, res.caps)
-                    tier_busy_until = time.monotonic() + _TIER_BUSY_S
-                remount = res.remount
-                if not remount and self._own_descs:
-                    # the master knows us but lost a segment of ours: mount it again
-                    remount = not set(self._own_descs) <= set(res.segment_ids)
-            except MasterRPCError as exc:
-                if exc.code != ErrorCode.CLIENT_NOT_FOUND:
-                    log.debug("ping failed: %s", exc)
-                    continue
-                remount = True
-            if remount and not self._stop.is_set():
-                self._remount()
-
-    def _remount(self) -> None:
-        log.info("master asked client %s to re-mount %d segment(s)",
-                 self.client_id[:8], len(self._own_descs))
-        for desc in list(self._own_descs.values()):
-            try:
-                self._mount(desc)
-            except StoreError as exc:
-                log.warning("re-mount of %s failed: %s", desc.segment_id, exc)
-                return
-        self._remounts += 1
-
     def close(self) -> None:
         """Unmount this client's segments and release every resource. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._wake.set()
-        if self._ping_thread is not None:
-            self._ping_thread.join(timeout=self.config.rpc_timeout_s + 1)
-        if self._tier_runner is not None:
-            self._tier_runner.close()
-            self._tier_runner.master.close()
-        if self._master is not None:
-            for seg_id in list(self._own_descs):
-                if self._own_descs[seg_id].kind == SegmentKind.FILE:
-                    # the SSD tier outlives this process: the master keeps the
-                    # segment awaiting us and a restart on the same disk dir
-                    # re-adopts its objects (warm restart)
-                    continue
-                try:
-                    self._master.call(UnmountSegment(self.client_id, seg_id),
-                                      timeout_s=min(2.0, self.config.rpc_timeout_s))
-                except (MasterRPCError, KVPoolError) as exc:
-                    log.debug("unmount %s: %s", seg_id, exc)
-        if self._engine is not None:
-            for seg_id in list(self._own_descs):
-                try:
-                    self._engine.remove_local_segment(seg_id)
-                except Exception as exc:  # releasing must go on whatever one step raises
-                    log.debug("remove_local_segment %s: %s", seg_id, exc)
+        host = self._host
+        host.stop()
+        host.unmount()
+        host.detach()
         if self._inline is not None:
             self._inline.close()
-        for seg in self._local_segments:
-            try:
-                seg.close()
-            except Exception as exc:
-                log.warning("closing segment: %s", exc)
-        self._local_segments.clear()
+        host.release_segments()
         if self._engine is not None:
             try:
                 self._engine.close()
             except Exception as exc:
                 log.warning("closing transfer engine: %s", exc)
         with self._rpc_lock:
-            stubs = [*self._rpc_all, self._master, self._ping_master]
+            stubs = [*self._rpc_all, self._master]
             self._rpc_all.clear()
         for m in stubs:
             if m is not None:
                 m.close()
+        host.close_stubs()
 
     def __enter__(self) -> Client:
         return self.setup()
