@@ -13,10 +13,17 @@
 - the capability keys file (``capability-keys.msgpack``, 0600, fsync'ed).
 
 Without a ``data_dir`` nothing is written, but listeners still see every
-batch. The commit seam (:meth:`add_listener`) is where replication hooks
-in: a listener runs on the loop thread after the local commit and before
-any reply of that iteration leaves, so it can ship the batch to standbys
-and wait for their acknowledgements. It must not raise.
+batch. The commit seam is where replication hooks in:
+
+- :meth:`add_listener`: ``listener(records, commit_no)`` runs on the loop
+  thread after the local commit, before any reply of that iteration leaves
+  (e.g. ship the batch to standbys). It must not raise.
+- :meth:`set_ack_gate`: ``acked() -> commit_no`` says up to which commit
+  replies may leave. With a gate set, the loop holds every reply of an
+  iteration (reads too: they may show that iteration's changes) until
+  ``acked()`` reaches the commit number current when it was handled, and
+  sends held replies in order. Without one (single master) replies leave
+  right after the local commit, as before.
 """
 
 from __future__ import annotations
@@ -62,7 +69,8 @@ class Durability:
         self.stats = loop_stats or LoopStats()
         self.journal: Journal | None = None
         self._listeners: list[CommitListener] = []
-        self.commits = 0
+        self._gate: Callable[[], int] | None = None
+        self.commits = 0  # group commits with records so far (their commit numbers)
         self._snapshot: SnapshotWriter | None = None
         self._snap_requested = False
         self._last_snapshot = time.monotonic()
@@ -75,21 +83,35 @@ class Durability:
         """Call ``listener(records, batch)`` after every group commit (loop thread)."""
         self._listeners.append(listener)
 
-    def commit(self, records: list[list[Any]]) -> None:
+    def set_ack_gate(self, acked: Callable[[], int] | None) -> None:
+        """Hold replies until ``acked()`` reaches their commit number (None: never hold)."""
+        self._gate = acked
+
+    @property
+    def gated(self) -> bool:
+        return self._gate is not None
+
+    def acked(self) -> int:
+        """The highest commit number whose replies may leave."""
+        return self._gate() if self._gate is not None else self.commits
+
+    def commit(self, records: list[list[Any]]) -> int:
         """Make ``records`` durable (one write, fsync per policy), hand them to
-        the listeners, and clear the list. A no-op for an empty list."""
+        the listeners, and clear the list; return the current commit number
+        (unchanged for an empty list)."""
         if not records:
-            return
+            return self.commits
         journal = self.journal
         if journal is not None:
             journal.append_many(records)
             journal.commit()
+        self.commits += 1
         if self._listeners:
-            self.commits += 1
             batch = list(records)
             for listener in self._listeners:
                 listener(batch, self.commits)
         records.clear()
+        return self.commits
 
     @property
     def busy(self) -> bool:

@@ -15,6 +15,7 @@ slices) run between iterations in bounded slices so the loop never stalls.
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import signal
@@ -197,7 +198,6 @@ class MasterServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         recv = sock.recv_multipart
-        send = sock.send_multipart
         handle = self.handle_frames
         handlers = self.handlers
         inflight_limit = self.cfg.max_inflight_per_client
@@ -209,9 +209,12 @@ class MasterServer:
         local = self.local_rpc
         if local is not None:
             local.register(poller)
+        # replies waiting for the ack gate (durability.set_ack_gate), oldest first
+        held: collections.deque[tuple[int, list[list[bytes]], Any]] = collections.deque()
         next_expiry = next_sweep = next_freeze = time.monotonic()
         while not self._stop:
-            timeout = 0 if (d.purge_pending or d.evicting or durability.busy) else 50
+            timeout = 0 if (d.purge_pending or d.evicting or durability.busy) else \
+                1 if held else 50
             events = poller.poll(timeout)
             if events:
                 t_start = time.perf_counter()
@@ -231,14 +234,11 @@ class MasterServer:
                 local_replies = local.serve(events, handlers.handle_payload,
                                             handlers.too_many, inflight_limit) \
                     if local is not None else None
-                commit(records)  # group commit before any reply leaves
-                for r in replies:
-                    try:
-                        send(r, _NOBLOCK)
-                    except zmq.ZMQError:
-                        pass  # peer gone / HWM: the client times out and retries
-                if local_replies:
-                    local.send_all(local_replies)  # type: ignore[union-attr]
+                commit_no = commit(records)  # group commit before any reply leaves
+                if durability.gated:
+                    held.append((commit_no, replies, local_replies))
+                else:
+                    self._send(replies, local_replies)
                 loop_ms = (time.perf_counter() - t_start) * 1000
                 if loop_ms > loop_stats.max_loop_ms:
                     loop_stats.max_loop_ms = loop_ms
@@ -260,6 +260,21 @@ class MasterServer:
                 gc.freeze()  # O(1): moves survivors out of the scanned generations
             commit(records)  # expiry/sweep changes
             durability.tick(d, now)
+            if held:
+                acked = durability.acked()
+                while held and held[0][0] <= acked:
+                    _no, replies, local_replies = held.popleft()
+                    self._send(replies, local_replies)
+
+    def _send(self, replies: list[list[bytes]], local_replies: Any) -> None:
+        send = self.sock.send_multipart
+        for r in replies:
+            try:
+                send(r, _NOBLOCK)
+            except zmq.ZMQError:
+                pass  # peer gone / HWM: the client times out and retries
+        if local_replies:
+            self.local_rpc.send_all(local_replies)  # type: ignore[union-attr]
 
     def close(self) -> None:
         """Flush + fsync the journal, stop a snapshot in progress, close sockets."""

@@ -147,3 +147,39 @@ def test_durability_hands_commits_to_listeners_in_order(tmp_path: Path) -> None:
     ((_seq, path),) = list_journals(cfg.data_dir or "")
     records, torn = read_journal(path)
     assert not torn and records == [r for _, batch in seen for r in batch]
+
+
+def test_ack_gate_holds_replies_until_their_commit_is_acknowledged() -> None:
+    import threading
+
+    from kvpool.core.protocol import Exist, PutEnd, PutStart
+    from kvpool.core.rpc_client import MasterClient, MasterRPCError
+    from kvpool.master.server import MasterServer
+
+    server = MasterServer(MasterConfig(port=0, local_socket="off"))
+    acked = [0]
+    seen: list[int] = []
+    server.durability.add_listener(lambda records, no: seen.append(no))
+    server.durability.set_ack_gate(lambda: acked[0])
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    loop.start()
+    try:
+        with MasterClient(f"127.0.0.1:{server.port}", timeout_s=5) as c:
+            c.call(Exist("nothing"))  # no change committed yet: acked 0 covers it
+            with pytest.raises(MasterRPCError) as ei:  # commit 1 (the mount) is not acked
+                c.call(MountSegment("c1", segment_desc("s1", "c1")), timeout_s=0.3)
+            assert ei.value.code == ErrorCode.RPC_TIMEOUT and seen == [1]
+            acked[0] = 1
+            c.call(PutStart("c1", "k", 10))  # nothing journaled: still commit 1
+            result: list[Any] = []
+            t = threading.Thread(target=lambda: result.append(c.call(PutEnd("c1", "k"))))
+            t.start()
+            t.join(0.3)
+            assert t.is_alive() and not result and seen == [1, 2]  # held behind commit 2
+            acked[0] = 2
+            t.join(5)
+            assert result and c.call(Exist("k")).exists
+    finally:
+        server.stop()
+        loop.join(5)
+        server.close()
