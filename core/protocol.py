@@ -22,6 +22,9 @@ Op reference (args -> result). ``client_id`` identifies the calling process
 - UNMOUNT_SEGMENT {client_id, segment_id} -> {}
 - PING {client_id} -> {remount: bool, segment_ids: [str]} (remount=true when the
   master does not know the client, e.g. after a restart without its segments)
+- PING {client_id, heartbeat: true} -> {known: bool}: from the client's guard
+  process (its memory is alive, the process may be stalled): keeps a suspect
+  client from being dropped; never hands out tier tasks
 - PUT_START {client_id, key, size, replica_num=1, preferred_segments=[],
   hard_pin=False, soft_pin=False, checksum=None, disk_replica_num=0}
   -> {replicas: [ReplicaDescriptor], segments: {segment_id: SegmentDescriptor}}

@@ -606,6 +606,9 @@ class MasterServer:
     # ---------------------------------------------------------------- segments
     def _op_ping(self, args: dict[str, Any]) -> dict[str, Any]:
         client_id = _arg_str(args, "client_id")
+        if _arg_bool(args, "heartbeat"):
+            # from the client's guard process: its memory lives (it may be stalled)
+            return {"known": self.dir.heartbeat(client_id)}
         remount, ids = self.dir.ping(client_id)
         out: dict[str, Any] = {"remount": remount, "segment_ids": ids}
         if self.tiering.tasks:  # SSD tier: copy tasks this node executes
