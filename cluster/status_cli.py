@@ -1,4 +1,10 @@
-"""``kvpool status``: segments (owner, host, kind, used/capacity), objects, uptime."""
+"""``kvpool status``: segments (owner, host, kind, state, used/capacity), objects, uptime.
+
+A segment's state: ``active``; ``suspect`` (its owner missed its pings: no
+new placements, objects kept until the owner is back, unmounts, or the
+master's grace ends); ``awaiting`` (restored after a master restart, owner
+not back yet).
+"""
 
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ def format_status(stats: dict[str, Any], segments: list[dict[str, Any]]) -> str:
     from kvpool.core.config import format_size
     from kvpool.core.protocol import SegmentKind
 
-    rows = [("SEGMENT", "OWNER", "HOST", "KIND", "USED", "CAPACITY", "USE%")]
+    rows = [("SEGMENT", "OWNER", "HOST", "KIND", "STATE", "USED", "CAPACITY", "USE%")]
     for s in sorted(segments, key=lambda s: (str(s.get("host_id")), str(s.get("segment_id")))):
         cap = int(s.get("capacity", s.get("size", 0)) or 0)
         used = int(s.get("used", 0) or 0)
@@ -40,15 +46,19 @@ def format_status(stats: dict[str, Any], segments: list[dict[str, Any]]) -> str:
         except ValueError:
             kind = str(s.get("kind"))
         rows.append((str(s.get("segment_id", "?")), str(s.get("client_id", "?"))[:12],
-                     str(s.get("host_id", "?")), kind, format_size(used), format_size(cap),
+                     str(s.get("host_id", "?")), kind, str(s.get("state", "?")),
+                     format_size(used), format_size(cap),
                      f"{100.0 * used / cap:.1f}" if cap else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     used_total = int(stats.get("bytes_used", sum(int(s.get("used", 0) or 0) for s in segments)))
     cap_total = int(stats.get("bytes_capacity", 0) or 0)
     lines.append("")
+    suspect = sum(1 for s in segments if s.get("state") == "suspect")
     lines.append(
-        f"segments: {len(segments)}   objects: {stats.get('objects', '?')}   "
+        f"segments: {len(segments)}"
+        + (f" ({suspect} suspect)" if suspect else "")
+        + f"   objects: {stats.get('objects', '?')}   "
         f"used: {format_size(used_total)} / {format_size(cap_total)}   "
         f"uptime: {_fmt_uptime(float(stats.get('uptime_s', 0)))}"
     )

@@ -4,7 +4,7 @@
 opens a :class:`kvpool.store.Client` (a pure client: no memory of its own)
 and answers JSON commands, one per stdin line, with one JSON line on stdout:
 
-- ``{"cmd": "segments"}`` -> ``{"segments": [{segment_id, host_id, ...}]}``
+- ``{"cmd": "segments"}`` -> ``{"segments": [{segment_id, host_id, state, ...}]}``
 - ``{"cmd": "put", "keys": [...], "replica_num": 1, "preferred": []}``
   -> ``{"codes": {key: code}}`` (0 = stored)
 - ``{"cmd": "get", "keys": [...], "seconds": 0}`` -> ``{"gets": [[key, code,
@@ -103,7 +103,8 @@ class Agent:
         if cmd == "segments":
             segs = self.client.list_segments()
             return {"segments": [{k: s.get(k) for k in ("segment_id", "host_id", "endpoint",
-                                                          "client_id", "used", "capacity")}
+                                                          "client_id", "used", "capacity",
+                                                          "state")}
                                  for s in segs]}
         if cmd == "put":
             from kvpool.store import ReplicateConfig
