@@ -95,7 +95,7 @@ class GuardSpec:
     shm: dict[str, str] = field(default_factory=dict)
     curve: dict[str, Any] = field(default_factory=dict)  # CurveConfig fields
     curve_active: bool = False  # False: the guard need not import CURVE support (~0.1 s)
-    log_level: str = "WARNING"
+    log_level: int = logging.WARNING
 
 
 class Guard:

@@ -224,7 +224,7 @@ class SegmentHost:
             curve=dataclasses.asdict(cfg.curve),
             curve_active=cfg.curve.active(cfg.master_address if "://" in cfg.master_address
                                           else f"tcp://{cfg.master_address}"),
-            log_level=logging.getLevelName(logging.getLogger("kvpool").getEffectiveLevel()),
+            log_level=logging.getLogger("kvpool").getEffectiveLevel(),
         )
         try:
             guard.start(spec, timeout_s=max(10.0, 2 * cfg.rpc_timeout_s))
