@@ -4,9 +4,9 @@
 Against a real ``kvpool master`` (``client_ttl_s`` 1, ``client_grace_s`` 0.5):
 
 - guard start-up: a segment-owning Client's setup with and without its guard
-  (median of ``--rounds``), the guard's spawn-to-ready time and RSS; the floor
-  is a bare ``python -c pass`` measured in the same run
-  (``guard_ready_vs_python_startup``);
+  (median of ``--rounds``; setup does not wait for the guard), the guard's
+  spawn-to-ready time and RSS; the floor is a bare ``python -c pass``
+  measured in the same run (``guard_ready_vs_python_startup``);
 - release after kill -9: a holder process owning a segment is SIGKILLed;
   time until its /dev/shm file is gone and until the master no longer lists
   its segment (the guard's work), median over ``--rounds``;
@@ -72,6 +72,7 @@ def bench_startup(m: MasterProcess, rounds: int) -> dict[str, Any]:
                 setup[guard].append(time.perf_counter() - t0)
                 g = c.segment_host.guard
                 if g is not None:
+                    assert g.ready(10.0)
                     ready.append(g.ready_s)
                     rss.append(psutil.Process(g.pid).memory_info().rss)
     return {"python_startup_s": _median(py), "guard_ready_s": _median(ready),

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 _TIER_POLL_S = 0.1  # ping period while tier tasks keep coming
 _TIER_BUSY_S = 5.0  # ... for this long after the last reply that carried tasks
 _GUARD_RESPAWN_S = 10.0  # a guard that died is replaced at most this often
+_GUARD_READY_S = 30.0  # ... as is one that has not answered `ready` by then
 
 
 def _weak_callable(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any] | None]:
@@ -210,7 +211,7 @@ class SegmentHost:
                         "segments to the janitor", exc)
 
     def _start_guard(self) -> None:
-        """Hand the guard its spec and wait until it watches us (setup)."""
+        """Hand the guard its spec (it answers ``ready`` in the background)."""
         guard = self.guard
         if guard is None:
             return
@@ -227,23 +228,35 @@ class SegmentHost:
             log_level=logging.getLogger("kvpool").getEffectiveLevel(),
         )
         try:
-            guard.start(spec, timeout_s=max(10.0, 2 * cfg.rpc_timeout_s))
-            log.debug("guard %d ready in %.3fs", guard.pid, guard.ready_s)
-        except (OSError, TimeoutError) as exc:
+            guard.start(spec)
+        except OSError as exc:
             log.warning("guard process failed to start (%s); carrying on without it", exc)
-            guard.close(timeout_s=0.5)
+            self._drop_guard()
+
+    def _drop_guard(self) -> None:
+        if self.guard is not None:
+            self.guard.close(timeout_s=0.5)
             self.guard = None
 
     def _check_guard(self) -> None:
-        """The ping thread: replace a guard that died (killed, OOM)."""
+        """The ping thread: note the guard's answer; replace a guard that died
+        (killed, OOM) or never answered."""
         guard = self.guard
-        if guard is None or guard.alive() or self._stop.is_set():
+        if guard is None or self._stop.is_set():
             return
+        try:
+            if guard.ready():
+                if guard.alive():
+                    return
+            elif time.monotonic() - guard.spawned_at < _GUARD_READY_S:
+                return
+        except OSError as exc:
+            log.debug("guard %d: %s", guard.pid, exc)
         if time.monotonic() - self._guard_spawned_at < _GUARD_RESPAWN_S:
             return
-        log.warning("guard process %d exited (%s); starting a new one", guard.pid,
-                    guard.proc.returncode)
-        guard.close(timeout_s=0.1)
+        log.warning("guard process %d is gone or silent (exit %s); starting a new one",
+                    guard.pid, guard.proc.poll())
+        self._drop_guard()
         self._spawn_guard()
         self._start_guard()
         self.guard_respawns += 1
