@@ -51,7 +51,7 @@ class DemoConfig:
     replicated_fraction: float = 0.3  # prompts stored with replica_num=2
     seed: int = 1
     progress: bool = True
-    client_ttl_s: float = 2.0  # how fast the master notices the killed daemon
+    client_ttl_s: float = 2.0  # master liveness (the killed daemon's guard unmounts it at once)
     system_chunks: int = 4  # shared system-prompt prefix: 2 replicas, hard-pinned
 
 
@@ -244,6 +244,7 @@ def _kill_and_check(out: TextIO, client: Client, victim: Any,
     print(f"\n  killing node daemon {victim.segment_ids} (SIGKILL) with {len(present)} "
           f"2-replica keys in the pool ...", file=out)
     victim.kill()
+    # its guard process sees it die, frees its shared memory and unmounts it
     deadline = time.monotonic() + cfg.client_ttl_s * 3 + 5
     while time.monotonic() < deadline:
         segs = {s.descriptor.segment_id for s in client.list_segments()}
@@ -251,7 +252,7 @@ def _kill_and_check(out: TextIO, client: Client, victim: Any,
             break
         time.sleep(0.2)
     else:
-        print("  the master did not drop the killed daemon in time", file=out)
+        print("  the killed daemon's segment was not unmounted in time", file=out)
         return False
     readable = 0
     buf = np.empty(cfg.max_value, dtype=np.uint8)
@@ -263,6 +264,6 @@ def _kill_and_check(out: TextIO, client: Client, victim: Any,
             continue
         if np.array_equal(buf[:n], _value_view(pool, k, replicated[k])):
             readable += 1
-    print(f"  master dropped it; 2-replica keys still readable and intact: "
+    print(f"  its guard unmounted it; 2-replica keys still readable and intact: "
           f"{readable}/{len(present)}", file=out)
     return readable == len(present)

@@ -259,7 +259,7 @@ class NodeDaemonProcess(ManagedProcess):
     ``start()`` returns once the daemon's segment is mounted at the master
     (its ready file is written and LIST_SEGMENTS shows every segment id);
     ``stop()`` sends SIGTERM (clean unmount) and waits; ``kill()`` SIGKILLs
-    (a crash: the master drops it after ``client_ttl``); ``restart()`` starts a
+    (a crash: its guard process unmounts it); ``restart()`` starts a
     new daemon (new client id and segment id). Context manager: start/stop.
     """
 
@@ -359,8 +359,9 @@ class NodeDaemonProcess(ManagedProcess):
                 time.sleep(0.05)
 
     def kill(self) -> None:
-        """SIGKILL (a crash) and wait. Its /dev/shm segment is removed here, as
-        the dead process cannot; the master drops the client after client_ttl."""
+        """SIGKILL (a crash) and wait. Its guard process frees its /dev/shm
+        segment and unmounts it; removed here too in case the guard was
+        disabled (``--no-guard``)."""
         super().kill()
         self._unlink_orphans()
 

@@ -1,4 +1,10 @@
-"""``kvpool status``: segments (owner, host, kind, used/capacity), objects, uptime."""
+"""``kvpool status``: segments (owner, host, kind, state, used/capacity), objects, uptime.
+
+A segment's state: ``active``; ``suspect`` (its owner missed its pings: no
+new placements, objects kept until the owner is back, unmounts, or the
+master's grace ends); ``awaiting`` (restored after a master restart, owner
+not back yet).
+"""
 
 from __future__ import annotations
 
@@ -33,18 +39,21 @@ def format_status(stats: StatsReply, segments: list[SegmentInfo]) -> str:
     """Render STATS + LIST_SEGMENTS as a text table."""
     from kvpool.core.config import format_size
 
-    rows = [("SEGMENT", "OWNER", "HOST", "KIND", "USED", "CAPACITY", "USE%")]
+    rows = [("SEGMENT", "OWNER", "HOST", "KIND", "STATE", "USED", "CAPACITY", "USE%")]
     for s in sorted(segments, key=lambda s: (s.descriptor.host_id, s.descriptor.segment_id)):
         d = s.descriptor
         cap, used = s.capacity, s.used
-        rows.append((d.segment_id, d.client_id[:12], d.host_id, d.kind.name.lower(),
+        rows.append((d.segment_id, d.client_id[:12], d.host_id, d.kind.name.lower(), s.state,
                      format_size(used), format_size(cap),
                      f"{100.0 * used / cap:.1f}" if cap else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.append("")
+    suspect = sum(1 for s in segments if s.state == "suspect")
     lines.append(
-        f"segments: {len(segments)}   objects: {stats.objects}   "
+        f"segments: {len(segments)}"
+        + (f" ({suspect} suspect)" if suspect else "")
+        + f"   objects: {stats.objects}   "
         f"used: {format_size(stats.bytes_used)} / {format_size(stats.bytes_capacity)}   "
         f"uptime: {_fmt_uptime(stats.uptime_s)}"
     )

@@ -320,12 +320,16 @@ class PingReply(Reply):
     tasks: list[TierTask] = []
     segments: dict[str, SegmentDescriptor] = {}
     caps: list[bytes] = []
+    known: bool = False  # heartbeat replies: the master knows this client
 
 
 @register(Op.PING, PingReply, "liveness; remount=true when the master does not know the "
-          "client (e.g. restarted without its segments); may carry SSD-tier copy tasks")
+          "client (e.g. restarted without its segments); may carry SSD-tier copy tasks; "
+          "heartbeat=true (the client's guard process): its memory lives, the process may "
+          "be stalled -- keeps a suspect client from being dropped, never hands out tasks")
 class Ping(Request[PingReply]):
     client_id: str
+    heartbeat: bool = False
 
 
 class MountSegmentReply(Reply):

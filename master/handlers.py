@@ -294,6 +294,9 @@ class OpHandlers:
     def ping(self, req: Ping) -> PingReply:
         client_id = self._client(req.client_id)
         d = self.dir
+        if req.heartbeat:
+            # from the client's guard process: its memory lives (it may be stalled)
+            return PingReply(False, known=d.heartbeat(client_id))
         remount, ids = d.ping(client_id)
         out = PingReply(remount, ids)
         if self.tiering.tasks:  # SSD tier: copy tasks this node executes

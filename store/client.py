@@ -24,12 +24,14 @@ so the engine keeps its shm mappings / connections across calls.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvpool.core.errors import ErrorCode, KVPoolError
@@ -85,6 +87,7 @@ from kvpool.store.errors import (
     TransferFailed,
     error_for_code,
 )
+from kvpool.store.guard import master_stub
 from kvpool.store.segment_host import SegmentHost
 from kvpool.transfer.copy import parallel_copyto
 
@@ -120,6 +123,47 @@ def _master_error(exc: MasterRPCError) -> StoreError:
     return error_for_code(exc.code, str(exc))
 
 
+@dataclass(slots=True)
+class _Owned:
+    """Everything a Client must release. Its finalizer holds this, never the
+    Client, so a Client dropped without close() is collected and released."""
+
+    host: SegmentHost
+    rpc_lock: threading.Lock
+    rpc_all: list[MasterClient] = field(default_factory=list)
+    master: MasterClient | None = None
+    engine: Any = None
+    inline: InlineShm | None = None
+
+
+def _release(owned: _Owned) -> None:
+    """Unmount, stop serving, free the memory, close the sockets (in that
+    order), each step whatever the previous one raised. Runs once: from
+    close(), when the Client is collected, or at interpreter exit."""
+    host = owned.host
+    if not host.owned_here():
+        return  # a forked child's copy: the segments, guard and sockets are the parent's
+    host.stop()
+    host.unmount()
+    host.detach()
+    if owned.inline is not None:
+        owned.inline.close()
+    host.release_segments()
+    if owned.engine is not None:
+        try:
+            owned.engine.close()
+        except Exception as exc:
+            log.warning("closing transfer engine: %s", exc)
+    with owned.rpc_lock:
+        stubs = [*owned.rpc_all, owned.master]
+        owned.rpc_all.clear()
+    for m in stubs:
+        if m is not None:
+            m.close()
+    host.close_stubs()
+    host.close_guard()
+
+
 class Client:
     """A store client (see module docstring). Thread-safe for concurrent calls.
 
@@ -143,9 +187,15 @@ class Client:
         self._rpc_lock = threading.Lock()
         self._engine: Any = None
         # the segments this client owns, their mount and liveness (segment_host.py)
-        self._host = SegmentHost(config, self.client_id, self.host_id, self._new_master,
-                                 self._learn_segments)
+        self._host = SegmentHost(
+            config, self.client_id, self.host_id,
+            functools.partial(master_stub, config.master_address, config.rpc_timeout_s,
+                              config.curve),
+            self._learn_segments)
         self._own_descs: dict[str, SegmentDescriptor] = self._host.descs
+        self._owned = _Owned(self._host, self._rpc_lock, self._rpc_all)
+        # close(), garbage collection or interpreter exit: whichever comes first
+        self._finalizer = weakref.finalize(self, _release, self._owned)
         self._known: dict[str, SegmentDescriptor] = {}  # segment descriptors given to the engine
         self._known_lock = threading.Lock()
         # segment id -> monotonic time until which its replicas are tried last
@@ -185,6 +235,11 @@ class Client:
         """How many times the ping thread re-mounted after the master asked."""
         return self._host.remounts
 
+    @property
+    def segment_host(self) -> SegmentHost:
+        """The owner of this client's segments: liveness, guard, janitor."""
+        return self._host
+
     def setup(self) -> Client:
         """Connect, create and mount segments, start the transfer server and pinger.
 
@@ -214,7 +269,7 @@ class Client:
 
         self._transfer_mod = transfer
         cfg = self.config
-        self._master = self._new_master()
+        self._master = self._owned.master = self._new_master()
         # Fail fast (typed) when the master is not there, before allocating memory.
         try:
             self._host.check_master()
@@ -227,7 +282,9 @@ class Client:
             tcfg, host_id=self.host_id, bind_host=cfg.bind_host, port=cfg.transfer_port,
             curve=cfg.curve,
         )
-        self._inline = InlineShm(list(tcfg.rules), self.host_id, cfg.inline_shm)
+        self._owned.engine = self._engine
+        self._inline = self._owned.inline = InlineShm(list(tcfg.rules), self.host_id,
+                                                      cfg.inline_shm)
         port = self._engine.endpoint.rsplit(":", 1)[-1]
         base_id = cfg.segment_id or f"{self.host_id}:{port}"
         self._host.create_segments(self._engine, self._inline, base_id)
@@ -238,43 +295,20 @@ class Client:
         )
 
     def _new_master(self) -> MasterClient:
-        """A master RPC stub; with CURVE when the policy makes it active for the
-        master's address (off for loopback unless forced, on otherwise)."""
+        """A master RPC stub (CURVE per the config's policy)."""
         cfg = self.config
-        curve = cfg.curve
-        addr = cfg.master_address if "://" in cfg.master_address \
-            else f"tcp://{cfg.master_address}"
-        if not curve.active(addr):
-            return MasterClient(cfg.master_address, timeout_s=cfg.rpc_timeout_s)
-        kp = curve.keypair()
-        return MasterClient(cfg.master_address, timeout_s=cfg.rpc_timeout_s,
-                            curve_server_key=curve.server_public_key(),
-                            curve_keypair=(kp.public, kp.secret))
+        return master_stub(cfg.master_address, cfg.rpc_timeout_s, cfg.curve)
 
     def close(self) -> None:
-        """Unmount this client's segments and release every resource. Idempotent."""
+        """Unmount this client's segments and release every resource. Idempotent.
+
+        A Client that is garbage-collected, or still open at interpreter exit,
+        is released the same way; one whose process dies (SIGTERM's default
+        action, kill -9) is released by its guard process."""
         if self._closed:
             return
         self._closed = True
-        host = self._host
-        host.stop()
-        host.unmount()
-        host.detach()
-        if self._inline is not None:
-            self._inline.close()
-        host.release_segments()
-        if self._engine is not None:
-            try:
-                self._engine.close()
-            except Exception as exc:
-                log.warning("closing transfer engine: %s", exc)
-        with self._rpc_lock:
-            stubs = [*self._rpc_all, self._master]
-            self._rpc_all.clear()
-        for m in stubs:
-            if m is not None:
-                m.close()
-        host.close_stubs()
+        self._finalizer()
 
     def __enter__(self) -> Client:
         return self.setup()

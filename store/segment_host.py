@@ -10,25 +10,43 @@ everything that is about *owning* segments rather than moving data:
   segments when the master asks (e.g. after a master restart);
 - runs the SSD tier's copy tasks that arrive in PING replies
   (:class:`kvpool.store.tier_tasks.TierTaskRunner`);
+- keeps a guard process (:mod:`kvpool.store.guard`) that heartbeats while
+  this process is stalled and frees the segments if it dies, and removes
+  segments orphaned on this host by dead processes (the janitor:
+  :meth:`reap_orphans`);
 - unmounts and releases all of it on :meth:`close`.
 
 Every client has one, also a pure client (no segments): its pings keep the
-client known to the master, so its in-flight puts are not revoked.
+client known to the master, so its in-flight puts are not revoked. Nothing
+here holds a strong reference to the Client (its threads reach it through a
+weak reference), so a Client dropped without ``close()`` is collected and
+its finalizer releases everything.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import MountSegment, Ping, SegmentDescriptor, SegmentKind, UnmountSegment
+from kvpool.core.protocol import (
+    ListSegments,
+    MountSegment,
+    Ping,
+    SegmentDescriptor,
+    SegmentKind,
+    UnmountSegment,
+)
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
 from kvpool.store.config import ClientConfig
 from kvpool.store.errors import StoreError, error_for_code
+from kvpool.store.guard import Guard, GuardSpec
 
 __all__ = ["SegmentHost"]
 
@@ -36,14 +54,25 @@ log = logging.getLogger(__name__)
 
 _TIER_POLL_S = 0.1  # ping period while tier tasks keep coming
 _TIER_BUSY_S = 5.0  # ... for this long after the last reply that carried tasks
+_GUARD_RESPAWN_S = 10.0  # a guard that died is replaced at most this often
+_GUARD_READY_S = 30.0  # ... as is one that has not answered `ready` by then
+
+
+def _weak_callable(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any] | None]:
+    """A weak reference to ``fn`` (a bound method: weak to its object)."""
+    if hasattr(fn, "__self__"):
+        return weakref.WeakMethod(fn)  # type: ignore[arg-type]
+    return lambda: fn
 
 
 class SegmentHost:
     """Segments one client owns, their mount, liveness and release (module docstring).
 
     ``new_master()`` makes a master RPC stub; ``learn_segments(descs)`` hands
-    peer segment descriptors (``{segment_id: descriptor}``) to the client's cache.
-    Lifecycle: :meth:`create_segments` (optional), :meth:`start`, :meth:`close`.
+    peer segment descriptors (``{segment_id: descriptor}``) to the client's cache
+    (held weakly). Lifecycle: :meth:`create_segments` (optional),
+    :meth:`start`, then :meth:`stop`, :meth:`unmount`, :meth:`detach`,
+    :meth:`release_segments`, :meth:`close_stubs` (the client's close).
     """
 
     def __init__(self, config: ClientConfig, client_id: str, host_id: str,
@@ -52,8 +81,9 @@ class SegmentHost:
         self.config = config
         self.client_id = client_id
         self.host_id = host_id
+        self.pid = os.getpid()  # a forked child's copy releases nothing of ours
         self._new_master = new_master
-        self._learn_segments = learn_segments
+        self._learn_ref = _weak_callable(learn_segments)
         self.master: MasterClient | None = None  # mounts and unmounts
         self.ping_master: MasterClient | None = None  # the ping thread's own stub
         self.engine: Any = None
@@ -64,6 +94,10 @@ class SegmentHost:
         self._wake = threading.Event()  # ping now (the tier runner drained its tasks)
         self._ping_thread: threading.Thread | None = None
         self.remounts = 0
+        self.guard: Guard | None = None
+        self._guard_spawned_at = 0.0
+        self.guard_respawns = 0
+        self.orphans_reaped = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -83,13 +117,25 @@ class SegmentHost:
             self.ping_master = self._new_master()
         self.ping_master.call(Ping(self.client_id))
 
+    def _learn(self, wires: dict[str, Any] | None) -> None:
+        fn = self._learn_ref()
+        if fn is not None:
+            fn(wires)
+
     def create_segments(self, engine: Any, inline: Any, base_id: str) -> None:
         """Create the memory and file segments the config asks for and add
-        them to ``engine`` (and ``inline``'s own-segment table)."""
+        them to ``engine`` (and ``inline``'s own-segment table). A
+        segment-owning client first starts its guard process (its start-up
+        overlaps the segment's pre-fault) and removes orphans on this host."""
         import kvpool.transfer as transfer
 
         cfg = self.config
         self.engine = engine
+        owns = cfg.memory_size > 0 or bool(cfg.disk_dir and cfg.disk_size > 0)
+        if owns and cfg.guard:
+            self._spawn_guard()
+        if cfg.memory_size > 0:
+            self.reap_orphans()
         if cfg.memory_size > 0:
             seg = transfer.MemorySegment.create(base_id, cfg.memory_size, prefault=cfg.prefault)
             self.segments.append(seg)
@@ -126,7 +172,7 @@ class SegmentHost:
         promotion) the master hands out in PING replies."""
         from kvpool.store.tier_tasks import TierTaskRunner
 
-        learn = self._learn_segments
+        learn = self._learn
         self.tier_runner = TierTaskRunner(
             self.engine, self._new_master(),
             self.client_id,
@@ -139,6 +185,7 @@ class SegmentHost:
         self.master = master
         for desc in self.descs.values():
             self._mount(desc)
+        self._start_guard()
         self._ping_thread = threading.Thread(
             target=self._ping_loop, name=f"kvpool-ping-{self.client_id[:6]}", daemon=True
         )
@@ -158,6 +205,98 @@ class SegmentHost:
             # without a capability the master signed with this key
             self.engine.set_capability_key(desc.segment_id, bytes(key))
 
+    # ------------------------------------------------------------------ guard, janitor
+
+    def _spawn_guard(self) -> None:
+        self._guard_spawned_at = time.monotonic()
+        try:
+            self.guard = Guard.spawn()
+        except OSError as exc:
+            log.warning("no guard process (%s): a stall longer than the master's "
+                        "client_ttl marks this client suspect, and a crash leaves its "
+                        "segments to the janitor", exc)
+
+    def _start_guard(self) -> None:
+        """Hand the guard its spec (it answers ``ready`` in the background)."""
+        guard = self.guard
+        if guard is None:
+            return
+        cfg = self.config
+        spec = GuardSpec(
+            parent_pid=self.pid, client_id=self.client_id,
+            master_address=cfg.master_address, rpc_timeout_s=cfg.rpc_timeout_s,
+            interval_s=cfg.ping_interval_s,
+            shm={d.segment_id: d.name for d in self.descs.values()
+                 if d.kind == SegmentKind.MEMORY},
+            curve=dataclasses.asdict(cfg.curve),
+            curve_active=cfg.curve.active(cfg.master_address if "://" in cfg.master_address
+                                          else f"tcp://{cfg.master_address}"),
+            log_level=logging.getLogger("kvpool").getEffectiveLevel(),
+        )
+        try:
+            guard.start(spec)
+        except OSError as exc:
+            log.warning("guard process failed to start (%s); carrying on without it", exc)
+            self._drop_guard()
+
+    def _drop_guard(self) -> None:
+        if self.guard is not None:
+            self.guard.close(timeout_s=0.5)
+            self.guard = None
+
+    def _check_guard(self) -> None:
+        """The ping thread: note the guard's answer; replace a guard that died
+        (killed, OOM) or never answered."""
+        guard = self.guard
+        if guard is None or self._stop.is_set():
+            return
+        try:
+            if guard.ready():
+                if guard.alive():
+                    return
+            elif time.monotonic() - guard.spawned_at < _GUARD_READY_S:
+                return
+        except OSError as exc:
+            log.debug("guard %d: %s", guard.pid, exc)
+        if time.monotonic() - self._guard_spawned_at < _GUARD_RESPAWN_S:
+            return
+        log.warning("guard process %d is gone or silent (exit %s); starting a new one",
+                    guard.pid, guard.proc.poll())
+        self._drop_guard()
+        self._spawn_guard()
+        self._start_guard()
+        self.guard_respawns += 1
+
+    def close_guard(self) -> None:
+        """After the segments are released: the guard has nothing left to do."""
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
+
+    def reap_orphans(self) -> list[str]:
+        """The janitor: remove this host's ``/dev/shm`` segments whose owner
+        died (:func:`kvpool.transfer.segment.reap_orphaned_shm`) and unmount
+        them at the master (owner verified dead: their objects go now).
+        Returns the shm names removed."""
+        from kvpool.transfer.segment import reap_orphaned_shm
+
+        names = set(reap_orphaned_shm())
+        if not names:
+            return []
+        self.orphans_reaped += len(names)
+        master = self.master or self.ping_master
+        if master is not None:
+            try:
+                for info in master.call(ListSegments()).segments:
+                    d = info.descriptor
+                    if d.name in names and d.kind == SegmentKind.MEMORY:
+                        master.call(UnmountSegment(d.client_id, d.segment_id))
+                        log.warning("unmounted %s: its owner %s died on this host",
+                                    d.segment_id, d.client_id[:8])
+            except MasterRPCError as exc:
+                log.info("janitor: the master drops the orphans' segments itself (%s)", exc)
+        return sorted(names)
+
     # ------------------------------------------------------------------ liveness
 
     def _ping_loop(self) -> None:
@@ -175,6 +314,7 @@ class SegmentHost:
             self._wake.clear()
             if self._stop.is_set():
                 break
+            self._check_guard()
             try:
                 res = self.ping_master.call(Ping(self.client_id))
                 if res.tasks and self.tier_runner is not None:
@@ -253,3 +393,7 @@ class SegmentHost:
     def close_stubs(self) -> None:
         if self.ping_master is not None:
             self.ping_master.close()
+
+    def owned_here(self) -> bool:
+        """False in a forked child: the parent owns the segments and the guard."""
+        return os.getpid() == self.pid

@@ -4,7 +4,7 @@
 opens a :class:`kvpool.store.Client` (a pure client: no memory of its own)
 and answers JSON commands, one per stdin line, with one JSON line on stdout:
 
-- ``{"cmd": "segments"}`` -> ``{"segments": [{segment_id, host_id, ...}]}``
+- ``{"cmd": "segments"}`` -> ``{"segments": [{segment_id, host_id, state, ...}]}``
 - ``{"cmd": "put", "keys": [...], "replica_num": 1, "preferred": []}``
   -> ``{"codes": {key: code}}`` (0 = stored)
 - ``{"cmd": "get", "keys": [...], "seconds": 0}`` -> ``{"gets": [[key, code,
@@ -106,7 +106,8 @@ class Agent:
                                   "host_id": s.descriptor.host_id,
                                   "endpoint": s.descriptor.endpoint,
                                   "client_id": s.descriptor.client_id,
-                                  "used": s.used, "capacity": s.capacity} for s in segs]}
+                                  "used": s.used, "capacity": s.capacity,
+                                  "state": s.state} for s in segs]}
         if cmd == "put":
             from kvpool.store import ReplicateConfig
 

@@ -198,7 +198,8 @@ def test_torn_and_corrupt_journal_tail_truncated(tmp_path: Path) -> None:
 
 def test_owner_that_never_returns_is_dropped_and_remount_readopts(tmp_path: Path) -> None:
     data = str(tmp_path / "d")
-    with MasterProcess(data_dir=data, client_ttl_s=1.0) as m:
+    with MasterProcess(data_dir=data, client_ttl_s=1.0,
+                       extra_args=["--client-grace-s", "0.5"]) as m:
         with m.client() as c:
             mount(c, "gone", client_id="c-gone")
             mount(c, "back", client_id="c-back")
@@ -219,7 +220,7 @@ def test_owner_that_never_returns_is_dropped_and_remount_readopts(tmp_path: Path
             with pytest.raises(MasterRPCError) as ei:
                 c.call(MountSegment(client_id="x", segment=mismatch))
             assert ei.value.code == ErrorCode.SEGMENT_MISMATCH
-            # c-back-2 keeps pinging; "gone"'s owner never returns within client_ttl
+            # c-back-2 keeps pinging; "gone"'s owner never returns within ttl + grace
             st = wait_stats(c, lambda s: c.call(Ping(client_id="c-back-2"))
                             and s.segments == 1, timeout=5)
             assert st.segments == 1

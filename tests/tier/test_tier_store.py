@@ -28,8 +28,9 @@ DISK = ReplicateConfig(replica_num=0, disk_replica_num=1)
 
 @pytest.fixture
 def master(tmp_path: Any) -> Iterator[MasterProcess]:
+    # no grace: an owner silent for client_ttl is dropped (its file segment kept)
     with MasterProcess(data_dir=str(tmp_path / "master"), lease_ttl_ms=300,
-                       client_ttl_s=2) as m:
+                       client_ttl_s=2, extra_args=["--client-grace-s", "0"]) as m:
         yield m
 
 
@@ -245,7 +246,7 @@ def test_master_and_node_restart_readopt_disk_objects_from_the_journal(
         c.put(k, v, DISK)
     d.stop()  # clean stop: the file segment stays mounted (kept for a restart)
     master.restart(kill=True)
-    time.sleep(3.5)  # longer than client_ttl: restored memory segments are dropped
+    time.sleep(3.5)  # longer than client_ttl (+ grace 0): restored memory segments dropped
     assert _stats(master)["file_segments_awaiting"] == 1
     d.start()
     for k, v in values.items():
