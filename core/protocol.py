@@ -337,8 +337,9 @@ class MountSegmentReply(Reply):
 
 
 @register(Op.MOUNT_SEGMENT, MountSegmentReply,
-          "mount a segment (SEGMENT_ALREADY_EXISTS if mounted; a segment awaiting its "
-          "owner after a restart is re-adopted)")
+          "mount a segment (SEGMENT_ALREADY_EXISTS if mounted and active; one awaiting its "
+          "owner after a restart, or suspect, is re-adopted with its objects when the mount "
+          "names the same memory)")
 class MountSegment(Request[MountSegmentReply]):
     client_id: str
     segment: SegmentDescriptor
@@ -543,6 +544,12 @@ class StatsReply(Reply):
     local_rpc_connections: int
     tiering: dict[str, int] = {}
     extra: dict[str, Any] = {}
+    # liveness (docs/INTERFACES.md): clients and segments suspect now, and the
+    # times a client became suspect / came back with its segments
+    suspect_clients: int = 0
+    suspect_segments: int = 0
+    suspected_clients: int = 0
+    revived_clients: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Every counter in one flat map (tiering and extra merged in)."""

@@ -98,6 +98,22 @@ class MasterCollector(Collector):
         c = CounterMetricFamily("kvpool_master_expired_clients", "clients dropped for silence")
         c.add_metric([], st.expired_clients)
         yield c
+        g = GaugeMetricFamily("kvpool_master_suspect_clients",
+                              "clients silent past client_ttl, kept for the grace period")
+        g.add_metric([], st.suspect_clients)
+        yield g
+        g = GaugeMetricFamily("kvpool_master_suspect_segments",
+                              "segments of suspect clients: objects kept, no new placements")
+        g.add_metric([], st.suspect_segments)
+        yield g
+        c = CounterMetricFamily("kvpool_master_suspected_clients",
+                                "times a client became suspect")
+        c.add_metric([], st.suspected_clients)
+        yield c
+        c = CounterMetricFamily("kvpool_master_revived_clients",
+                                "times a suspect client came back with its segments")
+        c.add_metric([], st.revived_clients)
+        yield c
         tier = st.tiering  # SSD tier
         c = CounterMetricFamily("kvpool_master_tier_events",
                                 "SSD tier: copy tasks and file segments, by event",

@@ -8,8 +8,8 @@ die without running any cleanup: SIGTERM's default action, kill -9, a crash.
 The guard (``python -m kvpool.store.guard``, spawned by the client's
 :class:`kvpool.store.segment_host.SegmentHost`) covers both:
 
-- **heartbeats**: every ``interval_s`` it sends ``PING {client_id,
-  heartbeat: true}`` to the master, from its own process, whatever the
+- **heartbeats**: every ``interval_s`` it sends ``Ping(client_id,
+  heartbeat=True)`` to the master, from its own process, whatever the
   parent is doing. The master then never drops the client's segments while
   the guard beats (it only marks them suspect when the client's own pings
   stop: no new placements);
