@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from kvpool.cluster.processes import MasterProcess
-from kvpool.core.protocol import Op
+from kvpool.core.protocol import ListSegments
 from kvpool.store import Client, ClientConfig
 
 HOLDER = """
@@ -53,7 +53,7 @@ def _median(xs: list[float]) -> float:
 
 def _segments(m: MasterProcess) -> dict[str, str]:
     with m.client() as mc:
-        return {s["segment_id"]: s["state"] for s in mc.call(Op.LIST_SEGMENTS)["segments"]}
+        return {s.descriptor.segment_id: s.state for s in mc.call(ListSegments()).segments}
 
 
 def bench_startup(m: MasterProcess, rounds: int) -> dict[str, Any]:

@@ -117,10 +117,10 @@ class SegmentHost:
             self.ping_master = self._new_master()
         self.ping_master.call(Ping(self.client_id))
 
-    def _learn(self, wires: dict[str, Any] | None) -> None:
+    def _learn(self, descs: dict[str, SegmentDescriptor]) -> None:
         fn = self._learn_ref()
         if fn is not None:
-            fn(wires)
+            fn(descs)
 
     def create_segments(self, engine: Any, inline: Any, base_id: str) -> None:
         """Create the memory and file segments the config asks for and add

@@ -12,19 +12,33 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import urllib.request
 from typing import Any
 
 import pytest
 
-from kvpool.cluster.processes import MasterProcess
+from kvpool.cluster.processes import MasterProcess, find_free_port
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import Op, SegmentDescriptor, SegmentKind
+from kvpool.core.protocol import (
+    GetReplicaList,
+    ListSegments,
+    MountSegment,
+    Ping,
+    PingReply,
+    PutEnd,
+    PutOptions,
+    PutStart,
+    PutStartReply,
+    SegmentDescriptor,
+    SegmentKind,
+    Stats,
+)
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory, SegState
 from kvpool.master.tiering import TieringPolicy
 from kvpool.master.tiering_config import TieringConfig
-from support.factories import segment_wire
+from support.factories import segment_desc
 
 MEM = SegmentKind.MEMORY
 FILE = SegmentKind.FILE
@@ -174,13 +188,17 @@ def test_suspect_file_segment_is_kept_by_the_tier_policy_after_the_grace() -> No
 
 
 def _mount(c: MasterClient, sid: str, client_id: str) -> None:
-    c.call(Op.MOUNT_SEGMENT, client_id=client_id, segment=segment_wire(sid, client_id))
+    c.call(MountSegment(client_id, segment_desc(sid, client_id)))
 
 
-def _put(c: MasterClient, key: str, client_id: str = "c1", **kw: Any) -> dict[str, Any]:
-    r = c.call(Op.PUT_START, client_id=client_id, key=key, size=100, **kw)
-    c.call(Op.PUT_END, client_id=client_id, key=key)
+def _put(c: MasterClient, key: str, client_id: str = "c1", **kw: Any) -> PutStartReply:
+    r = c.call(PutStart(client_id, key, 100, PutOptions(**kw) if kw else None))
+    c.call(PutEnd(client_id, key))
     return r
+
+
+def _holders(c: MasterClient, key: str) -> list[str]:
+    return [r.segment_id for r in c.call(GetReplicaList(key)).replicas]
 
 
 def code_of(fn: Any, *a: Any, **kw: Any) -> int:
@@ -190,8 +208,8 @@ def code_of(fn: Any, *a: Any, **kw: Any) -> int:
 
 
 def test_silent_client_is_suspect_then_dropped_after_grace(tmp_path: Any) -> None:
-    with MasterProcess(client_ttl_s=1.0, extra_args=["--client-grace-s", "1.5"]) as m, \
-            m.client() as c:
+    with MasterProcess(client_ttl_s=1.0, metrics_port=find_free_port(),
+                       extra_args=["--client-grace-s", "1.5"]) as m, m.client() as c:
         for i in range(3):
             _mount(c, f"dead{i}", "dying")
         _mount(c, "live", "alive")
@@ -201,39 +219,44 @@ def test_silent_client_is_suspect_then_dropped_after_grace(tmp_path: Any) -> Non
         t0 = time.monotonic()
 
         def states() -> dict[str, str]:
-            return {s["segment_id"]: s["state"] for s in c.call(Op.LIST_SEGMENTS)["segments"]}
+            return {s.descriptor.segment_id: s.state for s in c.call(ListSegments()).segments}
 
         while states()["dead0"] != "suspect":
-            c.call(Op.PING, client_id="alive")
+            c.call(Ping("alive"))
             assert time.monotonic() - t0 < 5, states()
             time.sleep(0.1)
         # suspect: kept with every object, no new placements, read when nothing else is
-        st = c.call(Op.STATS)
-        assert st["segments"] == 4 and st["objects"] == 31 and st["suspect_segments"] == 3
+        st = c.call(Stats())
+        assert st.segments == 4 and st.objects == 31 and st.suspect_segments == 3
+        assert st.suspect_clients == 1 and st.suspected_clients == 1 and not st.extra
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics",
+                                         timeout=5).read().decode()
+        assert "kvpool_master_suspect_segments 3.0" in metrics
+        assert "kvpool_master_suspect_clients 1.0" in metrics
+        assert "kvpool_master_suspected_clients_total 1.0" in metrics
         assert states() == {"dead0": "suspect", "dead1": "suspect", "dead2": "suspect",
                             "live": "active"}
-        assert _put(c, "new", client_id="alive",
-                   preferred_segments=["dead1"])["replicas"][0][0] == "live"
-        assert [r[0] for r in c.call(Op.GET_REPLICA_LIST, key="both")["replicas"]] == ["live"]
-        assert [r[0] for r in c.call(Op.GET_REPLICA_LIST, key="d1")["replicas"]] == ["dead1"]
+        assert [r.segment_id for r in _put(c, "new", client_id="alive",
+                                           preferred_segments=["dead1"]).replicas] == ["live"]
+        assert _holders(c, "both") == ["live"]
+        assert _holders(c, "d1") == ["dead1"]
         # a guard heartbeat is not the client: it keeps the segments, suspect
-        assert c.call(Op.PING, client_id="dying", heartbeat=True) == {"known": True}
+        assert c.call(Ping("dying", heartbeat=True)) == PingReply(False, known=True)
         assert states()["dead0"] == "suspect"
         # silent (guard too) for ttl + grace: dropped with the objects only there
         deadline = time.monotonic() + 10
-        while c.call(Op.STATS)["segments"] != 1:
-            c.call(Op.PING, client_id="alive")
+        while c.call(Stats()).segments != 1:
+            c.call(Ping("alive"))
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        st = c.call(Op.STATS)
-        assert st["segments"] == 1 and st["expired_clients"] >= 1
-        assert st["objects"] == 2
-        g = c.call(Op.GET_REPLICA_LIST, key="both")
-        assert [r[0] for r in g["replicas"]] == ["live"]
-        assert code_of(c.call, Op.GET_REPLICA_LIST, key="d0") == ErrorCode.OBJECT_NOT_FOUND
+        st = c.call(Stats())
+        assert st.segments == 1 and st.expired_clients >= 1
+        assert st.objects == 2 and st.suspect_segments == 0 and st.suspect_clients == 0
+        assert _holders(c, "both") == ["live"]
+        assert code_of(c.call, GetReplicaList("d0")) == ErrorCode.OBJECT_NOT_FOUND
         # the dropped client comes back: it is told to remount; its guard is not known
-        assert c.call(Op.PING, client_id="dying", heartbeat=True) == {"known": False}
-        assert c.call(Op.PING, client_id="dying")["remount"] is True
+        assert c.call(Ping("dying", heartbeat=True)) == PingReply(False, known=False)
+        assert c.call(Ping("dying")).remount is True
 
 
 def test_suspect_client_is_revived_with_its_objects(tmp_path: Any) -> None:
@@ -241,20 +264,20 @@ def test_suspect_client_is_revived_with_its_objects(tmp_path: Any) -> None:
         _mount(c, "s", "busy")
         _put(c, "k", client_id="busy")
         deadline = time.monotonic() + 5
-        while c.call(Op.STATS)["suspect_segments"] != 1:
+        while c.call(Stats()).suspect_segments != 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert c.call(Op.PING, client_id="busy") == {"remount": False, "segment_ids": ["s"]}
-        st = c.call(Op.STATS)
-        assert st["suspect_segments"] == 0 and st["revived_clients"] == 1
-        assert c.call(Op.GET_REPLICA_LIST, key="k")["replicas"][0][0] == "s"
+        assert c.call(Ping("busy")) == PingReply(False, ["s"])
+        st = c.call(Stats())
+        assert st.suspect_segments == 0 and st.revived_clients == 1
+        assert _holders(c, "k") == ["s"]
 
 
 def test_status_cli_shows_suspect_segments() -> None:
     with MasterProcess(client_ttl_s=0.5) as m, m.client() as c:
         _mount(c, "quiet-seg", "quiet")
         deadline = time.monotonic() + 5
-        while c.call(Op.STATS)["suspect_segments"] != 1:
+        while c.call(Stats()).suspect_segments != 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         out = subprocess.run([sys.executable, "-m", "kvpool.cluster.cli", "status", "--master",

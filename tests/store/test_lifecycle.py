@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
-from kvpool.core.protocol import Op
+from kvpool.core.protocol import Exist, ListSegments, SegmentInfo
 from kvpool.store import Client, ClientConfig, ReplicateConfig
 from kvpool.transfer.segment import reap_orphaned_shm
 
@@ -95,9 +95,9 @@ def holders() -> Iterator[list[Holder]]:
         h.close()
 
 
-def _segments(master: MasterProcess) -> dict[str, dict[str, Any]]:
+def _segments(master: MasterProcess) -> dict[str, SegmentInfo]:
     with master.client() as mc:
-        return {s["segment_id"]: s for s in mc.call(Op.LIST_SEGMENTS)["segments"]}
+        return {s.descriptor.segment_id: s for s in mc.call(ListSegments()).segments}
 
 
 def _alive(pid: int) -> bool:
@@ -124,7 +124,7 @@ def assert_released(master: MasterProcess, h: Holder, status_cli: bool = False) 
             f"guard alive {guard_alive}")
         time.sleep(0.05)
     with master.client() as mc:
-        assert mc.call(Op.EXIST, key="k0")["exists"] is False
+        assert mc.call(Exist("k0")).exists is False
     if status_cli:
         out = subprocess.run([sys.executable, "-m", "kvpool.cluster.cli", "status", "--master",
                               master.address], capture_output=True, text=True, timeout=60)

@@ -26,7 +26,7 @@ import pytest
 
 from kvpool.cluster.processes import MasterProcess
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import Op
+from kvpool.core.protocol import ListSegments, Stats, StatsReply
 from kvpool.store import Client, ClientConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -100,9 +100,9 @@ class Holder:
 
 def _state(master: MasterProcess, seg: str) -> str | None:
     with master.client() as mc:
-        for s in mc.call(Op.LIST_SEGMENTS)["segments"]:
-            if s["segment_id"] == seg:
-                return str(s["state"])
+        for s in mc.call(ListSegments()).segments:
+            if s.descriptor.segment_id == seg:
+                return s.state
     return None
 
 
@@ -121,9 +121,9 @@ def _read_all(reader: Client) -> list[int]:
     return out
 
 
-def _stats(master: MasterProcess) -> dict[str, Any]:
+def _stats(master: MasterProcess) -> StatsReply:
     with master.client() as mc:
-        return mc.call(Op.STATS)
+        return mc.call(Stats())
 
 
 @pytest.fixture
@@ -155,8 +155,8 @@ def test_stalled_owner_keeps_its_segment_and_objects(master: MasterProcess, hog:
         assert _read_all(reader) == [1] * KEYS
         assert h.call("state") == {"remounts": 0}  # kept, not re-mounted empty
         after = _stats(master)
-        assert after["revived_clients"] > before["revived_clients"]
-        assert after["expired_clients"] == before["expired_clients"]
+        assert after.revived_clients > before.revived_clients
+        assert after.expired_clients == before.expired_clients
     finally:
         h.close()
 
