@@ -19,6 +19,7 @@ from kvpool.core.protocol import (
     BatchPutStart,
     MountSegment,
     Op,
+    Ping,
     PingReply,
     PutOptions,
     Request,
@@ -103,7 +104,12 @@ def test_handlers_serve_bytes_without_sockets() -> None:
     assert h.counters.key_ops["put_start"] == 3
     ping = decode_reply(h.handle_payload(encode_frame([int(Op.PING), 5, ["c1"]])))
     assert OPS[Op.PING].reply_decoder.decode(ping.result) == PingReply(False, ["s1"])
-    assert h.stats().objects == 2
+    # the guard's heartbeat: known or not, never tasks, never a remount
+    assert h.handle(Ping("c1", heartbeat=True)) == PingReply(False, known=True)
+    assert h.handle(Ping("nobody", heartbeat=True)) == PingReply(False, known=False)
+    st = h.stats()
+    assert st.objects == 2 and st.suspect_segments == 0
+    assert st.extra == {}  # every directory counter has its typed field
 
 
 def test_capabilities_off_grants_nothing() -> None:
