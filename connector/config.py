@@ -14,11 +14,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from typing import Any
 
 from kvpool.core.config import ConfigError
 
-__all__ = ["ConnectorConfig"]
+__all__ = ["ConnectorConfig", "LoadFailurePolicy"]
+
+
+class LoadFailurePolicy(StrEnum):
+    """What a failed or late load does to the request (``load_failure_policy``).
+
+    ``RECOMPUTE``: the connector sets vLLM's ``kv_load_failure_policy`` to
+    "recompute" (vLLM's default is "fail": a block reported as not loaded ends
+    the request with ``finish_reason=error``); kvpool is a cache, so a block it
+    could not deliver is computed instead. ``VLLM``: keep whatever
+    ``kv_load_failure_policy`` vLLM was given.
+    """
+
+    RECOMPUTE = "recompute"
+    VLLM = "vllm"
 
 
 @dataclass
@@ -43,6 +58,12 @@ class ConnectorConfig:
       whole chunks (one store batch per group).
     - ``lookup_all_layers``: accepted for compatibility, no effect (one object
       per chunk holds every layer).
+    - ``load_failure_policy``: "recompute" (default) makes vLLM recompute the
+      blocks of a failed or late load; "vllm" keeps vLLM's own
+      ``kv_load_failure_policy`` (see :class:`LoadFailurePolicy`).
+    - ``load_timeout_s``: a request's load that has not finished after this
+      long is abandoned; its missing blocks are recomputed. Kept below the
+      master's read lease (10 s by default) so no read outlives its lease.
     """
 
     master_address: str | None = None
@@ -57,6 +78,8 @@ class ConnectorConfig:
     replica_num: int = 1
     staging_mib: float = 512
     lookup_all_layers: bool = True
+    load_failure_policy: str = LoadFailurePolicy.RECOMPUTE.value
+    load_timeout_s: float = 2.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -89,6 +112,13 @@ class ConnectorConfig:
         if (not isinstance(self.staging_mib, int | float) or isinstance(self.staging_mib, bool)
                 or self.staging_mib <= 0):
             raise ConfigError(f"staging_mib must be a positive number, got {self.staging_mib!r}")
+        if self.load_failure_policy not in {p.value for p in LoadFailurePolicy}:
+            raise ConfigError(f"load_failure_policy must be one of "
+                              f"{[p.value for p in LoadFailurePolicy]}, "
+                              f"got {self.load_failure_policy!r}")
+        t = self.load_timeout_s
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t <= 60:
+            raise ConfigError(f"load_timeout_s must be in (0, 60], got {self.load_timeout_s!r}")
         if self.replica_num < 1:
             raise ConfigError("replica_num must be >= 1")
         if not isinstance(self.client_overrides, dict):

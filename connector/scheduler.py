@@ -128,6 +128,8 @@ class KVPoolScheduler:
         self._reqs: dict[str, _ReqState] = {}
         self._loads: list[LoadSpec] = []
         self._async_loading: set[str] = set()  # async loads not reported done yet
+        self._load_blocks: dict[str, set[int]] = {}  # blocks each planned load writes
+        self._no_load: set[str] = set()  # requests whose load failed: never offered again
         self._shards = [keys.for_shard(s) for s in range(keys.num_shards)]
 
     # ------------------------------------------------------------ lookup
@@ -139,6 +141,8 @@ class KVPoolScheduler:
         with one batched existence query), and whether they load asynchronously.
         A store that is down means 0 (the request computes normally)."""
         n = lookup_chunks(len(prompt_token_ids), self.keys.chunk_size) if self.load_enabled else 0
+        if req_id in self._no_load:
+            n = 0  # its load failed once: computing it must not wait on the store again
         limit = max_hit_tokens(len(prompt_token_ids), self.keys.block_size)
         hashes = self.keys.chunk_hashes(prompt_token_ids[: n * self.keys.chunk_size])
         hit = 0
@@ -194,8 +198,9 @@ class KVPoolScheduler:
                   for i in range(first, last + 1)]
         skip = (start - first * cs) // bs
         tail = (end - last * cs) // bs
-        self._loads.append(LoadSpec(req_id, chunks, skip, self.cfg.load_async,
-                                    0 if tail == bpc else tail))
+        spec = LoadSpec(req_id, chunks, skip, self.cfg.load_async, 0 if tail == bpc else tail)
+        self._loads.append(spec)
+        self._load_blocks[req_id] = {b for c in chunks for b in c.block_ids if b >= 0}
         if self.cfg.load_async:
             self._async_loading.add(req_id)
         self.stats.add(hit_tokens=end - start)
@@ -233,6 +238,8 @@ class KVPoolScheduler:
         for r in step.finished_req_ids:
             self._reqs.pop(r, None)
             self._lookups.pop(r, None)
+            self._load_blocks.pop(r, None)
+            self._no_load.discard(r)
         return meta
 
     def _plan_save(self, st: _ReqState, req_id: str, computed: int) -> SaveSpec | None:
@@ -259,6 +266,19 @@ class KVPoolScheduler:
         """``update_connector_output``: async loads the workers reported finished."""
         self._async_loading -= set(req_ids or ())
 
+    def loads_failed(self, block_ids: set[int] | None) -> set[str]:
+        """``update_connector_output``: blocks the workers could not load (vLLM
+        recomputes them). Their requests are never offered a load again (an
+        async load that failed would otherwise be looked up and tried again).
+        Returns those request ids."""
+        if not block_ids:
+            return set()
+        hit = {r for r, blocks in self._load_blocks.items() if blocks & block_ids}
+        for r in hit:
+            self._no_load.add(r)
+            del self._load_blocks[r]
+        return hit
+
     def finished(self, req_id: str) -> bool:
         """``request_finished``: True when vLLM must keep the request's blocks:
         saves were queued (freed when the worker reports them done), or an
@@ -266,4 +286,6 @@ class KVPoolScheduler:
         freed when the load is reported)."""
         st = self._reqs.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        self._load_blocks.pop(req_id, None)
+        self._no_load.discard(req_id)
         return bool(st and st.had_saves) or req_id in self._async_loading

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.config import ConnectorConfig, LoadFailurePolicy
 from kvpool.connector.keys import KeySpace, kv_shard
 from kvpool.connector.metadata import ConnectorMeta
 from kvpool.connector.scheduler import CachedReq, KVPoolScheduler, NewReq, StepInfo
@@ -183,6 +183,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.cfg = ConnectorConfig.from_extra_config(extra)
         block_size = int(vllm_config.cache_config.block_size)
         self.cfg.validate(block_size)
+        self._set_failure_policy(role)
         mc = vllm_config.model_config
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         num_kv_heads = int(mc.get_total_num_kv_heads())
@@ -213,6 +214,28 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._worker = KVPoolWorker(self.cfg, self.keys, self.store, self.stats)
         log.info("KVPoolConnector (%s): keys %s, %d layers, config %s",
                  role.name, self.keys.prefix, len(self.layer_names), self.cfg)
+
+    def _set_failure_policy(self, role: KVConnectorRole) -> None:
+        """Make vLLM recompute blocks whose load failed (see LoadFailurePolicy).
+
+        vLLM's scheduler reads ``kv_load_failure_policy`` right after creating
+        its connector (0.31 to 0.33), so setting it here takes effect. With
+        vLLM's default ("fail"), one failed or late load from a slow, dead or
+        evicted pool would end the request with ``finish_reason=error``."""
+        ktc = self._kv_transfer_config
+        if self.cfg.load_failure_policy != LoadFailurePolicy.RECOMPUTE.value:
+            if role == KVConnectorRole.SCHEDULER and getattr(
+                    ktc, "kv_load_failure_policy", "fail") != "recompute":
+                log.warning("kvpool: load_failure_policy=vllm and vLLM's kv_load_failure_policy "
+                            "is %r: a failed or late kvpool load fails its request",
+                            getattr(ktc, "kv_load_failure_policy", None))
+            return
+        if getattr(ktc, "kv_load_failure_policy", None) != "recompute":
+            ktc.kv_load_failure_policy = "recompute"
+            if role == KVConnectorRole.SCHEDULER:
+                log.info("kvpool: set vLLM's kv_load_failure_policy to 'recompute' (a kvpool "
+                         "block that cannot be loaded is computed; set the extra config "
+                         "load_failure_policy='vllm' to keep vLLM's setting)")
 
     # ------------------------------------------------------------ worker side
 
@@ -345,6 +368,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         """Track which async loads the workers finished."""
         if self._sched is not None:
             self._sched.loads_done(connector_output.finished_recving)
+            self._sched.loads_failed(getattr(connector_output, "invalid_block_ids", None))
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

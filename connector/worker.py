@@ -28,6 +28,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -44,6 +45,17 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 __all__ = ["KVPoolWorker", "LoadResult"]
 
 log = logging.getLogger("kvpool.connector")
+
+# Load staging buffers at most: one in use plus ones still held by transfers
+# abandoned at their deadline (a frozen peer holds one until the store's read
+# timeout, capped by the read lease).
+_MAX_LOAD_BUFFERS = 3
+
+
+def _release(token: Future[None] | None, _done: Any = None) -> None:
+    """Resolve a staging buffer's token (the buffer may be taken again)."""
+    if token is not None and not token.done():
+        token.set_result(None)
 
 
 def _batch_get_into(client: Any, keys: list[str], bufs: list[Any]) -> list[int]:
@@ -91,7 +103,11 @@ class KVPoolWorker:
         self._finished_waiting: set[str] = set()
         self._done_loads: set[str] = set()
         self._load_errors: set[int] = set()
-        self._load_lock = threading.Lock()  # the load staging buffer: one load at a time
+        # load staging tensors, each with the transfer (future) writing into it
+        self._load_bufs: list[tuple[Any, Future[Any] | None]] = []
+        self._fetcher = ThreadPoolExecutor(_MAX_LOAD_BUFFERS, thread_name_prefix="kvpool-fetch")
+        self._warn_next = 0.0
+        self._warn_suppressed = 0
         self._closed = False
         store.on_connect = self._register_buffers
 
@@ -151,6 +167,8 @@ class KVPoolWorker:
                 self._handles.append(client.register_buffer(buf))
             except KVPoolError as exc:  # registration is an optimisation only
                 log.warning("kvpool: could not register the staging buffer: %s", exc)
+        with self._lock:
+            self._load_bufs = [(self._staging["load"], None)]
         t0 = time.perf_counter()
         key = f"{self.keys.prefix}/warmup/{uuid.uuid4().hex}"
         try:
@@ -202,10 +220,52 @@ class KVPoolWorker:
 
     # ------------------------------------------------------------ loads
 
-    def load(self, spec: LoadSpec) -> LoadResult:
-        """Load one request's chunks now (blocking). Never raises for store
-        trouble: failed chunks come back as ``failed_block_ids``."""
+    def _load_buffer(self, nbytes: int) -> tuple[Any, Future[None]] | None:
+        """A load staging tensor of >= ``nbytes`` plus the token that keeps it
+        taken until resolved (``token.set_result(None)``), or None when all
+        ``_MAX_LOAD_BUFFERS`` are taken. A transfer abandoned at its deadline
+        keeps writing into its buffer until the store gives up on it, so its
+        token is resolved only when that transfer returns."""
+        import torch
+
+        token: Future[None] = Future()
+        with self._lock:
+            for i, (buf, held) in enumerate(self._load_bufs):
+                if held is None or held.done():
+                    if buf.numel() < nbytes:
+                        buf = torch.empty(nbytes, dtype=torch.uint8,
+                                          device=self.layers[0].device)
+                        if i == 0:
+                            self._staging["load"] = buf
+                    self._load_bufs[i] = (buf, token)
+                    return buf, token
+            if len(self._load_bufs) >= _MAX_LOAD_BUFFERS:
+                return None
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.layers[0].device)
+            self._load_bufs.append((buf, token))
+            return buf, token
+
+    def _warn_load(self, req_id: str, what: str) -> None:
+        """WARNING for a load that will be recomputed (at most one line per 10 s;
+        the others are counted into the next line)."""
+        now = time.monotonic()
+        with self._lock:
+            self._warn_suppressed += 1
+            if now < self._warn_next:
+                return
+            n, self._warn_suppressed = self._warn_suppressed, 0
+            self._warn_next = now + 10.0
+        log.warning("kvpool: load of %s %s; its blocks are recomputed (%d such load(s) "
+                    "since the last warning)", req_id, what, n)
+
+    def load(self, spec: LoadSpec, timeout_s: float | None = None) -> LoadResult:
+        """Load one request's chunks now (blocking, at most ``timeout_s``, default
+        ``load_timeout_s``). Never raises for store trouble: chunks that failed,
+        or were not read by the deadline, come back as ``failed_block_ids``
+        (vLLM recomputes them)."""
         t0 = time.perf_counter()
+        budget = timeout_s if timeout_s is not None else self.cfg.load_timeout_s
+        deadline = time.monotonic() + budget
         cl = self.chunk_layout
         if cl is None:
             raise ConfigError("register_kv_caches was not called")
@@ -222,40 +282,77 @@ class KVPoolWorker:
         ob = cl.object_bytes
         failed: set[int] = set()
         loaded = 0
+        problem = ""
         g = self._group_size()
-        with self._load_lock:
-            for s in range(0, n, g):
-                group = spec.chunks[s : s + g]
-                rng = ranges[s : s + g]
-                buf = self._staging_buf("load", len(group) * ob)
-                keys = [self.keys.chunk_key(c.hash) for c in group]
-                bufs = [buf[i * ob : (i + 1) * ob] for i in range(len(group))]
-                try:
-                    results = self.store.call(partial(_batch_get_into, keys=keys, bufs=bufs))
-                except Exception as exc:  # never fail the request: vLLM recomputes
-                    log.warning("kvpool: load of %s failed, recomputing: %r", spec.req_id, exc)
-                    results = [-int(ErrorCode.RPC_FAIL)] * len(group)
-                ok = [i for i, r in enumerate(results) if r == ob]
+        # Chunks after a failed one are not loaded: vLLM recomputes from the first
+        # failed block on anyway.
+        for s in range(0, n, g):
+            group = spec.chunks[s : s + g]
+            rng = ranges[s : s + g]
+            left = deadline - time.monotonic()
+            taken = self._load_buffer(len(group) * ob) if left > 0 and not problem else None
+            if taken is None:
+                problem = problem or ("ran past its deadline" if left <= 0
+                                      else "found every staging buffer still in use")
                 for i, c in enumerate(group):
-                    if results[i] != ob:
-                        failed.update(c.block_ids[rng[i][0] : rng[i][1]])
-                if not ok:
-                    continue
-                if len(ok) == len(group):
-                    cl.scatter([c.block_ids for c in group], buf, rng)
-                else:
-                    import torch
-
-                    sel = torch.tensor(ok, dtype=torch.long, device=buf.device)
-                    src = buf[: len(group) * ob].view(len(group), ob).index_select(0, sel)
-                    cl.scatter([group[i].block_ids for i in ok], src.view(-1),
-                               [rng[i] for i in ok])
-                self._sync()  # blocks written before the buffer is reused / reported
-                loaded += len(ok)
+                    failed.update(b for b in c.block_ids[rng[i][0] : rng[i][1]] if b >= 0)
+                continue
+            buf, token_or_none = taken
+            token: Future[None] | None = token_or_none
+            keys = [self.keys.chunk_key(c.hash) for c in group]
+            bufs = [buf[i * ob : (i + 1) * ob] for i in range(len(group))]
+            fut = self._fetcher.submit(self.store.call,
+                                       partial(_batch_get_into, keys=keys, bufs=bufs))
+            try:
+                results = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                problem = f"did not finish within {budget:.2f}s"
+                results = [-int(ErrorCode.TIMEOUT)] * len(group)
+                # the buffer stays taken until the abandoned transfer returns
+                fut.add_done_callback(partial(_release, token))
+                token = None
+            except Exception as exc:  # never fail the request: vLLM recomputes
+                problem = f"failed ({exc!r})"
+                results = [-int(ErrorCode.RPC_FAIL)] * len(group)
+            try:
+                loaded += self._scatter_loaded(group, rng, buf, results, failed)
+            finally:
+                if token is not None:
+                    token.set_result(None)
+            if not problem and len(results) and any(r != ob for r in results):
+                codes = sorted({int(r) for r in results if r != ob})
+                problem = f"missed {sum(r != ob for r in results)} of {len(group)} chunks " \
+                          f"(codes {codes})"
+        if problem:
+            self._warn_load(spec.req_id, problem)
         dt = time.perf_counter() - t0
         self.stats.add(load_requests=1, loaded_chunks=loaded, loaded_bytes=loaded * ob,
                        load_errors=n - loaded, load_time_s=dt, staged_objects=n)
         return LoadResult(spec.req_id, loaded, failed, loaded * ob)
+
+    def _scatter_loaded(self, group: list[ChunkRef], rng: list[tuple[int, int]], buf: Any,
+                        results: list[int], failed: set[int]) -> int:
+        """Write the chunks of ``group`` that arrived whole into their blocks; add
+        the others' blocks to ``failed``. Returns the chunks written."""
+        assert self.chunk_layout is not None
+        cl = self.chunk_layout
+        ob = cl.object_bytes
+        ok = [i for i, r in enumerate(results) if r == ob]
+        for i, c in enumerate(group):
+            if results[i] != ob:
+                failed.update(b for b in c.block_ids[rng[i][0] : rng[i][1]] if b >= 0)
+        if not ok:
+            return 0
+        if len(ok) == len(group):
+            cl.scatter([c.block_ids for c in group], buf, rng)
+        else:
+            import torch
+
+            sel = torch.tensor(ok, dtype=torch.long, device=buf.device)
+            src = buf[: len(group) * ob].view(len(group), ob).index_select(0, sel)
+            cl.scatter([group[i].block_ids for i in ok], src.view(-1), [rng[i] for i in ok])
+        self._sync()  # blocks written before the buffer is reused / reported
+        return len(ok)
 
     def start_load(self, meta: ConnectorMeta) -> None:
         """Run this step's sync loads now; start async ones in the background."""
@@ -419,6 +516,7 @@ class KVPoolWorker:
         self.wait_saves(timeout=30.0)
         self._saver.shutdown(wait=True)
         self._loader.shutdown(wait=True)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
         client = self.store._client
         for h in self._handles:
             try:

@@ -121,3 +121,32 @@ def test_async_load_and_decode_chunks(tiny_model: str, pool: tuple[Any, Any]) ->
     assert s2["hit_tokens"] == 4 * CHUNK, s2  # 3 prompt chunks + 1 decode chunk
     assert w2["loaded_chunks"] == 4 and w2["load_errors"] == 0, w2
     assert r2["results"][0]["token_ids"] == toks[80:88]
+
+
+def test_frozen_pool_recomputes_under_vllm_defaults(tiny_model: str) -> None:
+    """vLLM's own kv_load_failure_policy default ("fail") and a pool whose node
+    daemon (another host: reads go over TCP) freezes after storing: every
+    request completes with the tokens of a miss; no finish_reason=error."""
+    import os
+    import signal
+
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+
+    with MasterProcess() as m, NodeDaemonProcess(m.address, memory="64MiB",
+                                                 host_id="far-host") as d:
+        with _engine(tiny_model, m.address) as e1:
+            r1 = e1.generate([P1])
+        toks1 = r1["results"][0]["token_ids"]
+        assert r1["connector"]["worker"]["saved_chunks"] == 3
+        with _engine(tiny_model, m.address, prefix_caching=False, load_timeout_s=1.0) as e2:
+            assert e2.generate([P3])["results"][0]["finish_reason"] == "length"  # warm
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                r2 = e2.generate([P1, P1])
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+        assert r2["connector"]["kv_load_failure_policy"] == "recompute"
+        for res in r2["results"]:
+            assert res["finish_reason"] == "length" and res["token_ids"] == toks1, res
+        w2 = r2["connector"]["worker"]
+        assert w2["load_errors"] >= 3 and w2["loaded_chunks"] == 0, w2
