@@ -64,6 +64,13 @@ class ConnectorConfig:
     - ``load_timeout_s``: a request's load that has not finished after this
       long is abandoned; its missing blocks are recomputed. Kept below the
       master's read lease (10 s by default) so no read outlives its lease.
+    - ``load_or_recompute``: decide per request from measured speeds whether
+      loading a hit is faster than computing it (:mod:`kvpool.connector.estimate`);
+      false loads every hit (bounded by ``load_timeout_s``).
+    - ``probe_fraction``: a load from a peer not measured yet may take this
+      fraction of the request's recompute time before it is abandoned.
+    - ``reprobe_s``: how long a peer's measured speed (or its failure) stands
+      before a new probe.
     """
 
     master_address: str | None = None
@@ -80,6 +87,9 @@ class ConnectorConfig:
     lookup_all_layers: bool = True
     load_failure_policy: str = LoadFailurePolicy.RECOMPUTE.value
     load_timeout_s: float = 2.0
+    load_or_recompute: bool = True
+    probe_fraction: float = 0.25
+    reprobe_s: float = 30.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -104,7 +114,9 @@ class ConnectorConfig:
             raise ConfigError(
                 f"chunk_size {self.chunk_size} must be a multiple of the block size {block_size}"
             )
-        for name in ("save_decode", "load_async", "lookup_all_layers"):
+        if not 0 < self.probe_fraction <= 1 or self.reprobe_s <= 0:
+            raise ConfigError("probe_fraction must be in (0, 1] and reprobe_s > 0")
+        for name in ("save_decode", "load_async", "lookup_all_layers", "load_or_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool")
         if self.rpc_timeout_s <= 0 or self.retry_interval_s < 0:

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.estimate import ChunkCost, Decision, SpeedBook, decide, peer_key
 from kvpool.connector.keys import KeySpace
-from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec
+from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec, WorkerReport
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess, StoreUnavailable
 from kvpool.core.errors import KVPoolError
@@ -61,11 +62,14 @@ def leading_hits(exists: Sequence[bool], per_chunk: int) -> int:
 
 @dataclass
 class Lookup:
-    """Result of a prefix lookup: chunk hashes and how many lead chunks are stored."""
+    """Result of a prefix lookup: chunk hashes, how many lead chunks are stored,
+    and how many of them to load (the load-or-recompute decision)."""
 
     hashes: list[str]
     hit_chunks: int  # leading chunks stored
-    hit_tokens: int  # tokens a load may cover (see max_hit_tokens)
+    hit_tokens: int  # tokens a load covers (see max_hit_tokens), after the decision
+    decision: Decision | None = None
+    peers: list[str] = field(default_factory=list)  # per stored chunk
 
 
 @dataclass
@@ -131,6 +135,7 @@ class KVPoolScheduler:
         self._load_blocks: dict[str, set[int]] = {}  # blocks each planned load writes
         self._no_load: set[str] = set()  # requests whose load failed: never offered again
         self._shards = [keys.for_shard(s) for s in range(keys.num_shards)]
+        self.speeds = SpeedBook(reprobe_s=cfg.reprobe_s)
 
     # ------------------------------------------------------------ lookup
 
@@ -146,21 +151,62 @@ class KVPoolScheduler:
         limit = max_hit_tokens(len(prompt_token_ids), self.keys.block_size)
         hashes = self.keys.chunk_hashes(prompt_token_ids[: n * self.keys.chunk_size])
         hit = 0
+        peers: list[str] = []
+        sizes: list[int] = []
         if n and min(n * self.keys.chunk_size, limit) > num_computed_tokens:
             # one object per (chunk, shard) holds every layer
             keys = [ks.chunk_key(h) for h in hashes for ks in self._shards]
             try:
-                exists = self.store.batch_exists(keys)
-                hit = leading_hits(exists, len(self._shards))
+                if self.cfg.load_or_recompute:
+                    locs = self.store.batch_locations(keys)
+                    hit = leading_hits([loc is not None for loc in locs], len(self._shards))
+                    for i in range(hit):  # this worker's shard decides: shard 0's replica
+                        first = locs[i * len(self._shards)][0]
+                        peers.append(peer_key(first.kind, first.same_host, first.host_id))
+                        sizes.append(int(first.size))
+                else:
+                    hit = leading_hits(self.store.batch_exists(keys), len(self._shards))
             except Exception as exc:  # the store never fails a request: a miss
                 if not isinstance(exc, StoreUnavailable | KVPoolError):
                     log.warning("kvpool lookup failed (treated as a miss): %r", exc)
                 self.stats.add(lookup_errors=1)
+                hit = 0
+        decision = None
+        if hit and self.cfg.load_or_recompute:
+            decision = self._decide(hit, peers, sizes, limit, num_computed_tokens)
+            hit = decision.chunks
         hit_tokens = min(hit * self.keys.chunk_size, limit)
-        self._lookups[req_id] = Lookup(hashes, hit, hit_tokens)
+        self._lookups[req_id] = Lookup(hashes, hit, hit_tokens, decision, peers)
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, self.cfg.load_async
+
+    def _decide(self, hit: int, peers: list[str], sizes: list[int], limit: int,
+                computed: int) -> Decision:
+        """Load or recompute the ``hit`` stored leading chunks (estimate.decide);
+        chunks wholly inside the local prefix cache cost nothing either way."""
+        cs = self.keys.chunk_size
+        first = min(computed // cs, hit)
+        costs = []
+        for i in range(first, hit):
+            start, end = max(i * cs, computed), min((i + 1) * cs, limit)
+            if end <= start:
+                break
+            costs.append(ChunkCost(peers[i], sizes[i], end - start))
+        d = decide(self.speeds, costs, self.cfg.load_timeout_s, self.cfg.probe_fraction)
+        d.chunks += first
+        return d
+
+    def observe(self, report: WorkerReport | None) -> None:
+        """``update_connector_output``: the workers' measurements (SpeedBook)."""
+        if report is None:
+            return
+        for peer, nbytes, seconds in report.loads:
+            self.speeds.observe_load(peer, nbytes, seconds)
+        for peer in report.failed_peers:
+            self.speeds.observe_failure(peer)
+        for tokens, seconds in report.forwards:
+            self.speeds.observe_prefill(tokens, seconds)
 
     # ------------------------------------------------------------ allocation
 
@@ -177,6 +223,8 @@ class KVPoolScheduler:
             self._reqs[req_id] = st
             self.stats.add(lookups=1, lookup_tokens=len(prompt_token_ids))
         st.block_ids = list(block_ids)
+        if lk is not None and lk.decision is not None:
+            self.stats.add(**{f"decisions_{lk.decision.kind.value}": 1})
         if num_external_tokens <= 0 or lk is None:
             return
         cs, bs = self.keys.chunk_size, self.keys.block_size
@@ -194,11 +242,17 @@ class KVPoolScheduler:
         # The last chunk may be partly beyond the allocated blocks: pad its ids
         # with -1 (never written: last_blocks stops before them).
         ids = list(block_ids[: (last + 1) * bpc]) + [-1] * max(0, (last + 1) * bpc - need)
-        chunks = [ChunkRef(i, lk.hashes[i], ids[i * bpc : (i + 1) * bpc])
+        chunks = [ChunkRef(i, lk.hashes[i], ids[i * bpc : (i + 1) * bpc],
+                           lk.peers[i] if i < len(lk.peers) else "")
                   for i in range(first, last + 1)]
         skip = (start - first * cs) // bs
         tail = (end - last * cs) // bs
-        spec = LoadSpec(req_id, chunks, skip, self.cfg.load_async, 0 if tail == bpc else tail)
+        d = lk.decision
+        spec = LoadSpec(req_id, chunks, skip, self.cfg.load_async, 0 if tail == bpc else tail,
+                        deadline_s=d.deadline_s if d is not None else 0.0,
+                        predicted_s=d.predicted_load_s if d is not None else None)
+        if d is not None and d.predicted_load_s is not None:
+            self.stats.add(predicted_load_s=d.predicted_load_s)
         self._loads.append(spec)
         self._load_blocks[req_id] = {b for c in chunks for b in c.block_ids if b >= 0}
         if self.cfg.load_async:
@@ -210,7 +264,8 @@ class KVPoolScheduler:
     def build_meta(self, step: StepInfo) -> ConnectorMeta:
         """``build_connector_meta``: this step's loads (from :meth:`after_alloc`)
         and saves (chunks complete after this step, not stored yet)."""
-        meta = ConnectorMeta(loads=self._loads, preempted_req_ids=sorted(step.preempted_req_ids))
+        meta = ConnectorMeta(loads=self._loads, preempted_req_ids=sorted(step.preempted_req_ids),
+                             scheduled_tokens=sum(step.num_scheduled_tokens.values()))
         self._loads = []
         scheduled: list[tuple[_ReqState, str, int]] = []
         for nr in step.new:

@@ -122,6 +122,11 @@ class StoreAccess:
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return list(self.call(lambda c: c.batch_exists(list(keys))))
 
+    def batch_locations(self, keys: Sequence[str]) -> list[Any]:
+        """Per key its complete replicas, nearest first (``ReplicaLocation``), or
+        None when missing; one master RPC (see Client.batch_replica_locations)."""
+        return list(self.call(lambda c: c.batch_replica_locations(list(keys))))
+
     def close(self) -> None:
         """Close the client (idempotent)."""
         self._closed = True

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -34,7 +35,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connector.config import ConnectorConfig, LoadFailurePolicy
 from kvpool.connector.keys import KeySpace, kv_shard
-from kvpool.connector.metadata import ConnectorMeta
+from kvpool.connector.metadata import ConnectorMeta, WorkerReport
 from kvpool.connector.scheduler import CachedReq, KVPoolScheduler, NewReq, StepInfo
 from kvpool.connector.stats import ConnectorStats, merge_stats, reduce_stats
 from kvpool.connector.store_access import StoreAccess
@@ -55,6 +56,7 @@ __all__ = [
     "KVPoolConnectorMetadata",
     "KVPoolConnectorStats",
     "KVPoolPromMetrics",
+    "KVPoolWorkerMeta",
     "check_vllm_version",
 ]
 
@@ -83,6 +85,17 @@ check_vllm_version(getattr(vllm, "__version__", "unknown"))
 @dataclass
 class KVPoolConnectorMetadata(ConnectorMeta, KVConnectorMetadata):
     """One step's loads/saves, shipped to workers by vLLM."""
+
+
+@dataclass
+class KVPoolWorkerMeta(WorkerReport, KVConnectorWorkerMetadata):
+    """A worker's measurements (loads per peer, forwards), sent to the scheduler."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, WorkerReport):
+            m = self.merge(other)
+            return KVPoolWorkerMeta(m.loads, m.failed_peers, m.forwards)
+        return self
 
 
 @dataclass
@@ -253,6 +266,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         assert isinstance(meta, ConnectorMeta)
         return meta
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM binds each step's metadata just before the forward: start timing it."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, ConnectorMeta):
+            self._worker.forward_started(connector_metadata)
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Finish pending saves before preempted requests' blocks are reused."""
         if self._worker is not None and isinstance(kv_connector_metadata, ConnectorMeta):
@@ -278,6 +297,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         preemptions wait for pending saves (:meth:`handle_preemptions`)."""
         if self._worker is None:
             return
+        self._worker.forward_done()
         meta = self._meta()
         if not meta.saves:
             return
@@ -296,6 +316,13 @@ class KVPoolConnector(KVConnectorBase_V1):
             return None, None
         sending, recving = self._worker.get_finished(finished_req_ids)
         return sending or None, recving or None
+
+    def build_connector_worker_meta(self) -> KVPoolWorkerMeta | None:
+        """This worker's load and forward timings since the last step."""
+        if self._worker is None:
+            return None
+        r = self._worker.take_report()
+        return KVPoolWorkerMeta(r.loads, r.failed_peers, r.forwards) if r is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; vLLM recomputes them."""
@@ -362,13 +389,17 @@ class KVPoolConnector(KVConnectorBase_V1):
             ))
         meta = self._sched.build_meta(step)
         return KVPoolConnectorMetadata(loads=meta.loads, saves=meta.saves,
-                                       preempted_req_ids=meta.preempted_req_ids)
+                                       preempted_req_ids=meta.preempted_req_ids,
+                                       scheduled_tokens=meta.scheduled_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Track which async loads the workers finished."""
         if self._sched is not None:
             self._sched.loads_done(connector_output.finished_recving)
             self._sched.loads_failed(getattr(connector_output, "invalid_block_ids", None))
+            report = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(report, WorkerReport):
+                self._sched.observe(report)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -36,7 +36,7 @@ from typing import Any
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.keys import KeySpace
 from kvpool.connector.layout import ChunkLayout, LayerLayout
-from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec
+from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec, WorkerReport
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess, StoreUnavailable
 from kvpool.core.config import ConfigError
@@ -108,6 +108,8 @@ class KVPoolWorker:
         self._fetcher = ThreadPoolExecutor(_MAX_LOAD_BUFFERS, thread_name_prefix="kvpool-fetch")
         self._warn_next = 0.0
         self._warn_suppressed = 0
+        self._report = WorkerReport()  # measurements not yet sent to the scheduler
+        self._forward: tuple[int, Any, Any] | None = None  # (tokens, start, end) timing
         self._closed = False
         store.on_connect = self._register_buffers
 
@@ -264,7 +266,9 @@ class KVPoolWorker:
         or were not read by the deadline, come back as ``failed_block_ids``
         (vLLM recomputes them)."""
         t0 = time.perf_counter()
-        budget = timeout_s if timeout_s is not None else self.cfg.load_timeout_s
+        budget = timeout_s if timeout_s is not None else (
+            min(spec.deadline_s, self.cfg.load_timeout_s) if spec.deadline_s > 0
+            else self.cfg.load_timeout_s)
         deadline = time.monotonic() + budget
         cl = self.chunk_layout
         if cl is None:
@@ -303,11 +307,14 @@ class KVPoolWorker:
             bufs = [buf[i * ob : (i + 1) * ob] for i in range(len(group))]
             fut = self._fetcher.submit(self.store.call,
                                        partial(_batch_get_into, keys=keys, bufs=bufs))
+            tg = time.perf_counter()
             try:
                 results = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                self._measured(group, results, ob, time.perf_counter() - tg)
             except FutureTimeout:
                 problem = f"did not finish within {budget:.2f}s"
                 results = [-int(ErrorCode.TIMEOUT)] * len(group)
+                self.stats.add(load_timeouts=1)
                 # the buffer stays taken until the abandoned transfer returns
                 fut.add_done_callback(partial(_release, token))
                 token = None
@@ -325,10 +332,75 @@ class KVPoolWorker:
                           f"(codes {codes})"
         if problem:
             self._warn_load(spec.req_id, problem)
+            peers = {c.peer for c in spec.chunks if c.peer}
+            with self._lock:
+                self._report.failed_peers.extend(sorted(peers))
         dt = time.perf_counter() - t0
         self.stats.add(load_requests=1, loaded_chunks=loaded, loaded_bytes=loaded * ob,
                        load_errors=n - loaded, load_time_s=dt, staged_objects=n)
+        if spec.predicted_s is not None and not problem:
+            self.stats.add(predicted_loads=1, predicted_loads_s=spec.predicted_s,
+                           predicted_loads_actual_s=dt)
         return LoadResult(spec.req_id, loaded, failed, loaded * ob)
+
+    def _measured(self, group: list[ChunkRef], results: list[int], ob: int,
+                  seconds: float) -> None:
+        """Record the throughput of one store batch per peer (time split by bytes)."""
+        got: dict[str, int] = defaultdict(int)
+        for c, r in zip(group, results, strict=True):
+            if r == ob and c.peer:
+                got[c.peer] += ob
+        total = sum(got.values())
+        if not total:
+            return
+        with self._lock:
+            for peer, nbytes in got.items():
+                self._report.loads.append((peer, nbytes, seconds * nbytes / total))
+
+    def forward_started(self, meta: ConnectorMeta) -> None:
+        """Time this step's forward (it computes ``meta.scheduled_tokens``): CUDA
+        events on a GPU (read later, never synchronised here), else the clock."""
+        if not meta.scheduled_tokens or not self.layers:
+            self._forward = None
+            return
+        if self.layers[0].device.type == "cuda":
+            import torch
+
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._forward = (meta.scheduled_tokens, start, None)
+        else:
+            self._forward = (meta.scheduled_tokens, time.perf_counter(), None)
+
+    def forward_done(self) -> None:
+        """The forward's work is queued (GPU) or done (CPU): close its timing."""
+        fw = self._forward
+        if fw is None or fw[2] is not None:
+            return
+        tokens, start, _ = fw
+        if isinstance(start, float):
+            self._forward = None
+            with self._lock:
+                self._report.forwards.append((tokens, time.perf_counter() - start))
+            return
+        import torch
+
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._forward = (tokens, start, end)
+
+    def take_report(self) -> WorkerReport | None:
+        """Measurements since the last call (``build_connector_worker_meta``)."""
+        fw = self._forward
+        if fw is not None and fw[2] is not None and fw[2].query():
+            self._forward = None
+            with self._lock:
+                self._report.forwards.append((fw[0], fw[1].elapsed_time(fw[2]) / 1000.0))
+        with self._lock:
+            if self._report.is_empty():
+                return None
+            out, self._report = self._report, WorkerReport()
+        return out
 
     def _scatter_loaded(self, group: list[ChunkRef], rng: list[tuple[int, int]], buf: Any,
                         results: list[int], failed: set[int]) -> int:
@@ -355,7 +427,14 @@ class KVPoolWorker:
         return len(ok)
 
     def start_load(self, meta: ConnectorMeta) -> None:
-        """Run this step's sync loads now; start async ones in the background."""
+        """Run this step's sync loads now; start async ones in the background.
+        The forward's timing (started when vLLM bound the metadata) restarts
+        after sync loads, so it measures compute only."""
+        self._start_loads(meta)
+        if any(not s.is_async for s in meta.loads):
+            self.forward_started(meta)
+
+    def _start_loads(self, meta: ConnectorMeta) -> None:
         for spec in meta.loads:
             if spec.is_async:
                 self._loader.submit(self._load_async, spec)
