@@ -56,8 +56,8 @@ class ConnectorConfig:
       load) on the KV cache's device; a chunk's blocks are gathered there
       and moved as one object. Requests larger than it move in groups of
       whole chunks (one store batch per group).
-    - ``lookup_all_layers``: accepted for compatibility, no effect (one object
-      per chunk holds every layer).
+    - ``lookup_all_layers``: accepted for compatibility, no effect (a lookup
+      checks every object of a chunk).
     - ``load_failure_policy``: "recompute" (default) makes vLLM recompute the
       blocks of a failed or late load; "vllm" keeps vLLM's own
       ``kv_load_failure_policy`` (see :class:`LoadFailurePolicy`).
@@ -71,6 +71,13 @@ class ConnectorConfig:
       fraction of the request's recompute time before it is abandoned.
     - ``reprobe_s``: how long a peer's measured speed (or its failure) stands
       before a new probe.
+    - ``layer_groups``: stored objects per chunk along the layers (and loads
+      pipelined per group: group ``g + 1`` moves while group ``g`` computes).
+      Part of the keys: engines sharing chunks must use the same value.
+    - ``layerwise``: load layer group by layer group during the forward
+      (``wait_for_layer_load``) and save each group as its layers finish
+      (``save_kv_layer``); false loads whole requests before the forward and
+      saves after it.
     """
 
     master_address: str | None = None
@@ -90,6 +97,8 @@ class ConnectorConfig:
     load_or_recompute: bool = True
     probe_fraction: float = 0.25
     reprobe_s: float = 30.0
+    layer_groups: int = 8
+    layerwise: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -116,7 +125,10 @@ class ConnectorConfig:
             )
         if not 0 < self.probe_fraction <= 1 or self.reprobe_s <= 0:
             raise ConfigError("probe_fraction must be in (0, 1] and reprobe_s > 0")
-        for name in ("save_decode", "load_async", "lookup_all_layers", "load_or_recompute"):
+        if not isinstance(self.layer_groups, int) or not 1 <= self.layer_groups <= 1024:
+            raise ConfigError(f"layer_groups must be an int in 1..1024, got {self.layer_groups!r}")
+        for name in ("save_decode", "load_async", "lookup_all_layers", "load_or_recompute",
+                     "layerwise"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool")
         if self.rpc_timeout_s <= 0 or self.retry_interval_s < 0:

@@ -21,6 +21,7 @@ class ChunkRef:
     hash: str
     block_ids: list[int]
     peer: str = ""  # where its nearest replica is (estimate.peer_key); "" = unknown
+    head_objects: int = 0  # objects per layer group it is stored as (0 = the reader's split)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.estimate import ChunkCost, Decision, SpeedBook, decide, peer_key
-from kvpool.connector.keys import KeySpace
+from kvpool.connector.keys import KeySpace, head_granularities, layer_ranges
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec, WorkerReport
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess, StoreUnavailable
@@ -70,6 +70,7 @@ class Lookup:
     hit_tokens: int  # tokens a load covers (see max_hit_tokens), after the decision
     decision: Decision | None = None
     peers: list[str] = field(default_factory=list)  # per stored chunk
+    splits: list[int] = field(default_factory=list)  # per stored chunk: head objects
 
 
 @dataclass
@@ -118,9 +119,12 @@ class KVPoolScheduler:
 
     def __init__(self, cfg: ConnectorConfig, keys: KeySpace, num_layers: int,
                  store: StoreAccess, stats: ConnectorStats | None = None,
-                 load: bool = True, save: bool = True) -> None:
+                 load: bool = True, save: bool = True, num_heads: int = 1,
+                 head_objects: int = 1) -> None:
         """``load``/``save``: vLLM's kv_role (kv_consumer only loads, kv_producer
-        only saves, kv_both does both)."""
+        only saves, kv_both does both). ``num_heads``: the model's KV heads (1
+        for MLA); ``head_objects``: the objects this engine's ranks store per
+        chunk and layer group (its distinct KV shards)."""
         self.cfg = cfg
         self.load_enabled = load
         self.save_enabled = save
@@ -134,7 +138,10 @@ class KVPoolScheduler:
         self._async_loading: set[str] = set()  # async loads not reported done yet
         self._load_blocks: dict[str, set[int]] = {}  # blocks each planned load writes
         self._no_load: set[str] = set()  # requests whose load failed: never offered again
-        self._shards = [keys.for_shard(s) for s in range(keys.num_shards)]
+        self.num_heads = num_heads
+        self.head_objects = head_objects
+        self.layer_ranges = layer_ranges(num_layers, cfg.layer_groups)
+        self.splits = head_granularities(num_heads, head_objects)
         self.speeds = SpeedBook(reprobe_s=cfg.reprobe_s)
 
     # ------------------------------------------------------------ lookup
@@ -153,19 +160,10 @@ class KVPoolScheduler:
         hit = 0
         peers: list[str] = []
         sizes: list[int] = []
+        splits: list[int] = []
         if n and min(n * self.keys.chunk_size, limit) > num_computed_tokens:
-            # one object per (chunk, shard) holds every layer
-            keys = [ks.chunk_key(h) for h in hashes for ks in self._shards]
             try:
-                if self.cfg.load_or_recompute:
-                    locs = self.store.batch_locations(keys)
-                    hit = leading_hits([loc is not None for loc in locs], len(self._shards))
-                    for i in range(hit):  # this worker's shard decides: shard 0's replica
-                        first = locs[i * len(self._shards)][0]
-                        peers.append(peer_key(first.kind, first.same_host, first.host_id))
-                        sizes.append(int(first.size))
-                else:
-                    hit = leading_hits(self.store.batch_exists(keys), len(self._shards))
+                hit, peers, sizes, splits = self._find(hashes)
             except Exception as exc:  # the store never fails a request: a miss
                 if not isinstance(exc, StoreUnavailable | KVPoolError):
                     log.warning("kvpool lookup failed (treated as a miss): %r", exc)
@@ -176,10 +174,56 @@ class KVPoolScheduler:
             decision = self._decide(hit, peers, sizes, limit, num_computed_tokens)
             hit = decision.chunks
         hit_tokens = min(hit * self.keys.chunk_size, limit)
-        self._lookups[req_id] = Lookup(hashes, hit, hit_tokens, decision, peers)
+        self._lookups[req_id] = Lookup(hashes, hit, hit_tokens, decision, peers, splits)
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, self.cfg.load_async
+
+    def _keys(self, h: str, split: int) -> list[str]:
+        """Every object key of chunk ``h`` stored as ``split`` head objects."""
+        return self.keys.chunk_keys(h, self.num_layers, self.cfg.layer_groups, self.num_heads,
+                                    split)
+
+    def _find(self, hashes: list[str]) -> tuple[int, list[str], list[int], list[int]]:
+        """The leading chunks of ``hashes`` whose every object is stored: one RPC
+        for this engine's head split; when that run stops early, one more for
+        every other TP size's split of the remaining chunks. Returns (chunks,
+        peer per chunk, bytes one rank reads per chunk, head split per chunk)."""
+        peers: list[str] = []
+        sizes: list[int] = []
+        splits: list[int] = []
+        n = len(hashes)
+        per_split = {s: len(self.layer_ranges) * s for s in self.splits}
+        rounds = [self.splits[:1], self.splits[1:]]
+        for round_splits in rounds:
+            start = len(splits)
+            if start >= n or not round_splits:
+                break
+            keys: list[str] = []
+            where: dict[tuple[int, int], int] = {}  # (chunk, split) -> first key index
+            for i in range(start, n):
+                for sp in round_splits:
+                    where[(i, sp)] = len(keys)
+                    keys.extend(self._keys(hashes[i], sp))
+            if self.cfg.load_or_recompute:
+                locs = self.store.batch_locations(keys)
+                found = [loc is not None for loc in locs]
+            else:
+                locs, found = [], self.store.batch_exists(keys)
+            for i in range(start, n):
+                for sp in round_splits:
+                    k0 = where[(i, sp)]
+                    if all(found[k0 : k0 + per_split[sp]]):
+                        splits.append(sp)
+                        if locs:
+                            near = locs[k0][0]
+                            peers.append(peer_key(near.kind, near.same_host, near.host_id))
+                            total = sum(locs[k0 + x][0].size for x in range(per_split[sp]))
+                            sizes.append(total // min(sp, self.head_objects))
+                        break
+                else:
+                    break
+        return len(splits), peers, sizes, splits
 
     def _decide(self, hit: int, peers: list[str], sizes: list[int], limit: int,
                 computed: int) -> Decision:
@@ -243,7 +287,8 @@ class KVPoolScheduler:
         # with -1 (never written: last_blocks stops before them).
         ids = list(block_ids[: (last + 1) * bpc]) + [-1] * max(0, (last + 1) * bpc - need)
         chunks = [ChunkRef(i, lk.hashes[i], ids[i * bpc : (i + 1) * bpc],
-                           lk.peers[i] if i < len(lk.peers) else "")
+                           lk.peers[i] if i < len(lk.peers) else "",
+                           lk.splits[i] if i < len(lk.splits) else 0)
                   for i in range(first, last + 1)]
         skip = (start - first * cs) // bs
         tail = (end - last * cs) // bs

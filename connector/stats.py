@@ -44,6 +44,7 @@ FIELDS = (
     "predicted_loads_s",    # ... their predicted time ...
     "predicted_loads_actual_s",  # ... and their actual time
     "load_timeouts",        # worker: loads abandoned at their deadline
+    "layerwise_loads",      # worker: loads finished layer group by layer group in the forward
 )
 
 

@@ -34,12 +34,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.connector.config import ConnectorConfig, LoadFailurePolicy
-from kvpool.connector.keys import KeySpace, kv_shard
+from kvpool.connector.keys import KeySpace, kv_shard, rank_heads
 from kvpool.connector.metadata import ConnectorMeta, WorkerReport
 from kvpool.connector.scheduler import CachedReq, KVPoolScheduler, NewReq, StepInfo
 from kvpool.connector.stats import ConnectorStats, merge_stats, reduce_stats
 from kvpool.connector.store_access import StoreAccess
-from kvpool.connector.worker import KVPoolWorker
+from kvpool.connector.worker import HeadSpec, KVPoolWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -199,19 +199,21 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._set_failure_policy(role)
         mc = vllm_config.model_config
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        num_kv_heads = int(mc.get_total_num_kv_heads())
+        # MLA: one latent per token, the same on every rank: one "head"
+        num_kv_heads = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             tp_rank = int(get_tensor_model_parallel_rank())
         else:
             tp_rank = 0
-        shard, num_shards = kv_shard(tp_rank, tp_size, num_kv_heads)
+        first, end, writes = rank_heads(tp_rank, tp_size, num_kv_heads)
+        self.heads = HeadSpec(first, end, num_kv_heads, writes)
+        self.head_objects = kv_shard(0, tp_size, num_kv_heads)[1]
         self.keys = KeySpace(
             model=self.cfg.model_id or str(mc.model),
             kv_dtype=_kv_format(vllm_config, kv_cache_config),
             block_size=block_size, chunk_size=self.cfg.chunk_size,
-            shard=shard, num_shards=num_shards,
         )
         self.layer_names = _layer_names(kv_cache_config)
         self.stats = ConnectorStats()
@@ -222,9 +224,10 @@ class KVPoolConnector(KVConnectorBase_V1):
             ktc = self._kv_transfer_config
             self._sched = KVPoolScheduler(self.cfg, self.keys, len(self.layer_names),
                                           self.store, self.stats, load=bool(ktc.is_kv_consumer),
-                                          save=bool(ktc.is_kv_producer))
+                                          save=bool(ktc.is_kv_producer),
+                                          num_heads=num_kv_heads, head_objects=self.head_objects)
         else:
-            self._worker = KVPoolWorker(self.cfg, self.keys, self.store, self.stats)
+            self._worker = KVPoolWorker(self.cfg, self.keys, self.store, self.stats, self.heads)
         log.info("KVPoolConnector (%s): keys %s, %d layers, config %s",
                  role.name, self.keys.prefix, len(self.layer_names), self.cfg)
 
@@ -278,37 +281,34 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Sync loads complete here (before the forward); async loads start here."""
+        """Start every layer group's load (sync loads; async ones in the background)."""
         if self._worker is not None:
             self._worker.start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """No-op: loads are whole-request, completed in :meth:`start_load_kv`."""
-        return
+        """Wait for the load of this layer's group only, and write it into the blocks."""
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        """No-op: chunks are saved for all layers at once in :meth:`wait_for_save`."""
-        return
+        """Ship a layer group's chunks to kvpool once its last layer has run."""
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.layer_saved(layer_name, self._meta())
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads and saves run Python between layers: no full CUDA graphs."""
+        return bool((extra_config or {}).get("layerwise", True))
 
     def wait_for_save(self) -> None:
-        """Queue this step's saves (async). Source blocks stay valid: vLLM keeps a
-        finished request's blocks until :meth:`get_finished` reports it, and
-        preemptions wait for pending saves (:meth:`handle_preemptions`)."""
-        if self._worker is None:
-            return
-        self._worker.forward_done()
-        meta = self._meta()
-        if not meta.saves:
-            return
-        ready = None
-        layers = self._worker.layers
-        if layers and layers[0].device.type == "cuda":
-            import torch
-
-            ready = torch.cuda.Event()
-            ready.record()
-        self._worker.submit_saves(meta, ready)
+        """End of the forward: close the step's layer-wise load (report what did
+        not arrive in time) and let the step's saves finish in the background.
+        Source blocks stay valid: vLLM keeps a finished request's blocks until
+        :meth:`get_finished` reports it, and preemptions wait for pending saves
+        (:meth:`handle_preemptions`)."""
+        if self._worker is not None:
+            self._worker.end_step(self._meta() if self.has_connector_metadata() else None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose saves completed, requests whose async load completed)."""

@@ -88,7 +88,8 @@ def _sched_with_chunks(address: str, toks: list[int]) -> tuple[KVPoolScheduler, 
     ks = KeySpace("est", "bf16", 16, 32)
     with Client(ClientConfig(master_address=address)) as c:
         for h in ks.chunk_hashes(toks):
-            c.put(ks.chunk_key(h), b"k" * (64 << 10))
+            for k in ks.chunk_keys(h, 2, 4):
+                c.put(k, b"k" * (64 << 10))
     cfg = ConnectorConfig(master_address=address, chunk_size=32)
     return KVPoolScheduler(cfg, ks, 2, StoreAccess(cfg)), ks
 

@@ -23,6 +23,7 @@ from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpe
 from kvpool.connector.scheduler import KVPoolScheduler, NewReq, StepInfo
 from kvpool.connector.store_access import StoreAccess
 from kvpool.connector.worker import KVPoolWorker
+from support.vllm_engine import drive_step
 
 pytestmark = [
     pytest.mark.vllm,
@@ -88,10 +89,10 @@ def test_frozen_peer_load_ends_at_its_deadline(far_pool: tuple[str, Any],
         with caplog.at_level(logging.WARNING, logger="kvpool.connector"):
             for req in ("a", "b"):  # the second finds the first's buffer still taken
                 t0 = time.monotonic()
-                w.start_load(ConnectorMeta(loads=[LoadSpec(req, _into(chunks, 4))]))
+                failed = drive_step(w, ConnectorMeta(loads=[LoadSpec(req, _into(chunks, 4))]))
                 took = time.monotonic() - t0
                 assert took < 0.5 + 1.0, took  # the deadline, not the store's 30 s timeout
-                assert w.take_load_errors() == {4, 5, 6, 7}
+                assert failed == {4, 5, 6, 7}
         assert any("recomputed" in r.getMessage() and r.levelno == logging.WARNING
                    for r in caplog.records)
     finally:
@@ -120,11 +121,10 @@ def test_evicted_between_lookup_and_load_is_recomputed_once(far_pool: tuple[str,
     sched.after_alloc("r", None, toks, blocks, 128)
     meta = sched.build_meta(StepInfo(new=[NewReq("r", blocks, 128)],
                                      num_scheduled_tokens={"r": 1}))
-    store.call(lambda c: c.remove(KS.chunk_key(chunks[1].hash), force=True))
+    store.call(lambda c: c.remove(KS.chunk_keys(chunks[1].hash, LAYERS, 4)[-1], force=True))
     dst = _caches(22)
     w = _worker(address, dst)
-    w.start_load(meta)
-    failed = w.take_load_errors()
+    failed = drive_step(w, meta)
     assert failed == {10, 11}
     for name in src:
         assert dst[name][8:10].equal(src[name][0:2])

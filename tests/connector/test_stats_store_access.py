@@ -49,7 +49,8 @@ def test_lookups_recover_when_the_master_comes_back() -> None:
     with MasterProcess(port=port) as m, NodeDaemonProcess(m.address, memory="8MiB"):
         with Client(ClientConfig(master_address=m.address)) as c:
             for h in ks.chunk_hashes(toks):
-                c.put(ks.chunk_key(h), b"kv")
+                for k in ks.chunk_keys(h, 1, 4):
+                    c.put(k, b"kv")
         time.sleep(0.6)  # retry interval over: the next lookup reconnects
         assert sched.lookup("b", toks, 0) == (64, False)
     store.close()

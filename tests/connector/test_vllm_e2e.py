@@ -42,9 +42,10 @@ def _engine(model: str, master: str, prefix_caching: bool = True, **extra: Any) 
 
 
 def _keys(model: str, prompt_ids: list[int], n_chunks: int) -> list[str]:
+    """Every object of the first chunks: 2 layers (2 layer groups) x 1 head range."""
     ks = KeySpace(model=model, kv_dtype="bfloat16-HNC", block_size=BLOCK, chunk_size=CHUNK)
     hashes = ks.chunk_hashes(prompt_ids)[:n_chunks]
-    return [ks.chunk_key(h) for h in hashes]
+    return [k for h in hashes for k in ks.chunk_keys(h, 2, 4, 4, 1)]
 
 
 def test_store_hit_prefix_noise_and_master_down(tiny_model: str, pool: tuple[Any, Any]) -> None:
@@ -64,8 +65,8 @@ def test_store_hit_prefix_noise_and_master_down(tiny_model: str, pool: tuple[Any
         # Keys recomputed in this process match the engine's (deterministic hashing).
         assert c.batch_exists(keys) == [True] * len(keys)
         sizes = [c.get_size(k) for k in keys]
-    # One object per chunk: 2 layers x 2 blocks x 4 heads x 32 tokens x (2*32) x bf16.
-    assert sizes == [2 * 2 * 4 * 32 * 64 * 2] * len(keys)
+    # One object per chunk and layer: 2 blocks x 4 heads x 32 tokens x (2*32) x bf16.
+    assert sizes == [2 * 4 * 32 * 64 * 2] * 6
 
     # 2. A fresh engine (own prefix cache off, so every hit is kvpool's).
     with _engine(tiny_model, master.address, prefix_caching=False) as e2:
@@ -73,6 +74,7 @@ def test_store_hit_prefix_noise_and_master_down(tiny_model: str, pool: tuple[Any
         s2, w2 = r2["connector"]["scheduler"], r2["connector"]["worker"]
         assert s2["hit_tokens"] == 192, s2  # all 3 full chunks; token 193..200 computed
         assert w2["loaded_chunks"] == 3 and w2["load_errors"] == 0, w2
+        assert w2["layerwise_loads"] == 1, w2  # loaded layer group by layer group
         assert w2["loaded_bytes"] == sum(sizes)
         assert r2["results"][0]["token_ids"] == toks1
 

@@ -20,7 +20,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineProc", "build_tiny_llama", "kv_transfer_config", "make_prompt"]
+__all__ = ["EngineProc", "build_tiny_llama", "drive_step", "kv_transfer_config", "make_prompt"]
 
 MARK = "@@KVPOOL@@ "
 
@@ -186,3 +186,15 @@ class EngineProc:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def drive_step(worker: Any, meta: Any) -> set[int]:
+    """One forward of a ``KVPoolWorker`` as vLLM drives the connector:
+    start_load_kv, then per layer wait_for_layer_load and save_kv_layer, then
+    wait_for_save; returns the blocks reported as not loaded."""
+    worker.start_load(meta)
+    for lay in worker.layers:
+        worker.wait_for_layer(lay.name)
+        worker.layer_saved(lay.name, meta)
+    worker.end_step(meta)
+    return set(worker.take_load_errors())
