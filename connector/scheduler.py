@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.estimate import ChunkCost, Decision, SpeedBook, decide, peer_key
+from kvpool.connector.events import Medium, PoolEvents
 from kvpool.connector.keys import KeySpace, head_granularities, layer_ranges
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec, WorkerReport
 from kvpool.connector.stats import ConnectorStats
@@ -143,11 +144,12 @@ class KVPoolScheduler:
         self.layer_ranges = layer_ranges(num_layers, cfg.layer_groups)
         self.splits = head_granularities(num_heads, head_objects)
         self.speeds = SpeedBook(reprobe_s=cfg.reprobe_s)
+        self.events = PoolEvents()
 
     # ------------------------------------------------------------ lookup
 
     def lookup(self, req_id: str, prompt_token_ids: Sequence[int],
-               num_computed_tokens: int) -> tuple[int, bool]:
+               num_computed_tokens: int, block_hashes: Sequence[Any] = ()) -> tuple[int, bool]:
         """``get_num_new_matched_tokens``: tokens beyond ``num_computed_tokens``
         that kvpool holds (a run of whole chunks from the prompt start, found
         with one batched existence query), and whether they load asynchronously.
@@ -164,6 +166,8 @@ class KVPoolScheduler:
         if n and min(n * self.keys.chunk_size, limit) > num_computed_tokens:
             try:
                 hit, peers, sizes, splits = self._find(hashes)
+                if block_hashes:
+                    self._announce(hashes, hit, peers, prompt_token_ids, block_hashes)
             except Exception as exc:  # the store never fails a request: a miss
                 if not isinstance(exc, StoreUnavailable | KVPoolError):
                     log.warning("kvpool lookup failed (treated as a miss): %r", exc)
@@ -178,6 +182,27 @@ class KVPoolScheduler:
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, self.cfg.load_async
+
+    def _announce(self, hashes: list[str], hit: int, peers: list[str],
+                  tokens: Sequence[int], block_hashes: Sequence[Any]) -> None:
+        """KV events from a lookup: chunks found are in the pool (for this engine
+        too), announced chunks not found are gone."""
+        for i in range(hit):
+            medium = Medium.DISK if i < len(peers) and peers[i].startswith("disk") \
+                else Medium.DRAM
+            self._event_stored(hashes[i], i, tokens, block_hashes, medium)
+        if hit < len(hashes) and self.events.known(hashes[hit]):
+            for h in hashes[hit:]:
+                self.events.missing(h)
+
+    def _event_stored(self, chunk_hash: str, i: int, tokens: Sequence[int],
+                      block_hashes: Sequence[Any], medium: Medium) -> None:
+        bpc, cs = self.keys.blocks_per_chunk, self.keys.chunk_size
+        if len(block_hashes) < (i + 1) * bpc:
+            return
+        self.events.stored(chunk_hash, block_hashes[i * bpc : (i + 1) * bpc],
+                           block_hashes[i * bpc - 1] if i else None,
+                           tokens[i * cs : (i + 1) * cs], medium)
 
     def _keys(self, h: str, split: int) -> list[str]:
         """Every object key of chunk ``h`` stored as ``split`` head objects."""
@@ -358,6 +383,10 @@ class KVPoolScheduler:
         bpc = self.keys.blocks_per_chunk
         chunks = [ChunkRef(i, st.hashes[i], st.block_ids[i * bpc : (i + 1) * bpc])
                   for i in range(st.stored_chunks, n)]
+        block_hashes = getattr(st.request, "block_hashes", None) if st.request else None
+        if block_hashes:
+            for c in chunks:
+                self._event_stored(c.hash, c.index, tokens, block_hashes, Medium.DRAM)
         st.stored_chunks = n
         st.had_saves = True
         return SaveSpec(req_id, chunks)

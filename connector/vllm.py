@@ -8,8 +8,8 @@ Load it with::
 
 The class is a thin adapter: :class:`~kvpool.connector.scheduler.KVPoolScheduler`
 (role SCHEDULER) and :class:`~kvpool.connector.worker.KVPoolWorker` (role
-WORKER) hold the logic; see ``docs/vllm.md``. Supported vLLM: 0.32.x (checked
-at import; set ``KVPOOL_SKIP_VLLM_VERSION_CHECK=1`` to try another).
+WORKER) hold the logic; see ``docs/vllm.md``. Supported vLLM: 0.31.x to 0.33.x
+(checked at import; set ``KVPOOL_SKIP_VLLM_VERSION_CHECK=1`` to try another).
 """
 
 from __future__ import annotations
@@ -31,9 +31,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+try:  # vLLM >= 0.32: hit sources in the prefix-cache metrics
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # vLLM 0.31
+    CacheHitSource = None  # type: ignore[assignment,misc]
 
 from kvpool.connector.config import ConnectorConfig, LoadFailurePolicy
+from kvpool.connector.events import PoolEvent
 from kvpool.connector.keys import KeySpace, kv_shard, rank_heads
 from kvpool.connector.metadata import ConnectorMeta, WorkerReport
 from kvpool.connector.scheduler import CachedReq, KVPoolScheduler, NewReq, StepInfo
@@ -58,11 +63,12 @@ __all__ = [
     "KVPoolPromMetrics",
     "KVPoolWorkerMeta",
     "check_vllm_version",
+    "to_vllm_event",
 ]
 
 log = logging.getLogger("kvpool.connector")
 
-SUPPORTED_VLLM = ("0.32",)
+SUPPORTED_VLLM = ("0.31", "0.32", "0.33")
 
 
 def check_vllm_version(version: str) -> None:
@@ -150,6 +156,22 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
                 c.inc(value)
 
 
+def to_vllm_event(e: PoolEvent) -> Any:
+    """A :class:`PoolEvent` as vLLM's BlockStored / BlockRemoved (block hashes as
+    vLLM publishes them: bytes, or ints with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    hashes = [maybe_convert_block_hash(h) for h in e.block_hashes]
+    if not e.stored:
+        return BlockRemoved(block_hashes=hashes, medium=e.medium.value)
+    parent = None if e.parent_block_hash is None else maybe_convert_block_hash(
+        e.parent_block_hash)
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                       token_ids=list(e.token_ids), block_size=len(e.token_ids) // len(hashes),
+                       lora_id=None, medium=e.medium.value, lora_name=None)
+
+
 def _layer_names(kv_cache_config: Any) -> list[str]:
     names: list[str] = []
     for group in getattr(kv_cache_config, "kv_cache_groups", []) or []:
@@ -182,7 +204,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     """
 
     # Stored KV lives in (remote) host memory.
-    _cache_hit_source = CacheHitSource.HOST
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.HOST
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -358,7 +381,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         prompt start, >= 1 prompt token left to compute) and whether the load is async."""
         assert self._sched is not None
         return self._sched.lookup(request.request_id, request.prompt_token_ids or [],
-                                  num_computed_tokens)
+                                  num_computed_tokens, getattr(request, "block_hashes", ()))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -391,6 +414,13 @@ class KVPoolConnector(KVConnectorBase_V1):
         return KVPoolConnectorMetadata(loads=meta.loads, saves=meta.saves,
                                        preempted_req_ids=meta.preempted_req_ids,
                                        scheduled_tokens=meta.scheduled_tokens)
+
+    def take_events(self) -> list[Any]:
+        """kvpool's blocks for vLLM's KV event stream (see kvpool.connector.events):
+        BlockStored / BlockRemoved with medium KVPOOL_DRAM or KVPOOL_DISK."""
+        if self._sched is None:
+            return []
+        return [to_vllm_event(e) for e in self._sched.events.take()]
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Track which async loads the workers finished."""
