@@ -41,6 +41,9 @@ class ConnectorConfig:
     """Connector settings. Unknown keys raise :class:`ConfigError`.
 
     - ``master_address``: kvpool master ``HOST:PORT``; overrides the YAML's.
+    - ``local_address``: this host's address for the connector's transfer
+      server (bind and advertise; the node's IP in a multi-host pool).
+    - ``host_id``: this host's id (processes with one id share memory by shm).
     - ``client_config``: path of a kvpool client YAML (``configs/client.yaml`` keys).
     - ``client_overrides``: extra ClientConfig keys (e.g. ``{"memory_size": "1GiB"}``).
     - ``chunk_size``: tokens per stored chunk; a multiple of vLLM's block size.
@@ -81,6 +84,8 @@ class ConnectorConfig:
     """
 
     master_address: str | None = None
+    local_address: str | None = None
+    host_id: str | None = None
     client_config: str | None = None
     client_overrides: dict[str, Any] = field(default_factory=dict)
     chunk_size: int = 256

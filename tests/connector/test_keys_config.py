@@ -110,3 +110,22 @@ def test_config_from_extra_config() -> None:
     with pytest.raises(ConfigError):
         ConnectorConfig.from_extra_config({"save_decode": "yes"})
     assert ConnectorConfig.from_extra_config(None).chunk_size == 256
+
+
+def test_store_client_config_for_a_multi_host_pool(tmp_path: object) -> None:
+    """The connector's store ClientConfig: YAML, then overrides, then the explicit keys."""
+    from pathlib import Path
+
+    from kvpool.connector.store_access import client_config
+
+    yaml = Path(str(tmp_path)) / "client.yaml"
+    yaml.write_text("master_address: 10.0.0.1:50051\nrpc_timeout_s: 9\nbind_host: 127.0.0.1\n")
+    cfg = ConnectorConfig.from_extra_config({
+        "client_config": str(yaml), "master_address": "10.0.0.2:50051",
+        "local_address": "10.0.0.7", "host_id": "gpu-node-7",
+        "client_overrides": {"curve": {"enabled": False}, "transfer_timeout_s": 12}})
+    cc = client_config(cfg)
+    assert (cc.master_address, cc.bind_host, cc.host_id) == ("10.0.0.2:50051", "10.0.0.7",
+                                                             "gpu-node-7")
+    assert cc.curve.enabled is False and cc.transfer_timeout_s == 12
+    assert cc.rpc_timeout_s == 2.0  # the connector's rpc_timeout_s beats the YAML

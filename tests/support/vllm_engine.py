@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,14 +114,15 @@ class EngineProc:
     """
 
     def __init__(self, config: dict[str, Any], python: str | None = None,
-                 start_timeout_s: float = 120.0) -> None:
+                 start_timeout_s: float = 120.0, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: argv run before python (e.g. ``ip netns exec NS``)."""
         env = dict(os.environ)
         env.update({"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                     "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"})
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [python or sys.executable, str(Path(__file__).with_name("vllm_runner.py")),
-             json.dumps(config)],
+            [*prefix, python or sys.executable,
+             str(Path(__file__).with_name("vllm_runner.py")), json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
             text=True, bufsize=1,
         )
