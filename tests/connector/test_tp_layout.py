@@ -137,3 +137,30 @@ def test_mla_latent_written_once_read_by_every_rank(pool: str) -> None:
         for i in range(L):
             assert torch.equal(out[f"l{i}"][[4, 9]], latent[i][[0, 1]])
         w.close()
+
+
+def test_scheduler_finds_chunks_of_any_tp_split(pool: str) -> None:
+    """A TP=2 engine's lookup finds chunks a TP=1 engine stored (one more RPC
+    for the chunks after its own split's run) and plans their split."""
+    from kvpool.connector.scheduler import KVPoolScheduler, NewReq, StepInfo
+    from kvpool.store import Client, ClientConfig
+
+    cfg = ConnectorConfig(master_address=pool, chunk_size=KS.chunk_size, layer_groups=2,
+                          load_or_recompute=False)
+    s = KVPoolScheduler(cfg, KS, L, StoreAccess(cfg), num_heads=H, head_objects=2)
+    toks = [55] * (3 * KS.chunk_size) + [1]
+    hashes = KS.chunk_hashes(toks)
+    with Client(ClientConfig(master_address=pool)) as c:
+        for k in KS.chunk_keys(hashes[0], L, 2, H, 2):  # chunk 0: TP=2 wrote it
+            c.put(k, b"x")
+        for h in hashes[1:]:  # chunks 1, 2: TP=1 wrote them
+            for k in KS.chunk_keys(h, L, 2, H, 1):
+                c.put(k, b"x")
+    assert s.lookup("r", toks, 0) == (3 * KS.chunk_size, False)
+    assert s._lookups["r"].splits == [2, 1, 1]
+    blocks = list(range(7))
+    s.after_alloc("r", None, toks, blocks, 3 * KS.chunk_size)
+    (load,) = s.build_meta(StepInfo(new=[NewReq("r", blocks, 96)],
+                                    num_scheduled_tokens={"r": 1})).loads
+    assert [c.head_objects for c in load.chunks] == [2, 1, 1]
+    s.store.close()
