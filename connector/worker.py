@@ -59,6 +59,15 @@ _MAX_LOAD_BUFFERS = 3
 _SAVE_WAIT_S = 120.0  # a save job waits this long for its forward's layers
 
 
+def _free(held: Any) -> bool:
+    """Whether a staging buffer held by ``held`` (see ``_load_bufs``) is free."""
+    if held is None:
+        return True
+    if isinstance(held, Future):
+        return held.done()
+    return bool(held.query())  # a CUDA event after the kernels reading the buffer
+
+
 def _release(token: Future[None] | None, _done: Any = None) -> None:
     """Resolve a staging buffer's token (the buffer may be taken again)."""
     if token is not None and not token.done():
@@ -170,7 +179,9 @@ class KVPoolWorker:
         self._finished_waiting: set[str] = set()
         self._done_loads: set[str] = set()
         self._load_errors: set[int] = set()
-        self._load_bufs: list[tuple[Any, Future[None] | None]] = []
+        # load staging tensors and what holds each: a token Future (a load or an
+        # abandoned transfer uses it), a CUDA event (scatters still reading it) or None
+        self._load_bufs: list[tuple[Any, Any]] = []
         self._active: _LoadJob | None = None  # this step's layer-wise load
         self._saving: _SaveJob | None = None  # this step's layer-wise save
         self._save_side: Any = None  # CUDA stream of the save thread
@@ -323,7 +334,7 @@ class KVPoolWorker:
         token: Future[None] = Future()
         with self._lock:
             for i, (buf, held) in enumerate(self._load_bufs):
-                if held is None or held.done():
+                if _free(held):
                     if buf.numel() < nbytes:
                         buf = torch.empty(nbytes, dtype=torch.uint8,
                                           device=self.layers[0].device)
@@ -336,6 +347,13 @@ class KVPoolWorker:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.layers[0].device)
             self._load_bufs.append((buf, token))
             return buf, token
+
+    def _free_buffer(self, buf: Any, after: Any, _done: Any = None) -> None:
+        """``buf`` is free once ``after`` (a CUDA event, or None) has passed."""
+        with self._lock:
+            for i, (b, _held) in enumerate(self._load_bufs):
+                if b is buf:
+                    self._load_bufs[i] = (b, after)
 
     def _warn_load(self, req_id: str, what: str) -> None:
         """WARNING for a load that will be recomputed (at most one line per 10 s;
@@ -473,10 +491,18 @@ class KVPoolWorker:
     def _close_job(self, job: _LoadJob) -> tuple[int, set[int], dict[str, set[int]]]:
         """After every group: sync, release the buffer, record measurements and
         stats. Returns (chunks loaded, failed blocks, failed blocks per request)."""
-        self._sync()  # blocks written before the buffer is reused / reported
-        if job.fut is not None and not job.fut.done():
-            job.fut.add_done_callback(partial(_release, job.token))
+        # The buffer is free again once the scatters reading it ran (a CUDA
+        # event: no host sync here) and no abandoned transfer writes into it.
+        after = None
+        if self.layers[0].device.type == "cuda":
+            import torch
+
+            after = torch.cuda.Event()
+            after.record()
+        if job.fut is not None and not job.fut.done():  # abandoned: its token stays
+            job.fut.add_done_callback(partial(self._free_buffer, job.buf, after))
         else:
+            self._free_buffer(job.buf, after)
             _release(job.token)
         failed: set[int] = set()
         per_req: dict[str, set[int]] = defaultdict(set)
