@@ -53,6 +53,9 @@ def main() -> None:
         max_num_batched_tokens=cfg.get("max_num_batched_tokens", 8192),
         seed=0,
     )
+    if cfg.get("tensor_parallel_size", 1) > 1:
+        kw["tensor_parallel_size"] = cfg["tensor_parallel_size"]
+        kw["distributed_executor_backend"] = "mp"
     if cfg.get("kv_transfer_config"):
         kw["kv_transfer_config"] = cfg["kv_transfer_config"]
     llm = LLM(**kw)
