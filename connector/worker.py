@@ -531,7 +531,12 @@ class KVPoolWorker:
             for spec in job.specs:
                 if per_req.get(spec.req_id):
                     self._warn_load(spec.req_id, job.problem)
-        dt = time.perf_counter() - job.started if job.started else 0.0
+        # load time: until the last layer group arrived (in a layer-wise load the
+        # job closes only after the forward)
+        if job.part_s and len(job.part_s) == len(self.groups):
+            dt = max(job.part_s.values())
+        else:
+            dt = time.perf_counter() - job.started if job.started else 0.0
         nb = self.chunk_bytes
         for si, spec in enumerate(job.specs):
             mine = [ch for ch in job.chunks if ch.spec == si]

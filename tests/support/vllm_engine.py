@@ -114,9 +114,11 @@ class EngineProc:
     """
 
     def __init__(self, config: dict[str, Any], python: str | None = None,
-                 start_timeout_s: float = 120.0, prefix: Sequence[str] = ()) -> None:
-        """``prefix``: argv run before python (e.g. ``ip netns exec NS``)."""
-        env = dict(os.environ)
+                 start_timeout_s: float = 120.0, prefix: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
+        """``prefix``: argv run before python (e.g. ``ip netns exec NS``);
+        ``env``: extra environment variables."""
+        env = dict(os.environ, **(env or {}))
         env.update({"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                     "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"})
         self._log = tempfile.TemporaryFile()
