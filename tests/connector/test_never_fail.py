@@ -83,7 +83,8 @@ def test_frozen_peer_load_ends_at_its_deadline(far_pool: tuple[str, Any],
     chunks, src = _stored(address, seed=11)
     dst = _caches(12)
     w = _worker(address, dst, load_timeout_s=0.5)
-    assert w.load(LoadSpec("warm", _into(chunks, 8))).failed_block_ids == set()  # peer known
+    warm = w.load(LoadSpec("warm", _into(chunks, 8)), timeout_s=20)  # connects to the peer
+    assert warm.failed_block_ids == set()
     os.kill(daemon.pid, signal.SIGSTOP)
     try:
         with caplog.at_level(logging.WARNING, logger="kvpool.connector"):
