@@ -91,7 +91,7 @@ from kvpool.store.guard import master_stub
 from kvpool.store.segment_host import SegmentHost
 from kvpool.transfer.copy import parallel_copyto
 
-__all__ = ["Client", "ClientConfig", "ReplicateConfig"]
+__all__ = ["Client", "ClientConfig", "ReplicaLocation", "ReplicateConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -772,10 +772,14 @@ class Client:
         return self._batch_read(keys, target)
 
     def _batch_read(self, keys: Sequence[str], target: Callable[[int, int], Any],
-                    outs: dict[int, bytes] | None = None) -> list[int]:
+                    outs: dict[int, bytes] | None = None,
+                    parts: Sequence[Sequence[int]] | None = None,
+                    on_part: Callable[[int, list[int]], None] | None = None) -> list[int]:
         """Shared body of the batch reads. ``target(i, size)`` gives key i's
         buffer (None: too small) or ``_LAZY_BYTES``: produce a new ``bytes`` into
-        ``outs[i]`` (inline shm reads copy straight into it)."""
+        ``outs[i]`` (inline shm reads copy straight into it). ``parts``: read
+        these groups of key indices one after another (one transfer batch
+        each), calling ``on_part(p, results of part p)`` after each."""
         self._check_open()
         n = len(keys)
         results: list[int] = [int(ErrorCode.INTERNAL_ERROR)] * n
@@ -817,9 +821,21 @@ class Client:
                 continue
             plans[i] = plan
             bufs[i] = buf
+        if parts is None:
+            self._read_plans(keys, plans, bufs, outs, results, list(plans))
+            return results
+        for p, part in enumerate(parts):
+            self._read_plans(keys, plans, bufs, outs, results, [i for i in part if i in plans])
+            if on_part is not None:
+                on_part(p, [results[i] for i in part])
+        return results
+
+    def _read_plans(self, keys: Sequence[str], plans: dict[int, _ReadPlan],
+                    bufs: dict[int, Any], outs: dict[int, bytes] | None, results: list[int],
+                    pending: list[int]) -> None:
+        """Read the ``pending`` planned keys into ``bufs`` (results set per key)."""
         # Round k reads every pending key from its k-th nearest replica: the
         # common case is one round, i.e. one transfer batch for the whole call.
-        pending = list(plans)
         attempt = 0
         while pending:
             now = time.monotonic()
@@ -867,7 +883,6 @@ class Client:
                 else:
                     results[i] = plans[i].size
             attempt += 1
-        return results
 
     def _finish_read(self, key: str, plan: _ReadPlan, buf: Any) -> int:
         """Result code of a completed read: size, or LEASE_EXPIRED / CHECKSUM_MISMATCH."""
@@ -953,3 +968,68 @@ class Client:
     def is_gpu(self, buffer: Any) -> bool:
         """Whether ``buffer`` is device memory (checksums skip those)."""
         return is_gpu_buffer(buffer)
+
+    def batch_get_into_parts(self, keys: Sequence[str], buffers: Sequence[Any],
+                             parts: Sequence[Sequence[int]],
+                             on_part: Callable[[int, list[int]], None]) -> list[int]:
+        """:meth:`batch_get_into` for pipelined consumers: ONE master RPC locates
+        every key, then the keys of ``parts`` (lists of indices into ``keys``)
+        are read part after part, one transfer batch each, and ``on_part(p,
+        results)`` runs after part ``p`` (results as in batch_get_into, in the
+        part's order) so the caller can use it while later parts still move.
+        Indices in no part are not read. All parts share the read lease of the
+        one RPC: parts still unread when it ends fail with LEASE_EXPIRED."""
+        self._check_open()
+        if len(keys) != len(buffers):
+            raise StoreError(f"{len(keys)} keys but {len(buffers)} buffers",
+                             ErrorCode.INVALID_PARAMS)
+
+        def target(i: int, size: int) -> Any:
+            return buffers[i] if buffer_nbytes(buffers[i]) >= size else None
+
+        return self._batch_read(keys, target, None, parts, on_part)
+
+    # ------------------------------------------------------------------ locations
+
+    def batch_replica_locations(self, keys: Sequence[str]) -> list[list[ReplicaLocation] | None]:
+        """Where each key's complete replicas are, nearest first (the order reads
+        try them); None for a missing key. One BATCH_GET_REPLICA_LIST RPC; grants
+        read leases, like :meth:`batch_exists`. Lets a caller estimate a read's
+        time from what it measured per tier and peer before reading."""
+        self._check_open()
+        if not keys:
+            return []
+        for k in keys:
+            self._valid_key(k)
+        t0 = time.monotonic()
+        res = self._call(Op.BATCH_GET_REPLICA_LIST, keys=list(keys))
+        self._learn_segments(res.get("segments"))
+        out: list[list[ReplicaLocation] | None] = []
+        for code, value in res.get("results", []):
+            if code != ErrorCode.OK:
+                out.append(None)
+                continue
+            plan = self._plan(value, t0, res.get("lease_ttl_ms"))
+            locs = []
+            for r in plan.replicas:
+                desc = self._known.get(r.segment_id)
+                locs.append(ReplicaLocation(
+                    r.segment_id, plan.size,
+                    desc.host_id if desc is not None else "",
+                    desc.kind if desc is not None else SegmentKind.MEMORY,
+                    desc is not None and desc.host_id == self.host_id))
+            out.append(locs or None)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLocation:
+    """One complete replica as a reader sees it: segment, object size, the
+    segment's host and kind (memory or file), and whether it is on this host
+    (read through shared memory or the file) or another (over the network)."""
+
+    segment_id: str
+    size: int
+    host_id: str
+    kind: SegmentKind
+    same_host: bool
