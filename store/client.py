@@ -836,6 +836,11 @@ class Client:
         """Read the ``pending`` planned keys into ``bufs`` (results set per key)."""
         # Round k reads every pending key from its k-th nearest replica: the
         # common case is one round, i.e. one transfer batch for the whole call.
+        # Every plan comes from one master reply: one lease deadline, one caps list.
+        if not pending:
+            return
+        first = plans[pending[0]]
+        deadline, caps = first.deadline, first.caps
         attempt = 0
         while pending:
             now = time.monotonic()
@@ -1001,20 +1006,19 @@ class Client:
             return []
         for k in keys:
             self._valid_key(k)
-        t0 = time.monotonic()
-        res = self._call(Op.BATCH_GET_REPLICA_LIST, keys=list(keys))
-        self._learn_segments(res.get("segments"))
+        res = self._call(BatchGetReplicaList(list(keys)))
+        self._learn_segments(res.segments)
         out: list[list[ReplicaLocation] | None] = []
-        for code, value in res.get("results", []):
+        for pos, code in enumerate(res.codes):
             if code != ErrorCode.OK:
                 out.append(None)
                 continue
-            plan = self._plan(value, t0, res.get("lease_ttl_ms"))
+            size = res.sizes[pos]
             locs = []
-            for r in plan.replicas:
+            for r in self._nearest_first(res.replicas[pos]):
                 desc = self._known.get(r.segment_id)
                 locs.append(ReplicaLocation(
-                    r.segment_id, plan.size,
+                    r.segment_id, size,
                     desc.host_id if desc is not None else "",
                     desc.kind if desc is not None else SegmentKind.MEMORY,
                     desc is not None and desc.host_id == self.host_id))
