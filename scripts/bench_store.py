@@ -22,11 +22,13 @@ table and the targets:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -61,11 +63,11 @@ def _record(transport: str, op: str, size: int, batch: int, lat: list[float],
 
 # ----------------------------------------------------------------------------- workers
 
-def _worker(conn: Connection, master: str) -> None:
+def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> None:
     """A pure client in its own process, driven over ``conn``.
 
     Commands: ("run", transport, op, size, batch, n, tag) -> record;
-    ("quit",) -> None.
+    ("quit",) -> None. ``client_kw``: extra ClientConfig fields (cross-host mode).
     """
     from kvpool.core.config import setup_logging
     from kvpool.store import Client, ClientConfig
@@ -77,7 +79,8 @@ def _worker(conn: Connection, master: str) -> None:
     def client(transport: str) -> Client:
         if transport not in clients:
             over = FORCE_TCP if transport == "tcp" else {}
-            c = Client(ClientConfig(master_address=master, transfer_overrides=over)).setup()
+            c = Client(ClientConfig(master_address=master, transfer_overrides=over,
+                                    **(client_kw or {}))).setup()
             for i in range(200):  # warm-up: RPC path (local socket switch), caches
                 c.exists(f"bench-warmup/{i}")
             clients[transport] = c
@@ -375,6 +378,508 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
     print(f"plot written to {path}", file=sys.stderr)
 
 
+# ----------------------------------------------------------------------------- cross-host mode
+#
+# ``--cross-host``: the holder (master + node daemon) runs in network namespace
+# "holder", the putter and getter in namespace "client". The two hosts are joined
+# the way the chaos suite joins them (tests/support/netns.Topology): each has one
+# veth whose peer is a port of a Linux bridge in a third namespace, i.e. two hosts
+# on one switch. Every byte therefore takes the tcp transport over real veth
+# links. In the same run: iperf3 with XHOST_STREAMS streams in both directions
+# (skipped with a message when iperf3 is not installed), a Python socket test
+# with the same request sizes over 1 and XHOST_STREAMS connections, a 4 KiB
+# socket round trip, and the hosts' TCP counters (retransmits) per measurement.
+
+XHOST_PORT = 50051
+XHOST_STREAMS = 2
+XHOST_IPERF_PORT = 5201
+# TCP counters kept per measurement (deltas over both namespaces)
+_TCP_COUNTERS = ("RetransSegs", "TCPLostRetransmit", "TCPTimeouts", "TCPSpuriousRTOs",
+                 "TCPFastRetrans", "TCPSlowStartRetrans", "TCPBacklogDrop", "TCPRcvQDrop",
+                 "TCPZeroWindowDrop", "TCPRcvPruned", "TCPOFODrop", "TCPDSACKRecv",
+                 "TCPDSACKOldSent", "TCPSackRecovery", "TCPLossProbes", "TCPRetransFail",
+                 "OutSegs", "InSegs")
+
+
+class _StdioConn:
+    """A worker's end of the driver channel: JSON lines over the real stdout and
+    stdin (fd 1 is pointed at stderr so stray output cannot corrupt it)."""
+
+    def __init__(self) -> None:
+        self._out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+
+    def recv(self) -> Any:
+        line = sys.stdin.readline()
+        return json.loads(line) if line else ["quit"]
+
+    def send(self, obj: Any) -> None:
+        self._out.write(json.dumps(obj) + "\n")
+        self._out.flush()
+
+
+class _NsProc:
+    """A helper process in a namespace, asked over JSON lines (see _StdioConn)."""
+
+    def __init__(self, host: Any, argv: list[str], log_path: str) -> None:
+        import queue
+
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = host.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=self._log, text=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def recv(self, timeout: float) -> Any:
+        import queue
+
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"no answer within {timeout}s; log {self.log_path}") from None
+            if line is None:
+                raise RuntimeError(f"helper exited ({self.proc.poll()}); log {self.log_path}:"
+                                   f"\n{_tail(self.log_path)}")
+            if line.startswith(("{", "[")):  # py-spy (--profile) chats on the same stdout
+                return json.loads(line)
+
+    def ask(self, *cmd: Any, timeout: float = 120.0) -> Any:
+        self.send(*cmd)
+        rep = self.recv(timeout)
+        if isinstance(rep, dict) and "error" in rep:
+            raise RuntimeError(f"{cmd[:5]}: {rep['error']}")
+        return rep
+
+    def send(self, *cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(list(cmd)) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("quit")
+                self.proc.wait(10)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self._log.close()
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def _tcp_counters(host: Any) -> dict[str, int]:
+    """The namespace's TCP/IP counters (/proc/net/snmp and /proc/net/netstat
+    read from inside it: they are per network namespace)."""
+    out: dict[str, int] = {}
+    r = host.run(["cat", "/proc/net/snmp", "/proc/net/netstat"], timeout=10)
+    lines = r.stdout.splitlines()
+    for head, vals in zip(lines[::2], lines[1::2], strict=False):
+        names, nums = head.split()[1:], vals.split()[1:]
+        for k, v in zip(names, nums, strict=False):
+            if k in _TCP_COUNTERS:
+                out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+def _link_drops(topo: Any) -> dict[str, int]:
+    """Dropped packets on every link of the topology (host veths, bridge ports)."""
+    drops: dict[str, int] = {}
+    for ns in topo.netns_names():
+        r = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show"], capture_output=True,
+                           text=True, timeout=10)
+        for link in json.loads(r.stdout or "[]"):
+            st = link.get("stats64") or link.get("stats") or {}
+            n = sum(int(st.get(d, {}).get("dropped", 0)) for d in ("rx", "tx"))
+            drops[f"{ns.rsplit('-', 1)[-1]}/{link.get('ifname')}"] = n
+    return drops
+
+
+class _Counters:
+    """TCP counter deltas of both namespaces around one measurement."""
+
+    def __init__(self, hosts: list[Any]) -> None:
+        self.hosts = hosts
+        self.before = [_tcp_counters(h) for h in hosts]
+
+    def delta(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for h, b in zip(self.hosts, self.before, strict=True):
+            for k, v in _tcp_counters(h).items():
+                out[k] = out.get(k, 0) + v - b.get(k, 0)
+        return {k: v for k, v in out.items() if v}
+
+
+def _xhost_sockserver() -> None:
+    """In the holder namespace: a raw TCP peer for the socket limits. Prints its
+    port, then serves each connection in a thread. Request ``op (1 byte) + length
+    (8 bytes LE)``: ``W`` the client sends that many bytes, reply 1 byte; ``R``
+    reply that many bytes; ``P`` (ping) the client sends that many bytes, reply
+    8 bytes."""
+    srv = socket.create_server((sys.argv[sys.argv.index("--xhost-sockserver") + 1], 0))
+    print(srv.getsockname()[1], flush=True)
+    payload = memoryview(bytearray(max(SIZES)))
+
+    def serve(s: socket.socket) -> None:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sink = memoryview(bytearray(max(SIZES)))
+        with s:
+            while True:
+                hdr = s.recv(9, socket.MSG_WAITALL)
+                if len(hdr) < 9:
+                    return
+                op, n = hdr[:1], int.from_bytes(hdr[1:], "little")
+                if op in (b"W", b"P"):
+                    got = 0
+                    while got < n:
+                        k = s.recv_into(sink[got:n])
+                        if not k:
+                            return
+                        got += k
+                    s.sendall(b"k" if op == b"W" else b"pongpong")
+                else:
+                    s.sendall(payload[:n])
+
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _xhost_prober() -> None:
+    """In the client namespace: socket limits towards the holder and REMOVE_ALL
+    at the master, driven over stdin/stdout (_StdioConn)."""
+    conn = _StdioConn()
+    master = sys.argv[sys.argv.index("--xhost-prober") + 1]
+    while True:
+        msg = conn.recv()
+        try:
+            if msg[0] == "quit":
+                return
+            if msg[0] == "remove_all":
+                from kvpool.core.protocol import Op
+                from kvpool.core.rpc_client import MasterClient
+
+                with MasterClient(master, timeout_s=30) as mc:
+                    conn.send({"removed": mc.call(Op.REMOVE_ALL, force=True).get("removed")})
+            elif msg[0] == "streams":
+                conn.send(_socket_streams(*msg[1:]))
+            elif msg[0] == "rtt":
+                conn.send(_socket_rtt(*msg[1:]))
+            else:
+                conn.send({"error": f"unknown command {msg[0]!r}"})
+        except Exception as exc:  # report to the driver instead of hanging it
+            conn.send({"error": repr(exc)})
+
+
+def _connect(addr: str, port: int) -> socket.socket:
+    s = socket.create_connection((addr, port), timeout=30)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def _socket_streams(addr: str, port: int, streams: int, size: int, seconds: float,
+                    op: str) -> dict[str, Any]:
+    """``streams`` connections, each doing ``size``-byte W (client -> holder) or R
+    (holder -> client) requests back to back for ``seconds``: the link limit of
+    request/response traffic as a plain Python program moves it."""
+    socks = [_connect(addr, port) for _ in range(streams)]
+    payload = memoryview(bytearray(size))
+    lat: list[list[float]] = [[] for _ in socks]
+    stop = time.perf_counter() + seconds
+
+    def run(i: int) -> None:
+        s, buf = socks[i], memoryview(bytearray(max(size, 1)))
+        hdr = (b"W" if op == "write" else b"R") + size.to_bytes(8, "little")
+        while time.perf_counter() < stop:
+            t = time.perf_counter()
+            if op == "write":
+                s.sendall(hdr)
+                s.sendall(payload)
+                s.recv(1, socket.MSG_WAITALL)
+            else:
+                s.sendall(hdr)
+                got = 0
+                while got < size:
+                    got += s.recv_into(buf[got:size])
+            lat[i].append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(socks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = time.perf_counter() - t0
+    for s in socks:
+        s.close()
+    all_lat = [x for part in lat for x in part]
+    rec = _record("socket", f"xhost_{op}", size, 1, all_lat, total)
+    rec["streams"] = streams
+    return rec
+
+
+def _socket_rtt(addr: str, port: int, size: int, n: int) -> dict[str, Any]:
+    """``size`` bytes to the holder and an 8-byte answer, ``n`` times on one
+    connection: the floor of one request/reply exchange over the link."""
+    s = _connect(addr, port)
+    payload = bytes(size)
+    hdr = b"P" + size.to_bytes(8, "little")
+    lat = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = time.perf_counter()
+        s.sendall(hdr + payload)
+        s.recv(8, socket.MSG_WAITALL)
+        lat.append(time.perf_counter() - t)
+    total = time.perf_counter() - t0
+    s.close()
+    return _record("socket", "xhost_rtt", size, 1, lat, total)
+
+
+def _xhost_worker() -> None:
+    """In the client namespace: the local mode's _worker (a pure store client),
+    driven over stdin/stdout, with the host's own id and address and CURVE off
+    (the namespaces' addresses are private to this run)."""
+    from kvpool.core.auth import CurveConfig
+
+    i = sys.argv.index("--xhost-worker")
+    master, host_id, bind = sys.argv[i + 1:i + 4]
+    _worker(_StdioConn(), master, {"host_id": host_id, "bind_host": bind,
+                                   "curve": CurveConfig(enabled=False)})
+
+
+def _iperf3(topo: Any, streams: int, seconds: float, reverse: bool) -> dict[str, Any] | None:
+    """iperf3 with ``streams`` parallel streams client -> holder (``reverse``:
+    holder -> client); None (with a message) when iperf3 is not installed."""
+    import shutil
+
+    if shutil.which("iperf3") is None:
+        print("  iperf3 not installed (Debian: apt-get install iperf3): the iperf3 limit is "
+              "skipped; the Python socket streams remain the limit", file=sys.stderr)
+        return None
+    holder, client = topo.host("holder"), topo.host("client")
+    srv = holder.popen(["iperf3", "-s", "-1", "-B", holder.address, "-p",
+                        str(XHOST_IPERF_PORT)], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+    res: dict[str, Any] = {}
+    try:
+        for _ in range(50):  # until the server listens
+            r = client.run(["iperf3", "-c", holder.address, "-p", str(XHOST_IPERF_PORT),
+                            "-P", str(streams), "-t", str(seconds), "-J",
+                            *(["-R"] if reverse else [])], timeout=seconds + 30)
+            try:
+                res = json.loads(r.stdout).get("end", {})
+            except ValueError:
+                res = {}
+            if r.returncode == 0 and "sum_received" in res:
+                break
+            time.sleep(0.1)
+        else:
+            print(f"  iperf3 failed: {r.stdout[-500:]} {r.stderr[-500:]}", file=sys.stderr)
+            return None
+    finally:
+        topo.kill(srv)
+    bps = float(res["sum_received"]["bits_per_second"])
+    return {"transport": "iperf3", "op": "xhost_read" if reverse else "xhost_write",
+            "size": 0, "batch": 1, "gbps": round(bps / 8e9, 4), "ops_per_s": 0.0,
+            "p50_us": 0.0, "p99_us": 0.0, "streams": streams,
+            "retrans": int(res.get("sum_sent", {}).get("retransmits", 0))}
+
+
+def run_cross_host(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The cross-host mode (see the section comment): returns the records."""
+    import shutil
+    import signal
+    import tempfile
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(here), "tests"))
+    from kvpool.core.config import parse_size
+    from support.netns import Topology, cleanup_stale, probe
+
+    cleanup_stale()
+    why = probe()
+    if why is not None:
+        raise SystemExit(f"cross-host mode needs network namespaces: {why}")
+    records: list[dict[str, Any]] = []
+    holder_bytes = parse_size(args.holder_memory)
+    me = os.path.abspath(__file__)
+    work = tempfile.mkdtemp(prefix="kvpool-bench-xhost-")
+    helpers: list[_NsProc] = []
+    profiled: list[subprocess.Popen[Any]] = []
+
+    def py(role: str) -> list[str]:
+        """The interpreter, under ``py-spy record`` with --profile (one file per role)."""
+        if not args.profile:
+            return [sys.executable]
+        os.makedirs(args.profile, exist_ok=True)
+        return [args.py_spy, "record", "--format", "raw", "--rate", "200", "--nonblocking",
+                "-o", os.path.join(os.path.abspath(args.profile), f"{role}.txt"), "--",
+                sys.executable]
+
+    # a host id of this run only: its shared memory is found (and removed) by name
+    holder_id = f"xhost{os.getpid()}"
+    with Topology(["holder", "client"], direct=args.link == "veth") as topo:
+        holder, client = topo.host("holder"), topo.host("client")
+        hosts = [holder, client]
+        master = f"{holder.address}:{XHOST_PORT}"
+        daemon: subprocess.Popen[Any] | None = None
+        try:
+            mlog = open(os.path.join(work, "master.log"), "ab")
+            profiled.append(holder.popen(
+                [*py("master"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING", "master",
+                 "--host", holder.address, "--port", str(XHOST_PORT), "--metrics-port", "0",
+                 "--data-dir", os.path.join(work, "data"), "--curve", "off"],
+                stdout=mlog, stderr=subprocess.STDOUT))
+            ready = os.path.join(work, "holder.ready")
+            dlog = open(os.path.join(work, "holder.log"), "ab")
+            daemon = holder.popen(
+                [*py("holder"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING", "client",
+                 "--master", master, "--memory", str(holder_bytes), "--host-id", holder_id,
+                 "--bind-host", holder.address, "--ready-file", ready, "--curve", "off"],
+                stdout=dlog, stderr=subprocess.STDOUT)
+            profiled.append(daemon)
+            sock = holder.popen([sys.executable, me, "--xhost-sockserver", holder.address],
+                                stdout=subprocess.PIPE, text=True)
+            assert sock.stdout is not None
+            sock_port = int(sock.stdout.readline())
+            deadline = time.monotonic() + 60
+            while not os.path.exists(ready):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("holder daemon not ready:\n"
+                                       + _tail(os.path.join(work, "holder.log"))
+                                       + _tail(os.path.join(work, "master.log")))
+                time.sleep(0.05)
+            prober = _NsProc(client, [sys.executable, me, "--xhost-prober", master],
+                             os.path.join(work, "prober.log"))
+            helpers.append(prober)
+            workers = {}
+            for role in ("putter", "getter"):
+                workers[role] = _NsProc(client, [*py(role), me, "--xhost-worker", master,
+                                                 "client", client.address],
+                                        os.path.join(work, f"{role}.log"))
+                helpers.append(workers[role])
+            if not args.no_limits:
+                records += _xhost_limits(topo, prober, holder.address, sock_port, args)
+            for size in args.sizes:
+                for batch, ops in ((1, SINGLE_OPS), (args.batch, BATCH_OPS)):
+                    n = _iters(size * batch, args.bytes_per_op, 3, args.max_iters)
+                    n = max(3, n // batch) if batch > 1 and size < (64 << 10) else n
+                    n = max(1, min(n, int(0.8 * holder_bytes) // (size * batch)))
+                    for op in ops:
+                        if args.ops and op not in args.ops and WRITE_OF.get(op) not in args.ops:
+                            continue
+                        if op in WRITE_OF:
+                            tag = f"x/{WRITE_OF[op]}/{size}/{batch}"
+                            role = "getter"
+                        else:
+                            prober.ask("remove_all")
+                            tag = f"x/{op}/{size}/{batch}"
+                            role = "putter"
+                        ctr = _Counters(hosts)
+                        rec = workers[role].ask("run", "tcp", op, size, batch, n, tag,
+                                                timeout=args.op_timeout)
+                        rec["tcp"] = ctr.delta()
+                        rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
+                        rec["mode"] = "cross-host"
+                        records.append(rec)
+                        _show(rec)
+            drops = _link_drops(topo)
+            records.append({"transport": "links", "op": "dropped", "size": 0, "batch": 1,
+                            "gbps": 0.0, "ops_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0,
+                            "mode": "cross-host", "drops": drops})
+            print(f"  link drops: {drops}", file=sys.stderr)
+        finally:
+            for h in helpers:
+                h.close()
+            if args.profile:  # py-spy writes its file on SIGINT
+                for p in profiled:
+                    topo.kill(p, signal.SIGINT, wait_s=30)
+            if daemon is not None:  # a clean stop unmounts and unlinks its segment
+                topo.kill(daemon, signal.SIGTERM, wait_s=20)
+    _remove_shm(holder_id)
+    shutil.rmtree(work, ignore_errors=True)
+    return records
+
+
+def _remove_shm(host_id: str) -> None:
+    """Remove shared memory the holder of this run left behind (killed, not stopped)."""
+    import glob
+
+    for path in glob.glob(f"/dev/shm/kvpool-{host_id}_*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _xhost_limits(topo: Any, prober: _NsProc, addr: str, port: int,
+                  args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The physical limits of this run: iperf3, Python socket streams, round trip."""
+    hosts = [topo.host("holder"), topo.host("client")]
+    out: list[dict[str, Any]] = []
+    for reverse in (False, True):
+        ctr = _Counters(hosts)
+        rec = _iperf3(topo, XHOST_STREAMS, args.limit_seconds, reverse)
+        if rec is not None:
+            rec["tcp"] = ctr.delta()
+            out.append(rec)
+    for size in args.sizes:
+        for streams in sorted({1, XHOST_STREAMS}):
+            for op in ("write", "read"):
+                ctr = _Counters(hosts)
+                rec = prober.ask("streams", addr, port, streams, size,
+                                 min(args.limit_seconds, 2.0), op)
+                rec["tcp"] = ctr.delta()
+                rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
+                out.append(rec)
+    out.append(prober.ask("rtt", addr, port, 4096, 2000))
+    for rec in out:
+        rec["mode"] = "cross-host"
+        _show(rec)
+    return out
+
+
+def xhost_targets(records: list[dict[str, Any]], batch: int) -> list[tuple[str, float, float,
+                                                                           bool]]:
+    """(name, measured, target, ok) of the cross-host targets that were measured."""
+    out = []
+    big = 16 << 20
+    for op, lim_op in (("batch_put_from", "xhost_write"), ("batch_get_into", "xhost_read"),
+                       ("put_from", "xhost_write"), ("get_into", "xhost_read")):
+        r = _find(records, "tcp", op, big, batch if op.startswith("batch") else 1)
+        ip = _find(records, "iperf3", lim_op, 0)
+        sk = [x for x in records if x["transport"] == "socket" and x["op"] == lim_op
+              and x["size"] == big]
+        lim = ip or (max(sk, key=lambda x: x["gbps"]) if sk else None)
+        if r and lim:
+            ratio = r["gbps"] / lim["gbps"]
+            name = f"16MiB {op} / {lim['transport']} x{lim.get('streams', 1)}"
+            out.append((name, ratio, 0.9, ratio >= 0.9))
+    for op in ("batch_put_from", "batch_get_into"):
+        r = _find(records, "tcp", op, 4096, batch)
+        if r:
+            out.append((f"4KiB {op} keys/s", r["ops_per_s"], 40000, r["ops_per_s"] >= 40000))
+    r = _find(records, "tcp", "put", 4096)
+    if r:
+        out.append(("4KiB put p50 us", r["p50_us"], 200, r["p50_us"] <= 200))
+    retrans = sum(int(x.get("retrans", 0)) for x in records if x["transport"] == "tcp")
+    out.append(("store TCP retransmits (all ops)", retrans, 4000, retrans <= 4000))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvpool.core.config import parse_size
 
@@ -390,17 +895,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-iters", type=int, default=1000, help="calls per measurement (max)")
     p.add_argument("--holder-memory", default="1GiB", help="memory of the holder daemon")
     p.add_argument("--op-timeout", type=float, default=120.0, help="seconds per measurement")
+    p.add_argument("--cross-host", action="store_true",
+                   help="holder and clients in two network namespaces (tcp over veth; root)")
+    p.add_argument("--limit-seconds", type=float, default=3.0,
+                   help="cross-host: seconds per iperf3 / socket-stream limit")
+    p.add_argument("--ops", default="", help="cross-host: only these ops (and their reads)")
+    p.add_argument("--no-limits", action="store_true", help="cross-host: skip the limits")
+    p.add_argument("--profile", default="",
+                   help="cross-host: py-spy record every kvpool process into this folder")
+    p.add_argument("--py-spy", default="py-spy", help="the py-spy executable")
+    p.add_argument("--link", choices=("bridge", "veth"), default="bridge",
+                   help="cross-host: hosts on a Linux bridge (a switch) or one veth pair")
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     args.transports = [t for t in args.transports.split(",") if t]
     args.bytes_per_op = parse_size(args.bytes_per_op)
-    records = run(args)
+    args.ops = [o for o in args.ops.split(",") if o]
+    records = run_cross_host(args) if args.cross_host else run(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(records, f, indent=1)
     print(table(records))
     print()
-    for name, val, target, ok in targets(records, args.batch):
+    for name, val, target, ok in (xhost_targets if args.cross_host else targets)(records,
+                                                                                args.batch):
         print(f"target {name:32} measured {val:12.2f}  target {target:>8}  "
               f"{'OK' if ok else 'MISSED'}")
     print(f"\nrecords written to {args.json}")
@@ -409,6 +927,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+_HELPERS = {"--xhost-worker": _xhost_worker, "--xhost-prober": _xhost_prober,
+            "--xhost-sockserver": _xhost_sockserver}
+
 if __name__ == "__main__":
     threading.current_thread().name = "bench"
-    sys.exit(main())
+    helper = next((f for flag, f in _HELPERS.items() if flag in sys.argv[1:2]), None)
+    sys.exit(helper() if helper is not None else main())
