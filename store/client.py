@@ -490,22 +490,13 @@ class Client:
             raise TransferFailed(str(exc), ErrorCode.TRANSFER_FAIL) from exc
 
     def _run(self, reqs: list[Any], timeout: float) -> list[Any]:
-        """Submit a read batch and wait up to ``timeout``; requests still running
-        then are reported FAILED with code TIMEOUT (the caller moves on to
-        another replica instead of waiting on a dead peer)."""
-        t = self._transfer_mod
+        """Run a read batch for at most ``timeout``; requests still running then
+        are reported FAILED with code TIMEOUT (the caller moves on to another
+        replica instead of waiting on a dead peer)."""
         try:
-            handle = self._engine.submit(reqs)
+            return list(self._engine.run(reqs, timeout))
         except KVPoolError as exc:
             raise TransferFailed(str(exc), ErrorCode.TRANSFER_FAIL) from exc
-        handle.wait(timeout)
-        out = []
-        for st in handle.status():
-            if not st.state.terminal:
-                st = t.RequestStatus(t.RequestState.FAILED, st.transport, ErrorCode.TIMEOUT,
-                                     [*st.errors, f"no answer within {timeout:.2f}s"])
-            out.append(st)
-        return out
 
     @staticmethod
     def _replicas(value: Any) -> list[ReplicaDescriptor]:

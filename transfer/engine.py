@@ -47,6 +47,11 @@ __all__ = ["BatchHandle", "SubBatch", "SubBatchState", "TransferEngine"]
 
 log = logging.getLogger(__name__)
 
+_RULE_CACHE = 4096  # (segment kind, same host, device, size) -> selector rule, remembered
+#: a sub-batch is split across a transport's threads only in slices of at least this
+#: many bytes (below it one thread finishes sooner than two threads start)
+_MIN_SLICE_BYTES = 4 << 20
+
 
 class SubBatchState(Enum):
     PENDING = "pending"
@@ -122,17 +127,21 @@ class BatchHandle:
     def _finish(self, idx: int, state: RequestState, transport: str | None,
                 code: ErrorCode = ErrorCode.OK, error: str | None = None) -> None:
         with self._cond:
-            st = self._tracks[idx].status
-            if st.state.terminal:
-                return
-            st.state = state
-            st.transport = transport
-            st.code = code
-            if error:
-                st.errors.append(error)
-            self._remaining -= 1
-            if self._remaining == 0:
-                self._cond.notify_all()
+            self._finish_locked(idx, state, transport, code, error)
+
+    def _finish_locked(self, idx: int, state: RequestState, transport: str | None,
+                       code: ErrorCode = ErrorCode.OK, error: str | None = None) -> None:
+        st = self._tracks[idx].status
+        if st.state is RequestState.DONE or st.state is RequestState.FAILED:
+            return
+        st.state = state
+        st.transport = transport
+        st.code = code
+        if error:
+            st.errors.append(error)
+        self._remaining -= 1
+        if self._remaining == 0:
+            self._cond.notify_all()
 
 
 class _TransportSlot:
@@ -181,6 +190,7 @@ class TransferEngine:
         self._slots: dict[str, _TransportSlot] = {}
         self._unavailable: dict[str, str] = {}
         self._sb_ids = itertools.count(1)
+        self._rule_cache: dict[tuple[SegmentKind, bool, str, int], RuleConfig | None] = {}
         self._closed = False
         self._server: TransferServer | None = None
         if config.server.enabled:
@@ -355,10 +365,20 @@ class TransferEngine:
     # -- selection --------------------------------------------------------------
     def _rule_for(self, kind: SegmentKind, same_host: bool, device: str,
                   size: int) -> RuleConfig | None:
+        key = (kind, same_host, device, size)
+        try:
+            return self._rule_cache[key]
+        except KeyError:
+            pass
+        found = None
         for rule in self.config.rules:
             if rule.matches(kind, same_host, device, size):
-                return rule
-        return None
+                found = rule
+                break
+        if len(self._rule_cache) >= _RULE_CACHE:
+            self._rule_cache.clear()
+        self._rule_cache[key] = found
+        return found
 
     def _next_transport(self, item: WorkItem, track: _Track) -> tuple[str | None, str]:
         """First candidate not yet tried that is loaded, supports the item and is
@@ -389,8 +409,8 @@ class TransferEngine:
         if not isinstance(req, TransferRequest):
             raise TransferError(f"request {i} is not a TransferRequest", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
-        op = TransferOp(req.op)
-        buf = as_buffer(req.buffer)
+        op = req.op if type(req.op) is TransferOp else TransferOp(req.op)
+        buf = req.buffer if type(req.buffer) is BufferHandle else as_buffer(req.buffer)
         local = self._local.get(req.segment_id)
         desc = self._peers.get(req.segment_id)
         if local is not None:
@@ -399,7 +419,9 @@ class TransferEngine:
         elif desc is None:
             raise TransferError(f"unknown segment {req.segment_id!r} (add_peer_segment first)",
                                 ErrorCode.SEGMENT_NOT_FOUND, retryable=False)
-        if not all(isinstance(x, int) for x in (req.offset, req.length, req.buffer_offset)):
+        if not (type(req.offset) is int and type(req.length) is int
+                and type(req.buffer_offset) is int) and not all(
+                isinstance(x, int) for x in (req.offset, req.length, req.buffer_offset)):
             raise TransferError("offset/length must be integers", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
         if req.offset < 0 or req.length < 0 or req.offset + req.length > desc.size:
@@ -412,9 +434,9 @@ class TransferEngine:
             raise TransferError("READ into a read-only buffer", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
         same_host = desc.host_id == self._host_id
-        item = WorkItem(index=i, op=op, buffer=buf, buffer_offset=req.buffer_offset,
-                        length=req.length, segment=desc, offset=req.offset, same_host=same_host,
-                        local=local, capability=bytes(req.capability or b""))
+        cap = req.capability
+        item = WorkItem(i, op, buf, req.buffer_offset, req.length, desc, req.offset, same_host,
+                        local, cap if type(cap) is bytes else bytes(cap or b""))
         if req.transport:
             if req.transport not in self._slots and req.transport not in self._unavailable \
                     and load_transport_class(req.transport)[0] is None:
@@ -425,7 +447,7 @@ class TransferEngine:
         if rule is None:
             raise TransferError("no selector rule matches this request",
                                 ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
-        return item, list(rule.transports)
+        return item, rule.transports
 
     # -- submit -----------------------------------------------------------------
     def submit(self, requests: Sequence[TransferRequest]) -> BatchHandle:
@@ -441,6 +463,7 @@ class TransferEngine:
             raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
         handle = BatchHandle(len(requests))
         groups: dict[str, list[WorkItem]] = {}
+        memo: dict[tuple[Any, ...], tuple[str | None, str]] = {}
         for i, req in enumerate(requests):
             try:
                 item, candidates = self._resolve(i, req)
@@ -456,13 +479,25 @@ class TransferEngine:
                 continue
             track = handle._tracks[i]
             track.candidates = candidates
-            self._plan(handle, item, track, groups)
+            self._plan(handle, item, track, groups, memo=memo)
         self._launch(handle, groups, sync=sync, caller_deadline=caller_deadline)
         return handle
 
     def _plan(self, handle: BatchHandle, item: WorkItem, track: _Track,
-              groups: dict[str, list[WorkItem]], last_error: TransferError | None = None) -> None:
-        name, why = self._next_transport(item, track)
+              groups: dict[str, list[WorkItem]], last_error: TransferError | None = None,
+              memo: dict[tuple[Any, ...], tuple[str | None, str]] | None = None) -> None:
+        """Put ``item`` into the group of its next transport, or fail it. ``memo``
+        remembers first choices within one submit (requests alike in candidates,
+        segment kind, host, device and peer get the same answer)."""
+        if memo is not None and not track.tried:
+            key = (id(track.candidates), item.segment.kind, item.same_host, item.buffer.device,
+                   _peer_key(item))
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = self._next_transport(item, track)
+            name, why = found
+        else:
+            name, why = self._next_transport(item, track)
         if name is None:
             code = last_error.code if last_error is not None else ErrorCode.TRANSPORT_UNAVAILABLE
             last = track.tried[-1] if track.tried else None
@@ -482,22 +517,23 @@ class TransferEngine:
                 for it in items:
                     handle._tracks[it.index].status.state = RequestState.RUNNING
                     handle._tracks[it.index].status.transport = name
-            n = min(slot.settings.threads, len(items))
+            total = sum(it.length for it in items)
+            # a second slice costs a thread hop: only a large sub-batch gains from it
+            n = max(1, min(slot.settings.threads, len(items), total // _MIN_SLICE_BYTES))
             step = (len(items) + n - 1) // n
             slices = [items[k:k + step] for k in range(0, len(items), step)]
             sb._slices_left = len(slices)
-            if len(slices) == 1 and (
-                    (sync and len(groups) == 1)
-                    or sum(it.length for it in items) <= int(slot.settings.inline_max_bytes)):
-                # no thread hop: the caller waits anyway, or the copy is tiny
-                self._run_slice(handle, sb, slot, items, caller_deadline)
-                continue
-            for part in slices:
+            # no thread hop for one slice (the caller waits anyway, or the copy is tiny)
+            inline = (sync and len(groups) == 1) or (
+                len(slices) == 1 and total <= int(slot.settings.inline_max_bytes))
+            for part in slices[:-1] if inline else slices:
                 try:
                     slot.pool.submit(self._run_slice, handle, sb, slot, part, None)
                 except RuntimeError as exc:  # pool shut down (engine closing)
                     self._slice_done(handle, sb, slot, part,
                                      TransferError(str(exc), ErrorCode.CLOSED, retryable=False))
+            if inline:
+                self._run_slice(handle, sb, slot, slices[-1], caller_deadline)
 
     def _run_slice(self, handle: BatchHandle, sb: SubBatch, slot: _TransportSlot,
                    part: list[WorkItem], caller_deadline: float | None) -> None:
@@ -516,11 +552,10 @@ class TransferEngine:
                 sb._reported.add(item.index)
                 if err is None:
                     sb.done += 1
+                    handle._finish_locked(item.index, RequestState.DONE, sb.transport)
                 else:
                     sb.failed += 1
                     sb._failures.append((item, err))
-            if err is None:
-                handle._finish(item.index, RequestState.DONE, sb.transport)
 
         crash: TransferError | None = None
         try:
@@ -583,6 +618,8 @@ class TransferEngine:
         # per peer, an attempt counts against the transport only if nothing got
         # through to that peer and a failure was the transport's (not a
         # bounds/permission refusal, which is final and says nothing of health)
+        if not failures and not slot.health:
+            return
         failed_peers = {_peer_key(it) for it, e in failures if e.retryable}
         failed_items = {it.index for it, _ in failures}
         ok_peers = {_peer_key(it) for it in sb.items if it.index not in failed_items}
@@ -599,6 +636,22 @@ class TransferEngine:
                     h[1] = time.monotonic() + slot.settings.cooldown_s
                     log.warning("transport %s paused for %.1fs towards %s after repeated "
                                 "failures", sb.transport, slot.settings.cooldown_s, peer)
+
+    def run(self, requests: Sequence[TransferRequest], timeout: float) -> list[RequestStatus]:
+        """Run a batch, in the calling thread where one transport serves it, and
+        wait at most ``timeout`` seconds. Never raises for a slow batch: a
+        request still unfinished then is reported FAILED with TIMEOUT (a reader
+        moves on to another replica instead of waiting on a dead peer)."""
+        deadline = time.monotonic() + timeout
+        handle = self._submit(requests, sync=True, caller_deadline=deadline)
+        handle.wait(max(0.0, deadline - time.monotonic()))
+        out = []
+        for st in handle.status():
+            if not st.state.terminal:
+                st = RequestStatus(RequestState.FAILED, st.transport, ErrorCode.TIMEOUT,
+                                   [*st.errors, f"no answer within {timeout:.2f}s"])
+            out.append(st)
+        return out
 
     def transfer(self, requests: Sequence[TransferRequest],
                  timeout: float | None = None) -> list[RequestStatus]:
