@@ -131,6 +131,7 @@ class Client:
         self._transfer_mod: Any = None
         self._inline: InlineShm | None = None
         self._tier_runner: Any = None  # store.tier_tasks.TierTaskRunner (segment owners)
+        self._gpu_segments_learned = False  # see _learn_memory_segments
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -930,10 +931,28 @@ class Client:
         self._check_open()
         try:
             if device is not None:
-                return self._engine.register_buffer(buffer, device=device)
-            return self._engine.register_buffer(buffer)
+                handle = self._engine.register_buffer(buffer, device=device)
+            else:
+                handle = self._engine.register_buffer(buffer)
         except KVPoolError as exc:
             raise error_for_code(exc.code, str(exc)) from exc
+        if handle.is_gpu and not self._gpu_segments_learned:
+            self._gpu_segments_learned = True
+            self._learn_memory_segments()
+        return handle
+
+    def _learn_memory_segments(self) -> None:
+        """Learn every memory segment now (one LIST_SEGMENTS): with a GPU buffer
+        registered, the engine then page-locks their mappings in the background
+        instead of inside the first put or get (tens of ms per segment)."""
+        try:
+            segs = self.list_segments()
+        except StoreError as exc:
+            log.debug("list_segments for GPU warm-up: %s", exc)
+            return
+        self._learn_segments({w["segment_id"]: w for w in segs
+                              if isinstance(w, dict) and w.get("kind") == SegmentKind.MEMORY
+                              and "segment_id" in w})
 
     def unregister_buffer(self, handle: Any) -> None:
         """Release a handle from :meth:`register_buffer`."""

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -191,6 +191,9 @@ class TransferEngine:
         self._unavailable: dict[str, str] = {}
         self._sb_ids = itertools.count(1)
         self._rule_cache: dict[tuple[SegmentKind, bool, str, int], RuleConfig | None] = {}
+        self._gpu_in_use = False  # a GPU buffer was registered: prepare segments for it
+        self._warm_pool: ThreadPoolExecutor | None = None
+        self._warm_futures: list[Future[None]] = []
         self._closed = False
         self._server: TransferServer | None = None
         if config.server.enabled:
@@ -320,7 +323,9 @@ class TransferEngine:
                 raise TransferError(f"segment {segment.segment_id!r} already added",
                                     ErrorCode.SEGMENT_ALREADY_EXISTS, retryable=False)
             self._local[segment.segment_id] = segment
-        return segment.descriptor(self.client_id, self._host_id, self.endpoint)
+        desc = segment.descriptor(self.client_id, self._host_id, self.endpoint)
+        self._warm_gpu(desc, segment)
+        return desc
 
     def remove_local_segment(self, segment_id: str) -> None:
         """Stop serving the segment (the caller still owns and closes it)."""
@@ -339,6 +344,8 @@ class TransferEngine:
         if old is not None and old != desc:
             for slot in list(self._slots.values()):
                 slot.transport.forget_segment(desc.segment_id)
+        if old != desc:
+            self._warm_gpu(desc, self._local.get(desc.segment_id))
 
     def remove_peer_segment(self, segment_id: str) -> None:
         """Forget a segment and drop cached mappings/connections for it."""
@@ -352,10 +359,51 @@ class TransferEngine:
 
     def register_buffer(self, obj: Any, length: int | None = None,
                         device: str | None = None) -> BufferHandle:
-        """Wrap ``obj`` once so later requests skip the conversion."""
+        """Wrap ``obj`` once so later requests skip the conversion. The first GPU
+        buffer makes the transports get ready for GPU requests to every segment
+        known now or learned later, in the background (:meth:`wait_gpu_ready`)."""
         h = as_buffer(obj, length, device)
         h.registered = True
+        if h.is_gpu and not self._gpu_in_use:
+            with self._lock:
+                first, self._gpu_in_use = not self._gpu_in_use, True
+                known = [(d, self._local.get(d.segment_id)) for d in self._peers.values()]
+                known += [(seg.descriptor(self.client_id, self._host_id, self.endpoint), seg)
+                          for sid, seg in self._local.items() if sid not in self._peers]
+            if first:
+                for desc, local in known:
+                    self._warm_gpu(desc, local)
         return h
+
+    def _warm_gpu(self, desc: SegmentDescriptor, local: LocalSegment | None) -> None:
+        """Let every transport prepare ``desc`` for GPU requests, in the background."""
+        if not self._gpu_in_use or self._closed:
+            return
+        same_host = desc.host_id == self._host_id
+        slots = list(self._slots.values())
+
+        def warm() -> None:
+            for slot in slots:
+                try:
+                    slot.transport.warm_gpu(desc, local, same_host)
+                except Exception as exc:  # only slower: the first request does it
+                    log.debug("%s: GPU warm-up of %s failed: %s", slot.transport.name,
+                              desc.segment_id, exc)
+
+        with self._lock:
+            if self._warm_pool is None:
+                self._warm_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpool-gpu-warm")
+            try:
+                self._warm_futures.append(self._warm_pool.submit(warm))
+            except RuntimeError:  # closing
+                return
+            self._warm_futures = [f for f in self._warm_futures if not f.done()]
+
+    def wait_gpu_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the GPU preparations started so far are finished (True)."""
+        with self._lock:
+            pending = list(self._warm_futures)
+        return not wait(pending, timeout).not_done
 
     def unregister_buffer(self, handle: BufferHandle) -> None:
         """Release transport state kept for the buffer and its reference."""
@@ -673,6 +721,8 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
+        if self._warm_pool is not None:
+            self._warm_pool.shutdown(wait=True, cancel_futures=True)
         if self._server is not None:
             self._server.close()
         for slot in list(self._slots.values()):

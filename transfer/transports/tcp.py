@@ -35,10 +35,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import SegmentKind
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer import wire
 from kvpool.transfer.bulk import BulkClient
 from kvpool.transfer.gpu import CudaRuntime, PinnedPool, cuda_runtime
+from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
 from kvpool.transfer.types import TransferError, TransferOp
 
@@ -203,6 +204,12 @@ class TcpTransport(Transport):
                 self._pool = PinnedPool(rt, self.settings.staging_buffers,
                                         self.settings.staging_bytes)
             return rt, self._pool
+
+    def warm_gpu(self, segment: SegmentDescriptor, local: LocalSegment | None,
+                 same_host: bool) -> None:
+        """Page-lock the GPU staging pool before the first GPU request to another host."""
+        if not same_host and not self.closed and cuda_runtime()[0] is not None:
+            self._staging()
 
     # -- step 1: route ---------------------------------------------------------------
     def _route(self, items: Sequence[WorkItem], report: ReportFn
