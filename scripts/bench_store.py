@@ -629,6 +629,7 @@ def _socket_streams(addr: str, port: int, streams: int, size: int, seconds: floa
     all_lat = [x for part in lat for x in part]
     rec = _record("socket", f"xhost_{op}", size, 1, all_lat, total)
     rec["streams"] = streams
+    rec["bytes"] = len(all_lat) * size
     return rec
 
 
@@ -697,18 +698,17 @@ def _iperf3(topo: Any, streams: int, seconds: float, reverse: bool) -> dict[str,
     return {"transport": "iperf3", "op": "xhost_read" if reverse else "xhost_write",
             "size": 0, "batch": 1, "gbps": round(bps / 8e9, 4), "ops_per_s": 0.0,
             "p50_us": 0.0, "p99_us": 0.0, "streams": streams,
-            "retrans": int(res.get("sum_sent", {}).get("retransmits", 0))}
+            "retrans": int(res.get("sum_sent", {}).get("retransmits", 0)),
+            "bytes": int(res["sum_received"].get("bytes", 0))}
 
 
 def run_cross_host(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The cross-host mode (see the section comment): returns the records."""
     import shutil
-    import signal
     import tempfile
 
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.join(os.path.dirname(here), "tests"))
-    from kvpool.core.config import parse_size
     from support.netns import Topology, cleanup_stale, probe
 
     cleanup_stale()
@@ -716,11 +716,48 @@ def run_cross_host(args: argparse.Namespace) -> list[dict[str, Any]]:
     if why is not None:
         raise SystemExit(f"cross-host mode needs network namespaces: {why}")
     records: list[dict[str, Any]] = []
-    holder_bytes = parse_size(args.holder_memory)
-    me = os.path.abspath(__file__)
     work = tempfile.mkdtemp(prefix="kvpool-bench-xhost-")
+    # a host id of this run only: its shared memory is found (and removed) by name
+    holder_id = f"xhost{os.getpid()}"
+    try:
+        with Topology(["holder", "client"], direct=args.link == "veth") as topo:
+            records += _xhost_kvpool(topo, args, work, holder_id)
+            if args.mooncake:
+                records += _xhost_mooncake(topo, args, work)
+            drops = _link_drops(topo)
+            records.append({"transport": "links", "op": "dropped", "size": 0, "batch": 1,
+                            "gbps": 0.0, "ops_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0,
+                            "mode": "cross-host", "drops": drops})
+            print(f"  link drops: {drops}", file=sys.stderr)
+    finally:
+        _remove_shm(holder_id)
+        shutil.rmtree(work, ignore_errors=True)
+    return records
+
+
+def _wait_file(path: str, what: str, logs: list[str], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready:\n" + "\n".join(_tail(f) for f in logs))
+        time.sleep(0.05)
+
+
+def _xhost_kvpool(topo: Any, args: argparse.Namespace, work: str,
+                  holder_id: str) -> list[dict[str, Any]]:
+    """kvpool's master and holder daemon on "holder", its clients on "client";
+    the limits of the link first. Everything it started is stopped on return."""
+    import signal
+
+    from kvpool.core.config import parse_size
+
+    holder, client = topo.host("holder"), topo.host("client")
+    me = os.path.abspath(__file__)
+    master = f"{holder.address}:{XHOST_PORT}"
+    holder_bytes = parse_size(args.holder_memory)
     helpers: list[_NsProc] = []
-    profiled: list[subprocess.Popen[Any]] = []
+    started: list[subprocess.Popen[Any]] = []
+    records: list[dict[str, Any]] = []
 
     def py(role: str) -> list[str]:
         """The interpreter, under ``py-spy record`` with --profile (one file per role)."""
@@ -731,89 +768,211 @@ def run_cross_host(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "-o", os.path.join(os.path.abspath(args.profile), f"{role}.txt"), "--",
                 sys.executable]
 
-    # a host id of this run only: its shared memory is found (and removed) by name
-    holder_id = f"xhost{os.getpid()}"
-    with Topology(["holder", "client"], direct=args.link == "veth") as topo:
-        holder, client = topo.host("holder"), topo.host("client")
-        hosts = [holder, client]
-        master = f"{holder.address}:{XHOST_PORT}"
-        daemon: subprocess.Popen[Any] | None = None
-        try:
-            mlog = open(os.path.join(work, "master.log"), "ab")
-            profiled.append(holder.popen(
-                [*py("master"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING", "master",
-                 "--host", holder.address, "--port", str(XHOST_PORT), "--metrics-port", "0",
-                 "--data-dir", os.path.join(work, "data"), "--curve", "off"],
-                stdout=mlog, stderr=subprocess.STDOUT))
-            ready = os.path.join(work, "holder.ready")
-            dlog = open(os.path.join(work, "holder.log"), "ab")
-            daemon = holder.popen(
-                [*py("holder"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING", "client",
-                 "--master", master, "--memory", str(holder_bytes), "--host-id", holder_id,
-                 "--bind-host", holder.address, "--ready-file", ready, "--curve", "off"],
-                stdout=dlog, stderr=subprocess.STDOUT)
-            profiled.append(daemon)
-            sock = holder.popen([sys.executable, me, "--xhost-sockserver", holder.address],
-                                stdout=subprocess.PIPE, text=True)
-            assert sock.stdout is not None
-            sock_port = int(sock.stdout.readline())
-            deadline = time.monotonic() + 60
-            while not os.path.exists(ready):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("holder daemon not ready:\n"
-                                       + _tail(os.path.join(work, "holder.log"))
-                                       + _tail(os.path.join(work, "master.log")))
-                time.sleep(0.05)
-            prober = _NsProc(client, [sys.executable, me, "--xhost-prober", master],
-                             os.path.join(work, "prober.log"))
-            helpers.append(prober)
-            workers = {}
-            for role in ("putter", "getter"):
-                workers[role] = _NsProc(client, [*py(role), me, "--xhost-worker", master,
-                                                 "client", client.address],
-                                        os.path.join(work, f"{role}.log"))
-                helpers.append(workers[role])
-            if not args.no_limits:
-                records += _xhost_limits(topo, prober, holder.address, sock_port, args)
-            for size in args.sizes:
-                for batch, ops in ((1, SINGLE_OPS), (args.batch, BATCH_OPS)):
-                    n = _iters(size * batch, args.bytes_per_op, 3, args.max_iters)
-                    n = max(3, n // batch) if batch > 1 and size < (64 << 10) else n
-                    n = max(1, min(n, int(0.8 * holder_bytes) // (size * batch)))
-                    for op in ops:
-                        if args.ops and op not in args.ops and WRITE_OF.get(op) not in args.ops:
-                            continue
-                        if op in WRITE_OF:
-                            tag = f"x/{WRITE_OF[op]}/{size}/{batch}"
-                            role = "getter"
-                        else:
-                            prober.ask("remove_all")
-                            tag = f"x/{op}/{size}/{batch}"
-                            role = "putter"
-                        ctr = _Counters(hosts)
-                        rec = workers[role].ask("run", "tcp", op, size, batch, n, tag,
-                                                timeout=args.op_timeout)
-                        rec["tcp"] = ctr.delta()
-                        rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
-                        rec["mode"] = "cross-host"
-                        records.append(rec)
-                        _show(rec)
-            drops = _link_drops(topo)
-            records.append({"transport": "links", "op": "dropped", "size": 0, "batch": 1,
-                            "gbps": 0.0, "ops_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0,
-                            "mode": "cross-host", "drops": drops})
-            print(f"  link drops: {drops}", file=sys.stderr)
-        finally:
-            for h in helpers:
-                h.close()
-            if args.profile:  # py-spy writes its file on SIGINT
-                for p in profiled:
-                    topo.kill(p, signal.SIGINT, wait_s=30)
-            if daemon is not None:  # a clean stop unmounts and unlinks its segment
-                topo.kill(daemon, signal.SIGTERM, wait_s=20)
-    _remove_shm(holder_id)
-    shutil.rmtree(work, ignore_errors=True)
+    daemon: subprocess.Popen[Any] | None = None
+    try:
+        mlog = open(os.path.join(work, "master.log"), "ab")
+        started.append(holder.popen(
+            [*py("master"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING", "master",
+             "--host", holder.address, "--port", str(XHOST_PORT), "--metrics-port", "0",
+             "--data-dir", os.path.join(work, "data"), "--curve", "off"],
+            stdout=mlog, stderr=subprocess.STDOUT))
+        ready = os.path.join(work, "holder.ready")
+        dlog = open(os.path.join(work, "holder.log"), "ab")
+        daemon = holder.popen(
+            [*py("holder"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING", "client",
+             "--master", master, "--memory", str(holder_bytes), "--host-id", holder_id,
+             "--bind-host", holder.address, "--ready-file", ready, "--curve", "off"],
+            stdout=dlog, stderr=subprocess.STDOUT)
+        started.append(daemon)
+        sock = holder.popen([sys.executable, me, "--xhost-sockserver", holder.address],
+                            stdout=subprocess.PIPE, text=True)
+        started.append(sock)
+        assert sock.stdout is not None
+        sock_port = int(sock.stdout.readline())
+        _wait_file(ready, "holder daemon", [os.path.join(work, "holder.log"),
+                                             os.path.join(work, "master.log")])
+        prober = _NsProc(client, [sys.executable, me, "--xhost-prober", master],
+                         os.path.join(work, "prober.log"))
+        helpers.append(prober)
+        workers = {}
+        for role in ("putter", "getter"):
+            workers[role] = _NsProc(client, [*py(role), me, "--xhost-worker", master,
+                                             "client", client.address],
+                                    os.path.join(work, f"{role}.log"))
+            helpers.append(workers[role])
+        if not args.no_limits:
+            records += _xhost_limits(topo, prober, holder.address, sock_port, args)
+        records += _xhost_ops(topo, args, "tcp", workers, lambda: prober.ask("remove_all"),
+                              holder_bytes)
+    finally:
+        for h in helpers:
+            h.close()
+        if args.profile:  # py-spy writes its file on SIGINT
+            for p in started:
+                topo.kill(p, signal.SIGINT, wait_s=30)
+        if daemon is not None:  # a clean stop unmounts and unlinks its segment
+            topo.kill(daemon, signal.SIGTERM, wait_s=20)
+        for p in started:
+            topo.kill(p)
     return records
+
+
+def _xhost_ops(topo: Any, args: argparse.Namespace, transport: str,
+               workers: dict[str, _NsProc], remove_all: Any,
+               holder_bytes: int) -> list[dict[str, Any]]:
+    """Every (size, op) measurement through ``workers`` ("putter" writes, "getter"
+    reads back what its write form stored), with the hosts' TCP counters."""
+    hosts = [topo.host("holder"), topo.host("client")]
+    records = []
+    for size in args.sizes:
+        for batch, ops in ((1, SINGLE_OPS), (args.batch, BATCH_OPS)):
+            n = _iters(size * batch, args.bytes_per_op, 3, args.max_iters)
+            n = max(3, n // batch) if batch > 1 and size < (64 << 10) else n
+            n = max(1, min(n, int(0.8 * holder_bytes) // (size * batch)))
+            for op in ops:
+                if args.ops and op not in args.ops and WRITE_OF.get(op) not in args.ops:
+                    continue
+                if op in WRITE_OF:
+                    tag = f"x/{WRITE_OF[op]}/{size}/{batch}"
+                    role = "getter"
+                else:
+                    remove_all()
+                    tag = f"x/{op}/{size}/{batch}"
+                    role = "putter"
+                ctr = _Counters(hosts)
+                rec = workers[role].ask("run", transport, op, size, batch, n, tag,
+                                        timeout=args.op_timeout)
+                rec["tcp"] = ctr.delta()
+                rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
+                rec["bytes"] = n * batch * size
+                rec["mode"] = "cross-host"
+                records.append(rec)
+                _show(rec)
+    return records
+
+
+def _xhost_mooncake(topo: Any, args: argparse.Namespace, work: str) -> list[dict[str, Any]]:
+    """The same measurements through Mooncake (``--mooncake PYTHON``: an interpreter
+    with mooncake-transfer-engine installed, ``mooncake_master`` beside it): its
+    master and a holder contributing the same memory on "holder", two clients on
+    "client", protocol tcp, P2PHANDSHAKE metadata. Records have transport
+    "mooncake"."""
+    from kvpool.core.config import parse_size
+
+    holder, client = topo.host("holder"), topo.host("client")
+    me = os.path.abspath(__file__)
+    mpy = args.mooncake
+    master_bin = os.path.join(os.path.dirname(mpy), "mooncake_master")
+    master = f"{holder.address}:{XHOST_PORT + 1}"
+    holder_bytes = parse_size(args.holder_memory)
+    helpers: list[_NsProc] = []
+    started: list[subprocess.Popen[Any]] = []
+    try:
+        started.append(holder.popen(
+            [master_bin, f"--rpc_port={XHOST_PORT + 1}", "--enable_http_metadata_server=false",
+             "--metrics_port=19003"], stdout=open(os.path.join(work, "mc-master.log"), "ab"),
+            stderr=subprocess.STDOUT))
+        ready = os.path.join(work, "mc-holder.ready")
+        started.append(holder.popen(
+            [mpy, me, "--xhost-mc-holder", holder.address, master, str(holder_bytes), ready],
+            stdout=open(os.path.join(work, "mc-holder.log"), "ab"), stderr=subprocess.STDOUT))
+        _wait_file(ready, "Mooncake holder", [os.path.join(work, "mc-holder.log"),
+                                               os.path.join(work, "mc-master.log")])
+        workers = {}
+        for role in ("putter", "getter"):
+            workers[role] = _NsProc(client, [mpy, me, "--xhost-mc-worker", master,
+                                             client.address],
+                                    os.path.join(work, f"mc-{role}.log"))
+            helpers.append(workers[role])
+        return _xhost_ops(topo, args, "mooncake", workers,
+                          lambda: workers["putter"].ask("remove_all"), holder_bytes)
+    finally:
+        for h in helpers:
+            h.close()
+        for p in started:
+            topo.kill(p)
+
+
+def _xhost_mc_holder() -> None:
+    """In the holder namespace, under Mooncake's interpreter: contribute memory."""
+    from mooncake.store import MooncakeDistributedStore
+
+    i = sys.argv.index("--xhost-mc-holder")
+    addr, master, size, ready = sys.argv[i + 1:i + 5]
+    s = MooncakeDistributedStore()
+    rc = s.setup(addr, "P2PHANDSHAKE", int(size), 16 << 20, "tcp", "", master)
+    if rc != 0:
+        raise SystemExit(f"Mooncake holder setup returned {rc}")
+    with open(ready, "w") as f:
+        f.write("ok")
+    threading.Event().wait()
+
+
+def _xhost_mc_worker() -> None:
+    """In the client namespace, under Mooncake's interpreter: the local mode's
+    worker protocol (("run", transport, op, size, batch, n, tag) -> record;
+    ("remove_all",); ("quit",)) through Mooncake's MooncakeDistributedStore."""
+    from mooncake.store import MooncakeDistributedStore
+
+    conn = _StdioConn()
+    i = sys.argv.index("--xhost-mc-worker")
+    master, addr = sys.argv[i + 1:i + 3]
+    s = MooncakeDistributedStore()
+    # the local buffer holds get()/get_batch() results and put() staging
+    rc = s.setup(addr, "P2PHANDSHAKE", 0, 1 << 30, "tcp", "", master)
+    if rc != 0:
+        conn.send({"error": f"Mooncake setup returned {rc}"})
+        return
+    for k in range(200):  # warm-up, as the kvpool worker does
+        s.is_exist(f"bench-warmup/{k}")
+    bufs: dict[tuple[int, int], list[np.ndarray]] = {}
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "quit":
+                break
+            if msg[0] == "remove_all":
+                conn.send({"removed": s.remove_all()})
+                continue
+            _, transport, op, size, batch, n, tag = msg
+            if (size, batch) not in bufs:
+                arrs = [np.random.default_rng(j).integers(0, 256, size, dtype=np.uint8)
+                        for j in range(batch)]
+                for a in arrs:
+                    assert s.register_buffer(a.ctypes.data, a.nbytes) == 0
+                bufs[(size, batch)] = arrs
+            arrs = bufs[(size, batch)]
+            ptrs, sizes = [a.ctypes.data for a in arrs], [size] * batch
+            values = [a.tobytes() for a in arrs] if op in ("put", "put_batch") else []
+            lat: list[float] = []
+            t0 = time.perf_counter()
+            for it in range(n):
+                keys = [f"{tag}/{it}/{j}" for j in range(batch)]
+                t = time.perf_counter()
+                if op == "put":
+                    assert s.put(keys[0], values[0]) == 0
+                elif op == "put_from":
+                    assert s.put_from(keys[0], ptrs[0], size) == 0
+                elif op == "get":
+                    assert len(s.get(keys[0])) == size
+                elif op == "get_into":
+                    assert s.get_into(keys[0], ptrs[0], size) == size
+                elif op == "put_batch":
+                    assert s.put_batch(keys, values) == 0
+                elif op == "batch_put_from":
+                    codes = s.batch_put_from(keys, ptrs, sizes)
+                    assert all(x == 0 for x in codes), codes
+                elif op == "get_batch":
+                    assert all(len(v) == size for v in s.get_batch(keys))
+                elif op == "batch_get_into":
+                    res = s.batch_get_into(keys, ptrs, sizes)
+                    assert all(r == size for r in res), res
+                lat.append(time.perf_counter() - t)
+            conn.send(_record(transport, op, size, batch, lat, time.perf_counter() - t0))
+    except Exception as exc:  # report to the driver instead of hanging it
+        conn.send({"error": repr(exc)})
+    finally:
+        s.close()
 
 
 def _remove_shm(host_id: str) -> None:
@@ -852,6 +1011,21 @@ def _xhost_limits(topo: Any, prober: _NsProc, addr: str, port: int,
     return out
 
 
+def xhost_table(records: list[dict[str, Any]]) -> str:
+    """The table with the streams and the TCP retransmits (both hosts) of each record."""
+    head = f"{'transport':9} {'op':15} {'size':>9} {'batch':>5} {'GB/s':>8} {'keys/s':>10} " \
+           f"{'p50 us':>9} {'p99 us':>9} {'streams':>7} {'retrans':>8}"
+    lines = [head]
+    for r in records:
+        if r["transport"] == "links":
+            lines.append(f"links dropped: {r['drops']}")
+            continue
+        lines.append(f"{r['transport']:9} {r['op']:15} {r['size']:>9} {r['batch']:>5} "
+                     f"{r['gbps']:8.3f} {r['ops_per_s']:10.0f} {r['p50_us']:9.1f} "
+                     f"{r['p99_us']:9.1f} {r.get('streams', ''):>7} {r.get('retrans', ''):>8}")
+    return "\n".join(lines)
+
+
 def xhost_targets(records: list[dict[str, Any]], batch: int) -> list[tuple[str, float, float,
                                                                            bool]]:
     """(name, measured, target, ok) of the cross-host targets that were measured."""
@@ -872,11 +1046,31 @@ def xhost_targets(records: list[dict[str, Any]], batch: int) -> list[tuple[str, 
         r = _find(records, "tcp", op, 4096, batch)
         if r:
             out.append((f"4KiB {op} keys/s", r["ops_per_s"], 40000, r["ops_per_s"] >= 40000))
+            mc = _find(records, "mooncake", op, 4096, batch)
+            if mc and mc["ops_per_s"]:
+                ratio = r["ops_per_s"] / mc["ops_per_s"]
+                out.append((f"4KiB {op} / Mooncake", ratio, 2.0, ratio >= 2.0))
     r = _find(records, "tcp", "put", 4096)
     if r:
         out.append(("4KiB put p50 us", r["p50_us"], 200, r["p50_us"] <= 200))
-    retrans = sum(int(x.get("retrans", 0)) for x in records if x["transport"] == "tcp")
-    out.append(("store TCP retransmits (all ops)", retrans, 4000, retrans <= 4000))
+        mc = _find(records, "mooncake", "put", 4096)
+        if mc:
+            out.append(("4KiB put p50 us, Mooncake (info)", mc["p50_us"], 200,
+                        mc["p50_us"] <= 200))
+    # retransmits per GiB moved: the store's against iperf3's over the same link
+    per_gib = {}
+    for t in ("tcp", "mooncake", "iperf3"):
+        rs = [x for x in records if x["transport"] == t and x.get("bytes")]
+        moved = sum(x["bytes"] for x in rs)
+        if moved:
+            per_gib[t] = sum(int(x.get("retrans", 0)) for x in rs) / (moved / (1 << 30))
+    if "tcp" in per_gib:
+        ref = per_gib.get("iperf3", per_gib.get("mooncake"))
+        out.append(("TCP retransmits per GiB moved (info)", per_gib["tcp"],
+                    round(ref, 1) if ref is not None else 0.0,
+                    ref is None or per_gib["tcp"] <= 1.5 * ref))
+        if "mooncake" in per_gib:
+            out.append(("Mooncake retransmits per GiB (info)", per_gib["mooncake"], 0.0, True))
     return out
 
 
@@ -904,6 +1098,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="",
                    help="cross-host: py-spy record every kvpool process into this folder")
     p.add_argument("--py-spy", default="py-spy", help="the py-spy executable")
+    p.add_argument("--mooncake", default="",
+                   help="cross-host: also measure Mooncake; PYTHON of a venv with "
+                        "mooncake-transfer-engine (mooncake_master beside it)")
     p.add_argument("--link", choices=("bridge", "veth"), default="bridge",
                    help="cross-host: hosts on a Linux bridge (a switch) or one veth pair")
     args = p.parse_args(argv)
@@ -915,7 +1112,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(records, f, indent=1)
-    print(table(records))
+    print(xhost_table(records) if args.cross_host else table(records))
     print()
     for name, val, target, ok in (xhost_targets if args.cross_host else targets)(records,
                                                                                 args.batch):
@@ -928,7 +1125,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _HELPERS = {"--xhost-worker": _xhost_worker, "--xhost-prober": _xhost_prober,
-            "--xhost-sockserver": _xhost_sockserver}
+            "--xhost-sockserver": _xhost_sockserver, "--xhost-mc-holder": _xhost_mc_holder,
+            "--xhost-mc-worker": _xhost_mc_worker}
 
 if __name__ == "__main__":
     threading.current_thread().name = "bench"

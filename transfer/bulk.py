@@ -64,14 +64,11 @@ class _Stream:
     Headers are read through a 64 KiB buffer (one ``recv`` usually brings the
     length, the header and a small payload); payloads go straight into their
     destinations (``recvmsg_into``) once the buffered bytes are used up.
-    ``spin_s``: how long a read polls without sleeping before it blocks (a
-    sleeping thread's wake-up costs more than a short round trip on a busy host).
     """
 
-    def __init__(self, sock: socket.socket, max_header: int, spin_s: float = 0.0) -> None:
+    def __init__(self, sock: socket.socket, max_header: int) -> None:
         sock.setblocking(False)
         self.sock = sock
-        self.spin_s = spin_s
         self._buf = bytearray(max(_RBUF, 2 * (max_header + _HDR)))
         self._view = memoryview(self._buf)
         self._start = 0  # buffered, unread bytes: _buf[_start:_end]
@@ -89,7 +86,7 @@ class _Stream:
             if deadline - time.monotonic() <= 0:
                 raise TimeoutError
 
-    def _fill(self, deadline: float, spin: bool = False) -> bool:
+    def _fill(self, deadline: float) -> bool:
         """Read whatever has arrived into the buffer (at least one byte); False on EOF."""
         if self._start == self._end:
             self._start = self._end = 0
@@ -97,13 +94,10 @@ class _Stream:
             n = self._end - self._start
             self._buf[:n] = self._buf[self._start:self._end]
             self._start, self._end = 0, n
-        spin_end = time.perf_counter() + self.spin_s if spin and self.spin_s else 0.0
         while True:
             try:
                 k = self.sock.recv_into(self._view[self._end:])
             except BlockingIOError:
-                if spin_end and time.perf_counter() < spin_end:
-                    continue
                 self._wait(select.POLLIN, deadline)
                 continue
             if k == 0:
@@ -111,10 +105,10 @@ class _Stream:
             self._end += k
             return True
 
-    def read_frame(self, max_bytes: int, deadline: float, spin: bool = False) -> bytes | None:
+    def read_frame(self, max_bytes: int, deadline: float) -> bytes | None:
         """One length-prefixed header; None on a clean EOF before it."""
         while self._end - self._start < _HDR:
-            if not self._fill(deadline, spin):
+            if not self._fill(deadline):
                 if self._end == self._start:
                     return None
                 raise KVPoolError("connection closed inside a header",
@@ -343,11 +337,10 @@ class BulkClient:
     requests below it.
     """
 
-    def __init__(self, host: str, port: int, timeout: float, max_header: int = 4096,
-                 spin_s: float = 0.0) -> None:
+    def __init__(self, host: str, port: int, timeout: float, max_header: int = 4096) -> None:
         sock = socket.create_connection((host, port), timeout=max(0.01, timeout))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.stream = _Stream(sock, _REPLY_MAX, spin_s)
+        self.stream = _Stream(sock, _REPLY_MAX)
         self.broken = False
         self.max_header = max(256, max_header)
         self._ids = itertools.count(1)
@@ -400,7 +393,7 @@ class BulkClient:
                     bufs += [it.buffer.host_view(it.buffer_offset, it.length) for it in part]
                 stream.write(bufs, deadline)
             for part, rid in zip(reqs, ids, strict=True):
-                raw = stream.read_frame(_REPLY_MAX, deadline, spin=True)
+                raw = stream.read_frame(_REPLY_MAX, deadline)
                 rep = wire.decode_bulk_reply(raw) if raw is not None else None
                 if rep is None or rep.id != rid or len(rep.codes) != len(part):
                     raise ConnectionError("bulk reply out of step")
