@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import select
 import socket
 import threading
 import time
@@ -50,6 +49,17 @@ _IOV_MAX = 512  # buffers per sendmsg / recvmsg_into (Linux allows 1024)
 _MAX_ITEMS = 256  # ranges per request
 _REPLY_MAX = 1 << 16  # largest reply header a client accepts
 _RBUF = 1 << 17  # read buffer of a connection (holds any accepted header)
+# bytes one read asks for beyond what the header needs: a header and a small
+# payload arrive in one syscall, while a large payload is left in the socket to
+# be received straight into its destination (reading it through the buffer
+# halved 1 MiB READs on loopback: one more copy, and the sender stalls meanwhile)
+_FILL = 16 << 10
+_LARGE = 256 << 10  # a piece this large is sent / received on its own (no iovec)
+# every frame is padded to at least this many bytes: with ~23-byte frames in
+# front of each payload, 1 MiB requests over loopback ran at 0.6x of the old
+# 39-byte frames here, reproducibly (raw sockets show the same with headers of
+# 19 vs 39+ bytes); 64 bytes measured as fast as the old frames
+_MIN_FRAME = 64
 
 #: (op, segment id, offset, length, capability) -> the segment (anything with
 #: ``view()``, ``write_from()``, ``read_payload()``); raises KVPoolError to refuse.
@@ -57,56 +67,56 @@ RangeValidator = Callable[[TransferOp, str, int, int, bytes], Any]
 
 
 class _Stream:
-    """One non-blocking TCP connection with a read buffer and deadlines.
+    """One TCP connection with a read buffer and deadlines.
 
-    Every read or write tries the syscall first and waits (``poll``) only when
-    it would block: Python's own socket timeouts poll before *every* syscall.
-    Headers are read through a 64 KiB buffer (one ``recv`` usually brings the
-    length, the header and a small payload); payloads go straight into their
-    destinations (``recvmsg_into``) once the buffered bytes are used up.
+    The socket stays in Python's timeout mode (each blocking call polls, then
+    reads or writes in C; ``sendall`` loops in C). Headers are read through a
+    buffer: one ``recv`` usually brings the length, the header and a small
+    payload, but at most ``_FILL`` bytes beyond the header, so a large payload
+    stays in the socket and is received straight into its destination. Many
+    small pieces go out in one ``sendmsg`` and come in with one
+    ``recvmsg_into``; one large piece goes through ``sendall``/``recv_into``.
+    (A non-blocking socket with Python-level retry loops cost 2x the system
+    time per 1 MiB request here.)
     """
 
     def __init__(self, sock: socket.socket, max_header: int) -> None:
-        sock.setblocking(False)
         self.sock = sock
+        self._timeout = -1.0
         self._buf = bytearray(max(_RBUF, 2 * (max_header + _HDR)))
         self._view = memoryview(self._buf)
         self._start = 0  # buffered, unread bytes: _buf[_start:_end]
         self._end = 0
-        self._poll = select.poll()
-        self._poll.register(sock, select.POLLIN)
-        self._events = select.POLLIN
+        self._need = _HDR  # bytes the header being read needs in the buffer
 
-    def _wait(self, events: int, deadline: float) -> None:
-        if events != self._events:
-            self._poll.modify(self.sock, events)
-            self._events = events
+    def _arm(self, deadline: float) -> None:
+        """Set the socket timeout to what is left until ``deadline``."""
         left = deadline - time.monotonic()
-        if left <= 0 or not self._poll.poll(left * 1000 + 1):
-            if deadline - time.monotonic() <= 0:
-                raise TimeoutError
+        if left <= 0:
+            raise TimeoutError
+        if abs(left - self._timeout) > 0.05 * left:  # settimeout costs a syscall
+            self.sock.settimeout(left)
+            self._timeout = left
 
     def _fill(self, deadline: float) -> bool:
-        """Read whatever has arrived into the buffer (at least one byte); False on EOF."""
+        """Read what has arrived into the buffer (at least one byte); False on EOF."""
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._buf):  # make room: move the unread tail to the front
             n = self._end - self._start
             self._buf[:n] = self._buf[self._start:self._end]
             self._start, self._end = 0, n
-        while True:
-            try:
-                k = self.sock.recv_into(self._view[self._end:])
-            except BlockingIOError:
-                self._wait(select.POLLIN, deadline)
-                continue
-            if k == 0:
-                return False
-            self._end += k
-            return True
+        want = max(_FILL, self._need - (self._end - self._start))
+        self._arm(deadline)
+        k = self.sock.recv_into(self._view[self._end:self._end + want])
+        if k == 0:
+            return False
+        self._end += k
+        return True
 
     def read_frame(self, max_bytes: int, deadline: float) -> bytes | None:
         """One length-prefixed header; None on a clean EOF before it."""
+        self._need = _HDR
         while self._end - self._start < _HDR:
             if not self._fill(deadline):
                 if self._end == self._start:
@@ -116,6 +126,7 @@ class _Stream:
         n = int.from_bytes(self._buf[self._start:self._start + _HDR], "little")
         if n > max_bytes or _HDR + n > len(self._buf):
             raise KVPoolError(f"header of {n} bytes", ErrorCode.FRAME_TOO_LARGE)
+        self._need = _HDR + n
         while self._end - self._start < _HDR + n:
             if not self._fill(deadline):
                 raise KVPoolError("connection closed inside a header",
@@ -126,7 +137,7 @@ class _Stream:
 
     def read_into(self, views: list[memoryview], deadline: float) -> bool:
         """Fill every view in order: buffered bytes first, then straight from the
-        socket, many views per syscall; False on EOF."""
+        socket; False on EOF."""
         views = [v for v in views if len(v)]
         i = 0
         while i < len(views) and self._start < self._end:  # what the buffer holds
@@ -138,11 +149,11 @@ class _Stream:
             else:
                 views[i] = views[i][k:]
         while i < len(views):
-            try:
+            self._arm(deadline)
+            if len(views[i]) >= _LARGE or i == len(views) - 1:
+                n = self.sock.recv_into(views[i])  # one large piece: no iovec
+            else:
                 n = self.sock.recvmsg_into(views[i:i + _IOV_MAX])[0]
-            except BlockingIOError:
-                self._wait(select.POLLIN, deadline)
-                continue
             if n == 0:
                 return False
             while n:
@@ -155,15 +166,21 @@ class _Stream:
         return True
 
     def write(self, bufs: list[Any], deadline: float) -> None:
-        """Send every buffer in order, many per syscall."""
+        """Send every buffer in order: small ones gathered into one ``sendmsg``,
+        large ones with ``sendall``."""
         views = [memoryview(b).cast("B") for b in bufs if len(b)]
         i = 0
         while i < len(views):
-            try:
-                n = self.sock.sendmsg(views[i:i + _IOV_MAX])
-            except BlockingIOError:
-                self._wait(select.POLLOUT, deadline)
+            self._arm(deadline)
+            if len(views[i]) >= _LARGE:
+                self.sock.sendall(views[i])
+                i += 1
                 continue
+            j = i
+            while j < len(views) and j - i < _IOV_MAX and len(views[j]) < _LARGE:
+                j += 1
+            part = views[i:j]
+            n = self.sock.sendmsg(part)
             while n:
                 if n >= len(views[i]):
                     n -= len(views[i])
@@ -176,8 +193,12 @@ class _Stream:
         self.sock.close()
 
 
-def _frame(msg: Any) -> bytes:
+def _frame(msg: wire.BulkRequest | wire.BulkReply) -> bytes:
+    """``[u32 length][header]``, at least ``_MIN_FRAME`` bytes (``pad``)."""
     raw = wire.encode(msg)
+    if len(raw) + _HDR < _MIN_FRAME:
+        msg.pad = bytes(_MIN_FRAME - _HDR - len(raw))  # an empty pad is already encoded
+        raw = wire.encode(msg)
     return len(raw).to_bytes(_HDR, "little") + raw
 
 

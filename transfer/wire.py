@@ -111,20 +111,23 @@ class BulkItem(msgspec.Struct, array_like=True, gc=False):
 
 
 class BulkRequest(msgspec.Struct, array_like=True, gc=False):
-    """``op`` (READ or WRITE) on every item, in order."""
+    """``op`` (READ or WRITE) on every item, in order; ``pad`` is ignored (it
+    keeps short frames at a minimum size, see :mod:`kvpool.transfer.bulk`)."""
 
     id: int
     op: int
     items: list[BulkItem]
+    pad: bytes = b""
 
 
 class BulkReply(msgspec.Struct, array_like=True, gc=False):
     """One :class:`ErrorCode` value per item of request ``id``; ``err`` says why
-    the first refused item was refused."""
+    the first refused item was refused; ``pad`` is ignored."""
 
     id: int
     codes: list[int]
     err: str = ""
+    pad: bytes = b""
 
 
 _encoder = msgspec.msgpack.Encoder()
