@@ -17,6 +17,14 @@ table and the targets:
 - single 4 KiB put p50 <= 120 us.
 
     .venv/bin/python scripts/bench_store.py --json out/bench_store.json [--plot out/bench_store.png]
+
+Cross-host mode (root; see the "cross-host mode" section below): the holder
+in one network namespace, the clients in another, tcp over veth, with
+iperf3 / socket-stream limits, TCP retransmits and, optionally, Mooncake
+measured the same way in the same run::
+
+    .venv/bin/python scripts/bench_store.py --cross-host --json out/xhost.json \
+        [--mooncake /path/to/venv/bin/python] [--link veth] [--rps] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -733,6 +741,8 @@ def run_cross_host(args: argparse.Namespace) -> list[dict[str, Any]]:
     holder_id = f"xhost{os.getpid()}"
     try:
         with Topology(["holder", "client"], direct=args.link == "veth") as topo:
+            if args.rps:
+                _steer_flows(topo)
             records += _xhost_kvpool(topo, args, work, holder_id)
             if args.mooncake:
                 records += _xhost_mooncake(topo, args, work)
@@ -745,6 +755,24 @@ def run_cross_host(args: argparse.Namespace) -> list[dict[str, Any]]:
         _remove_shm(holder_id)
         shutil.rmtree(work, ignore_errors=True)
     return records
+
+
+def _steer_flows(topo: Any) -> None:
+    """RPS on every link of the topology: each flow's packets are processed on one
+    CPU chosen by its hash, as a NIC's per-flow queue keeps them in order. By
+    default veth queues a packet on the sending CPU, so a sender that migrates
+    between CPUs mid-stream can reorder its own packets (and TCP retransmits
+    segments that were only late: DSACKed, TCPSACKReorder)."""
+    mask = format((1 << (os.cpu_count() or 1)) - 1, "x")
+    for ns in topo.netns_names():
+        r = subprocess.run(["ip", "-n", ns, "-j", "link", "show"], capture_output=True,
+                           text=True, timeout=10)
+        for link in json.loads(r.stdout or "[]"):
+            name = link.get("ifname", "")
+            if name and name != "lo" and link.get("link_type") != "loopback":
+                subprocess.run(["ip", "netns", "exec", ns, "sh", "-c",
+                                f"echo {mask} > /sys/class/net/{name}/queues/rx-0/rps_cpus"],
+                               capture_output=True, timeout=10)
 
 
 def _wait_file(path: str, what: str, logs: list[str], timeout: float = 60.0) -> None:
@@ -1123,6 +1151,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mooncake", default="",
                    help="cross-host: also measure Mooncake; PYTHON of a venv with "
                         "mooncake-transfer-engine (mooncake_master beside it)")
+    p.add_argument("--rps", action="store_true",
+                   help="cross-host: steer each flow to one CPU (RPS) as a NIC queue would: "
+                        "no veth reordering, no spurious retransmits")
     p.add_argument("--link", choices=("bridge", "veth"), default="bridge",
                    help="cross-host: hosts on a Linux bridge (a switch) or one veth pair")
     args = p.parse_args(argv)
