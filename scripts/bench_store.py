@@ -308,9 +308,10 @@ def _show(rec: dict[str, Any]) -> None:
 
 def _find(records: list[dict[str, Any]], transport: str, op: str, size: int,
           batch: int = 1) -> dict[str, Any] | None:
+    """The record of a measurement (None when missing, failed or errored)."""
     for r in records:
         if (r["transport"], r["op"], r["size"], r["batch"]) == (transport, op, size, batch):
-            return r
+            return None if r.get("failed") or r.get("error") else r
     return None
 
 
@@ -921,8 +922,11 @@ def _xhost_mooncake(topo: Any, args: argparse.Namespace, work: str) -> list[dict
              "--metrics_port=19003"], stdout=open(os.path.join(work, "mc-master.log"), "ab"),
             stderr=subprocess.STDOUT))
         ready = os.path.join(work, "mc-holder.ready")
+        # twice kvpool's memory: Mooncake's remove_all leaves leased objects (lease
+        # TTL) behind, and with the same size its 16 MiB x 32 puts ran out of space
         started.append(holder.popen(
-            [mpy, me, "--xhost-mc-holder", holder.address, master, str(holder_bytes), ready],
+            [mpy, me, "--xhost-mc-holder", holder.address, master, str(2 * holder_bytes),
+             ready],
             stdout=open(os.path.join(work, "mc-holder.log"), "ab"), stderr=subprocess.STDOUT))
         _wait_file(ready, "Mooncake holder", [os.path.join(work, "mc-holder.log"),
                                                os.path.join(work, "mc-master.log")])
@@ -1070,9 +1074,12 @@ def xhost_table(records: list[dict[str, Any]]) -> str:
         if r["transport"] == "links":
             lines.append(f"links dropped: {r['drops']}")
             continue
+        bad = f"  FAILED {r['failed']} keys" if r.get("failed") else \
+            (f"  ERROR {r['error'][:60]}" if r.get("error") else "")
         lines.append(f"{r['transport']:9} {r['op']:15} {r['size']:>9} {r['batch']:>5} "
                      f"{r['gbps']:8.3f} {r['ops_per_s']:10.0f} {r['p50_us']:9.1f} "
-                     f"{r['p99_us']:9.1f} {r.get('streams', ''):>7} {r.get('retrans', ''):>8}")
+                     f"{r['p99_us']:9.1f} {r.get('streams', ''):>7} {r.get('retrans', ''):>8}"
+                     f"{bad}")
     return "\n".join(lines)
 
 
