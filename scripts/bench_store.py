@@ -724,7 +724,12 @@ def _iperf3(topo: Any, streams: int, seconds: float, reverse: bool) -> dict[str,
 
 
 def run_cross_host(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The cross-host mode (see the section comment): returns the records."""
+    """The cross-host mode (see the section comment): returns the records.
+
+    kvpool (and Mooncake with ``--mooncake``) run side by side on the same two
+    hosts; for each size the link's limits are measured first, then kvpool's
+    ops, then Mooncake's, so the load of this shared machine skews them alike.
+    """
     import shutil
     import tempfile
 
@@ -744,9 +749,27 @@ def run_cross_host(args: argparse.Namespace) -> list[dict[str, Any]]:
         with Topology(["holder", "client"], direct=args.link == "veth") as topo:
             if args.rps:
                 _steer_flows(topo)
-            records += _xhost_kvpool(topo, args, work, holder_id)
-            if args.mooncake:
-                records += _xhost_mooncake(topo, args, work)
+            kv = _KvpoolSide(topo, args, work, holder_id)
+            mc = _MooncakeSide(topo, args, work) if args.mooncake else None
+            try:
+                kv.start()
+                if mc is not None:
+                    mc.start()
+                if not args.no_limits:
+                    records.append(_show_x(kv.prober.ask("rtt", kv.holder.address,
+                                                          kv.sock_port, 4096, 2000)))
+                for size in args.sizes:
+                    if not args.no_limits:
+                        records += _xhost_limits(topo, kv, size, args)
+                    records += _xhost_ops(topo, args, "tcp", kv.workers, kv.remove_all,
+                                          kv.holder_bytes, size)
+                    if mc is not None:
+                        records += _xhost_ops(topo, args, "mooncake", mc.workers,
+                                              mc.remove_all, kv.holder_bytes, size)
+            finally:
+                if mc is not None:
+                    mc.stop()
+                kv.stop()
             drops = _link_drops(topo)
             records.append({"transport": "links", "op": "dropped", "size": 0, "batch": 1,
                             "gbps": 0.0, "ops_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0,
@@ -756,6 +779,12 @@ def run_cross_host(args: argparse.Namespace) -> list[dict[str, Any]]:
         _remove_shm(holder_id)
         shutil.rmtree(work, ignore_errors=True)
     return records
+
+
+def _show_x(rec: dict[str, Any]) -> dict[str, Any]:
+    rec["mode"] = "cross-host"
+    _show(rec)
+    return rec
 
 
 def _steer_flows(topo: Any) -> None:
@@ -784,24 +813,27 @@ def _wait_file(path: str, what: str, logs: list[str], timeout: float = 60.0) -> 
         time.sleep(0.05)
 
 
-def _xhost_kvpool(topo: Any, args: argparse.Namespace, work: str,
-                  holder_id: str) -> list[dict[str, Any]]:
-    """kvpool's master and holder daemon on "holder", its clients on "client";
-    the limits of the link first. Everything it started is stopped on return."""
-    import signal
+class _KvpoolSide:
+    """kvpool's master and holder daemon on "holder"; a socket peer for the limits
+    beside them; a prober and two store-client workers on "client"."""
 
-    from kvpool.core.config import parse_size
+    def __init__(self, topo: Any, args: argparse.Namespace, work: str,
+                 holder_id: str) -> None:
+        from kvpool.core.config import parse_size
 
-    holder, client = topo.host("holder"), topo.host("client")
-    me = os.path.abspath(__file__)
-    master = f"{holder.address}:{XHOST_PORT}"
-    holder_bytes = parse_size(args.holder_memory)
-    helpers: list[_NsProc] = []
-    started: list[subprocess.Popen[Any]] = []
-    records: list[dict[str, Any]] = []
+        self.topo, self.args, self.work, self.holder_id = topo, args, work, holder_id
+        self.holder, self.client = topo.host("holder"), topo.host("client")
+        self.master = f"{self.holder.address}:{XHOST_PORT}"
+        self.holder_bytes = parse_size(args.holder_memory)
+        self.helpers: list[_NsProc] = []
+        self.started: list[subprocess.Popen[Any]] = []
+        self.daemon: subprocess.Popen[Any] | None = None
+        self.workers: dict[str, _NsProc] = {}
+        self.sock_port = 0
 
-    def py(role: str) -> list[str]:
+    def _py(self, role: str) -> list[str]:
         """The interpreter, under ``py-spy record`` with --profile (one file per role)."""
+        args = self.args
         if not args.profile:
             return [sys.executable]
         os.makedirs(args.profile, exist_ok=True)
@@ -809,140 +841,142 @@ def _xhost_kvpool(topo: Any, args: argparse.Namespace, work: str,
                 "-o", os.path.join(os.path.abspath(args.profile), f"{role}.txt"), "--",
                 sys.executable]
 
-    daemon: subprocess.Popen[Any] | None = None
-    try:
+    def start(self) -> None:
+        me, work, holder = os.path.abspath(__file__), self.work, self.holder
         mlog = open(os.path.join(work, "master.log"), "ab")
-        started.append(holder.popen(
-            [*py("master"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING", "master",
-             "--host", holder.address, "--port", str(XHOST_PORT), "--metrics-port", "0",
-             "--data-dir", os.path.join(work, "data"), "--curve", "off"],
+        self.started.append(holder.popen(
+            [*self._py("master"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING",
+             "master", "--host", holder.address, "--port", str(XHOST_PORT), "--metrics-port",
+             "0", "--data-dir", os.path.join(work, "data"), "--curve", "off"],
             stdout=mlog, stderr=subprocess.STDOUT))
         ready = os.path.join(work, "holder.ready")
         dlog = open(os.path.join(work, "holder.log"), "ab")
-        daemon = holder.popen(
-            [*py("holder"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING", "client",
-             "--master", master, "--memory", str(holder_bytes), "--host-id", holder_id,
-             "--bind-host", holder.address, "--ready-file", ready, "--curve", "off"],
-            stdout=dlog, stderr=subprocess.STDOUT)
-        started.append(daemon)
+        self.daemon = holder.popen(
+            [*self._py("holder"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING",
+             "client", "--master", self.master, "--memory", str(self.holder_bytes),
+             "--host-id", self.holder_id, "--bind-host", holder.address, "--ready-file", ready,
+             "--curve", "off"], stdout=dlog, stderr=subprocess.STDOUT)
+        self.started.append(self.daemon)
         sock = holder.popen([sys.executable, me, "--xhost-sockserver", holder.address],
                             stdout=subprocess.PIPE, text=True)
-        started.append(sock)
+        self.started.append(sock)
         assert sock.stdout is not None
-        sock_port = int(sock.stdout.readline())
+        self.sock_port = int(sock.stdout.readline())
         _wait_file(ready, "holder daemon", [os.path.join(work, "holder.log"),
                                              os.path.join(work, "master.log")])
-        prober = _NsProc(client, [sys.executable, me, "--xhost-prober", master],
-                         os.path.join(work, "prober.log"))
-        helpers.append(prober)
-        workers = {}
+        self.prober = _NsProc(self.client, [sys.executable, me, "--xhost-prober", self.master],
+                              os.path.join(work, "prober.log"))
+        self.helpers.append(self.prober)
         for role in ("putter", "getter"):
-            workers[role] = _NsProc(client, [*py(role), me, "--xhost-worker", master,
-                                             "client", client.address],
-                                    os.path.join(work, f"{role}.log"))
-            helpers.append(workers[role])
-        if not args.no_limits:
-            records += _xhost_limits(topo, prober, holder.address, sock_port, args)
-        records += _xhost_ops(topo, args, "tcp", workers, lambda: prober.ask("remove_all"),
-                              holder_bytes)
-    finally:
-        for h in helpers:
+            self.workers[role] = _NsProc(
+                self.client, [*self._py(role), me, "--xhost-worker", self.master, "client",
+                              self.client.address], os.path.join(work, f"{role}.log"))
+            self.helpers.append(self.workers[role])
+
+    def remove_all(self) -> None:
+        self.prober.ask("remove_all")
+
+    def stop(self) -> None:
+        """Stop everything it started (a clean SIGTERM first for the holder)."""
+        import signal
+
+        for h in self.helpers:
             h.close()
-        if args.profile:  # py-spy writes its file on SIGINT
-            for p in started:
-                topo.kill(p, signal.SIGINT, wait_s=30)
-        if daemon is not None:  # a clean stop unmounts and unlinks its segment
-            topo.kill(daemon, signal.SIGTERM, wait_s=20)
-        for p in started:
-            topo.kill(p)
-    return records
+        if self.args.profile:  # py-spy writes its file on SIGINT
+            for p in self.started:
+                self.topo.kill(p, signal.SIGINT, wait_s=30)
+        if self.daemon is not None:  # a clean stop unmounts and unlinks its segment
+            self.topo.kill(self.daemon, signal.SIGTERM, wait_s=20)
+        for p in self.started:
+            self.topo.kill(p)
 
 
-def _xhost_ops(topo: Any, args: argparse.Namespace, transport: str,
-               workers: dict[str, _NsProc], remove_all: Any,
-               holder_bytes: int) -> list[dict[str, Any]]:
-    """Every (size, op) measurement through ``workers`` ("putter" writes, "getter"
-    reads back what its write form stored), with the hosts' TCP counters."""
-    hosts = [topo.host("holder"), topo.host("client")]
-    records = []
-    for size in args.sizes:
-        for batch, ops in ((1, SINGLE_OPS), (args.batch, BATCH_OPS)):
-            n = _iters(size * batch, args.bytes_per_op, 3, args.max_iters)
-            n = max(3, n // batch) if batch > 1 and size < (64 << 10) else n
-            n = max(1, min(n, int(0.8 * holder_bytes) // (size * batch)))
-            for op in ops:
-                if args.ops and op not in args.ops and WRITE_OF.get(op) not in args.ops:
-                    continue
-                if op in WRITE_OF:
-                    tag = f"x/{WRITE_OF[op]}/{size}/{batch}"
-                    role = "getter"
-                else:
-                    remove_all()
-                    tag = f"x/{op}/{size}/{batch}"
-                    role = "putter"
-                ctr = _Counters(hosts)
-                try:
-                    rec = workers[role].ask("run", transport, op, size, batch, n, tag,
-                                            timeout=args.op_timeout)
-                except RuntimeError as exc:  # recorded; the other measurements go on
-                    print(f"  {transport} {op} {size} x{batch}: {exc}", file=sys.stderr)
-                    records.append({"transport": transport, "op": op, "size": size,
-                                    "batch": batch, "gbps": 0.0, "ops_per_s": 0.0,
-                                    "p50_us": 0.0, "p99_us": 0.0, "mode": "cross-host",
-                                    "error": str(exc)})
-                    continue
-                rec["tcp"] = ctr.delta()
-                rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
-                rec["bytes"] = n * batch * size
-                rec["mode"] = "cross-host"
-                records.append(rec)
-                _show(rec)
-    return records
+class _MooncakeSide:
+    """Mooncake measured the same way (``--mooncake PYTHON``: an interpreter with
+    mooncake-transfer-engine installed, ``mooncake_master`` beside it): its master
+    and a holder on "holder", two clients on "client", protocol tcp,
+    P2PHANDSHAKE metadata. Records have transport "mooncake"."""
 
+    def __init__(self, topo: Any, args: argparse.Namespace, work: str) -> None:
+        from kvpool.core.config import parse_size
 
-def _xhost_mooncake(topo: Any, args: argparse.Namespace, work: str) -> list[dict[str, Any]]:
-    """The same measurements through Mooncake (``--mooncake PYTHON``: an interpreter
-    with mooncake-transfer-engine installed, ``mooncake_master`` beside it): its
-    master and a holder contributing the same memory on "holder", two clients on
-    "client", protocol tcp, P2PHANDSHAKE metadata. Records have transport
-    "mooncake"."""
-    from kvpool.core.config import parse_size
+        self.topo, self.args, self.work = topo, args, work
+        self.holder, self.client = topo.host("holder"), topo.host("client")
+        self.master = f"{self.holder.address}:{XHOST_PORT + 1}"
+        self.holder_bytes = parse_size(args.holder_memory)
+        self.helpers: list[_NsProc] = []
+        self.started: list[subprocess.Popen[Any]] = []
+        self.workers: dict[str, _NsProc] = {}
 
-    holder, client = topo.host("holder"), topo.host("client")
-    me = os.path.abspath(__file__)
-    mpy = args.mooncake
-    master_bin = os.path.join(os.path.dirname(mpy), "mooncake_master")
-    master = f"{holder.address}:{XHOST_PORT + 1}"
-    holder_bytes = parse_size(args.holder_memory)
-    helpers: list[_NsProc] = []
-    started: list[subprocess.Popen[Any]] = []
-    try:
-        started.append(holder.popen(
+    def start(self) -> None:
+        me, work, mpy = os.path.abspath(__file__), self.work, self.args.mooncake
+        master_bin = os.path.join(os.path.dirname(mpy), "mooncake_master")
+        self.started.append(self.holder.popen(
             [master_bin, f"--rpc_port={XHOST_PORT + 1}", "--enable_http_metadata_server=false",
              "--metrics_port=19003"], stdout=open(os.path.join(work, "mc-master.log"), "ab"),
             stderr=subprocess.STDOUT))
         ready = os.path.join(work, "mc-holder.ready")
         # twice kvpool's memory: Mooncake's remove_all leaves leased objects (lease
         # TTL) behind, and with the same size its 16 MiB x 32 puts ran out of space
-        started.append(holder.popen(
-            [mpy, me, "--xhost-mc-holder", holder.address, master, str(2 * holder_bytes),
-             ready],
+        self.started.append(self.holder.popen(
+            [mpy, me, "--xhost-mc-holder", self.holder.address, self.master,
+             str(2 * self.holder_bytes), ready],
             stdout=open(os.path.join(work, "mc-holder.log"), "ab"), stderr=subprocess.STDOUT))
         _wait_file(ready, "Mooncake holder", [os.path.join(work, "mc-holder.log"),
                                                os.path.join(work, "mc-master.log")])
-        workers = {}
         for role in ("putter", "getter"):
-            workers[role] = _NsProc(client, [mpy, me, "--xhost-mc-worker", master,
-                                             client.address],
-                                    os.path.join(work, f"mc-{role}.log"))
-            helpers.append(workers[role])
-        return _xhost_ops(topo, args, "mooncake", workers,
-                          lambda: workers["putter"].ask("remove_all"), holder_bytes)
-    finally:
-        for h in helpers:
+            self.workers[role] = _NsProc(self.client, [mpy, me, "--xhost-mc-worker",
+                                                       self.master, self.client.address],
+                                         os.path.join(work, f"mc-{role}.log"))
+            self.helpers.append(self.workers[role])
+
+    def remove_all(self) -> None:
+        self.workers["putter"].ask("remove_all")
+
+    def stop(self) -> None:
+        for h in self.helpers:
             h.close()
-        for p in started:
-            topo.kill(p)
+        for p in self.started:
+            self.topo.kill(p)
+
+
+def _xhost_ops(topo: Any, args: argparse.Namespace, transport: str,
+               workers: dict[str, _NsProc], remove_all: Any, holder_bytes: int,
+               size: int) -> list[dict[str, Any]]:
+    """Every op at ``size`` through ``workers`` ("putter" writes, "getter" reads
+    back what its write form stored), with the hosts' TCP counters."""
+    hosts = [topo.host("holder"), topo.host("client")]
+    records = []
+    for batch, ops in ((1, SINGLE_OPS), (args.batch, BATCH_OPS)):
+        n = _iters(size * batch, args.bytes_per_op, 3, args.max_iters)
+        n = max(3, n // batch) if batch > 1 and size < (64 << 10) else n
+        n = max(1, min(n, int(0.8 * holder_bytes) // (size * batch)))
+        for op in ops:
+            if args.ops and op not in args.ops and WRITE_OF.get(op) not in args.ops:
+                continue
+            if op in WRITE_OF:
+                tag = f"x/{WRITE_OF[op]}/{size}/{batch}"
+                role = "getter"
+            else:
+                remove_all()
+                tag = f"x/{op}/{size}/{batch}"
+                role = "putter"
+            ctr = _Counters(hosts)
+            try:
+                rec = workers[role].ask("run", transport, op, size, batch, n, tag,
+                                        timeout=args.op_timeout)
+            except RuntimeError as exc:  # recorded; the other measurements go on
+                print(f"  {transport} {op} {size} x{batch}: {exc}", file=sys.stderr)
+                records.append({"transport": transport, "op": op, "size": size,
+                                "batch": batch, "gbps": 0.0, "ops_per_s": 0.0,
+                                "p50_us": 0.0, "p99_us": 0.0, "mode": "cross-host",
+                                "error": str(exc)})
+                continue
+            rec["tcp"] = ctr.delta()
+            rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
+            rec["bytes"] = n * batch * size
+            records.append(_show_x(rec))
+    return records
 
 
 def _xhost_mc_holder() -> None:
@@ -1037,31 +1071,28 @@ def _remove_shm(host_id: str) -> None:
             os.unlink(path)
 
 
-def _xhost_limits(topo: Any, prober: _NsProc, addr: str, port: int,
+def _xhost_limits(topo: Any, kv: _KvpoolSide, size: int,
                   args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The physical limits of this run: iperf3, Python socket streams, round trip."""
+    """The link's limits right before the ops of ``size``: iperf3 both ways (its
+    records carry that size) and the Python socket streams of that size."""
     hosts = [topo.host("holder"), topo.host("client")]
     out: list[dict[str, Any]] = []
     for reverse in (False, True):
         ctr = _Counters(hosts)
         rec = _iperf3(topo, XHOST_STREAMS, args.limit_seconds, reverse)
         if rec is not None:
+            rec["size"] = size
             rec["tcp"] = ctr.delta()
             rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
-            out.append(rec)
-    for size in args.sizes:
-        for streams in sorted({1, XHOST_STREAMS}):
-            for op in ("write", "read"):
-                ctr = _Counters(hosts)
-                rec = prober.ask("streams", addr, port, streams, size,
-                                 min(args.limit_seconds, 2.0), op)
-                rec["tcp"] = ctr.delta()
-                rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
-                out.append(rec)
-    out.append(prober.ask("rtt", addr, port, 4096, 2000))
-    for rec in out:
-        rec["mode"] = "cross-host"
-        _show(rec)
+            out.append(_show_x(rec))
+    for streams in sorted({1, XHOST_STREAMS}):
+        for op in ("write", "read"):
+            ctr = _Counters(hosts)
+            rec = kv.prober.ask("streams", kv.holder.address, kv.sock_port, streams, size,
+                                min(args.limit_seconds, 2.0), op)
+            rec["tcp"] = ctr.delta()
+            rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
+            out.append(_show_x(rec))
     return out
 
 
@@ -1091,7 +1122,7 @@ def xhost_targets(records: list[dict[str, Any]], batch: int) -> list[tuple[str, 
     for op, lim_op in (("batch_put_from", "xhost_write"), ("batch_get_into", "xhost_read"),
                        ("put_from", "xhost_write"), ("get_into", "xhost_read")):
         r = _find(records, "tcp", op, big, batch if op.startswith("batch") else 1)
-        ip = _find(records, "iperf3", lim_op, 0)
+        ip = _find(records, "iperf3", lim_op, big)
         sk = [x for x in records if x["transport"] == "socket" and x["op"] == lim_op
               and x["size"] == big]
         lim = ip or (max(sk, key=lambda x: x["gbps"]) if sk else None)

@@ -187,3 +187,27 @@ def test_bulk_socket_garbage_and_op_query(make_peer: Any) -> None:
     assert r.id == 10 and r.codes == [ErrorCode.SEGMENT_NOT_FOUND] and rest == b""
     # the peer still serves over ZeroMQ
     assert peer.crc(0, 16) >= 0
+
+
+def test_lone_large_request_goes_over_parallel_stripes(make_engine: Any, make_peer: Any) -> None:
+    """A single request of >= 8 MiB is cut into page-aligned stripes, one per tcp
+    thread, each over its own bulk connection; it is reported once, bytes intact."""
+    seg = 48 * MiB
+    peer = make_peer(seg, host_id="far-away")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"threads": 2}}})
+    e.add_peer_segment(peer.desc)
+    tcp = _bulk_ready(e, peer)
+    n = 20 * MiB + 12345  # not a multiple of the stripe
+    src = np.random.default_rng(7).integers(0, 256, n + 3, dtype=np.uint8)
+    n0 = tcp.stats()["bulk_requests"]
+    st = e.transfer([TransferRequest(W, src, peer.segment_id, 4096 + 1, n, buffer_offset=3)],
+                    30)
+    assert st[0].ok and st[0].transport == "tcp", st
+    assert tcp.stats()["bulk_requests"] == n0 + 2  # two stripes
+    assert peer.crc(4096 + 1, n) == zlib.crc32(src[3:])
+    dst = np.zeros(n + 5, np.uint8)
+    st = e.transfer([TransferRequest(R, dst, peer.segment_id, 4096 + 1, n, buffer_offset=5)],
+                    30)
+    assert st[0].ok, st
+    assert zlib.crc32(dst[5:]) == zlib.crc32(src[3:])
+    assert tcp.stats()["bulk_requests"] == n0 + 4
