@@ -590,12 +590,13 @@ def _xhost_prober() -> None:
         try:
             if msg[0] == "quit":
                 return
-            if msg[0] == "remove_all":
-                from kvpool.core.protocol import Op
-                from kvpool.core.rpc_client import MasterClient
+            if msg[0] == "remove_all":  # through the store's public API
+                from kvpool.core.auth import CurveConfig
+                from kvpool.store import Client, ClientConfig
 
-                with MasterClient(master, timeout_s=30) as mc:
-                    conn.send({"removed": mc.call(Op.REMOVE_ALL, force=True).get("removed")})
+                with Client(ClientConfig(master_address=master, host_id="prober",
+                                         curve=CurveConfig(enabled=False))) as c:
+                    conn.send({"removed": c.remove_all(force=True)})
             elif msg[0] == "streams":
                 conn.send(_socket_streams(*msg[1:]))
             elif msg[0] == "rtt":
