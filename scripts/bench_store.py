@@ -585,18 +585,22 @@ def _xhost_prober() -> None:
     at the master, driven over stdin/stdout (_StdioConn)."""
     conn = _StdioConn()
     master = sys.argv[sys.argv.index("--xhost-prober") + 1]
+    store: Any = None
     while True:
         msg = conn.recv()
         try:
             if msg[0] == "quit":
+                if store is not None:
+                    store.close()
                 return
             if msg[0] == "remove_all":  # through the store's public API
-                from kvpool.core.auth import CurveConfig
-                from kvpool.store import Client, ClientConfig
+                if store is None:
+                    from kvpool.core.auth import CurveConfig
+                    from kvpool.store import Client, ClientConfig
 
-                with Client(ClientConfig(master_address=master, host_id="prober",
-                                         curve=CurveConfig(enabled=False))) as c:
-                    conn.send({"removed": c.remove_all(force=True)})
+                    store = Client(ClientConfig(master_address=master, host_id="prober",
+                                                curve=CurveConfig(enabled=False))).setup()
+                conn.send({"removed": store.remove_all(force=True)})
             elif msg[0] == "streams":
                 conn.send(_socket_streams(*msg[1:]))
             elif msg[0] == "rtt":
