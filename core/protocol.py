@@ -43,6 +43,7 @@ import msgpack
 import msgspec
 
 from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.events import ObjectStored, SegmentAdded
 
 __all__ = [
     "LOCAL_FRAME_HEADER",
@@ -70,6 +71,8 @@ __all__ = [
     "GetSegmentsReply",
     "GetSize",
     "GetSizeReply",
+    "ListObjects",
+    "ListObjectsReply",
     "ListSegments",
     "ListSegmentsReply",
     "LocalEndpoint",
@@ -146,6 +149,7 @@ class Op(IntEnum):
     GET_SEGMENTS = 52
     LOCAL_ENDPOINT = 53
     TIER_TASK_DONE = 60
+    LIST_OBJECTS = 70
 
 
 class SegmentKind(IntEnum):
@@ -600,6 +604,32 @@ class TierTaskDone(Request[Empty]):
     task_id: int
     ok: bool
     error: str = ""
+
+
+class ListObjectsReply(Reply):
+    """One page of the directory: complete objects with their replicas, as
+    the events describe them (:mod:`kvpool.core.events`). ``segments``: every
+    segment, on the first page only. ``next_cursor``: 0 when this was the
+    last page. ``stream``/``seq``/``epoch``: the event stream's position when
+    the page was taken (0 when events are off); a subscriber applies the
+    batches after the first page's ``seq``."""
+
+    objects: list[ObjectStored]
+    segments: list[SegmentAdded]
+    next_cursor: int
+    stream: int
+    seq: int
+    epoch: int
+
+
+@register(Op.LIST_OBJECTS, ListObjectsReply,
+          "a page of complete objects with their replicas (whole directory shards, about "
+          "limit objects; keys starting with prefix); cursor 0 starts, next_cursor 0 ends; "
+          "the resync of an events subscriber")
+class ListObjects(Request[ListObjectsReply]):
+    cursor: int = 0
+    limit: int = 4096
+    prefix: str = ""
 
 
 # ------------------------------------------------------------------ framing

@@ -17,6 +17,8 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--metrics-host", "metrics_host", str, "bind address of the admin HTTP server"),
     ("--metrics-port", "metrics_port", int, "admin HTTP port (default 9003; 0 disables)"),
     ("--data-dir", "data_dir", str, "journal + snapshots directory (durability)"),
+    ("--events-port", "events_port", int,
+     "publish object events (ZeroMQ PUB, docs/events.md) on this port (default 0: off)"),
     ("--lease-ttl-ms", "lease_ttl_ms", int, "read lease length (default 10000)"),
     ("--client-ttl-s", "client_ttl_s", float,
      "a client silent this long becomes suspect: no new placements (default 10)"),

@@ -80,6 +80,11 @@ class MasterConfig:
     # ZeroMQ CURVE on the RPC socket (kvpool.core.auth; docs/security.md):
     # auto = off on loopback binds, required on any other bind
     curve: CurveConfig = field(default_factory=CurveConfig)
+    # object events for routers (kvpool.master.events): a ZeroMQ PUB socket on
+    # host:events_port (0 = off); each subscriber may queue events_hwm messages,
+    # beyond that it misses messages (it sees a seq gap and resyncs)
+    events_port: int = 0
+    events_hwm: int = 10000
     # SSD tier (kvpool.master.tiering): offload on eviction, promotion, warm restart
     tiering: TieringConfig = field(default_factory=TieringConfig)
 
@@ -92,7 +97,7 @@ class MasterConfig:
         for name in ("lease_ttl_ms", "max_key_length", "max_batch_size", "max_frame_size",
                      "memory_alignment", "file_alignment", "expiry_slice", "purge_slice",
                      "max_replica_num", "snapshot_keep", "eviction_max_scan",
-                     "eviction_batch", "max_inflight_per_client"):
+                     "eviction_batch", "max_inflight_per_client", "events_hwm"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         for name in ("memory_alignment", "file_alignment"):
@@ -103,7 +108,7 @@ class MasterConfig:
             raise ConfigError("client_ttl_s must be > 0")
         if self.client_grace_s < 0:
             raise ConfigError("client_grace_s must be >= 0")
-        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+        if not all(0 <= p < 65536 for p in (self.port, self.metrics_port, self.events_port)):
             raise ConfigError("ports must be in [0, 65535]")
         if self.capability_ttl_ms < 0:
             raise ConfigError("capability_ttl_ms must be >= 0 (0 = lease_ttl_ms)")

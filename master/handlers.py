@@ -52,6 +52,8 @@ from kvpool.core.protocol import (
     GetSegmentsReply,
     GetSize,
     GetSizeReply,
+    ListObjects,
+    ListObjectsReply,
     ListSegments,
     ListSegmentsReply,
     LocalEndpoint,
@@ -87,6 +89,7 @@ from kvpool.core.protocol import (
 )
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, SegState
+from kvpool.master.events import list_objects
 from kvpool.master.stats import LoopStats, OpCounters
 from kvpool.master.tiering import TieringPolicy
 
@@ -131,6 +134,8 @@ class ServerInfo:
         self.local_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.curve = False
         self.curve_denied: Callable[[], int] = lambda: 0
+        #: (stream, seq, epoch) of the event stream (kvpool.master.events); zeros when off
+        self.events_position: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
 
 
 class _Grants:
@@ -644,3 +649,8 @@ class OpHandlers:
 
     def remove_all(self, req: RemoveAll) -> RemoveAllReply:
         return RemoveAllReply(self.dir.remove_all(req.force))
+
+    # ================================================================ events
+    def list_objects(self, req: ListObjects) -> ListObjectsReply:
+        self._count_one("list_objects")
+        return list_objects(self.dir, req, self.info.events_position())

@@ -150,6 +150,23 @@ class MasterCollector(Collector):
         g = GaugeMetricFamily("kvpool_master_max_loop_seconds", "longest loop iteration")
         g.add_metric([], st.max_loop_ms / 1000)
         yield g
+        ev = snap.events  # object events (docs/events.md); absent when off
+        if ev:
+            c = CounterMetricFamily("kvpool_master_events_batches", "event batches published")
+            c.add_metric([], ev["batches"])
+            yield c
+            c = CounterMetricFamily("kvpool_master_events", "object and segment events published")
+            c.add_metric([], ev["events"])
+            yield c
+            c = CounterMetricFamily(
+                "kvpool_master_events_dropped",
+                "event batches a subscriber's full queue refused (each starts a run of "
+                "messages that subscriber misses; it sees the seq gap and resyncs)")
+            c.add_metric([], ev["overflows"])
+            yield c
+            g = GaugeMetricFamily("kvpool_master_events_seq", "seq of the last event batch")
+            g.add_metric([], ev["seq"])
+            yield g
 
 
 def make_registry(server: StatsSource) -> CollectorRegistry:

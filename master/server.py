@@ -33,6 +33,7 @@ from kvpool.core.protocol import encode_error
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
 from kvpool.master.durability import Durability
+from kvpool.master.events import EventPublisher
 from kvpool.master.handlers import OpHandlers, ServerInfo
 from kvpool.master.local_rpc import LocalRpcServer, default_socket_path
 from kvpool.master.stats import MasterStats, copy_retrying
@@ -115,6 +116,13 @@ class MasterServer:
         if lr is not None:
             self.info.local_endpoint = lambda: (lr.path, lr.instance)
             self.info.local_counts = lambda: (lr.requests, lr.connections)
+        # object events (docs/events.md); HA sets ``self.events.term`` (epoch, or
+        # None while this master is not the serving leader)
+        self.events: EventPublisher | None = None
+        if cfg.events_port:
+            self.events = EventPublisher(cfg, self.ctx, self.dir)
+            self.durability.add_listener(self.events.on_commit)
+            self.info.events_position = self.events.position
         self._http: ThreadingHTTPServer | None = None
         self.metrics_port = 0
         if cfg.metrics_port:
@@ -131,7 +139,8 @@ class MasterServer:
 
         def take() -> MasterStats:
             return MasterStats(h.stats(), h.list_segments().segments, dict(c.ops),
-                               dict(c.key_ops), dict(c.errors), self.port)
+                               dict(c.key_ops), dict(c.errors), self.port,
+                               self.events.stats() if self.events is not None else {})
 
         return copy_retrying(take)
 
@@ -209,6 +218,7 @@ class MasterServer:
         local = self.local_rpc
         if local is not None:
             local.register(poller)
+        publisher = self.events
         # replies waiting for the ack gate (durability.set_ack_gate), oldest first
         held: collections.deque[tuple[int, list[list[bytes]], Any]] = collections.deque()
         next_expiry = next_sweep = next_freeze = time.monotonic()
@@ -265,6 +275,8 @@ class MasterServer:
                 while held and held[0][0] <= acked:
                     _no, replies, local_replies = held.popleft()
                     self._send(replies, local_replies)
+            if publisher is not None:  # after the replies: one batch per loop turn
+                publisher.flush(durability.acked(), now)
 
     def _send(self, replies: list[list[bytes]], local_replies: Any) -> None:
         send = self.sock.send_multipart
@@ -286,6 +298,9 @@ class MasterServer:
         if self.local_rpc is not None:
             self.local_rpc.close()
             self.local_rpc = None
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         self.sock.close(0)
         if self._auth is not None:
             self._auth.close()

@@ -60,6 +60,7 @@ class MasterStats:
     key_ops: dict[str, int]
     errors: dict[tuple[str, str], int]
     port: int
+    events: dict[str, int] = field(default_factory=dict)  # EventPublisher.stats(); {} when off
 
 
 def copy_retrying(fn: Callable[[], _T], tries: int = 10) -> _T:
