@@ -2,16 +2,17 @@
 
 A master started with ``--events-port P`` publishes every committed change
 of its directory on a ZeroMQ PUB socket (``tcp://HOST:P``;
-:mod:`kvpool.master.events` is the publisher). Each message is three frames::
-
-    [TOPIC, seq (8 bytes, big-endian), EventBatch (msgpack array)]
+:mod:`kvpool.master.events` is the publisher). Each message is one frame,
+``TOPIC`` followed by an :class:`EventBatch` as a msgpack array
+(:func:`encode_message` / :func:`decode_message`):
 
 - ``seq`` numbers the batches of one *stream* (one master process; a new
   leader is a new stream) from 1, without gaps. A batch with no events is a
-  heartbeat (sent after ``HEARTBEAT_S`` without changes): it repeats the
-  last seq, so a subscriber that missed a batch learns it within a second.
-- ``EventBatch.epoch`` is the HA term of the publishing leader (0 without
-  HA), ``stream`` a random id of the publisher.
+  heartbeat (sent after ``HEARTBEAT_S`` without changes, and at once to a
+  new subscriber): it repeats the last seq, so a subscriber that missed a
+  batch learns it within a second.
+- ``epoch`` is the HA term of the publishing leader (0 without HA),
+  ``stream`` a random id of the publisher.
 
 The events are the master's journal, translated: applying them in order to
 the result of a listing (``LIST_OBJECTS``) gives what the directory holds
@@ -59,8 +60,8 @@ __all__ = [
     "SegmentAdded",
     "SegmentRemoved",
     "Tier",
-    "decode_batch",
-    "encode_batch",
+    "decode_message",
+    "encode_message",
 ]
 
 log = logging.getLogger(__name__)
@@ -128,26 +129,35 @@ Event = ObjectStored | ObjectRemoved | ReplicaRemoved | SegmentAdded | SegmentRe
 
 
 class EventBatch(msgspec.Struct, array_like=True, gc=False):
-    """One message's payload: the events of one loop turn, in commit order."""
+    """One message: the events of one loop turn, in commit order (none: a heartbeat)."""
 
-    ts: float  # the master's wall clock when it was sent, seconds
-    epoch: int  # HA term of the publishing leader (0 without HA)
+    seq: int  # 1, 2, ... per stream; a heartbeat repeats the last one
     stream: int  # random id of the publisher; seq restarts at 1 with a new one
+    epoch: int  # HA term of the publishing leader (0 without HA)
+    ts: float  # the master's wall clock when it was sent, seconds
     events: list[Event]
 
 
-_encode = msgspec.msgpack.Encoder().encode
+_encode_into = msgspec.msgpack.Encoder().encode_into
 _decode = msgspec.msgpack.Decoder(EventBatch).decode
+_TOPIC_LEN = len(TOPIC)
 
 
-def encode_batch(batch: EventBatch) -> bytes:
-    return _encode(batch)
+def encode_message(batch: EventBatch) -> bytes:
+    """``TOPIC`` + the batch: one frame, what the master sends."""
+    buf = bytearray(TOPIC)
+    _encode_into(batch, buf, _TOPIC_LEN)
+    return bytes(buf)
 
 
-def decode_batch(payload: bytes | memoryview) -> EventBatch:
-    """Decode a payload; MALFORMED_FRAME if it is not an :class:`EventBatch`."""
+def decode_message(msg: bytes | memoryview) -> EventBatch:
+    """The batch of a message; MALFORMED_FRAME if it is not ``TOPIC`` + an
+    :class:`EventBatch`."""
+    view = memoryview(msg)
+    if bytes(view[:_TOPIC_LEN]) != TOPIC:
+        raise KVPoolError("not an events message", ErrorCode.MALFORMED_FRAME)
     try:
-        return _decode(payload)
+        return _decode(view[_TOPIC_LEN:])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise KVPoolError(f"malformed event batch: {exc}", ErrorCode.MALFORMED_FRAME) from None
 
@@ -272,24 +282,24 @@ class EventSubscriber:
         self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
 
     # ---------------------------------------------------------------- receiving
-    def _recv(self, timeout_s: float) -> tuple[int, EventBatch] | None:
+    def _recv(self, timeout_s: float) -> EventBatch | None:
         if not self.sock.poll(max(0, int(timeout_s * 1000))):
             return None
-        frames = self.sock.recv_multipart()
-        if len(frames) != 3 or frames[0] != TOPIC or len(frames[1]) != 8:
-            log.warning("ignoring a malformed events message (%d frames)", len(frames))
+        msg = self.sock.recv(copy=False)
+        try:
+            return decode_message(msg.buffer)
+        except KVPoolError as exc:
+            log.warning("ignoring an events message: %s", exc)
             return None
-        return int.from_bytes(frames[1], "big"), decode_batch(frames[2])
 
-    def _in_order(self, seq: int, batch: EventBatch) -> bool:
+    def _in_order(self, batch: EventBatch) -> bool:
         """Whether ``batch`` continues what was applied (same stream and epoch,
         seq + 1; a heartbeat repeats seq)."""
         if batch.stream != self.stream or batch.epoch != self.epoch:
             return False
-        return seq == self.seq if not batch.events else seq == self.seq + 1
+        return batch.seq == (self.seq + 1 if batch.events else self.seq)
 
-    def sync(self, timeout_s: float = 10.0,
-             first: tuple[int, EventBatch] | None = None) -> None:
+    def sync(self, timeout_s: float = 10.0, first: EventBatch | None = None) -> None:
         """Rebuild the view: one message (the subscription is live; the master
         greets a new subscriber at once), the listing, then the batches
         received meanwhile. RPC_TIMEOUT if no message arrives in ``timeout_s``;
@@ -327,17 +337,17 @@ class EventSubscriber:
         self.seq = list_seq
         self.resyncs += 1
         self._synced = True
-        for seq, batch in buffered:
+        for batch in buffered:
             if batch.stream != self.stream or batch.epoch != self.epoch:
                 self._synced = False  # another leader or publisher restart meanwhile
                 return
-            if seq <= self.seq:
+            if batch.seq <= self.seq:
                 continue  # already in the listing
-            if not self._in_order(seq, batch):
+            if not self._in_order(batch):
                 self._synced = False  # lost a batch while listing
                 return
             view.apply_all(batch.events)
-            self.seq = seq
+            self.seq = batch.seq
             self.batches += 1
 
     def poll(self, timeout_s: float = 0.0) -> list[Event]:
@@ -351,21 +361,20 @@ class EventSubscriber:
                 self.sync()
                 continue
             # wait for the first events; then take only what is already here
-            got = self._recv(0.0 if out else max(0.0, deadline - time.monotonic()))
-            if got is None:
+            batch = self._recv(0.0 if out else max(0.0, deadline - time.monotonic()))
+            if batch is None:
                 return out
-            seq, batch = got
-            if not self._in_order(seq, batch):
+            if not self._in_order(batch):
                 log.info("events: resync (stream %d epoch %d seq %d after stream %d epoch %d "
-                         "seq %d)", batch.stream, batch.epoch, seq, self.stream, self.epoch,
-                         self.seq)
+                         "seq %d)", batch.stream, batch.epoch, batch.seq, self.stream,
+                         self.epoch, self.seq)
                 self._synced = False
-                self.sync(first=got)
+                self.sync(first=batch)
                 continue
             if batch.events:
                 self.view.apply_all(batch.events)
                 out.extend(batch.events)
-                self.seq = seq
+                self.seq = batch.seq
                 self.batches += 1
 
     def close(self) -> None:

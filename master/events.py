@@ -51,7 +51,6 @@ import zmq
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.events import (
     HEARTBEAT_S,
-    TOPIC,
     Event,
     EventBatch,
     ObjectRemoved,
@@ -61,7 +60,7 @@ from kvpool.core.events import (
     SegmentAdded,
     SegmentRemoved,
     Tier,
-    encode_batch,
+    encode_message,
 )
 from kvpool.core.protocol import ListObjects, ListObjectsReply, SegmentKind
 from kvpool.master.config import MasterConfig
@@ -82,6 +81,7 @@ _REMOVE = int(Rec.REMOVE)
 _DROP_REPLICA = int(Rec.DROP_REPLICA)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
+_JOIN_CHECK_S = 0.01  # how often new subscriptions are looked for (and greeted)
 _POLLIN = int(zmq.POLLIN)
 _DEAD = SegState.DEAD
 
@@ -112,6 +112,7 @@ class EventPublisher:
         self.subscriptions = 0
         self._pending: list[tuple[int, list[Event]]] = []
         self._last_send = time.monotonic()
+        self._next_join_check = 0.0
         # segment id -> the Replica its replicas are announced as (one shared instance)
         self._replicas: dict[str, Replica] = {}
         for seg in directory.segments.values():
@@ -174,8 +175,10 @@ class EventPublisher:
         """Send the events of commits up to ``acked`` (the ack gate) as one
         batch (split at MAX_EVENTS), or a heartbeat after HEARTBEAT_S idle or
         when a subscriber joined."""
-        if self.sock.get(_EVENTS) & _POLLIN and self._joined():
-            self._last_send = now - HEARTBEAT_S  # greet it now
+        if now >= self._next_join_check:  # a getsockopt costs ~1.5 us: not every turn
+            self._next_join_check = now + _JOIN_CHECK_S
+            if self.sock.get(_EVENTS) & _POLLIN and self._joined():
+                self._last_send = now - HEARTBEAT_S  # greet it now
         pending = self._pending
         if not pending:
             if now - self._last_send >= HEARTBEAT_S:
@@ -219,18 +222,17 @@ class EventPublisher:
         return joined
 
     def _send(self, events: list[Event], epoch: int, seq: int) -> None:
-        frames = [TOPIC, seq.to_bytes(8, "big"),
-                  encode_batch(EventBatch(time.time(), epoch, self.stream, events))]
+        msg = encode_message(EventBatch(seq, self.stream, epoch, time.time(), events))
         sock = self.sock
         try:
-            sock.send_multipart(frames, _NOBLOCK)
+            sock.send(msg, _NOBLOCK)
         except zmq.Again:
             # a subscriber's queue is full: it misses this one (and sees the gap);
             # the others still get it
             self.overflows += 1
             sock.setsockopt(zmq.XPUB_NODROP, 0)
             try:
-                sock.send_multipart(frames, _NOBLOCK)
+                sock.send(msg, _NOBLOCK)
             except zmq.ZMQError:
                 pass
             finally:

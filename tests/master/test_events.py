@@ -33,7 +33,7 @@ from kvpool.core.events import (
     SegmentAdded,
     SegmentRemoved,
     Tier,
-    decode_batch,
+    decode_message,
 )
 from kvpool.core.protocol import (
     BatchPutEnd,
@@ -75,16 +75,16 @@ class RawSub:
             curve.setup_client(self.sock, "127.0.0.1")
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
-        self.got: list[tuple[int, EventBatch]] = []
+        self.got: list[EventBatch] = []
 
-    def recv(self, timeout_s: float) -> tuple[int, EventBatch] | None:
+    def recv(self, timeout_s: float) -> EventBatch | None:
         if not self.sock.poll(int(timeout_s * 1000)):
             return None
-        topic, seq, payload = self.sock.recv_multipart()
-        assert topic == TOPIC and len(seq) == 8
-        item = (int.from_bytes(seq, "big"), decode_batch(payload))
-        self.got.append(item)
-        return item
+        msg = self.sock.recv()
+        assert msg.startswith(TOPIC)
+        batch = decode_message(msg)
+        self.got.append(batch)
+        return batch
 
     def until(self, done: Callable[[list[Event]], bool], timeout_s: float = 10.0) -> list[Event]:
         """Receive until ``done(every event so far)``; return those events."""
@@ -96,24 +96,23 @@ class RawSub:
         return self.events()
 
     def events(self) -> list[Event]:
-        return [ev for _seq, b in self.got for ev in b.events]
+        return [ev for b in self.got for ev in b.events]
 
     def close(self) -> None:
         self.sock.close(0)
 
 
-def assert_gap_free(got: list[tuple[int, EventBatch]]) -> None:
+def assert_gap_free(got: list[EventBatch]) -> None:
     """Batches numbered 1, 2, ... of one stream; heartbeats repeat the last seq."""
     last = 0
-    streams = {b.stream for _s, b in got}
-    assert len(streams) == 1, streams
-    for seq, batch in got:
+    assert len({b.stream for b in got}) == 1
+    for batch in got:
         assert batch.epoch == 0
         if batch.events:
-            assert seq == last + 1, [s for s, _b in got]
-            last = seq
+            assert batch.seq == last + 1, [b.seq for b in got]
+            last = batch.seq
         else:
-            assert seq == last, [s for s, _b in got]
+            assert batch.seq == last, [b.seq for b in got]
 
 
 def listing(c: MasterClient, page: int = 4096, prefix: str = "") -> dict[str, ObjectStored]:
@@ -166,8 +165,8 @@ def test_puts_removes_evictions_and_segment_loss_in_order(tmp_path: Path,
     with m, m.client() as c:
         sub = RawSub(port)
         try:
-            seq, hello = sub.recv(5.0) or (None, None)  # greeted on subscribing
-            assert hello is not None and hello.events == [] and seq == 0
+            hello = sub.recv(5.0)  # greeted on subscribing
+            assert hello is not None and hello.events == [] and hello.seq == 0
             c.call(MountSegment("c1", segment_desc("m1", "c1", 1 << 20, host_id="h1")))
             put(c, "a")
             batch_put(c, [f"b{i}" for i in range(4)])
@@ -426,15 +425,15 @@ def test_publisher_ha_hook_ack_gate_and_split() -> None:
         pub.on_commit([[Rec.MOUNT, wire], [Rec.PUT, "k", 10, 0, None, ["m1", 0]]], 1)
         pub.on_commit([[Rec.DROP_REPLICA, "k", "m1"]], 2)
         pub.flush(1, now)  # the ack gate allows commit 1 only
-        seq, batch = sub.recv(2.0) or (0, None)
-        assert seq == 1 and batch is not None and batch.epoch == 0
+        batch = sub.recv(2.0)
+        assert batch is not None and batch.seq == 1 and batch.epoch == 0
         assert batch.events == [SegmentAdded("m1", DRAM, "host-test", 1 << 20),
                                 ObjectStored("k", 10, [Replica("m1", DRAM)])]
         assert sub.recv(0.1) is None
         pub.term = lambda: 7  # a leader of epoch 7
         pub.flush(2, now)
-        seq, batch = sub.recv(2.0) or (0, None)
-        assert seq == 2 and batch is not None and batch.epoch == 7
+        batch = sub.recv(2.0)
+        assert batch is not None and batch.seq == 2 and batch.epoch == 7
         assert batch.events == [ReplicaRemoved("k", "m1")]
         assert pub.position() == (pub.stream, 2, 7)
         pub.term = lambda: None  # a standby: translates, publishes nothing
@@ -445,12 +444,45 @@ def test_publisher_ha_hook_ack_gate_and_split() -> None:
         pub.on_commit([[Rec.REMOVE, f"k{i}"] for i in range(2 * MAX_EVENTS + 5)], 4)
         pub.flush(4, now)
         got = [sub.recv(2.0) for _ in range(3)]
-        assert [g[0] for g in got if g] == [3, 4, 5]
-        assert [len(g[1].events) for g in got if g] == [MAX_EVENTS, MAX_EVENTS, 5]
+        assert [(b.seq, len(b.events)) for b in got if b] == \
+            [(3, MAX_EVENTS), (4, MAX_EVENTS), (5, 5)]
         pub.flush(4, now + 2)  # idle: a heartbeat repeating the last seq
-        seq, batch = sub.recv(2.0) or (0, None)
-        assert seq == 5 and batch is not None and batch.events == [] and batch.epoch == 8
+        batch = sub.recv(2.0)
+        assert batch is not None and batch.seq == 5 and batch.events == [] and batch.epoch == 8
         assert pub.stats()["heartbeats"] >= 2 and pub.stats()["batches"] == 5
     finally:
         sub.close()
         pub.close()
+
+
+def test_example_subscriber_script(master_events: tuple[MasterProcess, int]) -> None:
+    import json
+    import subprocess
+    import sys
+
+    m, port = master_events
+    script = Path(__file__).resolve().parents[2] / "scripts" / "kv_events.py"
+    with m.client() as c:
+        c.call(MountSegment("c1", segment_desc("m1", "c1", 1 << 20)))
+        put(c, "before")
+        proc = subprocess.Popen([sys.executable, str(script), "--events",
+                                 f"tcp://127.0.0.1:{port}", "--master", m.address,
+                                 "--count", "2"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            synced = json.loads(proc.stdout.readline())["synced"]
+            assert synced["objects"] == 1 and synced["tiers"] == {
+                "dram": {"objects": 1, "bytes": 100}}
+            put(c, "after", 300)
+            c.call(Remove("before"))
+            out, _ = proc.communicate(timeout=20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lines = [json.loads(line) for line in out.splitlines()]
+        assert lines[:2] == [
+            {"event": "stored", "key": "after", "size": 300, "replicas": [["m1", "dram"]]},
+            {"event": "removed", "key": "before"}]
+        assert lines[2]["summary"]["objects"] == 1 and lines[2]["summary"]["resyncs"] == 1
+        assert proc.returncode == 0
