@@ -1,0 +1,488 @@
+"""The load pipeline: pool objects into vLLM's paged KV blocks, layer group by
+layer group, never failing a request.
+
+One :class:`LoadJob` per step's sync loads: :meth:`LoadPipeline.start` plans
+the reads and issues ONE ``batch_get_into_parts`` (one master RPC, then one
+transfer batch per layer group, in layer order) on a fetch thread and
+returns; :meth:`LoadPipeline.wait_for_layer` waits only for that layer's
+group and scatters it into the blocks on the caller's (forward's) thread, so
+loading layer group ``g + 1`` overlaps computing group ``g``. A group not
+there by the job's deadline fails its chunks (vLLM recomputes them); a group
+not scattered before the forward ended (vLLM did not call
+wait_for_layer_load) fails its chunks too. Async loads and
+:meth:`LoadPipeline.load` run a job to the end before returning. Failed
+block ids are collected for ``get_block_ids_with_load_errors``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import partial
+from typing import Any
+
+from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.geometry import CacheGeometry
+from kvpool.connector.keys import head_ranges
+from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec
+from kvpool.connector.report import StepReport
+from kvpool.connector.staging import MAX_LOAD_BUFFERS, StagingBuffers, release
+from kvpool.connector.stats import ConnectorStats
+from kvpool.connector.store_access import StoreAccess
+from kvpool.core.config import ConfigError
+
+__all__ = ["LoadJob", "LoadPipeline", "LoadResult", "Started"]
+
+log = logging.getLogger("kvpool.connector")
+
+
+@dataclass
+class LoadResult:
+    """Outcome of one request's load: chunks loaded and block ids that failed."""
+
+    req_id: str
+    loaded_chunks: int
+    failed_block_ids: set[int]
+    nbytes: int
+
+
+class Started(Enum):
+    """What :meth:`LoadPipeline.start` did with a step's sync loads."""
+
+    NOTHING = 0  # no sync load (async ones, if any, run in the background)
+    LAYERWISE = 1  # fetching; finished by wait_for_layer and the step's end
+    RAN = 2  # loaded before returning (did not fit one staging buffer, or layer-wise off)
+    FAILED = 3  # planning crashed: every chunk is recomputed
+
+
+@dataclass
+class _Chunk:
+    """One chunk of a load job: where it goes and which objects cover it."""
+
+    spec: int  # index into the job's specs
+    ref: ChunkRef
+    rng: tuple[int, int]  # blocks of the chunk to write
+    lo: int  # global heads [lo, hi) the read objects cover (>= this rank's)
+    hi: int
+    ranges: list[tuple[int, int]]  # head ranges of the objects read
+    failed: bool = False
+
+
+@dataclass
+class LoadJob:
+    """The reads of some requests' chunks: keys per layer group, staging
+    offsets, what arrived, and what was scattered."""
+
+    specs: list[LoadSpec]
+    chunks: list[_Chunk]
+    deadline: float  # monotonic
+    keys: list[str] = field(default_factory=list)
+    bufs: list[Any] = field(default_factory=list)
+    parts: list[list[int]] = field(default_factory=list)  # per group: key indices
+    key_chunk: list[int] = field(default_factory=list)  # key index -> chunk index
+    key_size: list[int] = field(default_factory=list)
+    region: list[list[int]] = field(default_factory=list)  # [group][chunk] -> staging offset
+    nbytes: int = 0
+    arrived: list[threading.Event] = field(default_factory=list)
+    results: dict[int, list[int]] = field(default_factory=dict)
+    part_s: dict[int, float] = field(default_factory=dict)  # seconds since start, per part
+    done: set[int] = field(default_factory=set)  # groups scattered (or failed)
+    buf: Any = None
+    token: Future[None] | None = None
+    fut: Future[Any] | None = None
+    started: float = 0.0
+    problem: str = ""
+
+
+class LoadPipeline:
+    """Plans, fetches and scatters loads (see the module docstring)."""
+
+    def __init__(self, cfg: ConnectorConfig, store: StoreAccess, stats: ConnectorStats,
+                 staging: StagingBuffers, report: StepReport) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.stats = stats
+        self.staging = staging
+        self.report = report
+        self.geo: CacheGeometry | None = None
+        self.layerwise = cfg.layerwise
+        self._lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
+        self._fetcher = ThreadPoolExecutor(MAX_LOAD_BUFFERS, thread_name_prefix="kvpool-fetch")
+        self._errors: set[int] = set()
+        self._done_async: set[str] = set()
+        self._active: LoadJob | None = None  # this step's layer-wise load
+        self._layer_waits = 0
+        self._warn_next = 0.0
+        self._warn_suppressed = 0
+
+    def attach(self, geo: CacheGeometry) -> None:
+        self.geo = geo
+
+    def _geo(self) -> CacheGeometry:
+        if self.geo is None:
+            raise ConfigError("register_kv_caches was not called")
+        return self.geo
+
+    def _warn(self, req_id: str, what: str) -> None:
+        """WARNING for a load that will be recomputed (at most one line per 10 s;
+        the others are counted into the next line)."""
+        now = time.monotonic()
+        with self._lock:
+            self._warn_suppressed += 1
+            if now < self._warn_next:
+                return
+            n, self._warn_suppressed = self._warn_suppressed, 0
+            self._warn_next = now + 10.0
+        log.warning("kvpool: load of %s %s; its blocks are recomputed (%d such load(s) "
+                    "since the last warning)", req_id, what, n)
+
+    # ------------------------------------------------------------ one job
+
+    def plan(self, specs: list[LoadSpec], timeout_s: float | None = None) -> LoadJob:
+        """Plan the reads of ``specs`` (validates block ranges)."""
+        geo = self._geo()
+        heads = geo.heads
+        bpc = geo.keys.blocks_per_chunk
+        chunks: list[_Chunk] = []
+        budget = self.cfg.load_timeout_s if timeout_s is None else timeout_s
+        for si, spec in enumerate(specs):
+            if timeout_s is None and spec.deadline_s > 0:
+                budget = min(budget, spec.deadline_s)
+            n = len(spec.chunks)
+            for i, c in enumerate(spec.chunks):
+                a = spec.skip_blocks if i == 0 else 0
+                b = (spec.last_blocks if i == n - 1 else 0) or len(c.block_ids)
+                if len(c.block_ids) != bpc or not 0 <= a < b <= bpc:
+                    raise ConfigError(f"chunk {c.index}: {len(c.block_ids)} blocks "
+                                      f"(expected {bpc}), write range {a}:{b}")
+                k = c.head_objects or heads.total // heads.count
+                if heads.total % k:
+                    raise ConfigError(f"{heads.total} heads do not split into {k} objects")
+                rs = [r for r in head_ranges(heads.total, k)
+                      if r[0] < heads.end and r[1] > heads.first]
+                chunks.append(_Chunk(si, c, (a, b), rs[0][0], rs[-1][1], rs))
+        job = LoadJob(specs, chunks, time.monotonic() + budget)
+        off = 0
+        for g in range(len(geo.groups)):
+            hb = geo.head_bytes(g)
+            part, offs = [], []
+            for ci, ch in enumerate(chunks):
+                offs.append(off)
+                for r in ch.ranges:
+                    part.append(len(job.keys))
+                    job.keys.append(geo.object_key(ch.ref.hash, g, r))
+                    job.key_chunk.append(ci)
+                    job.key_size.append((r[1] - r[0]) * hb)
+                    off += (r[1] - r[0]) * hb
+            job.parts.append(part)
+            job.region.append(offs)
+        job.nbytes = off
+        job.arrived = [threading.Event() for _ in geo.groups]
+        return job
+
+    def fetch(self, job: LoadJob) -> None:
+        """Start reading ``job`` on a fetch thread (every group fails at once
+        when no staging buffer is free)."""
+        taken = self.staging.take_load(job.nbytes)
+        if taken is None:
+            job.problem = "found every staging buffer still in use"
+            for ev in job.arrived:
+                ev.set()
+            return
+        job.buf, job.token = taken
+        pos = 0
+        for size in job.key_size:
+            job.bufs.append(job.buf[pos : pos + size])
+            pos += size
+
+        def on_part(p: int, results: list[int]) -> None:
+            job.results[p] = results
+            job.part_s[p] = time.perf_counter() - job.started
+            job.arrived[p].set()
+
+        def run() -> None:
+            try:
+                self.store.call(lambda c: c.batch_get_into_parts(job.keys, job.bufs,
+                                                                 job.parts, on_part))
+            except Exception as exc:  # never fail the request: vLLM recomputes
+                job.problem = job.problem or f"failed ({exc!r})"
+            finally:
+                for ev in job.arrived:  # parts never reported count as failed
+                    ev.set()
+
+        job.started = time.perf_counter()
+        job.fut = self._fetcher.submit(run)
+
+    def finish_group(self, job: LoadJob, g: int, wait: bool = True) -> None:
+        """Scatter group ``g`` of ``job`` into the blocks, or fail its chunks if
+        it did not arrive (by the deadline when ``wait``)."""
+        if g in job.done:
+            return
+        job.done.add(g)
+        if wait and not job.arrived[g].is_set():
+            job.arrived[g].wait(max(0.0, job.deadline - time.monotonic()))
+        res = job.results.get(g) if job.arrived[g].is_set() else None
+        if res is None:
+            if not job.problem:
+                job.problem = (f"did not finish within {job.deadline - job.started:.2f}s"
+                               if not job.arrived[g].is_set() else "lost a layer group")
+                if not job.arrived[g].is_set():
+                    self.stats.add(load_timeouts=1)
+            for ch in job.chunks:
+                ch.failed = True
+            return
+        ok_chunks: set[int] = set(range(len(job.chunks)))
+        for ki, r in zip(job.parts[g], res, strict=True):
+            if r != job.key_size[ki]:
+                ok_chunks.discard(job.key_chunk[ki])
+        geo = self._geo()
+        hb = geo.head_bytes(g)
+        todo = [ci for ci, ch in enumerate(job.chunks) if not ch.failed and ci in ok_chunks]
+        for ci, ch in enumerate(job.chunks):
+            if ci not in ok_chunks and not ch.failed:
+                ch.failed = True
+                if not job.problem:
+                    codes = sorted({r for r in res if r < 0})
+                    job.problem = f"missed objects (codes {codes})"
+        own = (geo.heads.first, geo.heads.end)
+        h0, h1 = 0, geo.heads.count
+        sel = geo.groups[g]
+        if todo and all((job.chunks[ci].lo, job.chunks[ci].hi) == own for ci in todo) and \
+                todo == list(range(todo[0], todo[0] + len(todo))):
+            start = job.region[g][todo[0]]
+            geo.objects.scatter([job.chunks[ci].ref.block_ids for ci in todo], sel, h0, h1,
+                                job.buf[start:], [job.chunks[ci].rng for ci in todo])
+        else:
+            for ci in todo:
+                ch = job.chunks[ci]
+                start = job.region[g][ci] + (geo.heads.first - ch.lo) * hb
+                geo.objects.scatter([ch.ref.block_ids], sel, h0, h1, job.buf[start:],
+                                    [ch.rng])
+
+    def close_job(self, job: LoadJob) -> tuple[int, set[int], dict[str, set[int]]]:
+        """After every group: release the buffer, record measurements and stats.
+        Returns (chunks loaded, failed blocks, failed blocks per request)."""
+        geo = self._geo()
+        # The buffer is free again once the scatters reading it ran (a CUDA
+        # event: no host sync here) and no abandoned transfer writes into it.
+        after = None
+        if geo.cuda:
+            import torch
+
+            after = torch.cuda.Event()
+            after.record()
+        if job.fut is not None and not job.fut.done():  # abandoned: its token stays
+            job.fut.add_done_callback(partial(self.staging.free_load, job.buf, after))
+        else:
+            self.staging.free_load(job.buf, after)
+            release(job.token)
+        failed: set[int] = set()
+        per_req: dict[str, set[int]] = defaultdict(set)
+        got: dict[str, int] = defaultdict(int)
+        loaded = 0
+        groups = range(len(geo.groups))
+        for ch in job.chunks:
+            if ch.failed:
+                blocks = {b for b in ch.ref.block_ids[ch.rng[0] : ch.rng[1]] if b >= 0}
+                failed |= blocks
+                per_req[job.specs[ch.spec].req_id] |= blocks
+            else:
+                loaded += 1
+                if ch.ref.peer:
+                    got[ch.ref.peer] += (ch.hi - ch.lo) * sum(geo.head_bytes(g) for g in groups)
+        total = sum(got.values())
+        if total and job.part_s and len(job.part_s) == len(geo.groups):
+            secs = max(job.part_s.values())
+            for peer, nbytes in got.items():
+                self.report.add_load(peer, nbytes, secs * nbytes / total)
+        if job.problem:
+            self.report.add_failed_peers(
+                sorted({ch.ref.peer for ch in job.chunks if ch.failed and ch.ref.peer}))
+            for spec in job.specs:
+                if per_req.get(spec.req_id):
+                    self._warn(spec.req_id, job.problem)
+        # load time: until the last layer group arrived (in a layer-wise load the
+        # job closes only after the forward)
+        if job.part_s and len(job.part_s) == len(geo.groups):
+            dt = max(job.part_s.values())
+        else:
+            dt = time.perf_counter() - job.started if job.started else 0.0
+        nb = geo.chunk_bytes
+        for si, spec in enumerate(job.specs):
+            mine = [ch for ch in job.chunks if ch.spec == si]
+            ok = sum(not ch.failed for ch in mine)
+            self.stats.add(load_requests=1, loaded_chunks=ok, loaded_bytes=ok * nb,
+                           load_errors=len(mine) - ok, load_time_s=dt / len(job.specs),
+                           staged_objects=len(mine))
+            if spec.predicted_s is not None and ok == len(mine):
+                self.stats.add(predicted_loads=1, predicted_loads_s=spec.predicted_s,
+                               predicted_loads_actual_s=dt)
+        return loaded, failed, per_req
+
+    def run(self, job: LoadJob) -> tuple[int, set[int], dict[str, set[int]]]:
+        """Fetch and scatter every group of ``job`` now (blocking)."""
+        self.fetch(job)
+        for g in range(len(self._geo().groups)):
+            self.finish_group(job, g)
+        return self.close_job(job)
+
+    def split(self, specs: list[LoadSpec]) -> list[list[LoadSpec]]:
+        """Specs in batches whose chunks fit one staging buffer (a spec larger
+        than a buffer is cut into whole chunks)."""
+        cap = self._geo().chunks_per_buffer(self.cfg.staging_mib)
+        out: list[list[LoadSpec]] = [[]]
+        n = 0
+        for spec in specs:
+            chunks = list(spec.chunks)
+            first = True
+            while chunks:
+                room = cap - n
+                if room <= 0:
+                    out.append([])
+                    n, room = 0, cap
+                take, chunks = chunks[:room], chunks[room:]
+                part = LoadSpec(spec.req_id, take, spec.skip_blocks if first else 0,
+                                spec.is_async, spec.last_blocks if not chunks else 0,
+                                spec.deadline_s, spec.predicted_s if first and not chunks
+                                else None)
+                out[-1].append(part)
+                n += len(take)
+                first = False
+        return [b for b in out if b]
+
+    # ------------------------------------------------------------ requests and steps
+
+    def load(self, spec: LoadSpec, timeout_s: float | None = None) -> LoadResult:
+        """Load one request's chunks now (blocking, at most ``timeout_s``, default
+        the spec's deadline or ``load_timeout_s``). Never raises for store
+        trouble: chunks that failed, or were not read by the deadline, come back
+        as ``failed_block_ids`` (vLLM recomputes them)."""
+        geo = self._geo()
+        loaded, failed = 0, set[int]()
+        t_end = None if timeout_s is None else time.monotonic() + timeout_s
+        for batch in self.split([spec]):
+            left = None if t_end is None else max(0.0, t_end - time.monotonic())
+            n, f, _ = self.run(self.plan(batch, left))
+            loaded, failed = loaded + n, failed | f
+        return LoadResult(spec.req_id, loaded, failed, loaded * geo.chunk_bytes)
+
+    def start(self, meta: ConnectorMeta) -> Started:
+        """Start this step's loads: async ones in the background; sync ones
+        layer-wise (finished by :meth:`wait_for_layer`) when they fit one
+        staging buffer, else now. Closes the previous step's load first."""
+        self.finish_step(forward_ran=False)
+        sync = [s for s in meta.loads if not s.is_async]
+        for spec in meta.loads:
+            if spec.is_async:
+                self._loader.submit(self._load_async, spec)
+        if not sync:
+            return Started.NOTHING
+        self._geo()
+        batches = self.split(sync)
+        if self.layerwise and len(batches) == 1:
+            try:
+                job = self.plan(batches[0])
+                self.fetch(job)
+                self._active = job
+                return Started.LAYERWISE
+            except Exception as exc:  # never fail the step: recompute instead
+                log.exception("kvpool: load planning crashed: %s", exc)
+                self._fail_specs(sync)
+                return Started.FAILED
+        for batch in batches:
+            try:
+                _, failed, _ = self.run(self.plan(batch))
+            except Exception as exc:  # never fail the step: recompute instead
+                log.exception("kvpool: load crashed: %s", exc)
+                self._fail_specs(batch)
+                continue
+            with self._lock:
+                self._errors |= failed
+        return Started.RAN
+
+    def _fail_specs(self, specs: list[LoadSpec]) -> None:
+        with self._lock:
+            for spec in specs:
+                self._errors |= {b for c in spec.chunks for b in c.block_ids if b >= 0}
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """``wait_for_layer_load``: wait for (only) the group holding this layer,
+        scatter it into the blocks; groups before it too, in order."""
+        job = self._active
+        if job is None or self.geo is None:
+            return
+        self._layer_waits += 1
+        g = self.geo.group_of.get(layer_name)
+        if g is None:
+            return
+        try:
+            for gi in range(g + 1):
+                self.finish_group(job, gi)
+        except Exception as exc:  # never fail the step: recompute instead
+            log.exception("kvpool: layer-wise load crashed: %s", exc)
+            for ch in job.chunks:
+                ch.failed = True
+
+    def finish_step(self, forward_ran: bool) -> None:
+        """Close this step's layer-wise load. Groups the forward did not wait
+        for were scattered too late (their layers already ran): failed."""
+        job, self._active = self._active, None
+        if job is None:
+            return
+        groups = len(self._geo().groups)
+        late = [g for g in range(groups) if g not in job.done]
+        if late and forward_ran:
+            if self._layer_waits == 0 and self.layerwise:
+                log.warning("kvpool: vLLM did not call wait_for_layer_load; loading whole "
+                            "requests before the forward from now on")
+                self.layerwise = False
+            for ch in job.chunks:
+                ch.failed = True
+            job.problem = job.problem or "was not waited for by its layers"
+        for g in late:
+            job.done.add(g)
+        if not late:
+            self.stats.add(layerwise_loads=1)
+        self._layer_waits = 0
+        try:
+            _, failed, _ = self.close_job(job)
+        except Exception as exc:
+            log.exception("kvpool: closing a load crashed: %s", exc)
+            failed = {b for ch in job.chunks for b in ch.ref.block_ids if b >= 0}
+        with self._lock:
+            self._errors |= failed
+
+    def _load_async(self, spec: LoadSpec) -> None:
+        try:
+            failed = self.load(spec).failed_block_ids
+        except Exception as exc:  # a bug must not wedge the request: recompute it
+            log.exception("kvpool: async load of %s crashed: %s", spec.req_id, exc)
+            failed = {b for c in spec.chunks for b in c.block_ids if b >= 0}
+        with self._lock:
+            self._errors |= failed
+            self._done_async.add(spec.req_id)
+
+    # ------------------------------------------------------------ completion
+
+    def take_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call (vLLM recomputes them)."""
+        with self._lock:
+            out, self._errors = self._errors, set()
+        return out
+
+    def take_done_async(self) -> set[str]:
+        """Requests whose async load completed (successfully or not) since the last call."""
+        with self._lock:
+            out, self._done_async = self._done_async, set()
+        return out
+
+    def close(self) -> None:
+        """Stop the threads (async loads run to their end; fetches are abandoned)."""
+        self._loader.shutdown(wait=True)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
