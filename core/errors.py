@@ -48,6 +48,8 @@ class ErrorCode(IntEnum):
     TIMEOUT = -1009
     SEGMENT_MISMATCH = -1010
     CLOSED = -1011
+    NOT_SUPPORTED = -1012  # Mooncake's number: the operation has no equivalent here
+    TASK_NOT_FOUND = -1400  # Mooncake's number: unknown or pruned copy/move task
 
 
 class KVPoolError(Exception):
