@@ -27,8 +27,9 @@ import logging
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.core.errors import ErrorCode, KVPoolError
@@ -64,7 +65,16 @@ from kvpool.store.errors import (
     error_for_code,
 )
 
-__all__ = ["Client", "ClientConfig", "ReplicateConfig"]
+__all__ = [
+    "Client",
+    "ClientConfig",
+    "Location",
+    "RangeRead",
+    "RangeWrite",
+    "ReplicateConfig",
+    "Reservation",
+    "parts_checksum",
+]
 
 log = logging.getLogger(__name__)
 
@@ -1012,3 +1022,417 @@ class Client:
     def is_gpu(self, buffer: Any) -> bool:
         """Whether ``buffer`` is device memory (checksums skip those)."""
         return is_gpu_buffer(buffer)
+
+    # ------------------------------------------------------------------ multi-part and ranged I/O
+    # The primitives under Mooncake's multi-buffer, range and session calls
+    # (store/mooncake_*.py): each call is at most one master RPC and one
+    # transfer batch. A write reserves space (BATCH_PUT_START), copies byte
+    # ranges of caller buffers into every replica, then commits (BATCH_PUT_END)
+    # or aborts (BATCH_PUT_REVOKE); a read locates objects once
+    # (BATCH_GET_REPLICA_LIST, read lease) and copies byte ranges out.
+
+    def batch_put_reserve(self, keys: Sequence[str], sizes: Sequence[int],
+                          config: ReplicateConfig | None = None,
+                          checksums: Sequence[str | None] | None = None) -> list[Reservation]:
+        """Reserve ``sizes[i]`` bytes for ``keys[i]`` on every replica, moving no data.
+
+        Per key a :class:`Reservation`: code OK with its replicas, or why not
+        (INVALID_KEY, INVALID_PARAMS for a size <= 0, OBJECT_ALREADY_EXISTS,
+        NO_AVAILABLE_HANDLE...). A reserved key must be committed with
+        :meth:`batch_put_commit` or aborted with :meth:`batch_put_abort` (the
+        master discards it after ``put_start_discard_timeout_s`` otherwise).
+        ``checksums[i]`` (a :func:`parts_checksum` string) is recorded with the
+        object and verified by readers. One master RPC.
+        """
+        self._check_open()
+        if len(keys) != len(sizes) or (checksums is not None and len(checksums) != len(keys)):
+            raise StoreError(f"{len(keys)} keys but {len(sizes)} sizes", ErrorCode.INVALID_PARAMS)
+        out = [Reservation(ErrorCode.OK, int(size), []) for size in sizes]
+        args = self._put_args(config)
+        items: list[dict[str, Any]] = []
+        idx: list[int] = []
+        seen: set[str] = set()
+        for i, key in enumerate(keys):
+            try:
+                self._valid_key(key)
+            except StoreError:
+                out[i].code = ErrorCode.INVALID_KEY
+                continue
+            if key in seen:
+                out[i].code = ErrorCode.OBJECT_ALREADY_EXISTS
+                continue
+            if out[i].size <= 0:
+                out[i].code = ErrorCode.INVALID_PARAMS
+                continue
+            seen.add(key)
+            item = {"key": key, "size": out[i].size, **args}
+            if checksums is not None and checksums[i]:
+                item["checksum"] = checksums[i]
+            items.append(item)
+            idx.append(i)
+        if not items:
+            return out
+        res = self._call(Op.BATCH_PUT_START, client_id=self.client_id, items=items)
+        self._learn_segments(res.get("segments"))
+        empty: list[str] = []
+        for pos, (code, value) in enumerate(res.get("results", [])):
+            i = idx[pos]
+            if code != ErrorCode.OK:
+                out[i].code = self._code(code)
+                continue
+            out[i].replicas = self._replicas(value)
+            if not out[i].replicas:  # nothing to write to: give the reservation back
+                out[i].code = ErrorCode.NO_AVAILABLE_HANDLE
+                empty.append(keys[i])
+        self._revoke(empty)
+        return out
+
+    def write_ranges(self, writes: Sequence[RangeWrite],
+                     timeout_s: float | None = None) -> list[tuple[bool, str]]:
+        """Copy each write's buffer into ``[offset, offset + length)`` of every one
+        of its replicas: one transfer batch, no RPC. Per write ``(ok, error)``;
+        a range outside the reserved object fails without moving bytes. Raises
+        StoreTimeout when the batch overruns ``timeout_s`` (default
+        ``transfer_timeout_s``)."""
+        self._check_open()
+        results: list[tuple[bool, str]] = [(True, "")] * len(writes)
+        jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
+        owner: list[int] = []
+        for w, wr in enumerate(writes):
+            n = wr.nbytes()
+            for r in wr.replicas:
+                if wr.offset < 0 or n < 0 or wr.offset + n > r.length:
+                    results[w] = (False, f"range [{wr.offset}, {wr.offset + n}) is outside "
+                                         f"the {r.length}-byte object")
+                    break
+            else:
+                if n == 0:
+                    continue
+                for r in wr.replicas:
+                    jobs.append((wr.buffer, _sub_replica(r, wr.offset, n), n))
+                    owner.append(w)
+        if not jobs:
+            return results
+        copied = self._copy_batch(True, jobs, timeout_s or self.config.transfer_timeout_s)
+        for (_b, r, _n), w, (ok, err) in zip(jobs, owner, copied, strict=True):
+            if not ok:
+                self._forget_segment(r.segment_id)
+                if results[w][0]:
+                    results[w] = (False, f"{r.segment_id}: {err}")
+        return results
+
+    def batch_put_commit(self, keys: Sequence[str]) -> list[ErrorCode]:
+        """Make reserved keys readable (BATCH_PUT_END); per key OK or why not."""
+        self._check_open()
+        if not keys:
+            return []
+        end = self._call(Op.BATCH_PUT_END, client_id=self.client_id, keys=list(keys))
+        codes = [self._code(code) for code, _v in end.get("results", [])]
+        return codes + [ErrorCode.INTERNAL_ERROR] * (len(keys) - len(codes))
+
+    def batch_put_abort(self, keys: Sequence[str]) -> None:
+        """Give reserved keys back (BATCH_PUT_REVOKE); failures are logged."""
+        self._revoke(list(keys))
+
+    def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]],
+                        config: ReplicateConfig | None = None) -> list[ErrorCode]:
+        """Store each key's value as the concatenation of its parts (host or GPU
+        buffers, raw or registered handles): one BATCH_PUT_START, one transfer
+        batch writing every part into every replica, one BATCH_PUT_END. Per key
+        the :meth:`batch_put_from` codes."""
+        self._check_open()
+        if len(keys) != len(parts):
+            raise StoreError(f"{len(keys)} keys but {len(parts)} part lists",
+                             ErrorCode.INVALID_PARAMS)
+        sizes = [sum(buffer_nbytes(p) for p in ps) for ps in parts]
+        checksums: list[str | None] | None = None
+        if self._checksum_algo is not None:
+            checksums = [parts_checksum(self._checksum_algo, ps) for ps in parts]
+        held = self.batch_put_reserve(keys, sizes, config, checksums)
+        codes = [rv.code for rv in held]
+        writes: list[RangeWrite] = []
+        owner: list[int] = []
+        for i, (rv, ps) in enumerate(zip(held, parts, strict=True)):
+            if rv.code != ErrorCode.OK:
+                continue
+            off = 0
+            for p in ps:
+                n = buffer_nbytes(p)
+                if n:
+                    writes.append(RangeWrite(p, rv.replicas, off, n))
+                    owner.append(i)
+                off += n
+        reserved = [i for i, c in enumerate(codes) if c == ErrorCode.OK]
+        try:
+            done = self.write_ranges(writes)
+        except BaseException:
+            self.batch_put_abort([keys[i] for i in reserved])
+            raise
+        for (ok, _err), i in zip(done, owner, strict=True):
+            if not ok:
+                codes[i] = ErrorCode.TRANSFER_FAIL
+        self.batch_put_abort([keys[i] for i in reserved if codes[i] != ErrorCode.OK])
+        good = [i for i in reserved if codes[i] == ErrorCode.OK]
+        for i, code in zip(good, self.batch_put_commit([keys[i] for i in good]), strict=True):
+            codes[i] = code
+        return codes
+
+    def batch_locate(self, keys: Sequence[str]) -> list[Location]:
+        """Where each key can be read from (one BATCH_GET_REPLICA_LIST; grants a
+        read lease per found key): a :class:`Location` with code OK, the size,
+        checksum, lease deadline and complete replicas nearest first, or the
+        code why not (INVALID_KEY, OBJECT_NOT_FOUND...)."""
+        self._check_open()
+        out = [Location(ErrorCode.INTERNAL_ERROR) for _ in keys]
+        valid: list[int] = []
+        for i, key in enumerate(keys):
+            try:
+                self._valid_key(key)
+                valid.append(i)
+            except StoreError:
+                out[i] = Location(ErrorCode.INVALID_KEY)
+        if not valid:
+            return out
+        t0 = time.monotonic()  # the lease starts no earlier than our request
+        res = self._call(Op.BATCH_GET_REPLICA_LIST, keys=[keys[i] for i in valid])
+        self._learn_segments(res.get("segments"))
+        default_ttl = res.get("lease_ttl_ms")
+        for i, (code, value) in zip(valid, res.get("results", []), strict=False):
+            if code != ErrorCode.OK:
+                out[i] = Location(self._code(code))
+                continue
+            plan = self._plan(value, t0, default_ttl)
+            if not plan.replicas:
+                out[i] = Location(ErrorCode.OBJECT_NOT_FOUND)
+                continue
+            out[i] = Location(ErrorCode.OK, plan.size, plan.checksum, plan.deadline,
+                              plan.replicas)
+        return out
+
+    def read_ranges(self, reads: Sequence[RangeRead]) -> list[int]:
+        """Copy ``[src_offset, src_offset + length)`` of each read's located object
+        into the start of its buffer; no RPC. Round k reads every pending range
+        from its object's k-th nearest replica (one transfer batch per round;
+        usually one round). Per read the bytes read, or a negative code:
+        INVALID_PARAMS (range outside the object or larger than the buffer),
+        LEASE_EXPIRED (the location's read lease ended; bytes discarded),
+        TRANSFER_FAIL (every replica failed), the location's own code."""
+        self._check_open()
+        results = [int(ErrorCode.INTERNAL_ERROR)] * len(reads)
+        pending: list[int] = []
+        for j, rd in enumerate(reads):
+            loc = rd.location
+            if loc.code != ErrorCode.OK:
+                results[j] = int(loc.code)
+            elif rd.src_offset < 0 or rd.length < 0 or rd.src_offset + rd.length > loc.size \
+                    or buffer_nbytes(rd.buffer) < rd.length:
+                results[j] = int(ErrorCode.INVALID_PARAMS)
+            elif rd.length == 0:
+                results[j] = 0
+            else:
+                pending.append(j)
+        attempt = 0
+        while pending:
+            now = time.monotonic()
+            jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
+            owners: list[int] = []
+            for j in pending:
+                rd = reads[j]
+                if rd.location.deadline <= now:
+                    results[j] = int(ErrorCode.LEASE_EXPIRED)
+                elif attempt >= len(rd.location.replicas):
+                    results[j] = int(ErrorCode.TRANSFER_FAIL)
+                else:
+                    r = rd.location.replicas[attempt]
+                    jobs.append((rd.buffer, _sub_replica(r, rd.src_offset, rd.length),
+                                 rd.length))
+                    owners.append(j)
+            if not jobs:
+                break
+            lease_left = min(reads[j].location.deadline for j in owners) - now
+            left = max(len(reads[j].location.replicas) - attempt for j in owners)
+            timeout = max(0.001, min(self.config.transfer_timeout_s, lease_left / left))
+            copied = self._copy_batch(False, jobs, timeout)
+            pending = []
+            end = time.monotonic()
+            for (_b, r, n), j, (ok, _err) in zip(jobs, owners, copied, strict=True):
+                if not ok:
+                    self._forget_segment(r.segment_id)
+                    pending.append(j)
+                elif end > reads[j].location.deadline:
+                    results[j] = int(ErrorCode.LEASE_EXPIRED)
+                else:
+                    results[j] = n
+            attempt += 1
+        return results
+
+    def batch_get_parts(self, keys: Sequence[str],
+                        parts: Sequence[Sequence[Any]]) -> list[int]:
+        """Read each key's value scattered over its parts in order (the first
+        part gets the first bytes): one master RPC, one transfer batch. Per key
+        the object size, or a negative code: BUFFER_OVERFLOW (the parts hold
+        fewer bytes than the object; nothing is read), CHECKSUM_MISMATCH, and
+        the codes of :meth:`read_ranges`."""
+        self._check_open()
+        if len(keys) != len(parts):
+            raise StoreError(f"{len(keys)} keys but {len(parts)} part lists",
+                             ErrorCode.INVALID_PARAMS)
+        locs = self.batch_locate(keys) if keys else []
+        results = [int(loc.code) for loc in locs]
+        reads: list[RangeRead] = []
+        owner: list[int] = []
+        for i, (loc, ps) in enumerate(zip(locs, parts, strict=True)):
+            if loc.code != ErrorCode.OK:
+                continue
+            if sum(buffer_nbytes(p) for p in ps) < loc.size:
+                results[i] = int(ErrorCode.BUFFER_OVERFLOW)
+                continue
+            off = 0
+            for p in ps:
+                n = min(buffer_nbytes(p), loc.size - off)
+                if n <= 0:
+                    break
+                reads.append(RangeRead(loc, p, off, n))
+                owner.append(i)
+                off += n
+            results[i] = loc.size
+        for code, i in zip(self.read_ranges(reads), owner, strict=True):
+            if code < 0 and results[i] >= 0:
+                results[i] = code
+        if self.config.verify_checksum:
+            for i, loc in enumerate(locs):
+                if results[i] >= 0 and loc.checksum and \
+                        parts_checksum_ok(loc.checksum, parts[i], loc.size) is False:
+                    results[i] = int(ErrorCode.CHECKSUM_MISMATCH)
+        return results
+
+    def batch_get_ranges(self, fragments: Sequence[tuple[str, Any, int, int]]) -> list[int]:
+        """Read byte ranges of objects: each fragment ``(key, buffer, src_offset,
+        length)`` copies ``length`` bytes from ``src_offset`` of the object into
+        the start of ``buffer``. One master RPC for the distinct keys, one
+        transfer batch. Per fragment the :meth:`read_ranges` result."""
+        keys = list(dict.fromkeys(f[0] for f in fragments))
+        if not keys:
+            return []
+        where = dict(zip(keys, self.batch_locate(keys), strict=True))
+        return self.read_ranges([RangeRead(where[k], b, int(o), int(n))
+                                 for k, b, o, n in fragments])
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[ErrorCode]:
+        """Remove many keys in one RPC; per key OK, OBJECT_NOT_FOUND,
+        OBJECT_HAS_LEASE (leased, unless ``force``) or INVALID_KEY."""
+        self._check_open()
+        codes = [ErrorCode.OK] * len(keys)
+        valid: list[int] = []
+        for i, key in enumerate(keys):
+            try:
+                self._valid_key(key)
+                valid.append(i)
+            except StoreError:
+                codes[i] = ErrorCode.INVALID_KEY
+        if valid:
+            res = self._call(Op.BATCH_REMOVE, keys=[keys[i] for i in valid], force=bool(force))
+            for i, (code, _v) in zip(valid, res.get("results", []), strict=False):
+                codes[i] = self._code(code)
+        return codes
+
+    def describe_segment(self, segment_id: str) -> SegmentDescriptor | None:
+        """The descriptor of a segment this client has seen (its own, or one a
+        master reply named), or None."""
+        own = self._own_descs.get(segment_id)
+        return own if own is not None else self._known.get(segment_id)
+
+
+def _sub_replica(r: ReplicaDescriptor, offset: int, length: int) -> ReplicaDescriptor:
+    """``length`` bytes at ``offset`` inside replica ``r`` (same capability: a
+    transfer server accepts any range inside the granted one)."""
+    return ReplicaDescriptor(r.segment_id, r.offset + offset, length, r.status, r.capability)
+
+
+@dataclass(slots=True)
+class Reservation:
+    """One key of :meth:`Client.batch_put_reserve`: ``code`` OK with the
+    ``replicas`` to write ``size`` bytes into, or why not."""
+
+    code: ErrorCode
+    size: int
+    replicas: list[ReplicaDescriptor]
+
+
+@dataclass(slots=True)
+class RangeWrite:
+    """Write ``length`` bytes of ``buffer`` (None: all of it) at ``offset`` of
+    every replica of a reserved object."""
+
+    buffer: Any
+    replicas: list[ReplicaDescriptor]
+    offset: int = 0
+    length: int | None = None
+
+    def nbytes(self) -> int:
+        return buffer_nbytes(self.buffer) if self.length is None else self.length
+
+
+@dataclass(slots=True)
+class Location:
+    """A located object (:meth:`Client.batch_locate`): ``code`` OK with its
+    size, checksum, read-lease deadline (monotonic) and complete replicas
+    nearest first, or why not."""
+
+    code: ErrorCode
+    size: int = 0
+    checksum: str | None = None
+    deadline: float = 0.0
+    replicas: list[ReplicaDescriptor] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RangeRead:
+    """Read ``length`` bytes from ``src_offset`` of a located object into the
+    start of ``buffer``."""
+
+    location: Location
+    buffer: Any
+    src_offset: int
+    length: int
+
+
+def parts_checksum(algo: str, parts: Sequence[Any]) -> str | None:
+    """:func:`checksum_of` over the concatenation of ``parts`` without joining
+    them; None when a part is not host memory (GPU buffers are not hashed)."""
+    views = [host_view(p) for p in parts]
+    if any(v is None for v in views):
+        return None
+    if algo == "xxh64":
+        import xxhash  # type: ignore[import-not-found]  # resolve_checksum_algo checked it
+
+        h = xxhash.xxh64()
+        for v in views:
+            h.update(v)
+        return "xxh64:" + str(h.hexdigest())
+    crc = 0
+    for v in views:
+        assert v is not None
+        crc = zlib.crc32(v, crc)
+    return f"crc32:{crc & 0xFFFFFFFF:08x}"
+
+
+def parts_checksum_ok(expected: str, parts: Sequence[Any], size: int) -> bool | None:
+    """Whether the first ``size`` bytes of ``parts`` match ``expected``; None
+    when that cannot be checked here (GPU part, unknown algorithm)."""
+    algo = expected.partition(":")[0]
+    if algo not in ("crc32", "xxh64") or resolve_checksum_algo(
+            "xxhash" if algo == "xxh64" else "crc32") != algo:
+        return None
+    trimmed: list[Any] = []
+    left = size
+    for p in parts:
+        if left <= 0:
+            break
+        v = host_view(p)
+        if v is None:
+            return None
+        trimmed.append(v[:left])
+        left -= len(trimmed[-1])
+    got = parts_checksum(algo, trimmed)
+    return None if got is None else got == expected
