@@ -318,7 +318,7 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
 
     def setup(
         self,
-        local_hostname: str | Mapping[str, Any],
+        local_hostname: str | Mapping[str, Any] | None = None,
         metadata_server: str = "P2PHANDSHAKE",
         global_segment_size: int = _DEFAULT_SEGMENT,
         local_buffer_size: int = _DEFAULT_SEGMENT,
@@ -331,6 +331,8 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
         tenant_id: str = DEFAULT_TENANT,
         enable_client_http_server: bool = False,
         client_http_port: int = DEFAULT_CLIENT_HTTP_PORT,
+        *,
+        config: Mapping[str, Any] | None = None,
     ) -> int:
         """Connect to the master at ``master_server_addr``, contribute
         ``global_segment_size`` bytes of memory and start this store's transfer
@@ -344,8 +346,12 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
         ``metadata_server``, ``rdma_devices`` and ``engine`` are accepted and
         not needed. Returns 0 or a negative code.
         """
+        if config is not None:
+            return self._setup_dict(config)
         if isinstance(local_hostname, Mapping):
             return self._setup_dict(local_hostname)
+        if local_hostname is None:
+            raise TypeError("setup() needs local_hostname (or a config dict)")
         try:
             extra: dict[str, Any] = {}
             return self._setup(str(local_hostname), str(metadata_server),

@@ -307,6 +307,16 @@ def parallel_key(base: str, axes: Sequence[_Axis]) -> str:
     return base + "".join(f"__{a.suffix()}" for a in ordered)
 
 
+def _matches(meta: TensorMeta, axes: Sequence[_Axis]) -> bool:
+    """Whether a stored shard's metadata is the shard ``axes`` name (a key can
+    hold a shard of another layout, e.g. ``k_tp_0`` of 2 ranks read as 1 of 3)."""
+    if meta.layout != LAYOUT_SHARD or len(meta.axes) != len(axes):
+        return False
+    stored = {(a.kind, a.rank, a.count, a.split_dim) for a in meta.axes}
+    return all((AXIS_KINDS[a.kind], a.rank, a.size,
+                -1 if a.split_dim is None else a.split_dim) in stored for a in axes)
+
+
 def _with_tp_rank(axes: Sequence[_Axis], rank: int) -> list[_Axis]:
     return [dataclasses.replace(a, rank=rank) if a.kind == "tp" else a for a in axes]
 
@@ -343,7 +353,7 @@ def _shard(tensor: Any, split_dim: int, rank: int, count: int) -> Any:
 
 def _shard_meta(full_shape: Sequence[int], shard: Any, axes: Sequence[_Axis]) -> TensorMeta:
     local = [int(d) for d in shard.shape]
-    metas = [a.meta(i, local[a.split_dim] if a.split_dim is not None else -1)
+    metas = [a.meta(i, local[a.split_dim] if a.split_dim is not None else 0)
              for i, a in enumerate(axes)]
     return tensor_meta(shard, metas, full_shape)
 
@@ -916,9 +926,9 @@ class TensorCalls(MooncakeCore):
         axes = _parse_axes(par)
         tp = _tp(axes)
         if mode == "shard":
-            found = self.get_tensor(parallel_key(key, axes))
-            if found is not None:
-                return found
+            (obj,) = self._read_objects([parallel_key(key, axes)])
+            if obj is not None and _matches(obj[0], axes):
+                return tensor_from(obj[0], obj[1])
             if tp is None:
                 return None
             assert tp.split_dim is not None
@@ -926,7 +936,9 @@ class TensorCalls(MooncakeCore):
                 found = self.get_tensor(f"{key}__writer_{tp.rank}of{tp.size}_sd{tp.split_dim}")
                 if found is not None:
                     return found
-            full = self._full_from_parallel(key, axes) or self._full_from_writer(key)
+            full = self._full_from_parallel(key, axes)
+            if full is None:
+                full = self._full_from_writer(key)
             if full is None:
                 return None
             return _shard(full, tp.split_dim, tp.rank, tp.size)
@@ -971,7 +983,7 @@ class TensorCalls(MooncakeCore):
         partitions when no parallelism is given). None when unavailable."""
         try:
             return self._read_target(key, target)
-        except KVPoolError as exc:
+        except (KVPoolError, RuntimeError, ValueError) as exc:
             log.error("get_tensor_with_parallelism %r: %s", key, exc)
             return None
 

@@ -64,7 +64,7 @@ class Agent:
     def __init__(self, host: Host, log_dir: Path, name: str,
                  env: dict[str, str] | None = None) -> None:
         self.log_path = log_dir / f"{name}.log"
-        self._log: IO[bytes] = open(self.log_path, "wb")  # noqa: SIM115 (closed in close())
+        self._log: IO[bytes] = open(self.log_path, "wb")
         full_env = dict(os.environ, **(env or {}))
         self.proc = host.popen([sys.executable, "-u", AGENT], env=full_env,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -101,7 +101,7 @@ class Agent:
 
 def _start_master(topo: Topology, tmp: Path, *flags: str) -> subprocess.Popen[bytes]:
     host = topo.host("master")
-    log = open(tmp / "master.log", "wb")  # noqa: SIM115 (the child holds it)
+    log = open(tmp / "master.log", "wb")
     proc = host.popen([sys.executable, "-m", "kvpool.cluster.cli", "master", "--host",
                        host.address, "--port", str(PORT), "--metrics-port", "0",
                        "--data-dir", str(tmp / "data"), *flags], stdout=log,
@@ -183,7 +183,7 @@ def test_curve_from_cli_env_and_yaml(topo: Topology, tmp_path: Path) -> None:
                          f"bind_host: \"{n_ip}\"\nhost_id: \"{n_ip}\"\n"
                          f"curve:\n  secret_key_file: \"{secret}\"\n")
     ready = tmp_path / "daemon.ready"
-    dlog = open(tmp_path / "daemon.log", "wb")  # noqa: SIM115 (the child holds it)
+    dlog = open(tmp_path / "daemon.log", "wb")
     daemon = topo.host("node").popen(
         [sys.executable, "-m", "kvpool.cluster.cli", "client", "--config", str(yaml_path),
          "--ready-file", str(ready)], stdout=dlog, stderr=subprocess.STDOUT)
