@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import (
     Op,
@@ -1164,6 +1166,7 @@ class Client:
                 off += n
         reserved = [i for i, c in enumerate(codes) if c == ErrorCode.OK]
         try:
+            writes, owner = self._gather_inline(held, parts, writes, owner)
             done = self.write_ranges(writes)
         except BaseException:
             self.batch_put_abort([keys[i] for i in reserved])
@@ -1176,6 +1179,47 @@ class Client:
         for i, code in zip(good, self.batch_put_commit([keys[i] for i in good]), strict=True):
             codes[i] = code
         return codes
+
+    def _inline_region(self, r: ReplicaDescriptor, size: int) -> Any:
+        """The same-host shm bytes of replica ``r`` as a numpy view, when the
+        inline path would copy them (else None)."""
+        inline = self._inline
+        if inline is None:
+            return None
+        desc = self._known.get(r.segment_id)
+        if not inline.eligible(desc, size):
+            return None
+        assert desc is not None
+        try:
+            region = inline.region(desc)
+        except Exception as exc:  # an unmappable segment: the engine handles it
+            log.debug("inline region of %s: %s", r.segment_id, exc)
+            return None
+        return region[r.offset:r.offset + size] if r.offset + size <= region.size else None
+
+    def _gather_inline(self, held: Sequence[Reservation], parts: Sequence[Sequence[Any]],
+                       writes: list[RangeWrite], owner: list[int]
+                       ) -> tuple[list[RangeWrite], list[int]]:
+        """Copy the parts of small objects whose replicas are all same-host shm
+        with one ``np.concatenate`` per replica (one copy call per object, not
+        one per part); returns the writes still to do."""
+        handled: set[int] = set()
+        for i, rv in enumerate(held):
+            if rv.code != ErrorCode.OK or not 0 < rv.size < _GATHER_MAX or len(parts[i]) < 2:
+                continue
+            arrs = [_flat_u8(p) for p in parts[i]]
+            if any(a is None for a in arrs):
+                continue
+            dests = [self._inline_region(r, rv.size) for r in rv.replicas]
+            if not dests or any(d is None for d in dests):
+                continue
+            for d in dests:
+                np.concatenate(arrs, out=d)  # type: ignore[arg-type]
+            handled.add(i)
+        if not handled:
+            return writes, owner
+        keep = [j for j, i in enumerate(owner) if i not in handled]
+        return [writes[j] for j in keep], [owner[j] for j in keep]
 
     def batch_locate(self, keys: Sequence[str]) -> list[Location]:
         """Where each key can be read from (one BATCH_GET_REPLICA_LIST; grants a
@@ -1287,6 +1331,11 @@ class Client:
             if sum(buffer_nbytes(p) for p in ps) < loc.size:
                 results[i] = int(ErrorCode.BUFFER_OVERFLOW)
                 continue
+            results[i] = loc.size
+            done = self._scatter_inline(loc, ps)
+            if done is not None:
+                results[i] = done
+                continue
             off = 0
             for p in ps:
                 n = min(buffer_nbytes(p), loc.size - off)
@@ -1295,7 +1344,6 @@ class Client:
                 reads.append(RangeRead(loc, p, off, n))
                 owner.append(i)
                 off += n
-            results[i] = loc.size
         for code, i in zip(self.read_ranges(reads), owner, strict=True):
             if code < 0 and results[i] >= 0:
                 results[i] = code
@@ -1305,6 +1353,30 @@ class Client:
                         parts_checksum_ok(loc.checksum, parts[i], loc.size) is False:
                     results[i] = int(ErrorCode.CHECKSUM_MISMATCH)
         return results
+
+    def _scatter_inline(self, loc: Location, parts: Sequence[Any]) -> int | None:
+        """Scatter a small object from its nearest same-host shm replica into
+        host parts with plain numpy copies (no per-part engine bookkeeping):
+        the object size, or LEASE_EXPIRED when the copy ended after the read
+        lease. None when that path does not apply (read ranges instead)."""
+        if not loc.replicas or loc.size >= _GATHER_MAX or len(parts) < 2:
+            return None
+        src = self._inline_region(loc.replicas[0], loc.size)
+        if src is None:
+            return None
+        arrs = [_flat_u8(p) for p in parts]
+        if any(a is None or not a.flags.writeable for a in arrs):
+            return None
+        off, size = 0, loc.size
+        for a in arrs:
+            assert a is not None
+            end = off + a.size
+            if end >= size:
+                np.copyto(a[:size - off], src[off:size])
+                break
+            np.copyto(a, src[off:end])
+            off = end
+        return loc.size if time.monotonic() <= loc.deadline else int(ErrorCode.LEASE_EXPIRED)
 
     def batch_get_ranges(self, fragments: Sequence[tuple[str, Any, int, int]]) -> list[int]:
         """Read byte ranges of objects: each fragment ``(key, buffer, src_offset,
@@ -1341,6 +1413,18 @@ class Client:
         master reply named), or None."""
         own = self._own_descs.get(segment_id)
         return own if own is not None else self._known.get(segment_id)
+
+
+_GATHER_MAX = 4 << 20  # objects below this gather/scatter their parts in one pass
+
+
+def _flat_u8(buf: Any) -> np.ndarray | None:
+    """A flat uint8 host array of ``buf`` (the common case, a flat uint8
+    numpy view, without a call), or None."""
+    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 \
+            and buf.flags.c_contiguous:
+        return buf
+    return host_array(buf)
 
 
 def _sub_replica(r: ReplicaDescriptor, offset: int, length: int) -> ReplicaDescriptor:

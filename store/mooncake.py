@@ -41,7 +41,6 @@ from kvpool.store.config import (
     ReplicateConfig,
     SoftPinAction,
     client_config_from_env,
-    default_host_id,
 )
 from kvpool.store.errors import AlreadyExists, ObjectNotFound
 from kvpool.store.mooncake_admin import AdminCalls
@@ -432,7 +431,10 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
         overrides: dict[str, Any] = {
             "master_address": master,
             "memory_size": global_segment_size,
-            "host_id": extra.pop("host_id", None) or host,
+            # the machine's identity (as the node daemon's): same-host peers use
+            # shared memory whatever local_hostname says; KVPOOL_CONFIG or the
+            # dict form may set it
+            "host_id": extra.pop("host_id", None),
             "bind_host": bind,
             "transfer_overrides": {"rules": _transport_rules(protocol)},
             **extra,
@@ -444,7 +446,7 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
             slot = _offload_dir(ssd_offload_path or os.environ[_OFFLOAD_PATH_ENV])
             base_cfg.disk_dir = str(slot)
             base_cfg.disk_size = _offload_size(slot, base_cfg.disk_size)
-        client = self._start_client(base_cfg, port)
+        client = self._start_client(base_cfg, host, port)
         if enable_ssd_offload and not disk_wanted and not self._node_has_disk(client):
             client.close()
             log.error("enable_ssd_offload: no ssd_offload_path (or %s) and no disk tier on "
@@ -463,13 +465,13 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
                 return INVALID
         return 0
 
-    def _start_client(self, cfg: ClientConfig, port: int) -> Client:
+    def _start_client(self, cfg: ClientConfig, host: str, port: int) -> Client:
         """Set up a Client on ``port``, or on a free port in Mooncake's range
-        (retried when another process takes it first). Raises KVPoolError."""
+        (retried when another process takes it first); its segment is named
+        ``host:port`` (Mooncake's hostname). Raises KVPoolError."""
         last: KVPoolError | None = None
         for _ in range(1 if port or cfg.transfer_port else _PORT_TRIES):
             p = port or cfg.transfer_port or _free_port(cfg.bind_host)
-            host = cfg.host_id or default_host_id()
             seg = cfg.segment_id or (f"{host}:{p}" if p else None)
             client = Client(dataclasses.replace(cfg, transfer_port=p, segment_id=seg))
             try:

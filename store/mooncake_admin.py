@@ -96,9 +96,14 @@ class AdminCalls(MooncakeCore):
         out: list[ReplicaDescriptor] = []
         for r in loc.replicas:
             desc = client.describe_segment(r.segment_id)
-            # Mooncake names a replica's server by its owner's hostname:port
-            endpoint = f"{desc.host_id}:{desc.endpoint.rsplit(':', 1)[-1]}" \
-                if desc is not None and desc.endpoint else ""
+            # Mooncake names a replica's server by its owner's hostname:port,
+            # which is what a Mooncake-compatible store's segment id is
+            if r.segment_id.rsplit(":", 1)[-1].isdigit():
+                endpoint = r.segment_id
+            elif desc is not None and desc.endpoint:
+                endpoint = f"{desc.host_id}:{desc.endpoint.rsplit(':', 1)[-1]}"
+            else:
+                endpoint = ""
             if desc is not None and desc.kind == SegmentKind.FILE:
                 out.append(ReplicaDescriptor(
                     ReplicaStatus.COMPLETE, r.segment_id,

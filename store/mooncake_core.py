@@ -29,7 +29,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.core.config import parse_size
@@ -314,16 +314,40 @@ class MooncakeCore:
 
     def _slice(self, ptr: int, size: int) -> Any:
         """A buffer for the caller memory ``[ptr, ptr+size)``: the registered
-        handle when it is exactly that region, else a host or GPU view of the
-        address range (never a GPU address passed on as host memory)."""
+        handle when it is exactly that region, a numpy view of a registered
+        host region, else a host or GPU view of the address range (never a GPU
+        address passed on as host memory)."""
         ptr, size = int(ptr), int(size)
-        hit = self._registered(ptr, size)
+        return self._view(ptr, size, self._registered(ptr, size))
+
+    def _slicer(self) -> Callable[[int, int], Any]:
+        """:meth:`_slice` for the many pointers of one call: remembers the last
+        registered region it hit (a call's pointers mostly share a few)."""
+        last: list[Any] = [0, -1, None]  # start, end, handle
+
+        def slice_(ptr: int, size: int) -> Any:
+            ptr, size = int(ptr), int(size)
+            if last[0] <= ptr and ptr + size <= last[1]:
+                return self._view(ptr, size, (last[2], ptr - last[0]))
+            hit = self._registered(ptr, size)
+            if hit is not None:
+                start = ptr - hit[1]
+                last[:] = [start, start + hit[0].length, hit[0]]
+            return self._view(ptr, size, hit)
+
+        return slice_
+
+    @staticmethod
+    def _view(ptr: int, size: int, hit: tuple[Any, int] | None) -> Any:
         if hit is not None:
             handle, off = hit
             if off == 0 and handle.length == size:
                 return handle
             if not getattr(handle, "is_gpu", False):
-                return (ptr, size)
+                arr = getattr(handle, "array", None)
+                # a numpy view of the registered memory costs far less per
+                # request than wrapping the raw address again
+                return arr[off:off + size] if arr is not None else (ptr, size)
         elif not pointer_is_device(ptr):
             return (ptr, size)
         from kvpool.transfer import as_buffer

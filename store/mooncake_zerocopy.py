@@ -127,7 +127,8 @@ class ZeroCopyCalls(MooncakeCore):
         if not keys:
             return []
         try:
-            bufs = [self._slice(p, s) for p, s in zip(buffer_ptrs, sizes, strict=True)]
+            view = self._slicer()
+            bufs = [view(p, s) for p, s in zip(buffer_ptrs, sizes, strict=True)]
             return [mooncake_code(r) if r < 0 else r
                     for r in self._c().batch_get_into(self._ks(keys), bufs)]
         except KVPoolError as exc:
@@ -196,12 +197,13 @@ class ZeroCopyCalls(MooncakeCore):
         out = [INVALID] * len(keys)
         idx: list[int] = []
         parts: list[list[Any]] = []
+        view = self._slicer()
         try:
             for i, (ptrs, sizes) in enumerate(zip(all_buffer_ptrs, all_sizes, strict=True)):
                 if len(ptrs) != len(sizes) or sum(int(s) for s in sizes) <= 0:
                     continue
                 idx.append(i)
-                parts.append([self._slice(p, s) for p, s in zip(ptrs, sizes, strict=True)
+                parts.append([view(p, s) for p, s in zip(ptrs, sizes, strict=True)
                               if int(s) > 0])
             if cfg is not None and cfg.group_ids is not None:
                 cfg = _pick_groups(cfg, idx)
@@ -229,6 +231,7 @@ class ZeroCopyCalls(MooncakeCore):
         out = [INVALID] * len(keys)
         idx: list[int] = []
         parts: list[list[Any]] = []
+        view = self._slicer()
         try:
             client = self._c()
             pool_keys = self._ks(keys)
@@ -236,7 +239,7 @@ class ZeroCopyCalls(MooncakeCore):
                 if len(ptrs) != len(sizes):
                     continue
                 idx.append(i)
-                parts.append([self._slice(p, s) for p, s in zip(ptrs, sizes, strict=True)])
+                parts.append([view(p, s) for p, s in zip(ptrs, sizes, strict=True)])
             results = client.batch_get_parts([pool_keys[i] for i in idx], parts)
         except KVPoolError as exc:
             return [code_of(exc)] * len(keys)

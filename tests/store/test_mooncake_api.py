@@ -328,25 +328,41 @@ def test_multi_buffers_concatenate_and_scatter(store: MooncakeDistributedStore) 
     assert store.batch_get_into_multi_buffers(["m1", "m2"], [[out]], [[4]]) == [INVALID] * 2
 
 
+@pytest.mark.parametrize("path", ["shm", "tcp"])
 def test_multi_buffer_calls_cost_one_rpc_and_one_transfer_batch_each(
-        make_store: Callable[..., MooncakeDistributedStore]) -> None:
-    writer, reader = make_store(), make_store(segment=0)
-    keys = [f"mb{i}" for i in range(32)]
-    src = [[arr(4096, i * 8 + j) for j in range(8)] for i in range(32)]
-    dst = [[np.zeros(4096, np.uint8) for _ in range(8)] for _ in range(32)]
-    with Counting(writer) as w:
-        assert writer.batch_put_from_multi_buffers(
-            keys, [[int(b.ctypes.data) for b in bs] for bs in src],
-            [[4096] * 8 for _ in keys]) == [0] * 32
-    assert w.rpcs == 2 and w.ops == ["BATCH_PUT_START", "BATCH_PUT_END"] and w.batches == 1
-    with Counting(reader) as r:
-        assert reader.batch_get_into_multi_buffers(
-            keys, [[int(b.ctypes.data) for b in bs] for bs in dst],
-            [[4096] * 8 for _ in keys]) == [8 * 4096] * 32
-    assert r.ops == ["BATCH_GET_REPLICA_LIST"] and r.batches == 1
-    for i in range(32):
-        for j in range(8):
-            assert np.array_equal(dst[i][j], src[i][j])
+        master: MasterProcess, path: str) -> None:
+    force = {"transfer_overrides": {"rules": [{"name": "all-tcp", "transports": ["tcp"]}]}}
+    stores = []
+    for seg in (SEG, 0):
+        s = MooncakeDistributedStore()
+        assert s.setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+                        "global_segment_size": seg, "master_server_addr": master.address,
+                        **(force if path == "tcp" else {})}) == 0
+        stores.append(s)
+    writer, reader = stores
+    try:
+        keys = [f"mb-{path}-{i}" for i in range(32)]
+        src = [[arr(4096, i * 8 + j) for j in range(8)] for i in range(32)]
+        dst = [[np.zeros(4096, np.uint8) for _ in range(8)] for _ in range(32)]
+        with Counting(writer) as w:
+            assert writer.batch_put_from_multi_buffers(
+                keys, [[int(b.ctypes.data) for b in bs] for bs in src],
+                [[4096] * 8 for _ in keys]) == [0] * 32
+        assert w.ops == ["BATCH_PUT_START", "BATCH_PUT_END"]
+        # shm: the parts of each object are gathered in one copy, no engine batch at all
+        assert w.batches == (1 if path == "tcp" else 0)
+        with Counting(reader) as r:
+            assert reader.batch_get_into_multi_buffers(
+                keys, [[int(b.ctypes.data) for b in bs] for bs in dst],
+                [[4096] * 8 for _ in keys]) == [8 * 4096] * 32
+        assert r.ops == ["BATCH_GET_REPLICA_LIST"] and r.batches == (1 if path == "tcp" else 0)
+        for i in range(32):
+            for j in range(8):
+                assert np.array_equal(dst[i][j], src[i][j])
+        assert writer.batch_remove(keys, True) == [0] * 32
+    finally:
+        for s in stores:
+            s.close()
 
 
 def test_get_into_ranges_is_buffer_major_and_fragment_exact(

@@ -3,8 +3,10 @@
 Two network namespaces (``master`` and ``node``, each with its own address
 on a bridge) stand for two hosts. The master binds its namespace's address;
 Mooncake-compatible stores run as separate processes (multihost_agent.py)
-inside the namespaces with ``local_hostname`` = their own IP, so every byte
-between them crosses the veth links over tcp. Bytes are checked by sha256.
+inside the namespaces with ``local_hostname`` = their own IP. The namespaces
+share this machine's hostname and /dev/shm, so each store is given its own
+host id (through ``KVPOOL_CONFIG`` or the dict form): every byte between the
+"hosts" then crosses the veth links over tcp. Bytes are checked by sha256.
 
 - default security (no keys anywhere): positional and dict setup; the dict
   form with ``"curve": {"enabled": False}``;
@@ -147,7 +149,9 @@ def test_default_security_positional_and_dict_setup(topo: Topology, tmp_path: Pa
     master = _start_master(topo, tmp_path)
     m_ip, n_ip = topo.address("master"), topo.address("node")
     addr = f"{m_ip}:{PORT}"
-    node = Agent(topo.host("node"), tmp_path, "node")
+    node_yaml = tmp_path / "node.yaml"
+    node_yaml.write_text("host_id: node\n")
+    node = Agent(topo.host("node"), tmp_path, "node", env={"KVPOOL_CONFIG": str(node_yaml)})
     local = Agent(topo.host("master"), tmp_path, "local")
     try:
         r = node.call(op="setup", form="positional", local_hostname=n_ip, master=addr,
@@ -155,7 +159,7 @@ def test_default_security_positional_and_dict_setup(topo: Topology, tmp_path: Pa
         assert r["rc"] == 0, node.log_path.read_text()
         assert r["hostname"].startswith(f"{n_ip}:")
         r2 = local.call(op="setup", form="dict", local_hostname=m_ip, master=addr, segment=SEG,
-                        extra={"curve": {"enabled": False}})
+                        extra={"curve": {"enabled": False}, "host_id": "master"})
         assert r2["rc"] == 0, local.log_path.read_text()
         _both_ways(node, local, r["hostname"], r2["hostname"])
         stats = node.call(op="stats")
@@ -180,7 +184,7 @@ def test_curve_from_cli_env_and_yaml(topo: Topology, tmp_path: Path) -> None:
     # a node daemon from the CLI with a YAML config (CURVE key in it)
     yaml_path = tmp_path / "client.yaml"
     yaml_path.write_text(f"master_address: \"{addr}\"\nmemory_size: 32MiB\n"
-                         f"bind_host: \"{n_ip}\"\nhost_id: \"{n_ip}\"\n"
+                         f"bind_host: \"{n_ip}\"\nhost_id: node\n"
                          f"curve:\n  secret_key_file: \"{secret}\"\n")
     ready = tmp_path / "daemon.ready"
     dlog = open(tmp_path / "daemon.log", "wb")
@@ -189,10 +193,14 @@ def test_curve_from_cli_env_and_yaml(topo: Topology, tmp_path: Path) -> None:
          "--ready-file", str(ready)], stdout=dlog, stderr=subprocess.STDOUT)
     dlog.close()
     # a store with the key directory in the environment (positional setup)
-    node = Agent(topo.host("node"), tmp_path, "node", env={"KVPOOL_CURVE_KEY_DIR": str(keys)})
+    node_yaml = tmp_path / "node.yaml"
+    node_yaml.write_text("host_id: node\n")
+    node = Agent(topo.host("node"), tmp_path, "node",
+                 env={"KVPOOL_CURVE_KEY_DIR": str(keys), "KVPOOL_CONFIG": str(node_yaml)})
     # a store whose whole client config comes from KVPOOL_CONFIG (dict setup)
     store_yaml = tmp_path / "store.yaml"
-    store_yaml.write_text(f"curve:\n  secret_key_file: \"{secret}\"\nrpc_timeout_s: 10\n")
+    store_yaml.write_text(f"curve:\n  secret_key_file: \"{secret}\"\nrpc_timeout_s: 10\n"
+                          "host_id: master\n")
     local = Agent(topo.host("master"), tmp_path, "local", env={"KVPOOL_CONFIG": str(store_yaml)})
     try:
         deadline = time.monotonic() + 60
