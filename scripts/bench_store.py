@@ -348,7 +348,7 @@ def _mb_worker(conn: Connection, master: str) -> None:
             sizes = [[part] * MB_PARTS for _ in range(MB_KEYS)]
             lat: list[float] = []
             total = 0.0
-            for i in range(n):
+            for _ in range(n):
                 write = op.startswith("batch_put")
                 keys = [f"{tag}/{k}" for k in range(MB_KEYS)]
                 if write:
