@@ -363,6 +363,9 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
         except KVPoolError as exc:
             log.error("setup failed: %s", exc)
             return code_of(exc)
+        except Exception as exc:  # e.g. the transfer port is taken: a code, never a raise
+            log.error("setup failed: %r", exc)
+            return int(ErrorCode.INTERNAL_ERROR)
 
     def _setup_dict(self, config: Mapping[str, Any]) -> int:
         d = dict(config)
@@ -398,6 +401,9 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
         except (KVPoolError, ValueError) as exc:
             log.error("setup(config) failed: %s", exc)
             return code_of(exc) if isinstance(exc, KVPoolError) else INVALID
+        except Exception as exc:  # never raise for a failed setup (Mooncake returns a code)
+            log.error("setup(config) failed: %r", exc)
+            return int(ErrorCode.INTERNAL_ERROR)
 
     def _setup(self, local_hostname: str, metadata_server: str, global_segment_size: int,
                local_buffer_size: int, protocol: str, rdma_devices: str, master: str,
@@ -522,8 +528,8 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
             cfg = client_config_from_env(overrides)
             client = Client(cfg)
             client.setup()
-        except KVPoolError as exc:
-            log.error("setup_dummy: %s", exc)
+        except Exception as exc:
+            log.error("setup_dummy: %r", exc)
             return int(ErrorCode.INTERNAL_ERROR)
         if not self._node_has_memory(client):
             client.close()

@@ -172,6 +172,19 @@ def test_hostname_health_close_and_setup_again(master: MasterProcess) -> None:
         s.close()
 
 
+def test_setup_on_a_taken_port_returns_a_code(master: MasterProcess) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        s = MooncakeDistributedStore()
+        assert s.setup(f"127.0.0.1:{port}", "P2PHANDSHAKE", SEG, SEG, "tcp", "",
+                       master.address) == -1  # Mooncake's failed setup; never an exception
+        assert s.health_check() == 1
+
+
 def test_unknown_protocol_fails_foreign_protocol_falls_back(master: MasterProcess) -> None:
     s = MooncakeDistributedStore()
     assert s.setup("localhost", "P2PHANDSHAKE", SEG, SEG, "bogus", "", master.address) == -1
