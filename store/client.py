@@ -1200,10 +1200,14 @@ class Client:
     def _gather_inline(self, held: Sequence[Reservation], parts: Sequence[Sequence[Any]],
                        writes: list[RangeWrite], owner: list[int]
                        ) -> tuple[list[RangeWrite], list[int]]:
-        """Copy the parts of small objects whose replicas are all same-host shm
-        with one ``np.concatenate`` per replica (one copy call per object, not
-        one per part); returns the writes still to do."""
+        """Small objects (< 4 MiB) made of several host parts become one copy
+        per replica instead of one request per part: same-host shm replicas
+        get ``np.concatenate`` straight into the segment; any other replica one
+        write of the parts gathered into a staging buffer (a memcpy costs far
+        less than a request each over tcp). Returns the writes still to do."""
         handled: set[int] = set()
+        staged: list[RangeWrite] = []
+        staged_owner: list[int] = []
         for i, rv in enumerate(held):
             if rv.code != ErrorCode.OK or not 0 < rv.size < _GATHER_MAX or len(parts[i]) < 2:
                 continue
@@ -1211,15 +1215,20 @@ class Client:
             if any(a is None for a in arrs):
                 continue
             dests = [self._inline_region(r, rv.size) for r in rv.replicas]
-            if not dests or any(d is None for d in dests):
-                continue
+            remote = [r for r, d in zip(rv.replicas, dests, strict=True) if d is None]
             for d in dests:
-                np.concatenate(arrs, out=d)  # type: ignore[arg-type]
+                if d is not None:
+                    np.concatenate(arrs, out=d)  # type: ignore[arg-type]
+            if remote:
+                staged.append(RangeWrite(np.concatenate(arrs), remote, 0,  # type: ignore[arg-type]
+                                         rv.size))
+                staged_owner.append(i)
             handled.add(i)
         if not handled:
             return writes, owner
         keep = [j for j, i in enumerate(owner) if i not in handled]
-        return [writes[j] for j in keep], [owner[j] for j in keep]
+        return ([writes[j] for j in keep] + staged,
+                [owner[j] for j in keep] + staged_owner)
 
     def batch_locate(self, keys: Sequence[str]) -> list[Location]:
         """Where each key can be read from (one BATCH_GET_REPLICA_LIST; grants a
@@ -1325,6 +1334,7 @@ class Client:
         results = [int(loc.code) for loc in locs]
         reads: list[RangeRead] = []
         owner: list[int] = []
+        staged: list[tuple[int, np.ndarray, list[Any]]] = []
         for i, (loc, ps) in enumerate(zip(locs, parts, strict=True)):
             if loc.code != ErrorCode.OK:
                 continue
@@ -1336,6 +1346,15 @@ class Client:
             if done is not None:
                 results[i] = done
                 continue
+            if 0 < loc.size < _GATHER_MAX and len(ps) > 1:
+                arrs = [_flat_u8(p) for p in ps]
+                if all(a is not None and a.flags.writeable for a in arrs):
+                    # one request into a staging buffer, scattered after the batch
+                    tmp = np.empty(loc.size, dtype=np.uint8)
+                    staged.append((i, tmp, arrs))
+                    reads.append(RangeRead(loc, tmp, 0, loc.size))
+                    owner.append(i)
+                    continue
             off = 0
             for p in ps:
                 n = min(buffer_nbytes(p), loc.size - off)
@@ -1347,6 +1366,9 @@ class Client:
         for code, i in zip(self.read_ranges(reads), owner, strict=True):
             if code < 0 and results[i] >= 0:
                 results[i] = code
+        for i, tmp, arrs in staged:
+            if results[i] >= 0:
+                _scatter(tmp, arrs)
         if self.config.verify_checksum:
             for i, loc in enumerate(locs):
                 if results[i] >= 0 and loc.checksum and \
@@ -1367,15 +1389,7 @@ class Client:
         arrs = [_flat_u8(p) for p in parts]
         if any(a is None or not a.flags.writeable for a in arrs):
             return None
-        off, size = 0, loc.size
-        for a in arrs:
-            assert a is not None
-            end = off + a.size
-            if end >= size:
-                np.copyto(a[:size - off], src[off:size])
-                break
-            np.copyto(a, src[off:end])
-            off = end
+        _scatter(src, arrs)
         return loc.size if time.monotonic() <= loc.deadline else int(ErrorCode.LEASE_EXPIRED)
 
     def batch_get_ranges(self, fragments: Sequence[tuple[str, Any, int, int]]) -> list[int]:
@@ -1416,6 +1430,19 @@ class Client:
 
 
 _GATHER_MAX = 4 << 20  # objects below this gather/scatter their parts in one pass
+
+
+def _scatter(src: np.ndarray, parts: Sequence[Any]) -> None:
+    """Copy ``src`` over the flat uint8 arrays ``parts`` in order (the last one
+    may be filled partly)."""
+    off, size = 0, src.size
+    for a in parts:
+        end = off + a.size
+        if end >= size:
+            np.copyto(a[:size - off], src[off:size])
+            return
+        np.copyto(a, src[off:end])
+        off = end
 
 
 def _flat_u8(buf: Any) -> np.ndarray | None:
