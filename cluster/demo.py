@@ -30,6 +30,7 @@ import numpy as np
 
 from kvpool.core.config import format_size
 from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import StatsReply
 from kvpool.store.client import Client
 from kvpool.store.config import ClientConfig, ReplicateConfig
 from kvpool.store.errors import StoreError
@@ -50,7 +51,7 @@ class DemoConfig:
     replicated_fraction: float = 0.3  # prompts stored with replica_num=2
     seed: int = 1
     progress: bool = True
-    client_ttl_s: float = 2.0  # how fast the master notices the killed daemon
+    client_ttl_s: float = 2.0  # master liveness (the killed daemon's guard unmounts it at once)
     system_chunks: int = 4  # shared system-prompt prefix: 2 replicas, hard-pinned
 
 
@@ -206,7 +207,7 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _summary(out: TextIO, cfg: DemoConfig, st: _Stats, stats: dict[str, Any], wall: float) -> None:
+def _summary(out: TextIO, cfg: DemoConfig, st: _Stats, stats: StatsReply, wall: float) -> None:
     rows = [("op", "count", "bytes", "GB/s", "p50 ms", "p90 ms", "p99 ms")]
     for op in ("put", "get"):
         lat = st.lat[op]
@@ -219,14 +220,13 @@ def _summary(out: TextIO, cfg: DemoConfig, st: _Stats, stats: dict[str, Any], wa
     for r in rows:
         print("  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)), file=out)
     hit = st.chunks_hit / st.chunks_wanted if st.chunks_wanted else 0.0
-    evictions = stats.get("evictions", stats.get("evicted", "n/a"))
     print("", file=out)
     print(f"  requests {cfg.requests} in {wall:.1f}s; prefix hit rate {100 * hit:.1f}% "
           f"({st.chunks_hit}/{st.chunks_wanted} chunks of continued prompts); "
           f"reads verified {st.verified}, corrupt {st.corrupt}", file=out)
-    print(f"  pool: {stats.get('objects', '?')} objects, "
-          f"{format_size(int(stats.get('bytes_used', 0)))} / "
-          f"{format_size(int(stats.get('bytes_capacity', 0)))} used; evictions {evictions}; "
+    print(f"  pool: {stats.objects} objects, "
+          f"{format_size(stats.bytes_used)} / "
+          f"{format_size(stats.bytes_capacity)} used; evictions {stats.evictions}; "
           f"failed puts {st.put_failed or 0}", file=out)
 
 
@@ -244,14 +244,15 @@ def _kill_and_check(out: TextIO, client: Client, victim: Any,
     print(f"\n  killing node daemon {victim.segment_ids} (SIGKILL) with {len(present)} "
           f"2-replica keys in the pool ...", file=out)
     victim.kill()
+    # its guard process sees it die, frees its shared memory and unmounts it
     deadline = time.monotonic() + cfg.client_ttl_s * 3 + 5
     while time.monotonic() < deadline:
-        segs = {s.get("segment_id") for s in client.list_segments()}
+        segs = {s.descriptor.segment_id for s in client.list_segments()}
         if not victim_segments & segs:
             break
         time.sleep(0.2)
     else:
-        print("  the master did not drop the killed daemon in time", file=out)
+        print("  the killed daemon's segment was not unmounted in time", file=out)
         return False
     readable = 0
     buf = np.empty(cfg.max_value, dtype=np.uint8)
@@ -263,6 +264,6 @@ def _kill_and_check(out: TextIO, client: Client, victim: Any,
             continue
         if np.array_equal(buf[:n], _value_view(pool, k, replicated[k])):
             readable += 1
-    print(f"  master dropped it; 2-replica keys still readable and intact: "
+    print(f"  its guard unmounted it; 2-replica keys still readable and intact: "
           f"{readable}/{len(present)}", file=out)
     return readable == len(present)

@@ -26,7 +26,7 @@ from typing import IO, Any, Self
 
 from kvpool.core.config import parse_size
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import Op
+from kvpool.core.protocol import ListSegments, Stats
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
 
 __all__ = ["ManagedProcess", "MasterProcess", "NodeDaemonProcess", "find_free_port"]
@@ -226,7 +226,7 @@ class MasterProcess(ManagedProcess):
                         ErrorCode.INTERNAL_ERROR,
                     )
                 try:
-                    c.call(Op.STATS)  # read-only: the probe leaves no client record
+                    c.call(Stats())  # read-only: the probe leaves no client record
                     return self
                 except MasterRPCError:
                     if time.monotonic() > deadline:
@@ -259,7 +259,7 @@ class NodeDaemonProcess(ManagedProcess):
     ``start()`` returns once the daemon's segment is mounted at the master
     (its ready file is written and LIST_SEGMENTS shows every segment id);
     ``stop()`` sends SIGTERM (clean unmount) and waits; ``kill()`` SIGKILLs
-    (a crash: the master drops it after ``client_ttl``); ``restart()`` starts a
+    (a crash: its guard process unmounts it); ``restart()`` starts a
     new daemon (new client id and segment id). Context manager: start/stop.
     """
 
@@ -348,8 +348,8 @@ class NodeDaemonProcess(ManagedProcess):
         with self._master_client() as mc:
             while True:
                 try:
-                    segs = mc.call(Op.LIST_SEGMENTS).get("segments", [])
-                    if want <= {s.get("segment_id") for s in segs}:
+                    segs = mc.call(ListSegments()).segments
+                    if want <= {s.descriptor.segment_id for s in segs}:
                         return
                 except MasterRPCError as exc:
                     log.debug("LIST_SEGMENTS: %s", exc)
@@ -359,8 +359,9 @@ class NodeDaemonProcess(ManagedProcess):
                 time.sleep(0.05)
 
     def kill(self) -> None:
-        """SIGKILL (a crash) and wait. Its /dev/shm segment is removed here, as
-        the dead process cannot; the master drops the client after client_ttl."""
+        """SIGKILL (a crash) and wait. Its guard process frees its /dev/shm
+        segment and unmounts it; removed here too in case the guard was
+        disabled (``--no-guard``)."""
         super().kill()
         self._unlink_orphans()
 

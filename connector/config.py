@@ -14,11 +14,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from typing import Any
 
 from kvpool.core.config import ConfigError
 
-__all__ = ["ConnectorConfig"]
+__all__ = ["ConnectorConfig", "LoadFailurePolicy"]
+
+
+class LoadFailurePolicy(StrEnum):
+    """What a failed or late load does to the request (``load_failure_policy``).
+
+    ``RECOMPUTE``: the connector sets vLLM's ``kv_load_failure_policy`` to
+    "recompute" (vLLM's default is "fail": a block reported as not loaded ends
+    the request with ``finish_reason=error``); kvpool is a cache, so a block it
+    could not deliver is computed instead. ``VLLM``: keep whatever
+    ``kv_load_failure_policy`` vLLM was given.
+    """
+
+    RECOMPUTE = "recompute"
+    VLLM = "vllm"
 
 
 @dataclass
@@ -26,6 +41,9 @@ class ConnectorConfig:
     """Connector settings. Unknown keys raise :class:`ConfigError`.
 
     - ``master_address``: kvpool master ``HOST:PORT``; overrides the YAML's.
+    - ``local_address``: this host's address for the connector's transfer
+      server (bind and advertise; the node's IP in a multi-host pool).
+    - ``host_id``: this host's id (processes with one id share memory by shm).
     - ``client_config``: path of a kvpool client YAML (``configs/client.yaml`` keys).
     - ``client_overrides``: extra ClientConfig keys (e.g. ``{"memory_size": "1GiB"}``).
     - ``chunk_size``: tokens per stored chunk; a multiple of vLLM's block size.
@@ -41,11 +59,33 @@ class ConnectorConfig:
       load) on the KV cache's device; a chunk's blocks are gathered there
       and moved as one object. Requests larger than it move in groups of
       whole chunks (one store batch per group).
-    - ``lookup_all_layers``: accepted for compatibility, no effect (one object
-      per chunk holds every layer).
+    - ``lookup_all_layers``: accepted for compatibility, no effect (a lookup
+      checks every object of a chunk).
+    - ``load_failure_policy``: "recompute" (default) makes vLLM recompute the
+      blocks of a failed or late load; "vllm" keeps vLLM's own
+      ``kv_load_failure_policy`` (see :class:`LoadFailurePolicy`).
+    - ``load_timeout_s``: a request's load that has not finished after this
+      long is abandoned; its missing blocks are recomputed. Kept below the
+      master's read lease (10 s by default) so no read outlives its lease.
+    - ``load_or_recompute``: decide per request from measured speeds whether
+      loading a hit is faster than computing it (:mod:`kvpool.connector.estimate`);
+      false loads every hit (bounded by ``load_timeout_s``).
+    - ``probe_fraction``: a load from a peer not measured yet may take this
+      fraction of the request's recompute time before it is abandoned.
+    - ``reprobe_s``: how long a peer's measured speed (or its failure) stands
+      before a new probe.
+    - ``layer_groups``: stored objects per chunk along the layers (and loads
+      pipelined per group: group ``g + 1`` moves while group ``g`` computes).
+      Part of the keys: engines sharing chunks must use the same value.
+    - ``layerwise``: load layer group by layer group during the forward
+      (``wait_for_layer_load``) and save each group as its layers finish
+      (``save_kv_layer``); false loads whole requests before the forward and
+      saves after it.
     """
 
     master_address: str | None = None
+    local_address: str | None = None
+    host_id: str | None = None
     client_config: str | None = None
     client_overrides: dict[str, Any] = field(default_factory=dict)
     chunk_size: int = 256
@@ -57,6 +97,13 @@ class ConnectorConfig:
     replica_num: int = 1
     staging_mib: float = 512
     lookup_all_layers: bool = True
+    load_failure_policy: str = LoadFailurePolicy.RECOMPUTE.value
+    load_timeout_s: float = 2.0
+    load_or_recompute: bool = True
+    probe_fraction: float = 0.25
+    reprobe_s: float = 30.0
+    layer_groups: int = 8
+    layerwise: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -81,7 +128,12 @@ class ConnectorConfig:
             raise ConfigError(
                 f"chunk_size {self.chunk_size} must be a multiple of the block size {block_size}"
             )
-        for name in ("save_decode", "load_async", "lookup_all_layers"):
+        if not 0 < self.probe_fraction <= 1 or self.reprobe_s <= 0:
+            raise ConfigError("probe_fraction must be in (0, 1] and reprobe_s > 0")
+        if not isinstance(self.layer_groups, int) or not 1 <= self.layer_groups <= 1024:
+            raise ConfigError(f"layer_groups must be an int in 1..1024, got {self.layer_groups!r}")
+        for name in ("save_decode", "load_async", "lookup_all_layers", "load_or_recompute",
+                     "layerwise"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool")
         if self.rpc_timeout_s <= 0 or self.retry_interval_s < 0:
@@ -89,6 +141,13 @@ class ConnectorConfig:
         if (not isinstance(self.staging_mib, int | float) or isinstance(self.staging_mib, bool)
                 or self.staging_mib <= 0):
             raise ConfigError(f"staging_mib must be a positive number, got {self.staging_mib!r}")
+        if self.load_failure_policy not in {p.value for p in LoadFailurePolicy}:
+            raise ConfigError(f"load_failure_policy must be one of "
+                              f"{[p.value for p in LoadFailurePolicy]}, "
+                              f"got {self.load_failure_policy!r}")
+        t = self.load_timeout_s
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t <= 60:
+            raise ConfigError(f"load_timeout_s must be in (0, 60], got {self.load_timeout_s!r}")
         if self.replica_num < 1:
             raise ConfigError("replica_num must be >= 1")
         if not isinstance(self.client_overrides, dict):

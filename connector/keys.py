@@ -6,18 +6,18 @@ tokens_i)``, with ``h_{-1}`` derived from the key namespace, so equal hashes
 mean equal prefixes. Hashes use :mod:`hashlib` (never Python's salted
 ``hash``) and are identical across processes and hosts.
 
-One store object holds one chunk over every KV layer of the worker
-(layer-major: for each layer, the chunk's blocks back to back)::
+One store object holds one chunk for one layer group and one range of KV
+heads (head-major, see :mod:`kvpool.connector.layout`)::
 
-    kvpool/v2/<model>/<dtype>/b<block>/c<chunk>/kv<shard>of<shards>/<hash>
+    kvpool/v3/<model>/<dtype>/b<block>/c<chunk>/l<first>-<end>/h<first>-<end>of<heads>/<hash>
 
-(``v1`` keys held one object per (chunk, layer); ``v2`` objects are larger
-so a GPU moves each with one copy.)
-
-``dtype`` is the KV format (the vLLM adapter passes dtype plus the byte
-order inside a block, e.g. ``bfloat16-HNC``). ``shard`` is the KV-head
-shard a tensor-parallel rank holds: ranks that hold identical bytes (KV
-heads replicated when tp_size > num_kv_heads) share keys.
+Layer groups split the model's layers into ``layer_groups`` equal runs (a
+load waits only for the group of the layer about to run). Head ranges are
+global KV-head indices: a TP=2 engine writes ``h0-4of8`` and ``h4-8of8``, a
+TP=1 engine ``h0-8of8``, and either reads the other's (see
+:func:`head_ranges`); MLA caches have one latent per token, the same on every
+rank, stored as ``h0-1of1`` by one rank. ``dtype`` is the KV format (the vLLM
+adapter passes dtype plus the byte order inside a block, e.g. ``bfloat16-HNC``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import numpy as np
 
 from kvpool.core.config import ConfigError
 
-__all__ = ["KeySpace", "chain_hashes", "kv_shard"]
+__all__ = ["KeySpace", "chain_hashes", "head_granularities", "head_ranges", "kv_shard",
+           "layer_ranges", "rank_heads"]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -49,6 +50,43 @@ def kv_shard(tp_rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:
         raise ConfigError(f"num_kv_heads must be >= 1, got {num_kv_heads}")
     num_shards = min(tp_size, num_kv_heads)
     return tp_rank * num_shards // tp_size, num_shards
+
+
+def rank_heads(tp_rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int, bool]:
+    """``(first, end, writes)``: the global KV heads ``[first, end)`` that
+    ``tp_rank`` holds, and whether it is the one rank that stores them (ranks
+    holding replicated heads, or an MLA latent, have identical bytes)."""
+    shard, shards = kv_shard(tp_rank, tp_size, num_kv_heads)
+    if num_kv_heads % shards:
+        raise ConfigError(f"{num_kv_heads} KV heads do not split over {shards} ranks")
+    per = num_kv_heads // shards
+    ranks_per_shard = tp_size // shards
+    return shard * per, (shard + 1) * per, tp_rank % ranks_per_shard == 0
+
+
+def head_ranges(num_kv_heads: int, objects: int) -> list[tuple[int, int]]:
+    """The head ranges of a chunk stored as ``objects`` objects (one per rank
+    of a writer with ``objects`` distinct shards)."""
+    per = num_kv_heads // objects
+    return [(i * per, (i + 1) * per) for i in range(objects)]
+
+
+def head_granularities(num_kv_heads: int, own: int) -> list[int]:
+    """Object counts per chunk (and layer group) a reader looks for: its own
+    first, then every other split a writer with TP 1, 2, 4, 8, ... makes."""
+    out = [own]
+    k = 1
+    while k <= num_kv_heads:
+        if num_kv_heads % k == 0 and k not in out:
+            out.append(k)
+        k *= 2
+    return out
+
+
+def layer_ranges(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """``groups`` runs of layers ``[first, end)`` covering ``0 .. num_layers``."""
+    g = max(1, min(groups, num_layers))
+    return [(i * num_layers // g, (i + 1) * num_layers // g) for i in range(g)]
 
 
 def chain_hashes(
@@ -73,14 +111,12 @@ def chain_hashes(
 
 @dataclass(frozen=True)
 class KeySpace:
-    """The key namespace of one model / KV dtype / block size / chunk size / KV shard."""
+    """The key namespace of one model / KV format / block size / chunk size."""
 
     model: str
     kv_dtype: str
     block_size: int
     chunk_size: int
-    shard: int = 0
-    num_shards: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.chunk_size <= 0 or self.chunk_size % self.block_size:
@@ -88,8 +124,6 @@ class KeySpace:
                 f"chunk_size {self.chunk_size} must be a positive multiple of "
                 f"block_size {self.block_size}"
             )
-        if not 0 <= self.shard < self.num_shards:
-            raise ConfigError(f"bad shard {self.shard} of {self.num_shards}")
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -99,20 +133,12 @@ class KeySpace:
     def prefix(self) -> str:
         model = _SAFE.sub("_", self.model).strip("_") or "model"
         dtype = _SAFE.sub("_", self.kv_dtype.replace("torch.", ""))
-        return (
-            f"kvpool/v2/{model}/{dtype}/b{self.block_size}/c{self.chunk_size}"
-            f"/kv{self.shard}of{self.num_shards}"
-        )
+        return f"kvpool/v3/{model}/{dtype}/b{self.block_size}/c{self.chunk_size}"
 
     @property
     def seed(self) -> bytes:
-        """Chain seed: the model and geometry, not the shard (all shards share hashes)."""
+        """Chain seed: the model and geometry (every object of a chunk shares its hash)."""
         return f"{self.model}|{self.kv_dtype}|{self.block_size}|{self.chunk_size}".encode()
-
-    def for_shard(self, shard: int) -> KeySpace:
-        """The same namespace for another KV shard."""
-        return KeySpace(self.model, self.kv_dtype, self.block_size, self.chunk_size,
-                        shard, self.num_shards)
 
     def chunk_hashes(self, token_ids: Sequence[int] | np.ndarray) -> list[str]:
         """Hashes of the full chunks of ``token_ids`` (a trailing partial chunk is ignored)."""
@@ -127,6 +153,17 @@ class KeySpace:
         tail = token_ids[len(hashes) * self.chunk_size : n_full * self.chunk_size]
         return hashes + chain_hashes(tail, self.chunk_size, self.seed, start=start)
 
-    def chunk_key(self, chunk_hash: str) -> str:
-        """Key of the object holding every layer of the chunk with hash ``chunk_hash``."""
-        return f"{self.prefix}/{chunk_hash}"
+    def object_key(self, chunk_hash: str, layers: tuple[int, int], heads: tuple[int, int],
+                   num_heads: int) -> str:
+        """Key of the object holding layers ``[layers)`` and global KV heads
+        ``[heads)`` (of ``num_heads``) of the chunk with hash ``chunk_hash``."""
+        return (f"{self.prefix}/l{layers[0]}-{layers[1]}/h{heads[0]}-{heads[1]}of{num_heads}"
+                f"/{chunk_hash}")
+
+    def chunk_keys(self, chunk_hash: str, num_layers: int, layer_groups: int,
+                   num_heads: int = 1, split: int = 1) -> list[str]:
+        """Every object key of a chunk of a ``num_layers``-layer model stored in
+        ``layer_groups`` layer groups by a writer with ``split`` head shards."""
+        return [self.object_key(chunk_hash, lr, hr, num_heads)
+                for lr in layer_ranges(num_layers, layer_groups)
+                for hr in head_ranges(num_heads, split)]

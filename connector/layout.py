@@ -1,22 +1,31 @@
-"""Byte-level views of vLLM's paged KV cache, independent of the attention backend.
+"""Byte-level views of vLLM's paged KV cache and the byte layout of stored objects.
 
-vLLM 0.32 hands the connector one tensor per layer, a ``[num_blocks, ...]``
-view (CPU: ``[num_blocks, kv_heads, block_size, 2*head_size]``; CUDA
-backends use other interiors and may interleave layers, e.g. block-outermost
-layouts). The connector never looks inside a block: a block of a layer is
-``block_bytes`` opaque bytes at ``base + b * block_stride`` in the layer's
-backing storage. :class:`LayerLayout` is that description plus a
-``[num_blocks, block_bytes]`` uint8 view used to move whole blocks.
+vLLM 0.31-0.33 hand the connector one tensor per layer, a ``[num_blocks,
+kv_heads, block_size, 2*head_size]`` view whose physical order depends on
+the backend: heads outside tokens (``HNC``: CPU) or tokens outside heads
+(``NHC``: CUDA's default), layers outermost or blocks outermost. MLA caches
+are ``[num_blocks, block_size, latent]`` (one "head"). A block of a layer is
+``block_bytes`` at ``base + b * block_stride`` of the layer's storage;
+inside it, head ``h`` is ``tokens`` rows of ``row_bytes`` (HNC: one row, the
+head's whole slab; NHC: one row per token, ``token_stride`` apart).
+
+A stored object holds one chunk for a range of layers (a layer group) and a
+range of KV heads, head-major: ``[head][layer][block][token][2*head_size]``.
+That order is the same for HNC and NHC caches and for any tensor-parallel
+split: the object of heads ``[0, 8)`` is the objects of ``[0, 4)`` and
+``[4, 8)`` back to back, so engines with different TP sizes share objects
+(:class:`ObjectLayout`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.core.config import ConfigError
 
-__all__ = ["ChunkLayout", "LayerLayout", "consecutive_run"]
+__all__ = ["LayerLayout", "ObjectLayout", "consecutive_run"]
 
 
 def consecutive_run(block_ids: list[int]) -> bool:
@@ -26,13 +35,13 @@ def consecutive_run(block_ids: list[int]) -> bool:
 
 @dataclass
 class LayerLayout:
-    """One layer's paged KV cache as whole opaque blocks.
+    """One layer's paged KV cache: whole blocks and the heads inside them.
 
     ``blocks`` is a uint8 view ``[num_blocks, block_bytes]`` (strided when
-    blocks are not adjacent); ``storage`` is a flat uint8 tensor over the
-    whole backing allocation (what :class:`ChunkLayout` indexes when layers share it);
-    ``dense`` is True when block ``b + 1`` starts right after block ``b``, so a
-    run of consecutive blocks is one contiguous byte range.
+    blocks are not adjacent); ``storage`` a flat uint8 tensor over the whole
+    backing allocation; ``dense``: block ``b + 1`` starts right after ``b``.
+    Head ``h`` of a block is ``tokens`` rows of ``row_bytes``, the first at
+    ``h * head_stride`` and each next one ``token_stride`` further.
     """
 
     name: str
@@ -43,6 +52,15 @@ class LayerLayout:
     offset: int
     blocks: Any
     storage: Any
+    heads: int = 1
+    head_stride: int = 0
+    tokens: int = 1
+    token_stride: int = 0
+    row_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.row_bytes:
+            self.row_bytes = self.block_bytes
 
     @property
     def dense(self) -> bool:
@@ -51,6 +69,11 @@ class LayerLayout:
     @property
     def device(self) -> Any:
         return self.blocks.device
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one head of one block."""
+        return self.tokens * self.row_bytes
 
     def run_view(self, first_block: int, n: int) -> Any:
         """Contiguous 1-D uint8 view of blocks ``first_block .. first_block+n-1`` (dense only)."""
@@ -61,14 +84,17 @@ class LayerLayout:
         return self.blocks[first_block : first_block + n].reshape(-1)
 
     @classmethod
-    def from_tensor(cls, name: str, index: int, t: Any, kernel_blocks_per_block: int = 1
-                    ) -> LayerLayout:
+    def from_tensor(cls, name: str, index: int, t: Any, kernel_blocks_per_block: int = 1,
+                    heads: int | None = None) -> LayerLayout:
         """Describe ``t`` (dim 0 = blocks). Raises ConfigError if a block's bytes
         are not one contiguous range (layouts with heads outside blocks).
 
         ``kernel_blocks_per_block > 1``: vLLM split each scheduler block into
         that many kernel blocks (dim 0 counts kernel blocks); they are merged
-        back so block ids are the scheduler's (needs adjacent kernel blocks)."""
+        back so block ids are the scheduler's (needs adjacent kernel blocks).
+        ``heads``: KV heads of this worker; a 4-D ``[blocks, heads, tokens,
+        2*head_size]`` view with that many heads is described head by head,
+        anything else (MLA) as one opaque "head" per block."""
         import torch
 
         if t.dim() < 2:
@@ -93,13 +119,29 @@ class LayerLayout:
             run *= size
         block_bytes = run
         block_stride = int(t.stride(0)) * es
+        n_heads, head_stride, tokens, token_stride, row_bytes = 1, 0, 1, 0, block_bytes
+        if (heads is not None and heads > 1 and t.dim() == 4 and int(t.shape[1]) == heads
+                and int(t.stride(3)) == 1):
+            x = int(t.shape[3]) * es  # one token of one head
+            n = int(t.shape[2])
+            s_h, s_n = int(t.stride(1)) * es, int(t.stride(2)) * es
+            if s_n == x:  # HNC: a head's tokens are one slab
+                n_heads, head_stride, tokens, token_stride, row_bytes = heads, s_h, 1, 0, n * x
+            elif s_h == x:  # NHC: a token's heads are adjacent
+                n_heads, head_stride, tokens, token_stride, row_bytes = heads, x, n, s_n, x
         r = kernel_blocks_per_block
         if r > 1:
             if block_stride != block_bytes or num_blocks % r:
                 raise ConfigError(f"layer {name}: cannot merge {r} kernel blocks per block")
+            if n_heads > 1 and tokens == 1:  # HNC: one slab per kernel block
+                tokens, token_stride = r, block_bytes
+            elif n_heads > 1:  # NHC: rows stay evenly spaced across kernel blocks
+                tokens *= r
             num_blocks //= r
             block_bytes *= r
             block_stride *= r
+            if n_heads == 1:
+                row_bytes = block_bytes
         storage = t.untyped_storage()
         flat = torch.empty(0, dtype=torch.uint8, device=t.device)
         flat.set_(storage, 0, (storage.nbytes(),), (1,))
@@ -107,22 +149,22 @@ class LayerLayout:
         if offset + (num_blocks - 1) * block_stride + block_bytes > storage.nbytes():
             raise ConfigError(f"layer {name}: view exceeds its storage")
         blocks = flat.as_strided((num_blocks, block_bytes), (block_stride, 1), offset)
-        return cls(name, index, num_blocks, block_bytes, block_stride, offset, blocks, flat)
+        return cls(name, index, num_blocks, block_bytes, block_stride, offset, blocks, flat,
+                   n_heads, head_stride, tokens, token_stride, row_bytes)
 
 
-class ChunkLayout:
-    """Byte layout of one stored chunk: every layer of this worker, layer-major.
+class ObjectLayout:
+    """Moves stored objects between staging tensors and the paged KV cache.
 
-    A chunk object is ``[layer][block][block_bytes]``: for each layer (in
-    ``layers`` order) the chunk's ``blocks_per_chunk`` blocks back to back.
-    :meth:`gather` copies the blocks of many chunks into a contiguous staging
-    tensor (one object after another) and :meth:`scatter` copies them back
-    into (other) blocks, both with a few device-side kernels per call, never
-    one copy per block: when every layer lives in one allocation at offsets
-    and strides that are whole blocks (vLLM's layer-outermost and
-    block-outermost layouts), the whole request is ONE ``index_select`` /
-    ``index_copy_`` over a ``[rows, block_bytes]`` view of that allocation;
-    otherwise two kernels per layer.
+    An object is one chunk (``blocks_per_chunk`` blocks) of a range of layers
+    (indices into ``layers``) and a range ``[h0, h1)`` of this worker's heads,
+    ordered ``[head][layer][block][row]`` (see the module docstring).
+    :meth:`gather` copies the objects of many chunks into a contiguous tensor
+    and :meth:`scatter` copies them back into (other) blocks: when every layer
+    lives in one allocation at offsets and strides that are whole rows
+    (vLLM's layer-outermost and block-outermost layouts), ONE ``index_select``
+    / ``index_copy_`` over a ``[rows, row_bytes]`` view of it; otherwise one
+    per layer. Never one copy per block.
     """
 
     def __init__(self, layers: list[LayerLayout], blocks_per_chunk: int) -> None:
@@ -130,33 +172,45 @@ class ChunkLayout:
 
         if not layers:
             raise ConfigError("no KV layers")
+        first = layers[0]
+        for lay in layers:
+            if (lay.heads, lay.tokens, lay.row_bytes) != (first.heads, first.tokens,
+                                                          first.row_bytes):
+                raise ConfigError("KV layers differ in heads or block geometry")
         self.layers = layers
         self.bpc = blocks_per_chunk
-        self.device = layers[0].device
-        self.object_bytes = blocks_per_chunk * sum(lay.block_bytes for lay in layers)
-        bb = layers[0].block_bytes
-        # Copy 8-byte words where every block allows it: uint8 index_select is
-        # ~40x slower on CPU (and narrower per thread on a GPU).
-        self._wide = all(lay.block_bytes % 8 == 0 and lay.offset % 8 == 0
-                         and lay.block_stride % 8 == 0 and lay.storage.numel() % 8 == 0
-                         for lay in layers)
-        self._rows: Any = None  # [rows, bb] view of the one shared allocation
-        same = all(lay.storage.data_ptr() == layers[0].storage.data_ptr()
-                   and lay.storage.numel() == layers[0].storage.numel() for lay in layers)
-        if same and all(lay.block_bytes == bb and lay.offset % bb == 0
-                        and lay.block_stride % bb == 0 for lay in layers):
-            st = layers[0].storage
-            self._rows = self._w(st.as_strided((st.numel() // bb, bb), (bb, 1), 0))
-            self._row_off = torch.tensor([lay.offset // bb for lay in layers], dtype=torch.long,
-                                         device=self.device).view(1, -1, 1)
-            self._row_step = torch.tensor([lay.block_stride // bb for lay in layers],
-                                          dtype=torch.long, device=self.device).view(1, -1, 1)
-        # column range of each layer inside one object
-        self._cols: list[tuple[int, int]] = []
-        col = 0
-        for lay in layers:
-            self._cols.append((col, col + blocks_per_chunk * lay.block_bytes))
-            col += blocks_per_chunk * lay.block_bytes
+        self.heads = first.heads
+        self.device = first.device
+        self.rb = first.row_bytes
+        rb = self.rb
+        self._wide = rb % 8 == 0 and all(
+            lay.offset % 8 == 0 and lay.block_stride % 8 == 0 and lay.head_stride % 8 == 0
+            and lay.token_stride % 8 == 0 and lay.storage.numel() % 8 == 0 for lay in layers)
+        same = all(lay.storage.data_ptr() == first.storage.data_ptr()
+                   and lay.storage.numel() == first.storage.numel() for lay in layers)
+        self._shared = same and all(
+            lay.offset % rb == 0 and lay.block_stride % rb == 0 and lay.head_stride % rb == 0
+            and lay.token_stride % rb == 0 for lay in layers)
+        if self._shared:
+            st = first.storage
+            self._rows = self._w(st.as_strided((st.numel() // rb, rb), (rb, 1), 0))
+        else:
+            if not all(lay.offset % rb == 0 and lay.block_stride % rb == 0
+                       and lay.head_stride % rb == 0 and lay.token_stride % rb == 0
+                       for lay in layers):
+                raise ConfigError("KV layer offsets are not whole rows")
+            self._layer_rows: list[Any] = [
+                self._w(lay.storage.as_strided((lay.storage.numel() // rb, rb), (rb, 1), 0))
+                for lay in layers]
+        dev = self.device
+        L = len(layers)
+        # per layer, in rows: base offset, block step, head step; token step (all layers)
+        self._off = torch.tensor([lay.offset // rb for lay in layers], device=dev)
+        self._bstep = torch.tensor([lay.block_stride // rb for lay in layers], device=dev)
+        self._hstep = torch.tensor([lay.head_stride // rb for lay in layers], device=dev)
+        self._tstep = torch.tensor([lay.token_stride // rb for lay in layers], device=dev)
+        self._tok = torch.arange(first.tokens, device=dev)
+        self._L = L
 
     def _w(self, t: Any) -> Any:
         """``t`` (uint8, last dim contiguous) as 8-byte words when allowed."""
@@ -167,88 +221,106 @@ class ChunkLayout:
     @property
     def single_kernel(self) -> bool:
         """True when gather/scatter are one kernel for all layers."""
-        return self._rows is not None
+        return self._shared
 
-    def warm_up(self, scratch: Any) -> None:
-        """Run the kernels :meth:`gather` and :meth:`scatter` use once (GPUs load
-        them lazily). Reads block 0 of every layer into ``scratch`` (>= one
-        object); writes no KV block."""
-        import torch
+    def object_bytes(self, layer_sel: Sequence[int], heads: int) -> int:
+        """Bytes of one chunk's object over ``layer_sel`` and ``heads`` heads."""
+        return heads * len(layer_sel) * self.bpc * self.layers[0].unit_bytes
 
-        self.gather([[0] * self.bpc], scratch)
-        src = self._w(scratch[: self.object_bytes]).view(self.bpc, -1)
-        dst = torch.empty_like(src)
-        idx = torch.arange(src.shape[0], device=self.device)
-        dst.index_copy_(0, idx, src.index_select(0, idx))
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def _ids(self, block_ids: list[list[int]]) -> Any:
+    def _index(self, block_ids: list[list[int]], layer_sel: Sequence[int], h0: int,
+               h1: int) -> Any:
+        """Row numbers ``[chunks, heads, layers, blocks, tokens]`` (object order)."""
         import torch
 
         for ids in block_ids:
             if len(ids) != self.bpc:
                 raise ConfigError(f"chunk has {len(ids)} blocks, expected {self.bpc}")
+        if not 0 <= h0 < h1 <= self.heads:
+            raise ConfigError(f"head range {h0}:{h1} outside 0..{self.heads}")
+        dev = self.device
+        b = torch.tensor(block_ids, dtype=torch.long).to(dev, non_blocking=True)
+        sel = torch.tensor(list(layer_sel), dtype=torch.long, device=dev)
+        h = torch.arange(h0, h1, device=dev)
+        C, nl = len(block_ids), len(layer_sel)
+        rows = (self._off[sel].view(1, 1, nl, 1, 1)
+                + b.view(C, 1, 1, self.bpc, 1) * self._bstep[sel].view(1, 1, nl, 1, 1)
+                + h.view(1, -1, 1, 1, 1) * self._hstep[sel].view(1, 1, nl, 1, 1)
+                + self._tok.view(1, 1, 1, 1, -1) * self._tstep[sel].view(1, 1, nl, 1, 1))
+        return rows
+
+    def warm_up(self, scratch: Any) -> None:
+        """Run the kernels :meth:`gather` and :meth:`scatter` use once (GPUs load
+        them lazily). Reads block 0 of every layer into ``scratch`` (>= one
+        object of every layer and head); writes no KV block."""
+        import torch
+
+        every = range(self._L)
+        self.gather([[0] * self.bpc], every, 0, self.heads, scratch)
+        n = self.object_bytes(every, self.heads)
+        src = self._w(scratch[:n]).view(-1, self.rb // (8 if self._wide else 1))
+        idx = torch.arange(src.shape[0], device=self.device)
+        torch.empty_like(src).index_copy_(0, idx, src.index_select(0, idx))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def gather(self, block_ids: list[list[int]], layer_sel: Sequence[int], h0: int, h1: int,
+               out: Any) -> None:
+        """Copy the objects of chunks ``block_ids`` (layers ``layer_sel``, heads
+        ``[h0, h1)``) into ``out`` (uint8, contiguous, one object after another).
+        Asynchronous on the current stream for CUDA tensors."""
+        if not block_ids:
+            return
         nb = self.layers[0].num_blocks
-        if any(not 0 <= b < nb for ids in block_ids for b in ids):
+        if any(not 0 <= x < nb for ids in block_ids for x in ids):
             raise ConfigError(f"block id outside 0..{nb - 1}")
-        return torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        rows = self._index(block_ids, layer_sel, h0, h1)
+        n = len(block_ids) * self.object_bytes(layer_sel, h1 - h0)
+        dst = self._w(out[:n]).view(*rows.shape, -1)
+        if self._shared:
+            import torch
 
-    def gather(self, block_ids: list[list[int]], out: Any) -> None:
-        """Copy chunk ``c``'s blocks (``block_ids[c]``) into object ``c`` of ``out``
-        (uint8, >= ``len(block_ids) * object_bytes``, contiguous). Asynchronous
-        on the current stream for CUDA tensors."""
+            torch.index_select(self._rows, 0, rows.reshape(-1),
+                               out=dst.view(-1, dst.shape[-1]))
+            return
+        for j, li in enumerate(layer_sel):
+            dst[:, :, j].copy_(self._layer_rows[li].index_select(
+                0, rows[:, :, j].reshape(-1)).view(dst[:, :, j].shape))
+
+    def scatter(self, block_ids: list[list[int]], layer_sel: Sequence[int], h0: int, h1: int,
+                src: Any, ranges: list[tuple[int, int]] | None = None) -> None:
+        """Copy objects from ``src`` (as :meth:`gather` writes them) into blocks
+        ``block_ids``; with ``ranges`` only blocks ``ranges[c][0] <= j <
+        ranges[c][1]`` of chunk ``c`` are written (others may be -1)."""
         import torch
 
-        n = len(block_ids)
-        if n == 0:
+        if not block_ids:
             return
-        idx = self._ids(block_ids)  # [n, bpc]
-        objs = self._w(out[: n * self.object_bytes].view(n, self.object_bytes))
-        if self._rows is not None:
-            rows = (self._row_off + idx.view(n, 1, self.bpc) * self._row_step).reshape(-1)
-            torch.index_select(self._rows, 0, rows, out=objs.view(-1, self._rows.shape[1]))
-            return
-        flat = idx.reshape(-1)
-        k = 8 if self._wide else 1
-        for lay, (a, b) in zip(self.layers, self._cols, strict=True):
-            objs[:, a // k : b // k].copy_(
-                self._w(lay.blocks).index_select(0, flat).view(n, (b - a) // k))
-
-    def scatter(self, block_ids: list[list[int]], src: Any,
-                ranges: list[tuple[int, int]] | None = None) -> None:
-        """Copy object ``c`` of ``src`` into blocks ``block_ids[c]``; with ``ranges``
-        only blocks ``ranges[c][0] <= j < ranges[c][1]`` of chunk ``c`` are written."""
-        import torch
-
-        n = len(block_ids)
-        if n == 0:
-            return
-        idx = self._ids(block_ids)  # [n, bpc]
-        objs = self._w(src[: n * self.object_bytes].view(n, self.object_bytes))
-        k = 8 if self._wide else 1
-        sel: Any = None  # positions (chunk * bpc + j) to write, None = all
+        C = len(block_ids)
+        safe = [[x if x >= 0 else 0 for x in ids] for ids in block_ids]
+        rows = self._index(safe, layer_sel, h0, h1)
+        n = C * self.object_bytes(layer_sel, h1 - h0)
+        data = self._w(src[:n]).view(*rows.shape, -1)
+        mask = None
         if ranges is not None and any(r != (0, self.bpc) for r in ranges):
-            pos = [c * self.bpc + j for c, (a, b) in enumerate(ranges) for j in range(a, b)]
-            if not pos:
-                return
-            sel = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
-        if self._rows is not None:
-            L = len(self.layers)
-            rows = (self._row_off + idx.view(n, 1, self.bpc) * self._row_step).reshape(-1)
-            data = objs.view(-1, self._rows.shape[1])
-            if sel is not None:  # same positions in every layer
-                lsel = (sel.view(1, -1) // self.bpc * (L * self.bpc)
-                        + torch.arange(L, device=self.device).view(-1, 1) * self.bpc
-                        + sel.view(1, -1) % self.bpc).reshape(-1)
-                rows, data = rows.index_select(0, lsel), data.index_select(0, lsel)
-            self._rows.index_copy_(0, rows, data)
+            m = torch.zeros(C, self.bpc, dtype=torch.bool)
+            for c, (a, b) in enumerate(ranges):
+                m[c, a:b] = True
+            mask = m.to(self.device).view(C, 1, 1, self.bpc, 1).expand(rows.shape)
+        nb = self.layers[0].num_blocks
+        for c, ids in enumerate(block_ids):
+            a, b = ranges[c] if ranges is not None else (0, self.bpc)
+            if any(not 0 <= x < nb for x in ids[a:b]):
+                raise ConfigError(f"block id outside 0..{nb - 1}")
+        if self._shared:
+            if mask is None:
+                self._rows.index_copy_(0, rows.reshape(-1), data.reshape(-1, data.shape[-1]))
+            else:
+                self._rows.index_copy_(0, rows[mask], data[mask])
             return
-        flat = idx.reshape(-1)
-        if sel is not None:
-            flat = flat.index_select(0, sel)
-        for lay, (a, b) in zip(self.layers, self._cols, strict=True):
-            part = objs[:, a // k : b // k].reshape(n * self.bpc, lay.block_bytes // k)
-            if sel is not None:
-                part = part.index_select(0, sel)
-            self._w(lay.blocks).index_copy_(0, flat, part)
+        for j, li in enumerate(layer_sel):
+            r, d = rows[:, :, j], data[:, :, j]
+            if mask is None:
+                self._layer_rows[li].index_copy_(0, r.reshape(-1), d.reshape(-1, d.shape[-1]))
+            else:
+                mj = mask[:, :, j]
+                self._layer_rows[li].index_copy_(0, r[mj], d[mj])

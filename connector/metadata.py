@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ChunkRef", "ConnectorMeta", "LoadSpec", "SaveSpec"]
+__all__ = ["ChunkRef", "ConnectorMeta", "LoadSpec", "SaveSpec", "WorkerReport"]
 
 
 @dataclass
@@ -20,6 +20,8 @@ class ChunkRef:
     index: int
     hash: str
     block_ids: list[int]
+    peer: str = ""  # where its nearest replica is (estimate.peer_key); "" = unknown
+    head_objects: int = 0  # objects per layer group it is stored as (0 = the reader's split)
 
 
 @dataclass
@@ -33,6 +35,9 @@ class LoadSpec:
     at least one prompt token must be computed). ``is_async``: the
     load runs in the background and completion is reported by
     ``get_finished`` (else it completes before the forward).
+    ``deadline_s``: the load is abandoned after this long (0 = the worker's
+    ``load_timeout_s``); ``predicted_s``: the scheduler's estimate of its
+    time (None = not estimated), reported next to the actual time.
     """
 
     req_id: str
@@ -40,6 +45,8 @@ class LoadSpec:
     skip_blocks: int = 0
     is_async: bool = False
     last_blocks: int = 0
+    deadline_s: float = 0.0
+    predicted_s: float | None = None
 
 
 @dataclass
@@ -52,12 +59,33 @@ class SaveSpec:
 
 @dataclass
 class ConnectorMeta:
-    """One scheduler step's loads and saves, and requests preempted this step
-    (their blocks may be reused: pending saves must finish first)."""
+    """One scheduler step's loads and saves, requests preempted this step (their
+    blocks may be reused: pending saves must finish first) and the tokens the
+    step computes (the worker times the forward: prefill throughput)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    scheduled_tokens: int = 0
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.preempted_req_ids)
+
+
+@dataclass
+class WorkerReport:
+    """What a worker measured since its last report, for the scheduler's
+    load-or-recompute estimates: completed loads ``(peer, bytes, seconds)``,
+    peers whose load failed or overran, forward passes ``(tokens, seconds)``."""
+
+    loads: list[tuple[str, int, float]] = field(default_factory=list)
+    failed_peers: list[str] = field(default_factory=list)
+    forwards: list[tuple[int, float]] = field(default_factory=list)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        """Both reports in one (TP ranks' reports are merged by vLLM)."""
+        return WorkerReport(self.loads + other.loads, self.failed_peers + other.failed_peers,
+                            self.forwards + other.forwards)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.failed_peers or self.forwards)

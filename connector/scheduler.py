@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
-from kvpool.connector.keys import KeySpace
-from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec
+from kvpool.connector.estimate import ChunkCost, Decision, SpeedBook, decide, peer_key
+from kvpool.connector.events import Medium, PoolEvents
+from kvpool.connector.keys import KeySpace, head_granularities, layer_ranges
+from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec, WorkerReport
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess, StoreUnavailable
 from kvpool.core.errors import KVPoolError
@@ -61,11 +63,15 @@ def leading_hits(exists: Sequence[bool], per_chunk: int) -> int:
 
 @dataclass
 class Lookup:
-    """Result of a prefix lookup: chunk hashes and how many lead chunks are stored."""
+    """Result of a prefix lookup: chunk hashes, how many lead chunks are stored,
+    and how many of them to load (the load-or-recompute decision)."""
 
     hashes: list[str]
     hit_chunks: int  # leading chunks stored
-    hit_tokens: int  # tokens a load may cover (see max_hit_tokens)
+    hit_tokens: int  # tokens a load covers (see max_hit_tokens), after the decision
+    decision: Decision | None = None
+    peers: list[str] = field(default_factory=list)  # per stored chunk
+    splits: list[int] = field(default_factory=list)  # per stored chunk: head objects
 
 
 @dataclass
@@ -114,9 +120,12 @@ class KVPoolScheduler:
 
     def __init__(self, cfg: ConnectorConfig, keys: KeySpace, num_layers: int,
                  store: StoreAccess, stats: ConnectorStats | None = None,
-                 load: bool = True, save: bool = True) -> None:
+                 load: bool = True, save: bool = True, num_heads: int = 1,
+                 head_objects: int = 1) -> None:
         """``load``/``save``: vLLM's kv_role (kv_consumer only loads, kv_producer
-        only saves, kv_both does both)."""
+        only saves, kv_both does both). ``num_heads``: the model's KV heads (1
+        for MLA); ``head_objects``: the objects this engine's ranks store per
+        chunk and layer group (its distinct KV shards)."""
         self.cfg = cfg
         self.load_enabled = load
         self.save_enabled = save
@@ -128,35 +137,145 @@ class KVPoolScheduler:
         self._reqs: dict[str, _ReqState] = {}
         self._loads: list[LoadSpec] = []
         self._async_loading: set[str] = set()  # async loads not reported done yet
-        self._shards = [keys.for_shard(s) for s in range(keys.num_shards)]
+        self._load_blocks: dict[str, set[int]] = {}  # blocks each planned load writes
+        self._no_load: set[str] = set()  # requests whose load failed: never offered again
+        self.num_heads = num_heads
+        self.head_objects = head_objects
+        self.layer_ranges = layer_ranges(num_layers, cfg.layer_groups)
+        self.splits = head_granularities(num_heads, head_objects)
+        self.speeds = SpeedBook(reprobe_s=cfg.reprobe_s)
+        self.events = PoolEvents()
 
     # ------------------------------------------------------------ lookup
 
     def lookup(self, req_id: str, prompt_token_ids: Sequence[int],
-               num_computed_tokens: int) -> tuple[int, bool]:
+               num_computed_tokens: int, block_hashes: Sequence[Any] = ()) -> tuple[int, bool]:
         """``get_num_new_matched_tokens``: tokens beyond ``num_computed_tokens``
         that kvpool holds (a run of whole chunks from the prompt start, found
         with one batched existence query), and whether they load asynchronously.
         A store that is down means 0 (the request computes normally)."""
         n = lookup_chunks(len(prompt_token_ids), self.keys.chunk_size) if self.load_enabled else 0
+        if req_id in self._no_load:
+            n = 0  # its load failed once: computing it must not wait on the store again
         limit = max_hit_tokens(len(prompt_token_ids), self.keys.block_size)
         hashes = self.keys.chunk_hashes(prompt_token_ids[: n * self.keys.chunk_size])
         hit = 0
+        peers: list[str] = []
+        sizes: list[int] = []
+        splits: list[int] = []
         if n and min(n * self.keys.chunk_size, limit) > num_computed_tokens:
-            # one object per (chunk, shard) holds every layer
-            keys = [ks.chunk_key(h) for h in hashes for ks in self._shards]
             try:
-                exists = self.store.batch_exists(keys)
-                hit = leading_hits(exists, len(self._shards))
+                hit, peers, sizes, splits = self._find(hashes)
+                if block_hashes:
+                    self._announce(hashes, hit, peers, prompt_token_ids, block_hashes)
             except Exception as exc:  # the store never fails a request: a miss
                 if not isinstance(exc, StoreUnavailable | KVPoolError):
                     log.warning("kvpool lookup failed (treated as a miss): %r", exc)
                 self.stats.add(lookup_errors=1)
+                hit = 0
+        decision = None
+        if hit and self.cfg.load_or_recompute:
+            decision = self._decide(hit, peers, sizes, limit, num_computed_tokens)
+            hit = decision.chunks
         hit_tokens = min(hit * self.keys.chunk_size, limit)
-        self._lookups[req_id] = Lookup(hashes, hit, hit_tokens)
+        self._lookups[req_id] = Lookup(hashes, hit, hit_tokens, decision, peers, splits)
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, self.cfg.load_async
+
+    def _announce(self, hashes: list[str], hit: int, peers: list[str],
+                  tokens: Sequence[int], block_hashes: Sequence[Any]) -> None:
+        """KV events from a lookup: chunks found are in the pool (for this engine
+        too), announced chunks not found are gone."""
+        for i in range(hit):
+            medium = Medium.DISK if i < len(peers) and peers[i].startswith("disk") \
+                else Medium.DRAM
+            self._event_stored(hashes[i], i, tokens, block_hashes, medium)
+        if hit < len(hashes) and self.events.known(hashes[hit]):
+            for h in hashes[hit:]:
+                self.events.missing(h)
+
+    def _event_stored(self, chunk_hash: str, i: int, tokens: Sequence[int],
+                      block_hashes: Sequence[Any], medium: Medium) -> None:
+        bpc, cs = self.keys.blocks_per_chunk, self.keys.chunk_size
+        if len(block_hashes) < (i + 1) * bpc:
+            return
+        self.events.stored(chunk_hash, block_hashes[i * bpc : (i + 1) * bpc],
+                           block_hashes[i * bpc - 1] if i else None,
+                           tokens[i * cs : (i + 1) * cs], medium)
+
+    def _keys(self, h: str, split: int) -> list[str]:
+        """Every object key of chunk ``h`` stored as ``split`` head objects."""
+        return self.keys.chunk_keys(h, self.num_layers, self.cfg.layer_groups, self.num_heads,
+                                    split)
+
+    def _find(self, hashes: list[str]) -> tuple[int, list[str], list[int], list[int]]:
+        """The leading chunks of ``hashes`` whose every object is stored: one RPC
+        for this engine's head split; when that run stops early, one more for
+        every other TP size's split of the remaining chunks. Returns (chunks,
+        peer per chunk, bytes one rank reads per chunk, head split per chunk)."""
+        peers: list[str] = []
+        sizes: list[int] = []
+        splits: list[int] = []
+        n = len(hashes)
+        per_split = {s: len(self.layer_ranges) * s for s in self.splits}
+        rounds = [self.splits[:1], self.splits[1:]]
+        for round_splits in rounds:
+            start = len(splits)
+            if start >= n or not round_splits:
+                break
+            keys: list[str] = []
+            where: dict[tuple[int, int], int] = {}  # (chunk, split) -> first key index
+            for i in range(start, n):
+                for sp in round_splits:
+                    where[(i, sp)] = len(keys)
+                    keys.extend(self._keys(hashes[i], sp))
+            if self.cfg.load_or_recompute:
+                locs = self.store.batch_locations(keys)
+                found = [loc is not None for loc in locs]
+            else:
+                locs, found = [], self.store.batch_exists(keys)
+            for i in range(start, n):
+                for sp in round_splits:
+                    k0 = where[(i, sp)]
+                    if all(found[k0 : k0 + per_split[sp]]):
+                        splits.append(sp)
+                        if locs:
+                            near = locs[k0][0]
+                            peers.append(peer_key(near.kind, near.same_host, near.host_id))
+                            total = sum(locs[k0 + x][0].size for x in range(per_split[sp]))
+                            sizes.append(total // min(sp, self.head_objects))
+                        break
+                else:
+                    break
+        return len(splits), peers, sizes, splits
+
+    def _decide(self, hit: int, peers: list[str], sizes: list[int], limit: int,
+                computed: int) -> Decision:
+        """Load or recompute the ``hit`` stored leading chunks (estimate.decide);
+        chunks wholly inside the local prefix cache cost nothing either way."""
+        cs = self.keys.chunk_size
+        first = min(computed // cs, hit)
+        costs = []
+        for i in range(first, hit):
+            start, end = max(i * cs, computed), min((i + 1) * cs, limit)
+            if end <= start:
+                break
+            costs.append(ChunkCost(peers[i], sizes[i], end - start))
+        d = decide(self.speeds, costs, self.cfg.load_timeout_s, self.cfg.probe_fraction)
+        d.chunks += first
+        return d
+
+    def observe(self, report: WorkerReport | None) -> None:
+        """``update_connector_output``: the workers' measurements (SpeedBook)."""
+        if report is None:
+            return
+        for peer, nbytes, seconds in report.loads:
+            self.speeds.observe_load(peer, nbytes, seconds)
+        for peer in report.failed_peers:
+            self.speeds.observe_failure(peer)
+        for tokens, seconds in report.forwards:
+            self.speeds.observe_prefill(tokens, seconds)
 
     # ------------------------------------------------------------ allocation
 
@@ -173,6 +292,8 @@ class KVPoolScheduler:
             self._reqs[req_id] = st
             self.stats.add(lookups=1, lookup_tokens=len(prompt_token_ids))
         st.block_ids = list(block_ids)
+        if lk is not None and lk.decision is not None:
+            self.stats.add(**{f"decisions_{lk.decision.kind.value}": 1})
         if num_external_tokens <= 0 or lk is None:
             return
         cs, bs = self.keys.chunk_size, self.keys.block_size
@@ -190,12 +311,20 @@ class KVPoolScheduler:
         # The last chunk may be partly beyond the allocated blocks: pad its ids
         # with -1 (never written: last_blocks stops before them).
         ids = list(block_ids[: (last + 1) * bpc]) + [-1] * max(0, (last + 1) * bpc - need)
-        chunks = [ChunkRef(i, lk.hashes[i], ids[i * bpc : (i + 1) * bpc])
+        chunks = [ChunkRef(i, lk.hashes[i], ids[i * bpc : (i + 1) * bpc],
+                           lk.peers[i] if i < len(lk.peers) else "",
+                           lk.splits[i] if i < len(lk.splits) else 0)
                   for i in range(first, last + 1)]
         skip = (start - first * cs) // bs
         tail = (end - last * cs) // bs
-        self._loads.append(LoadSpec(req_id, chunks, skip, self.cfg.load_async,
-                                    0 if tail == bpc else tail))
+        d = lk.decision
+        spec = LoadSpec(req_id, chunks, skip, self.cfg.load_async, 0 if tail == bpc else tail,
+                        deadline_s=d.deadline_s if d is not None else 0.0,
+                        predicted_s=d.predicted_load_s if d is not None else None)
+        if d is not None and d.predicted_load_s is not None:
+            self.stats.add(predicted_load_s=d.predicted_load_s)
+        self._loads.append(spec)
+        self._load_blocks[req_id] = {b for c in chunks for b in c.block_ids if b >= 0}
         if self.cfg.load_async:
             self._async_loading.add(req_id)
         self.stats.add(hit_tokens=end - start)
@@ -205,7 +334,8 @@ class KVPoolScheduler:
     def build_meta(self, step: StepInfo) -> ConnectorMeta:
         """``build_connector_meta``: this step's loads (from :meth:`after_alloc`)
         and saves (chunks complete after this step, not stored yet)."""
-        meta = ConnectorMeta(loads=self._loads, preempted_req_ids=sorted(step.preempted_req_ids))
+        meta = ConnectorMeta(loads=self._loads, preempted_req_ids=sorted(step.preempted_req_ids),
+                             scheduled_tokens=sum(step.num_scheduled_tokens.values()))
         self._loads = []
         scheduled: list[tuple[_ReqState, str, int]] = []
         for nr in step.new:
@@ -233,6 +363,8 @@ class KVPoolScheduler:
         for r in step.finished_req_ids:
             self._reqs.pop(r, None)
             self._lookups.pop(r, None)
+            self._load_blocks.pop(r, None)
+            self._no_load.discard(r)
         return meta
 
     def _plan_save(self, st: _ReqState, req_id: str, computed: int) -> SaveSpec | None:
@@ -251,6 +383,10 @@ class KVPoolScheduler:
         bpc = self.keys.blocks_per_chunk
         chunks = [ChunkRef(i, st.hashes[i], st.block_ids[i * bpc : (i + 1) * bpc])
                   for i in range(st.stored_chunks, n)]
+        block_hashes = getattr(st.request, "block_hashes", None) if st.request else None
+        if block_hashes:
+            for c in chunks:
+                self._event_stored(c.hash, c.index, tokens, block_hashes, Medium.DRAM)
         st.stored_chunks = n
         st.had_saves = True
         return SaveSpec(req_id, chunks)
@@ -259,6 +395,19 @@ class KVPoolScheduler:
         """``update_connector_output``: async loads the workers reported finished."""
         self._async_loading -= set(req_ids or ())
 
+    def loads_failed(self, block_ids: set[int] | None) -> set[str]:
+        """``update_connector_output``: blocks the workers could not load (vLLM
+        recomputes them). Their requests are never offered a load again (an
+        async load that failed would otherwise be looked up and tried again).
+        Returns those request ids."""
+        if not block_ids:
+            return set()
+        hit = {r for r, blocks in self._load_blocks.items() if blocks & block_ids}
+        for r in hit:
+            self._no_load.add(r)
+            del self._load_blocks[r]
+        return hit
+
     def finished(self, req_id: str) -> bool:
         """``request_finished``: True when vLLM must keep the request's blocks:
         saves were queued (freed when the worker reports them done), or an
@@ -266,4 +415,6 @@ class KVPoolScheduler:
         freed when the load is reported)."""
         st = self._reqs.pop(req_id, None)
         self._lookups.pop(req_id, None)
+        self._load_blocks.pop(req_id, None)
+        self._no_load.discard(req_id)
         return bool(st and st.had_saves) or req_id in self._async_loading

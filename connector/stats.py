@@ -34,6 +34,17 @@ FIELDS = (
     "save_batches",
     "zero_copy_objects",  # kept for compatibility: 0 since chunk objects span layers
     "staged_objects",     # objects that went through a staging buffer
+    "decisions_load",       # scheduler: hits loaded whole
+    "decisions_partial",    # scheduler: hits loaded in part (the rest computed)
+    "decisions_recompute",  # scheduler: hits computed (loading would be slower)
+    "decisions_probe",      # scheduler: hits loaded to measure an unmeasured peer
+    "decisions_avoid",      # scheduler: hits computed (their peer failed recently)
+    "predicted_load_s",     # scheduler: predicted time of the loads it planned
+    "predicted_loads",      # worker: loads that carried a prediction ...
+    "predicted_loads_s",    # ... their predicted time ...
+    "predicted_loads_actual_s",  # ... and their actual time
+    "load_timeouts",        # worker: loads abandoned at their deadline
+    "layerwise_loads",      # worker: loads finished layer group by layer group in the forward
 )
 
 
@@ -113,4 +124,7 @@ def reduce_stats(data: dict[str, Any]) -> dict[str, int | float]:
         out["load_GBps"] = data.get("loaded_bytes", 0) / data["load_time_s"] / 1e9
     if data.get("lookup_tokens"):
         out["hit_rate"] = data.get("hit_tokens", 0) / data["lookup_tokens"]
+    if data.get("predicted_loads_s"):
+        out["load_actual_over_predicted"] = (data.get("predicted_loads_actual_s", 0)
+                                             / data["predicted_loads_s"])
     return out

@@ -18,7 +18,7 @@ from typing import Any
 from kvpool.connector.config import ConnectorConfig
 from kvpool.core.errors import ErrorCode, KVPoolError
 
-__all__ = ["StoreAccess", "StoreUnavailable", "make_client"]
+__all__ = ["StoreAccess", "StoreUnavailable", "client_config", "make_client"]
 
 log = logging.getLogger("kvpool.connector")
 
@@ -33,18 +33,30 @@ class StoreUnavailable(KVPoolError):
     code = ErrorCode.RPC_FAIL
 
 
-def make_client(cfg: ConnectorConfig) -> Any:
-    """A set-up :class:`kvpool.store.Client` for ``cfg`` (pure client: contributes
-    no memory unless the YAML/overrides say so)."""
-    from kvpool.store import Client
+def client_config(cfg: ConnectorConfig) -> Any:
+    """The store :class:`~kvpool.store.ClientConfig` of the connector: the client
+    YAML (``client_config``) plus ``client_overrides``, then ``master_address``,
+    ``local_address`` (bind and advertised address of this process's transfer
+    server) and ``host_id`` on top. The one place the connector builds it."""
     from kvpool.store.config import load_client_config
 
     overrides: dict[str, Any] = {"rpc_timeout_s": cfg.rpc_timeout_s}
     overrides.update(cfg.client_overrides)
     if cfg.master_address:
         overrides["master_address"] = cfg.master_address
-    ccfg = load_client_config(cfg.client_config, overrides)
-    return Client(ccfg).setup()
+    if cfg.local_address:
+        overrides["bind_host"] = cfg.local_address
+    if cfg.host_id:
+        overrides["host_id"] = cfg.host_id
+    return load_client_config(cfg.client_config, overrides)
+
+
+def make_client(cfg: ConnectorConfig) -> Any:
+    """A set-up :class:`kvpool.store.Client` for ``cfg`` (pure client: contributes
+    no memory unless the YAML/overrides say so)."""
+    from kvpool.store import Client
+
+    return Client(client_config(cfg)).setup()
 
 
 class StoreAccess:
@@ -121,6 +133,11 @@ class StoreAccess:
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return list(self.call(lambda c: c.batch_exists(list(keys))))
+
+    def batch_locations(self, keys: Sequence[str]) -> list[Any]:
+        """Per key its complete replicas, nearest first (``ReplicaLocation``), or
+        None when missing; one master RPC (see Client.batch_replica_locations)."""
+        return list(self.call(lambda c: c.batch_replica_locations(list(keys))))
 
     def close(self) -> None:
         """Close the client (idempotent)."""

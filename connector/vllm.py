@@ -8,8 +8,8 @@ Load it with::
 
 The class is a thin adapter: :class:`~kvpool.connector.scheduler.KVPoolScheduler`
 (role SCHEDULER) and :class:`~kvpool.connector.worker.KVPoolWorker` (role
-WORKER) hold the logic; see ``docs/vllm.md``. Supported vLLM: 0.32.x (checked
-at import; set ``KVPOOL_SKIP_VLLM_VERSION_CHECK=1`` to try another).
+WORKER) hold the logic; see ``docs/vllm.md``. Supported vLLM: 0.31.x to 0.33.x
+(checked at import; set ``KVPOOL_SKIP_VLLM_VERSION_CHECK=1`` to try another).
 """
 
 from __future__ import annotations
@@ -25,20 +25,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvpool.connector.config import ConnectorConfig
-from kvpool.connector.keys import KeySpace, kv_shard
-from kvpool.connector.metadata import ConnectorMeta
+try:  # vLLM >= 0.32: hit sources in the prefix-cache metrics
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # vLLM 0.31
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+from kvpool.connector.config import ConnectorConfig, LoadFailurePolicy
+from kvpool.connector.events import PoolEvent
+from kvpool.connector.keys import KeySpace, kv_shard, rank_heads
+from kvpool.connector.metadata import ConnectorMeta, WorkerReport
 from kvpool.connector.scheduler import CachedReq, KVPoolScheduler, NewReq, StepInfo
 from kvpool.connector.stats import ConnectorStats, merge_stats, reduce_stats
 from kvpool.connector.store_access import StoreAccess
-from kvpool.connector.worker import KVPoolWorker
+from kvpool.connector.worker import HeadSpec, KVPoolWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,12 +61,14 @@ __all__ = [
     "KVPoolConnectorMetadata",
     "KVPoolConnectorStats",
     "KVPoolPromMetrics",
+    "KVPoolWorkerMeta",
     "check_vllm_version",
+    "to_vllm_event",
 ]
 
 log = logging.getLogger("kvpool.connector")
 
-SUPPORTED_VLLM = ("0.32",)
+SUPPORTED_VLLM = ("0.31", "0.32", "0.33")
 
 
 def check_vllm_version(version: str) -> None:
@@ -83,6 +91,17 @@ check_vllm_version(getattr(vllm, "__version__", "unknown"))
 @dataclass
 class KVPoolConnectorMetadata(ConnectorMeta, KVConnectorMetadata):
     """One step's loads/saves, shipped to workers by vLLM."""
+
+
+@dataclass
+class KVPoolWorkerMeta(WorkerReport, KVConnectorWorkerMetadata):
+    """A worker's measurements (loads per peer, forwards), sent to the scheduler."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, WorkerReport):
+            m = self.merge(other)
+            return KVPoolWorkerMeta(m.loads, m.failed_peers, m.forwards)
+        return self
 
 
 @dataclass
@@ -137,6 +156,22 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
                 c.inc(value)
 
 
+def to_vllm_event(e: PoolEvent) -> Any:
+    """A :class:`PoolEvent` as vLLM's BlockStored / BlockRemoved (block hashes as
+    vLLM publishes them: bytes, or ints with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    hashes = [maybe_convert_block_hash(h) for h in e.block_hashes]
+    if not e.stored:
+        return BlockRemoved(block_hashes=hashes, medium=e.medium.value)
+    parent = None if e.parent_block_hash is None else maybe_convert_block_hash(
+        e.parent_block_hash)
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent,
+                       token_ids=list(e.token_ids), block_size=len(e.token_ids) // len(hashes),
+                       lora_id=None, medium=e.medium.value, lora_name=None)
+
+
 def _layer_names(kv_cache_config: Any) -> list[str]:
     names: list[str] = []
     for group in getattr(kv_cache_config, "kv_cache_groups", []) or []:
@@ -169,7 +204,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     """
 
     # Stored KV lives in (remote) host memory.
-    _cache_hit_source = CacheHitSource.HOST
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.HOST
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -183,21 +219,24 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.cfg = ConnectorConfig.from_extra_config(extra)
         block_size = int(vllm_config.cache_config.block_size)
         self.cfg.validate(block_size)
+        self._set_failure_policy(role)
         mc = vllm_config.model_config
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        num_kv_heads = int(mc.get_total_num_kv_heads())
+        # MLA: one latent per token, the same on every rank: one "head"
+        num_kv_heads = 1 if getattr(mc, "use_mla", False) else int(mc.get_total_num_kv_heads())
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             tp_rank = int(get_tensor_model_parallel_rank())
         else:
             tp_rank = 0
-        shard, num_shards = kv_shard(tp_rank, tp_size, num_kv_heads)
+        first, end, writes = rank_heads(tp_rank, tp_size, num_kv_heads)
+        self.heads = HeadSpec(first, end, num_kv_heads, writes)
+        self.head_objects = kv_shard(0, tp_size, num_kv_heads)[1]
         self.keys = KeySpace(
             model=self.cfg.model_id or str(mc.model),
             kv_dtype=_kv_format(vllm_config, kv_cache_config),
             block_size=block_size, chunk_size=self.cfg.chunk_size,
-            shard=shard, num_shards=num_shards,
         )
         self.layer_names = _layer_names(kv_cache_config)
         self.stats = ConnectorStats()
@@ -208,11 +247,34 @@ class KVPoolConnector(KVConnectorBase_V1):
             ktc = self._kv_transfer_config
             self._sched = KVPoolScheduler(self.cfg, self.keys, len(self.layer_names),
                                           self.store, self.stats, load=bool(ktc.is_kv_consumer),
-                                          save=bool(ktc.is_kv_producer))
+                                          save=bool(ktc.is_kv_producer),
+                                          num_heads=num_kv_heads, head_objects=self.head_objects)
         else:
-            self._worker = KVPoolWorker(self.cfg, self.keys, self.store, self.stats)
+            self._worker = KVPoolWorker(self.cfg, self.keys, self.store, self.stats, self.heads)
         log.info("KVPoolConnector (%s): keys %s, %d layers, config %s",
                  role.name, self.keys.prefix, len(self.layer_names), self.cfg)
+
+    def _set_failure_policy(self, role: KVConnectorRole) -> None:
+        """Make vLLM recompute blocks whose load failed (see LoadFailurePolicy).
+
+        vLLM's scheduler reads ``kv_load_failure_policy`` right after creating
+        its connector (0.31 to 0.33), so setting it here takes effect. With
+        vLLM's default ("fail"), one failed or late load from a slow, dead or
+        evicted pool would end the request with ``finish_reason=error``."""
+        ktc = self._kv_transfer_config
+        if self.cfg.load_failure_policy != LoadFailurePolicy.RECOMPUTE.value:
+            if role == KVConnectorRole.SCHEDULER and getattr(
+                    ktc, "kv_load_failure_policy", "fail") != "recompute":
+                log.warning("kvpool: load_failure_policy=vllm and vLLM's kv_load_failure_policy "
+                            "is %r: a failed or late kvpool load fails its request",
+                            getattr(ktc, "kv_load_failure_policy", None))
+            return
+        if getattr(ktc, "kv_load_failure_policy", None) != "recompute":
+            ktc.kv_load_failure_policy = "recompute"
+            if role == KVConnectorRole.SCHEDULER:
+                log.info("kvpool: set vLLM's kv_load_failure_policy to 'recompute' (a kvpool "
+                         "block that cannot be loaded is computed; set the extra config "
+                         "load_failure_policy='vllm' to keep vLLM's setting)")
 
     # ------------------------------------------------------------ worker side
 
@@ -230,42 +292,46 @@ class KVPoolConnector(KVConnectorBase_V1):
         assert isinstance(meta, ConnectorMeta)
         return meta
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM binds each step's metadata just before the forward: start timing it."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, ConnectorMeta):
+            self._worker.forward_started(connector_metadata)
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Finish pending saves before preempted requests' blocks are reused."""
         if self._worker is not None and isinstance(kv_connector_metadata, ConnectorMeta):
             self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Sync loads complete here (before the forward); async loads start here."""
+        """Start every layer group's load (sync loads; async ones in the background)."""
         if self._worker is not None:
             self._worker.start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """No-op: loads are whole-request, completed in :meth:`start_load_kv`."""
-        return
+        """Wait for the load of this layer's group only, and write it into the blocks."""
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        """No-op: chunks are saved for all layers at once in :meth:`wait_for_save`."""
-        return
+        """Ship a layer group's chunks to kvpool once its last layer has run."""
+        if self._worker is not None and self.has_connector_metadata():
+            self._worker.layer_saved(layer_name, self._meta())
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads and saves run Python between layers: no full CUDA graphs."""
+        return bool((extra_config or {}).get("layerwise", True))
 
     def wait_for_save(self) -> None:
-        """Queue this step's saves (async). Source blocks stay valid: vLLM keeps a
-        finished request's blocks until :meth:`get_finished` reports it, and
-        preemptions wait for pending saves (:meth:`handle_preemptions`)."""
-        if self._worker is None:
-            return
-        meta = self._meta()
-        if not meta.saves:
-            return
-        ready = None
-        layers = self._worker.layers
-        if layers and layers[0].device.type == "cuda":
-            import torch
-
-            ready = torch.cuda.Event()
-            ready.record()
-        self._worker.submit_saves(meta, ready)
+        """End of the forward: close the step's layer-wise load (report what did
+        not arrive in time) and let the step's saves finish in the background.
+        Source blocks stay valid: vLLM keeps a finished request's blocks until
+        :meth:`get_finished` reports it, and preemptions wait for pending saves
+        (:meth:`handle_preemptions`)."""
+        if self._worker is not None:
+            self._worker.end_step(self._meta() if self.has_connector_metadata() else None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose saves completed, requests whose async load completed)."""
@@ -273,6 +339,13 @@ class KVPoolConnector(KVConnectorBase_V1):
             return None, None
         sending, recving = self._worker.get_finished(finished_req_ids)
         return sending or None, recving or None
+
+    def build_connector_worker_meta(self) -> KVPoolWorkerMeta | None:
+        """This worker's load and forward timings since the last step."""
+        if self._worker is None:
+            return None
+        r = self._worker.take_report()
+        return KVPoolWorkerMeta(r.loads, r.failed_peers, r.forwards) if r is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; vLLM recomputes them."""
@@ -308,7 +381,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         prompt start, >= 1 prompt token left to compute) and whether the load is async."""
         assert self._sched is not None
         return self._sched.lookup(request.request_id, request.prompt_token_ids or [],
-                                  num_computed_tokens)
+                                  num_computed_tokens, getattr(request, "block_hashes", ()))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -339,12 +412,24 @@ class KVPoolConnector(KVConnectorBase_V1):
             ))
         meta = self._sched.build_meta(step)
         return KVPoolConnectorMetadata(loads=meta.loads, saves=meta.saves,
-                                       preempted_req_ids=meta.preempted_req_ids)
+                                       preempted_req_ids=meta.preempted_req_ids,
+                                       scheduled_tokens=meta.scheduled_tokens)
+
+    def take_events(self) -> list[Any]:
+        """kvpool's blocks for vLLM's KV event stream (see kvpool.connector.events):
+        BlockStored / BlockRemoved with medium KVPOOL_DRAM or KVPOOL_DISK."""
+        if self._sched is None:
+            return []
+        return [to_vllm_event(e) for e in self._sched.events.take()]
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Track which async loads the workers finished."""
         if self._sched is not None:
             self._sched.loads_done(connector_output.finished_recving)
+            self._sched.loads_failed(getattr(connector_output, "invalid_block_ids", None))
+            report = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(report, WorkerReport):
+                self._sched.observe(report)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -26,13 +26,24 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import zmq
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
-from kvpool.core.protocol import Op, decode_frame, encode_frame
+from kvpool.core.protocol import (
+    OPS,
+    LocalEndpoint,
+    LocalEndpointReply,
+    Op,
+    Reply,
+    ReplyFrame,
+    Request,
+    decode_reply,
+    encode_request,
+)
 
 __all__ = ["MasterClient", "MasterRPCError"]
 
@@ -61,6 +72,7 @@ def _address_is_ours(address: str) -> bool:
 
 
 _DONTWAIT = socket.MSG_DONTWAIT
+R = TypeVar("R", bound=Reply)
 _SPIN_S = float(os.environ.get("KVPOOL_RPC_SPIN_US", "50")) / 1e6
 
 
@@ -85,9 +97,11 @@ def _unsent(exc: BaseException) -> bool:
 
 
 class MasterClient:
-    """Synchronous RPC stub: ``call(op, **args) -> result dict``.
+    """Synchronous RPC stub: ``call(request) -> typed reply``.
 
-    Raises :class:`MasterRPCError` with the master's code for an error reply,
+    ``request`` is one of the request Structs of :mod:`kvpool.core.protocol`;
+    the reply is decoded into the op's reply Struct. Raises
+    :class:`MasterRPCError` with the master's code for an error reply,
     ``RPC_TIMEOUT`` when no reply arrives within ``timeout_s``.
     """
 
@@ -143,11 +157,14 @@ class MasterClient:
             self._local_on = False
             return None
         try:
-            info = self._call_zmq(Op.LOCAL_ENDPOINT, {}, min(self.timeout_s, 1.0))
-            if int(info.get("code", -1)) != ErrorCode.OK:
-                return None  # an older master: no such op
-            res = info.get("result") or {}
-            path, instance = res.get("path"), res.get("instance")
+            rid = next(self._ids)
+            frame = self._call_zmq(Op.LOCAL_ENDPOINT, rid, encode_request(rid, LocalEndpoint()),
+                                   min(self.timeout_s, 1.0))
+            if frame.code != ErrorCode.OK:
+                return None
+            res = self._result(Op.LOCAL_ENDPOINT, frame)
+            assert isinstance(res, LocalEndpointReply)
+            path, instance = res.path, res.instance
             if not path or not instance:
                 return None
             us = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -157,12 +174,15 @@ class MasterClient:
                 us.settimeout(None)  # blocking; _call_local sets kernel timeouts
                 self._utimeout = -1.0
                 self._usock = us
-                check = self._call_local(Op.LOCAL_ENDPOINT, {}, 1.0)
+                rid = next(self._ids)
+                check = self._call_local(Op.LOCAL_ENDPOINT, rid,
+                                         encode_request(rid, LocalEndpoint()), 1.0)
             except BaseException:
                 self._drop_local()
                 us.close()
                 raise
-            if (check.get("result") or {}).get("instance") != instance:
+            again = self._result(Op.LOCAL_ENDPOINT, check)
+            if not isinstance(again, LocalEndpointReply) or again.instance != instance:
                 self._drop_local()  # another master's socket at that path
                 return None
             log.debug("master %s: using local socket %s", self.address, path)
@@ -177,14 +197,12 @@ class MasterClient:
             self._usock = None
             self._zmq_ok = 0
 
-    def _call_local(self, op: Op, args: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """One request/reply over the Unix socket; returns the reply map.
+    def _call_local(self, op: Op, req_id: int, payload: bytes, timeout: float) -> ReplyFrame:
+        """One request/reply over the Unix socket; returns the reply envelope.
         Raises RPC_TIMEOUT / RPC_FAIL (the socket is then dropped, so a late
         reply is never read as another call's)."""
         us = self._usock
         assert us is not None
-        req_id = next(self._ids)
-        payload = encode_frame({"op": int(op), "id": req_id, "args": args})
         deadline = time.monotonic() + timeout
         rbuf = self._rbuf
         try:
@@ -235,15 +253,17 @@ class MasterClient:
             self._drop_local()
             raise MasterRPCError(f"{op.name}: local socket to master {self.address}: {exc}",
                                  ErrorCode.RPC_FAIL) from exc
-        reply = decode_frame(memoryview(buf)[HEADER:need] if isinstance(buf, bytearray)
-                             else buf[HEADER:need])
-        if not isinstance(reply, dict) or reply.get("id") != req_id:
+        try:
+            reply = decode_reply(memoryview(buf)[HEADER:need] if isinstance(buf, bytearray)
+                                 else buf[HEADER:need])
+        except KVPoolError:
+            reply = None
+        if reply is None or reply.id != req_id:
             self._drop_local()
-            if isinstance(reply, dict) and reply.get("id") is None \
-                    and reply.get("code") == ErrorCode.FRAME_TOO_LARGE:
+            if reply is not None and reply.id is None \
+                    and reply.code == ErrorCode.FRAME_TOO_LARGE:
                 # the master refused a frame it would not buffer (and closed the socket)
-                raise MasterRPCError(f"{op.name}: {reply.get('error', '')}",
-                                     ErrorCode.FRAME_TOO_LARGE)
+                raise MasterRPCError(f"{op.name}: {reply.error}", ErrorCode.FRAME_TOO_LARGE)
             raise MasterRPCError(f"{op.name}: unexpected reply on the local socket",
                                  ErrorCode.RPC_FAIL)
         self.local_calls += 1
@@ -270,35 +290,69 @@ class MasterClient:
             self._sock.close(0)
             self._sock = None
 
-    def call(self, op: Op, timeout_s: float | None = None, **args: Any) -> dict[str, Any]:
-        """Send one op and wait for its reply; return ``result`` (a dict)."""
+    def call(self, request: Request[R], timeout_s: float | None = None) -> R:
+        """Send one request and wait for its reply; return the typed reply."""
+        op = request.OP
+        rid = next(self._ids)
+        frame = self._roundtrip(op, rid, encode_request(rid, request), timeout_s)
+        return self._result(op, frame)  # type: ignore[no-any-return]
+
+    def call_raw(self, op: Op | int, args: Any, timeout_s: float | None = None) -> Any:
+        """Send ``args`` (any msgpack-able value) as op's arguments: for tools and
+        tests that probe the master with malformed requests. Returns the
+        decoded reply Struct of a known op."""
+        rid = next(self._ids)
+        payload = msgspec.msgpack.encode([int(op), rid, args])
+        try:
+            known = Op(op)
+        except ValueError:
+            known = None
+        frame = self._roundtrip(known or Op.PING, rid, payload, timeout_s)
+        if known is None:
+            self._check(Op.PING, frame)
+            return None
+        return self._result(known, frame)
+
+    def _roundtrip(self, op: Op, rid: int, payload: bytes,
+                   timeout_s: float | None) -> ReplyFrame:
         if self._closed:
             raise MasterRPCError("master client is closed", ErrorCode.CLOSED)
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            reply: dict[str, Any] | None = None
+            reply: ReplyFrame | None = None
             if self._local_on and self._local_socket() is not None:
                 try:
-                    reply = self._call_local(op, args, timeout)
+                    reply = self._call_local(op, rid, payload, timeout)
                 except MasterRPCError as exc:
                     if exc.code != ErrorCode.RPC_FAIL or not _unsent(exc):
                         raise
                     reply = None  # the master went away before it got the request
             if reply is None:
-                reply = self._call_zmq(op, args, timeout)
+                reply = self._call_zmq(op, rid, payload, timeout)
                 self._zmq_ok += 1
-        code = int(reply.get("code", ErrorCode.INTERNAL_ERROR))
-        if code != ErrorCode.OK:
-            raise MasterRPCError(f"{op.name}: {reply.get('error', '')}", code)
-        result = reply.get("result")
-        return result if isinstance(result, dict) else {}
+        return reply
 
-    def _call_zmq(self, op: Op, args: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """One request/reply over the DEALER socket (lock held); the reply map."""
-        req_id = next(self._ids)
+    @staticmethod
+    def _check(op: Op, frame: ReplyFrame) -> None:
+        if frame.code != ErrorCode.OK:
+            raise MasterRPCError(f"{op.name}: {frame.error}", frame.code)
+
+    @staticmethod
+    def _result(op: Op, frame: ReplyFrame) -> Any:
+        """The op's reply Struct, or MasterRPCError for an error reply."""
+        if frame.code != ErrorCode.OK:
+            raise MasterRPCError(f"{op.name}: {frame.error}", frame.code)
+        try:
+            return OPS[op].reply_decoder.decode(frame.result)
+        except msgspec.MsgspecError as exc:
+            raise MasterRPCError(f"{op.name}: malformed reply: {exc}",
+                                 ErrorCode.MALFORMED_FRAME) from None
+
+    def _call_zmq(self, op: Op, req_id: int, payload: bytes, timeout: float) -> ReplyFrame:
+        """One request/reply over the DEALER socket (lock held); the reply envelope."""
         sock = self._socket()
         try:
-            sock.send(encode_frame({"op": int(op), "id": req_id, "args": args}), zmq.NOBLOCK)
+            sock.send(payload, zmq.NOBLOCK)
         except zmq.Again as exc:
             self._reset()
             raise MasterRPCError(
@@ -314,8 +368,11 @@ class MasterClient:
                     ErrorCode.RPC_TIMEOUT,
                 )
             frames = sock.recv_multipart()
-            reply = decode_frame(frames[-1])
-            if not isinstance(reply, dict) or reply.get("id") != req_id:
+            try:
+                reply = decode_reply(frames[-1])
+            except KVPoolError:
+                continue
+            if reply.id != req_id:
                 continue  # a stale reply to an earlier, timed-out request
             return reply
 

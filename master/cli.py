@@ -18,7 +18,11 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--metrics-port", "metrics_port", int, "admin HTTP port (default 9003; 0 disables)"),
     ("--data-dir", "data_dir", str, "journal + snapshots directory (durability)"),
     ("--lease-ttl-ms", "lease_ttl_ms", int, "read lease length (default 10000)"),
-    ("--client-ttl-s", "client_ttl_s", float, "drop a client silent this long (default 10)"),
+    ("--client-ttl-s", "client_ttl_s", float,
+     "a client silent this long becomes suspect: no new placements (default 10)"),
+    ("--client-grace-s", "client_grace_s", float,
+     "a suspect client whose guard is silent too is dropped, with its objects, after this "
+     "much more (default 300)"),
     ("--eviction-high-watermark", "eviction_high_watermark", float, "default 0.9"),
     ("--eviction-ratio", "eviction_ratio", float, "default 0.05"),
     ("--put-start-discard-timeout-s", "put_start_discard_timeout_s", float, "default 30"),

@@ -36,7 +36,12 @@ class MasterConfig:
     metrics_port: int = 9003  # 0 disables the admin HTTP server
     data_dir: str | None = None  # None: no journal, no snapshots (state lost on exit)
     lease_ttl_ms: int = 10000
+    # liveness (docs/INTERFACES.md): a client silent for client_ttl_s is suspect
+    # (no new placements, objects kept); one silent, with its guard process, for
+    # client_ttl_s + client_grace_s is dropped with its objects (its memory is
+    # presumed gone: a dead host, or a frozen cgroup that outlived the grace)
     client_ttl_s: float = 10.0
+    client_grace_s: float = 300.0
     eviction_high_watermark: float = 0.9
     eviction_ratio: float = 0.05
     eviction_max_scan: int = 100000  # objects examined per eviction round at most
@@ -96,6 +101,8 @@ class MasterConfig:
                 raise ConfigError(f"{name} must be a power of two")
         if self.client_ttl_s <= 0:
             raise ConfigError("client_ttl_s must be > 0")
+        if self.client_grace_s < 0:
+            raise ConfigError("client_grace_s must be >= 0")
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ConfigError("ports must be in [0, 65535]")
         if self.capability_ttl_ms < 0:

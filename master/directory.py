@@ -13,6 +13,16 @@ global LRU order). Shards
 let a snapshot copy keys one shard at a time instead of 1M keys at once. Segments keep the
 set of keys that have a replica on them so dropping a segment touches only
 its own objects, in bounded slices.
+
+Liveness (busy is not dead): a client that has not called for
+``client_ttl_s`` becomes *suspect*: its segments take no new placements but
+keep their objects, and it is ACTIVE again with all of them at its next ping.
+Its objects go only when its memory is really gone: an unmount (its close(),
+or its guard process / a same-host janitor that saw it die), or silence of
+the client *and* its guard for ``client_ttl_s + client_grace_s``. The guard
+(``kvpool.store.guard``) heartbeats for a stalled process (GIL held,
+SIGSTOP), so a live process's segments are never dropped; a frozen host or
+cgroup (guard frozen too) is covered by the grace.
 """
 
 from __future__ import annotations
@@ -71,10 +81,15 @@ class SegState(IntEnum):
     ACTIVE = 0
     AWAITING = 1  # restored after a restart, owner has not come back yet
     DEAD = 2  # dropped; replicas referencing it are being purged
+    # its owner missed its pings (busy, stopped, partitioned or dead): no new
+    # placements; its replicas are still returned when no ACTIVE one exists;
+    # ACTIVE again with every object when the owner pings or re-mounts it
+    SUSPECT = 3
 
 
 _DEAD = SegState.DEAD
 _ACTIVE = SegState.ACTIVE
+_SUSPECT = SegState.SUSPECT
 _REC_PUT = int(Rec.PUT)
 
 
@@ -246,11 +261,17 @@ class Directory:
         self.pools: dict[SegmentKind, list[Segment]] = {_MEM: [], _FILE: []}
         self.pool_used: dict[SegmentKind, int] = {_MEM: 0, _FILE: 0}
         self.pool_cap: dict[SegmentKind, int] = {_MEM: 0, _FILE: 0}
+        # client id -> last time the client process itself called (ping or any op)
         self.clients: dict[str, float] = {}
+        # client id -> last heartbeat of its guard process (its memory is alive)
+        self.heartbeats: dict[str, float] = {}
+        # client id -> since when it is suspect (silent for client_ttl)
+        self.suspects: dict[str, float] = {}
         self.client_segments: dict[str, set[str]] = {}
         # after a restart: owner client id -> ids of its segments awaiting it
         self.awaiting: dict[str, set[str]] = {}
         self.awaiting_deadline = 0.0
+        self.restored_at = 0.0
         self.objects = ObjectTable(shard_bits)  # shard_bits=0: one shard, exact LRU
         self.pending: dict[str, Pending] = {}
         self.records: list[list[Any]] = []
@@ -262,7 +283,9 @@ class Directory:
         self.evicted_bytes = 0
         self.lease_refusals = 0
         self.preemptions = 0
-        self.expired_clients = 0
+        self.expired_clients = 0  # dropped: silent past client_ttl + grace, or no segments
+        self.suspected_clients = 0  # times a client became suspect
+        self.revived_clients = 0  # times a suspect client came back with its segments
         self._rng = random.Random()
         # KV-cache objects mostly share a few sizes: one int object per size
         # instead of one per object saves 28-32 B/object
@@ -299,8 +322,23 @@ class Directory:
             if not owned:
                 del self.client_segments[seg.owner]
 
+    def _suspend(self, seg: Segment) -> None:
+        """ACTIVE -> SUSPECT: out of the pools (no new placements), objects kept."""
+        if seg.state == _ACTIVE:
+            self.pools[seg.kind].remove(seg)
+            self.pool_used[seg.kind] -= seg.alloc.used
+            self.pool_cap[seg.kind] -= seg.alloc.capacity
+        seg.state = _SUSPECT
+
     def mount(self, client_id: str, desc: SegmentDescriptor) -> None:
-        """Mount a segment (or re-adopt one awaiting its owner after a restart)."""
+        """Mount a segment, or re-adopt the one registered under its id.
+
+        Re-adoption keeps every object: a segment AWAITING its owner after a
+        restart, or SUSPECT, comes back when the mount names the same region
+        (kind, size, base offset and, for memory, the same shm name: the same
+        memory). A memory segment that comes back under its id with another
+        shm name is new memory: the old one's objects are dropped first.
+        """
         if desc.size <= 0 or desc.base_offset < 0:
             raise KVPoolError("segment size must be > 0 and base_offset >= 0",
                               ErrorCode.INVALID_PARAMS)
@@ -309,17 +347,23 @@ class Directory:
         self.clients[client_id] = self.clock()
         seg = self.segments.get(desc.segment_id)
         if seg is not None:
-            if seg.state != SegState.AWAITING and seg.owner != client_id \
+            state = seg.state
+            if state != SegState.AWAITING and seg.owner != client_id \
                     and self.policy.can_take_over(self, seg, desc):
                 log.info("segment %s reopened by %s: taking over from %s", seg.id, client_id,
                          seg.owner)
-            elif seg.state != SegState.AWAITING:
+            elif state == _ACTIVE:
                 raise KVPoolError(f"segment {desc.segment_id} is mounted",
                                   ErrorCode.SEGMENT_ALREADY_EXISTS)
             if (seg.kind != desc.kind or seg.desc.size != desc.size
                     or seg.desc.base_offset != desc.base_offset):
                 raise KVPoolError(f"segment {desc.segment_id} differs from the restored one",
                                   ErrorCode.SEGMENT_MISMATCH)
+            if seg.kind == _MEM and seg.desc.name != desc.name:
+                # same id, other shared memory: the old region's bytes are not in it
+                self.drop_segment(seg, f"re-mounted by {client_id} with new memory {desc.name}")
+                seg = None
+        if seg is not None:
             # re-adopt: same region, possibly a new owner id / endpoint
             self._forget_awaiting(seg)
             self._deactivate(seg)
@@ -405,10 +449,13 @@ class Directory:
         self.clients[client_id] = self.clock()
 
     def ping(self, client_id: str) -> tuple[bool, list[str]]:
-        """Record liveness; revive this client's segments awaiting it after a
-        restart. Return (remount, segment_ids)."""
+        """The client process itself is alive and running: record it, make its
+        suspect segments ACTIVE again (with their objects) and revive its
+        segments awaiting it after a restart. Return (remount, segment_ids)."""
         known = client_id in self.clients
         self.clients[client_id] = self.clock()
+        if client_id in self.suspects:
+            self._revive(client_id)
         for sid in sorted(self.awaiting.pop(client_id, ())):
             seg = self.segments[sid]
             self._activate(seg)
@@ -416,44 +463,121 @@ class Directory:
         ids = sorted(self.client_segments.get(client_id, ()))
         return (not known and not ids), ids
 
+    def heartbeat(self, client_id: str) -> bool:
+        """A heartbeat from the client's guard process: the client's memory
+        still exists, whether or not the process itself is running. Keeps a
+        suspect client from being dropped; never makes it ACTIVE (only the
+        client's own ping does). After a restart, segments awaiting this owner
+        become SUSPECT (kept while the guard beats). Return whether the client
+        is known (False: nothing is kept for it)."""
+        now = self.clock()
+        if client_id in self.clients:
+            self.heartbeats[client_id] = now
+            return True
+        waiting = self.awaiting.pop(client_id, None)
+        if not waiting:
+            return False
+        self.heartbeats[client_id] = now
+        self.clients[client_id] = self.restored_at  # not heard from since the restart
+        self.suspects[client_id] = now
+        self.suspected_clients += 1
+        for sid in sorted(waiting):
+            seg = self.segments[sid]
+            seg.state = _SUSPECT
+            self.client_segments.setdefault(seg.owner, set()).add(seg.id)
+        log.warning("client %s: only its guard answers since the restart; %d segment(s) "
+                    "suspect", client_id, len(waiting))
+        return True
+
+    def _revive(self, client_id: str) -> None:
+        since = self.suspects.pop(client_id)
+        n = 0
+        for sid in sorted(self.client_segments.get(client_id, ())):
+            seg = self.segments[sid]
+            if seg.state == _SUSPECT:
+                self._activate(seg)
+                n += 1
+        self.revived_clients += 1
+        log.warning("client %s is back after %.1fs: %d segment(s) active again with their "
+                    "objects", client_id, self.clock() - since, n)
+
+    def _forget_client(self, client_id: str) -> None:
+        self.clients.pop(client_id, None)
+        self.heartbeats.pop(client_id, None)
+        self.suspects.pop(client_id, None)
+        self.expired_clients += 1
+
     def expire_step(self) -> int:
-        """Drop clients silent for client_ttl (their segments, pending puts) and
-        restored segments whose owner never came back; at most
-        ``expiry_slice`` segments per call. Return how many were dropped."""
+        """Liveness timer; at most ``expiry_slice`` segments change per call.
+
+        - A client silent for ``client_ttl_s`` becomes suspect: its segments
+          leave the pools (no new placements) and keep their objects. One
+          that owns no segment (a pure client; one whose guard unmounted its
+          memory) is dropped then: its in-flight puts are revoked.
+        - A suspect client silent, and its guard silent, for
+          ``client_ttl_s + client_grace_s`` is dropped with its segments
+          (a FILE segment may be kept by the tier policy).
+        - Restored segments whose owner has not come back by
+          ``awaiting_deadline`` are dropped likewise.
+
+        Return how many segments were dropped."""
         now = self.clock()
         ttl = self.cfg.client_ttl_s
+        limit = ttl + self.cfg.client_grace_s
         budget = self.cfg.expiry_slice
+        work = 0
         dropped = 0
-        expired = [c for c, t in self.clients.items() if now - t > ttl]
-        for client_id in expired:
+        segments = self.segments
+        for client_id in [c for c, t in self.clients.items() if now - t > ttl]:
             owned = self.client_segments.get(client_id)
-            if owned:
-                for sid in list(owned)[:budget - dropped]:
-                    seg = self.segments[sid]
-                    if not self.policy.on_owner_lost(self, seg):  # SSD tier keeps files
-                        self.drop_segment(seg, f"client {client_id} expired")
-                    dropped += 1
-                if self.client_segments.get(client_id):
-                    break  # budget spent; rest next time (client stays expired)
-            del self.clients[client_id]
-            self.expired_clients += 1
-            log.info("client %s expired", client_id)
-            if dropped >= budget:
-                break
+            if not owned:  # nothing to keep for it (e.g. a pure client)
+                self._forget_client(client_id)
+                log.info("client %s expired", client_id)
+                continue
+            if client_id not in self.suspects:
+                self.suspects[client_id] = now
+                self.suspected_clients += 1
+                log.warning("client %s silent for %.1fs: %d segment(s) suspect (kept; no new "
+                            "placements)", client_id, now - self.clients[client_id],
+                            len(owned))
+            for sid in sorted(owned or ()):
+                seg = segments[sid]
+                if seg.state == _ACTIVE:
+                    if work >= budget:
+                        return dropped
+                    self._suspend(seg)
+                    work += 1
+        for client_id in list(self.suspects):
+            last = max(self.clients.get(client_id, 0.0), self.heartbeats.get(client_id, 0.0))
+            if now - last <= limit:
+                continue
+            owned = self.client_segments.get(client_id)
+            for sid in sorted(owned or ())[:budget - work]:
+                seg = segments[sid]
+                if not self.policy.on_owner_lost(self, seg):  # SSD tier keeps files
+                    self.drop_segment(seg, f"client {client_id} silent for {now - last:.1f}s")
+                dropped += 1
+                work += 1
+            if self.client_segments.get(client_id):
+                return dropped  # budget spent; the rest next time
+            self._forget_client(client_id)
+            log.warning("client %s dropped: no ping or heartbeat for %.1fs", client_id,
+                        now - last)
         if self.awaiting and now > self.awaiting_deadline:
             for owner in list(self.awaiting):
                 for sid in list(self.awaiting.get(owner, ())):
-                    if dropped >= budget:
+                    if work >= budget:
                         return dropped
-                    seg = self.segments[sid]
+                    seg = segments[sid]
                     if not self.policy.on_owner_lost(self, seg):  # SSD tier keeps files
                         self.drop_segment(seg, "owner did not return after restart")
                     dropped += 1
+                    work += 1
         return dropped
 
     def sweep_pending(self) -> int:
         """Revoke in-flight puts older than put_start_release_timeout or whose
-        client has expired. Return how many."""
+        client was dropped (a suspect client's puts stay). Return how many."""
         now = self.clock()
         limit = self.cfg.put_start_release_timeout_s
         stale = [k for k, p in self.pending.items()
@@ -638,6 +762,12 @@ class Directory:
         if len(reps) != 2 or reps[0].state != _ACTIVE:
             reps = tuple(x for i in range(0, len(reps), 2) if reps[i].state == SegState.ACTIVE
                          for x in (reps[i], reps[i + 1]))
+            if not reps:
+                # only a suspect owner holds it: its memory may well be there
+                # (a busy process, a same-host shm read needs no owner CPU)
+                reps = tuple(x for i in range(0, len(obj.replicas), 2)
+                             if obj.replicas[i].state == _SUSPECT
+                             for x in (obj.replicas[i], obj.replicas[i + 1]))
             if not reps:
                 if all(r.state == SegState.DEAD for r in obj.replicas[::2]):
                     return ErrorCode.OBJECT_NOT_FOUND, None
@@ -937,8 +1067,11 @@ class Directory:
             raise ValueError(f"unknown journal record tag {tag!r}")
 
     def finish_restore(self) -> None:
-        """After replay: every segment awaits its owner for client_ttl."""
-        self.awaiting_deadline = self.clock() + self.cfg.client_ttl_s
+        """After replay: every segment awaits its owner (``client_ttl_s +
+        client_grace_s``; a live owner pings within a second)."""
+        self.restored_at = self.clock()
+        self.awaiting_deadline = self.restored_at + self.cfg.client_ttl_s \
+            + self.cfg.client_grace_s
         self.awaiting.clear()
         for seg in self.segments.values():
             seg.state = SegState.AWAITING
@@ -964,4 +1097,8 @@ class Directory:
             "lease_refusals": self.lease_refusals,
             "preemptions": self.preemptions,
             "expired_clients": self.expired_clients,
+            "suspect_clients": len(self.suspects),
+            "suspect_segments": sum(1 for s in self.segments.values() if s.state == _SUSPECT),
+            "suspected_clients": self.suspected_clients,
+            "revived_clients": self.revived_clients,
         }

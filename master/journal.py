@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 
 from kvpool.master.config import FsyncPolicy
 
@@ -58,6 +59,7 @@ _JOURNAL_RE = re.compile(r"^journal-(\d{12})\.log$")
 _SNAPSHOT_RE = re.compile(r"^snapshot-(\d{12})\.msgpack$")
 SNAPSHOT_VERSION = 1
 _MAX_RECORD = 1 << 30
+_encode = msgspec.msgpack.Encoder().encode
 
 
 def journal_path(data_dir: str, seq: int) -> str:
@@ -115,6 +117,7 @@ class Journal:
         self.seq = seq
         self.records_written = 0
         self._buf: list[bytes] = []
+        self._pending = 0  # records in _buf (each is a header part and a payload part)
         self._dirty = False
         self._last_fsync = time.monotonic()
         self._fd = self._open(seq)
@@ -126,24 +129,34 @@ class Journal:
         return fd
 
     def append(self, record: Any) -> None:
-        self._buf.append(frame(msgpack.packb(record, use_bin_type=True)))
+        self.append_many((record,))
 
     def append_many(self, records: Iterable[Any]) -> None:
-        packb = msgpack.packb
+        # msgspec's encoder writes the same msgpack as msgpack.packb, ~2x faster;
+        # header and payload go in as two parts (no concatenation per record)
+        enc = _encode
+        hdr = _HDR.pack
+        crc = zlib.crc32
         buf = self._buf
+        n = 0
         for rec in records:
-            payload = packb(rec, use_bin_type=True)
-            buf.append(_HDR.pack(len(payload), zlib.crc32(payload)) + payload)
+            payload = enc(rec)
+            buf.append(hdr(len(payload), crc(payload)))
+            buf.append(payload)
+            n += 1
+        self._pending += n
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        """Records appended and not yet written."""
+        return self._pending
 
     def commit(self) -> None:
         """Write buffered records (one write); fsync if the policy says so now."""
         if self._buf:
             data = b"".join(self._buf)
-            self.records_written += len(self._buf)
+            self.records_written += self._pending
+            self._pending = 0
             self._buf.clear()
             view = memoryview(data)
             while view:

@@ -6,9 +6,9 @@ master I/O thread -> master loop, and back); on a loaded 2-core host that is
 poll loop crosses two (~12 µs measured here). A put is two round trips
 (PUT_START, PUT_END), so this is most of a small put's latency.
 
-Wire format: the master's own request/reply payloads (msgpack, see
-:mod:`kvpool.core.protocol`), each prefixed with its length as 4 bytes
-little-endian. One connection carries one request at a time per client
+Wire format: the master's own request/reply frames (the same bytes as over
+ZeroMQ, see :mod:`kvpool.core.protocol`), each prefixed with its length as
+4 bytes little-endian. One connection carries one request at a time per client
 (:class:`~kvpool.core.rpc_client.MasterClient` holds a lock).
 
 Discovery: ``Op.LOCAL_ENDPOINT`` over ZeroMQ answers ``{path, instance}``;
@@ -34,7 +34,7 @@ import zmq
 
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
-from kvpool.core.protocol import encode_frame
+from kvpool.core.protocol import encode_error
 
 __all__ = ["LocalRpcServer", "default_socket_path"]
 
@@ -58,6 +58,7 @@ class _Conn:
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     closing: bool = False  # answered a frame it cannot resync past: close after the reply
+    polling_out: bool = False  # registered for POLLOUT (replies queued)
 
 
 class LocalRpcServer:
@@ -201,8 +202,11 @@ class LocalRpcServer:
             self._close_conn(fd)
             return
         del c.outbuf[:sent]
-        if self._poller is not None and fd in self._conns:
-            self._poller.modify(fd, _POLLIN | (_POLLOUT if c.outbuf else 0))
+        want = bool(c.outbuf)
+        if want != c.polling_out and self._poller is not None and fd in self._conns:
+            # ask for POLLOUT only while replies are queued (modify re-registers)
+            self._poller.modify(fd, _POLLIN | (_POLLOUT if want else 0))
+            c.polling_out = want
 
     def send_all(self, replies: list[tuple[_Conn, bytes]]) -> None:
         """Queue and send the replies (non-blocking; the rest goes on POLLOUT)."""
@@ -245,5 +249,5 @@ class LocalRpcServer:
 
 def too_large(size: int) -> bytes:
     """The reply to a frame above ``max_frame_size`` (its id is unknown)."""
-    return encode_frame({"id": None, "code": int(ErrorCode.FRAME_TOO_LARGE), "result": None,
-                         "error": f"frame of {size} bytes exceeds the limit"})
+    return encode_error(None, ErrorCode.FRAME_TOO_LARGE,
+                        f"frame of {size} bytes exceeds the limit")

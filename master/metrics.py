@@ -1,8 +1,8 @@
 """Admin HTTP for the master: ``/metrics`` (Prometheus) and ``/health`` (JSON).
 
-Metrics are collected at scrape time from the server's plain counters (no
-locking on the hot path); the scrape runs on the HTTP thread and copies
-what it reads, retrying if the loop resized a dict meanwhile.
+Metrics are built at scrape time from one :class:`~kvpool.master.stats.MasterStats`
+snapshot the server hands out (``stats_snapshot()``); nothing here reads the
+directory or the server's internals, and the loop never locks for a scrape.
 """
 
 from __future__ import annotations
@@ -10,45 +10,42 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from kvpool.master.server import MasterServer
+from kvpool.master.stats import MasterStats, copy_retrying
 
-__all__ = ["MasterCollector", "make_handler", "make_registry"]
+__all__ = ["MasterCollector", "StatsSource", "make_handler", "make_registry"]
+
+_TIER_GAUGES = ("tier_tasks_inflight", "tier_inflight_bytes", "file_segments_awaiting")
 
 
-def _copy(fn: Any) -> Any:
-    """Run ``fn`` (reading loop-owned state from the HTTP thread), retrying if
-    the loop changed a container under it."""
-    for _ in range(10):
-        try:
-            return fn()
-        except (RuntimeError, IndexError, KeyError):  # e.g. dict changed size
-            continue
-    return fn()
+class StatsSource(Protocol):
+    """What the admin endpoints read: a counter snapshot and the health map."""
+
+    def stats_snapshot(self) -> MasterStats: ...
+
+    def health(self) -> dict[str, Any]: ...
 
 
 class MasterCollector(Collector):
-    def __init__(self, server: MasterServer) -> None:
-        self.server = server
+    def __init__(self, source: StatsSource) -> None:
+        self.source = source
 
     def collect(self) -> Iterator[Metric]:
-        s = self.server
-        d = s.dir
-        st = _copy(d.stats)
+        snap = self.source.stats_snapshot()
+        st = snap.stats
         g = GaugeMetricFamily("kvpool_master_objects", "complete objects in the directory")
-        g.add_metric([], st["objects"])
+        g.add_metric([], st.objects)
         yield g
         g = GaugeMetricFamily("kvpool_master_pending_puts", "in-flight puts")
-        g.add_metric([], st["pending"])
+        g.add_metric([], st.pending)
         yield g
         g = GaugeMetricFamily("kvpool_master_clients", "live clients")
-        g.add_metric([], st["clients"])
+        g.add_metric([], st.clients)
         yield g
         used = GaugeMetricFamily("kvpool_master_segment_used_bytes", "bytes allocated per segment",
                                  labels=["segment", "kind", "state"])
@@ -56,96 +53,113 @@ class MasterCollector(Collector):
                                 labels=["segment", "kind", "state"])
         frag = GaugeMetricFamily("kvpool_master_segment_fragmentation",
                                  "1 - largest free block / free bytes", labels=["segment"])
-        for seg in _copy(lambda: list(d.segments.values())):
-            labels = [seg.id, seg.kind.name.lower(), seg.state.name.lower()]
-            used.add_metric(labels, seg.alloc.used)
-            cap.add_metric(labels, seg.alloc.capacity)
-            frag.add_metric([seg.id], _copy(seg.alloc.fragmentation))
+        for seg in snap.segments:
+            desc = seg.descriptor
+            labels = [desc.segment_id, desc.kind.name.lower(), seg.state]
+            used.add_metric(labels, seg.used)
+            cap.add_metric(labels, seg.capacity)
+            frag.add_metric([desc.segment_id], seg.fragmentation)
         yield used
         yield cap
         yield frag
         pool = GaugeMetricFamily("kvpool_master_pool_used_bytes", "bytes used per pool",
                                  labels=["kind"])
-        pool.add_metric(["memory"], st["memory_used"])
-        pool.add_metric(["file"], st["file_used"])
+        pool.add_metric(["memory"], st.memory_used)
+        pool.add_metric(["file"], st.file_used)
         yield pool
         pool = GaugeMetricFamily("kvpool_master_pool_capacity_bytes", "capacity per pool",
                                  labels=["kind"])
-        pool.add_metric(["memory"], st["memory_capacity"])
-        pool.add_metric(["file"], st["file_capacity"])
+        pool.add_metric(["memory"], st.memory_capacity)
+        pool.add_metric(["file"], st.file_capacity)
         yield pool
         c = CounterMetricFamily("kvpool_master_requests", "requests by op", labels=["op"])
-        for op, n in _copy(lambda: list(s.ops.items())):
+        for op, n in snap.ops.items():
             c.add_metric([op.lower()], n)
         yield c
         c = CounterMetricFamily("kvpool_master_key_ops", "per-key operations (batch items count)",
                                 labels=["op"])
-        for op, n in _copy(lambda: list(s.key_ops.items())):
+        for op, n in snap.key_ops.items():
             c.add_metric([op.lower()], n)
         yield c
         c = CounterMetricFamily("kvpool_master_errors", "error results by op and code",
                                 labels=["op", "code"])
-        for (op, code), n in _copy(lambda: list(s.errors.items())):
+        for (op, code), n in snap.errors.items():
             c.add_metric([op.lower(), code], n)
         yield c
         c = CounterMetricFamily("kvpool_master_evictions", "objects evicted")
-        c.add_metric([], st["evictions"])
+        c.add_metric([], st.evictions)
         yield c
         c = CounterMetricFamily("kvpool_master_evicted_bytes", "bytes freed by eviction")
-        c.add_metric([], st["evicted_bytes"])
+        c.add_metric([], st.evicted_bytes)
         yield c
         c = CounterMetricFamily("kvpool_master_lease_refusals", "removes refused: object leased")
-        c.add_metric([], st["lease_refusals"])
+        c.add_metric([], st.lease_refusals)
         yield c
         c = CounterMetricFamily("kvpool_master_expired_clients", "clients dropped for silence")
-        c.add_metric([], st["expired_clients"])
+        c.add_metric([], st.expired_clients)
         yield c
-        tier = _copy(s.tiering.stats)  # SSD tier (issue 5)
+        g = GaugeMetricFamily("kvpool_master_suspect_clients",
+                              "clients silent past client_ttl, kept for the grace period")
+        g.add_metric([], st.suspect_clients)
+        yield g
+        g = GaugeMetricFamily("kvpool_master_suspect_segments",
+                              "segments of suspect clients: objects kept, no new placements")
+        g.add_metric([], st.suspect_segments)
+        yield g
+        c = CounterMetricFamily("kvpool_master_suspected_clients",
+                                "times a client became suspect")
+        c.add_metric([], st.suspected_clients)
+        yield c
+        c = CounterMetricFamily("kvpool_master_revived_clients",
+                                "times a suspect client came back with its segments")
+        c.add_metric([], st.revived_clients)
+        yield c
+        tier = st.tiering  # SSD tier
         c = CounterMetricFamily("kvpool_master_tier_events",
                                 "SSD tier: copy tasks and file segments, by event",
                                 labels=["event"])
         for name, n in tier.items():
-            if name not in ("tier_tasks_inflight", "tier_inflight_bytes",
-                            "file_segments_awaiting"):
+            if name not in _TIER_GAUGES:
                 c.add_metric([name], n)
         yield c
         g = GaugeMetricFamily("kvpool_master_tier_tasks_inflight", "tier copy tasks in flight")
-        g.add_metric([], tier["tier_tasks_inflight"])
+        g.add_metric([], tier.get("tier_tasks_inflight", 0))
         yield g
         g = GaugeMetricFamily("kvpool_master_tier_inflight_bytes", "bytes of tier tasks in flight")
-        g.add_metric([], tier["tier_inflight_bytes"])
+        g.add_metric([], tier.get("tier_inflight_bytes", 0))
         yield g
         g = GaugeMetricFamily("kvpool_master_file_segments_awaiting",
                               "file segments kept for an owner that left (warm restart)")
-        g.add_metric([], tier["file_segments_awaiting"])
+        g.add_metric([], tier.get("file_segments_awaiting", 0))
         yield g
         c = CounterMetricFamily("kvpool_master_curve_denied",
                                 "CURVE handshakes refused by the ZAP allow-list")
-        c.add_metric([], s._auth.denied if s._auth is not None else 0)
+        c.add_metric([], st.curve_denied)
         yield c
         c = CounterMetricFamily("kvpool_master_snapshots", "snapshots written")
-        c.add_metric([], s.snapshot_count)
+        c.add_metric([], st.snapshots)
         yield c
         g = GaugeMetricFamily("kvpool_master_snapshot_duration_seconds",
                               "duration of the last snapshot (child, wall)")
-        g.add_metric([], s.last_snapshot_duration_s)
+        g.add_metric([], st.last_snapshot_duration_s)
         yield g
         g = GaugeMetricFamily("kvpool_master_snapshot_pause_seconds",
                               "loop pause to start the last snapshot")
-        g.add_metric([], s.last_snapshot_pause_ms / 1000)
+        g.add_metric([], st.last_snapshot_pause_ms / 1000)
         yield g
         g = GaugeMetricFamily("kvpool_master_max_loop_seconds", "longest loop iteration")
-        g.add_metric([], s.max_loop_ms / 1000)
+        g.add_metric([], st.max_loop_ms / 1000)
         yield g
 
 
-def make_registry(server: MasterServer) -> CollectorRegistry:
+def make_registry(server: StatsSource) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(MasterCollector(server))
     return registry
 
 
-def make_handler(server: MasterServer, registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
+def make_handler(server: StatsSource,
+                 registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code: int, body: bytes, ctype: str) -> None:
             self.send_response(code)
@@ -159,7 +173,8 @@ def make_handler(server: MasterServer, registry: CollectorRegistry) -> type[Base
             if path == "/metrics":
                 self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
             elif path == "/health":
-                self._send(200, json.dumps(_copy(server.health)).encode(), "application/json")
+                body = json.dumps(copy_retrying(server.health)).encode()
+                self._send(200, body, "application/json")
             else:
                 self._send(404, b"not found\n", "text/plain")
 

@@ -418,7 +418,7 @@ class TieringPolicy(EvictionPolicy):
         the deadline; a mount of the same id re-adopts it)."""
         if seg.kind != _FILE or self.cfg.file_owner_ttl_s <= 0:
             return False
-        if seg.state == SegState.ACTIVE:
+        if seg.state in (SegState.ACTIVE, SegState.SUSPECT):
             d._deactivate(seg)
             seg.state = SegState.AWAITING
         elif seg.state == SegState.AWAITING:

@@ -4,6 +4,9 @@
 Runs a real ``kvpool master`` subprocess (with a data dir: journal on, fsync
 ``interval``) and drives it over loopback TCP with MasterClient.
 
+Targets (printed under "targets"): batched put >= 250k key-ops per master
+CPU-second with capabilities on; RSS <= 400 B per object at 1M objects.
+
 - ops/s at batch 1 and 128 for put (put_start + put_end = 2 key-ops per
   object), get_replica_list and exist. Reported per wall second and per
   second of master CPU time (``master_cpu_key_ops_per_s``: what one core of
@@ -35,7 +38,22 @@ from typing import Any
 import psutil
 
 from kvpool.cluster.processes import MasterProcess
-from kvpool.core.protocol import Op, SegmentDescriptor, SegmentKind
+from kvpool.core.protocol import (
+    BatchExist,
+    BatchGetReplicaList,
+    BatchPutEnd,
+    BatchPutStart,
+    Exist,
+    GetReplicaList,
+    MountSegment,
+    Ping,
+    PutEnd,
+    PutStart,
+    RemoveAll,
+    SegmentDescriptor,
+    SegmentKind,
+    Stats,
+)
 from kvpool.core.rpc_client import MasterClient
 
 TARGETS = {"key_ops_per_s": 200_000, "rss_bytes_per_object": 400, "snapshot_pause_ms": 20}
@@ -72,25 +90,23 @@ def run_phase(c: MasterClient, meter: Meter, name: str, batch: int, seconds: flo
         if name == "put":
             counter[0] += batch
             if batch == 1:
-                c.call(Op.PUT_START, client_id="bench", key=keys[0], size=4096)
-                c.call(Op.PUT_END, client_id="bench", key=keys[0])
+                c.call(PutStart(client_id="bench", key=keys[0], size=4096))
+                c.call(PutEnd(client_id="bench", key=keys[0]))
             else:
-                c.call(Op.BATCH_PUT_START, client_id="bench",
-                       items=[{"key": k, "size": 4096} for k in keys])
-                c.call(Op.BATCH_PUT_END, client_id="bench", keys=keys)
+                c.call(BatchPutStart("bench", keys, [4096] * batch))
+                c.call(BatchPutEnd(client_id="bench", keys=keys))
             key_ops += 2 * batch
         else:
             # read keys that exist: cycle over what the put phase wrote
             base = (counter[1] * batch) % max(counter[0] - batch, 1)
             counter[1] += 1
             keys = [key(prefix, base + j) for j in range(batch)]
-            op_single = Op.GET_REPLICA_LIST if name == "get_replica_list" else Op.EXIST
-            op_batch = (Op.BATCH_GET_REPLICA_LIST if name == "get_replica_list"
-                        else Op.BATCH_EXIST)
             if batch == 1:
-                c.call(op_single, key=keys[0])
+                c.call(GetReplicaList(keys[0]) if name == "get_replica_list"
+                       else Exist(keys[0]))
             else:
-                c.call(op_batch, keys=keys)
+                c.call(BatchGetReplicaList(keys) if name == "get_replica_list"
+                       else BatchExist(keys))
             key_ops += batch
         lat.append(time.perf_counter() - t1)
         n_keys += batch
@@ -109,12 +125,11 @@ def fill(c: MasterClient, n: int, prefix: str, batch: int = 2048) -> float:
     t0 = time.perf_counter()
     for base in range(0, n, batch):
         keys = [key(prefix, i) for i in range(base, min(n, base + batch))]
-        r = c.call(Op.BATCH_PUT_START, client_id="bench", timeout_s=60,
-                   items=[{"key": k, "size": 4096} for k in keys])
-        bad = [x for x in r["results"] if x[0] != 0]
+        r = c.call(BatchPutStart("bench", keys, [4096] * len(keys)), timeout_s=60)
+        bad = [(k, code) for k, code in zip(keys, r.codes, strict=True) if code]
         if bad:
             raise SystemExit(f"fill failed: {bad[:3]}")
-        c.call(Op.BATCH_PUT_END, client_id="bench", keys=keys, timeout_s=60)
+        c.call(BatchPutEnd(client_id="bench", keys=keys), timeout_s=60)
     return time.perf_counter() - t0
 
 
@@ -126,7 +141,7 @@ def snapshot_pause(m: MasterProcess, c: MasterClient) -> dict[str, Any]:
         with MasterClient(m.address, timeout_s=30) as pc:
             while not stop.is_set():
                 t = time.perf_counter()
-                pc.call(Op.PING, client_id="bench")
+                pc.call(Ping(client_id="bench"))
                 lat.append(time.perf_counter() - t)
                 time.sleep(0.001)
 
@@ -134,13 +149,13 @@ def snapshot_pause(m: MasterProcess, c: MasterClient) -> dict[str, Any]:
     th.start()
     time.sleep(0.3)
     base = len(lat)
-    snaps0 = c.call(Op.STATS)["snapshots"]
+    snaps0 = c.call(Stats()).snapshots
     assert m.pid is not None
     os.kill(m.pid, signal.SIGUSR1)
     t0 = time.perf_counter()
     while True:
-        st = c.call(Op.STATS, timeout_s=30)
-        if st["snapshots"] > snaps0 or time.perf_counter() - t0 > 300:
+        st = c.call(Stats(), timeout_s=30)
+        if st.snapshots > snaps0 or time.perf_counter() - t0 > 300:
             break
         time.sleep(0.05)
     during = lat[base:]
@@ -148,12 +163,12 @@ def snapshot_pause(m: MasterProcess, c: MasterClient) -> dict[str, Any]:
     th.join(10)
     before = sorted(lat[:base]) or [0.0]
     return {
-        "start_pause_ms": round(st["last_snapshot_pause_ms"], 2),
-        "start_pause_cpu_ms": round(st["last_snapshot_pause_cpu_ms"], 2),
-        "max_step_ms": round(st["max_snapshot_step_ms"], 2),
-        "max_step_cpu_ms": round(st["max_snapshot_step_cpu_ms"], 2),
-        "loadavg": round(st["loadavg"], 2),
-        "snapshot_duration_s": round(st["last_snapshot_duration_s"], 2),
+        "start_pause_ms": round(st.last_snapshot_pause_ms, 2),
+        "start_pause_cpu_ms": round(st.last_snapshot_pause_cpu_ms, 2),
+        "max_step_ms": round(st.max_snapshot_step_ms, 2),
+        "max_step_cpu_ms": round(st.max_snapshot_step_cpu_ms, 2),
+        "loadavg": round(st.loadavg, 2),
+        "snapshot_duration_s": round(st.last_snapshot_duration_s, 2),
         "pings_during": len(during),
         "ping_max_ms_during": round(max(during) * 1000, 2) if during else None,
         "ping_p50_ms_before": round(before[len(before) // 2] * 1000, 3),
@@ -179,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             assert m.pid is not None
             meter = Meter(m.pid)
             for i in range(4):  # 4 x 64 TiB: capacity never limits the benchmark
-                c.call(Op.MOUNT_SEGMENT, client_id="bench",
+                c.call(MountSegment(client_id="bench",
                        segment=SegmentDescriptor(f"bench-seg-{i}", "bench", "host-bench",
                                                  SegmentKind.MEMORY, 64 << 40,
-                                                 f"kvpool-bench-seg-{i}").to_wire())
+                                                 f"kvpool-bench-seg-{i}")))
             phases = []
             counter = [0, 0]
             for batch in (1, 128):
@@ -195,19 +210,19 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['master_cpu_key_ops_per_s'] or 0:>9,} per master-CPU-s, "
                           f"p50 {r['rpc_p50_us']} us", file=sys.stderr)
             results["ops"] = phases
-            c.call(Op.REMOVE_ALL, force=True)
+            c.call(RemoveAll(force=True))
             time.sleep(0.2)
             rss0 = meter.rss()
             fill_s = fill(c, args.objects, "obj")
             time.sleep(0.2)
             rss1 = meter.rss()
-            st = c.call(Op.STATS)
-            per_obj = (rss1 - rss0) / max(st["objects"], 1)
-            results["memory"] = {"objects": st["objects"], "rss_before": rss0, "rss_after": rss1,
+            st = c.call(Stats())
+            per_obj = (rss1 - rss0) / max(st.objects, 1)
+            results["memory"] = {"objects": st.objects, "rss_before": rss0, "rss_after": rss1,
                                  "rss_bytes_per_object": round(per_obj, 1),
                                  "fill_s": round(fill_s, 2),
                                  "fill_objects_per_s": round(args.objects / fill_s)}
-            print(f"RSS per object at {st['objects']:,}: {per_obj:.0f} B "
+            print(f"RSS per object at {st.objects:,}: {per_obj:.0f} B "
                   f"(fill {args.objects / fill_s:,.0f} obj/s)", file=sys.stderr)
             snap = snapshot_pause(m, c)
             results["snapshot"] = snap
@@ -222,10 +237,20 @@ def main(argv: list[str] | None = None) -> int:
             m.start()
             results["snapshot"]["restart_restore_s"] = round(time.perf_counter() - t0, 2)
             with MasterClient(m.address, timeout_s=30) as c2:
-                results["snapshot"]["restored_objects"] = c2.call(Op.STATS)["restored_objects"]
+                results["snapshot"]["restored_objects"] = c2.call(Stats()).restored_objects
     best = max((p["master_cpu_key_ops_per_s"] or 0) for p in results["ops"] if p["batch"] == 128)
+    put = next(p["master_cpu_key_ops_per_s"] or 0 for p in results["ops"]
+               if p["batch"] == 128 and p["op"] == "put")
+    rss = results["memory"]["rss_bytes_per_object"]
+    results["targets"] = [
+        {"name": "batched put key-ops per master CPU-s (capabilities on)",
+         "measured": put, "target": 250_000, "ok": put >= 250_000},
+        {"name": f"RSS bytes per object at {results['memory']['objects']:,}",
+         "measured": rss, "target": 400, "ok": rss <= 400},
+    ]
     results["summary"] = {
         "batched_key_ops_per_master_cpu_s_best": best,
+        "batched_put_key_ops_per_master_cpu_s": put,
         "batched_key_ops_per_s_wall": {p["op"]: p["key_ops_per_s"] for p in results["ops"]
                                        if p["batch"] == 128},
         "rss_bytes_per_object": results["memory"]["rss_bytes_per_object"],

@@ -1,22 +1,36 @@
 #!/usr/bin/env python3
 """GPU check of the vLLM connector's worker side (run by scripts/gpu_check.py).
 
-Without vLLM: allocates paged KV caches in vLLM 0.32's CUDA layout (one bf16
+Without vLLM: allocates paged KV caches in vLLM's CUDA layout (one bf16
 backing allocation, LBNHC: per layer ``[num_blocks, block, kv_heads,
-2*head]`` physical, viewed ``[num_blocks, kv_heads, block, 2*head]``), then
-saves chunks through :class:`kvpool.connector.worker.KVPoolWorker` to a
-``kvpool client`` node daemon on this machine and loads them into other
-blocks, consecutive and scattered. Each chunk is one object over all
-layers: its blocks are gathered on the GPU into a staging tensor (one
-index_select) and moved with one cudaMemcpy into the daemon's shm segment;
-loads copy into staging and index_copy_ into the blocks. The worker warms
-the copy path (segment mapping + cudaHostRegister) when it connects, before
-the timed runs; that one-time time is reported as ``warmup_s``.
-Verifies the loaded bytes on the GPU and reports GB/s next to pinned
-cudaMemcpy H2D/D2H measured in the same run (target: >= 0.8x).
+2*head]`` physical, viewed ``[num_blocks, kv_heads, block, 2*head]``), for
+Llama-3.1-8B's geometry (32 layers, 8 KV heads of 128), and a ``kvpool
+client`` node daemon on this machine. Two parts:
 
-Standalone: ``python scripts/gpu_check_connector.py [--json OUT] [--layers 32]
-[--staging-mib 512] [--repeat 2]`` (``--device cpu``: a dry run without a GPU).
+1. Throughput (``cases``): save chunks through
+   :class:`kvpool.connector.worker.KVPoolWorker` and load them into other
+   blocks (consecutive and scattered); one object per (chunk, layer group),
+   gathered on the GPU into a staging tensor and moved with one cudaMemcpy per
+   object; GB/s next to pinned cudaMemcpy measured in the same run. Bytes
+   verified on the GPU. Swept over ``--layer-groups`` (the object layout).
+2. Layer-wise pipelining (``pipeline``): a request whose ``--hit-tokens`` are
+   loaded while the GPU computes a step of ``--compute-tokens`` new tokens
+   with a per-layer compute stand-in sized like a Llama-3.1-8B decoder layer
+   (QKV/O projections, SDPA over the context, gated MLP 14336; bf16). The
+   harness's time to first token is the time from ``start_load_kv`` to the
+   last layer's compute done:
+   - ``ttft_serial_s``: loads complete before the forward (layerwise off);
+   - ``ttft_pipelined_s``: every group's load starts at once, each layer
+     waits only for its group (``wait_for_layer_load``) and computes;
+   - ``load_s`` (load alone), ``compute_s`` (forward alone);
+   - ``hidden_fraction = (ttft_serial - ttft_pipelined) / load_s``: the part
+     of the load time hidden behind compute (goal >= 0.8; at most
+     ``1 - 1/groups``: the first group's load has nothing to hide behind).
+   Loaded bytes are verified after the pipelined run.
+
+Standalone: ``python scripts/gpu_check_connector.py [--json OUT]
+[--layer-groups 1 4 8 16] [--hit-tokens 4096] [--compute-tokens 2048 256]``
+(``--device cpu``: a dry run without a GPU, tiny sizes).
 """
 
 from __future__ import annotations
@@ -24,17 +38,20 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.keys import KeySpace
 from kvpool.connector.metadata import ChunkRef, LoadSpec, SaveSpec
 from kvpool.connector.store_access import StoreAccess
-from kvpool.connector.worker import KVPoolWorker
+from kvpool.connector.worker import HeadSpec, KVPoolWorker
 
 DEFAULTS: dict[str, Any] = dict(layers=32, blocks=2048, block=16, heads=8, head=128,
                                 chunk_tokens=(256, 1024), stored_gib=1.0, device="cuda",
-                                staging_mib=(512,), repeat=2)
+                                staging_mib=(512,), repeat=2, layer_groups=(1, 4, 8, 16),
+                                hit_tokens=4096, compute_tokens=(2048, 256), q_heads=32,
+                                hidden=4096, mlp=14336, pipeline_groups=(4, 8, 16))
 
 
 def _sync(torch: Any, device: str) -> None:
@@ -144,6 +161,176 @@ def _round(torch: Any, w: KVPoolWorker, kv: Any, chunk_tokens: int, block: int,
     }
 
 
+class _LayerStandIn:
+    """One decoder layer's GPU work for ``tokens`` new tokens over ``ctx``
+    tokens of context, sized like Llama-3.1-8B (hidden 4096, 32 query heads,
+    8 KV heads of 128, gated MLP 14336; bf16): QKV and O projections, SDPA,
+    gate/up and down projections. Weights are shared by all layers (same
+    FLOPs; the KV cache is what the connector moves)."""
+
+    def __init__(self, torch: Any, device: str, tokens: int, ctx: int, p: dict[str, Any]) -> None:
+        hd, qh, kvh = p["head"], p["q_heads"], p["heads"]
+        d, m = p["hidden"], p["mlp"]
+        dt = torch.bfloat16
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def rnd(*shape: int) -> Any:
+            return torch.randn(*shape, generator=g, device=device, dtype=dt) * 0.02
+
+        self.torch = torch
+        self.x = rnd(tokens, d)
+        self.wqkv, self.wo = rnd(d, (qh + 2 * kvh) * hd), rnd(qh * hd, d)
+        self.wgu, self.wd = rnd(d, 2 * m), rnd(m, d)
+        self.k = rnd(1, qh, ctx, hd)  # context K/V (GQA expanded)
+        self.v = rnd(1, qh, ctx, hd)
+        self.qh, self.hd, self.m, self.tokens = qh, hd, m, tokens
+
+    def __call__(self) -> None:
+        t = self.torch
+        qkv = self.x @ self.wqkv
+        q = qkv[:, : self.qh * self.hd].reshape(1, self.tokens, self.qh, self.hd).transpose(1, 2)
+        kv_len = self.k.shape[2]
+        o = t.nn.functional.scaled_dot_product_attention(
+            q, self.k[:, :, :kv_len], self.v[:, :, :kv_len])
+        h = o.transpose(1, 2).reshape(self.tokens, -1) @ self.wo
+        gu = h @ self.wgu
+        a = t.nn.functional.silu(gu[:, : self.m]) * gu[:, self.m :]
+        self.out = a @ self.wd
+
+
+def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv: Any,
+             dst_ids: list[int], names: list[str], layerwise: bool, compute: bool,
+             load: bool) -> float:
+    """One harness forward: start_load_kv, per layer wait_for_layer_load then the
+    layer's compute, wait_for_save; seconds until the GPU is done."""
+    w.layerwise = layerwise
+    kv[:, dst_ids].zero_()
+    _sync(torch, device)
+    t0 = time.perf_counter()
+    if load:
+        w.start_load(meta)
+    for name in names:
+        if load:
+            w.wait_for_layer(name)
+        if compute:
+            layer()
+    if load:
+        w.end_step(None)
+    _sync(torch, device)
+    dt = time.perf_counter() - t0
+    if load and w.take_load_errors():
+        raise RuntimeError("pipelined load failed")
+    return dt
+
+
+def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict[str, Any],
+              device: str) -> list[dict[str, Any]]:
+    """Layer-wise pipelining: TTFT with and without it (see the module docstring)."""
+    from kvpool.connector.metadata import ConnectorMeta
+
+    L, N, H = p["layers"], p["block"], p["heads"]
+    ct = 256
+    n_chunks = max(1, p["hit_tokens"] // ct)
+    bpc = ct // N
+    nb = kv.shape[1]
+    src_ids = list(range(n_chunks * bpc))
+    dst_ids = list(range(nb - n_chunks * bpc, nb))
+    names = list(caches)
+    out = []
+    for groups in p["pipeline_groups"]:
+        ks = KeySpace(f"gpu-pipe-g{groups}", "bfloat16", N, ct)
+        cfg = ConnectorConfig(master_address=address, chunk_size=ct, layer_groups=groups,
+                              load_or_recompute=False, load_timeout_s=30.0)
+        w = KVPoolWorker(cfg, ks, StoreAccess(cfg), heads=HeadSpec(0, H, H, True))
+        w.register_kv_caches(caches)
+        toks = torch.randint(0, 50000, (n_chunks * ct,), generator=torch.Generator()
+                             .manual_seed(groups)).tolist()
+        hashes = ks.chunk_hashes(toks)
+        w.save([SaveSpec("pipe", [ChunkRef(i, h, src_ids[i * bpc : (i + 1) * bpc])
+                                  for i, h in enumerate(hashes)])])
+        meta = ConnectorMeta(loads=[LoadSpec("pipe", [
+            ChunkRef(i, h, dst_ids[i * bpc : (i + 1) * bpc]) for i, h in enumerate(hashes)])])
+        for tokens in p["compute_tokens"]:
+            layer = _LayerStandIn(torch, device, tokens, n_chunks * ct + tokens, p)
+            for _ in range(3):  # warm the kernels
+                layer()
+            _sync(torch, device)
+
+            run_ = partial(_forward, torch, device, w, meta, layer, kv, dst_ids, names)
+
+            def best(layerwise: bool, compute: bool = True, load: bool = True,
+                     run: Any = run_) -> float:
+                return min(run(layerwise, compute, load) for _ in range(p["repeat"] + 1))
+
+            compute_s = best(False, load=False)
+            load_s = best(False, compute=False)
+            serial_s = best(False)
+            pipe_s = best(True)
+            ok = bool(torch.equal(kv[:, src_ids], kv[:, dst_ids]))
+            per_layer_ms = 1000 * compute_s / L
+            r = {"layer_groups": groups, "hit_tokens": n_chunks * ct, "compute_tokens": tokens,
+                 "stand_in": "Llama-3.1-8B decoder layer (hidden 4096, 32 q / 8 kv heads of "
+                             "128, MLP 14336, bf16)",
+                 "stand_in_ms_per_layer": per_layer_ms, "loaded_bytes": n_chunks * w.chunk_bytes,
+                 "load_s": load_s, "compute_s": compute_s, "ttft_serial_s": serial_s,
+                 "ttft_pipelined_s": pipe_s,
+                 "hidden_fraction": (serial_s - pipe_s) / load_s if load_s else None,
+                 "hidden_bound": 1 - 1 / groups, "bytes_equal": ok}
+            out.append(r)
+            print(f"pipeline groups={groups} hit={n_chunks * ct} compute={tokens} tok "
+                  f"({per_layer_ms:.2f} ms/layer): load {1000 * load_s:.1f} ms, compute "
+                  f"{1000 * compute_s:.1f} ms, TTFT serial {1000 * serial_s:.1f} ms, pipelined "
+                  f"{1000 * pipe_s:.1f} ms, hidden {r['hidden_fraction']:.2f} "
+                  f"(bound {r['hidden_bound']:.2f}), bytes_equal={ok}")
+        w.store.call(lambda c: c.remove_all(force=True))
+        w.close()
+        w.store.close()
+    return out
+
+
+def _throughput(torch: Any, address: str, kv_bytes: Any, caches: dict[str, Any],
+                p: dict[str, Any], res: dict[str, Any], device: str) -> None:
+    """Save/load GB/s per chunk size, staging size and layer-group count."""
+    L, N, H = p["layers"], p["block"], p["heads"]
+    page = N * H * 2 * p["head"] * 2
+    B = p["blocks"]
+    store_bytes = int(p["stored_gib"] * (1 << 30))
+    mibs = p["staging_mib"]
+    mibs = [mibs] if isinstance(mibs, int | float) else list(mibs)
+    for ct, mib, groups in [(ct, mib, g) for ct in p["chunk_tokens"] for mib in mibs
+                            for g in p["layer_groups"]]:
+        n_chunks = max(1, store_bytes // (L * page * (ct // N)))
+        if 2 * n_chunks * (ct // N) > B:
+            n_chunks = B // (2 * (ct // N))
+        ks = KeySpace(f"gpu-check-g{groups}", "bfloat16", N, ct)
+        cfg = ConnectorConfig(master_address=address, chunk_size=ct, staging_mib=mib,
+                              layer_groups=groups, load_timeout_s=30.0)
+        w = KVPoolWorker(cfg, ks, StoreAccess(cfg), heads=HeadSpec(0, H, H, True))
+        w.register_kv_caches(caches)
+        res.setdefault("warmup_s", []).append(w.warmup_s)
+        try:
+            for scattered in (False, True):
+                r = _check_one(torch, w, kv_bytes, ct, N, n_chunks, scattered, ct,
+                               device, p["repeat"])
+                r["staging_mib"] = mib
+                r["layer_groups"] = groups
+                r["object_bytes"] = w.chunk_bytes // groups
+                r["single_kernel_gather"] = bool(w.objects and w.objects.single_kernel)
+                pin = _pinned(torch, r["bytes"], r["object_bytes"], device=device)
+                r["pinned_GBps"] = pin
+                r["save_vs_pinned_d2h"] = r["save_GBps"] / pin["d2h"]
+                r["load_vs_pinned_h2d"] = r["load_GBps"] / pin["h2d"]
+                res.setdefault("cases", []).append(r)
+                print(f"connector chunk={ct} groups={groups} ({r['object_bytes'] >> 20} MiB "
+                      f"objects) staging={mib}MiB scattered={scattered}: save "
+                      f"{r['save_GBps']:.1f} GB/s ({r['save_vs_pinned_d2h']:.2f}x pinned D2H), "
+                      f"load {r['load_GBps']:.1f} GB/s ({r['load_vs_pinned_h2d']:.2f}x pinned "
+                      f"H2D), bytes_equal={r['bytes_equal']} rounds={r['rounds']}")
+        finally:
+            w.close()
+            w.store.close()
+
+
 def run(report: dict[str, Any], **overrides: Any) -> None:
     """Record results under ``report["connector"]``; prints a summary line per case."""
     p = {**DEFAULTS, **overrides}
@@ -161,56 +348,35 @@ def run(report: dict[str, Any], **overrides: Any) -> None:
     from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 
     L, B, N, H, C = p["layers"], p["blocks"], p["block"], p["heads"], 2 * p["head"]
-    # vLLM 0.32 CUDA default layout LBNHC: [L, B, N, H, C] physical.
+    # vLLM's CUDA default layout LBNHC: [L, B, N, H, C] physical.
     kv = torch.randn(L, B, N, H, C, dtype=torch.bfloat16, device=device)
     caches = {f"model.layers.{i}.self_attn.attn": kv[i].permute(0, 2, 1, 3) for i in range(L)}
     kv_bytes = kv.view(torch.uint8).view(L, B, -1)  # per layer, per block, opaque bytes
-    page = N * H * C * 2
     store_bytes = int(p["stored_gib"] * (1 << 30))
     pool_bytes = int(store_bytes * 2.5) + (64 << 20)
-    mibs = p["staging_mib"]
-    mibs = [mibs] if isinstance(mibs, int | float) else list(mibs)
     with MasterProcess() as m, NodeDaemonProcess(m.address, memory=pool_bytes,
                                                  start_timeout_s=120) as _d:
-        for ct, mib in [(ct, mib) for ct in p["chunk_tokens"] for mib in mibs]:
-            n_chunks = max(1, store_bytes // (L * page * (ct // N)))
-            if 2 * n_chunks * (ct // N) > B:
-                n_chunks = B // (2 * (ct // N))
-            ks = KeySpace("gpu-check", "bfloat16", N, ct)
-            cfg = ConnectorConfig(master_address=m.address, chunk_size=ct,
-                                  staging_mib=mib)
-            w = KVPoolWorker(cfg, ks, StoreAccess(cfg))
-            w.register_kv_caches(caches)
-            res.setdefault("warmup_s", []).append(w.warmup_s)
-            try:
-                for scattered in (False, True):
-                    r = _check_one(torch, w, kv_bytes, ct, N, n_chunks, scattered, ct,
-                                   device, p["repeat"])
-                    r["staging_mib"] = mib
-                    r["single_kernel_gather"] = bool(w.chunk_layout
-                                                     and w.chunk_layout.single_kernel)
-                    pin = _pinned(torch, r["bytes"], r["object_bytes"], device=device)
-                    r["pinned_GBps"] = pin
-                    r["save_vs_pinned_d2h"] = r["save_GBps"] / pin["d2h"]
-                    r["load_vs_pinned_h2d"] = r["load_GBps"] / pin["h2d"]
-                    res.setdefault("cases", []).append(r)
-                    print(f"connector chunk={ct} staging={mib}MiB scattered={scattered}: save "
-                          f"{r['save_GBps']:.1f}"
-                          f" GB/s ({r['save_vs_pinned_d2h']:.2f}x pinned D2H), load "
-                          f"{r['load_GBps']:.1f} GB/s ({r['load_vs_pinned_h2d']:.2f}x pinned H2D),"
-                          f" bytes_equal={r['bytes_equal']} rounds={r['rounds']}")
-            finally:
-                w.close()
-                w.store.close()
+        if p["chunk_tokens"]:
+            _throughput(torch, m.address, kv_bytes, caches, p, res, device)
+        if p["pipeline_groups"]:
+            res["pipeline"] = _pipeline(torch, m.address, kv, caches, p, device)
     big = _pinned(torch, min(1 << 30, 4 * store_bytes), 64 << 20, device=device)
     res["pinned_64MiB_GBps"] = big
     cases = res.get("cases", [])
-    res["all_bytes_equal"] = all(c["bytes_equal"] and not c["failed_blocks"] for c in cases)
+    pipe = res.get("pipeline", [])
+    res["all_bytes_equal"] = (all(c["bytes_equal"] and not c["failed_blocks"] for c in cases)
+                              and all(r["bytes_equal"] for r in pipe))
     best = max(cases, key=lambda c: min(c["save_GBps"], c["load_GBps"]), default=None)
     if best:
         res["best_vs_pinned"] = {"save": best["save_GBps"] / big["d2h"],
                                  "load": best["load_GBps"] / big["h2d"],
-                                 "chunk_tokens": best["chunk_tokens"]}
+                                 "chunk_tokens": best["chunk_tokens"],
+                                 "layer_groups": best["layer_groups"]}
+    if pipe:
+        top = max(pipe, key=lambda r: r["hidden_fraction"] or 0)
+        res["pipeline_best"] = {k: top[k] for k in ("layer_groups", "compute_tokens",
+                                                   "hidden_fraction", "ttft_serial_s",
+                                                   "ttft_pipelined_s")}
     if not res["all_bytes_equal"]:
         res["status"] = report["status"] = "failed"
 
@@ -224,11 +390,28 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run")
     ap.add_argument("--staging-mib", type=float, nargs="+", default=DEFAULTS["staging_mib"],
                     help="staging buffer sizes to run (MiB each)")
+    ap.add_argument("--chunk-tokens", type=int, nargs="*", default=DEFAULTS["chunk_tokens"],
+                    help="chunk sizes of the throughput part (none: skip it)")
+    ap.add_argument("--layer-groups", type=int, nargs="+", default=DEFAULTS["layer_groups"],
+                    help="objects per chunk along the layers (throughput part)")
+    ap.add_argument("--pipeline-groups", type=int, nargs="*",
+                    default=DEFAULTS["pipeline_groups"],
+                    help="layer groups of the pipelining part (none: skip it)")
+    ap.add_argument("--hit-tokens", type=int, default=DEFAULTS["hit_tokens"])
+    ap.add_argument("--compute-tokens", type=int, nargs="+", default=DEFAULTS["compute_tokens"])
     ap.add_argument("--repeat", type=int, default=DEFAULTS["repeat"])
     a = ap.parse_args()
     report: dict[str, Any] = {}
-    run(report, layers=a.layers, blocks=a.blocks, stored_gib=a.stored_gib, device=a.device,
-        staging_mib=a.staging_mib, repeat=a.repeat)
+    over: dict[str, Any] = dict(
+        layers=a.layers, blocks=a.blocks, stored_gib=a.stored_gib, device=a.device,
+        staging_mib=a.staging_mib, repeat=a.repeat, chunk_tokens=tuple(a.chunk_tokens),
+        layer_groups=tuple(a.layer_groups), pipeline_groups=tuple(a.pipeline_groups),
+        hit_tokens=a.hit_tokens, compute_tokens=tuple(a.compute_tokens))
+    if a.device == "cpu":  # a dry run: small model, small sizes
+        over.update(hidden=256, mlp=512, q_heads=8, layers=8, blocks=512, stored_gib=0.03,
+                    hit_tokens=1024, chunk_tokens=(256,), compute_tokens=(256,),
+                    pipeline_groups=(4,), layer_groups=(1, 4), repeat=1)
+    run(report, **over)
     print(json.dumps(report, indent=1))
     if a.json:
         with open(a.json, "w") as f:

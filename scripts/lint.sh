@@ -10,6 +10,9 @@ mkdir -p "$tree"
 for layer in core master store transfer connector cluster; do
   ln -sfn "$PWD/$layer" "$tree/$layer"
 done
-MYPYPATH=.tmp/mypy "$PY" -m mypy --cache-dir .tmp/mypy-cache \
-  -p kvpool.core -p kvpool.master -p kvpool.store -p kvpool.transfer -p kvpool.connector \
-  -p kvpool.cluster
+# The link tree is given as files, named from their base .tmp/mypy: with
+# `-p kvpool.core` mypy would take the package from the first search path that
+# has it, and an editable install that puts a build/ tree on sys.path wins over
+# MYPYPATH (then the `^build/` exclude leaves only the six __init__ files).
+MYPYPATH=.tmp/mypy "$PY" -m mypy --cache-dir .tmp/mypy-cache --explicit-package-bases \
+  "$tree"/core "$tree"/master "$tree"/store "$tree"/transfer "$tree"/connector "$tree"/cluster

@@ -220,12 +220,12 @@ class Soak:
         s.shm_files = len(self.shm_files())
         s.workers = len(self.workers)
         try:
-            from kvpool.core.protocol import Op
+            from kvpool.core.protocol import Stats
 
             with self.master.client(timeout_s=5) as mc:
-                st = mc.call(Op.STATS)
-            s.objects = st.get("objects")
-            s.bytes_used_mib = round(st.get("bytes_used", 0) / 2**20, 1)
+                st = mc.call(Stats())
+            s.objects = st.objects
+            s.bytes_used_mib = round(st.bytes_used / 2**20, 1)
         except Exception as exc:
             self.failures.append(f"STATS failed: {exc}")
         self.samples.append(s)

@@ -12,6 +12,8 @@ import sys
 import zlib
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "alloc_bytes",
     "buffer_nbytes",
@@ -21,6 +23,7 @@ __all__ = [
     "resolve_checksum_algo",
 ]
 
+_ndarray = np.ndarray
 # Offset of ob_sval inside a CPython bytes object (header size of b"" minus its NUL).
 _BYTES_HEADER = sys.getsizeof(b"") - 1
 
@@ -45,6 +48,8 @@ def buffer_nbytes(buf: Any) -> int:
     bytes/bytearray/memoryview/numpy/torch/cupy, ``(addr, length)`` tuples and
     transfer ``BufferHandle`` objects (``length``/``nbytes``/``size`` attribute).
     """
+    if type(buf) is _ndarray:  # the hot path's common case
+        return int(buf.nbytes)
     if isinstance(buf, bytes | bytearray):
         return len(buf)
     length = getattr(buf, "length", None)  # transfer BufferHandle (checked early: hot path)

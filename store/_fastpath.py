@@ -30,12 +30,17 @@ from kvpool.transfer.copy import parallel_copyto
 
 __all__ = ["InlineShm"]
 
+_U8 = np.dtype(np.uint8)
+
 log = logging.getLogger(__name__)
 
 
 def host_array(buf: Any) -> np.ndarray | None:
     """A flat uint8 numpy view of a host buffer, or None (GPU, non-contiguous, unknown)."""
     try:
+        if type(buf) is np.ndarray and buf.dtype is _U8 and buf.ndim == 1 \
+                and buf.strides[0] == 1:  # the common case: a flat uint8 array
+            return buf
         if isinstance(buf, bytes | bytearray):
             return np.frombuffer(buf, dtype=np.uint8)
         if isinstance(buf, np.ndarray):
@@ -94,6 +99,17 @@ class InlineShm:
             ok = self._shm_first(size)
             self._decided[key] = ok
         return ok
+
+    def target(self, desc: SegmentDescriptor | None, size: int) -> np.ndarray | None:
+        """The mapped region to copy ``size`` bytes to/from inline, or None
+        when the copy is not eligible (or the segment cannot be mapped)."""
+        if desc is None or not self.eligible(desc, size):
+            return None
+        try:
+            return self.region(desc)
+        except Exception as exc:
+            log.debug("inline shm map of %s failed: %s", desc.segment_id, exc)
+            return None
 
     def region(self, desc: SegmentDescriptor) -> np.ndarray:
         arr = self._own.get(desc.segment_id)

@@ -1,10 +1,11 @@
 """The store client: Put/Get of objects held in the pool, with buffers and replicas.
 
-One :class:`Client` per process. ``setup()`` connects to the master, creates
-and mounts this process's memory segment (``memory_size`` > 0), starts its
-transfer server (inside :class:`kvpool.transfer.TransferEngine`) and a
-background ping thread that re-mounts the segments when the master asks
-(e.g. after a master restart). ``close()`` unmounts and releases all of it.
+One :class:`Client` per process. ``setup()`` connects to the master, starts
+its transfer server (inside :class:`kvpool.transfer.TransferEngine`) and its
+:class:`kvpool.store.segment_host.SegmentHost`, which creates and mounts this
+process's segments (``memory_size`` > 0, ``disk_dir``), pings the master and
+re-mounts when asked (e.g. after a master restart). ``close()`` unmounts and
+releases all of it. This module is the data path.
 
 Hot paths, kept lean on purpose:
 
@@ -23,24 +24,48 @@ so the engine keeps its shm mappings / connections across calls.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 import uuid
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import (
-    Op,
+    MAX_KEY_LENGTH,
+    BatchExist,
+    BatchGetReplicaList,
+    BatchPutEnd,
+    BatchPutRevoke,
+    BatchPutStart,
+    BatchRemove,
+    Checksum,
+    Exist,
+    GetReplicaList,
+    GetSize,
+    ListSegments,
+    PutEnd,
+    PutOptions,
+    PutRevoke,
+    PutStart,
+    Remove,
+    RemoveAll,
     ReplicaDescriptor,
     ReplicaStatus,
+    Reply,
+    Request,
     SegmentDescriptor,
+    SegmentInfo,
     SegmentKind,
+    Stats,
+    StatsReply,
     validate_key,
 )
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
@@ -66,6 +91,9 @@ from kvpool.store.errors import (
     TransferFailed,
     error_for_code,
 )
+from kvpool.store.guard import master_stub
+from kvpool.store.segment_host import SegmentHost
+from kvpool.transfer.copy import parallel_copyto
 
 __all__ = [
     "Client",
@@ -73,34 +101,82 @@ __all__ = [
     "Location",
     "RangeRead",
     "RangeWrite",
+    "ReplicaLocation",
     "ReplicateConfig",
     "Reservation",
     "parts_checksum",
+    "parts_checksum_ok",
 ]
 
 log = logging.getLogger(__name__)
 
-_TIER_POLL_S = 0.1  # ping period while tier tasks keep coming
-_TIER_BUSY_S = 5.0  # ... for this long after the last reply that carried tasks
-
 _LAZY_BYTES = object()  # batch-read target: "allocate a bytes result when needed"
-_SUSPECT_S = 10.0
+_SUSPECT_S = 10.0  # how long a segment that failed a read is tried last
 _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
-_STATUS = {int(s): s for s in ReplicaStatus}  # how long a segment that failed a read is tried last
+_COMPLETE = ReplicaStatus.COMPLETE
+_COPIED = (True, "")
+_UNSET: Any = object()
+_BIG_COPY = 1 << 20  # InlineShm decides per segment and size bucket (below / from 1 MiB)
+_NO_CAPS: list[bytes] = []
+R = TypeVar("R", bound=Reply)
+_DEFAULT_OPTIONS = PutOptions()
 
 
 @dataclass(slots=True)
 class _ReadPlan:
-    """Where one key's bytes can be read from, nearest replica first."""
+    """Where one key's bytes can be read from, nearest replica first; ``caps``
+    are the capability tokens the replicas point at."""
 
     size: int
-    checksum: str | None
+    checksum: Checksum
     deadline: float  # monotonic time the read lease ends
     replicas: list[ReplicaDescriptor]
+    caps: list[bytes]
 
 
 def _master_error(exc: MasterRPCError) -> StoreError:
     return error_for_code(exc.code, str(exc))
+
+
+@dataclass(slots=True)
+class _Owned:
+    """Everything a Client must release. Its finalizer holds this, never the
+    Client, so a Client dropped without close() is collected and released."""
+
+    host: SegmentHost
+    rpc_lock: threading.Lock
+    rpc_all: list[MasterClient] = field(default_factory=list)
+    master: MasterClient | None = None
+    engine: Any = None
+    inline: InlineShm | None = None
+
+
+def _release(owned: _Owned) -> None:
+    """Unmount, stop serving, free the memory, close the sockets (in that
+    order), each step whatever the previous one raised. Runs once: from
+    close(), when the Client is collected, or at interpreter exit."""
+    host = owned.host
+    if not host.owned_here():
+        return  # a forked child's copy: the segments, guard and sockets are the parent's
+    host.stop()
+    host.unmount()
+    host.detach()
+    if owned.inline is not None:
+        owned.inline.close()
+    host.release_segments()
+    if owned.engine is not None:
+        try:
+            owned.engine.close()
+        except Exception as exc:
+            log.warning("closing transfer engine: %s", exc)
+    with owned.rpc_lock:
+        stubs = [*owned.rpc_all, owned.master]
+        owned.rpc_all.clear()
+    for m in stubs:
+        if m is not None:
+            m.close()
+    host.close_stubs()
+    host.close_guard()
 
 
 class Client:
@@ -124,37 +200,39 @@ class Client:
         self._rpc_local = threading.local()
         self._rpc_all: list[MasterClient] = []
         self._rpc_lock = threading.Lock()
-        self._ping_master: MasterClient | None = None
         self._engine: Any = None
-        self._local_segments: list[Any] = []  # MemorySegment / file segments we own
-        self._own_descs: dict[str, SegmentDescriptor] = {}
+        # the segments this client owns, their mount and liveness (segment_host.py)
+        self._host = SegmentHost(
+            config, self.client_id, self.host_id,
+            functools.partial(master_stub, config.master_address, config.rpc_timeout_s,
+                              config.curve),
+            self._learn_segments)
+        self._own_descs: dict[str, SegmentDescriptor] = self._host.descs
+        self._owned = _Owned(self._host, self._rpc_lock, self._rpc_all)
+        # close(), garbage collection or interpreter exit: whichever comes first
+        self._finalizer = weakref.finalize(self, _release, self._owned)
         self._known: dict[str, SegmentDescriptor] = {}  # segment descriptors given to the engine
         self._known_lock = threading.Lock()
         # segment id -> monotonic time until which its replicas are tried last
         # (a read from it just failed or timed out: e.g. its owner died)
         self._suspect: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # ping now (the tier runner drained its tasks)
-        self._ping_thread: threading.Thread | None = None
-        self._remounts = 0
         self._closed = False
         self._started = False
         self._checksum_algo = resolve_checksum_algo(config.checksum)
         self._transfer_mod: Any = None
         self._inline: InlineShm | None = None
-        self._tier_runner: Any = None  # store.tier_tasks.TierTaskRunner (segment owners)
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
     def segment_ids(self) -> list[str]:
         """Ids of the segments this client contributes (empty for a pure client)."""
-        return list(self._own_descs)
+        return self._host.segment_ids
 
     @property
     def shm_names(self) -> list[str]:
         """/dev/shm names of this client's memory segments."""
-        return [d.name for d in self._own_descs.values() if d.kind == SegmentKind.MEMORY]
+        return self._host.shm_names
 
     @property
     def endpoint(self) -> str:
@@ -170,7 +248,12 @@ class Client:
     @property
     def remount_count(self) -> int:
         """How many times the ping thread re-mounted after the master asked."""
-        return self._remounts
+        return self._host.remounts
+
+    @property
+    def segment_host(self) -> SegmentHost:
+        """The owner of this client's segments: liveness, guard, janitor."""
+        return self._host
 
     def setup(self) -> Client:
         """Connect, create and mount segments, start the transfer server and pinger.
@@ -201,11 +284,10 @@ class Client:
 
         self._transfer_mod = transfer
         cfg = self.config
-        self._master = self._new_master()
-        self._ping_master = self._new_master()
+        self._master = self._owned.master = self._new_master()
         # Fail fast (typed) when the master is not there, before allocating memory.
         try:
-            self._ping_master.call(Op.PING, client_id=self.client_id)
+            self._host.check_master()
         except MasterRPCError as exc:
             raise MasterUnreachable(
                 f"master {cfg.master_address} unreachable: {exc}", exc.code
@@ -215,185 +297,33 @@ class Client:
             tcfg, host_id=self.host_id, bind_host=cfg.bind_host, port=cfg.transfer_port,
             curve=cfg.curve,
         )
-        self._inline = InlineShm(list(tcfg.rules), self.host_id, cfg.inline_shm)
+        self._owned.engine = self._engine
+        self._inline = self._owned.inline = InlineShm(list(tcfg.rules), self.host_id,
+                                                      cfg.inline_shm)
         port = self._engine.endpoint.rsplit(":", 1)[-1]
         base_id = cfg.segment_id or f"{self.host_id}:{port}"
-        if cfg.memory_size > 0:
-            seg = transfer.MemorySegment.create(base_id, cfg.memory_size, prefault=cfg.prefault)
-            self._local_segments.append(seg)
-            self._engine.add_local_segment(seg)
-            self._inline.add_own(seg.segment_id, seg.array())
-            desc = seg.descriptor(self.client_id, self.host_id, self._engine.endpoint)
-            self._own_descs[desc.segment_id] = desc
-            self._start_tier_runner()
-        self._own_descs.update(self._create_file_segments(base_id))
-        for desc in self._own_descs.values():
-            self._mount(desc)
-        self._ping_thread = threading.Thread(
-            target=self._ping_loop, name=f"kvpool-ping-{self.client_id[:6]}", daemon=True
-        )
-        self._ping_thread.start()
+        self._host.create_segments(self._engine, self._inline, base_id)
+        self._host.start(self._master)
         log.info(
             "client %s up: host %s, segments %s, endpoint %s",
             self.client_id[:8], self.host_id, list(self._own_descs), self._engine.endpoint,
         )
 
-    def _create_file_segments(self, base_id: str) -> dict[str, SegmentDescriptor]:
-        """Create or reopen the SSD-tier FILE segment (``disk_dir``/``disk_size``).
-
-        An existing segment file in ``disk_dir`` is reopened (warm restart:
-        its id comes from the file header, so the master re-adopts the objects
-        recorded in it); a file that does not match (foreign, truncated,
-        another size) is refused with ``SEGMENT_MISMATCH`` and left untouched.
-        """
-        cfg = self.config
-        if not cfg.disk_dir or cfg.disk_size <= 0:
-            return {}
-        from kvpool.transfer.file_segment import FileSegment
-
-        seg = FileSegment.create(f"{base_id}:disk", cfg.disk_dir, cfg.disk_size)
-        self._local_segments.append(seg)
-        self._engine.add_local_segment(seg)
-        desc = seg.descriptor(self.client_id, self.host_id, self._engine.endpoint)
-        if self._tier_runner is None:
-            self._start_tier_runner()
-        return {desc.segment_id: desc}
-
-    def _start_tier_runner(self) -> None:
-        """The node side of the SSD tier: run the copy tasks (offload,
-        promotion) the master hands out in PING replies."""
-        from kvpool.store.tier_tasks import TierTaskRunner
-
-        self._tier_runner = TierTaskRunner(
-            self._engine, self._new_master(),
-            self.client_id,
-            learn_segment=lambda d: self._learn_segments({d.segment_id: d.to_wire()}),
-            transfer_timeout_s=self.config.transfer_timeout_s,
-            on_drained=self._wake.set)  # fetch the next tasks without waiting a ping interval
-
     def _new_master(self) -> MasterClient:
-        """A master RPC stub; with CURVE when the policy makes it active for the
-        master's address (off for loopback unless forced, on otherwise)."""
+        """A master RPC stub (CURVE per the config's policy)."""
         cfg = self.config
-        curve = cfg.curve
-        addr = cfg.master_address if "://" in cfg.master_address \
-            else f"tcp://{cfg.master_address}"
-        if not curve.active(addr):
-            return MasterClient(cfg.master_address, timeout_s=cfg.rpc_timeout_s)
-        kp = curve.keypair()
-        return MasterClient(cfg.master_address, timeout_s=cfg.rpc_timeout_s,
-                            curve_server_key=curve.server_public_key(),
-                            curve_keypair=(kp.public, kp.secret))
-
-    def _mount(self, desc: SegmentDescriptor) -> None:
-        assert self._master is not None
-        try:
-            res = self._master.call(Op.MOUNT_SEGMENT, client_id=self.client_id,
-                                    segment=desc.to_wire())
-        except MasterRPCError as exc:
-            if exc.code == ErrorCode.SEGMENT_ALREADY_EXISTS:
-                return  # already mounted by us (a remount racing a ping)
-            raise _master_error(exc) from exc
-        key = res.get("capability_key")
-        if key and self._engine is not None:
-            # issue 7: our transfer server now refuses any READ/WRITE of this
-            # segment without a capability the master signed with this key
-            self._engine.set_capability_key(desc.segment_id, bytes(key))
-
-    def _ping_loop(self) -> None:
-        """Ping every ``ping_interval_s``; re-mount our segments when the master asks."""
-        assert self._ping_master is not None
-        base_interval = self.config.ping_interval_s
-        tier_busy_until = 0.0
-        while True:
-            # while the master hands out tier copy tasks (offload, promotion),
-            # poll for more every _TIER_POLL_S rather than every ping interval
-            interval = base_interval
-            if time.monotonic() < tier_busy_until:
-                interval = min(base_interval, _TIER_POLL_S)
-            self._wake.wait(interval)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            try:
-                res = self._ping_master.call(Op.PING, client_id=self.client_id)
-                if res.get("tasks") and self._tier_runner is not None:
-                    self._tier_runner.submit(res["tasks"], res.get("segments"))
-                    tier_busy_until = time.monotonic() + _TIER_BUSY_S
-                remount = bool(res.get("remount"))
-                if not remount and self._own_descs and "segment_ids" in res:
-                    # the master knows us but lost a segment of ours: mount it again
-                    remount = not set(self._own_descs) <= set(res["segment_ids"] or ())
-            except MasterRPCError as exc:
-                if exc.code != ErrorCode.CLIENT_NOT_FOUND:
-                    log.debug("ping failed: %s", exc)
-                    continue
-                remount = True
-            if remount and not self._stop.is_set():
-                self._remount()
-
-    def _remount(self) -> None:
-        log.info("master asked client %s to re-mount %d segment(s)",
-                 self.client_id[:8], len(self._own_descs))
-        for desc in list(self._own_descs.values()):
-            try:
-                self._mount(desc)
-            except StoreError as exc:
-                log.warning("re-mount of %s failed: %s", desc.segment_id, exc)
-                return
-        self._remounts += 1
+        return master_stub(cfg.master_address, cfg.rpc_timeout_s, cfg.curve)
 
     def close(self) -> None:
-        """Unmount this client's segments and release every resource. Idempotent."""
+        """Unmount this client's segments and release every resource. Idempotent.
+
+        A Client that is garbage-collected, or still open at interpreter exit,
+        is released the same way; one whose process dies (SIGTERM's default
+        action, kill -9) is released by its guard process."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._wake.set()
-        if self._ping_thread is not None:
-            self._ping_thread.join(timeout=self.config.rpc_timeout_s + 1)
-        if self._tier_runner is not None:
-            self._tier_runner.close()
-            self._tier_runner.master.close()
-        if self._master is not None:
-            for seg_id in list(self._own_descs):
-                if self._own_descs[seg_id].kind == SegmentKind.FILE:
-                    # the SSD tier outlives this process: the master keeps the
-                    # segment awaiting us and a restart on the same disk dir
-                    # re-adopts its objects (warm restart)
-                    continue
-                try:
-                    self._master.call(
-                        Op.UNMOUNT_SEGMENT, client_id=self.client_id, segment_id=seg_id,
-                        timeout_s=min(2.0, self.config.rpc_timeout_s),
-                    )
-                except (MasterRPCError, KVPoolError) as exc:
-                    log.debug("unmount %s: %s", seg_id, exc)
-        if self._engine is not None:
-            for seg_id in list(self._own_descs):
-                try:
-                    self._engine.remove_local_segment(seg_id)
-                except Exception as exc:  # releasing must go on whatever one step raises
-                    log.debug("remove_local_segment %s: %s", seg_id, exc)
-        if self._inline is not None:
-            self._inline.close()
-        for seg in self._local_segments:
-            try:
-                seg.close()
-            except Exception as exc:
-                log.warning("closing segment: %s", exc)
-        self._local_segments.clear()
-        if self._engine is not None:
-            try:
-                self._engine.close()
-            except Exception as exc:
-                log.warning("closing transfer engine: %s", exc)
-        with self._rpc_lock:
-            stubs = [*self._rpc_all, self._master, self._ping_master]
-            self._rpc_all.clear()
-        for m in stubs:
-            if m is not None:
-                m.close()
+        self._finalizer()
 
     def __enter__(self) -> Client:
         return self.setup()
@@ -409,13 +339,13 @@ class Client:
 
     # ------------------------------------------------------------------ helpers
 
-    def _call(self, op: Op, **args: Any) -> dict[str, Any]:
+    def _call(self, request: Request[R]) -> R:
         self._check_open()
         master = getattr(self._rpc_local, "master", None)
         if master is None:
             master = self._thread_master()
         try:
-            return master.call(op, **args)
+            return master.call(request)
         except MasterRPCError as exc:
             raise _master_error(exc) from exc
 
@@ -436,16 +366,15 @@ class Client:
         self._rpc_local.master = master
         return master
 
-    def _learn_segments(self, segments: dict[str, Any] | None) -> None:
+    def _learn_segments(self, segments: dict[str, SegmentDescriptor]) -> None:
         """Hand new segment descriptors to the engine (once per segment id)."""
         if not segments:
             return
-        for seg_id, wire in segments.items():
+        for seg_id, desc in segments.items():
             known = self._known.get(seg_id)
-            if known is not None and known.name == wire.get("name") \
-                    and known.client_id == wire.get("client_id"):
+            if known is not None and known.name == desc.name \
+                    and known.client_id == desc.client_id:
                 continue
-            desc = SegmentDescriptor.from_wire(wire)
             with self._known_lock:
                 known = self._known.get(seg_id)
                 if known is not None:
@@ -519,19 +448,17 @@ class Client:
             out.append(st)
         return out
 
-    @staticmethod
-    def _replicas(value: Any) -> list[ReplicaDescriptor]:
-        raw = value.get("replicas", []) if isinstance(value, dict) else (value or [])
-        # ReplicaDescriptor.from_wire without its per-field conversions (hot path)
-        return [ReplicaDescriptor(w[0], w[1], w[2], _STATUS.get(w[3], ReplicaStatus.PROCESSING),
-                                  w[4] or b"") for w in raw]
-
     # ------------------------------------------------------------------ put
 
-    def _put_args(self, config: ReplicateConfig | None) -> dict[str, Any]:
+    @staticmethod
+    def _put_options(config: ReplicateConfig | None) -> PutOptions | None:
+        """The placement a config stands for (None: every default)."""
         if config is None:
-            return {}  # every PUT_START default
-        return config.to_wire_args()
+            return None
+        opts = PutOptions(int(config.replica_num),
+                          int(config.disk_replica_num) + int(config.nof_replica_num),
+                          config.segments(), bool(config.with_hard_pin), bool(config.pins_soft))
+        return None if opts == _DEFAULT_OPTIONS else opts
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
         """Store ``value`` (bytes-like or any buffer) under ``key``.
@@ -549,17 +476,14 @@ class Client:
         size = buffer_nbytes(buffer)
         if size <= 0:
             raise StoreError("cannot put an empty value", ErrorCode.INVALID_PARAMS)
-        args = self._put_args(config)
-        if self._checksum_algo is not None:
-            checksum = self._checksum(buffer)
-            if checksum is not None:
-                args["checksum"] = checksum
-        res = self._call(Op.PUT_START, client_id=self.client_id, key=key, size=size, **args)
-        self._learn_segments(res.get("segments"))
-        replicas = self._replicas(res)
+        checksum = self._checksum(buffer) if self._checksum_algo is not None else None
+        res = self._call(PutStart(self.client_id, key, size, self._put_options(config),
+                                  checksum))
+        self._learn_segments(res.segments)
+        replicas = res.replicas
         try:
             results = self._copy_batch(True, [(buffer, r, size) for r in replicas],
-                                       self.config.transfer_timeout_s)
+                                       self.config.transfer_timeout_s, res.caps)
             failed = [(r, err) for r, (ok, err) in zip(replicas, results, strict=True) if not ok]
             if failed or not replicas:
                 for r, _ in failed:
@@ -571,61 +495,71 @@ class Client:
         except BaseException:
             self._revoke([key])
             raise
-        self._call(Op.PUT_END, client_id=self.client_id, key=key)
+        self._call(PutEnd(self.client_id, key))
 
     def _copy_batch(self, write: bool, jobs: list[tuple[Any, ReplicaDescriptor, int]],
-                    timeout: float) -> list[tuple[bool, str]]:
+                    timeout: float, caps: list[bytes]) -> list[tuple[bool, str]]:
         """Copy every ``(buffer, replica, size)`` job: same-host shm copies inline
-        (see ``_fastpath``), the rest as ONE engine batch. Returns ``(ok, error)``
+        (see ``_fastpath``), the rest as ONE engine batch (each request with the
+        capability token of ``caps`` its replica points at). Returns ``(ok, error)``
         per job. Writes raise StoreTimeout when the batch overruns ``timeout``;
         reads report the overrunning requests as failed (TIMEOUT)."""
-        results: list[tuple[bool, str]] = [(False, "")] * len(jobs)
+        results: list[tuple[bool, str]] = [_COPIED] * len(jobs)
         via_engine: list[int] = []
         inline = self._inline
-        for j, (buf, r, size) in enumerate(jobs):
-            desc = self._known.get(r.segment_id) if inline is not None else None
-            if inline is not None and inline.eligible(desc, size):
-                arr = host_array(buf)
-                if arr is not None and arr.size >= size and (write or arr.flags.writeable):
-                    try:
-                        assert desc is not None
-                        if write:
-                            inline.write(desc, r.offset, arr[:size])
-                        else:
-                            inline.read(desc, r.offset, arr[:size])
-                        results[j] = (True, "")
-                        continue
-                    except Exception as exc:  # fall back to the engine's transports
-                        log.debug("inline shm %s of %s failed: %s",
-                                  "write" if write else "read", r.segment_id, exc)
-            via_engine.append(j)
+        if inline is None or not inline.enabled:
+            via_engine = list(range(len(jobs)))
+        else:
+            known = self._known
+            # the mapped region per (segment, size bucket): None = not inline
+            regions: dict[tuple[str, bool], Any] = {}
+            copied = 0
+            for j, (buf, r, size) in enumerate(jobs):
+                sid = r.segment_id
+                rkey = (sid, size >= _BIG_COPY)
+                region = regions.get(rkey, _UNSET)
+                if region is _UNSET:
+                    region = regions[rkey] = inline.target(known.get(sid), size)
+                arr = host_array(buf) if region is not None else None
+                off = r.offset
+                if arr is None or arr.size < size or off < 0 or off + size > region.size \
+                        or not (write or arr.flags.writeable):
+                    via_engine.append(j)
+                    continue
+                try:
+                    if write:
+                        parallel_copyto(region[off:off + size], arr[:size])
+                    else:
+                        parallel_copyto(arr[:size], region[off:off + size])
+                    copied += 1
+                except Exception as exc:  # fall back to the engine's transports
+                    log.debug("inline shm %s of %s failed: %s",
+                              "write" if write else "read", sid, exc)
+                    via_engine.append(j)
+            inline.copies += copied
         if via_engine:
-            make = self._write_req if write else self._read_req
-            reqs = [make(jobs[j][0], jobs[j][1], jobs[j][2]) for j in via_engine]
+            t = self._transfer_mod
+            top = t.TransferOp.WRITE if write else t.TransferOp.READ
+            make = t.TransferRequest
+            reqs = []
+            for j in via_engine:
+                buf, r, size = jobs[j]
+                reqs.append(make(top, buf, r.segment_id, r.offset, size,
+                                 capability=caps[r.cap] if r.cap >= 0 else b""))
             statuses = self._transfer(reqs, timeout) if write else self._run(reqs, timeout)
             for j, st in zip(via_engine, statuses, strict=True):
                 results[j] = (bool(st.ok), "" if st.ok else ("; ".join(st.errors)
                                                               or st.code.name))
         return results
 
-    def _write_req(self, buffer: Any, r: ReplicaDescriptor, size: int) -> Any:
-        t = self._transfer_mod
-        return t.TransferRequest(t.TransferOp.WRITE, buffer, r.segment_id, r.offset, size,
-                                 capability=r.capability)
-
-    def _read_req(self, buffer: Any, r: ReplicaDescriptor, size: int) -> Any:
-        t = self._transfer_mod
-        return t.TransferRequest(t.TransferOp.READ, buffer, r.segment_id, r.offset, size,
-                                 capability=r.capability)
-
     def _revoke(self, keys: list[str]) -> None:
         if not keys:
             return
         try:
             if len(keys) == 1:
-                self._call(Op.PUT_REVOKE, client_id=self.client_id, key=keys[0])
+                self._call(PutRevoke(self.client_id, keys[0]))
             else:
-                self._call(Op.BATCH_PUT_REVOKE, client_id=self.client_id, keys=keys)
+                self._call(BatchPutRevoke(self.client_id, keys))
         except StoreError as exc:
             log.warning("put_revoke %s failed: %s", keys[:3], exc)
 
@@ -657,63 +591,66 @@ class Client:
         codes: list[ErrorCode] = [ErrorCode.OK] * n
         if n == 0:
             return codes
-        args = self._put_args(config)
-        items: list[dict[str, Any]] = []
-        idx: list[int] = []  # item position -> key index
-        sizes = [0] * n
+        put_keys: list[str] = []
+        put_sizes: list[int] = []
+        idx: list[int] = []  # position in the request -> key index
         seen: set[str] = set()
-        for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
-            try:
-                self._valid_key(key)
-            except StoreError:
+        checksums: list[Checksum] | None = [] if self._checksum_algo is not None else None
+        for i in range(n):
+            key = keys[i]
+            if type(key) is not str or not key or len(key) > MAX_KEY_LENGTH:
                 codes[i] = ErrorCode.INVALID_KEY
                 continue
             if key in seen:  # a second put of the same key in one batch
                 codes[i] = ErrorCode.OBJECT_ALREADY_EXISTS
                 continue
+            buf = buffers[i]
             size = buffer_nbytes(buf)
             if size <= 0:
                 codes[i] = ErrorCode.INVALID_PARAMS
                 continue
             seen.add(key)
-            sizes[i] = size
-            item = {"key": key, "size": size, **args}
-            if self._checksum_algo is not None:
-                item["checksum"] = self._checksum(buf)
-            items.append(item)
+            put_keys.append(key)
+            put_sizes.append(size)
+            if checksums is not None:
+                checksums.append(self._checksum(buf))
             idx.append(i)
-        if not items:
+        if not idx:
             return codes
-        res = self._call(Op.BATCH_PUT_START, client_id=self.client_id, items=items)
-        self._learn_segments(res.get("segments"))
+        res = self._call(BatchPutStart(self.client_id, put_keys, put_sizes,
+                                       self._put_options(config), checksums))
+        self._learn_segments(res.segments)
         jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
         owner: list[int] = []  # job -> key index
-        for pos, (code, value) in enumerate(res.get("results", [])):
+        ok_pos: list[int] = []  # request positions whose PUT_START succeeded
+        for pos, (code, reps) in enumerate(zip(res.codes, res.replicas, strict=True)):
             i = idx[pos]
-            if code != ErrorCode.OK:
+            if code:
                 codes[i] = self._code(code)
                 continue
-            for r in self._replicas(value):
-                jobs.append((buffers[i], r, sizes[i]))
+            ok_pos.append(pos)
+            buf = buffers[i]
+            size = put_sizes[pos]
+            for r in reps:
+                jobs.append((buf, r, size))
                 owner.append(i)
-        ok_keys = [keys[i] for i in idx if codes[i] == ErrorCode.OK]
         try:
-            results = self._copy_batch(True, jobs, self.config.transfer_timeout_s)
+            results = self._copy_batch(True, jobs, self.config.transfer_timeout_s, res.caps)
         except BaseException:
-            self._revoke(ok_keys)
+            self._revoke([put_keys[pos] for pos in ok_pos])
             raise
         for (_b, r, _s), i, (ok, _err) in zip(jobs, owner, results, strict=True):
             if not ok:
                 codes[i] = ErrorCode.TRANSFER_FAIL
                 self._forget_segment(r.segment_id)
-        done = [keys[i] for i in idx if codes[i] == ErrorCode.OK]
-        failed = [keys[i] for i in idx if codes[i] == ErrorCode.TRANSFER_FAIL]
-        self._revoke(failed)
+        done = [pos for pos in ok_pos if codes[idx[pos]] == ErrorCode.OK]
+        self._revoke([put_keys[pos] for pos in ok_pos
+                      if codes[idx[pos]] == ErrorCode.TRANSFER_FAIL])
         if done:
-            end = self._call(Op.BATCH_PUT_END, client_id=self.client_id, keys=done)
-            for key, (code, _v) in zip(done, end.get("results", []), strict=False):
-                if code != ErrorCode.OK:
-                    codes[keys.index(key)] = self._code(code)
+            end = self._call(BatchPutEnd(self.client_id, [put_keys[pos] for pos in done]))
+            for pos, code in zip(done, end.codes, strict=True):
+                if code:
+                    codes[idx[pos]] = self._code(code)
         return codes
 
     @staticmethod
@@ -725,19 +662,22 @@ class Client:
 
     # ------------------------------------------------------------------ get
 
-    def _plan(self, value: dict[str, Any], t0: float, default_ttl_ms: Any) -> _ReadPlan:
-        ttl_ms = value.get("lease_ttl_ms", default_ttl_ms)
-        deadline = t0 + float(ttl_ms) / 1000.0 if ttl_ms else float("inf")
-        replicas = [r for r in self._replicas(value) if r.status == ReplicaStatus.COMPLETE]
-        replicas.sort(key=lambda r: self._rank(r.segment_id))
-        checksum = value.get("checksum")
-        return _ReadPlan(int(value["size"]), checksum if checksum else None, deadline, replicas)
+    def _nearest_first(self, reps: list[ReplicaDescriptor]) -> list[ReplicaDescriptor]:
+        """The complete replicas, nearest first (see :meth:`_rank`)."""
+        if len(reps) == 1:
+            return reps if reps[0].status is _COMPLETE else []
+        out = [r for r in reps if r.status is _COMPLETE]
+        out.sort(key=lambda r: self._rank(r.segment_id))
+        return out
 
     def _locate(self, key: str) -> _ReadPlan:
         t0 = time.monotonic()  # the lease starts no earlier than our request
-        res = self._call(Op.GET_REPLICA_LIST, key=key)
-        self._learn_segments(res.get("segments"))
-        return self._plan(res, t0, None)
+        res = self._call(GetReplicaList(key))
+        self._learn_segments(res.segments)
+        ttl_ms = res.lease_ttl_ms
+        deadline = t0 + ttl_ms / 1000.0 if ttl_ms else float("inf")
+        return _ReadPlan(res.size, res.checksum or None, deadline,
+                         self._nearest_first(res.replicas), res.caps)
 
     def _read(self, key: str, plan: _ReadPlan, buffer: Any) -> int:
         """Read ``plan.size`` bytes into ``buffer``: nearest replica first, then the rest."""
@@ -752,7 +692,7 @@ class Client:
             # leave the replicas after this one a share of the lease: a dead
             # peer must not use up all of it
             budget = min(self.config.transfer_timeout_s, remaining / (n - idx))
-            ((ok, err),) = self._copy_batch(False, [(buffer, r, plan.size)], budget)
+            ((ok, err),) = self._copy_batch(False, [(buffer, r, plan.size)], budget, plan.caps)
             if ok:
                 if time.monotonic() > plan.deadline:
                     raise LeaseExpired(f"read of {key!r} ended after its lease; bytes discarded")
@@ -782,7 +722,7 @@ class Client:
             return None
 
     def _verify(self, key: str, plan: _ReadPlan, buffer: Any) -> None:
-        if plan.checksum is None or not self.config.verify_checksum:
+        if not isinstance(plan.checksum, str) or not self.config.verify_checksum:
             return
         view = host_view(buffer)
         if view is None:
@@ -848,35 +788,46 @@ class Client:
         return self._batch_read(keys, target)
 
     def _batch_read(self, keys: Sequence[str], target: Callable[[int, int], Any],
-                    outs: dict[int, bytes] | None = None) -> list[int]:
+                    outs: dict[int, bytes] | None = None,
+                    parts: Sequence[Sequence[int]] | None = None,
+                    on_part: Callable[[int, list[int]], None] | None = None) -> list[int]:
         """Shared body of the batch reads. ``target(i, size)`` gives key i's
         buffer (None: too small) or ``_LAZY_BYTES``: produce a new ``bytes`` into
-        ``outs[i]`` (inline shm reads copy straight into it)."""
+        ``outs[i]`` (inline shm reads copy straight into it). ``parts``: read
+        these groups of key indices one after another (one transfer batch
+        each), calling ``on_part(p, results of part p)`` after each."""
         self._check_open()
         n = len(keys)
         results: list[int] = [int(ErrorCode.INTERNAL_ERROR)] * n
         if n == 0:
             return results
         valid: list[int] = []
-        for i, key in enumerate(keys):
-            try:
-                self._valid_key(key)
+        for i in range(n):
+            key = keys[i]
+            if type(key) is str and key and len(key) <= MAX_KEY_LENGTH:
                 valid.append(i)
-            except StoreError:
+            else:
                 results[i] = int(ErrorCode.INVALID_KEY)
         if not valid:
             return results
         t0 = time.monotonic()
-        res = self._call(Op.BATCH_GET_REPLICA_LIST, keys=[keys[i] for i in valid])
-        self._learn_segments(res.get("segments"))
-        default_ttl = res.get("lease_ttl_ms")
+        res = self._call(BatchGetReplicaList([keys[i] for i in valid] if len(valid) < n
+                                             else list(keys)))
+        self._learn_segments(res.segments)
+        ttl_ms = res.lease_ttl_ms
+        deadline = t0 + ttl_ms / 1000.0 if ttl_ms else float("inf")
+        caps = res.caps
+        checksums = res.checksums
+        nearest = self._nearest_first
         plans: dict[int, _ReadPlan] = {}
         bufs: dict[int, Any] = {}
-        for i, (code, value) in zip(valid, res.get("results", []), strict=False):
-            if code != ErrorCode.OK:
+        for pos, i in enumerate(valid):
+            code = res.codes[pos]
+            if code:
                 results[i] = int(self._code(code))
                 continue
-            plan = self._plan(value, t0, default_ttl)
+            plan = _ReadPlan(res.sizes[pos], checksums[pos] if checksums else None, deadline,
+                             nearest(res.replicas[pos]), caps)
             if not plan.replicas:
                 results[i] = int(ErrorCode.OBJECT_NOT_FOUND)
                 continue
@@ -886,9 +837,26 @@ class Client:
                 continue
             plans[i] = plan
             bufs[i] = buf
+        if parts is None:
+            self._read_plans(keys, plans, bufs, outs, results, list(plans))
+            return results
+        for p, part in enumerate(parts):
+            self._read_plans(keys, plans, bufs, outs, results, [i for i in part if i in plans])
+            if on_part is not None:
+                on_part(p, [results[i] for i in part])
+        return results
+
+    def _read_plans(self, keys: Sequence[str], plans: dict[int, _ReadPlan],
+                    bufs: dict[int, Any], outs: dict[int, bytes] | None, results: list[int],
+                    pending: list[int]) -> None:
+        """Read the ``pending`` planned keys into ``bufs`` (results set per key)."""
         # Round k reads every pending key from its k-th nearest replica: the
         # common case is one round, i.e. one transfer batch for the whole call.
-        pending = list(plans)
+        # Every plan comes from one master reply: one lease deadline, one caps list.
+        if not pending:
+            return
+        first = plans[pending[0]]
+        deadline, caps = first.deadline, first.caps
         attempt = 0
         while pending:
             now = time.monotonic()
@@ -906,7 +874,7 @@ class Client:
                 if bufs[i] is _LAZY_BYTES:
                     assert outs is not None
                     fast = self._read_inline_bytes(_ReadPlan(plan.size, None, plan.deadline,
-                                                             [r]))
+                                                             [r], caps))
                     if fast is not None:
                         outs[i] = fast
                         bufs[i] = fast
@@ -918,19 +886,24 @@ class Client:
                 owners.append(i)
             if not jobs:
                 break
-            lease_left = min(plans[i].deadline for i in owners) - now
+            # every key of the call shares one lease deadline (one master reply)
             left = max(len(plans[i].replicas) - attempt for i in owners)
-            timeout = max(0.001, min(self.config.transfer_timeout_s, lease_left / left))
-            copied = self._copy_batch(False, jobs, timeout)
+            timeout = max(0.001, min(self.config.transfer_timeout_s, (deadline - now) / left))
+            copied = self._copy_batch(False, jobs, timeout, caps)
             pending = []
+            late = time.monotonic() > deadline  # the reads ended after the lease
+            verify = self.config.verify_checksum
             for (buf, r, _s), i, (ok, _err) in zip(jobs, owners, copied, strict=True):
                 if not ok:
                     self._forget_segment(r.segment_id)
                     pending.append(i)
-                else:
+                elif late:
+                    results[i] = int(ErrorCode.LEASE_EXPIRED)
+                elif verify and plans[i].checksum is not None:
                     results[i] = self._finish_read(keys[i], plans[i], buf)
+                else:
+                    results[i] = plans[i].size
             attempt += 1
-        return results
 
     def _finish_read(self, key: str, plan: _ReadPlan, buf: Any) -> int:
         """Result code of a completed read: size, or LEASE_EXPIRED / CHECKSUM_MISMATCH."""
@@ -970,7 +943,7 @@ class Client:
         """True when ``key`` has a complete replica (grants a read lease)."""
         self._valid_key(key)
         try:
-            return bool(self._call(Op.EXIST, key=key).get("exists"))
+            return self._call(Exist(key)).exists
         except ObjectNotFound:
             return False
 
@@ -981,31 +954,23 @@ class Client:
             return []
         for k in keys:
             self._valid_key(k)
-        res = self._call(Op.BATCH_EXIST, keys=list(keys))
-        out: list[bool] = []
-        for code, value in res.get("results", []):
-            if code != ErrorCode.OK:
-                out.append(False)
-            elif isinstance(value, dict):
-                out.append(bool(value.get("exists")))
-            else:
-                out.append(bool(value))
-        return out
+        res = self._call(BatchExist(list(keys)))
+        return [not code and found for code, found in zip(res.codes, res.exists, strict=True)]
 
     def get_size(self, key: str) -> int:
         """Size in bytes of ``key``'s value (ObjectNotFound if missing)."""
         self._valid_key(key)
-        return int(self._call(Op.GET_SIZE, key=key)["size"])
+        return self._call(GetSize(key)).size
 
     def remove(self, key: str, force: bool = False) -> None:
         """Remove ``key``. A leased object raises StoreError(OBJECT_HAS_LEASE)
         unless ``force``; a missing one raises ObjectNotFound."""
         self._valid_key(key)
-        self._call(Op.REMOVE, key=key, force=bool(force))
+        self._call(Remove(key, bool(force)))
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every (unleased, or all with ``force``) object; return the count."""
-        return int(self._call(Op.REMOVE_ALL, force=bool(force)).get("removed", 0))
+        return self._call(RemoveAll(bool(force))).removed
 
     def replica_segments(self, key: str) -> list[str]:
         """Segment ids holding a complete replica of ``key``, nearest first
@@ -1013,17 +978,68 @@ class Client:
         self._valid_key(key)
         return [r.segment_id for r in self._locate(key).replicas]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StatsReply:
         """The master's STATS (uptime, objects, bytes used/capacity, ...)."""
-        return self._call(Op.STATS)
+        return self._call(Stats())
 
-    def list_segments(self) -> list[dict[str, Any]]:
+    def list_segments(self) -> list[SegmentInfo]:
         """The master's LIST_SEGMENTS: every mounted segment with used/capacity."""
-        return list(self._call(Op.LIST_SEGMENTS).get("segments", []))
+        return self._call(ListSegments()).segments
 
     def is_gpu(self, buffer: Any) -> bool:
         """Whether ``buffer`` is device memory (checksums skip those)."""
         return is_gpu_buffer(buffer)
+
+    def batch_get_into_parts(self, keys: Sequence[str], buffers: Sequence[Any],
+                             parts: Sequence[Sequence[int]],
+                             on_part: Callable[[int, list[int]], None]) -> list[int]:
+        """:meth:`batch_get_into` for pipelined consumers: ONE master RPC locates
+        every key, then the keys of ``parts`` (lists of indices into ``keys``)
+        are read part after part, one transfer batch each, and ``on_part(p,
+        results)`` runs after part ``p`` (results as in batch_get_into, in the
+        part's order) so the caller can use it while later parts still move.
+        Indices in no part are not read. All parts share the read lease of the
+        one RPC: parts still unread when it ends fail with LEASE_EXPIRED."""
+        self._check_open()
+        if len(keys) != len(buffers):
+            raise StoreError(f"{len(keys)} keys but {len(buffers)} buffers",
+                             ErrorCode.INVALID_PARAMS)
+
+        def target(i: int, size: int) -> Any:
+            return buffers[i] if buffer_nbytes(buffers[i]) >= size else None
+
+        return self._batch_read(keys, target, None, parts, on_part)
+
+    # ------------------------------------------------------------------ locations
+
+    def batch_replica_locations(self, keys: Sequence[str]) -> list[list[ReplicaLocation] | None]:
+        """Where each key's complete replicas are, nearest first (the order reads
+        try them); None for a missing key. One BATCH_GET_REPLICA_LIST RPC; grants
+        read leases, like :meth:`batch_exists`. Lets a caller estimate a read's
+        time from what it measured per tier and peer before reading."""
+        self._check_open()
+        if not keys:
+            return []
+        for k in keys:
+            self._valid_key(k)
+        res = self._call(BatchGetReplicaList(list(keys)))
+        self._learn_segments(res.segments)
+        out: list[list[ReplicaLocation] | None] = []
+        for pos, code in enumerate(res.codes):
+            if code != ErrorCode.OK:
+                out.append(None)
+                continue
+            size = res.sizes[pos]
+            locs = []
+            for r in self._nearest_first(res.replicas[pos]):
+                desc = self._known.get(r.segment_id)
+                locs.append(ReplicaLocation(
+                    r.segment_id, size,
+                    desc.host_id if desc is not None else "",
+                    desc.kind if desc is not None else SegmentKind.MEMORY,
+                    desc is not None and desc.host_id == self.host_id))
+            out.append(locs or None)
+        return out
 
     # ------------------------------------------------------------------ multi-part and ranged I/O
     # The primitives under Mooncake's multi-buffer, range and session calls
@@ -1035,11 +1051,12 @@ class Client:
 
     def batch_put_reserve(self, keys: Sequence[str], sizes: Sequence[int],
                           config: ReplicateConfig | None = None,
-                          checksums: Sequence[str | None] | None = None) -> list[Reservation]:
+                          checksums: Sequence[Checksum] | None = None) -> list[Reservation]:
         """Reserve ``sizes[i]`` bytes for ``keys[i]`` on every replica, moving no data.
 
-        Per key a :class:`Reservation`: code OK with its replicas, or why not
-        (INVALID_KEY, INVALID_PARAMS for a size <= 0, OBJECT_ALREADY_EXISTS,
+        Per key a :class:`Reservation`: code OK with its replicas (and the
+        capability tokens they point at), or why not (INVALID_KEY,
+        INVALID_PARAMS for a size <= 0, OBJECT_ALREADY_EXISTS,
         NO_AVAILABLE_HANDLE...). A reserved key must be committed with
         :meth:`batch_put_commit` or aborted with :meth:`batch_put_abort` (the
         master discards it after ``put_start_discard_timeout_s`` otherwise).
@@ -1049,15 +1066,14 @@ class Client:
         self._check_open()
         if len(keys) != len(sizes) or (checksums is not None and len(checksums) != len(keys)):
             raise StoreError(f"{len(keys)} keys but {len(sizes)} sizes", ErrorCode.INVALID_PARAMS)
-        out = [Reservation(ErrorCode.OK, int(size), []) for size in sizes]
-        args = self._put_args(config)
-        items: list[dict[str, Any]] = []
+        out = [Reservation(ErrorCode.OK, int(size), [], _NO_CAPS) for size in sizes]
+        put_keys: list[str] = []
+        put_sizes: list[int] = []
+        sums: list[Checksum] = []
         idx: list[int] = []
         seen: set[str] = set()
         for i, key in enumerate(keys):
-            try:
-                self._valid_key(key)
-            except StoreError:
+            if type(key) is not str or not key or len(key) > MAX_KEY_LENGTH:
                 out[i].code = ErrorCode.INVALID_KEY
                 continue
             if key in seen:
@@ -1067,25 +1083,27 @@ class Client:
                 out[i].code = ErrorCode.INVALID_PARAMS
                 continue
             seen.add(key)
-            item = {"key": key, "size": out[i].size, **args}
-            if checksums is not None and checksums[i]:
-                item["checksum"] = checksums[i]
-            items.append(item)
+            put_keys.append(key)
+            put_sizes.append(out[i].size)
+            sums.append(checksums[i] if checksums is not None else None)
             idx.append(i)
-        if not items:
+        if not idx:
             return out
-        res = self._call(Op.BATCH_PUT_START, client_id=self.client_id, items=items)
-        self._learn_segments(res.get("segments"))
+        res = self._call(BatchPutStart(self.client_id, put_keys, put_sizes,
+                                       self._put_options(config),
+                                       sums if any(c is not None for c in sums) else None))
+        self._learn_segments(res.segments)
         empty: list[str] = []
-        for pos, (code, value) in enumerate(res.get("results", [])):
+        for pos, (code, reps) in enumerate(zip(res.codes, res.replicas, strict=True)):
             i = idx[pos]
-            if code != ErrorCode.OK:
+            if code:
                 out[i].code = self._code(code)
                 continue
-            out[i].replicas = self._replicas(value)
-            if not out[i].replicas:  # nothing to write to: give the reservation back
+            out[i].replicas = list(reps)
+            out[i].caps = res.caps
+            if not reps:  # nothing to write to: give the reservation back
                 out[i].code = ErrorCode.NO_AVAILABLE_HANDLE
-                empty.append(keys[i])
+                empty.append(put_keys[pos])
         self._revoke(empty)
         return out
 
@@ -1097,9 +1115,10 @@ class Client:
         StoreTimeout when the batch overruns ``timeout_s`` (default
         ``transfer_timeout_s``)."""
         self._check_open()
-        results: list[tuple[bool, str]] = [(True, "")] * len(writes)
+        results: list[tuple[bool, str]] = [_COPIED] * len(writes)
         jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
         owner: list[int] = []
+        caps = _CapsMerge()
         for w, wr in enumerate(writes):
             n = wr.nbytes()
             for r in wr.replicas:
@@ -1110,12 +1129,14 @@ class Client:
             else:
                 if n == 0:
                     continue
+                base = caps.base(wr.caps)
                 for r in wr.replicas:
-                    jobs.append((wr.buffer, _sub_replica(r, wr.offset, n), n))
+                    jobs.append((wr.buffer, _sub_replica(r, wr.offset, n, base), n))
                     owner.append(w)
         if not jobs:
             return results
-        copied = self._copy_batch(True, jobs, timeout_s or self.config.transfer_timeout_s)
+        copied = self._copy_batch(True, jobs, timeout_s or self.config.transfer_timeout_s,
+                                  caps.caps)
         for (_b, r, _n), w, (ok, err) in zip(jobs, owner, copied, strict=True):
             if not ok:
                 self._forget_segment(r.segment_id)
@@ -1128,9 +1149,8 @@ class Client:
         self._check_open()
         if not keys:
             return []
-        end = self._call(Op.BATCH_PUT_END, client_id=self.client_id, keys=list(keys))
-        codes = [self._code(code) for code, _v in end.get("results", [])]
-        return codes + [ErrorCode.INTERNAL_ERROR] * (len(keys) - len(codes))
+        end = self._call(BatchPutEnd(self.client_id, list(keys)))
+        return [self._code(code) for code in end.codes]
 
     def batch_put_abort(self, keys: Sequence[str]) -> None:
         """Give reserved keys back (BATCH_PUT_REVOKE); failures are logged."""
@@ -1147,7 +1167,7 @@ class Client:
             raise StoreError(f"{len(keys)} keys but {len(parts)} part lists",
                              ErrorCode.INVALID_PARAMS)
         sizes = [sum(buffer_nbytes(p) for p in ps) for ps in parts]
-        checksums: list[str | None] | None = None
+        checksums: list[Checksum] | None = None
         if self._checksum_algo is not None:
             checksums = [parts_checksum(self._checksum_algo, ps) for ps in parts]
         held = self.batch_put_reserve(keys, sizes, config, checksums)
@@ -1161,12 +1181,12 @@ class Client:
             for p in ps:
                 n = buffer_nbytes(p)
                 if n:
-                    writes.append(RangeWrite(p, rv.replicas, off, n))
+                    writes.append(RangeWrite(p, rv.replicas, off, n, rv.caps))
                     owner.append(i)
                 off += n
         reserved = [i for i, c in enumerate(codes) if c == ErrorCode.OK]
         try:
-            writes, owner = self._gather_inline(held, parts, writes, owner)
+            writes, owner = self._gather_parts(held, parts, writes, owner)
             done = self.write_ranges(writes)
         except BaseException:
             self.batch_put_abort([keys[i] for i in reserved])
@@ -1186,20 +1206,14 @@ class Client:
         inline = self._inline
         if inline is None:
             return None
-        desc = self._known.get(r.segment_id)
-        if not inline.eligible(desc, size):
+        region = inline.target(self._known.get(r.segment_id), size)
+        if region is None or r.offset < 0 or r.offset + size > region.size:
             return None
-        assert desc is not None
-        try:
-            region = inline.region(desc)
-        except Exception as exc:  # an unmappable segment: the engine handles it
-            log.debug("inline region of %s: %s", r.segment_id, exc)
-            return None
-        return region[r.offset:r.offset + size] if r.offset + size <= region.size else None
+        return region[r.offset:r.offset + size]
 
-    def _gather_inline(self, held: Sequence[Reservation], parts: Sequence[Sequence[Any]],
-                       writes: list[RangeWrite], owner: list[int]
-                       ) -> tuple[list[RangeWrite], list[int]]:
+    def _gather_parts(self, held: Sequence[Reservation], parts: Sequence[Sequence[Any]],
+                      writes: list[RangeWrite], owner: list[int]
+                      ) -> tuple[list[RangeWrite], list[int]]:
         """Small objects (< 4 MiB) made of several host parts become one copy
         per replica instead of one request per part: same-host shm replicas
         get ``np.concatenate`` straight into the segment; any other replica one
@@ -1221,7 +1235,7 @@ class Client:
                     np.concatenate(arrs, out=d)  # type: ignore[arg-type]
             if remote:
                 staged.append(RangeWrite(np.concatenate(arrs), remote, 0,  # type: ignore[arg-type]
-                                         rv.size))
+                                         rv.size, rv.caps))
                 staged_owner.append(i)
             handled.add(i)
         if not handled:
@@ -1239,27 +1253,30 @@ class Client:
         out = [Location(ErrorCode.INTERNAL_ERROR) for _ in keys]
         valid: list[int] = []
         for i, key in enumerate(keys):
-            try:
-                self._valid_key(key)
+            if type(key) is str and key and len(key) <= MAX_KEY_LENGTH:
                 valid.append(i)
-            except StoreError:
+            else:
                 out[i] = Location(ErrorCode.INVALID_KEY)
         if not valid:
             return out
         t0 = time.monotonic()  # the lease starts no earlier than our request
-        res = self._call(Op.BATCH_GET_REPLICA_LIST, keys=[keys[i] for i in valid])
-        self._learn_segments(res.get("segments"))
-        default_ttl = res.get("lease_ttl_ms")
-        for i, (code, value) in zip(valid, res.get("results", []), strict=False):
-            if code != ErrorCode.OK:
+        res = self._call(BatchGetReplicaList([keys[i] for i in valid]))
+        self._learn_segments(res.segments)
+        ttl_ms = res.lease_ttl_ms
+        deadline = t0 + ttl_ms / 1000.0 if ttl_ms else float("inf")
+        for pos, i in enumerate(valid):
+            code = res.codes[pos]
+            if code:
                 out[i] = Location(self._code(code))
                 continue
-            plan = self._plan(value, t0, default_ttl)
-            if not plan.replicas:
+            reps = self._nearest_first(res.replicas[pos])
+            if not reps:
                 out[i] = Location(ErrorCode.OBJECT_NOT_FOUND)
                 continue
-            out[i] = Location(ErrorCode.OK, plan.size, plan.checksum, plan.deadline,
-                              plan.replicas)
+            checksum = res.checksums[pos] if res.checksums else None
+            out[i] = Location(ErrorCode.OK, res.sizes[pos],
+                              checksum if isinstance(checksum, str) else None, deadline, reps,
+                              res.caps)
         return out
 
     def read_ranges(self, reads: Sequence[RangeRead]) -> list[int]:
@@ -1289,6 +1306,7 @@ class Client:
             now = time.monotonic()
             jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
             owners: list[int] = []
+            caps = _CapsMerge()
             for j in pending:
                 rd = reads[j]
                 if rd.location.deadline <= now:
@@ -1297,7 +1315,8 @@ class Client:
                     results[j] = int(ErrorCode.TRANSFER_FAIL)
                 else:
                     r = rd.location.replicas[attempt]
-                    jobs.append((rd.buffer, _sub_replica(r, rd.src_offset, rd.length),
+                    jobs.append((rd.buffer, _sub_replica(r, rd.src_offset, rd.length,
+                                                         caps.base(rd.location.caps)),
                                  rd.length))
                     owners.append(j)
             if not jobs:
@@ -1305,7 +1324,7 @@ class Client:
             lease_left = min(reads[j].location.deadline for j in owners) - now
             left = max(len(reads[j].location.replicas) - attempt for j in owners)
             timeout = max(0.001, min(self.config.transfer_timeout_s, lease_left / left))
-            copied = self._copy_batch(False, jobs, timeout)
+            copied = self._copy_batch(False, jobs, timeout, caps.caps)
             pending = []
             end = time.monotonic()
             for (_b, r, n), j, (ok, _err) in zip(jobs, owners, copied, strict=True):
@@ -1409,16 +1428,13 @@ class Client:
         OBJECT_HAS_LEASE (leased, unless ``force``) or INVALID_KEY."""
         self._check_open()
         codes = [ErrorCode.OK] * len(keys)
-        valid: list[int] = []
-        for i, key in enumerate(keys):
-            try:
-                self._valid_key(key)
-                valid.append(i)
-            except StoreError:
-                codes[i] = ErrorCode.INVALID_KEY
+        valid = [i for i, k in enumerate(keys)
+                 if type(k) is str and k and len(k) <= MAX_KEY_LENGTH]
+        for i in set(range(len(keys))) - set(valid):
+            codes[i] = ErrorCode.INVALID_KEY
         if valid:
-            res = self._call(Op.BATCH_REMOVE, keys=[keys[i] for i in valid], force=bool(force))
-            for i, (code, _v) in zip(valid, res.get("results", []), strict=False):
+            res = self._call(BatchRemove([keys[i] for i in valid], bool(force)))
+            for i, code in zip(valid, res.codes, strict=True):
                 codes[i] = self._code(code)
         return codes
 
@@ -1429,7 +1445,45 @@ class Client:
         return own if own is not None else self._known.get(segment_id)
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaLocation:
+    """One complete replica as a reader sees it: segment, object size, the
+    segment's host and kind (memory or file), and whether it is on this host
+    (read through shared memory or the file) or another (over the network)."""
+
+    segment_id: str
+    size: int
+    host_id: str
+    kind: SegmentKind
+    same_host: bool
+
+
 _GATHER_MAX = 4 << 20  # objects below this gather/scatter their parts in one pass
+
+
+class _CapsMerge:
+    """One capability list for a transfer batch built from several replies:
+    each reply's tokens are appended once; ``base(caps)`` is where they start."""
+
+    def __init__(self) -> None:
+        self.caps: list[bytes] = []
+        self._at: dict[int, int] = {}
+
+    def base(self, caps: list[bytes]) -> int:
+        at = self._at.get(id(caps))
+        if at is None:
+            at = self._at[id(caps)] = len(self.caps)
+            self.caps.extend(caps)
+        return at
+
+
+def _sub_replica(r: ReplicaDescriptor, offset: int, length: int, cap_base: int
+                 ) -> ReplicaDescriptor:
+    """``length`` bytes at ``offset`` inside replica ``r`` (the same capability
+    token, re-indexed into the batch's merged caps: a transfer server accepts
+    any range inside the granted one)."""
+    return ReplicaDescriptor(r.segment_id, r.offset + offset, length, r.status,
+                             r.cap + cap_base if r.cap >= 0 else -1)
 
 
 def _scatter(src: np.ndarray, parts: Sequence[Any]) -> None:
@@ -1454,31 +1508,28 @@ def _flat_u8(buf: Any) -> np.ndarray | None:
     return host_array(buf)
 
 
-def _sub_replica(r: ReplicaDescriptor, offset: int, length: int) -> ReplicaDescriptor:
-    """``length`` bytes at ``offset`` inside replica ``r`` (same capability: a
-    transfer server accepts any range inside the granted one)."""
-    return ReplicaDescriptor(r.segment_id, r.offset + offset, length, r.status, r.capability)
-
-
 @dataclass(slots=True)
 class Reservation:
     """One key of :meth:`Client.batch_put_reserve`: ``code`` OK with the
-    ``replicas`` to write ``size`` bytes into, or why not."""
+    ``replicas`` to write ``size`` bytes into and the capability tokens
+    (``caps``) they point at, or why not."""
 
     code: ErrorCode
     size: int
     replicas: list[ReplicaDescriptor]
+    caps: list[bytes]
 
 
 @dataclass(slots=True)
 class RangeWrite:
     """Write ``length`` bytes of ``buffer`` (None: all of it) at ``offset`` of
-    every replica of a reserved object."""
+    every replica of a reserved object (``caps``: its reservation's tokens)."""
 
     buffer: Any
     replicas: list[ReplicaDescriptor]
     offset: int = 0
     length: int | None = None
+    caps: list[bytes] = field(default_factory=list)
 
     def nbytes(self) -> int:
         return buffer_nbytes(self.buffer) if self.length is None else self.length
@@ -1487,14 +1538,15 @@ class RangeWrite:
 @dataclass(slots=True)
 class Location:
     """A located object (:meth:`Client.batch_locate`): ``code`` OK with its
-    size, checksum, read-lease deadline (monotonic) and complete replicas
-    nearest first, or why not."""
+    size, checksum, read-lease deadline (monotonic), complete replicas nearest
+    first and the capability tokens they point at, or why not."""
 
     code: ErrorCode
     size: int = 0
     checksum: str | None = None
     deadline: float = 0.0
     replicas: list[ReplicaDescriptor] = field(default_factory=list)
+    caps: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)

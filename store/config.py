@@ -74,6 +74,9 @@ class ClientConfig:
     rpc_timeout_s: float = 5.0  # every master RPC
     transfer_timeout_s: float = 30.0  # every transfer batch (also capped by the read lease)
     ping_interval_s: float = 1.0  # liveness ping; re-mounts when the master asks
+    # segment owners: a guard process heartbeats while this process is stalled
+    # and frees its segments when it dies (kvpool.store.guard)
+    guard: bool = True
     checksum: str = "none"  # none | crc32 | xxhash | auto (xxhash if installed, else crc32)
     verify_checksum: bool = True  # verify a recorded checksum on every get (host buffers)
     inline_shm: bool = True  # same-host shm copies inline, without the engine's thread hop

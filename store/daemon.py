@@ -3,7 +3,10 @@ pool and serves transfers until SIGTERM/SIGINT, then unmounts cleanly.
 
 Same-host processes (e.g. vLLM workers running pure clients) read and write
 its segment directly through shared memory; remote ones through its
-transfer server.
+transfer server. Every ``janitor_interval_s`` it also removes the shared
+memory of kvpool processes on this host that died with their guard (kill -9
+of both, an OOM kill) and unmounts it at the master
+(:meth:`kvpool.store.segment_host.SegmentHost.reap_orphans`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,8 @@ __all__ = ["run_daemon"]
 
 log = logging.getLogger(__name__)
 
+_JANITOR_INTERVAL_S = 2.0  # a listdir of /dev/shm and one flock per kvpool file
+
 
 def _write_ready(path: str, info: dict[str, Any]) -> None:
     """Write ``info`` as JSON atomically (temp file + rename) so readers never see half."""
@@ -32,7 +38,8 @@ def _write_ready(path: str, info: dict[str, Any]) -> None:
 
 
 def run_daemon(config: ClientConfig, ready_file: str | None = None,
-               stop: threading.Event | None = None) -> int:
+               stop: threading.Event | None = None,
+               janitor_interval_s: float = _JANITOR_INTERVAL_S) -> int:
     """Run a contributing client until ``stop`` is set or SIGTERM/SIGINT arrives.
 
     Returns the exit code (0 after a clean unmount). ``ready_file`` receives
@@ -58,12 +65,16 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
             "endpoint": client.endpoint,
             "master": config.master_address,
             "memory_size": config.memory_size,
+            "guard_pid": client.segment_host.guard.pid if client.segment_host.guard else None,
         }
         log.info("node daemon ready: %s", info)
         if ready_file:
             _write_ready(ready_file, info)
-        while not stop.wait(0.5):
-            pass
+        next_janitor = time.monotonic() + janitor_interval_s
+        while not stop.wait(min(0.5, janitor_interval_s)):
+            if time.monotonic() >= next_janitor:
+                next_janitor = time.monotonic() + janitor_interval_s
+                client.segment_host.reap_orphans()
         log.info("node daemon stopping: unmounting %s", client.segment_ids)
     finally:
         if http is not None:

@@ -25,6 +25,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--disk-dir", default=None, help="directory for the SSD tier")
     p.add_argument("--disk", default=None, help="SSD tier size, e.g. 200GiB")
     p.add_argument("--no-prefault", action="store_true", help="do not pre-fault the segment")
+    p.add_argument("--no-guard", action="store_true",
+                   help="no guard process (it heartbeats while this process is stalled and "
+                   "frees its shared memory if it dies)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus /metrics on 127.0.0.1:PORT (capability refusals; 0 = off)")
     p.add_argument("--config", default=None, help="client YAML (configs/client.yaml)")
@@ -50,6 +53,7 @@ def _main(args: argparse.Namespace) -> int:
         "disk_dir": args.disk_dir,
         "disk_size": parse_size(args.disk) if args.disk is not None else None,
         "prefault": False if args.no_prefault else None,
+        "guard": False if args.no_guard else None,
         "metrics_port": args.metrics_port,
     }
     from kvpool.core.auth import curve_config_from_args

@@ -9,7 +9,7 @@ transfer-engine WRITE of the source range into the destination replica
 here, ``tcp`` for another host), straight from the shared-memory segment's
 mapping (no copy) or, for a file source, from one bounce buffer. A
 destination owned by this process is written in place. Each task is reported
-with ``TIER_TASK_DONE {client_id, task_id, ok, error}``.
+with ``TIER_TASK_DONE``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import Op, SegmentDescriptor
+from kvpool.core.protocol import SegmentDescriptor, TierTaskDone
+from kvpool.core.protocol import TierTask as WireTask
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
 
 __all__ = ["TierTask", "TierTaskRunner"]
@@ -50,7 +51,14 @@ class TierTask:
     received: float = 0.0  # monotonic time this node got it
 
     @classmethod
+    def from_reply(cls, w: WireTask, caps: list[bytes]) -> TierTask:
+        """A task of a PING reply (``caps``: the reply's capability tokens)."""
+        return cls(w.id, w.kind, w.key, w.size, w.src_id, w.src_off, w.dst_id, w.dst_off,
+                   caps[w.cap] if 0 <= w.cap < len(caps) else b"", w.ttl_ms, time.monotonic())
+
+    @classmethod
     def from_wire(cls, w: dict[str, Any]) -> TierTask:
+        """A task from its map form (``master.tiering.CopyTask.to_wire`` plus ``cap``)."""
         try:
             return cls(int(w["id"]), int(w["kind"]), str(w["key"]), int(w["size"]),
                        str(w["src"][0]), int(w["src"][1]), str(w["dst"][0]), int(w["dst"][1]),
@@ -81,20 +89,32 @@ class TierTaskRunner:
         self.learn = learn_segment or engine.add_peer_segment
         self.timeout_s = transfer_timeout_s
         self.on_drained = on_drained
-        self._q: queue.Queue[tuple[TierTask, dict[str, Any]] | None] = queue.Queue()
+        self._q: queue.Queue[tuple[TierTask, dict[str, SegmentDescriptor]] | None] = \
+            queue.Queue()
         self.done = 0
         self.failed = 0
         self._thread = threading.Thread(target=self._run, name=f"kvpool-tier-{client_id[:6]}",
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, tasks: list[Any], segments: dict[str, Any] | None = None) -> int:
-        """Queue the tasks of one PING reply; returns how many were accepted."""
+    def submit(self, tasks: list[WireTask] | list[dict[str, Any]],
+               segments: dict[str, SegmentDescriptor] | dict[str, Any] | None = None,
+               caps: list[bytes] | None = None) -> int:
+        """Queue the tasks of one PING reply (typed, with the reply's ``caps``;
+        or in map form); returns how many were accepted."""
         n = 0
-        segs = dict(segments or {})
+        segs: dict[str, SegmentDescriptor] = {}
+        try:
+            for sid, d in (segments or {}).items():
+                segs[sid] = d if isinstance(d, SegmentDescriptor) \
+                    else SegmentDescriptor.from_wire(d)
+        except KVPoolError as exc:
+            log.warning("ignoring tier task segments: %s", exc)
         for w in tasks or ():
             try:
-                self._q.put((TierTask.from_wire(w), segs))
+                task = TierTask.from_reply(w, caps or []) if isinstance(w, WireTask) \
+                    else TierTask.from_wire(w)
+                self._q.put((task, segs))
                 n += 1
             except KVPoolError as exc:
                 log.warning("ignoring tier task: %s", exc)
@@ -127,7 +147,7 @@ class TierTaskRunner:
             if self._q.empty() and self.on_drained is not None:
                 self.on_drained()  # the master may have more for us: ask now
 
-    def _execute(self, t: TierTask, segs: dict[str, Any], timeout: float) -> None:
+    def _execute(self, t: TierTask, segs: dict[str, SegmentDescriptor], timeout: float) -> None:
         engine = self.engine
         src = engine.local_segment(t.src_id)
         if src is None:
@@ -143,9 +163,9 @@ class TierTaskRunner:
         if dst_local is not None:
             dst_local.write_from(t.dst_off, data)  # in place, no transport needed
             return
-        wire = segs.get(t.dst_id)
-        if wire is not None:
-            self.learn(SegmentDescriptor.from_wire(wire))
+        desc = segs.get(t.dst_id)
+        if desc is not None:
+            self.learn(desc)
         from kvpool.transfer import TransferOp, TransferRequest
 
         st = engine.transfer([TransferRequest(TransferOp.WRITE, data, t.dst_id, t.dst_off,
@@ -160,9 +180,8 @@ class TierTaskRunner:
         else:
             self.failed += 1
         try:
-            self.master.call(Op["TIER_TASK_DONE"], client_id=self.client_id, task_id=t.id, ok=ok,
-                             error=err[:500])
-        except (MasterRPCError, KeyError) as exc:
+            self.master.call(TierTaskDone(self.client_id, t.id, ok, err[:500]))
+        except MasterRPCError as exc:
             # the master times the task out and frees its allocation itself
             log.debug("reporting tier task %d failed: %s", t.id, exc)
 

@@ -6,15 +6,27 @@ and write. Offsets given to its methods are relative to the *usable region*
 implementations add ``base_offset`` themselves. :class:`MemorySegment` is a
 POSIX shared-memory region in ``/dev/shm`` named ``kvpool-...`` (mode 0600)
 that same-host peers map directly (the ``shm`` transport). File segments
-(issue 5) subclass :class:`LocalSegment` with ``kind = SegmentKind.FILE``.
+subclass :class:`LocalSegment` with ``kind = SegmentKind.FILE``.
+
+Ownership is visible on the host: the owner holds an exclusive ``flock`` on
+its ``/dev/shm/kvpool-*.seg`` file for the segment's lifetime (taken before
+the name exists: the file is created unnamed, with O_TMPFILE, locked, sized,
+then linked). The kernel drops the lock when the owner dies however it dies,
+so :func:`reap_orphaned_shm` (run by every segment-owning process at setup
+and periodically by the node daemon) removes exactly the files whose owner
+is gone: ``LOCK_EX | LOCK_NB`` succeeding proves it. Files without the
+``.seg`` suffix (older versions, no lock) are never touched.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
+import stat
 import threading
 import uuid
 from abc import ABC, abstractmethod
@@ -26,12 +38,21 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.types import TransferError, TransferOp
 
-__all__ = ["SHM_DIR", "SHM_PREFIX", "LocalSegment", "MemorySegment", "map_shm"]
+__all__ = [
+    "SHM_DIR",
+    "SHM_OWNED_SUFFIX",
+    "SHM_PREFIX",
+    "LocalSegment",
+    "MemorySegment",
+    "map_shm",
+    "reap_orphaned_shm",
+]
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "kvpool-"
+SHM_OWNED_SUFFIX = ".seg"  # files whose owner holds an flock on them while it lives
 _PREFAULT_CHUNK = 64 << 20
 
 
@@ -131,21 +152,104 @@ def map_shm(name: str, length: int, *, populate: bool = True) -> mmap.mmap:
         os.close(fd)
 
 
+def _open_locked(path: str) -> tuple[int, bool]:
+    """A new 0600 file for ``path``, already flock'ed by us: ``(fd, linked)``.
+
+    Normally created unnamed (O_TMPFILE) so nobody can see it unlocked;
+    ``linked`` False means the caller links it with :func:`_link_tmpfile`
+    once it is ready. Where O_TMPFILE is unsupported the file is created
+    under its name and locked right away (``linked`` True).
+    """
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            fd = os.open(os.path.dirname(path), tmpfile | os.O_RDWR, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+        else:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd, False
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd, True
+
+
+def _link_tmpfile(fd: int, path: str) -> None:
+    """Give the unnamed file ``fd`` the name ``path`` (linkat through /proc,
+    which needs no privilege)."""
+    proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.link(str(fd), path, src_dir_fd=proc, follow_symlinks=True)
+    finally:
+        os.close(proc)
+
+
+def reap_orphaned_shm(directory: str = SHM_DIR) -> list[str]:
+    """Remove the ``kvpool-*.seg`` files in ``directory`` whose owner is dead.
+
+    A file is an orphan when its owner's lock is gone (``LOCK_EX | LOCK_NB``
+    succeeds): the owner process exited (kill -9 included) without
+    unlinking it. Only files of this user are considered; a file whose owner
+    lives is never touched. Returns the names removed. Cheap: one open and
+    one flock per file.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    uid = os.geteuid()
+    for name in names:
+        if not (name.startswith(SHM_PREFIX) and name.endswith(SHM_OWNED_SUFFIX)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its owner holds the lock: alive
+            try:
+                if os.stat(path).st_ino != st.st_ino:
+                    continue  # the name now names another file
+                os.unlink(path)
+            except FileNotFoundError:
+                continue  # the owner (or another janitor) removed it first
+            removed.append(name)
+            log.warning("removed orphaned shared memory %s (%d bytes): its owner is gone",
+                        name, st.st_size)
+        except OSError as exc:
+            log.debug("janitor: %s: %s", name, exc)
+        finally:
+            os.close(fd)
+    return removed
+
+
 class MemorySegment(LocalSegment):
     """A POSIX shared-memory segment owned by this process.
 
-    Create with :meth:`create`; ``close()`` unmaps and unlinks it. Fresh shm is
-    slow to touch on these machines (first-touch page faults), so ``create``
-    pre-faults it by default (allocates every page and builds page tables).
+    Create with :meth:`create`; ``close()`` unmaps and unlinks it and drops
+    the owner lock (module docstring). Fresh shm is slow to touch on these
+    machines (first-touch page faults), so ``create`` pre-faults it by
+    default (allocates every page and builds page tables).
     """
 
     kind = SegmentKind.MEMORY
 
-    def __init__(self, segment_id: str, name: str, size: int, mm: mmap.mmap) -> None:
+    def __init__(self, segment_id: str, name: str, size: int, mm: mmap.mmap,
+                 lock_fd: int = -1) -> None:
         self.segment_id = segment_id
         self.name = name
         self.size = size
         self.base_offset = 0
+        self._lock_fd = lock_fd  # flock'ed while we own the segment (-1: none)
         self._mmap: mmap.mmap | None = mm
         self._array = np.frombuffer(mm, dtype=np.uint8, count=size)
         self._lock = threading.Lock()
@@ -173,8 +277,9 @@ class MemorySegment(LocalSegment):
             raise TransferError(f"segment size must be > 0: {size}", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", segment_id)[:64]
-        name = f"{SHM_PREFIX}{safe}-{uuid.uuid4().hex[:12]}"
-        fd = os.open(_shm_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        name = f"{SHM_PREFIX}{safe}-{uuid.uuid4().hex[:12]}{SHM_OWNED_SUFFIX}"
+        path = _shm_path(name)
+        fd, linked = _open_locked(path)
         try:
             os.ftruncate(fd, size)
             if prefault:
@@ -182,21 +287,24 @@ class MemorySegment(LocalSegment):
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as exc:
-                    os.unlink(_shm_path(name))
                     raise TransferError(
                         f"cannot allocate {size} bytes of shm: {exc}",
                         ErrorCode.NO_AVAILABLE_HANDLE, retryable=False,
                     ) from exc
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
             mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if not linked:
+                _link_tmpfile(fd, path)
         except BaseException:
-            if os.path.exists(_shm_path(name)):
-                os.unlink(_shm_path(name))
-            raise
-        finally:
+            if linked:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
             os.close(fd)
+            raise
         log.debug("created shm segment %s (%s, %d bytes)", segment_id, name, size)
-        seg = cls(segment_id, name, size, mm)
+        seg = cls(segment_id, name, size, mm, lock_fd=fd)
         if background:
             seg.prefault_done.clear()
             threading.Thread(target=seg._prefault_background, name=f"kvpool-prefault-{safe}",
@@ -289,6 +397,10 @@ class MemorySegment(LocalSegment):
                 os.unlink(_shm_path(self.name))
             except FileNotFoundError:
                 pass
+            # after the unlink: a janitor never finds our file unlocked
+            fd, self._lock_fd = self._lock_fd, -1
+            if fd >= 0:
+                os.close(fd)
 
     def __del__(self) -> None:
         if getattr(self, "_mmap", None) is not None:

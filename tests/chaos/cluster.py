@@ -9,7 +9,7 @@ addresses are used.
 Commands started (the contract this harness assumes; see docs/INTERFACES.md):
 
 - ``kvpool master --host ADDR --port P --metrics-port 0 --data-dir D
-  --client-ttl-s T --lease-ttl-ms L --curve off``
+  --client-ttl-s T --client-grace-s G --lease-ttl-ms L --curve off``
 - ``kvpool client --master ADDR:P --memory 64MiB --host-id nodeN
   --bind-host ADDR --ready-file F --curve off``
 
@@ -115,11 +115,13 @@ class ChaosCluster:
     """Master + ``nodes`` daemons + ``workloads`` agents, each in its own namespace."""
 
     def __init__(self, workdir: Path, nodes: int = 3, workloads: int = 2,
-                 client_ttl_s: float = 3.0, lease_ttl_ms: int = 10000,
+                 client_ttl_s: float = 3.0, client_grace_s: float = 4.0,
+                 lease_ttl_ms: int = 10000,
                  node_memory: str = "64MiB", rpc_timeout_s: float = 2.0,
                  transfer_timeout_s: float = 4.0) -> None:
         self.workdir = workdir
         self.client_ttl_s = client_ttl_s
+        self.client_grace_s = client_grace_s
         self.lease_ttl_ms = lease_ttl_ms
         self.node_memory = node_memory
         self.rpc_timeout_s = rpc_timeout_s
@@ -185,6 +187,8 @@ class ChaosCluster:
                "--port", str(MASTER_PORT), "--metrics-port", "0", "--data-dir",
                str(self.data_dir), "--client-ttl-s", str(self.client_ttl_s),
                "--lease-ttl-ms", str(self.lease_ttl_ms), *self._curve_off(self._master_flags)]
+        if "--client-grace-s" in self._master_flags:
+            cmd += ["--client-grace-s", str(self.client_grace_s)]
         self.master_proc = host.popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         # probe from another namespace: also checks the bridge path
         probe = self.topo.host(self.wl_names[0] if self.wl_names else "master")
@@ -227,11 +231,15 @@ class ChaosCluster:
         return str(self.node_info[node]["segment_ids"][0])
 
     def kill_node(self, name: str) -> None:
-        """kill -9 a node daemon; unlink its shm files (a dead process cannot)."""
+        """kill -9 a node daemon's process group. Its guard process (its own
+        session) survives, frees its shared memory and unmounts it; close()
+        removes whatever is left."""
         self.topo.kill(self.node_procs[name])
-        for shm in self.node_info[name].get("shm_names", []):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join("/dev/shm", shm))
+
+    def shm_files(self, name: str) -> list[str]:
+        """The node daemon's /dev/shm files that still exist."""
+        return [n for n in self.node_info[name].get("shm_names", [])
+                if os.path.exists(os.path.join("/dev/shm", n))]
 
     def _start_agent(self, name: str) -> Agent:
         host = self.topo.host(name)

@@ -4,7 +4,7 @@
 opens a :class:`kvpool.store.Client` (a pure client: no memory of its own)
 and answers JSON commands, one per stdin line, with one JSON line on stdout:
 
-- ``{"cmd": "segments"}`` -> ``{"segments": [{segment_id, host_id, ...}]}``
+- ``{"cmd": "segments"}`` -> ``{"segments": [{segment_id, host_id, state, ...}]}``
 - ``{"cmd": "put", "keys": [...], "replica_num": 1, "preferred": []}``
   -> ``{"codes": {key: code}}`` (0 = stored)
 - ``{"cmd": "get", "keys": [...], "seconds": 0}`` -> ``{"gets": [[key, code,
@@ -102,9 +102,12 @@ class Agent:
         cmd = msg.get("cmd")
         if cmd == "segments":
             segs = self.client.list_segments()
-            return {"segments": [{k: s.get(k) for k in ("segment_id", "host_id", "endpoint",
-                                                          "client_id", "used", "capacity")}
-                                 for s in segs]}
+            return {"segments": [{"segment_id": s.descriptor.segment_id,
+                                  "host_id": s.descriptor.host_id,
+                                  "endpoint": s.descriptor.endpoint,
+                                  "client_id": s.descriptor.client_id,
+                                  "used": s.used, "capacity": s.capacity,
+                                  "state": s.state} for s in segs]}
         if cmd == "put":
             from kvpool.store import ReplicateConfig
 
@@ -181,14 +184,14 @@ def agent_main(args: argparse.Namespace) -> int:
 
 
 def probe_main(address: str, timeout_s: float) -> int:
-    from kvpool.core.protocol import Op
+    from kvpool.core.protocol import Ping
     from kvpool.core.rpc_client import MasterClient, MasterRPCError
 
     deadline = time.monotonic() + timeout_s
     with MasterClient(address, timeout_s=0.5) as mc:
         while time.monotonic() < deadline:
             try:
-                mc.call(Op.PING, client_id="chaos-probe")
+                mc.call(Ping(client_id="chaos-probe"))
                 return 0
             except MasterRPCError:
                 time.sleep(0.1)

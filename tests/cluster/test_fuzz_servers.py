@@ -18,7 +18,7 @@ import zmq
 
 from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import Op, decode_frame
+from kvpool.core.protocol import OPS, GetSize, Op, decode_frame, decode_reply, encode_request
 from kvpool.store import Client, ClientConfig
 
 N_FRAMES = 10_500
@@ -80,8 +80,18 @@ def _common_garbage(rng: random.Random, valid: bytes) -> list[bytes] | None:
     return None
 
 
+def _master_code(frame: bytes) -> int:
+    return decode_reply(frame).code  # a well-formed reply envelope
+
+
+def _xfer_code(frame: bytes) -> int:
+    rep = decode_frame(frame)
+    assert isinstance(rep, dict), rep
+    return int(rep.get("code"))  # type: ignore[arg-type]
+
+
 def _blast(endpoint: str, make: Callable[[random.Random, int], list[bytes]], n: int,
-           window: int = 32) -> dict[int, int]:
+           code_of: Callable[[bytes], int], window: int = 32) -> dict[int, int]:
     """Send ``n`` fuzz messages keeping ``window`` in flight; every one must
     get a reply with a known error code. Returns code -> count."""
     rng = random.Random(SEED)
@@ -98,9 +108,9 @@ def _blast(endpoint: str, make: Callable[[random.Random, int], list[bytes]], n: 
                 sent += 1
             assert s.poll(10_000), f"no reply after {got} of {n} fuzz frames"
             frames = s.recv_multipart()
-            rep = decode_frame(frames[0])
-            assert isinstance(rep, dict) and rep.get("code") in KNOWN_CODES, rep
-            codes[rep["code"]] = codes.get(rep["code"], 0) + 1
+            code = code_of(frames[0])
+            assert code in KNOWN_CODES, code
+            codes[code] = codes.get(code, 0) + 1
             got += 1
     finally:
         s.close(0)
@@ -153,20 +163,32 @@ def test_fuzz_master_and_transfer_server(
     ops = [int(o) for o in Op if o != Op.REMOVE_ALL]  # keep the stored objects reachable
 
     def master_frame(rng: random.Random, i: int) -> list[bytes]:
-        valid = msgpack.packb({"op": int(Op.EXIST), "id": i, "args": {"key": "intact-0"}})
+        from kvpool.core.protocol import Exist
+
+        valid = encode_request(i, Exist("intact-0"))
         g = _common_garbage(rng, valid)
         if g is not None:
             return g
         r = rng.random()
         if r < 0.02:
             return [b"\x00" * (1_048_576 + rng.randint(1, 4096))]  # FRAME_TOO_LARGE
-        msg: dict[Any, Any] = {"op": rng.choice(ops) if r < 0.85 else _rand_value(rng),
-                               "id": i if rng.random() < 0.9 else _rand_value(rng),
-                               "args": _rand_value(rng) if rng.random() < 0.3
-                               else _rand_args(rng)}
-        if isinstance(msg["args"], dict) and rng.random() < 0.5:
-            msg["args"]["client_id"] = rng.choice(["c", "", 5, None])
-        return [msgpack.packb(msg, use_bin_type=True)]
+        op = rng.choice(ops) if r < 0.85 else _rand_value(rng)
+        rid = i if rng.random() < 0.9 else _rand_value(rng)
+        named = _rand_args(rng)
+        spec = OPS.get(op) if type(op) is int else None  # type: ignore[call-overload]
+        if rng.random() < 0.3:
+            args: Any = _rand_value(rng)
+        elif spec is not None:  # the op's fields in wire order, values of random types
+            if rng.random() < 0.5:
+                named["client_id"] = rng.choice(["c", "", 5, None])
+            args = [named.get(f, _rand_value(rng, 1)) for f in spec.request.__struct_fields__]
+            if rng.random() < 0.1:  # too few fields
+                del args[rng.randint(0, len(args)):]
+        else:
+            args = list(named.values())
+        if rng.random() < 0.05:  # the old map form
+            return [msgpack.packb({"op": op, "id": rid, "args": named}, use_bin_type=True)]
+        return [msgpack.packb([op, rid, args], use_bin_type=True)]
 
     seg = d.segment_ids[0]
 
@@ -197,12 +219,13 @@ def test_fuzz_master_and_transfer_server(
             frames.append(b"\xee" * max(0, min(n if rng.random() < 0.7 else n + 3, 1 << 16)))
         return frames
 
-    mcodes = _blast(f"tcp://{m.address}", master_frame, N_FRAMES)
-    xcodes = _blast(d.info["endpoint"], xfer_frame, N_FRAMES)
+    mcodes = _blast(f"tcp://{m.address}", master_frame, N_FRAMES, _master_code)
+    xcodes = _blast(d.info["endpoint"], xfer_frame, N_FRAMES, _xfer_code)
     _huge(f"tcp://{m.address}", 3 << 20)
     _huge(d.info["endpoint"], 3 << 20)
     # the fuzzing exercised the typed refusals, not just one of them
-    for c in (ErrorCode.MALFORMED_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.UNKNOWN_OP):
+    for c in (ErrorCode.MALFORMED_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.UNKNOWN_OP,
+              ErrorCode.INVALID_PARAMS, ErrorCode.INVALID_KEY):
         assert mcodes.get(int(c), 0) > 0, (c, mcodes)
     assert mcodes.get(int(ErrorCode.INTERNAL_ERROR), 0) == 0, mcodes  # no handler crashed
     for c in (ErrorCode.MALFORMED_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.UNKNOWN_OP,
@@ -212,5 +235,5 @@ def test_fuzz_master_and_transfer_server(
     assert sum(mcodes.values()) == N_FRAMES and sum(xcodes.values()) == N_FRAMES
     assert m.running and d.running
     with m.client() as mc:
-        assert mc.call(Op.GET_SIZE, key="intact-3")["size"] == len(data["intact-3"])
+        assert mc.call(GetSize(key="intact-3")).size == len(data["intact-3"])
     _check_intact(m, data)

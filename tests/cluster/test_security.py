@@ -20,7 +20,7 @@ from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess, find_free
 from kvpool.core.auth import CurveConfig, save_keypair
 from kvpool.core.capability import DenyReason
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import Op, SegmentDescriptor, decode_frame, encode_frame
+from kvpool.core.protocol import GetReplicaList, GetSegments, decode_frame, encode_frame
 from kvpool.store import Client, ClientConfig, ReplicateConfig
 from kvpool.transfer import TransferEngine, TransferOp, TransferRequest, load_transfer_config
 
@@ -84,9 +84,12 @@ def cluster(tmp_path: Path) -> Iterator[tuple[MasterProcess, list[NodeDaemonProc
                 d.stop()
 
 
-def _replica(m: MasterProcess, key: str) -> list[Any]:
+def _replica(m: MasterProcess, key: str) -> tuple[str, int, int, int, bytes]:
+    """(segment, offset, length, status, READ token) of the key's first replica."""
     with m.client() as mc:
-        return list(mc.call(Op.GET_REPLICA_LIST, key=key)["replicas"][0])
+        g = mc.call(GetReplicaList(key=key))
+    r = g.replicas[0]
+    return r.segment_id, r.offset, r.length, int(r.status), g.caps[r.cap]
 
 
 def test_transfer_server_refuses_bad_capabilities(
@@ -151,10 +154,10 @@ def test_engine_without_capability_cannot_read_or_write(
         c.put("k", b"v" * 4096, ReplicateConfig(preferred_segments=[seg_a]))
         off = _replica(m, "k")[1]
         with m.client() as mc:
-            wire = mc.call(Op.GET_SEGMENTS, segment_ids=[seg_a])["segments"][seg_a]
+            desc = mc.call(GetSegments(segment_ids=[seg_a])).segments[seg_a]
         eng = TransferEngine(load_transfer_config(), host_id="intruder")
         try:
-            eng.add_peer_segment(SegmentDescriptor.from_wire(wire))
+            eng.add_peer_segment(desc)
             buf = bytearray(4096)
             for op, b in ((TransferOp.READ, buf), (TransferOp.WRITE, b"X" * 4096)):
                 st = eng.transfer([TransferRequest(op, b, seg_a, off, 4096)], timeout=10)

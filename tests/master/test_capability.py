@@ -1,4 +1,5 @@
-"""Capabilities: forged, expired, widened, other-segment, wrong-op, garbage tokens refused."""
+"""Capabilities: forged, expired, widened, other-segment, wrong-op, garbage tokens refused;
+one token covers exactly the ranges of a batch, and a verifier checks a token's MAC once."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.core.capability import (
+    MAX_RANGES,
     TAG_LENGTH,
     TOKEN_VERSION,
     CapabilityError,
@@ -28,11 +30,12 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 
 SEG = "node1:40001"
 NOW = 1_800_000_000_000
+HDR = struct.Struct(">BBHIQQ")  # version, op, segment id length, ranges, expiry, nonce
 
 
 def _token(key: bytes, seg: str = SEG, off: int = 4096, length: int = 1024,
            op: CapOp = CapOp.READ, expiry: int = NOW + 10_000) -> bytes:
-    return sign(Cap(seg, off, length, op, expiry), key)
+    return sign(Cap.single(seg, off, length, op, expiry), key)
 
 
 def _denied(reason: DenyReason, *args: object, **kw: object) -> CapabilityError:
@@ -48,7 +51,7 @@ def test_valid_token_allows_exact_and_inner_ranges() -> None:
     key = new_segment_key()
     tok = _token(key)
     cap = verify(tok, key, SEG, 4096, 1024, CapOp.READ, now_ms=NOW)
-    assert (cap.segment_id, cap.offset, cap.length, cap.op) == (SEG, 4096, 1024, CapOp.READ)
+    assert (cap.segment_id, cap.ranges, cap.op) == (SEG, ((4096, 1024),), CapOp.READ)
     verify(tok, key, SEG, 4096 + 100, 500, CapOp.READ, now_ms=NOW)
     verify(tok, key, SEG, 4096 + 1024, 0, CapOp.READ, now_ms=NOW)  # empty range at the end
     # ops given as other enums / names / ints are accepted
@@ -64,7 +67,7 @@ def test_forged_tokens_are_refused() -> None:
             now_ms=NOW)
     # every single bit flip of the body or tag is caught (segment id bytes excepted: they
     # change the segment and are reported as such)
-    seg_start = struct.calcsize(">BBHQQQ8s")
+    seg_start = HDR.size
     for i in range(len(tok)):
         if 0 <= i < 4 or seg_start <= i < seg_start + len(SEG):
             continue  # version/op/len -> malformed or wrong op; segment id -> wrong segment
@@ -84,10 +87,8 @@ def test_widened_token_is_refused() -> None:
     _denied(DenyReason.OUT_OF_RANGE, tok, key, SEG, 0, 1 << 40, CapOp.READ, now_ms=NOW)
     _denied(DenyReason.OUT_OF_RANGE, tok, key, SEG, 4096, -1, CapOp.READ, now_ms=NOW)
     # rewriting the granted length inside the token breaks the tag
-    hdr = struct.Struct(">BBHQQQ8s")
-    fields = list(hdr.unpack_from(tok))
-    fields[4] = 1 << 30
-    widened = hdr.pack(*fields) + tok[hdr.size:]
+    at = HDR.size + len(SEG) + 8  # the first range's length
+    widened = tok[:at] + (1 << 30).to_bytes(8, "big") + tok[at + 8:]
     _denied(DenyReason.FORGED, widened, key, SEG, 4096, 1 << 20, CapOp.READ, now_ms=NOW)
 
 
@@ -109,8 +110,7 @@ def test_replay_for_another_segment_is_refused() -> None:
     # presented against segment B (whose owner holds key_b)
     _denied(DenyReason.WRONG_SEGMENT, tok_a, key_b, "B", 4096, 1, CapOp.READ, now_ms=NOW)
     # rewriting the segment id inside the token to B breaks the tag under B's key
-    hdr = struct.Struct(">BBHQQQ8s")
-    rewritten = tok_a[:hdr.size] + b"B" + tok_a[hdr.size + 1:]
+    rewritten = tok_a[:HDR.size] + b"B" + tok_a[HDR.size + 1:]
     _denied(DenyReason.FORGED, rewritten, key_b, "B", 4096, 1, CapOp.READ, now_ms=NOW)
 
 
@@ -162,18 +162,20 @@ def test_range_rule_matches_containment(off: int, length: int, q_off: int, q_len
 
 def test_decode_roundtrip_and_sign_validation() -> None:
     key = new_segment_key()
-    cap = Cap("seg-é", 1, 2, CapOp.WRITE, 3, nonce=b"12345678")
+    cap = Cap("seg-é", ((1, 2), (10, 5)), CapOp.WRITE, 3, nonce=12345678)
     tok = sign(cap, key)
     assert decode(tok) == cap
     assert sign(cap, key) == tok  # deterministic for a given nonce
     assert _token(key) != _token(key)  # random nonce otherwise
-    for bad in (Cap("", 0, 1, CapOp.READ, 1), Cap(SEG, -1, 1, CapOp.READ, 1),
-                Cap(SEG, 0, 1 << 64, CapOp.READ, 1), Cap(SEG, 0, 1, CapOp.READ, 1, b"short")):
+    for bad in (Cap.single("", 0, 1, CapOp.READ, 1), Cap.single(SEG, -1, 1, CapOp.READ, 1),
+                Cap.single(SEG, 0, 1 << 64, CapOp.READ, 1),
+                Cap.single(SEG, 0, 1, CapOp.READ, 1, 1 << 64), Cap(SEG, (), CapOp.READ, 1),
+                Cap(SEG, ((0, 1),) * (MAX_RANGES + 1), CapOp.READ, 1)):
         with pytest.raises(KVPoolError) as ei:
             sign(bad, key)
         assert ei.value.code == ErrorCode.INVALID_PARAMS
     with pytest.raises(KVPoolError):
-        sign(Cap(SEG, 0, 1, CapOp.READ, 1), b"")
+        sign(Cap.single(SEG, 0, 1, CapOp.READ, 1), b"")
     with pytest.raises(KVPoolError):
         CapOp.coerce("delete")
 
@@ -230,7 +232,7 @@ def test_refusals_are_exported_as_prometheus_counters() -> None:
 
     reg = CollectorRegistry()
     reg.register(Collector())  # type: ignore[arg-type]
-    good = sign(Cap(SEG, 0, 10, CapOp.READ, wall_clock_ms() + 60_000), key)
+    good = sign(Cap.single(SEG, 0, 10, CapOp.READ, wall_clock_ms() + 60_000), key)
     ver.check(good, SEG, 0, 10, CapOp.READ)
     for _ in range(3):
         with pytest.raises(CapabilityError):
@@ -248,7 +250,7 @@ def test_grant_fast_verifies_and_rotation_invalidates() -> None:
     assert signer.grant_fast(SEG, 0, 10, int(CapOp.READ), signer.expiry()) == b""  # no key yet
     key = signer.key_for(SEG)
     tok = signer.grant_fast(SEG, 4096, 1024, int(CapOp.WRITE), signer.expiry())
-    assert verify(tok, key, SEG, 4096, 1024, CapOp.WRITE).length == 1024
+    assert verify(tok, key, SEG, 4096, 1024, CapOp.WRITE).ranges == ((4096, 1024),)
     other = signer.grant_fast(SEG, 4096, 1024, int(CapOp.WRITE), signer.expiry())
     assert other != tok  # distinct nonces
     new_key = signer.rotate(SEG)
@@ -256,3 +258,76 @@ def test_grant_fast_verifies_and_rotation_invalidates() -> None:
     _denied(DenyReason.FORGED, tok, new_key, SEG, 4096, 1024, CapOp.WRITE)
     signer.forget(SEG)
     assert not signer.has_key(SEG)
+
+
+def test_batch_token_covers_exactly_its_ranges() -> None:
+    key = new_segment_key()
+    # three replicas of one batch, two of them adjacent, one far; unsorted on purpose
+    ranges = ((8192, 100), (0, 4096), (4096, 4096))
+    tok = sign(Cap(SEG, ranges, CapOp.WRITE, NOW + 10_000), key)
+    for off, n in ranges:
+        verify(tok, key, SEG, off, n, CapOp.WRITE, now_ms=NOW)
+        verify(tok, key, SEG, off + 1, n - 1, CapOp.WRITE, now_ms=NOW)  # inside one range
+    for off, n in [(4096 - 1, 2),  # straddles two granted ranges: each grant is one object
+                   (8192 + 100, 1), (9000, 1), (0, 8192 + 100), (1 << 30, 1), (8192, 101)]:
+        _denied(DenyReason.OUT_OF_RANGE, tok, key, SEG, off, n, CapOp.WRITE, now_ms=NOW)
+
+
+@settings(max_examples=100, deadline=None)
+@given(spans=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 1 << 12)),
+                      min_size=1, max_size=MAX_RANGES),
+       q_off=st.integers(0, (1 << 20) + (1 << 12)), q_len=st.integers(0, 1 << 13))
+def test_batch_range_rule_matches_containment(spans: list[tuple[int, int]], q_off: int,
+                                              q_len: int) -> None:
+    key = new_segment_key()
+    tok = sign(Cap(SEG, tuple(spans), CapOp.READ, NOW + 10), key)
+    inside = any(o <= q_off and q_off + q_len <= o + n for o, n in spans)
+    if inside:
+        verify(tok, key, SEG, q_off, q_len, CapOp.READ, now_ms=NOW)
+    else:
+        _denied(DenyReason.OUT_OF_RANGE, tok, key, SEG, q_off, q_len, CapOp.READ, now_ms=NOW)
+
+
+def test_signer_grant_ranges_and_verifier_checks_each_token_once() -> None:
+    signer = CapabilitySigner(ttl_ms=5000)
+    ver = CapabilityVerifier()
+    ver.set_key("A", signer.key_for("A"))
+    flat = [v for i in range(MAX_RANGES) for v in (i * 8192, 4096)]
+    tok = signer.grant_ranges("A", flat, int(CapOp.READ), signer.expiry())
+    assert signer.granted == 1 and signer.granted_ranges == MAX_RANGES
+    for i in range(MAX_RANGES):
+        ver.check(tok, "A", i * 8192, 4096, CapOp.READ)
+    assert ver.macs == 1 and ver.accepted == MAX_RANGES  # one MAC for the whole batch
+    # a cached token is still checked in full: range, op, other segment
+    with pytest.raises(CapabilityError) as ei:
+        ver.check(tok, "A", 4096, 1, CapOp.READ)
+    assert ei.value.reason == DenyReason.OUT_OF_RANGE
+    with pytest.raises(CapabilityError) as ei:
+        ver.check(tok, "A", 0, 1, CapOp.WRITE)
+    assert ei.value.reason == DenyReason.WRONG_OP
+    ver.set_key("B", signer.key_for("B"))
+    with pytest.raises(CapabilityError) as ei:
+        ver.check(tok, "B", 0, 1, CapOp.READ)
+    assert ei.value.reason == DenyReason.WRONG_SEGMENT
+    # a tampered copy of a cached token is not served from the cache
+    bad = bytearray(tok)
+    bad[-1] ^= 1
+    with pytest.raises(CapabilityError) as ei:
+        ver.check(bytes(bad), "A", 0, 1, CapOp.READ)
+    assert ei.value.reason == DenyReason.FORGED
+    # a new key (re-mount) forgets every token verified under the old one
+    ver.set_key("A", signer.rotate("A"))
+    with pytest.raises(CapabilityError) as ei:
+        ver.check(tok, "A", 0, 1, CapOp.READ)
+    assert ei.value.reason == DenyReason.FORGED
+    # an expired token is refused even when it was verified before
+    short = signer.grant_ranges("A", [0, 10], int(CapOp.READ), wall_clock_ms() + 50)
+    lax = CapabilityVerifier(leeway_ms=0)
+    lax.set_key("A", signer.key_for("A"))
+    lax.check(short, "A", 0, 10, CapOp.READ)
+    import time
+
+    time.sleep(0.1)
+    with pytest.raises(CapabilityError) as ei:
+        lax.check(short, "A", 0, 10, CapOp.READ)
+    assert ei.value.reason == DenyReason.EXPIRED

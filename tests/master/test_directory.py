@@ -220,31 +220,6 @@ def test_eviction_policy_hook_called() -> None:
     assert calls and calls[0] == ("k0", MEM)
 
 
-def test_client_expiry_drops_segments_in_slices() -> None:
-    d, clock = make(client_ttl_s=10, expiry_slice=3, purge_slice=5)
-    for c in range(4):
-        for s in range(2):
-            mount(d, f"s{c}{s}", 1 << 20, client=f"c{c}")
-    mount(d, "keep", 1 << 20, client="alive")
-    for i in range(20):
-        assert put(d, f"k{i}", 100, client="alive", replica_num=1,
-                   preferred=[f"s{i % 4}0"]) == 0
-    assert put(d, "both", 100, client="alive", replica_num=2, preferred=["s00", "keep"]) == 0
-    clock.t += 5
-    d.ping("alive")
-    clock.t += 6
-    assert d.expire_step() == 3  # bounded slice
-    assert d.expire_step() == 3
-    assert d.expire_step() == 2
-    assert set(d.segments) == {"keep"}
-    while d.purge_step(5):
-        pass
-    assert set(d.objects) == {"both"}  # objects with no replica left are gone
-    assert seg_ids(d, "both") == ["keep"]
-    assert d.expire_step() == 0
-    assert d.clients.keys() == {"alive"}
-
-
 def test_unmount_and_dead_replicas_invisible_before_purge() -> None:
     d, _ = make(purge_slice=1)
     mount(d, "a", 1 << 20)
@@ -295,14 +270,17 @@ def test_replay_reproduces_state_and_awaits_owner() -> None:
     remount, ids = r.ping("c1")
     assert not remount and ids == ["a"]
     assert r.get_replicas(next(iter(live)))[0] == 0
-    # a restored segment whose owner never returns is dropped after client_ttl
-    r2, clock2 = make(client_ttl_s=1)
+    # a restored segment whose owner never returns is dropped after client_ttl + grace
+    r2, clock2 = make(client_ttl_s=1, client_grace_s=3)
     r2.journaling = False
     for rec in records:
         r2.apply_record(rec)
     r2.finish_restore()
     r2.journaling = True
     clock2.t += 2
+    r2.expire_step()
+    assert set(r2.segments) == {"a"}  # still within the grace
+    clock2.t += 2.5
     r2.expire_step()
     assert not r2.segments
 

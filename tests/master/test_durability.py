@@ -14,21 +14,39 @@ import pytest
 
 from kvpool.cluster.processes import MasterProcess
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import Op, SegmentKind
+from kvpool.core.protocol import (
+    BatchExist,
+    BatchGetReplicaList,
+    BatchPutEnd,
+    BatchPutStart,
+    Exist,
+    GetReplicaList,
+    ListSegments,
+    MountSegment,
+    Ping,
+    PingReply,
+    PutEnd,
+    PutOptions,
+    PutStart,
+    Remove,
+    SegmentKind,
+    Stats,
+    StatsReply,
+)
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
 from kvpool.master.journal import list_journals, list_snapshots
-from support.factories import segment_wire
+from support.factories import segment_desc
 
 
 def mount(c: MasterClient, sid: str, client_id: str = "c1", size: int = 64 << 20,
           kind: SegmentKind = SegmentKind.MEMORY) -> None:
-    c.call(Op.MOUNT_SEGMENT, client_id=client_id, segment=segment_wire(sid, client_id, size, kind))
+    c.call(MountSegment(client_id=client_id, segment=segment_desc(sid, client_id, size, kind)))
 
 
-def wait_stats(c: MasterClient, pred: Any, timeout: float = 10.0) -> dict[str, Any]:
+def wait_stats(c: MasterClient, pred: Any, timeout: float = 10.0) -> StatsReply:
     deadline = time.monotonic() + timeout
     while True:
-        st = c.call(Op.STATS)
+        st = c.call(Stats())
         if pred(st) or time.monotonic() > deadline:
             return st
         time.sleep(0.05)
@@ -50,15 +68,16 @@ def test_kill9_mid_workload_restores_every_committed_object(tmp_path: Path) -> N
                 i = 0
                 while not stop.is_set():
                     keys = [f"w{wid}-{i + j}" for j in range(16)]
-                    items = [{"key": k, "size": 1000 + j, "replica_num": 2,
-                              "disk_replica_num": j % 2} for j, k in enumerate(keys)]
+                    sizes = [1000 + j for j in range(len(keys))]
+                    # alternate batches with and without a disk replica
+                    opts = PutOptions(replica_num=2, disk_replica_num=(i // 16) % 2)
                     try:
-                        r = wc.call(Op.BATCH_PUT_START, client_id="c1", items=items)["results"]
-                        wc.call(Op.BATCH_PUT_END, client_id="c1", keys=keys)
-                        for k, (code, reps) in zip(keys, r, strict=True):
+                        r = wc.call(BatchPutStart("c1", keys, sizes, opts))
+                        wc.call(BatchPutEnd(client_id="c1", keys=keys))
+                        for k, code, reps in zip(keys, r.codes, r.replicas, strict=True):
                             assert code == 0
-                            committed[k] = sorted((x[0], x[1]) for x in reps)
-                        wc.call(Op.REMOVE, key=keys[0])
+                            committed[k] = sorted((x.segment_id, x.offset) for x in reps)
+                        wc.call(Remove(key=keys[0]))
                         removed.add(keys[0])
                     except MasterRPCError:
                         return  # the master died under us
@@ -75,35 +94,34 @@ def test_kill9_mid_workload_restores_every_committed_object(tmp_path: Path) -> N
         assert len(committed) > 100
         m.start()
         with m.client() as c:
-            st = c.call(Op.STATS)
+            st = c.call(Stats())
             live = {k: v for k, v in committed.items() if k not in removed}
             # unacknowledged puts may also be there; every acknowledged one must be
-            assert st["restored_objects"] >= len(live)
+            assert st.restored_objects >= len(live)
             # before the owner is back, replicas are not readable
             k0 = next(iter(live))
             with pytest.raises(MasterRPCError) as ei:
-                c.call(Op.GET_REPLICA_LIST, key=k0)
+                c.call(GetReplicaList(key=k0))
             assert ei.value.code == ErrorCode.REPLICA_IS_NOT_READY
             # the owner pings: its segments are adopted again, same locations
-            assert c.call(Op.PING, client_id="c1") == {"remount": False,
-                                                       "segment_ids": ["a", "b", "f"]}
+            assert c.call(Ping(client_id="c1")) == PingReply(remount=False,
+                                                             segment_ids=["a", "b", "f"])
             keys = list(live)
             for base in range(0, len(keys), 4096):
                 chunk = keys[base:base + 4096]
-                res = c.call(Op.BATCH_GET_REPLICA_LIST, keys=chunk)["results"]
-                for k, (code, val) in zip(chunk, res, strict=True):
+                res = c.call(BatchGetReplicaList(keys=chunk))
+                for k, code, reps in zip(chunk, res.codes, res.replicas, strict=True):
                     assert code == 0, k
-                    assert sorted((x[0], x[1]) for x in val["replicas"]) == live[k]
+                    assert sorted((x.segment_id, x.offset) for x in reps) == live[k]
             gone_keys = sorted(removed)
             for base in range(0, len(gone_keys), 4096):
-                gone = c.call(Op.BATCH_EXIST, keys=gone_keys[base:base + 4096])["results"]
-                assert all(r == [0, False] for r in gone)
+                gone = c.call(BatchExist(keys=gone_keys[base:base + 4096]))
+                assert not any(gone.codes) and not any(gone.exists)
             # allocator state was rebuilt: new puts never overlap restored replicas
             used = {(x[0], x[1]) for v in live.values() for x in v}
-            r = c.call(Op.BATCH_PUT_START, client_id="c1",
-                       items=[{"key": f"new{i}", "size": 1000} for i in range(50)])
-            for code, reps in r["results"]:
-                assert code == 0 and (reps[0][0], reps[0][1]) not in used
+            r = c.call(BatchPutStart("c1", [f"new{i}" for i in range(50)], [1000] * 50))
+            for code, reps in zip(r.codes, r.replicas, strict=True):
+                assert code == 0 and (reps[0].segment_id, reps[0].offset) not in used
 
 
 def test_snapshot_compacts_journal_and_restores(tmp_path: Path) -> None:
@@ -114,31 +132,30 @@ def test_snapshot_compacts_journal_and_restores(tmp_path: Path) -> None:
             n = 3000
             for base in range(0, n, 500):
                 keys = [f"k{i}" for i in range(base, base + 500)]
-                c.call(Op.BATCH_PUT_START, client_id="c1",
-                       items=[{"key": k, "size": 100} for k in keys])
-                c.call(Op.BATCH_PUT_END, client_id="c1", keys=keys)
+                c.call(BatchPutStart("c1", keys, [100] * len(keys)))
+                c.call(BatchPutEnd(client_id="c1", keys=keys))
             assert m.pid is not None
             os.kill(m.pid, signal.SIGUSR1)
-            st = wait_stats(c, lambda s: s["snapshots"] >= 1)
-            assert st["snapshots"] == 1 and st["last_snapshot_pause_ms"] < 1000
+            st = wait_stats(c, lambda s: s.snapshots >= 1)
+            assert st.snapshots == 1 and st.last_snapshot_pause_ms < 1000
             # after the snapshot: more changes land in the new journal
-            c.call(Op.REMOVE, key="k0")
-            c.call(Op.PUT_START, client_id="c1", key="after", size=100)
-            c.call(Op.PUT_END, client_id="c1", key="after")
+            c.call(Remove(key="k0"))
+            c.call(PutStart(client_id="c1", key="after", size=100))
+            c.call(PutEnd(client_id="c1", key="after"))
             os.kill(m.pid, signal.SIGUSR1)
-            wait_stats(c, lambda s: s["snapshots"] >= 2)
-            c.call(Op.REMOVE, key="k1")
+            wait_stats(c, lambda s: s.snapshots >= 2)
+            c.call(Remove(key="k1"))
         snaps = list_snapshots(data)
         assert len(snaps) == 1  # keep 1
         assert [s for s, _ in list_journals(data)] == [snaps[0][0]]  # older journals compacted
         m.kill()
         m.start()
         with m.client() as c:
-            c.call(Op.PING, client_id="c1")
-            st = c.call(Op.STATS)
-            assert st["objects"] == n - 2 + 1
-            ex = c.call(Op.BATCH_EXIST, keys=["k0", "k1", "k2", "after", f"k{n - 1}"])["results"]
-            assert [r[1] for r in ex] == [False, False, True, True, True]
+            c.call(Ping(client_id="c1"))
+            st = c.call(Stats())
+            assert st.objects == n - 2 + 1
+            ex = c.call(BatchExist(keys=["k0", "k1", "k2", "after", f"k{n - 1}"]))
+            assert ex.exists == [False, False, True, True, True]
 
 
 def test_torn_and_corrupt_journal_tail_truncated(tmp_path: Path) -> None:
@@ -147,8 +164,8 @@ def test_torn_and_corrupt_journal_tail_truncated(tmp_path: Path) -> None:
         with m.client() as c:
             mount(c, "a")
             for i in range(20):
-                c.call(Op.PUT_START, client_id="c1", key=f"k{i}", size=10)
-                c.call(Op.PUT_END, client_id="c1", key=f"k{i}")
+                c.call(PutStart(client_id="c1", key=f"k{i}", size=10))
+                c.call(PutEnd(client_id="c1", key=f"k{i}"))
         m.kill()
         (_seq, path), = [j for j in list_journals(data) if os.path.getsize(j[1])]
         size = os.path.getsize(path)
@@ -156,8 +173,8 @@ def test_torn_and_corrupt_journal_tail_truncated(tmp_path: Path) -> None:
             f.write(b"\x40\x00\x00\x00\x12\x34")  # torn header of a 64-byte record
         m.start()
         with m.client() as c:
-            c.call(Op.PING, client_id="c1")
-            assert c.call(Op.STATS)["objects"] == 20
+            c.call(Ping(client_id="c1"))
+            assert c.call(Stats()).objects == 20
         m.stop()
         assert os.path.getsize(path) == size  # the torn tail was cut off
         # flip a byte inside the last record: CRC mismatch -> that record is dropped
@@ -171,44 +188,45 @@ def test_torn_and_corrupt_journal_tail_truncated(tmp_path: Path) -> None:
             f.write(os.urandom(1000))
         m.start()
         with m.client() as c:
-            c.call(Op.PING, client_id="c1")
-            ex = c.call(Op.BATCH_EXIST, keys=[f"k{i}" for i in range(20)])["results"]
-            assert [r[1] for r in ex] == [True] * 19 + [False]
-            c.call(Op.PUT_START, client_id="c1", key="new", size=10)
-            c.call(Op.PUT_END, client_id="c1", key="new")
-            assert c.call(Op.EXIST, key="new")["exists"]
+            c.call(Ping(client_id="c1"))
+            ex = c.call(BatchExist(keys=[f"k{i}" for i in range(20)]))
+            assert ex.exists == [True] * 19 + [False]
+            c.call(PutStart(client_id="c1", key="new", size=10))
+            c.call(PutEnd(client_id="c1", key="new"))
+            assert c.call(Exist(key="new")).exists
 
 
 def test_owner_that_never_returns_is_dropped_and_remount_readopts(tmp_path: Path) -> None:
     data = str(tmp_path / "d")
-    with MasterProcess(data_dir=data, client_ttl_s=1.0) as m:
+    with MasterProcess(data_dir=data, client_ttl_s=1.0,
+                       extra_args=["--client-grace-s", "0.5"]) as m:
         with m.client() as c:
             mount(c, "gone", client_id="c-gone")
             mount(c, "back", client_id="c-back")
             for sid in ("gone", "back"):
-                c.call(Op.PUT_START, client_id="w", key=f"on-{sid}", size=10,
-                       preferred_segments=[sid])
-                c.call(Op.PUT_END, client_id="w", key=f"on-{sid}")
+                c.call(PutStart(client_id="w", key=f"on-{sid}", size=10,
+                                options=PutOptions(preferred_segments=[sid])))
+                c.call(PutEnd(client_id="w", key=f"on-{sid}"))
         assert m.stop() == 0  # SIGTERM: clean shutdown, exit code 0
         m.start()
         with m.client() as c:
             # a restarted owner process (new client id) mounts the same segment id
-            wire = segment_wire("back", "c-back-2", 64 << 20)
-            c.call(Op.MOUNT_SEGMENT, client_id="c-back-2", segment=wire)
-            g = c.call(Op.GET_REPLICA_LIST, key="on-back")
-            assert g["replicas"][0][0] == "back"
-            assert g["segments"]["back"]["client_id"] == "c-back-2"
-            mismatch = segment_wire("gone", "x", 1 << 20)  # different size: refused
+            desc = segment_desc("back", "c-back-2", 64 << 20)
+            c.call(MountSegment(client_id="c-back-2", segment=desc))
+            g = c.call(GetReplicaList(key="on-back"))
+            assert g.replicas[0].segment_id == "back"
+            assert g.segments["back"].client_id == "c-back-2"
+            mismatch = segment_desc("gone", "x", 1 << 20)  # different size: refused
             with pytest.raises(MasterRPCError) as ei:
-                c.call(Op.MOUNT_SEGMENT, client_id="x", segment=mismatch)
+                c.call(MountSegment(client_id="x", segment=mismatch))
             assert ei.value.code == ErrorCode.SEGMENT_MISMATCH
-            # c-back-2 keeps pinging; "gone"'s owner never returns within client_ttl
-            st = wait_stats(c, lambda s: c.call(Op.PING, client_id="c-back-2")
-                            and s["segments"] == 1, timeout=5)
-            assert st["segments"] == 1
-            assert [s["segment_id"] for s in c.call(Op.LIST_SEGMENTS)["segments"]] == ["back"]
-            assert not c.call(Op.EXIST, key="on-gone")["exists"]
-            assert c.call(Op.EXIST, key="on-back")["exists"]
+            # c-back-2 keeps pinging; "gone"'s owner never returns within ttl + grace
+            st = wait_stats(c, lambda s: c.call(Ping(client_id="c-back-2"))
+                            and s.segments == 1, timeout=5)
+            assert st.segments == 1
+            assert [s.descriptor.segment_id for s in c.call(ListSegments()).segments] == ["back"]
+            assert not c.call(Exist(key="on-gone")).exists
+            assert c.call(Exist(key="on-back")).exists
 
 
 def test_torn_newest_snapshot_falls_back_to_older_one(tmp_path: Path) -> None:
@@ -219,13 +237,12 @@ def test_torn_newest_snapshot_falls_back_to_older_one(tmp_path: Path) -> None:
             assert m.pid is not None
             for round_ in range(2):
                 keys = [f"r{round_}-{i}" for i in range(300)]
-                c.call(Op.BATCH_PUT_START, client_id="c1",
-                       items=[{"key": k, "size": 100} for k in keys])
-                c.call(Op.BATCH_PUT_END, client_id="c1", keys=keys)
+                c.call(BatchPutStart("c1", keys, [100] * len(keys)))
+                c.call(BatchPutEnd(client_id="c1", keys=keys))
                 os.kill(m.pid, signal.SIGUSR1)
-                wait_stats(c, lambda s, r=round_: s["snapshots"] >= r + 1)
-            c.call(Op.PUT_START, client_id="c1", key="last", size=100)
-            c.call(Op.PUT_END, client_id="c1", key="last")
+                wait_stats(c, lambda s, r=round_: s.snapshots >= r + 1)
+            c.call(PutStart(client_id="c1", key="last", size=100))
+            c.call(PutEnd(client_id="c1", key="last"))
         m.kill()
         snaps = list_snapshots(data)
         assert len(snaps) == 2
@@ -234,12 +251,12 @@ def test_torn_newest_snapshot_falls_back_to_older_one(tmp_path: Path) -> None:
             f.truncate(os.path.getsize(newest) // 2)
         m.start()
         with m.client() as c:
-            c.call(Op.PING, client_id="c1")
-            st = c.call(Op.STATS)
-            assert st["objects"] == 601
+            c.call(Ping(client_id="c1"))
+            st = c.call(Stats())
+            assert st.objects == 601
             assert "ignoring snapshot" in m.log_tail(20000)
-            ex = c.call(Op.BATCH_EXIST, keys=["r0-0", "r1-299", "last"])["results"]
-            assert all(r == [0, True] for r in ex)
+            ex = c.call(BatchExist(keys=["r0-0", "r1-299", "last"]))
+            assert ex.codes == [0] * 3 and all(ex.exists)
 
 
 @pytest.mark.parametrize("policy", ["always", "never"])
@@ -248,10 +265,11 @@ def test_fsync_policies_survive_kill9(tmp_path: Path, policy: str) -> None:
         with m.client() as c:
             mount(c, "a")
             keys = [f"k{i}" for i in range(50)]
-            c.call(Op.BATCH_PUT_START, client_id="c1", items=[{"key": k, "size": 10} for k in keys])
-            c.call(Op.BATCH_PUT_END, client_id="c1", keys=keys)
+            c.call(BatchPutStart("c1", keys, [10] * len(keys)))
+            c.call(BatchPutEnd(client_id="c1", keys=keys))
         m.kill()
         m.start()
         with m.client() as c:
-            c.call(Op.PING, client_id="c1")
-            assert all(r == [0, True] for r in c.call(Op.BATCH_EXIST, keys=keys)["results"])
+            c.call(Ping(client_id="c1"))
+            ex = c.call(BatchExist(keys=keys))
+            assert ex.codes == [0] * len(keys) and all(ex.exists)

@@ -17,21 +17,38 @@ from hypothesis import strategies as st
 
 from kvpool.cluster.processes import MasterProcess, find_free_port
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import Op, decode_frame, encode_frame
+from kvpool.core.protocol import (
+    OPS,
+    BatchExist,
+    Exist,
+    ListSegments,
+    MountSegment,
+    Op,
+    Ping,
+    PutEnd,
+    PutOptions,
+    PutStart,
+    Remove,
+    SegmentInfo,
+    Stats,
+    decode_reply,
+    encode_frame,
+    encode_request,
+)
 from kvpool.core.rpc_client import MasterClient
-from support.factories import segment_wire
+from support.factories import segment_desc
 
 
-def _setup(c: MasterClient) -> dict[str, Any]:
-    c.call(Op.MOUNT_SEGMENT, client_id="c1", segment=segment_wire("s1", "c1"))
-    c.call(Op.PUT_START, client_id="c1", key="keep", size=100, hard_pin=True)
-    c.call(Op.PUT_END, client_id="c1", key="keep")
-    return c.call(Op.LIST_SEGMENTS)["segments"][0]
+def _setup(c: MasterClient) -> SegmentInfo:
+    c.call(MountSegment(client_id="c1", segment=segment_desc("s1", "c1")))
+    c.call(PutStart(client_id="c1", key="keep", size=100, options=PutOptions(hard_pin=True)))
+    c.call(PutEnd(client_id="c1", key="keep"))
+    return c.call(ListSegments()).segments[0]
 
 
 def _state(c: MasterClient) -> tuple[int, int, int]:
-    st = c.call(Op.STATS)
-    return st["objects"], st["memory_used"], st["segments"]
+    st = c.call(Stats())
+    return st.objects, st.memory_used, st.segments
 
 
 _json = st.recursive(
@@ -48,7 +65,7 @@ _read_only_ops = [Op.GET_REPLICA_LIST, Op.EXIST, Op.GET_SIZE, Op.BATCH_GET_REPLI
 def test_fuzz_malformed_frames_then_normal_op_works(tmp_path: Path) -> None:
     with MasterProcess(lease_ttl_ms=600000) as m, m.client() as c:
         _setup(c)
-        c.call(Op.EXIST, key="keep")  # leased: a non-forced remove_all must keep it
+        c.call(Exist(key="keep"))  # leased: a non-forced remove_all must keep it
         before = _state(c)
         ctx = zmq.Context.instance()
         s = ctx.socket(zmq.DEALER)
@@ -63,35 +80,39 @@ def test_fuzz_malformed_frames_then_normal_op_works(tmp_path: Path) -> None:
                     frames = [rng.randbytes(rng.randint(0, 200))]
                 elif kind == 1:  # valid msgpack, wrong shape
                     frames = [msgpack.packb(rng.choice([[1, 2], "x", 5, None, {"op": "PING"},
-                                                        {"op": 1, "args": [1]}]))]
+                                                        {"op": 1, "args": [1]}, [1, "id", []],
+                                                        ["PING", 1, ["c"]]]))]
                 elif kind == 2:  # unknown op / bad args types on real ops
                     op = rng.choice([*list(Op), 0, 77, -1, 2**40])
                     args = {"key": rng.choice([None, 1, "", "x" * 5000, ["k"]]),
                             "keys": rng.choice([None, 1, "abc", [None, 3]]),
                             "client_id": rng.choice([None, 5, ""]),
                             "size": rng.choice([None, -1, 0, "1", 2**64 - 1, 1e30]),
-                            "segment": rng.choice([None, {}, {"segment_id": 1}])}
-                    frames = [encode_frame({"op": int(op), "id": i, "args": args})]
+                            "segment": rng.choice([None, {}, {"segment_id": 1}, [1, 2]])}
+                    spec = OPS.get(op)  # type: ignore[call-overload]
+                    fields = spec.request.__struct_fields__ if spec is not None else list(args)
+                    frames = [encode_frame([int(op), i, [args.get(f) for f in fields]])]
                 elif kind == 3:  # multipart garbage
                     frames = [b"", rng.randbytes(10), b"x"]
                 elif kind == 4:  # truncated valid frame
-                    full = encode_frame({"op": int(Op.PING), "id": i, "args": {"client_id": "z"}})
+                    full = encode_request(i, Ping("z"))
                     frames = [full[: rng.randint(0, len(full) - 1)]]
                 else:  # valid frame with random args on mutating ops, invalid client id
                     op = rng.choice([Op.PUT_START, Op.REMOVE, Op.BATCH_REMOVE, Op.REMOVE_ALL,
                                      Op.UNMOUNT_SEGMENT, Op.PUT_END, Op.MOUNT_SEGMENT])
                     args = {"key": "keep", "keys": ["keep"], "force": "yes",
                             "segment_id": "s1", "client_id": 7}
-                    frames = [encode_frame({"op": int(op), "id": i, "args": args})]
+                    fields = OPS[op].request.__struct_fields__
+                    frames = [encode_frame([int(op), i, [args.get(f) for f in fields]])]
                 s.send_multipart(frames)
                 sent += 1
             # every message is answered (a well-formed reply); nearly all with an error
             # (a few random ops are valid no-ops such as STATS or REMOVE_ALL of leased)
             replies = errors = 0
             while s.poll(2000):
-                rep = decode_frame(s.recv_multipart()[-1])
-                assert set(rep) >= {"id", "code", "result"}
-                errors += rep["code"] != 0
+                rep = decode_reply(s.recv_multipart()[-1])  # a well-formed reply envelope
+                assert rep.code == 0 or rep.error
+                errors += rep.code != 0
                 replies += 1
                 if replies == sent:
                     break
@@ -99,9 +120,9 @@ def test_fuzz_malformed_frames_then_normal_op_works(tmp_path: Path) -> None:
             assert errors >= 0.95 * sent
         finally:
             s.close(0)
-        assert c.call(Op.PING, client_id="c1")["remount"] is False
+        assert c.call(Ping(client_id="c1")).remount is False
         assert _state(c) == before
-        assert c.call(Op.EXIST, key="keep")["exists"]
+        assert c.call(Exist(key="keep")).exists
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -119,8 +140,9 @@ def test_hypothesis_random_args_keep_state(op: Op, args: dict[str, Any]) -> None
         args["force"] = False
     if isinstance(args.get("keys"), list) and "keep" in args["keys"]:
         args["force"] = False
+    fields = OPS[op].request.__struct_fields__
     try:
-        c.call(op, **args)
+        c.call_raw(op, [args.get(f) for f in fields])
     except Exception as exc:
         assert getattr(exc, "code", None) not in (None, ErrorCode.RPC_TIMEOUT), exc
     assert _state(c) == _HYP["before"]
@@ -134,7 +156,7 @@ def setup_module() -> None:
     m.start()
     c = m.client()
     _setup(c)
-    c.call(Op.EXIST, key="keep")  # leased: non-forced removes are refused
+    c.call(Exist(key="keep"))  # leased: non-forced removes are refused
     _HYP.update(master=m, client=c, before=_state(c))
 
 
@@ -147,9 +169,9 @@ def test_metrics_and_health(tmp_path: Path) -> None:
     port = find_free_port()
     with MasterProcess(metrics_port=port) as m, m.client() as c:
         _setup(c)
-        c.call(Op.BATCH_EXIST, keys=["keep", "nope"])
+        c.call(BatchExist(keys=["keep", "nope"]))
         try:
-            c.call(Op.REMOVE, key="keep")
+            c.call(Remove(key="keep"))
         except Exception:
             pass
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
@@ -182,13 +204,13 @@ def test_curve_master_refuses_unauthenticated_clients(tmp_path: Path) -> None:
     _, secret = save_keypair(tmp_path / "keys", "cluster")
     _, stranger = save_keypair(tmp_path / "keys2", "stranger")
     with MasterProcess(curve_key=str(secret)) as m, m.client() as c:
-        assert c.call(Op.PING, client_id="ok")["remount"] is True
+        assert c.call(Ping(client_id="ok")).remount is True
         assert "CURVE on" in m.log_tail()
         server_pub = load_keypair(str(secret)).public
         # plain TCP client: the handshake never completes -> timeout, no op runs
         with MasterClient(m.address, timeout_s=1) as plain:
             try:
-                plain.call(Op.PING, client_id="plain")
+                plain.call(Ping(client_id="plain"))
                 raise AssertionError("unauthenticated call answered")
             except Exception as exc:
                 assert getattr(exc, "code", None) == ErrorCode.RPC_TIMEOUT
@@ -197,13 +219,13 @@ def test_curve_master_refuses_unauthenticated_clients(tmp_path: Path) -> None:
         with MasterClient(m.address, timeout_s=1, curve_server_key=server_pub,
                           curve_keypair=(kp.public, kp.secret)) as other:
             try:
-                other.call(Op.PING, client_id="stranger")
+                other.call(Ping(client_id="stranger"))
                 raise AssertionError("stranger's call answered")
             except Exception as exc:
                 assert getattr(exc, "code", None) == ErrorCode.RPC_TIMEOUT
-        st = c.call(Op.STATS)
-        assert st["clients"] == 1  # only "ok" ever got through
-        assert st["curve"] is True and st["curve_denied"] >= 1
+        st = c.call(Stats())
+        assert st.clients == 1  # only "ok" ever got through
+        assert st.curve is True and st.curve_denied >= 1
 
 
 def test_curve_on_without_key_refuses_to_start() -> None:

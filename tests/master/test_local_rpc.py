@@ -10,12 +10,28 @@ from pathlib import Path
 from kvpool.cluster.processes import MasterProcess
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
-from kvpool.core.protocol import Op, decode_frame, encode_frame
+from kvpool.core.protocol import (
+    Exist,
+    ExistReply,
+    GetSize,
+    LocalEndpoint,
+    LocalEndpointReply,
+    MountSegment,
+    Ping,
+    PingReply,
+    PutEnd,
+    PutStart,
+    ReplyFrame,
+    Stats,
+    decode_reply,
+    encode_frame,
+    encode_request,
+)
 from kvpool.core.rpc_client import MasterClient
-from support.factories import segment_wire
+from support.factories import segment_desc
 
 
-def _raw_call(path: str, payload: bytes) -> dict:
+def _raw_call(path: str, payload: bytes) -> ReplyFrame:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         s.connect(path)
@@ -25,42 +41,42 @@ def _raw_call(path: str, payload: bytes) -> dict:
             chunk = s.recv(65536)
             assert chunk, "master closed the socket without a reply"
             buf += chunk
-        return decode_frame(buf[HEADER:])
+        return decode_reply(buf[HEADER:])
 
 
 def test_client_switches_to_local_socket(master_proc: MasterProcess) -> None:
     with master_proc.client(timeout_s=5) as c, \
             MasterClient(master_proc.address, timeout_s=5, local="off") as z:
-        info = c.call(Op.LOCAL_ENDPOINT)
-        path = info["path"]
+        info = c.call(LocalEndpoint())
+        path = info.path
         assert stat.S_ISSOCK(os.stat(path).st_mode)
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        c.call(Op.MOUNT_SEGMENT, client_id="c1", segment=segment_wire("s1", "c1"))
+        c.call(MountSegment(client_id="c1", segment=segment_desc("s1", "c1")))
         assert c.local  # looked up after the first answered call
         before = c.local_calls
-        start = c.call(Op.PUT_START, client_id="c1", key="k", size=100)
-        assert len(start["replicas"]) == 1
-        c.call(Op.PUT_END, client_id="c1", key="k")
+        start = c.call(PutStart(client_id="c1", key="k", size=100))
+        assert len(start.replicas) == 1 and start.caps
+        c.call(PutEnd(client_id="c1", key="k"))
         assert c.local_calls == before + 2
         # the same directory answers over ZeroMQ
-        assert z.call(Op.EXIST, key="k") == {"exists": True}
+        assert z.call(Exist(key="k")) == ExistReply(exists=True)
         assert not z.local
         # errors keep their codes over the local socket
         try:
-            c.call(Op.GET_SIZE, key="missing")
+            c.call(GetSize(key="missing"))
             raise AssertionError("expected OBJECT_NOT_FOUND")
         except Exception as exc:
             assert getattr(exc, "code", None) == ErrorCode.OBJECT_NOT_FOUND
-        stats = z.call(Op.STATS)
-        assert stats["local_rpc_requests"] >= 3
-        assert stats["local_rpc_connections"] >= 1
+        stats = z.call(Stats())
+        assert stats.local_rpc_requests >= 3
+        assert stats.local_rpc_connections >= 1
 
 
 def test_bad_frames_answered_and_master_keeps_serving(master_proc: MasterProcess) -> None:
     with master_proc.client(timeout_s=5) as c:
-        path = c.call(Op.LOCAL_ENDPOINT)["path"]
-        assert _raw_call(path, b"\xc1garbage")["code"] == ErrorCode.MALFORMED_FRAME
-        assert _raw_call(path, encode_frame({"op": 999, "id": 7}))["code"] == ErrorCode.UNKNOWN_OP
+        path = c.call(LocalEndpoint()).path
+        assert _raw_call(path, b"\xc1garbage").code == ErrorCode.MALFORMED_FRAME
+        assert _raw_call(path, encode_frame([999, 7, []])).code == ErrorCode.UNKNOWN_OP
         # a length above max_frame_size: FRAME_TOO_LARGE, then the connection is closed
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(5)
@@ -72,30 +88,30 @@ def test_bad_frames_answered_and_master_keeps_serving(master_proc: MasterProcess
                 if not chunk:
                     break
                 data += chunk
-            assert decode_frame(data[HEADER:])["code"] == ErrorCode.FRAME_TOO_LARGE
+            assert decode_reply(data[HEADER:]).code == ErrorCode.FRAME_TOO_LARGE
         # a client that connects and vanishes mid-frame
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(path)
         s.sendall((50).to_bytes(HEADER, "little") + b"abc")
         s.close()
-        ok = _raw_call(path, encode_frame({"op": int(Op.EXIST), "id": 1, "args": {"key": "x"}}))
-        assert ok["code"] == 0 and ok["id"] == 1
-        assert c.call(Op.EXIST, key="x") == {"exists": False}
+        ok = _raw_call(path, encode_request(1, Exist("x")))
+        assert ok.code == 0 and ok.id == 1
+        assert c.call(Exist(key="x")) == ExistReply(exists=False)
 
 
 def test_master_restart_falls_back_then_reconnects(tmp_path: Path) -> None:
     with MasterProcess(data_dir=str(tmp_path / "d")) as m, m.client(timeout_s=10) as c:
-        c.call(Op.MOUNT_SEGMENT, client_id="c1", segment=segment_wire("s1", "c1"))
-        c.call(Op.EXIST, key="a")
+        c.call(MountSegment(client_id="c1", segment=segment_desc("s1", "c1")))
+        c.call(Exist(key="a"))
         assert c.local
         m.kill()
         m.restart()
         # the old local connection is dead: the call goes over ZeroMQ, not an error
-        res = c.call(Op.PING, client_id="c1")
-        assert "remount" in res
+        res = c.call(Ping(client_id="c1"))
+        assert isinstance(res, PingReply)
         assert not c.local
         c._next_lookup = 0.0  # skip the 5 s lookup back-off
-        c.call(Op.EXIST, key="a")
+        c.call(Exist(key="a"))
         assert c.local
 
 
@@ -110,19 +126,19 @@ def test_off_and_stale_and_taken_paths(tmp_path: Path) -> None:
     off = tmp_path / "off.yaml"
     off.write_text('local_socket: "off"\n')
     with MasterProcess(extra_args=["--config", str(cfg)]) as m1, m1.client() as c1:
-        assert c1.call(Op.LOCAL_ENDPOINT)["path"] == sock_path
-        c1.call(Op.EXIST, key="x")
+        assert c1.call(LocalEndpoint()).path == sock_path
+        c1.call(Exist(key="x"))
         assert c1.local
         # a second master asked for the same live path keeps serving over tcp only
         with MasterProcess(extra_args=["--config", str(cfg)]) as m2, m2.client() as c2:
-            assert c2.call(Op.LOCAL_ENDPOINT) == {}
-            c2.call(Op.EXIST, key="x")
+            assert c2.call(LocalEndpoint()) == LocalEndpointReply()
+            c2.call(Exist(key="x"))
             assert not c2.local
             assert "another master serves" in m2.log_tail()
-        c1.call(Op.EXIST, key="x")
+        c1.call(Exist(key="x"))
         assert c1.local
     assert not os.path.exists(sock_path)  # unlinked at shutdown
     with MasterProcess(extra_args=["--config", str(off)]) as m3, m3.client() as c3:
-        assert c3.call(Op.LOCAL_ENDPOINT) == {}
-        c3.call(Op.EXIST, key="x")
+        assert c3.call(LocalEndpoint()) == LocalEndpointReply()
+        c3.call(Exist(key="x"))
         assert not c3.local

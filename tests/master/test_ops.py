@@ -12,26 +12,59 @@ import zmq
 from kvpool.cluster.processes import MasterProcess
 from kvpool.core.capability import CapabilityError, CapOp, verify
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import Op, SegmentKind, decode_frame, encode_frame
+from kvpool.core.protocol import (
+    BatchExist,
+    BatchGetReplicaList,
+    BatchGetSize,
+    BatchPutEnd,
+    BatchPutRevoke,
+    BatchPutStart,
+    BatchRemove,
+    Exist,
+    ExistReply,
+    GetReplicaList,
+    GetSegments,
+    GetSize,
+    GetSizeReply,
+    ListSegments,
+    MountSegment,
+    Op,
+    Ping,
+    PingReply,
+    PutEnd,
+    PutOptions,
+    PutRevoke,
+    PutStart,
+    PutStartReply,
+    Remove,
+    RemoveAll,
+    ReplicaStatus,
+    SegmentKind,
+    Stats,
+    UnmountSegment,
+    decode_reply,
+    encode_frame,
+    encode_request,
+)
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
-from support.factories import segment_wire
+from support.factories import segment_desc
 
 MEM = SegmentKind.MEMORY
 FILE = SegmentKind.FILE
+PROCESSING, COMPLETE = ReplicaStatus.PROCESSING, ReplicaStatus.COMPLETE
 
 
 def mount(c: MasterClient, sid: str, client_id: str = "c1", size: int = 1 << 20,
           kind: SegmentKind = MEM) -> bytes:
-    """Mount; return the segment's capability key from the reply (issue 7)."""
-    r = c.call(Op.MOUNT_SEGMENT, client_id=client_id,
-               segment=segment_wire(sid, client_id, size, kind))
-    return bytes(r["capability_key"])
+    """Mount; return the segment's capability key from the reply."""
+    r = c.call(MountSegment(client_id, segment_desc(sid, client_id, size, kind)))
+    return r.capability_key
 
 
 def put(c: MasterClient, key: str, size: int = 100, client_id: str = "c1",
-        **kw: Any) -> dict[str, Any]:
-    r = c.call(Op.PUT_START, client_id=client_id, key=key, size=size, **kw)
-    c.call(Op.PUT_END, client_id=client_id, key=key)
+        **kw: Any) -> PutStartReply:
+    r = c.call(PutStart(client_id, key, size, PutOptions(**kw) if kw else None))
+    c.call(PutEnd(client_id, key))
     return r
 
 
@@ -43,104 +76,105 @@ def code_of(fn: Any, *a: Any, **kw: Any) -> int:
 
 def test_ping_remount_and_segments(mclient: MasterClient) -> None:
     c = mclient
-    assert c.call(Op.PING, client_id="c1") == {"remount": True, "segment_ids": []}
-    assert c.call(Op.PING, client_id="c1")["remount"] is False
+    assert c.call(Ping("c1")) == PingReply(remount=True, segment_ids=[])
+    assert c.call(Ping("c1")).remount is False
     mount(c, "s1")
     mount(c, "s2")
-    assert c.call(Op.PING, client_id="c1") == {"remount": False, "segment_ids": ["s1", "s2"]}
+    assert c.call(Ping("c1")) == PingReply(remount=False, segment_ids=["s1", "s2"])
     assert code_of(mount, c, "s1") == ErrorCode.SEGMENT_ALREADY_EXISTS
-    assert code_of(c.call, Op.PING) == ErrorCode.INVALID_PARAMS
-    listed = {s["segment_id"]: s for s in c.call(Op.LIST_SEGMENTS)["segments"]}
-    assert listed["s1"]["capacity"] == 1 << 20 and listed["s1"]["state"] == "active"
-    got = c.call(Op.GET_SEGMENTS, segment_ids=["s1", "nope"])["segments"]
-    assert list(got) == ["s1"] and got["s1"]["endpoint"] == "tcp://127.0.0.1:1"
-    assert code_of(c.call, Op.UNMOUNT_SEGMENT, client_id="other", segment_id="s1") \
-        == ErrorCode.PERMISSION_DENIED
-    c.call(Op.UNMOUNT_SEGMENT, client_id="c1", segment_id="s1")
-    assert code_of(c.call, Op.UNMOUNT_SEGMENT, client_id="c1", segment_id="s1") \
-        == ErrorCode.SEGMENT_NOT_FOUND
-    bad = segment_wire("x", "c1")
-    bad["size"] = -5
-    assert code_of(c.call, Op.MOUNT_SEGMENT, client_id="c1", segment=bad) \
-        == ErrorCode.INVALID_PARAMS
-    del bad["kind"]
-    assert code_of(c.call, Op.MOUNT_SEGMENT, client_id="c1", segment=bad) \
-        == ErrorCode.INVALID_PARAMS
-    assert c.call(Op.STATS)["segments"] == 1
+    assert code_of(c.call_raw, Op.PING, []) == ErrorCode.INVALID_PARAMS
+    assert code_of(c.call, Ping("")) == ErrorCode.INVALID_PARAMS
+    listed = {s.descriptor.segment_id: s for s in c.call(ListSegments()).segments}
+    assert listed["s1"].capacity == 1 << 20 and listed["s1"].state == "active"
+    got = c.call(GetSegments(["s1", "nope"])).segments
+    assert list(got) == ["s1"] and got["s1"].endpoint == "tcp://127.0.0.1:1"
+    assert code_of(c.call, UnmountSegment("other", "s1")) == ErrorCode.PERMISSION_DENIED
+    c.call(UnmountSegment("c1", "s1"))
+    assert code_of(c.call, UnmountSegment("c1", "s1")) == ErrorCode.SEGMENT_NOT_FOUND
+    bad = segment_desc("x", "c1")
+    bad.size = -5
+    assert code_of(c.call, MountSegment("c1", bad)) == ErrorCode.INVALID_PARAMS
+    wire = segment_desc("x", "c1").to_wire()
+    del wire["kind"]  # a descriptor without its kind (a map, not the array form)
+    assert code_of(c.call_raw, Op.MOUNT_SEGMENT, ["c1", wire]) == ErrorCode.INVALID_PARAMS
+    assert code_of(c.call_raw, Op.MOUNT_SEGMENT,
+                   ["c1", ["x", "c1", "h", 0, 100]]) == ErrorCode.INVALID_PARAMS
+    assert c.call(Stats()).segments == 1
 
 
 def test_put_get_remove_single_ops(mclient: MasterClient) -> None:
     c = mclient
     key = mount(c, "s1")
     assert len(key) == 32
-    assert code_of(c.call, Op.PUT_START, client_id="c1", key="k", size=10**9) \
-        == ErrorCode.NO_AVAILABLE_HANDLE
-    r = c.call(Op.PUT_START, client_id="c1", key="k", size=1000, checksum=1234)
-    assert r["replicas"][0][:4] == ["s1", 0, 1000, 0]  # PROCESSING
-    assert r["segments"]["s1"]["name"] == "kvpool-s1"
-    assert code_of(c.call, Op.GET_REPLICA_LIST, key="k") == ErrorCode.REPLICA_IS_NOT_READY
-    assert c.call(Op.EXIST, key="k") == {"exists": False}
-    assert code_of(c.call, Op.PUT_START, client_id="c2", key="k", size=10) \
-        == ErrorCode.OBJECT_ALREADY_EXISTS
-    assert code_of(c.call, Op.PUT_END, client_id="c2", key="k") == ErrorCode.INVALID_WRITE
-    c.call(Op.PUT_END, client_id="c1", key="k")
-    g = c.call(Op.GET_REPLICA_LIST, key="k")
-    assert g["size"] == 1000 and g["checksum"] == 1234 and g["lease_ttl_ms"] == 1000
-    assert g["replicas"][0][:4] == ["s1", 0, 1000, 1] and "s1" in g["segments"]
-    # issue 7: a READ capability for exactly this replica, signed with s1's key
-    assert verify(g["replicas"][0][4], key, "s1", 0, 1000, CapOp.READ).length == 1000
-    assert verify(r["replicas"][0][4], key, "s1", 0, 1000, CapOp.WRITE).op == CapOp.WRITE
+    assert code_of(c.call, PutStart("c1", "k", 10**9)) == ErrorCode.NO_AVAILABLE_HANDLE
+    r = c.call(PutStart("c1", "k", 1000, checksum=1234))
+    rep = r.replicas[0]
+    assert (rep.segment_id, rep.offset, rep.length, rep.status) == ("s1", 0, 1000, PROCESSING)
+    assert r.segments["s1"].name == "kvpool-s1"
+    assert code_of(c.call, GetReplicaList("k")) == ErrorCode.REPLICA_IS_NOT_READY
+    assert c.call(Exist("k")) == ExistReply(exists=False)
+    assert code_of(c.call, PutStart("c2", "k", 10)) == ErrorCode.OBJECT_ALREADY_EXISTS
+    assert code_of(c.call, PutEnd("c2", "k")) == ErrorCode.INVALID_WRITE
+    c.call(PutEnd("c1", "k"))
+    g = c.call(GetReplicaList("k"))
+    assert g.size == 1000 and g.checksum == 1234 and g.lease_ttl_ms == 1000
+    grep = g.replicas[0]
+    assert (grep.segment_id, grep.offset, grep.length, grep.status) == ("s1", 0, 1000, COMPLETE)
+    assert "s1" in g.segments
+    # a READ capability for exactly this replica, signed with s1's key
+    assert verify(g.caps[grep.cap], key, "s1", 0, 1000, CapOp.READ).ranges == ((0, 1000),)
+    assert verify(r.caps[rep.cap], key, "s1", 0, 1000, CapOp.WRITE).op == CapOp.WRITE
     with pytest.raises(CapabilityError):
-        verify(g["replicas"][0][4], key, "s1", 0, 1000, CapOp.WRITE)
-    assert c.call(Op.GET_SIZE, key="k") == {"size": 1000}
-    assert code_of(c.call, Op.GET_SIZE, key="zz") == ErrorCode.OBJECT_NOT_FOUND
+        verify(g.caps[grep.cap], key, "s1", 0, 1000, CapOp.WRITE)
+    assert c.call(GetSize("k")) == GetSizeReply(size=1000)
+    assert code_of(c.call, GetSize("zz")) == ErrorCode.OBJECT_NOT_FOUND
     # leased by the read above: remove refused unless forced
-    assert code_of(c.call, Op.REMOVE, key="k") == ErrorCode.OBJECT_HAS_LEASE
-    c.call(Op.REMOVE, key="k", force=True)
-    assert code_of(c.call, Op.REMOVE, key="k") == ErrorCode.OBJECT_NOT_FOUND
+    assert code_of(c.call, Remove("k")) == ErrorCode.OBJECT_HAS_LEASE
+    c.call(Remove("k", force=True))
+    assert code_of(c.call, Remove("k")) == ErrorCode.OBJECT_NOT_FOUND
     # revoke frees the space
-    c.call(Op.PUT_START, client_id="c1", key="r", size=1 << 20)
-    c.call(Op.PUT_REVOKE, client_id="c1", key="r")
-    assert code_of(c.call, Op.PUT_REVOKE, client_id="c1", key="r") == ErrorCode.OBJECT_NOT_FOUND
-    assert c.call(Op.STATS)["memory_used"] == 0
+    c.call(PutStart("c1", "r", 1 << 20))
+    c.call(PutRevoke("c1", "r"))
+    assert code_of(c.call, PutRevoke("c1", "r")) == ErrorCode.OBJECT_NOT_FOUND
+    assert c.call(Stats()).memory_used == 0
     # lease expires (1 s in this fixture): plain remove works afterwards
     put(c, "l")
-    assert c.call(Op.EXIST, key="l") == {"exists": True}
-    assert code_of(c.call, Op.REMOVE, key="l") == ErrorCode.OBJECT_HAS_LEASE
+    assert c.call(Exist("l")) == ExistReply(exists=True)
+    assert code_of(c.call, Remove("l")) == ErrorCode.OBJECT_HAS_LEASE
     time.sleep(1.1)
-    c.call(Op.REMOVE, key="l")
-    st = c.call(Op.STATS)
-    assert st["lease_refusals"] == 2 and st["objects"] == 0
+    c.call(Remove("l"))
+    st = c.call(Stats())
+    assert st.lease_refusals == 2 and st.objects == 0
 
 
 def test_bad_arguments_rejected(mclient: MasterClient) -> None:
     c = mclient
     mount(c, "s1")
-    cases: list[tuple[Op, dict[str, Any], int]] = [
-        (Op.PUT_START, {"client_id": "c1", "key": "", "size": 1}, ErrorCode.INVALID_KEY),
-        (Op.PUT_START, {"client_id": "c1", "key": "x" * 5000, "size": 1}, ErrorCode.INVALID_KEY),
-        (Op.PUT_START, {"client_id": "c1", "key": 5, "size": 1}, ErrorCode.INVALID_KEY),
-        (Op.PUT_START, {"client_id": "c1", "key": "a", "size": -1}, ErrorCode.INVALID_PARAMS),
-        (Op.PUT_START, {"client_id": "c1", "key": "a", "size": 0}, ErrorCode.INVALID_PARAMS),
-        (Op.PUT_START, {"client_id": "c1", "key": "a", "size": "1"}, ErrorCode.INVALID_PARAMS),
-        (Op.PUT_START, {"client_id": "c1", "key": "a", "size": 1, "replica_num": -1},
-         ErrorCode.INVALID_PARAMS),
-        (Op.PUT_START, {"client_id": "c1", "key": "a", "size": 1, "preferred_segments": "s1"},
-         ErrorCode.INVALID_PARAMS),
-        (Op.PUT_START, {"client_id": "c1", "key": "a", "size": 1, "hard_pin": "yes"},
-         ErrorCode.INVALID_PARAMS),
-        (Op.PUT_START, {"key": "a", "size": 1}, ErrorCode.INVALID_PARAMS),
-        (Op.GET_REPLICA_LIST, {"key": None}, ErrorCode.INVALID_KEY),
-        (Op.REMOVE, {"key": "a", "force": 1}, ErrorCode.INVALID_PARAMS),
-        (Op.BATCH_EXIST, {"keys": "abc"}, ErrorCode.INVALID_PARAMS),
-        (Op.BATCH_EXIST, {"keys": ["k"] * 20000}, ErrorCode.INVALID_PARAMS),
-        (Op.BATCH_PUT_START, {"client_id": "c1", "items": {}}, ErrorCode.INVALID_PARAMS),
-        (Op.GET_SEGMENTS, {"segment_ids": 3}, ErrorCode.INVALID_PARAMS),
+    opts = PutOptions
+    cases: list[tuple[Op, list[Any], int]] = [
+        (Op.PUT_START, ["c1", "", 1], ErrorCode.INVALID_KEY),
+        (Op.PUT_START, ["c1", "x" * 5000, 1], ErrorCode.INVALID_KEY),
+        (Op.PUT_START, ["c1", 5, 1], ErrorCode.INVALID_KEY),
+        (Op.PUT_START, ["c1", "a", -1], ErrorCode.INVALID_PARAMS),
+        (Op.PUT_START, ["c1", "a", 0], ErrorCode.INVALID_PARAMS),
+        (Op.PUT_START, ["c1", "a", "1"], ErrorCode.INVALID_PARAMS),
+        (Op.PUT_START, ["c1", "a", 1, opts(replica_num=-1)], ErrorCode.INVALID_PARAMS),
+        (Op.PUT_START, ["c1", "a", 1, [1, 0, "s1"]], ErrorCode.INVALID_PARAMS),
+        (Op.PUT_START, ["c1", "a", 1, [1, 0, [], "yes"]], ErrorCode.INVALID_PARAMS),
+        (Op.PUT_START, ["a", 1], ErrorCode.INVALID_PARAMS),
+        (Op.GET_REPLICA_LIST, [None], ErrorCode.INVALID_KEY),
+        (Op.REMOVE, ["a", 1], ErrorCode.INVALID_PARAMS),
+        (Op.BATCH_EXIST, ["abc"], ErrorCode.INVALID_KEY),
+        (Op.BATCH_EXIST, [["k"] * 20000], ErrorCode.INVALID_PARAMS),
+        (Op.BATCH_PUT_START, ["c1", {}, []], ErrorCode.INVALID_KEY),
+        (Op.BATCH_PUT_START, ["c1", ["a"], [1, 2]], ErrorCode.INVALID_PARAMS),
+        (Op.GET_SEGMENTS, [3], ErrorCode.INVALID_PARAMS),
+        (Op.PUT_START, {"client_id": "c1", "key": "a", "size": 1}, ErrorCode.INVALID_PARAMS),
     ]
     for op, args, code in cases:
-        assert code_of(c.call, op, **args) == code, (op, args)
-    st = c.call(Op.STATS)
-    assert st["objects"] == 0 and st["pending"] == 0 and st["memory_used"] == 0
+        assert code_of(c.call_raw, op, args) == code, (op, args)
+    st = c.call(Stats())
+    assert st.objects == 0 and st.pending == 0 and st.memory_used == 0
 
 
 def test_batch_ops(mclient: MasterClient) -> None:
@@ -148,48 +182,53 @@ def test_batch_ops(mclient: MasterClient) -> None:
     mount(c, "m1")
     mount(c, "m2")
     mount(c, "f1", kind=FILE)
-    items = [{"key": f"k{i}", "size": 4096 + i, "replica_num": 2} for i in range(50)]
-    items.append({"key": "", "size": 1})
-    items.append({"key": "k0", "size": 1})  # duplicate within the batch
-    items.append({"key": "disk", "size": 10, "replica_num": 1, "disk_replica_num": 1})
-    items.append("junk")
-    r = c.call(Op.BATCH_PUT_START, client_id="c1", items=items)
-    res = r["results"]
-    assert [x[0] for x in res[50:]] == [ErrorCode.INVALID_KEY, ErrorCode.OBJECT_ALREADY_EXISTS,
-                                        0, ErrorCode.INVALID_PARAMS]
-    for code, reps in res[:50]:
-        assert code == 0 and len(reps) == 2 and reps[0][0] != reps[1][0]  # distinct segments
-    disk = res[52][1]
-    assert len(disk) == 2 and disk[1][0] == "f1" and disk[0][0] in ("m1", "m2")
-    assert set(r["segments"]) == {"m1", "m2", "f1"}
-    keys = [f"k{i}" for i in range(50)] + ["disk", "missing", 7]
-    e = c.call(Op.BATCH_PUT_END, client_id="c1", keys=keys)["results"]
-    assert [x[0] for x in e] == [0] * 51 + [ErrorCode.OBJECT_NOT_FOUND, ErrorCode.INVALID_KEY]
-    g = c.call(Op.BATCH_GET_REPLICA_LIST, keys=["k3", "missing", "disk"])
-    assert g["results"][0][0] == 0 and g["results"][0][1]["size"] == 4099
-    assert g["results"][1] == [ErrorCode.OBJECT_NOT_FOUND, None]
-    assert [x[0] for x in g["results"][2][1]["replicas"]] == [disk[0][0], "f1"]
-    assert all(rep[3] == 1 for rep in g["results"][0][1]["replicas"])
-    assert set(g["segments"]) <= {"m1", "m2", "f1"} and g["segments"]
-    ex = c.call(Op.BATCH_EXIST, keys=["k1", "nope", ""])["results"]
-    assert ex == [[0, True], [0, False], [ErrorCode.INVALID_KEY, None]]
-    sz = c.call(Op.BATCH_GET_SIZE, keys=["k9", "nope"])["results"]
-    assert sz == [[0, 4105], [ErrorCode.OBJECT_NOT_FOUND, None]]
-    rm = c.call(Op.BATCH_REMOVE, keys=["k1", "k2", "nope"])["results"]  # k1 leased by exist
-    assert [x[0] for x in rm] == [ErrorCode.OBJECT_HAS_LEASE, 0, ErrorCode.OBJECT_NOT_FOUND]
-    rm = c.call(Op.BATCH_REMOVE, keys=["k1"], force=True)["results"]
-    assert rm == [[0, None]]
-    c.call(Op.BATCH_PUT_START, client_id="c1", items=[{"key": "p1", "size": 5},
-                                                      {"key": "p2", "size": 5}])
-    rv = c.call(Op.BATCH_PUT_REVOKE, client_id="c1", keys=["p1", "p2", "p3"])["results"]
-    assert [x[0] for x in rv] == [0, 0, ErrorCode.OBJECT_NOT_FOUND]
-    n = c.call(Op.STATS)["objects"]
+    keys = [f"k{i}" for i in range(50)] + ["", "k0", "big"]
+    sizes = [4096 + i for i in range(50)] + [1, 1, 0]
+    r = c.call(BatchPutStart("c1", keys, sizes, PutOptions(replica_num=2)))
+    assert r.codes[50:] == [ErrorCode.INVALID_KEY, ErrorCode.OBJECT_ALREADY_EXISTS,
+                            ErrorCode.INVALID_PARAMS]  # empty key, duplicate, size 0
+    for code, reps in zip(r.codes[:50], r.replicas[:50], strict=True):
+        assert code == 0 and len(reps) == 2 and reps[0].segment_id != reps[1].segment_id
+    assert r.replicas[50:] == [[], [], []]
+    d = c.call(BatchPutStart("c1", ["disk"], [10], PutOptions(replica_num=1,
+                                                             disk_replica_num=1)))
+    disk = d.replicas[0]
+    assert d.codes == [0] and len(disk) == 2
+    assert disk[1].segment_id == "f1" and disk[0].segment_id in ("m1", "m2")
+    # each reply describes exactly the segments its replicas are on
+    assert set(r.segments) == {"m1", "m2"}
+    assert set(d.segments) == {disk[0].segment_id, "f1"}
+    # one WRITE token per segment for the whole batch covers every replica on it
+    assert len(r.caps) == 2 and {rep.cap for reps in r.replicas[:50] for rep in reps} == {0, 1}
+    keys = [f"k{i}" for i in range(50)] + ["disk", "missing", ""]
+    e = c.call(BatchPutEnd("c1", keys)).codes
+    assert e == [0] * 51 + [ErrorCode.OBJECT_NOT_FOUND, ErrorCode.INVALID_KEY]
+    # a key that is not a string fails the call as a whole, as INVALID_KEY
+    assert code_of(c.call_raw, Op.BATCH_PUT_END, ["c1", ["k1", 7]]) == ErrorCode.INVALID_KEY
+    g = c.call(BatchGetReplicaList(["k3", "missing", "disk"]))
+    assert g.codes[0] == 0 and g.sizes[0] == 4099
+    assert g.codes[1] == ErrorCode.OBJECT_NOT_FOUND and g.replicas[1] == [] and g.sizes[1] == 0
+    assert [x.segment_id for x in g.replicas[2]] == [disk[0].segment_id, "f1"]
+    assert all(rep.status == COMPLETE for rep in g.replicas[0])
+    assert set(g.segments) <= {"m1", "m2", "f1"} and g.segments
+    ex = c.call(BatchExist(["k1", "nope", ""]))
+    assert ex.codes == [0, 0, ErrorCode.INVALID_KEY] and ex.exists == [True, False, False]
+    sz = c.call(BatchGetSize(["k9", "nope"]))
+    assert sz.codes == [0, ErrorCode.OBJECT_NOT_FOUND] and sz.sizes == [4105, 0]
+    rm = c.call(BatchRemove(["k1", "k2", "nope"])).codes  # k1 leased by exist
+    assert rm == [ErrorCode.OBJECT_HAS_LEASE, 0, ErrorCode.OBJECT_NOT_FOUND]
+    rm = c.call(BatchRemove(["k1"], force=True)).codes
+    assert rm == [0]
+    c.call(BatchPutStart("c1", ["p1", "p2"], [5, 5]))
+    rv = c.call(BatchPutRevoke("c1", ["p1", "p2", "p3"])).codes
+    assert rv == [0, 0, ErrorCode.OBJECT_NOT_FOUND]
+    n = c.call(Stats()).objects
     assert n == 49  # 50 + disk - k1 - k2
     # remove_all skips leased objects (k3 and disk read above, k5 now) unless forced
-    c.call(Op.EXIST, key="k5")
-    assert c.call(Op.REMOVE_ALL)["removed"] == n - 3
-    assert c.call(Op.REMOVE_ALL, force=True)["removed"] == 3
-    assert c.call(Op.STATS)["bytes_used"] == 0
+    c.call(Exist("k5"))
+    assert c.call(RemoveAll()).removed == n - 3
+    assert c.call(RemoveAll(force=True)).removed == 3
+    assert c.call(Stats()).bytes_used == 0
 
 
 def test_req_socket_and_unknown_op(master_proc: MasterProcess) -> None:
@@ -199,34 +238,39 @@ def test_req_socket_and_unknown_op(master_proc: MasterProcess) -> None:
     s.setsockopt(zmq.RCVTIMEO, 5000)
     s.connect(f"tcp://{master_proc.address}")
     try:
-        s.send(encode_frame({"op": int(Op.PING), "id": 1, "args": {"client_id": "req"}}))
-        rep = decode_frame(s.recv())
-        assert rep["id"] == 1 and rep["code"] == 0 and rep["result"]["remount"] is True
-        s.send(encode_frame({"op": 999, "id": 2, "args": {}}))
-        rep = decode_frame(s.recv())
-        assert rep == {"id": 2, "code": ErrorCode.UNKNOWN_OP, "result": None,
-                       "error": rep["error"]}
+        s.send(encode_request(1, Ping("req")))
+        rep = decode_reply(s.recv())
+        assert rep.id == 1 and rep.code == 0
+        assert msgspec_decode(rep.result, PingReply).remount is True
+        s.send(encode_frame([999, 2, []]))
+        rep = decode_reply(s.recv())
+        assert (rep.id, rep.code) == (2, ErrorCode.UNKNOWN_OP) and rep.error
         s.send(b"\xc1garbage")
-        rep = decode_frame(s.recv())
-        assert rep["code"] == ErrorCode.MALFORMED_FRAME
+        rep = decode_reply(s.recv())
+        assert rep.code == ErrorCode.MALFORMED_FRAME and rep.id is None
     finally:
         s.close(0)
 
 
+def msgspec_decode(raw: Any, tp: Any) -> Any:
+    import msgspec
+
+    return msgspec.msgpack.decode(raw, type=tp)
+
+
 def test_oversized_frame_rejected(tmp_path: Any) -> None:
     with MasterProcess(extra_args=["--max-frame-size", "100000"]) as m, m.client() as c:
-        assert code_of(c.call, Op.BATCH_EXIST, keys=["x" * 1000] * 150) == \
-            ErrorCode.FRAME_TOO_LARGE
+        assert code_of(c.call, BatchExist(["x" * 1000] * 150)) == ErrorCode.FRAME_TOO_LARGE
         # far beyond the limit ZeroMQ drops the connection: the call times out
         # (over the same-host Unix socket the master answers FRAME_TOO_LARGE) ...
-        assert code_of(c.call, Op.BATCH_EXIST, timeout_s=1,
-                       keys=["x" * 1000] * 300) in (ErrorCode.RPC_TIMEOUT,
-                                                    ErrorCode.FRAME_TOO_LARGE)
+        assert code_of(c.call, BatchExist(["x" * 1000] * 300), timeout_s=1) in (
+            ErrorCode.RPC_TIMEOUT, ErrorCode.FRAME_TOO_LARGE)
         with MasterClient(m.address, local="off") as z:
-            assert code_of(z.call, Op.BATCH_EXIST, timeout_s=1,
-                           keys=["x" * 1000] * 300) == ErrorCode.RPC_TIMEOUT
+            assert code_of(z.call, BatchExist(["x" * 1000] * 300), timeout_s=1) \
+                == ErrorCode.RPC_TIMEOUT
         # ... and the master keeps serving
-        assert c.call(Op.BATCH_EXIST, keys=["a"])["results"] == [[0, False]]
+        ex = c.call(BatchExist(["a"]))
+        assert ex.codes == [0] and ex.exists == [False]
 
 
 def test_eviction_under_pressure_spares_leased_and_hard_pinned(tmp_path: Any) -> None:
@@ -241,43 +285,18 @@ def test_eviction_under_pressure_spares_leased_and_hard_pinned(tmp_path: Any) ->
         for i in range(10):
             put(c, f"lease{i}", 1024)
             protected.append(f"lease{i}")
-        c.call(Op.BATCH_GET_REPLICA_LIST, keys=[f"lease{i}" for i in range(10)])
+        c.call(BatchGetReplicaList([f"lease{i}" for i in range(10)]))
         for i in range(500):  # ~4x the pool
-            items = [{"key": f"x{i}", "size": 1024, "replica_num": 2}]
-            res = c.call(Op.BATCH_PUT_START, client_id="c1", items=items)["results"]
-            assert res[0][0] == 0, res
-            assert len({rep[0] for rep in res[0][1]}) == len(res[0][1])  # distinct segments
-            c.call(Op.BATCH_PUT_END, client_id="c1", keys=[f"x{i}"])
-        st = c.call(Op.STATS)
-        assert st["evictions"] > 300
-        assert st["memory_used"] <= 0.8 * st["memory_capacity"]
-        ex = c.call(Op.BATCH_EXIST, keys=protected)["results"]
-        assert all(r == [0, True] for r in ex), ex
-        assert c.call(Op.EXIST, key="x499")["exists"]
-
-
-def test_client_expiry_drops_segments_and_objects(tmp_path: Any) -> None:
-    with MasterProcess(client_ttl_s=1.0) as m, m.client() as c:
-        for i in range(3):
-            mount(c, f"dead{i}", client_id="dying")
-        mount(c, "live", client_id="alive")
-        for i in range(30):
-            put(c, f"d{i}", client_id="alive", preferred_segments=[f"dead{i % 3}"])
-        put(c, "both", client_id="alive", replica_num=2, preferred_segments=["dead0", "live"])
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            c.call(Op.PING, client_id="alive")
-            if c.call(Op.STATS)["segments"] == 1:
-                break
-            time.sleep(0.2)
-        st = c.call(Op.STATS)
-        assert st["segments"] == 1 and st["expired_clients"] >= 1
-        assert st["objects"] == 1
-        g = c.call(Op.GET_REPLICA_LIST, key="both")
-        assert [r[0] for r in g["replicas"]] == ["live"]
-        assert code_of(c.call, Op.GET_REPLICA_LIST, key="d0") == ErrorCode.OBJECT_NOT_FOUND
-        # the expired client comes back: it is told to remount
-        assert c.call(Op.PING, client_id="dying")["remount"] is True
+            res = c.call(BatchPutStart("c1", [f"x{i}"], [1024], PutOptions(replica_num=2)))
+            assert res.codes[0] == 0, res
+            assert len({rep.segment_id for rep in res.replicas[0]}) == len(res.replicas[0])
+            c.call(BatchPutEnd("c1", [f"x{i}"]))
+        st = c.call(Stats())
+        assert st.evictions > 300
+        assert st.memory_used <= 0.8 * st.memory_capacity
+        ex = c.call(BatchExist(protected))
+        assert ex.codes == [0] * 20 and all(ex.exists), ex
+        assert c.call(Exist("x499")).exists
 
 
 def test_preferred_segment_and_config_file(tmp_path: Any) -> None:
@@ -287,12 +306,12 @@ def test_preferred_segment_and_config_file(tmp_path: Any) -> None:
         mount(c, "a")
         mount(c, "b")
         r = put(c, "k", 10, preferred_segments=["b"])
-        assert r["replicas"][0][0] == "b"
+        assert r.replicas[0].segment_id == "b"
         r = put(c, "k2", 10, preferred_segments=["b"])
-        assert r["replicas"][0][1] == 4096  # memory_alignment from the file
+        assert r.replicas[0].offset == 4096  # memory_alignment from the file
         assert code_of(put, c, "123456789") == ErrorCode.INVALID_KEY  # max_key_length: 8
         # flags override the file (MasterProcess passes --lease-ttl-ms 10000)
-        assert c.call(Op.GET_REPLICA_LIST, key="k")["lease_ttl_ms"] == 10000
+        assert c.call(GetReplicaList("k")).lease_ttl_ms == 10000
     bad = tmp_path / "bad.yaml"
     bad.write_text("no_such_key: 1\n")
     with pytest.raises(KVPoolError, match="no_such_key"):
@@ -301,25 +320,28 @@ def test_preferred_segment_and_config_file(tmp_path: Any) -> None:
 
 def test_thousand_clients_expire_at_once_loop_keeps_serving(tmp_path: Any) -> None:
     n = 1000
-    with MasterProcess(client_ttl_s=1.0, extra_args=["--snapshot-interval-s", "0"]) as m, \
+    # ttl 3 s: the 1000 mounts and the put must finish before the first owner is silent
+    with MasterProcess(client_ttl_s=3.0, extra_args=["--snapshot-interval-s", "0",
+                                                      "--client-grace-s", "0"]) as m, \
             m.client() as c:
         for i in range(n):
             mount(c, f"seg{i}", client_id=f"cl{i}", size=1 << 16)
-        items = [{"key": f"o{i}", "size": 100, "preferred_segments": [f"seg{i}"]}
-                 for i in range(n)]
-        res = c.call(Op.BATCH_PUT_START, client_id="writer", items=items)["results"]
-        assert [r[1][0][0] for r in res] == [f"seg{i}" for i in range(n)]
-        c.call(Op.BATCH_PUT_END, client_id="writer", keys=[f"o{i}" for i in range(n)])
-        assert c.call(Op.STATS)["segments"] == n
-        # all 1000 owners go silent together; the loop drops them in bounded slices
-        # while it keeps answering (every call below has a 2 s timeout)
+        res = [c.call(BatchPutStart("writer", [f"o{i}"], [100],
+                                    PutOptions(preferred_segments=[f"seg{i}"])))
+               for i in range(n)]
+        assert [r.replicas[0][0].segment_id for r in res] == [f"seg{i}" for i in range(n)]
+        c.call(BatchPutEnd("writer", [f"o{i}" for i in range(n)]))
+        assert c.call(Stats()).segments == n
+        # all 1000 owners go silent together (no grace): the loop marks them suspect
+        # and drops them in bounded slices while it keeps answering (2 s timeouts)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            st = c.call(Op.STATS, timeout_s=2)
-            c.call(Op.PING, client_id="writer", timeout_s=2)
-            if st["segments"] == 0 and st["objects"] == 0:
+            st = c.call(Stats(), timeout_s=2)
+            c.call(Ping("writer"), timeout_s=2)
+            if st.segments == 0 and st.objects == 0:
                 break
             time.sleep(0.05)
-        assert st["segments"] == 0 and st["objects"] == 0
-        assert st["expired_clients"] >= n
-        assert c.call(Op.BATCH_EXIST, keys=["o0", f"o{n - 1}"])["results"] == [[0, False]] * 2
+        assert st.segments == 0 and st.objects == 0
+        assert st.expired_clients >= n
+        ex = c.call(BatchExist(["o0", f"o{n - 1}"]))
+        assert ex.codes == [0, 0] and ex.exists == [False, False]

@@ -13,7 +13,7 @@ import pytest
 
 from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess, find_free_port
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import Op
+from kvpool.core.protocol import Exist, ListSegments
 from kvpool.store import Client, ClientConfig, ReplicateConfig
 from kvpool.store.errors import (
     AlreadyExists,
@@ -210,17 +210,17 @@ def test_contributing_client_lifecycle(master: MasterProcess, daemons: list[Node
         (shm,) = owner.shm_names
         assert shm_exists(shm) and shm.startswith("kvpool-")
         with master.client() as mc:
-            ids = {s["segment_id"] for s in mc.call(Op.LIST_SEGMENTS)["segments"]}
+            ids = {s.descriptor.segment_id for s in mc.call(ListSegments()).segments}
         assert seg in ids
         owner.put(key(), b"mine", ReplicateConfig(preferred_segments=[seg]))
         assert owner.replica_segments(key()) == [seg]
         assert owner.get(key()) == b"mine"  # read from its own segment
     assert not shm_exists(shm)
     with master.client() as mc:
-        ids = {s["segment_id"] for s in mc.call(Op.LIST_SEGMENTS)["segments"]}
+        ids = {s.descriptor.segment_id for s in mc.call(ListSegments()).segments}
         assert seg not in ids
         # the closed client's data left the pool with its segment
-        assert mc.call(Op.EXIST, key=key())["exists"] is False
+        assert mc.call(Exist(key=key())).exists is False
     time.sleep(0.1)
     leaked = {t.name for t in threading.enumerate()} - before
     assert not [n for n in leaked if n.startswith("kvpool-ping")]

@@ -17,10 +17,11 @@ import sys
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineProc", "build_tiny_llama", "kv_transfer_config", "make_prompt"]
+__all__ = ["EngineProc", "build_tiny_llama", "drive_step", "kv_transfer_config", "make_prompt"]
 
 MARK = "@@KVPOOL@@ "
 
@@ -113,14 +114,17 @@ class EngineProc:
     """
 
     def __init__(self, config: dict[str, Any], python: str | None = None,
-                 start_timeout_s: float = 120.0) -> None:
-        env = dict(os.environ)
+                 start_timeout_s: float = 120.0, prefix: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
+        """``prefix``: argv run before python (e.g. ``ip netns exec NS``);
+        ``env``: extra environment variables."""
+        env = dict(os.environ, **(env or {}))
         env.update({"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                     "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": "WARNING"})
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [python or sys.executable, str(Path(__file__).with_name("vllm_runner.py")),
-             json.dumps(config)],
+            [*prefix, python or sys.executable,
+             str(Path(__file__).with_name("vllm_runner.py")), json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env,
             text=True, bufsize=1,
         )
@@ -186,3 +190,15 @@ class EngineProc:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def drive_step(worker: Any, meta: Any) -> set[int]:
+    """One forward of a ``KVPoolWorker`` as vLLM drives the connector:
+    start_load_kv, then per layer wait_for_layer_load and save_kv_layer, then
+    wait_for_save; returns the blocks reported as not loaded."""
+    worker.start_load(meta)
+    for lay in worker.layers:
+        worker.wait_for_layer(lay.name)
+        worker.layer_saved(lay.name, meta)
+    worker.end_step(meta)
+    return set(worker.take_load_errors())

@@ -5,8 +5,9 @@ and scripts/bench_vllm.py through :class:`support.vllm_engine.EngineProc`).
 
 stdin: one JSON command per line, ``{"prompts": [...], "max_tokens": N}`` or
 ``{"quit": true}``. stdout: one line per command, ``@@KVPOOL@@ {json}`` with
-the generated token ids, prompt token ids, time to first token per prompt and
-the connector's counters (scheduler and worker side, totals since start).
+the generated token ids, finish reason, prompt token ids, time to first token
+per prompt, the connector's counters (scheduler and worker side, totals since
+start) and the scheduler's ``kv_load_failure_policy``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _connector_totals(llm: Any) -> dict[str, Any]:
     conn = getattr(sched, "connector", None)
     if conn is not None and hasattr(conn, "stats"):
         out["scheduler"] = conn.stats.totals()
+        out["kv_load_failure_policy"] = sched.vllm_config.kv_transfer_config.kv_load_failure_policy
     if has_kv_transfer_group():
         w: Any = get_kv_transfer_group()
         if getattr(w, "_worker", None) is not None:
@@ -51,6 +53,9 @@ def main() -> None:
         max_num_batched_tokens=cfg.get("max_num_batched_tokens", 8192),
         seed=0,
     )
+    if cfg.get("tensor_parallel_size", 1) > 1:
+        kw["tensor_parallel_size"] = cfg["tensor_parallel_size"]
+        kw["distributed_executor_backend"] = "mp"
     if cfg.get("kv_transfer_config"):
         kw["kv_transfer_config"] = cfg["kv_transfer_config"]
     llm = LLM(**kw)
@@ -68,11 +73,13 @@ def main() -> None:
                 out1 = llm.generate([prompt], ttft_sp, use_tqdm=False)[0]
                 ttft = time.perf_counter() - t0
                 results.append({"prompt_token_ids": list(out1.prompt_token_ids or []),
-                                "token_ids": list(out1.outputs[0].token_ids), "ttft_s": ttft})
+                                "token_ids": list(out1.outputs[0].token_ids), "ttft_s": ttft,
+                                "finish_reason": out1.outputs[0].finish_reason})
                 continue
             out = llm.generate([prompt], sp, use_tqdm=False)[0]
             results.append({"prompt_token_ids": list(out.prompt_token_ids or []),
                             "token_ids": list(out.outputs[0].token_ids),
+                            "finish_reason": out.outputs[0].finish_reason,
                             "latency_s": time.perf_counter() - t0})
         print(MARK + json.dumps({"results": results, "connector": _connector_totals(llm)}),
               flush=True)

@@ -278,13 +278,13 @@ def test_restored_file_segments_outlast_client_ttl() -> None:
     d.restore_segment(desc("mem", 1024 * KiB, MEM).to_wire())
     d.finish_restore()
     assert sorted(d.ping("node")[1]) == ["disk", "mem"]  # the owner back at once: both
-    d2, p2, clock2 = make({"file_owner_ttl_s": 500}, client_ttl_s=5)
+    d2, p2, clock2 = make({"file_owner_ttl_s": 500}, client_ttl_s=5, client_grace_s=0)
     d2.journaling = False
     d2.restore_segment(desc("disk", 8192 * KiB + 4096, FILE).to_wire())
     d2.restore_segment(desc("mem", 1024 * KiB, MEM).to_wire())
     d2.finish_restore()
     clock2.t += 10
-    d2.expire_step()  # owner not back: memory goes with client_ttl, the file stays
+    d2.expire_step()  # owner not back: memory goes after ttl + grace, the file stays
     p2.tick(d2)
     assert "mem" not in d2.segments and d2.segments["disk"].state == SegState.AWAITING
     assert p2.file_awaiting["disk"][0] == clock2.t + 500

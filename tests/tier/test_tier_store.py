@@ -16,7 +16,7 @@ from tier_helpers import pattern
 
 from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import Op, SegmentKind
+from kvpool.core.protocol import GetReplicaList, SegmentKind, Stats
 from kvpool.store import Client, ReplicateConfig
 from kvpool.store.errors import NoSpace, StoreError
 from kvpool.transfer.file_segment import DEFAULT_FILE_NAME, HEADER_SIZE
@@ -28,8 +28,9 @@ DISK = ReplicateConfig(replica_num=0, disk_replica_num=1)
 
 @pytest.fixture
 def master(tmp_path: Any) -> Iterator[MasterProcess]:
+    # no grace: an owner silent for client_ttl is dropped (its file segment kept)
     with MasterProcess(data_dir=str(tmp_path / "master"), lease_ttl_ms=300,
-                       client_ttl_s=2) as m:
+                       client_ttl_s=2, extra_args=["--client-grace-s", "0"]) as m:
         yield m
 
 
@@ -59,14 +60,13 @@ def make_client(master: MasterProcess) -> Iterator[Callable[..., Client]]:
 
 def _kinds(master: MasterProcess, key: str) -> list[SegmentKind]:
     with master.client() as mc:
-        res = mc.call(Op.GET_REPLICA_LIST, key=key)
-    segs = res["segments"]
-    return [SegmentKind(int(segs[r[0]]["kind"])) for r in res["replicas"]]
+        res = mc.call(GetReplicaList(key))
+    return [res.segments[r.segment_id].kind for r in res.replicas]
 
 
 def _stats(master: MasterProcess) -> dict[str, Any]:
     with master.client() as mc:
-        return mc.call(Op.STATS)
+        return mc.call(Stats()).as_dict()
 
 
 def _disk_copies(master: MasterProcess) -> int:
@@ -246,7 +246,7 @@ def test_master_and_node_restart_readopt_disk_objects_from_the_journal(
         c.put(k, v, DISK)
     d.stop()  # clean stop: the file segment stays mounted (kept for a restart)
     master.restart(kill=True)
-    time.sleep(3.5)  # longer than client_ttl: restored memory segments are dropped
+    time.sleep(3.5)  # longer than client_ttl (+ grace 0): restored memory segments dropped
     assert _stats(master)["file_segments_awaiting"] == 1
     d.start()
     for k, v in values.items():

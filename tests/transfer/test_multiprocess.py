@@ -3,13 +3,13 @@ runs its transfer server (python -m kvpool.transfer.peer)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
 import zlib
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -165,9 +165,9 @@ def test_server_refuses_unowned_and_out_of_bounds(make_engine: Any, make_peer: A
     peer = make_peer(MiB, host_id="far-away")
     e = make_engine("host-test")
     # a descriptor that names the peer's server but a segment it does not own
-    fake = dataclasses.replace(peer.desc, segment_id="not-" + peer.segment_id)
+    fake = msgspec.structs.replace(peer.desc, segment_id="not-" + peer.segment_id)
     # a descriptor that lies about the size: the server checks the real one
-    big = dataclasses.replace(peer.desc, segment_id=peer.segment_id, size=4 * MiB)
+    big = msgspec.structs.replace(peer.desc, segment_id=peer.segment_id, size=4 * MiB)
     e.add_peer_segment(fake)
     e.add_peer_segment(big)
     buf = np.zeros(MiB, np.uint8)

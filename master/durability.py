@@ -1,0 +1,310 @@
+"""The master's durability room: journal, snapshots, restore, capability keys.
+
+:class:`Durability` owns everything the master keeps in ``data_dir``:
+
+- restore at start: the newest valid snapshot plus every journal after it
+  (:meth:`restore` builds the :class:`Directory`);
+- group commit: :meth:`commit` writes one loop iteration's directory
+  records with one write (fsync per policy) *before* the loop sends the
+  replies of that iteration, then hands the same batch to every commit
+  listener, in commit order;
+- fuzzy snapshots started on a timer or on request and written in slices
+  between iterations (:mod:`kvpool.master.journal`), then compaction;
+- the capability keys file (``capability-keys.msgpack``, 0600, fsync'ed).
+
+Without a ``data_dir`` nothing is written, but listeners still see every
+batch. The commit seam is where replication hooks in:
+
+- :meth:`add_listener`: ``listener(records, commit_no)`` runs on the loop
+  thread after the local commit, before any reply of that iteration leaves
+  (e.g. ship the batch to standbys). It must not raise.
+- :meth:`set_ack_gate`: ``acked() -> commit_no`` says up to which commit
+  replies may leave. With a gate set, the loop holds every reply of an
+  iteration (reads too: they may show that iteration's changes) until
+  ``acked()`` reaches the commit number current when it was handled, and
+  sends held replies in order. Without one (single master) replies leave
+  right after the local commit, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+
+from kvpool.core.capability import CapabilitySigner
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import Directory, Segment
+from kvpool.master.journal import (
+    Journal,
+    SnapshotWriter,
+    iter_snapshot,
+    list_journals,
+    list_snapshots,
+    read_journal,
+)
+from kvpool.master.stats import LoopStats
+
+__all__ = ["CommitListener", "Durability"]
+
+log = logging.getLogger(__name__)
+
+_KEYS_FILE = "capability-keys.msgpack"
+
+#: ``listener(records, batch)``: the directory records of one group commit, in
+#: order, and the commit's sequence number (1, 2, ... per process).
+CommitListener = Callable[[Sequence[list[Any]], int], None]
+
+
+class Durability:
+    """Journal + snapshots + keys file of one master (see the module docstring)."""
+
+    def __init__(self, cfg: MasterConfig, loop_stats: LoopStats | None = None) -> None:
+        self.cfg = cfg
+        self.data_dir = cfg.data_dir
+        self.stats = loop_stats or LoopStats()
+        self.journal: Journal | None = None
+        self._listeners: list[CommitListener] = []
+        self._gate: Callable[[], int] | None = None
+        self.commits = 0  # group commits with records so far (their commit numbers)
+        self._snapshot: SnapshotWriter | None = None
+        self._snap_requested = False
+        self._last_snapshot = time.monotonic()
+        if self.data_dir:
+            os.makedirs(self.data_dir, exist_ok=True)
+            os.chmod(self.data_dir, 0o700)  # journal, snapshots and segment keys are secrets
+
+    # ================================================================ commit
+    def add_listener(self, listener: CommitListener) -> None:
+        """Call ``listener(records, batch)`` after every group commit (loop thread)."""
+        self._listeners.append(listener)
+
+    def set_ack_gate(self, acked: Callable[[], int] | None) -> None:
+        """Hold replies until ``acked()`` reaches their commit number (None: never hold)."""
+        self._gate = acked
+
+    @property
+    def gated(self) -> bool:
+        return self._gate is not None
+
+    def acked(self) -> int:
+        """The highest commit number whose replies may leave."""
+        return self._gate() if self._gate is not None else self.commits
+
+    def commit(self, records: list[list[Any]]) -> int:
+        """Make ``records`` durable (one write, fsync per policy), hand them to
+        the listeners, and clear the list; return the current commit number
+        (unchanged for an empty list)."""
+        if not records:
+            return self.commits
+        journal = self.journal
+        if journal is not None:
+            journal.append_many(records)
+            journal.commit()
+        self.commits += 1
+        if self._listeners:
+            batch = list(records)
+            for listener in self._listeners:
+                listener(batch, self.commits)
+        records.clear()
+        return self.commits
+
+    @property
+    def busy(self) -> bool:
+        """A snapshot is being written (the loop should not sleep long)."""
+        return self._snapshot is not None
+
+    def tick(self, directory: Directory, now: float) -> None:
+        """Timer work between loop iterations: fsync per policy, one snapshot
+        slice, start a snapshot when due or requested."""
+        journal = self.journal
+        if journal is None:
+            self._snap_requested = False
+            return
+        journal.maybe_fsync()
+        self._snapshot_step(directory)
+        cfg = self.cfg
+        if self._snap_requested or (
+                cfg.snapshot_interval_s
+                and now - self._last_snapshot >= cfg.snapshot_interval_s
+                and journal.records_written >= cfg.snapshot_min_journal_records):
+            self._snap_requested = False
+            self._start_snapshot(directory)
+
+    def request_snapshot(self) -> None:
+        """Take a snapshot at the next tick."""
+        self._snap_requested = True
+
+    # ================================================================ restore
+    def restore(self, make_directory: Callable[[], Directory]) -> Directory:
+        """The directory as of the newest valid snapshot plus every journal
+        after it (a fresh one without ``data_dir``); opens the next journal."""
+        d = make_directory()
+        data_dir = self.data_dir
+        if not data_dir:
+            return d
+        d.journaling = False
+        t0 = time.monotonic()
+        snap_seq = 0
+        for seq, path in reversed(list_snapshots(data_dir)):
+            try:
+                header, records = iter_snapshot(path)
+                d.bulk_load(list(header["segments"]), records)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.error("ignoring snapshot %s: %s", path, exc)
+                d = make_directory()  # discard what was partly loaded
+                d.journaling = False
+                continue
+            snap_seq = seq
+            break
+        for name in os.listdir(data_dir):  # leftovers of a crashed snapshot child
+            if ".tmp." in name and name.startswith("snapshot-"):
+                os.unlink(os.path.join(data_dir, name))
+        last_seq = snap_seq
+        replayed = 0
+        for seq, path in list_journals(data_dir):
+            last_seq = max(last_seq, seq)
+            if seq < snap_seq:
+                continue
+            journal_records, _torn = read_journal(path, truncate=True)
+            for rec in journal_records:
+                try:
+                    d.apply_record(rec)
+                except Exception as exc:
+                    log.error("journal %s: bad record %r: %s", path, rec[:2], exc)
+            replayed += len(journal_records)
+        d.finish_restore()
+        d.journaling = True
+        self.stats.restored_objects = len(d.objects)
+        self.journal = Journal(data_dir, last_seq + 1, self.cfg.journal_fsync,
+                               self.cfg.journal_fsync_interval_ms / 1000.0)
+        self.stats.journal_seq = self.journal.seq
+        if snap_seq or replayed:
+            log.info("restored %d segments, %d objects (snapshot %d + %d journal records) in %.2fs",
+                     len(d.segments), len(d.objects), snap_seq, replayed, time.monotonic() - t0)
+        return d
+
+    # ================================================================ snapshots
+    def _start_snapshot(self, d: Directory) -> None:
+        """Rotate the journal and start a fuzzy snapshot (see journal.py)."""
+        if self.journal is None or self._snapshot is not None:
+            return
+        st = self.stats
+        t0 = time.perf_counter()
+        c0 = time.thread_time()
+        new_seq = self.journal.seq + 1
+        old_fd = self.journal.rotate(new_seq, sync=False)
+        st.journal_seq = new_seq
+        # keys are copied one shard at a time as the snapshot reaches them
+        self._snapshot = SnapshotWriter(self.data_dir or ".", new_seq, d.segment_wires(),
+                                        d.objects.key_chunks(), old_fd)
+        st.snapshot_in_progress = True
+        st.last_snapshot_pause_ms = (time.perf_counter() - t0) * 1000
+        st.last_snapshot_pause_cpu_ms = (time.thread_time() - c0) * 1000
+        self._last_snapshot = time.monotonic()
+        log.info("snapshot %d started (%d objects, pause %.1f ms)", new_seq,
+                 len(d.objects), st.last_snapshot_pause_ms)
+
+    def _snapshot_step(self, d: Directory) -> None:
+        snap = self._snapshot
+        if snap is None:
+            return
+        st = self.stats
+        t0 = time.perf_counter()
+        c0 = time.thread_time()
+        snap.step(d.snapshot_record, self.cfg.snapshot_slice_ms / 1000.0)
+        st.max_snapshot_step_ms = max(st.max_snapshot_step_ms,
+                                      (time.perf_counter() - t0) * 1000)
+        st.max_snapshot_step_cpu_ms = max(st.max_snapshot_step_cpu_ms,
+                                          (time.thread_time() - c0) * 1000)
+        if not snap.done.is_set():
+            return
+        self._snapshot = None
+        st.snapshot_in_progress = False
+        st.last_snapshot_duration_s = time.monotonic() - snap.started
+        if snap.error is not None:
+            log.error("snapshot %d failed: %s; journals kept", snap.seq, snap.error)
+            return
+        st.snapshots += 1
+        self._compact(snap.seq)
+        log.info("snapshot %d written (%d objects) in %.2fs", snap.seq, snap.count,
+                 st.last_snapshot_duration_s)
+
+    def _compact(self, seq: int) -> None:
+        """Keep the newest ``snapshot_keep`` snapshots and the journals they need."""
+        data_dir = self.data_dir
+        assert data_dir
+        snaps = list_snapshots(data_dir)
+        keep = snaps[-self.cfg.snapshot_keep:]
+        for _s, path in snaps[: len(snaps) - len(keep)]:
+            os.unlink(path)
+        oldest = keep[0][0] if keep else seq
+        for s, path in list_journals(data_dir):
+            if s < oldest:
+                os.unlink(path)
+
+    # ================================================================ capability keys
+    def _keys_path(self) -> str | None:
+        return os.path.join(self.data_dir, _KEYS_FILE) if self.data_dir else None
+
+    def load_keys(self, signer: CapabilitySigner | None, segments: dict[str, Segment]) -> None:
+        """Restore the keys of restored segments."""
+        path = self._keys_path()
+        if signer is None or path is None or not os.path.exists(path):
+            return
+        try:
+            with open(path, "rb") as f:
+                keys = msgpack.unpackb(f.read(), raw=False)
+            if type(keys) is not dict:
+                raise ValueError("not a map")
+        except (OSError, ValueError, msgpack.UnpackException) as exc:
+            log.error("ignoring %s: %s (segments get new keys when re-mounted)", path, exc)
+            return
+        signer.load_keys({k: v for k, v in keys.items()
+                          if k in segments and type(v) is bytes})
+
+    def save_keys(self, signer: CapabilitySigner | None) -> None:
+        """Write every segment key atomically (mode 0600, fsync'ed): rare
+        (new mounts and pruning), so done synchronously."""
+        path = self._keys_path()
+        if signer is None or path is None:
+            return
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, msgpack.packb(signer.keys(), use_bin_type=True))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def prune_keys(self, signer: CapabilitySigner | None, segments: dict[str, Segment]) -> None:
+        """Forget the keys of segments the directory no longer has (timer)."""
+        if signer is None:
+            return
+        gone = [sid for sid in signer.keys() if sid not in segments]
+        for sid in gone:
+            signer.forget(sid)
+        if gone:
+            try:
+                self.save_keys(signer)
+            except OSError as exc:
+                log.error("cannot write capability keys: %s", exc)
+
+    # ================================================================ close
+    def close(self, records: list[list[Any]]) -> None:
+        """Flush ``records`` and the journal (fsync), abandon a running snapshot."""
+        if self.journal is not None:
+            if records:
+                self.journal.append_many(records)
+                records.clear()
+            self.journal.close()
+            if self._snapshot is not None:
+                self._snapshot.abort()
+                self._snapshot = None
+                self.stats.snapshot_in_progress = False
+            self.journal = None

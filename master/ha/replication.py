@@ -1,0 +1,614 @@
+"""Journal replication from the leader to hot standbys over ZeroMQ.
+
+Every record the leader's directory emits gets a **log position** (``lsn``:
+one per record, continuing across terms). The leader publishes each group
+commit as one batch ``[BATCH, epoch, first_lsn, records]`` to every
+connected standby; a standby applies the batch to its own directory (and
+journal) and answers ``[ACK, epoch, last_lsn]`` (cumulative). The leader
+releases the replies of a batch once every member of its **in-sync set**
+acknowledged it (:meth:`ReplicationSource.acked_lsn`); the set is published
+in etcd (:mod:`.election`), so whoever wins the next election holds every
+acknowledged change.
+
+A standby says hello with the epoch and lsn of the last record it applied.
+The leader keeps the epoch history (``[(epoch, first_lsn)]``) and a ring of
+recent batches: if the standby's last record lies on the leader's history
+and the ring still holds what follows, it gets that tail; otherwise (it
+restarted, it was a leader whose unacknowledged tail was never replicated,
+it is too far behind) it gets a **snapshot** streamed in slices by the
+leader's loop, interleaved in order with the live batches. Applying
+everything in wire order is exact: a slice carries the objects' state at
+the moment it is sent, which includes every batch sent before it.
+
+Standbys refuse batches of an epoch older than the newest they know (from
+etcd or an earlier batch), so a deposed leader cannot collect acks.
+
+Wire: msgpack arrays, one frame per message (``MsgType`` first).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+from typing import Any
+
+import msgpack
+import zmq
+
+from kvpool.core.errors import ErrorCode
+from kvpool.master.directory import Directory, Rec, SegState
+from kvpool.master.journal import Journal
+
+__all__ = [
+    "MsgType",
+    "ReplicaSink",
+    "ReplicationLog",
+    "ReplicationSource",
+    "SinkState",
+    "StandbyStatus",
+    "promote_directory",
+]
+
+log = logging.getLogger(__name__)
+
+_DIRECTORY_TAGS = frozenset(int(t) for t in Rec)
+
+
+class MsgType(IntEnum):
+    HELLO = 1  # standby -> leader: [1, instance_id, known_epoch, last_epoch, last_lsn]
+    BATCH = 2  # leader -> standby: [2, epoch, first_lsn, [record, ...], records' epoch]
+    ACK = 3  # standby -> leader: [3, epoch, last_lsn]
+    SNAP_BEGIN = 4  # leader -> standby: [4, epoch, lsn, [segment wire, ...], history]
+    SNAP_CHUNK = 5  # leader -> standby: [5, epoch, [snapshot record, ...]]
+    SNAP_END = 6  # leader -> standby: [6, epoch, lsn, objects]
+    HEARTBEAT = 7  # leader -> standby: [7, epoch, last_lsn] (idle stream)
+    REFUSE = 8  # either way: [8, code, message, epoch]
+    TAIL = 9  # leader -> standby: [9, epoch, from_lsn, history] (no snapshot needed)
+
+
+def _pack(msg: list[Any]) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> list[Any] | None:
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    if type(msg) is not list or not msg or type(msg[0]) is not int:
+        return None
+    return msg
+
+
+# ================================================================ the log
+class ReplicationLog:
+    """Positions, epoch history and a ring of recent batches (the tail a
+    returning standby can be given without a snapshot). Shared by a
+    standby's sink and, after promotion, its source."""
+
+    def __init__(self, ring_records: int = 1 << 20) -> None:
+        self.last_lsn = 0
+        self.last_epoch = 0
+        self.history: list[tuple[int, int]] = []  # (epoch, first lsn of that epoch)
+        self.ring: collections.deque[tuple[int, int, list[Any]]] = collections.deque()
+        self._ring_records = 0
+        self.ring_limit = ring_records
+
+    def append(self, epoch: int, first_lsn: int, records: list[Any]) -> None:
+        if not self.history or self.history[-1][0] != epoch:
+            self.history.append((epoch, first_lsn))
+        self.last_epoch = epoch
+        self.last_lsn = first_lsn + len(records) - 1
+        self.ring.append((epoch, first_lsn, records))
+        self._ring_records += len(records)
+        while self._ring_records > self.ring_limit and len(self.ring) > 1:
+            _e, _f, old = self.ring.popleft()
+            self._ring_records -= len(old)
+
+    def start_epoch(self, epoch: int) -> None:
+        """A new term begins at the next position (the leader's history)."""
+        if not self.history or self.history[-1][0] != epoch:
+            self.history.append((epoch, self.last_lsn + 1))
+        self.last_epoch = epoch
+
+    def adopt_history(self, history: list[Any]) -> None:
+        """Take the leader's history up to our own position (a tail follows)."""
+        self.history = [(int(e), int(f)) for e, f in history if int(f) <= self.last_lsn]
+
+    def reset(self, epoch: int, lsn: int, history: list[tuple[int, int]]) -> None:
+        """After a snapshot: positions as the leader's, the ring empty."""
+        self.last_lsn = lsn
+        self.last_epoch = epoch
+        self.history = [(int(e), int(f)) for e, f in history]
+        self.ring.clear()
+        self._ring_records = 0
+
+    def end_of(self, epoch: int) -> int | None:
+        """The last lsn of ``epoch`` on this history (None: not on it)."""
+        for i, (e, _first) in enumerate(self.history):
+            if e == epoch:
+                if i + 1 < len(self.history):
+                    return self.history[i + 1][1] - 1
+                return self.last_lsn
+        return None
+
+    def tail_from(self, lsn: int) -> Iterator[tuple[int, int, list[Any]]] | None:
+        """Batches covering every position after ``lsn`` (None: not held anymore)."""
+        if lsn >= self.last_lsn:
+            return iter(())
+        if not self.ring or self.ring[0][1] > lsn + 1:
+            return None
+
+        def gen() -> Iterator[tuple[int, int, list[Any]]]:
+            for epoch, first, recs in list(self.ring):
+                last = first + len(recs) - 1
+                if last <= lsn:
+                    continue
+                if first <= lsn:
+                    recs = recs[lsn + 1 - first:]
+                    first = lsn + 1
+                yield epoch, first, recs
+        return gen()
+
+
+# ================================================================ leader side
+class StandbyState(StrEnum):
+    SNAPSHOT = "snapshot"
+    STREAMING = "streaming"
+
+
+@dataclass
+class StandbyStatus:
+    """What the leader knows of one standby (for health, status and metrics)."""
+
+    instance_id: str
+    state: StandbyState
+    acked_lsn: int = 0
+    in_sync: bool = False
+    last_ack: float = 0.0  # monotonic
+    connected_at: float = 0.0
+
+    def lag(self, leader_lsn: int) -> int:
+        return max(0, leader_lsn - self.acked_lsn)
+
+
+@dataclass
+class _Standby:
+    ident: bytes
+    status: StandbyStatus
+    snap_count: int = 0
+    chunks: Iterator[list[str]] | None = None  # set while a snapshot is being sent
+
+
+class ReplicationSource:
+    """The leader's end: a ROUTER socket standbys connect to.
+
+    Driven by the master's loop: ``publish(records)`` after each group commit
+    (returns the batch's last lsn), ``poll()`` between iterations (hellos,
+    acks, snapshot slices of ``snapshot_slice_s``), ``acked_lsn()`` to know
+    which replies may go. The in-sync set is changed only by the caller
+    (after it published the change in etcd): ``add_sync`` / ``remove_sync``.
+    """
+
+    def __init__(self, directory: Directory, bind: str, epoch: int,
+                 log_: ReplicationLog | None = None, context: zmq.Context | None = None,
+                 snapshot_slice_s: float = 0.004, heartbeat_s: float = 0.1) -> None:
+        self.dir = directory
+        self.epoch = epoch
+        self.log = log_ or ReplicationLog()
+        self.log.start_epoch(epoch)
+        self.snapshot_slice_s = snapshot_slice_s
+        self.heartbeat_s = heartbeat_s
+        self._ctx = context or zmq.Context.instance()
+        self.sock = self._ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # a slow standby is dropped from sync, not blocked
+        if bind.endswith(":0"):
+            port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
+            self.endpoint = f"{bind.rsplit(':', 1)[0]}:{port}"
+        else:
+            self.sock.bind(bind)
+            self.endpoint = bind
+        self.standbys: dict[str, _Standby] = {}
+        self.sync_members: set[str] = set()
+        self._last_send = time.monotonic()
+        self.batches_sent = 0
+        self.snapshots_sent = 0
+
+    # ---------------------------------------------------------------- publish
+    @property
+    def last_lsn(self) -> int:
+        return self.log.last_lsn
+
+    def publish(self, records: list[Any]) -> int:
+        """Give the committed ``records`` positions and send them; return the last lsn."""
+        if not records:
+            return self.log.last_lsn
+        first = self.log.last_lsn + 1
+        self.log.append(self.epoch, first, records)
+        if self.standbys:
+            frame = _pack([MsgType.BATCH, self.epoch, first, records, self.epoch])
+            for sb in self.standbys.values():
+                self._send(sb.ident, frame)
+            self.batches_sent += 1
+        return self.log.last_lsn
+
+    def _send(self, ident: bytes, frame: bytes) -> None:
+        try:
+            self.sock.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # gone: it will say hello again
+        self._last_send = time.monotonic()
+
+    # ---------------------------------------------------------------- acks
+    def acked_lsn(self) -> int:
+        """Every position up to this is held by all in-sync members (with none,
+        by the leader alone: the caller decides whether that suffices)."""
+        lsn = self.log.last_lsn
+        for m in self.sync_members:
+            sb = self.standbys.get(m)
+            if sb is None:
+                return min(lsn, 0)
+            lsn = min(lsn, sb.status.acked_lsn)
+        return lsn
+
+    def caught_up(self) -> list[str]:
+        """Standbys outside the in-sync set that hold everything: candidates to add."""
+        last = self.log.last_lsn
+        return [i for i, sb in self.standbys.items()
+                if i not in self.sync_members and sb.status.state is StandbyState.STREAMING
+                and sb.status.acked_lsn >= last]
+
+    def lagging(self, timeout_s: float) -> list[str]:
+        """In-sync members that owe an ack for longer than ``timeout_s``
+        (or are gone): candidates to remove (after etcd says so)."""
+        now = time.monotonic()
+        last = self.log.last_lsn
+        out = []
+        for m in self.sync_members:
+            sb = self.standbys.get(m)
+            if sb is None or (sb.status.acked_lsn < last
+                              and now - sb.status.last_ack > timeout_s):
+                out.append(m)
+        return out
+
+    def add_sync(self, instance_id: str) -> None:
+        self.sync_members.add(instance_id)
+        sb = self.standbys.get(instance_id)
+        if sb is not None:
+            sb.status.in_sync = True
+
+    def remove_sync(self, instance_id: str) -> None:
+        self.sync_members.discard(instance_id)
+        sb = self.standbys.get(instance_id)
+        if sb is not None:
+            sb.status.in_sync = False
+
+    def status(self) -> list[StandbyStatus]:
+        return [sb.status for sb in self.standbys.values()]
+
+    # ---------------------------------------------------------------- poll
+    def poll(self) -> int:
+        """Handle what arrived (non-blocking) and advance snapshots; return messages handled."""
+        n = 0
+        sock = self.sock
+        while int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            n += 1
+            if len(frames) != 2:
+                continue
+            msg = _unpack(frames[1])
+            if msg is None:
+                continue
+            self._handle(frames[0], msg)
+        for sb in list(self.standbys.values()):
+            if sb.chunks is not None:
+                self._snapshot_step(sb)
+        if time.monotonic() - self._last_send > self.heartbeat_s and self.standbys:
+            frame = _pack([MsgType.HEARTBEAT, self.epoch, self.log.last_lsn])
+            for sb in self.standbys.values():
+                self._send(sb.ident, frame)
+        return n
+
+    def _refuse(self, ident: bytes, code: ErrorCode, message: str) -> None:
+        self._send(ident, _pack([MsgType.REFUSE, int(code), message, self.epoch]))
+
+    def _handle(self, ident: bytes, msg: list[Any]) -> None:
+        kind = msg[0]
+        if kind == MsgType.HELLO and len(msg) == 5:
+            _t, instance_id, known_epoch, last_epoch, last_lsn = msg
+            if type(instance_id) is not str or not all(
+                    type(v) is int for v in (known_epoch, last_epoch, last_lsn)):
+                return
+            if known_epoch > self.epoch:
+                # the standby has seen a newer term: we are deposed
+                self._refuse(ident, ErrorCode.STALE_EPOCH,
+                             f"epoch {self.epoch} is older than {known_epoch}")
+                return
+            self._hello(ident, instance_id, last_epoch, last_lsn)
+        elif kind == MsgType.ACK and len(msg) == 3:
+            _t, epoch, lsn = msg
+            sb = self._by_ident(ident)
+            if sb is None or epoch != self.epoch or type(lsn) is not int:
+                return
+            if sb.chunks is None and lsn > sb.status.acked_lsn:
+                sb.status.acked_lsn = min(lsn, self.log.last_lsn)
+                sb.status.last_ack = time.monotonic()
+        elif kind == MsgType.REFUSE and len(msg) == 4:
+            sb = self._by_ident(ident)
+            log.warning("standby %s refused the stream: %s",
+                        sb.status.instance_id if sb else ident, msg[2])
+            if sb is not None:
+                self._forget(sb.status.instance_id)
+
+    def _by_ident(self, ident: bytes) -> _Standby | None:
+        for sb in self.standbys.values():
+            if sb.ident == ident:
+                return sb
+        return None
+
+    def _forget(self, instance_id: str) -> None:
+        self.standbys.pop(instance_id, None)
+
+    def _hello(self, ident: bytes, instance_id: str, last_epoch: int, last_lsn: int) -> None:
+        now = time.monotonic()
+        status = StandbyStatus(instance_id, StandbyState.STREAMING, last_lsn,
+                               instance_id in self.sync_members, now, now)
+        # an empty standby is on every history (position 0)
+        end = self.log.end_of(last_epoch) if last_epoch else (0 if last_lsn == 0 else None)
+        tail = self.log.tail_from(last_lsn) if end is not None and last_lsn <= end else None
+        if tail is not None:
+            sb = _Standby(ident, status)
+            self.standbys[instance_id] = sb
+            self._send(ident, _pack([MsgType.TAIL, self.epoch, last_lsn + 1, self.log.history]))
+            for epoch, first, recs in tail:
+                self._send(ident, _pack([MsgType.BATCH, self.epoch, first, recs, epoch]))
+            log.info("standby %s: streaming from lsn %d", instance_id, last_lsn + 1)
+            return
+        # a snapshot, interleaved in order with the live batches
+        status.state = StandbyState.SNAPSHOT
+        status.acked_lsn = 0
+        d = self.dir
+        sb = _Standby(ident, status, chunks=d.objects.key_chunks())
+        self.standbys[instance_id] = sb
+        self._send(ident, _pack([MsgType.SNAP_BEGIN, self.epoch, self.log.last_lsn,
+                                 d.segment_wires(), self.log.history]))
+        self.snapshots_sent += 1
+        log.info("standby %s (last %d/%d): sending a snapshot at lsn %d", instance_id,
+                 last_epoch, last_lsn, self.log.last_lsn)
+
+    def _snapshot_step(self, sb: _Standby) -> None:
+        deadline = time.perf_counter() + self.snapshot_slice_s
+        record_of = self.dir.snapshot_record
+        assert sb.chunks is not None
+        while time.perf_counter() < deadline:
+            keys = next(sb.chunks, None)
+            if keys is None:
+                self._send(sb.ident, _pack([MsgType.SNAP_END, self.epoch, self.log.last_lsn,
+                                            sb.snap_count]))
+                sb.chunks = None
+                sb.status.state = StandbyState.STREAMING
+                sb.status.last_ack = time.monotonic()
+                return
+            recs = [r for r in map(record_of, keys) if r is not None]
+            sb.snap_count += len(recs)
+            if recs:
+                self._send(sb.ident, _pack([MsgType.SNAP_CHUNK, self.epoch, recs]))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+# ================================================================ standby side
+class SinkState(StrEnum):
+    CONNECTING = "connecting"
+    SNAPSHOT = "snapshot"
+    STREAMING = "streaming"
+    REFUSED = "refused"
+
+
+@dataclass
+class SinkStats:
+    batches: int = 0
+    records: int = 0
+    snapshots: int = 0
+    refused: int = 0
+    last_message: float = field(default_factory=time.monotonic)
+
+
+class ReplicaSink:
+    """A standby's end: follows one leader, applies what it sends.
+
+    ``connect(endpoint, epoch)`` (re)targets the leader of ``epoch``;
+    ``poll(timeout_s)`` applies what arrived. Records go to the directory
+    (``journaling`` off: they are the leader's records, journaled here as
+    they are) and to ``journal`` when given, committed before the ACK.
+    Stream-only records (tags outside :class:`Rec`) go to ``on_record``.
+    ``directory`` may be replaced by a snapshot: read it from the sink.
+    """
+
+    def __init__(self, directory: Directory, instance_id: str,
+                 journal: Journal | None = None,
+                 make_directory: Callable[[], Directory] | None = None,
+                 on_record: Callable[[list[Any]], None] | None = None,
+                 log_: ReplicationLog | None = None,
+                 context: zmq.Context | None = None) -> None:
+        self.directory = directory
+        directory.journaling = False
+        self.instance_id = instance_id
+        self.journal = journal
+        self.make_directory = make_directory or (lambda: Directory(directory.cfg))
+        self.on_record = on_record
+        self.log = log_ or ReplicationLog()
+        self.known_epoch = 0  # the newest epoch seen (etcd or stream)
+        self.leader_epoch = 0
+        self.state = SinkState.CONNECTING
+        self.stats = SinkStats()
+        self.refusal = ""
+        self._ctx = context or zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self.endpoint = ""
+
+    def connect(self, endpoint: str, epoch: int) -> None:
+        """Follow the leader of ``epoch`` at ``endpoint`` (a ZeroMQ address)."""
+        self.known_epoch = max(self.known_epoch, epoch)
+        self.leader_epoch = epoch
+        if self.sock is not None:
+            self.sock.close(0)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint if "://" in endpoint else f"tcp://{endpoint}")
+        self.sock = sock
+        self.endpoint = endpoint
+        self.state = SinkState.CONNECTING
+        self.stats.last_message = time.monotonic()
+        sock.send(_pack([MsgType.HELLO, self.instance_id, self.known_epoch,
+                         self.log.last_epoch, self.log.last_lsn]))
+
+    def observe_epoch(self, epoch: int) -> None:
+        """etcd told us of term ``epoch``: refuse anything older from now on."""
+        self.known_epoch = max(self.known_epoch, epoch)
+
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Apply what arrived within ``timeout_s``; return messages handled."""
+        sock = self.sock
+        if sock is None:
+            time.sleep(timeout_s)
+            return 0
+        n = 0
+        if not sock.poll(int(timeout_s * 1000)):
+            return 0
+        acks = False
+        while int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            msg = _unpack(sock.recv(zmq.NOBLOCK))
+            n += 1
+            if msg is not None:
+                acks |= self._handle(msg)
+            if self.sock is None:
+                break
+        if acks and self.sock is not None and self.state is SinkState.STREAMING:
+            if self.journal is not None:
+                self.journal.commit()
+            self.sock.send(_pack([MsgType.ACK, self.leader_epoch, self.log.last_lsn]))
+        return n
+
+    def _refuse(self, message: str) -> None:
+        self.stats.refused += 1
+        self.refusal = message
+        log.warning("standby %s: %s", self.instance_id, message)
+        if self.sock is not None:
+            self.sock.send(_pack([MsgType.REFUSE, int(ErrorCode.STALE_EPOCH), message,
+                                  self.known_epoch]))
+        self.state = SinkState.REFUSED
+
+    def _handle(self, msg: list[Any]) -> bool:
+        """Apply one message; True when an ACK is due."""
+        kind = msg[0]
+        epoch = msg[1] if len(msg) > 1 else None
+        self.stats.last_message = time.monotonic()
+        if kind == MsgType.REFUSE:
+            self.refusal = str(msg[2]) if len(msg) > 2 else ""
+            self.state = SinkState.REFUSED
+            if len(msg) > 3 and type(msg[3]) is int:
+                self.known_epoch = max(self.known_epoch, msg[3])
+            return False
+        if type(epoch) is not int:
+            return False
+        if epoch < self.known_epoch and kind != MsgType.BATCH:
+            self._refuse(f"message of epoch {epoch} after epoch {self.known_epoch}")
+            return False
+        if kind == MsgType.BATCH:
+            return self._batch(epoch, msg)
+        if kind == MsgType.HEARTBEAT:
+            return False
+        if kind == MsgType.TAIL:
+            self.known_epoch = max(self.known_epoch, epoch)
+            self.log.adopt_history(msg[3])
+            self.state = SinkState.STREAMING
+            return True
+        if kind == MsgType.SNAP_BEGIN:
+            self.known_epoch = max(self.known_epoch, epoch)
+            d = self.make_directory()
+            d.journaling = False
+            for wire in msg[3]:
+                d.restore_segment(wire)
+            self.directory = d
+            self.log.reset(epoch, int(msg[2]), msg[4])
+            self.state = SinkState.SNAPSHOT
+            return False
+        if kind == MsgType.SNAP_CHUNK and self.state is SinkState.SNAPSHOT:
+            restore = self.directory.restore_object
+            for key, size, flags, checksum, wire in msg[2]:
+                restore(key, int(size), int(flags), checksum, list(wire))
+            return False
+        if kind == MsgType.SNAP_END and self.state is SinkState.SNAPSHOT:
+            self.stats.snapshots += 1
+            self.state = SinkState.STREAMING
+            log.info("standby %s: snapshot applied (%d objects, lsn %d)", self.instance_id,
+                     len(self.directory.objects), self.log.last_lsn)
+            return True
+        return False
+
+    def _batch(self, epoch: int, msg: list[Any]) -> bool:
+        if epoch < self.known_epoch:
+            self._refuse(f"batch of epoch {epoch} after epoch {self.known_epoch}")
+            return False
+        if len(msg) != 5 or type(msg[2]) is not int or type(msg[3]) is not list \
+                or type(msg[4]) is not int:
+            return False
+        first, records, rec_epoch = msg[2], msg[3], msg[4]
+        if self.state is SinkState.CONNECTING or self.state is SinkState.REFUSED:
+            return False
+        if first != self.log.last_lsn + 1:
+            if first + len(records) - 1 <= self.log.last_lsn:
+                return False  # a repeat of what we hold
+            log.warning("standby %s: gap (have %d, got %d): resyncing", self.instance_id,
+                        self.log.last_lsn, first)
+            self.state = SinkState.CONNECTING
+            if self.sock is not None:
+                self.connect(self.endpoint, self.leader_epoch)
+            return False
+        self.known_epoch = max(self.known_epoch, epoch)
+        d = self.directory
+        on_record = self.on_record
+        for rec in records:
+            if rec and rec[0] in _DIRECTORY_TAGS:
+                try:
+                    d.apply_record(rec)
+                except Exception as exc:
+                    log.error("standby %s: bad record %r: %s", self.instance_id, rec[:2], exc)
+            elif on_record is not None:
+                on_record(rec)
+        if self.journal is not None:
+            self.journal.append_many(r for r in records if r and r[0] in _DIRECTORY_TAGS)
+        self.log.append(rec_epoch, first, records)
+        self.stats.batches += 1
+        self.stats.records += len(records)
+        return self.state is SinkState.STREAMING
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+
+
+def promote_directory(d: Directory, now: float | None = None) -> int:
+    """Make a standby's directory serve: every replicated segment active, its
+    owner treated as just seen (it has ``client_ttl`` to ping the new
+    leader), journaling on. Return the number of segments activated."""
+    t = d.clock() if now is None else now
+    n = 0
+    for seg in d.segments.values():
+        if seg.state == SegState.AWAITING:
+            d._activate(seg)
+            n += 1
+        d.clients[seg.owner] = t
+    d.awaiting.clear()
+    d.journaling = True
+    d.records.clear()
+    return n

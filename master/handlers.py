@@ -1,0 +1,646 @@
+"""The master's op handlers: request Struct in, reply Struct out, no sockets.
+
+:class:`OpHandlers` serves every op of :data:`kvpool.core.protocol.OPS`
+against a :class:`~kvpool.master.directory.Directory`: one method per op,
+named after it (``Op.BATCH_PUT_START`` -> ``batch_put_start``), taking the
+decoded request and returning the reply or raising :class:`KVPoolError`.
+:meth:`OpHandlers.handle_payload` is the whole request path (decode, run,
+encode, count) as bytes in, bytes out: the event loop calls it for ZeroMQ
+and Unix-socket frames alike, and tests call it without any socket.
+
+The schema has already checked every type; what is left here are the
+checks that depend on configuration (key length, sizes, batch length,
+replica counts). Directory changes are appended to ``directory.records``;
+the caller commits them (durability) before it sends the replies.
+
+Capabilities: a reply that grants replicas carries one token per segment
+(and per ``MAX_RANGES`` ranges) in ``caps``; each replica points at its
+token (:class:`_Grants`). Signing is per batch and segment, not per key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.core import __version__
+from kvpool.core.capability import MAX_RANGES, CapabilitySigner, CapOp
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import (
+    OPS,
+    BatchExist,
+    BatchExistReply,
+    BatchGetReplicaList,
+    BatchGetReplicaListReply,
+    BatchGetSize,
+    BatchGetSizeReply,
+    BatchKeysReply,
+    BatchPutEnd,
+    BatchPutRevoke,
+    BatchPutStart,
+    BatchPutStartReply,
+    BatchRemove,
+    Empty,
+    Exist,
+    ExistReply,
+    GetReplicaList,
+    GetReplicaListReply,
+    GetSegments,
+    GetSegmentsReply,
+    GetSize,
+    GetSizeReply,
+    ListSegments,
+    ListSegmentsReply,
+    LocalEndpoint,
+    LocalEndpointReply,
+    MountSegment,
+    MountSegmentReply,
+    Ping,
+    PingReply,
+    PutEnd,
+    PutOptions,
+    PutRevoke,
+    PutStart,
+    PutStartReply,
+    Remove,
+    RemoveAll,
+    RemoveAllReply,
+    ReplicaDescriptor,
+    ReplicaStatus,
+    Reply,
+    Request,
+    SegmentDescriptor,
+    SegmentInfo,
+    SegmentKind,
+    Stats,
+    StatsReply,
+    TierTask,
+    TierTaskDone,
+    UnmountSegment,
+    decode_request,
+    encode_error,
+    encode_reply,
+    peek_id,
+)
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, SegState
+from kvpool.master.stats import LoopStats, OpCounters
+from kvpool.master.tiering import TieringPolicy
+
+__all__ = ["OpHandlers", "ServerInfo"]
+
+log = logging.getLogger(__name__)
+
+_PROCESSING = ReplicaStatus.PROCESSING
+_COMPLETE = ReplicaStatus.COMPLETE
+_CAP_WRITE = int(CapOp.WRITE)
+_CAP_READ = int(CapOp.READ)
+_FILE = SegmentKind.FILE
+_OK = 0
+_INVALID_KEY = int(ErrorCode.INVALID_KEY)
+_INVALID_PARAMS = int(ErrorCode.INVALID_PARAMS)
+_time_ns = time.time_ns  # capability expiry is wall-clock epoch ms (it crosses hosts)
+_NO_REPLICAS: list[ReplicaDescriptor] = []  # shared by every failed key of a reply
+
+
+def _never_open(_sid: str) -> None:
+    return None
+_STATS_FIELDS = frozenset(StatsReply.__struct_fields__)
+_CODE_NAMES = {int(c): c.name for c in ErrorCode}
+
+
+def _bad(msg: str, code: ErrorCode = ErrorCode.INVALID_PARAMS) -> KVPoolError:
+    return KVPoolError(msg, code)
+
+
+class ServerInfo:
+    """What the handlers learn from the process around them (the event loop,
+    durability, the admin endpoints). Defaults serve a socket-free test."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.loop = LoopStats()
+        #: persist the capability keys before a MOUNT reply hands one out
+        self.save_keys: Callable[[], None] = lambda: None
+        #: (path, instance) of the same-host socket, or None
+        self.local_endpoint: Callable[[], tuple[str, str] | None] = lambda: None
+        #: requests / connections served over the same-host socket
+        self.local_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        self.curve = False
+        self.curve_denied: Callable[[], int] = lambda: 0
+
+
+class _Grants:
+    """The capability tokens of one reply: ranges collected per segment while
+    replicas are built, one token signed per segment and MAX_RANGES ranges."""
+
+    __slots__ = ("caps", "exp", "op", "open", "signer")
+
+    def __init__(self, signer: CapabilitySigner | None, op: int, exp: int) -> None:
+        self.signer = signer
+        self.op = op
+        self.exp = exp
+        self.caps: list[bytes] = []
+        # segment id -> (index in caps, flat ranges) of its token still filling
+        self.open: dict[str, tuple[int, list[int]]] = {}
+
+    def slot(self, sid: str, off: int, size: int) -> int:
+        """Add ``[off, off + size)`` of ``sid``; the index of its token (-1: none)."""
+        signer = self.signer
+        if signer is None:
+            return -1
+        entry = self.open.get(sid)
+        if entry is None or len(entry[1]) >= 2 * MAX_RANGES:
+            if entry is not None:  # full: sign it now, open the next
+                self.caps[entry[0]] = signer.grant_ranges(sid, entry[1], self.op, self.exp)
+            entry = (len(self.caps), [])
+            self.caps.append(b"")
+            self.open[sid] = entry
+        flat = entry[1]
+        flat.append(off)
+        flat.append(size)
+        return entry[0]
+
+    def sign(self) -> list[bytes]:
+        """Sign the tokens still open; the reply's ``caps``."""
+        signer = self.signer
+        if signer is not None:
+            caps = self.caps
+            for sid, (i, flat) in self.open.items():
+                caps[i] = signer.grant_ranges(sid, flat, self.op, self.exp)
+            self.open.clear()
+        return self.caps
+
+
+class OpHandlers:
+    """Every op of the table, socket-free (see the module docstring)."""
+
+    def __init__(self, cfg: MasterConfig, directory: Directory, tiering: TieringPolicy,
+                 signer: CapabilitySigner | None, info: ServerInfo | None = None) -> None:
+        self.cfg = cfg
+        self.dir = directory
+        self.tiering = tiering
+        self.signer = signer
+        self.info = info or ServerInfo()
+        self.counters = OpCounters()
+        self.max_key = cfg.max_key_length
+        self.max_batch = cfg.max_batch_size
+        self.max_frame = cfg.max_frame_size
+        # a WRITE grant lasts as long as the put may (a big put over a slow link
+        # must not be cut off mid-way); READ grants last a read lease
+        ttl = cfg.capability_ttl_ms or cfg.lease_ttl_ms
+        self._read_ttl_ms = signer.ttl_ms if signer is not None else ttl
+        self._write_ttl_ms = max(ttl, int(cfg.put_start_discard_timeout_s * 1000))
+        self._run: dict[int, tuple[str, Callable[[Any], Reply]]] = {}
+        for op, spec in OPS.items():
+            fn = getattr(self, spec.handler_name, None)
+            if fn is None:
+                raise TypeError(f"OpHandlers has no handler {spec.handler_name!r} for {op.name}")
+            self._run[int(op)] = (op.name, fn)
+
+    # ================================================================ dispatch
+    def handle(self, req: Request[Any]) -> Reply:
+        """Run one decoded request (counted); raises KVPoolError on an error."""
+        name, fn = self._run[req.OP]
+        ops = self.counters.ops
+        ops[name] = ops.get(name, 0) + 1
+        return fn(req)
+
+    def handle_payload(self, payload: bytes) -> bytes:
+        """Decode one request frame, run it, encode the reply. Never raises."""
+        rid: int | None = None
+        name = "invalid"
+        try:
+            rid, spec, req = decode_request(payload, self.max_frame)
+            name, fn = self._run[spec.op]
+            ops = self.counters.ops
+            ops[name] = ops.get(name, 0) + 1
+            return encode_reply(rid, fn(req))
+        except KVPoolError as exc:
+            code = exc.code
+            text = str(exc)
+            rid = getattr(exc, "request_id", rid)
+            if code == ErrorCode.UNKNOWN_OP:
+                name = "unknown"
+        except Exception as exc:  # a bug: answer and keep serving
+            log.exception("internal error handling %s", name)
+            code = ErrorCode.INTERNAL_ERROR
+            text = f"{type(exc).__name__}: {exc}"
+        self.counters.error(name, code.name)
+        return encode_error(rid, code, text[:1000])
+
+    def too_many(self, payload: bytes) -> bytes:
+        """The reply to a request beyond ``max_inflight_per_client`` (not run)."""
+        c = self.counters
+        c.too_many_requests += 1
+        c.error("invalid", ErrorCode.TOO_MANY_REQUESTS.name)
+        return encode_error(
+            peek_id(payload), ErrorCode.TOO_MANY_REQUESTS,
+            f"more than {self.cfg.max_inflight_per_client} requests queued on this "
+            "connection; wait for replies before sending more")
+
+    def _count(self, name: str, codes: list[int]) -> None:
+        key_ops = self.counters.key_ops
+        key_ops[name] = key_ops.get(name, 0) + len(codes)
+        if any(codes):
+            err = self.counters.error
+            for c in codes:
+                if c:
+                    err(name, _CODE_NAMES.get(c, str(c)))
+
+    def _count_one(self, name: str) -> None:
+        key_ops = self.counters.key_ops
+        key_ops[name] = key_ops.get(name, 0) + 1
+
+    # ================================================================ checks
+    def _key(self, key: str) -> str:
+        if not key or len(key) > self.max_key:
+            raise _bad(f"key must be a non-empty string of at most {self.max_key} characters",
+                       ErrorCode.INVALID_KEY)
+        return key
+
+    def _batch(self, keys: list[Any]) -> None:
+        if len(keys) > self.max_batch:
+            raise _bad(f"batch of {len(keys)} exceeds max_batch_size {self.max_batch}")
+
+    @staticmethod
+    def _client(client_id: str) -> str:
+        if not client_id:
+            raise _bad("client_id must be a non-empty string")
+        return client_id
+
+    @staticmethod
+    def _raise(code: int, what: str) -> None:
+        if code:
+            raise KVPoolError(what, code)
+
+    def _options(self, o: PutOptions | None) -> tuple[int, int, list[str], int]:
+        """(replica_num, disk_replica_num, preferred, flags) of validated options."""
+        if o is None:
+            return 1, 0, [], 0
+        maxr = self.cfg.max_replica_num
+        rn, dn = o.replica_num, o.disk_replica_num
+        if not (0 <= rn <= maxr) or not (0 <= dn <= maxr) or rn + dn == 0:
+            raise _bad("bad replica_num/disk_replica_num")
+        if len(o.preferred_segments) > 64:
+            raise _bad("at most 64 preferred_segments")
+        return rn, dn, o.preferred_segments, \
+            (HARD_PIN if o.hard_pin else 0) | (SOFT_PIN if o.soft_pin else 0)
+
+    # ================================================================ segments
+    def ping(self, req: Ping) -> PingReply:
+        client_id = self._client(req.client_id)
+        d = self.dir
+        if req.heartbeat:
+            # from the client's guard process: its memory lives (it may be stalled)
+            return PingReply(False, known=d.heartbeat(client_id))
+        remount, ids = d.ping(client_id)
+        out = PingReply(remount, ids)
+        if self.tiering.tasks:  # SSD tier: copy tasks this node executes
+            wires, _segs = self.tiering.tasks_for(d, client_id)
+            if wires:
+                grants = _Grants(self.signer, _CAP_WRITE, self._task_expiry())
+                segs: dict[str, SegmentDescriptor] = {}
+                tasks = []
+                for w in wires:
+                    (src_id, src_off), (dst_id, dst_off) = w["src"], w["dst"]
+                    for sid in (src_id, dst_id):
+                        seg = d.segments.get(sid)
+                        if seg is not None:
+                            segs[sid] = seg.desc
+                    tasks.append(TierTask(w["id"], w["kind"], w["key"], w["size"], src_id,
+                                          src_off, dst_id, dst_off, int(w.get("ttl_ms", 0)),
+                                          grants.slot(dst_id, dst_off, w["size"])))
+                out.tasks = tasks
+                out.segments = segs
+                out.caps = grants.sign()
+        return out
+
+    def _task_expiry(self) -> int:
+        signer = self.signer
+        if signer is None:
+            return 0
+        return signer.expiry(max(signer.ttl_ms, int(self.cfg.tiering.task_timeout_s * 1000)))
+
+    def tier_task_done(self, req: TierTaskDone) -> Empty:
+        self._raise(self.tiering.complete(self.dir, self._client(req.client_id), req.task_id,
+                                          req.ok, req.error[:500]), "tier_task_done")
+        return Empty()
+
+    def mount_segment(self, req: MountSegment) -> MountSegmentReply:
+        client_id = self._client(req.client_id)
+        desc = req.segment
+        if desc.size <= 0 or desc.size > 1 << 50:
+            raise _bad("segment size out of range")
+        signer = self.signer
+        prev = self.dir.segments.get(desc.segment_id)
+        # re-adoption after a master restart keeps the persisted key (grants
+        # made before the restart stay valid); every other mount gets a new one
+        keep = (signer is not None and prev is not None and prev.state == SegState.AWAITING
+                and signer.has_key(desc.segment_id))
+        self.dir.mount(client_id, desc)
+        if signer is None:
+            return MountSegmentReply()
+        if keep:
+            key = signer.key_for(desc.segment_id)
+        else:
+            key = signer.rotate(desc.segment_id)
+            self.info.save_keys()  # durable before the reply hands the key out
+        return MountSegmentReply(key)
+
+    def unmount_segment(self, req: UnmountSegment) -> Empty:
+        if not req.segment_id:
+            raise _bad("segment_id must be a non-empty string")
+        self.dir.unmount(self._client(req.client_id), req.segment_id)
+        return Empty()
+
+    def get_segments(self, req: GetSegments) -> GetSegmentsReply:
+        self._batch(req.segment_ids)
+        segs = self.dir.segments
+        active = SegState.ACTIVE
+        out = {}
+        for i in req.segment_ids:
+            seg = segs.get(i)
+            if seg is not None and seg.state == active:
+                out[i] = seg.desc
+        return GetSegmentsReply(out)
+
+    def list_segments(self, req: ListSegments | None = None) -> ListSegmentsReply:
+        return ListSegmentsReply([
+            SegmentInfo(seg.desc, seg.alloc.used, seg.alloc.capacity,
+                        round(seg.alloc.fragmentation(), 4), seg.alloc.free_blocks,
+                        len(seg.keys), seg.state.name.lower())
+            for seg in list(self.dir.segments.values())])
+
+    def local_endpoint(self, req: LocalEndpoint) -> LocalEndpointReply:
+        ep = self.info.local_endpoint()
+        return LocalEndpointReply() if ep is None else LocalEndpointReply(*ep)
+
+    def stats(self, req: Stats | None = None) -> StatsReply:
+        d = dict(self.dir.stats())
+        extra = {k: d.pop(k) for k in list(d) if k not in _STATS_FIELDS}
+        info = self.info
+        loop = info.loop
+        local_requests, local_conns = info.local_counts()
+        signer = self.signer
+        return StatsReply(
+            **d, uptime_s=time.monotonic() - info.started, version=__version__,
+            pid=os.getpid(), loadavg=os.getloadavg()[0], curve=info.curve,
+            curve_denied=info.curve_denied(), capabilities=signer is not None,
+            capabilities_granted=signer.granted if signer is not None else 0,
+            too_many_requests=self.counters.too_many_requests,
+            snapshots=loop.snapshots, snapshot_in_progress=loop.snapshot_in_progress,
+            last_snapshot_pause_ms=loop.last_snapshot_pause_ms,
+            last_snapshot_pause_cpu_ms=loop.last_snapshot_pause_cpu_ms,
+            max_snapshot_step_ms=loop.max_snapshot_step_ms,
+            max_snapshot_step_cpu_ms=loop.max_snapshot_step_cpu_ms,
+            last_snapshot_duration_s=loop.last_snapshot_duration_s,
+            restored_objects=loop.restored_objects, max_loop_ms=loop.max_loop_ms,
+            journal_seq=loop.journal_seq, local_rpc_requests=local_requests,
+            local_rpc_connections=local_conns, tiering=dict(self.tiering.stats()),
+            extra=extra)
+
+    # ================================================================ put
+    def _grants(self, op: int) -> _Grants:
+        ttl = self._write_ttl_ms if op == _CAP_WRITE else self._read_ttl_ms
+        return _Grants(self.signer, op, _time_ns() // 1_000_000 + ttl)
+
+    @staticmethod
+    def _replicas(reps: tuple[Any, ...], size: int, status: ReplicaStatus,
+                  segs: dict[str, SegmentDescriptor], grants: _Grants) -> list[ReplicaDescriptor]:
+        """Descriptors of the flat ``(segment, offset, ...)`` replicas, each
+        pointing at the token that covers it."""
+        slot = grants.slot
+        out = []
+        for i in range(0, len(reps), 2):
+            seg = reps[i]
+            sid = seg.id
+            if sid not in segs:
+                segs[sid] = seg.desc
+            off = reps[i + 1]
+            out.append(ReplicaDescriptor(sid, off, size, status, slot(sid, off, size)))
+        return out
+
+    def put_start(self, req: PutStart) -> PutStartReply:
+        client_id = self._client(req.client_id)
+        key = self._key(req.key)
+        size = req.size
+        if size <= 0 or size > self.cfg.max_object_size:
+            raise _bad("size must be an int in [1, max_object_size]")
+        rn, dn, pref, flags = self._options(req.options)
+        self._count_one("put_start")
+        code, p = self.dir.put_start(client_id, key, size, rn, pref, flags, req.checksum, dn)
+        self._raise(code, "put_start failed")
+        segs: dict[str, SegmentDescriptor] = {}
+        grants = self._grants(_CAP_WRITE)
+        reps = self._replicas(p.replicas, size, _PROCESSING, segs, grants)
+        return PutStartReply(reps, segs, grants.sign())
+
+    def batch_put_start(self, req: BatchPutStart) -> BatchPutStartReply:
+        client_id = self._client(req.client_id)
+        keys, sizes, checksums = req.keys, req.sizes, req.checksums
+        n = len(keys)
+        self._batch(keys)
+        if len(sizes) != n or (checksums is not None and len(checksums) != n):
+            raise _bad("keys, sizes and checksums must have the same length")
+        rn, dn, pref, flags = self._options(req.options)
+        simple = rn == 1 and dn == 0 and not pref and not flags and checksums is None
+        put_start = self.dir.put_start
+        max_key, max_size = self.max_key, self.cfg.max_object_size
+        segs: dict[str, SegmentDescriptor] = {}
+        grants = self._grants(_CAP_WRITE)
+        slot = grants.slot
+        # the token still filling for a segment, used inline below (as slot() would)
+        open_get = grants.open.get if grants.signer is not None else _never_open
+        full = 2 * MAX_RANGES
+        codes = [0] * n
+        out: list[list[ReplicaDescriptor]] = [_NO_REPLICAS] * n
+        for i in range(n):
+            key = keys[i]
+            size = sizes[i]
+            if not key or len(key) > max_key:
+                codes[i] = _INVALID_KEY
+                continue
+            if size <= 0 or size > max_size:
+                codes[i] = _INVALID_PARAMS
+                continue
+            if simple:
+                code, p = put_start(client_id, key, size)
+            else:
+                code, p = put_start(client_id, key, size, rn, pref, flags,
+                                    None if checksums is None else checksums[i], dn)
+            if code:
+                codes[i] = int(code)
+                continue
+            reps = p.replicas
+            if len(reps) == 2:  # one replica (the common case), inlined
+                seg = reps[0]
+                sid = seg.id
+                off = reps[1]
+                entry = open_get(sid)
+                if entry is None or len(entry[1]) >= full:
+                    cap = slot(sid, off, size)
+                    segs[sid] = seg.desc
+                else:
+                    cap = entry[0]
+                    entry[1].extend((off, size))
+                out[i] = [ReplicaDescriptor(sid, off, size, _PROCESSING, cap)]
+            else:
+                out[i] = self._replicas(reps, size, _PROCESSING, segs, grants)
+        self._count("put_start", codes)
+        return BatchPutStartReply(codes, out, segs, grants.sign())
+
+    def put_end(self, req: PutEnd) -> Empty:
+        code = self.dir.put_end(self._client(req.client_id), self._key(req.key))
+        self._count_one("put_end")
+        self._raise(code, "put_end")
+        return Empty()
+
+    def put_revoke(self, req: PutRevoke) -> Empty:
+        self._raise(self.dir.put_revoke(self._client(req.client_id), self._key(req.key)),
+                    "put_revoke")
+        return Empty()
+
+    def _keyed(self, name: str, keys: list[str], fn: Callable[[str], int]) -> BatchKeysReply:
+        self._batch(keys)
+        max_key = self.max_key
+        codes = [int(fn(k)) if k and len(k) <= max_key else _INVALID_KEY for k in keys]
+        self._count(name, codes)
+        return BatchKeysReply(codes)
+
+    def batch_put_end(self, req: BatchPutEnd) -> BatchKeysReply:
+        client_id = self._client(req.client_id)
+        keys = req.keys
+        self._batch(keys)
+        put_end = self.dir.put_end
+        max_key = self.max_key
+        codes = [put_end(client_id, k) if k and len(k) <= max_key else _INVALID_KEY
+                 for k in keys]
+        self._count("put_end", codes)
+        return BatchKeysReply(codes)
+
+    def batch_put_revoke(self, req: BatchPutRevoke) -> BatchKeysReply:
+        client_id = self._client(req.client_id)
+        revoke = self.dir.put_revoke
+        return self._keyed("put_revoke", req.keys, lambda k: revoke(client_id, k))
+
+    # ================================================================ reads
+    def get_replica_list(self, req: GetReplicaList) -> GetReplicaListReply:
+        key = self._key(req.key)
+        self._count_one("get_replica_list")
+        code, val = self.dir.get_replicas(key)
+        self._raise(code, "get_replica_list")
+        obj, reps = val
+        if reps[0].kind is _FILE:  # served from disk: maybe promote (SSD tier)
+            self.tiering.on_disk_hit(self.dir, key, obj, reps)
+        segs: dict[str, SegmentDescriptor] = {}
+        grants = self._grants(_CAP_READ)
+        replicas = self._replicas(reps, obj.size, _COMPLETE, segs, grants)
+        return GetReplicaListReply(obj.size, self.cfg.lease_ttl_ms, replicas, obj.checksum,
+                                   segs, grants.sign())
+
+    def batch_get_replica_list(self, req: BatchGetReplicaList) -> BatchGetReplicaListReply:
+        keys = req.keys
+        self._batch(keys)
+        n = len(keys)
+        get = self.dir.get_replicas
+        tiering = self.tiering
+        max_key = self.max_key
+        segs: dict[str, SegmentDescriptor] = {}
+        grants = self._grants(_CAP_READ)
+        slot = grants.slot
+        open_get = grants.open.get if grants.signer is not None else _never_open
+        full = 2 * MAX_RANGES
+        codes = [0] * n
+        sizes = [0] * n
+        out: list[list[ReplicaDescriptor]] = [_NO_REPLICAS] * n
+        checksums: list[Any] | None = None
+        for i in range(n):
+            key = keys[i]
+            if not key or len(key) > max_key:
+                codes[i] = _INVALID_KEY
+                continue
+            code, val = get(key)
+            if code:
+                codes[i] = int(code)
+                continue
+            obj, reps = val
+            size = obj.size
+            sizes[i] = size
+            if obj.checksum is not None:
+                if checksums is None:
+                    checksums = [None] * n
+                checksums[i] = obj.checksum
+            seg = reps[0]
+            if seg.kind is _FILE:
+                tiering.on_disk_hit(self.dir, key, obj, reps)
+            if len(reps) == 2:
+                sid = seg.id
+                if sid not in segs:
+                    segs[sid] = seg.desc
+                off = reps[1]
+                entry = open_get(sid)
+                if entry is None or len(entry[1]) >= full:
+                    cap = slot(sid, off, size)
+                else:
+                    cap = entry[0]
+                    entry[1].extend((off, size))
+                out[i] = [ReplicaDescriptor(sid, off, size, _COMPLETE, cap)]
+            else:
+                out[i] = self._replicas(reps, size, _COMPLETE, segs, grants)
+        self._count("get_replica_list", codes)
+        return BatchGetReplicaListReply(codes, sizes, out, self.cfg.lease_ttl_ms,
+                                        checksums or [], segs, grants.sign())
+
+    def exist(self, req: Exist) -> ExistReply:
+        self._count_one("exist")
+        return ExistReply(self.dir.exist(self._key(req.key)))
+
+    def batch_exist(self, req: BatchExist) -> BatchExistReply:
+        keys = req.keys
+        self._batch(keys)
+        exist = self.dir.exist
+        max_key = self.max_key
+        codes = [0 if k and len(k) <= max_key else _INVALID_KEY for k in keys]
+        found = [exist(k) if not c else False for k, c in zip(keys, codes, strict=True)]
+        self._count("exist", codes)
+        return BatchExistReply(codes, found)
+
+    def get_size(self, req: GetSize) -> GetSizeReply:
+        code, size = self.dir.get_size(self._key(req.key))
+        self._raise(code, "get_size")
+        return GetSizeReply(size)
+
+    def batch_get_size(self, req: BatchGetSize) -> BatchGetSizeReply:
+        keys = req.keys
+        self._batch(keys)
+        get_size = self.dir.get_size
+        max_key = self.max_key
+        codes: list[int] = []
+        sizes: list[int] = []
+        for k in keys:
+            if not k or len(k) > max_key:
+                codes.append(_INVALID_KEY)
+                sizes.append(0)
+                continue
+            code, size = get_size(k)
+            codes.append(int(code))
+            sizes.append(size or 0)
+        self._count("get_size", codes)
+        return BatchGetSizeReply(codes, sizes)
+
+    # ================================================================ remove
+    def remove(self, req: Remove) -> Empty:
+        self._raise(self.dir.remove(self._key(req.key), req.force), "remove")
+        return Empty()
+
+    def batch_remove(self, req: BatchRemove) -> BatchKeysReply:
+        force = req.force
+        remove = self.dir.remove
+        return self._keyed("remove", req.keys, lambda k: remove(k, force))
+
+    def remove_all(self, req: RemoveAll) -> RemoveAllReply:
+        return RemoveAllReply(self.dir.remove_all(req.force))

@@ -1,0 +1,277 @@
+"""Journal replication between a leader's directory and standbys, over real
+ZeroMQ sockets on loopback: live batches, acks and the in-sync set,
+snapshots interleaved with live changes, tails after a leader change,
+divergent standbys, stale epochs, promotion."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import Directory
+from kvpool.master.ha.replication import (
+    ReplicaSink,
+    ReplicationSource,
+    SinkState,
+    promote_directory,
+)
+
+CFG = MasterConfig(data_dir=None, capabilities=False)
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)  # closes any socket a failed test left open
+
+
+class Leader:
+    """A directory driven like the master's loop: ops, then publish the records."""
+
+    def __init__(self, ctx: zmq.Context, epoch: int, d: Directory | None = None,
+                 src_log: Any = None) -> None:
+        self.d = d or Directory(CFG)
+        self.src = ReplicationSource(self.d, "tcp://127.0.0.1:0", epoch, src_log, ctx)
+        self.rng = random.Random(epoch)
+        self.n = 0
+
+    def commit(self) -> int:
+        recs = list(self.d.records)
+        self.d.records.clear()
+        return self.src.publish(recs)
+
+    def mount(self, sid: str, size: int = 64 << 20) -> None:
+        desc = SegmentDescriptor(sid, f"client-{sid}", "host", SegmentKind.MEMORY, size,
+                                 f"shm-{sid}")
+        self.d.mount(f"client-{sid}", desc)
+        self.commit()
+
+    def put(self, n: int, size: int = 4096) -> list[str]:
+        keys = []
+        for _ in range(n):
+            key = f"k{self.n:06d}"
+            self.n += 1
+            code, _p = self.d.put_start("writer", key, size)
+            assert code == 0
+            assert self.d.put_end("writer", key) == 0
+            keys.append(key)
+        self.commit()
+        return keys
+
+    def remove(self, keys: list[str]) -> None:
+        for k in keys:
+            assert self.d.remove(k, force=True) == 0
+        self.commit()
+
+
+def state(d: Directory) -> tuple[Any, ...]:
+    segs = sorted((s.id, s.alloc.used) for s in d.segments.values())
+    objs = {k: d.snapshot_record(k) for k in d.objects}
+    return segs, objs
+
+
+def pump(leader: Leader, sinks: list[ReplicaSink], until: Callable[[], bool],
+         timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        leader.src.poll()
+        for s in sinks:
+            s.poll(0.002)
+        if until():
+            return
+    raise AssertionError("replication did not converge in time")
+
+
+def sink_for(ctx: zmq.Context, name: str) -> ReplicaSink:
+    return ReplicaSink(Directory(CFG), name, context=ctx)
+
+
+def test_live_stream_acks_and_in_sync_set(ctx: zmq.Context) -> None:
+    leader = Leader(ctx, epoch=7)
+    sink = sink_for(ctx, "s1")
+    try:
+        sink.connect(leader.src.endpoint, 7)
+        pump(leader, [sink], lambda: "s1" in leader.src.standbys
+             and sink.state is SinkState.STREAMING)
+        leader.mount("seg-a")
+        leader.mount("seg-b")
+        keys = leader.put(300)
+        leader.remove(keys[::7])
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        assert state(sink.directory) == state(leader.d)
+        leader.src.add_sync("s1")
+        last = leader.put(50)[-1] and leader.src.last_lsn
+        assert leader.src.acked_lsn() < last  # not yet acknowledged by s1
+        pump(leader, [sink], lambda: leader.src.acked_lsn() == last)
+        assert state(sink.directory) == state(leader.d)
+        assert sink.log.last_lsn == last and sink.stats.snapshots == 0
+    finally:
+        sink.close()
+        leader.src.close()
+
+
+def test_in_sync_member_that_stops_acking_holds_replies_then_is_lagging(
+        ctx: zmq.Context) -> None:
+    leader = Leader(ctx, epoch=3)
+    sink = sink_for(ctx, "s1")
+    try:
+        sink.connect(leader.src.endpoint, 3)
+        leader.mount("seg-a")
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        leader.src.add_sync("s1")
+        leader.put(10)
+        last = leader.src.last_lsn
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.3:  # the standby is silent (not polling)
+            leader.src.poll()
+            time.sleep(0.01)
+        assert leader.src.acked_lsn() < last
+        assert leader.src.lagging(0.2) == ["s1"]
+        pump(leader, [sink], lambda: leader.src.acked_lsn() == last)
+        assert leader.src.lagging(0.2) == []
+        # removed from the set (after etcd said so): the leader alone suffices
+        leader.src.remove_sync("s1")
+        sink.close()
+        leader.put(5)
+        assert leader.src.acked_lsn() == leader.src.last_lsn
+    finally:
+        sink.close()
+        leader.src.close()
+
+
+def test_late_standby_gets_a_snapshot_interleaved_with_live_changes(ctx: zmq.Context) -> None:
+    leader = Leader(ctx, epoch=5)
+    leader.src.snapshot_slice_s = 0.0005  # many slices: live batches fall between them
+    leader.src.log.ring_limit = 1000  # the ring no longer holds the start: a snapshot
+    sink = sink_for(ctx, "late")
+    try:
+        leader.mount("seg-a", 256 << 20)
+        leader.mount("seg-b", 256 << 20)
+        keys = leader.put(4000, size=1024)
+        sink.connect(leader.src.endpoint, 5)
+        rounds = 0
+        while sink.state is not SinkState.STREAMING or rounds < 5:
+            leader.src.poll()
+            sink.poll(0.001)
+            # the leader keeps changing state while the snapshot streams
+            keys += leader.put(20, size=1024)
+            leader.remove([keys.pop(leader.rng.randrange(len(keys))) for _ in range(10)])
+            rounds += 1
+            assert rounds < 5000
+        assert rounds > 5
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["late"])
+        assert sink.stats.snapshots == 1
+        assert state(sink.directory) == state(leader.d)
+        assert len(sink.directory.objects) == len(leader.d.objects) == len(keys)
+    finally:
+        sink.close()
+        leader.src.close()
+
+
+def test_standby_refuses_an_older_epoch(ctx: zmq.Context) -> None:
+    old = Leader(ctx, epoch=10)
+    sink = sink_for(ctx, "s1")
+    try:
+        sink.connect(old.src.endpoint, 10)
+        old.mount("seg-a")
+        pump(old, [sink], lambda: old.src.caught_up() == ["s1"])
+        old.src.add_sync("s1")
+        sink.observe_epoch(12)  # etcd told the standby of a newer term
+        old.put(3)
+        pump(old, [sink], lambda: sink.state is SinkState.REFUSED and "s1" not in old.src.standbys)
+        assert old.src.acked_lsn() < old.src.last_lsn  # no ack can be collected
+        assert len(sink.directory.objects) == 0
+        # and a hello from a standby that knows a newer term is refused by the old leader
+        sink2 = sink_for(ctx, "s2")
+        sink2.observe_epoch(11)
+        sink2.connect(old.src.endpoint, 10)
+        pump(old, [sink2], lambda: sink2.state is SinkState.REFUSED)
+        assert "older" in sink2.refusal
+        sink2.close()
+    finally:
+        sink.close()
+        old.src.close()
+
+
+def test_leader_change_tail_for_a_prefix_snapshot_for_a_divergent_standby(
+        ctx: zmq.Context) -> None:
+    """s1 (in sync) is promoted; s2 holds a batch s1 never got (unacknowledged,
+    so never replied): it must be resynced by snapshot, not kept; s3, behind
+    but on the history, gets the tail."""
+    l1 = Leader(ctx, epoch=10)
+    s1, s2, s3 = (sink_for(ctx, n) for n in ("s1", "s2", "s3"))
+    try:
+        for s in (s1, s2, s3):
+            s.connect(l1.src.endpoint, 10)
+        l1.mount("seg-a")
+        keys = l1.put(100)
+        pump(l1, [s1, s2, s3], lambda: sorted(l1.src.caught_up()) == ["s1", "s2", "s3"])
+        s3.close()  # s3 stops here
+        l1.put(50)
+        pump(l1, [s1, s2], lambda: sorted(l1.src.caught_up()) == ["s1", "s2"])
+        s1.close()  # s1 stops; s2 gets one more batch that nobody else has
+        l1.remove(keys[:20])
+        l1.put(30)
+        pump(l1, [s2], lambda: l1.src.caught_up() == ["s2"])
+        assert s2.log.last_lsn > s1.log.last_lsn
+        l1.src.close()  # the old leader dies
+
+        d = s1.directory
+        promote_directory(d)
+        l2 = Leader(ctx, epoch=20, d=d, src_log=s1.log)
+        l2.n = 100_000  # new keys
+        expected_keys = set(d.objects)
+        l2.put(10)
+        for s in (s2, s3):
+            s.observe_epoch(20)
+            s.connect(l2.src.endpoint, 20)
+        pump(l2, [s2, s3], lambda: sorted(l2.src.caught_up()) == ["s2", "s3"])
+        assert s2.stats.snapshots == 1  # divergent: resynced
+        assert s3.stats.snapshots == 0  # a prefix: the tail was enough
+        for s in (s2, s3):
+            assert state(s.directory) == state(l2.d)
+        assert expected_keys <= set(s2.directory.objects)
+        assert all(k in s2.directory.objects for k in keys[:20])  # the unacked remove is gone
+        assert l2.src.log.history[-1][0] == 20 and s3.log.history == l2.src.log.history
+    finally:
+        for s in (s1, s2, s3):
+            s.close()
+
+
+def test_promoted_standby_serves_every_object_and_places_new_ones(ctx: zmq.Context) -> None:
+    leader = Leader(ctx, epoch=2)
+    sink = sink_for(ctx, "s1")
+    try:
+        sink.connect(leader.src.endpoint, 2)
+        leader.mount("seg-a")
+        leader.mount("seg-b")
+        keys = leader.put(200)
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        d = sink.directory
+        assert promote_directory(d) == 2
+        for k in keys:
+            code, val = d.get_replicas(k)
+            assert code == 0, (k, ErrorCode(code))
+            obj, _reps = val
+            assert obj.size == 4096
+        code, p = d.put_start("writer", "new-key", 4096)
+        assert code == 0 and p is not None
+        assert d.put_end("writer", "new-key") == 0
+        assert d.records  # journaled as a leader's directory
+        # no placement overlaps a replicated object
+        used = {(r.id, off) for k in d.objects for r, off in zip(d.objects[k].replicas[::2],
+                                                                 d.objects[k].replicas[1::2],
+                                                                 strict=True)}
+        assert len(used) == len(d.objects)
+    finally:
+        sink.close()
+        leader.src.close()
