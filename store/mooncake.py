@@ -34,6 +34,7 @@ from typing import Any
 
 from kvpool.core.auth import is_loopback
 from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import SegmentKind
 from kvpool.store.client import Client, Location, RangeRead, parts_checksum_ok
 from kvpool.store.config import (
     ClientConfig,
@@ -497,12 +498,12 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
         except KVPoolError:
             return False
         bind = client.config.bind_host
-        for seg in segments:
-            if int(seg.get("kind", 0)) != 1:
+        for info in segments:
+            seg = info.descriptor
+            if seg.kind != SegmentKind.FILE:
                 continue
-            endpoint = str(seg.get("endpoint", ""))
-            peer = endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
-            if seg.get("host_id") == client.host_id or peer == bind or (
+            peer = seg.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+            if seg.host_id == client.host_id or peer == bind or (
                     is_loopback(peer) and is_loopback(bind)):
                 return True
         return False
@@ -549,8 +550,8 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
             segments = client.list_segments()
         except KVPoolError:
             return False
-        return any(int(s.get("kind", 0)) == 0 and s.get("host_id") == client.host_id
-                   for s in segments)
+        return any(s.descriptor.kind == SegmentKind.MEMORY
+                   and s.descriptor.host_id == client.host_id for s in segments)
 
     def init_all(self, protocol: str, device_name: str,
                  mount_segment_size: int = _DEFAULT_SEGMENT) -> int:

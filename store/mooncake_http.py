@@ -61,8 +61,7 @@ class ClientHttpServer:
             try:
                 stats = client.stats()
                 for k in ("objects", "bytes_used", "bytes_capacity", "segments"):
-                    if k in stats:
-                        out[k] = stats[k]
+                    out[k] = getattr(stats, k)
             except Exception as exc:  # the summary must answer even when the master does not
                 out["error"] = str(exc)
         return out

@@ -20,6 +20,7 @@ import logging
 import sys
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvpool.store.mooncake import MooncakeDistributedStore, ReplicateConfig
@@ -75,7 +76,7 @@ def main() -> int:
             out = {"rc": rc, "sha": [hashlib.sha256(b"".join(b.tobytes() for b in bs)).hexdigest()
                                      for bs in bufs]}
         elif op == "stats":
-            out = dict(store._c().stats())
+            out = msgspec.structs.asdict(store._c().stats())
         elif op == "close":
             print(json.dumps({"rc": store.close()}), flush=True)
             return 0

@@ -22,6 +22,7 @@ from mooncake_reference import MOONCAKE_0313_MODULE_NAMES, MOONCAKE_0313_SIGNATU
 import kvpool.store.mooncake as mc
 from kvpool.cluster.processes import MasterProcess
 from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentKind
 from kvpool.store.mooncake import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 from kvpool.store.mooncake_async import MooncakeDistributedStoreAsync
 
@@ -78,10 +79,10 @@ class Counting:
     def __enter__(self) -> Counting:
         call, copy = self.client._call, self.client._copy_batch
 
-        def counted_call(op: object, **args: object) -> object:
+        def counted_call(request: object) -> object:
             self.rpcs += 1
-            self.ops.append(getattr(op, "name", str(op)))
-            return call(op, **args)  # type: ignore[arg-type]
+            self.ops.append(type(request).__name__)
+            return call(request)  # type: ignore[arg-type]
 
         def counted_copy(*a: object, **k: object) -> object:
             self.batches += 1
@@ -361,14 +362,14 @@ def test_multi_buffer_calls_cost_one_rpc_and_one_transfer_batch_each(
             assert writer.batch_put_from_multi_buffers(
                 keys, [[int(b.ctypes.data) for b in bs] for bs in src],
                 [[4096] * 8 for _ in keys]) == [0] * 32
-        assert w.ops == ["BATCH_PUT_START", "BATCH_PUT_END"]
+        assert w.ops == ["BatchPutStart", "BatchPutEnd"]
         # shm: the parts of each object are gathered in one copy, no engine batch at all
         assert w.batches == (1 if path == "tcp" else 0)
         with Counting(reader) as r:
             assert reader.batch_get_into_multi_buffers(
                 keys, [[int(b.ctypes.data) for b in bs] for bs in dst],
                 [[4096] * 8 for _ in keys]) == [8 * 4096] * 32
-        assert r.ops == ["BATCH_GET_REPLICA_LIST"] and r.batches == (1 if path == "tcp" else 0)
+        assert r.ops == ["BatchGetReplicaList"] and r.batches == (1 if path == "tcp" else 0)
         for i in range(32):
             for j in range(8):
                 assert np.array_equal(dst[i][j], src[i][j])
@@ -557,9 +558,10 @@ def test_ssd_offload_is_served_or_refused(master: MasterProcess, tmp_path: Path,
     assert s.setup("localhost", "P2PHANDSHAKE", SEG, SEG, "tcp", "", master.address,
                    enable_ssd_offload=True, ssd_offload_path=str(tmp_path / "ssd")) == 0
     try:
-        disk = [x for x in s._c().list_segments() if int(x.get("kind", 0)) == 1
-                and x["segment_id"] in s._c().segment_ids]
-        assert disk and disk[0]["size"] == 32 << 20
+        disk = [x.descriptor for x in s._c().list_segments()
+                if x.descriptor.kind == SegmentKind.FILE
+                and x.descriptor.segment_id in s._c().segment_ids]
+        assert disk and disk[0].size == 32 << 20
         assert (tmp_path / "ssd" / "slot-0" / "kvpool-segment.kvseg").exists()
         # a second store on the same path gets its own slot
         t = MooncakeDistributedStore()

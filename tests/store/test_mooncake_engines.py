@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+from kvpool.core.protocol import SegmentKind
 from kvpool.store.mooncake import (
     MooncakeDistributedStore,
     MooncakeHostMemAllocator,
@@ -188,8 +189,8 @@ def test_sglang_hicache_embedded_mha_and_mla(master: MasterProcess, tmp_path: Pa
     assert np.array_equal(out, mla)
     # the SSD offload it asked for is there (this store's own disk tier)
     segs = store._c().list_segments()
-    assert any(int(s.get("kind", 0)) == 1 and s["segment_id"] in store._c().segment_ids
-               for s in segs)
+    assert any(s.descriptor.kind == SegmentKind.FILE
+               and s.descriptor.segment_id in store._c().segment_ids for s in segs)
     # another tenant does not see team-a's pages
     other = MooncakeDistributedStore()
     assert other.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master.address,
@@ -205,8 +206,8 @@ def test_sglang_hicache_embedded_mha_and_mla(master: MasterProcess, tmp_path: Pa
     assert probe.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "",
                        master.address) == 0
     try:
-        live = {s["segment_id"] for s in probe._c().list_segments()
-                if int(s.get("kind", 0)) == 0}
+        live = {s.descriptor.segment_id for s in probe._c().list_segments()
+                if s.descriptor.kind == SegmentKind.MEMORY}
         assert seg_ids[0] not in live
     finally:
         probe.close()
