@@ -134,6 +134,7 @@ class Op(IntEnum):
     GET_SIZE = 15
     REMOVE = 16
     REMOVE_ALL = 17
+    REMOVE_BY_REGEX = 18
     BATCH_PUT_START = 30
     BATCH_PUT_END = 31
     BATCH_PUT_REVOKE = 32
@@ -425,6 +426,17 @@ class RemoveAllReply(Reply):
 @register(Op.REMOVE_ALL, RemoveAllReply, "remove every unleased object (every with force)")
 class RemoveAll(Request[RemoveAllReply]):
     force: bool = False
+
+
+@register(Op.REMOVE_BY_REGEX, RemoveAllReply,
+          "remove every unleased object (every with force) whose key starts with prefix and, "
+          "with prefix stripped, matches pattern (re.search; '' matches all); keys starting "
+          "with exclude_prefix are kept (INVALID_PARAMS for a bad pattern)")
+class RemoveByRegex(Request[RemoveAllReply]):
+    pattern: str
+    force: bool = False
+    prefix: str = ""
+    exclude_prefix: str = ""
 
 
 class BatchPutStartReply(Reply):

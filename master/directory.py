@@ -829,6 +829,22 @@ class Directory:
             self._remove_obj(k, o)
         return len(victims)
 
+    def remove_matching(self, match: Callable[[str], bool], force: bool = False,
+                        prefix: str = "", exclude_prefix: str = "") -> int:
+        """Remove every complete object whose key starts with ``prefix``, does
+        not start with ``exclude_prefix`` (when given) and, with ``prefix``
+        stripped, satisfies ``match``; leased ones only with ``force``. One
+        pass over the directory (as REMOVE_ALL). Return the count removed."""
+        now = self.clock()
+        cut = len(prefix)
+        victims = [(k, o) for k, o in self.objects.items()
+                   if (force or o.lease <= now) and k.startswith(prefix)
+                   and not (exclude_prefix and k.startswith(exclude_prefix))
+                   and match(k[cut:])]
+        for k, o in victims:
+            self._remove_obj(k, o)
+        return len(victims)
+
     # ---------------------------------------------------------------- eviction
     def _pool_bytes(self, obj: Obj, kind: SegmentKind) -> int:
         reps = obj.replicas

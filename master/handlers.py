@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,6 +69,7 @@ from kvpool.core.protocol import (
     Remove,
     RemoveAll,
     RemoveAllReply,
+    RemoveByRegex,
     ReplicaDescriptor,
     ReplicaStatus,
     Reply,
@@ -644,3 +646,15 @@ class OpHandlers:
 
     def remove_all(self, req: RemoveAll) -> RemoveAllReply:
         return RemoveAllReply(self.dir.remove_all(req.force))
+
+    def remove_by_regex(self, req: RemoveByRegex) -> RemoveAllReply:
+        if len(req.pattern) > self.max_key:
+            raise _bad(f"pattern longer than max_key_length {self.max_key}")
+        try:
+            search = re.compile(req.pattern).search
+        except re.error as exc:
+            raise _bad(f"bad pattern {req.pattern!r}: {exc}") from None
+        removed = self.dir.remove_matching(lambda k: search(k) is not None, req.force,
+                                           req.prefix, req.exclude_prefix)
+        self._count("remove", [0] * removed)
+        return RemoveAllReply(removed)

@@ -57,6 +57,7 @@ from kvpool.core.protocol import (
     PutStart,
     Remove,
     RemoveAll,
+    RemoveByRegex,
     ReplicaDescriptor,
     ReplicaStatus,
     Reply,
@@ -1437,6 +1438,14 @@ class Client:
             for i, code in zip(valid, res.codes, strict=True):
                 codes[i] = self._code(code)
         return codes
+
+    def remove_by_regex(self, pattern: str, force: bool = False, prefix: str = "",
+                        exclude_prefix: str = "") -> int:
+        """Remove every unleased object (every with ``force``) whose key starts
+        with ``prefix`` and, with it stripped, matches ``pattern`` (``re.search``;
+        "" matches all); keys starting with ``exclude_prefix`` stay. Returns the
+        count. StoreError(INVALID_PARAMS) for a bad pattern."""
+        return self._call(RemoveByRegex(pattern, bool(force), prefix, exclude_prefix)).removed
 
     def describe_segment(self, segment_id: str) -> SegmentDescriptor | None:
         """The descriptor of a segment this client has seen (its own, or one a

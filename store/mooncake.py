@@ -48,7 +48,7 @@ from kvpool.store.mooncake_admin import AdminCalls
 from kvpool.store.mooncake_core import (
     DEFAULT_TENANT,
     INVALID,
-    NOT_SUPPORTED,
+    TENANT_SEP,
     code_of,
     log,
     mooncake_code,
@@ -795,23 +795,21 @@ class MooncakeDistributedStore(ZeroCopyCalls, TensorCalls, AdminCalls):
             return [code_of(exc)] * len(keys)
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
-        """Remove every key matching ``regex_pattern``; the count, or a negative
-        code. NOT_SUPPORTED until the master can match keys itself (a client
-        cannot list the pool's keys)."""
-        log.warning("remove_by_regex(%r): not supported until the master matches keys "
-                    "itself", regex_pattern)
-        return NOT_SUPPORTED
+        """Remove every key of this store's tenant matching ``regex_pattern``
+        (``re.search`` on the key; unleased ones, or all with ``force``): the
+        count, or a negative code (-600 for a bad pattern). One master RPC."""
+        return self._remove_where(str(regex_pattern), force)
 
     def remove_all(self, force: bool = False) -> int:
-        """Remove every object (unleased ones, or all with ``force``); the count,
-        or a negative code. Within a non-default tenant: NOT_SUPPORTED until the
-        master can remove by tenant (all tenants' objects would go)."""
-        if self._prefix:
-            log.warning("remove_all in tenant %r: not supported until the master scopes it "
-                        "by tenant", self._tenant)
-            return NOT_SUPPORTED
+        """Remove every object of this store's tenant (unleased ones, or all
+        with ``force``): the count, or a negative code. One master RPC."""
+        return self._remove_where("", force)
+
+    def _remove_where(self, pattern: str, force: bool) -> int:
+        # the default tenant's keys are the ones without a tenant prefix
+        exclude = "" if self._prefix else TENANT_SEP
         try:
-            return self._c().remove_all(force=force)
+            return self._c().remove_by_regex(pattern, force, self._prefix, exclude)
         except KVPoolError as exc:
             return code_of(exc)
 

@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_TENANT",
     "INVALID",
     "NOT_SUPPORTED",
+    "TENANT_SEP",
     "MooncakeCore",
     "code_of",
     "mooncake_code",

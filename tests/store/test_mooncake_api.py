@@ -271,7 +271,12 @@ def test_remove_family(store: MooncakeDistributedStore) -> None:
         int(ErrorCode.OBJECT_HAS_LEASE), 0, NOT_FOUND]
     assert store.remove("r1") == int(ErrorCode.OBJECT_HAS_LEASE)
     assert store.remove("r1", True) == 0 and store.remove("r1") == NOT_FOUND
-    assert store.remove_by_regex("^r") == int(ErrorCode.NOT_SUPPORTED)
+    assert store.put_batch(["user_session_1", "user_session_2", "keep_me"], [b"a", b"b", b"c"]) == 0
+    assert store.remove_by_regex("^user_session_.*") == 2  # the API reference's example
+    assert store.batch_is_exist(["user_session_1", "user_session_2", "keep_me"]) == [0, 0, 1]
+    assert store.remove_by_regex("[") == INVALID  # a pattern that does not compile
+    assert store.is_exist("keep_me") == 1  # read lease
+    assert store.remove_by_regex("keep") == 0 and store.remove_by_regex("keep", True) == 1
     assert store.remove_all(True) >= 1 and store.is_exist("r3") == 0
 
 
@@ -286,10 +291,13 @@ def test_tenants_do_not_see_each_others_keys(
     assert d.put("shared", b"default") == 0 and a.get("shared") == b"from a"
     assert a.batch_is_exist(["shared", "other"]) == [1, 0]
     assert a.put("\x1ftenant-b\x1fshared", b"x") == INVALID  # no escaping the namespace
-    assert b.remove_all(True) == int(ErrorCode.NOT_SUPPORTED)  # needs the master's scoping
-    for s in (a, b):
-        assert s.remove("shared", True) == 0
-    assert d.remove("shared", True) == 0
+    # remove_all and remove_by_regex stay inside the caller's tenant
+    assert a.put("a-only", b"1") == 0 and d.put("d-only", b"2") == 0
+    assert b.remove_all(True) == 1
+    assert (a.get("shared"), b.get("shared"), d.get("shared")) == (b"from a", b"", b"default")
+    assert d.remove_by_regex("only$", True) == 1 and a.is_exist("a-only") == 1
+    assert d.remove_all(True) == 1 and a.batch_is_exist(["shared", "a-only"]) == [1, 1]
+    assert a.remove_all(True) == 2
 
 
 # ---------------------------------------------------------------------- zero copy

@@ -197,7 +197,8 @@ def test_sglang_hicache_embedded_mha_and_mla(master: MasterProcess, tmp_path: Pa
                        tenant_id="team-b") == 0
     assert other.batch_is_exist(keys[:2]) == [0, 0]
     other.close()
-    # clear() -> remove_all within a tenant needs the master's scoping
+    # clear() -> remove_all: this tenant's objects only
+    assert store.remove_all(True) == 1 + len(keys) + pages
     seg_ids = store._c().segment_ids
     # SGLang never calls close(): the dropped store unmounts its memory segment
     del store
@@ -211,6 +212,26 @@ def test_sglang_hicache_embedded_mha_and_mla(master: MasterProcess, tmp_path: Pa
         assert seg_ids[0] not in live
     finally:
         probe.close()
+
+
+def test_sglang_check_server_polls_get_all_segments(tmp_path: Path) -> None:
+    import urllib.request
+
+    from kvpool.cluster.processes import find_free_port
+
+    port = find_free_port()
+    with MasterProcess(data_dir=str(tmp_path), metrics_port=port) as m:
+        url = f"http://{m.address.rsplit(':', 1)[0]}:{port}/get_all_segments"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.read() == b""  # SGLang keeps waiting while the text is empty
+        store = MooncakeDistributedStore()
+        assert store.setup("localhost", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "",
+                           m.address) == 0
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                assert r.read().decode().splitlines() == [store.get_hostname()]
+        finally:
+            store.close()
 
 
 def test_sglang_standalone_mode_beside_a_node_daemon(master: MasterProcess) -> None:
