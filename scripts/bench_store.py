@@ -25,16 +25,26 @@ table and the targets:
 through the Mooncake-compatible class; multi-buffer records carry
 ``ratio_multi_to_single`` (GB/s over the whole run) and
 ``ratio_p50_multi_to_single`` (by median call time).
+
+Cross-host mode (root; see the "cross-host mode" section below): the holder
+in one network namespace, the clients in another, tcp over veth, with
+iperf3 / socket-stream limits, TCP retransmits and, optionally, Mooncake
+measured the same way in the same run::
+
+    .venv/bin/python scripts/bench_store.py --cross-host --json out/xhost.json \
+        [--mooncake /path/to/venv/bin/python] [--link veth] [--rps] [--profile DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -69,11 +79,11 @@ def _record(transport: str, op: str, size: int, batch: int, lat: list[float],
 
 # ----------------------------------------------------------------------------- workers
 
-def _worker(conn: Connection, master: str) -> None:
+def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> None:
     """A pure client in its own process, driven over ``conn``.
 
     Commands: ("run", transport, op, size, batch, n, tag) -> record;
-    ("quit",) -> None.
+    ("quit",) -> None. ``client_kw``: extra ClientConfig fields (cross-host mode).
     """
     from kvpool.core.config import setup_logging
     from kvpool.store import Client, ClientConfig
@@ -85,7 +95,8 @@ def _worker(conn: Connection, master: str) -> None:
     def client(transport: str) -> Client:
         if transport not in clients:
             over = FORCE_TCP if transport == "tcp" else {}
-            c = Client(ClientConfig(master_address=master, transfer_overrides=over)).setup()
+            c = Client(ClientConfig(master_address=master, transfer_overrides=over,
+                                    **(client_kw or {}))).setup()
             for i in range(200):  # warm-up: RPC path (local socket switch), caches
                 c.exists(f"bench-warmup/{i}")
             clients[transport] = c
@@ -442,9 +453,10 @@ def _show(rec: dict[str, Any]) -> None:
 
 def _find(records: list[dict[str, Any]], transport: str, op: str, size: int,
           batch: int = 1) -> dict[str, Any] | None:
+    """The record of a measurement (None when missing, failed or errored)."""
     for r in records:
         if (r["transport"], r["op"], r["size"], r["batch"]) == (transport, op, size, batch):
-            return r
+            return None if r.get("failed") or r.get("error") else r
     return None
 
 
@@ -521,6 +533,786 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
     print(f"plot written to {path}", file=sys.stderr)
 
 
+# ----------------------------------------------------------------------------- cross-host mode
+#
+# ``--cross-host``: the holder (master + node daemon) runs in network namespace
+# "holder", the putter and getter in namespace "client". The two hosts are joined
+# the way the chaos suite joins them (tests/support/netns.Topology): each has one
+# veth whose peer is a port of a Linux bridge in a third namespace, i.e. two hosts
+# on one switch. Every byte therefore takes the tcp transport over real veth
+# links. In the same run: iperf3 with XHOST_STREAMS streams in both directions
+# (skipped with a message when iperf3 is not installed), a Python socket test
+# with the same request sizes over 1 and XHOST_STREAMS connections, a 4 KiB
+# socket round trip, and the hosts' TCP counters (retransmits) per measurement.
+
+XHOST_PORT = 50051
+XHOST_STREAMS = 2
+XHOST_IPERF_PORT = 5201
+# TCP counters kept per measurement (deltas over both namespaces)
+# (TCPDSACKRecvSegs: retransmitted segments the receiver already had, i.e.
+# spurious; TCPSACKReorder / TCPFullUndo: reordering detected, cwnd cut undone)
+_TCP_COUNTERS = ("RetransSegs", "TCPLostRetransmit", "TCPTimeouts", "TCPSpuriousRTOs",
+                 "TCPFastRetrans", "TCPSlowStartRetrans", "TCPBacklogDrop", "TCPRcvQDrop",
+                 "TCPZeroWindowDrop", "TCPRcvPruned", "TCPOFODrop", "TCPDSACKRecv",
+                 "TCPDSACKRecvSegs", "TCPDSACKOldSent", "TCPSackRecovery", "TCPSACKReorder",
+                 "TCPFullUndo", "TCPLossProbes", "TCPRetransFail", "TCPSpuriousRtxHostQueues",
+                 "OutSegs", "InSegs")
+
+
+class _StdioConn:
+    """A worker's end of the driver channel: JSON lines over the real stdout and
+    stdin (fd 1 is pointed at stderr so stray output cannot corrupt it)."""
+
+    def __init__(self) -> None:
+        self._out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+
+    def recv(self) -> Any:
+        line = sys.stdin.readline()
+        return json.loads(line) if line else ["quit"]
+
+    def send(self, obj: Any) -> None:
+        self._out.write(json.dumps(obj) + "\n")
+        self._out.flush()
+
+
+class _NsProc:
+    """A helper process in a namespace, asked over JSON lines (see _StdioConn)."""
+
+    def __init__(self, host: Any, argv: list[str], log_path: str) -> None:
+        import queue
+
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = host.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=self._log, text=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def recv(self, timeout: float) -> Any:
+        import queue
+
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"no answer within {timeout}s; log {self.log_path}") from None
+            if line is None:
+                raise RuntimeError(f"helper exited ({self.proc.poll()}); log {self.log_path}:"
+                                   f"\n{_tail(self.log_path)}")
+            if line.startswith(("{", "[")):  # py-spy (--profile) chats on the same stdout
+                return json.loads(line)
+
+    def ask(self, *cmd: Any, timeout: float = 120.0) -> Any:
+        self.send(*cmd)
+        rep = self.recv(timeout)
+        if isinstance(rep, dict) and "error" in rep:
+            raise RuntimeError(f"{cmd[:5]}: {rep['error']}")
+        return rep
+
+    def send(self, *cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(list(cmd)) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("quit")
+                self.proc.wait(10)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self._log.close()
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def _tcp_counters(host: Any) -> dict[str, int]:
+    """The namespace's TCP/IP counters (/proc/net/snmp and /proc/net/netstat
+    read from inside it: they are per network namespace)."""
+    out: dict[str, int] = {}
+    r = host.run(["cat", "/proc/net/snmp", "/proc/net/netstat"], timeout=10)
+    lines = r.stdout.splitlines()
+    for head, vals in zip(lines[::2], lines[1::2], strict=False):
+        names, nums = head.split()[1:], vals.split()[1:]
+        for k, v in zip(names, nums, strict=False):
+            if k in _TCP_COUNTERS:
+                out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+def _softnet_drops() -> int:
+    """Packets dropped by full per-CPU input backlogs (veth delivers through
+    them; such drops appear on no link's counters). Host-wide."""
+    with open("/proc/net/softnet_stat") as f:
+        return sum(int(line.split()[1], 16) for line in f if line.strip())
+
+
+def _link_drops(topo: Any) -> dict[str, int]:
+    """Dropped packets on every link of the topology (host veths, bridge ports)."""
+    drops: dict[str, int] = {}
+    for ns in topo.netns_names():
+        r = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show"], capture_output=True,
+                           text=True, timeout=10)
+        for link in json.loads(r.stdout or "[]"):
+            st = link.get("stats64") or link.get("stats") or {}
+            n = sum(int(st.get(d, {}).get("dropped", 0)) for d in ("rx", "tx"))
+            drops[f"{ns.rsplit('-', 1)[-1]}/{link.get('ifname')}"] = n
+    return drops
+
+
+class _Counters:
+    """TCP counter deltas of both namespaces around one measurement (plus the
+    host's backlog drops, as ``SoftnetDrops``)."""
+
+    def __init__(self, hosts: list[Any]) -> None:
+        self.hosts = hosts
+        self.before = [_tcp_counters(h) for h in hosts]
+        self.softnet = _softnet_drops()
+
+    def delta(self) -> dict[str, int]:
+        out: dict[str, int] = {"SoftnetDrops": _softnet_drops() - self.softnet}
+        for h, b in zip(self.hosts, self.before, strict=True):
+            for k, v in _tcp_counters(h).items():
+                out[k] = out.get(k, 0) + v - b.get(k, 0)
+        return {k: v for k, v in out.items() if v}
+
+
+def _xhost_sockserver() -> None:
+    """In the holder namespace: a raw TCP peer for the socket limits. Prints its
+    port, then serves each connection in a thread. Request ``op (1 byte) + length
+    (8 bytes LE)``: ``W`` the client sends that many bytes, reply 1 byte; ``R``
+    reply that many bytes; ``P`` (ping) the client sends that many bytes, reply
+    8 bytes."""
+    srv = socket.create_server((sys.argv[sys.argv.index("--xhost-sockserver") + 1], 0))
+    print(srv.getsockname()[1], flush=True)
+    payload = memoryview(bytearray(max(SIZES)))
+
+    def serve(s: socket.socket) -> None:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sink = memoryview(bytearray(max(SIZES)))
+        with s:
+            while True:
+                hdr = s.recv(9, socket.MSG_WAITALL)
+                if len(hdr) < 9:
+                    return
+                op, n = hdr[:1], int.from_bytes(hdr[1:], "little")
+                if op in (b"W", b"P"):
+                    got = 0
+                    while got < n:
+                        k = s.recv_into(sink[got:n])
+                        if not k:
+                            return
+                        got += k
+                    s.sendall(b"k" if op == b"W" else b"pongpong")
+                else:
+                    s.sendall(payload[:n])
+
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _xhost_prober() -> None:
+    """In the client namespace: socket limits towards the holder and REMOVE_ALL
+    at the master, driven over stdin/stdout (_StdioConn)."""
+    conn = _StdioConn()
+    master = sys.argv[sys.argv.index("--xhost-prober") + 1]
+    store: Any = None
+    while True:
+        msg = conn.recv()
+        try:
+            if msg[0] == "quit":
+                if store is not None:
+                    store.close()
+                return
+            if msg[0] == "remove_all":  # through the store's public API
+                if store is None:
+                    from kvpool.core.auth import CurveConfig
+                    from kvpool.store import Client, ClientConfig
+
+                    store = Client(ClientConfig(master_address=master, host_id="prober",
+                                                curve=CurveConfig(enabled=False))).setup()
+                conn.send({"removed": store.remove_all(force=True)})
+            elif msg[0] == "streams":
+                conn.send(_socket_streams(*msg[1:]))
+            elif msg[0] == "rtt":
+                conn.send(_socket_rtt(*msg[1:]))
+            else:
+                conn.send({"error": f"unknown command {msg[0]!r}"})
+        except Exception as exc:  # report to the driver instead of hanging it
+            conn.send({"error": repr(exc)})
+
+
+def _connect(addr: str, port: int) -> socket.socket:
+    s = socket.create_connection((addr, port), timeout=30)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def _socket_streams(addr: str, port: int, streams: int, size: int, seconds: float,
+                    op: str) -> dict[str, Any]:
+    """``streams`` connections, each doing ``size``-byte W (client -> holder) or R
+    (holder -> client) requests back to back for ``seconds``: the link limit of
+    request/response traffic as a plain Python program moves it."""
+    socks = [_connect(addr, port) for _ in range(streams)]
+    payload = memoryview(bytearray(size))
+    lat: list[list[float]] = [[] for _ in socks]
+    stop = time.perf_counter() + seconds
+
+    def run(i: int) -> None:
+        s, buf = socks[i], memoryview(bytearray(max(size, 1)))
+        hdr = (b"W" if op == "write" else b"R") + size.to_bytes(8, "little")
+        while time.perf_counter() < stop:
+            t = time.perf_counter()
+            if op == "write":
+                s.sendall(hdr)
+                s.sendall(payload)
+                s.recv(1, socket.MSG_WAITALL)
+            else:
+                s.sendall(hdr)
+                got = 0
+                while got < size:
+                    got += s.recv_into(buf[got:size])
+            lat[i].append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(socks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = time.perf_counter() - t0
+    for s in socks:
+        s.close()
+    all_lat = [x for part in lat for x in part]
+    rec = _record("socket", f"xhost_{op}", size, 1, all_lat, total)
+    rec["streams"] = streams
+    rec["bytes"] = len(all_lat) * size
+    return rec
+
+
+def _socket_rtt(addr: str, port: int, size: int, n: int) -> dict[str, Any]:
+    """``size`` bytes to the holder and an 8-byte answer, ``n`` times on one
+    connection: the floor of one request/reply exchange over the link."""
+    s = _connect(addr, port)
+    payload = bytes(size)
+    hdr = b"P" + size.to_bytes(8, "little")
+    lat = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = time.perf_counter()
+        s.sendall(hdr + payload)
+        s.recv(8, socket.MSG_WAITALL)
+        lat.append(time.perf_counter() - t)
+    total = time.perf_counter() - t0
+    s.close()
+    return _record("socket", "xhost_rtt", size, 1, lat, total)
+
+
+def _xhost_worker() -> None:
+    """In the client namespace: the local mode's _worker (a pure store client),
+    driven over stdin/stdout, with the host's own id and address and CURVE off
+    (the namespaces' addresses are private to this run)."""
+    from kvpool.core.auth import CurveConfig
+
+    i = sys.argv.index("--xhost-worker")
+    master, host_id, bind = sys.argv[i + 1:i + 4]
+    _worker(_StdioConn(), master, {"host_id": host_id, "bind_host": bind,
+                                   "curve": CurveConfig(enabled=False)})
+
+
+def _iperf3(topo: Any, streams: int, seconds: float, reverse: bool) -> dict[str, Any] | None:
+    """iperf3 with ``streams`` parallel streams client -> holder (``reverse``:
+    holder -> client); None (with a message) when iperf3 is not installed."""
+    import shutil
+
+    if shutil.which("iperf3") is None:
+        print("  iperf3 not installed (Debian: apt-get install iperf3): the iperf3 limit is "
+              "skipped; the Python socket streams remain the limit", file=sys.stderr)
+        return None
+    holder, client = topo.host("holder"), topo.host("client")
+    srv = holder.popen(["iperf3", "-s", "-1", "-B", holder.address, "-p",
+                        str(XHOST_IPERF_PORT)], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+    res: dict[str, Any] = {}
+    try:
+        for _ in range(50):  # until the server listens
+            r = client.run(["iperf3", "-c", holder.address, "-p", str(XHOST_IPERF_PORT),
+                            "-P", str(streams), "-t", str(seconds), "-J",
+                            *(["-R"] if reverse else [])], timeout=seconds + 30)
+            try:
+                res = json.loads(r.stdout).get("end", {})
+            except ValueError:
+                res = {}
+            if r.returncode == 0 and "sum_received" in res:
+                break
+            time.sleep(0.1)
+        else:
+            print(f"  iperf3 failed: {r.stdout[-500:]} {r.stderr[-500:]}", file=sys.stderr)
+            return None
+    finally:
+        topo.kill(srv)
+    bps = float(res["sum_received"]["bits_per_second"])
+    return {"transport": "iperf3", "op": "xhost_read" if reverse else "xhost_write",
+            "size": 0, "batch": 1, "gbps": round(bps / 8e9, 4), "ops_per_s": 0.0,
+            "p50_us": 0.0, "p99_us": 0.0, "streams": streams,
+            "retrans": int(res.get("sum_sent", {}).get("retransmits", 0)),
+            "bytes": int(res["sum_received"].get("bytes", 0))}
+
+
+def run_cross_host(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The cross-host mode (see the section comment): returns the records.
+
+    kvpool (and Mooncake with ``--mooncake``) run side by side on the same two
+    hosts; for each size the link's limits are measured first, then kvpool's
+    ops, then Mooncake's, so the load of this shared machine skews them alike.
+    """
+    import shutil
+    import tempfile
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(here), "tests"))
+    from support.netns import Topology, cleanup_stale, probe
+
+    cleanup_stale()
+    why = probe()
+    if why is not None:
+        raise SystemExit(f"cross-host mode needs network namespaces: {why}")
+    records: list[dict[str, Any]] = []
+    work = tempfile.mkdtemp(prefix="kvpool-bench-xhost-")
+    # a host id of this run only: its shared memory is found (and removed) by name
+    holder_id = f"xhost{os.getpid()}"
+    try:
+        with Topology(["holder", "client"], direct=args.link == "veth") as topo:
+            if args.rps:
+                _steer_flows(topo)
+            kv = _KvpoolSide(topo, args, work, holder_id)
+            mc = _MooncakeSide(topo, args, work) if args.mooncake else None
+            try:
+                kv.start()
+                if mc is not None:
+                    mc.start()
+                if not args.no_limits:
+                    records.append(_show_x(kv.prober.ask("rtt", kv.holder.address,
+                                                          kv.sock_port, 4096, 2000)))
+                for size in args.sizes:
+                    if not args.no_limits:
+                        records += _xhost_limits(topo, kv, size, args)
+                    records += _xhost_ops(topo, args, "tcp", kv.workers, kv.remove_all,
+                                          kv.holder_bytes, size)
+                    if mc is not None:
+                        records += _xhost_ops(topo, args, "mooncake", mc.workers,
+                                              mc.remove_all, kv.holder_bytes, size)
+            finally:
+                if mc is not None:
+                    mc.stop()
+                kv.stop()
+            drops = _link_drops(topo)
+            records.append({"transport": "links", "op": "dropped", "size": 0, "batch": 1,
+                            "gbps": 0.0, "ops_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0,
+                            "mode": "cross-host", "drops": drops})
+            print(f"  link drops: {drops}", file=sys.stderr)
+    finally:
+        _remove_shm(holder_id)
+        shutil.rmtree(work, ignore_errors=True)
+    return records
+
+
+def _show_x(rec: dict[str, Any]) -> dict[str, Any]:
+    rec["mode"] = "cross-host"
+    _show(rec)
+    return rec
+
+
+def _steer_flows(topo: Any) -> None:
+    """RPS on every link of the topology: each flow's packets are processed on one
+    CPU chosen by its hash, as a NIC's per-flow queue keeps them in order. By
+    default veth queues a packet on the sending CPU, so a sender that migrates
+    between CPUs mid-stream can reorder its own packets (and TCP retransmits
+    segments that were only late: DSACKed, TCPSACKReorder)."""
+    mask = format((1 << (os.cpu_count() or 1)) - 1, "x")
+    for ns in topo.netns_names():
+        r = subprocess.run(["ip", "-n", ns, "-j", "link", "show"], capture_output=True,
+                           text=True, timeout=10)
+        for link in json.loads(r.stdout or "[]"):
+            name = link.get("ifname", "")
+            if name and name != "lo" and link.get("link_type") != "loopback":
+                subprocess.run(["ip", "netns", "exec", ns, "sh", "-c",
+                                f"echo {mask} > /sys/class/net/{name}/queues/rx-0/rps_cpus"],
+                               capture_output=True, timeout=10)
+
+
+def _wait_file(path: str, what: str, logs: list[str], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready:\n" + "\n".join(_tail(f) for f in logs))
+        time.sleep(0.05)
+
+
+class _KvpoolSide:
+    """kvpool's master and holder daemon on "holder"; a socket peer for the limits
+    beside them; a prober and two store-client workers on "client"."""
+
+    def __init__(self, topo: Any, args: argparse.Namespace, work: str,
+                 holder_id: str) -> None:
+        from kvpool.core.config import parse_size
+
+        self.topo, self.args, self.work, self.holder_id = topo, args, work, holder_id
+        self.holder, self.client = topo.host("holder"), topo.host("client")
+        self.master = f"{self.holder.address}:{XHOST_PORT}"
+        self.holder_bytes = parse_size(args.holder_memory)
+        self.helpers: list[_NsProc] = []
+        self.started: list[subprocess.Popen[Any]] = []
+        self.daemon: subprocess.Popen[Any] | None = None
+        self.workers: dict[str, _NsProc] = {}
+        self.sock_port = 0
+
+    def _py(self, role: str) -> list[str]:
+        """The interpreter, under ``py-spy record`` with --profile (one file per role)."""
+        args = self.args
+        if not args.profile:
+            return [sys.executable]
+        os.makedirs(args.profile, exist_ok=True)
+        return [args.py_spy, "record", "--format", "raw", "--rate", "200", "--nonblocking",
+                "-o", os.path.join(os.path.abspath(args.profile), f"{role}.txt"), "--",
+                sys.executable]
+
+    def start(self) -> None:
+        me, work, holder = os.path.abspath(__file__), self.work, self.holder
+        mlog = open(os.path.join(work, "master.log"), "ab")
+        self.started.append(holder.popen(
+            [*self._py("master"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING",
+             "master", "--host", holder.address, "--port", str(XHOST_PORT), "--metrics-port",
+             "0", "--data-dir", os.path.join(work, "data"), "--curve", "off"],
+            stdout=mlog, stderr=subprocess.STDOUT))
+        ready = os.path.join(work, "holder.ready")
+        dlog = open(os.path.join(work, "holder.log"), "ab")
+        self.daemon = holder.popen(
+            [*self._py("holder"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING",
+             "client", "--master", self.master, "--memory", str(self.holder_bytes),
+             "--host-id", self.holder_id, "--bind-host", holder.address, "--ready-file", ready,
+             "--curve", "off"], stdout=dlog, stderr=subprocess.STDOUT)
+        self.started.append(self.daemon)
+        sock = holder.popen([sys.executable, me, "--xhost-sockserver", holder.address],
+                            stdout=subprocess.PIPE, text=True)
+        self.started.append(sock)
+        assert sock.stdout is not None
+        self.sock_port = int(sock.stdout.readline())
+        _wait_file(ready, "holder daemon", [os.path.join(work, "holder.log"),
+                                             os.path.join(work, "master.log")])
+        self.prober = _NsProc(self.client, [sys.executable, me, "--xhost-prober", self.master],
+                              os.path.join(work, "prober.log"))
+        self.helpers.append(self.prober)
+        for role in ("putter", "getter"):
+            self.workers[role] = _NsProc(
+                self.client, [*self._py(role), me, "--xhost-worker", self.master, "client",
+                              self.client.address], os.path.join(work, f"{role}.log"))
+            self.helpers.append(self.workers[role])
+
+    def remove_all(self) -> None:
+        self.prober.ask("remove_all")
+
+    def stop(self) -> None:
+        """Stop everything it started (a clean SIGTERM first for the holder)."""
+        import signal
+
+        for h in self.helpers:
+            h.close()
+        if self.args.profile:  # py-spy writes its file on SIGINT
+            for p in self.started:
+                self.topo.kill(p, signal.SIGINT, wait_s=30)
+        if self.daemon is not None:  # a clean stop unmounts and unlinks its segment
+            self.topo.kill(self.daemon, signal.SIGTERM, wait_s=20)
+        for p in self.started:
+            self.topo.kill(p)
+
+
+class _MooncakeSide:
+    """Mooncake measured the same way (``--mooncake PYTHON``: an interpreter with
+    mooncake-transfer-engine installed, ``mooncake_master`` beside it): its master
+    and a holder on "holder", two clients on "client", protocol tcp,
+    P2PHANDSHAKE metadata. Records have transport "mooncake"."""
+
+    def __init__(self, topo: Any, args: argparse.Namespace, work: str) -> None:
+        from kvpool.core.config import parse_size
+
+        self.topo, self.args, self.work = topo, args, work
+        self.holder, self.client = topo.host("holder"), topo.host("client")
+        self.master = f"{self.holder.address}:{XHOST_PORT + 1}"
+        self.holder_bytes = parse_size(args.holder_memory)
+        self.helpers: list[_NsProc] = []
+        self.started: list[subprocess.Popen[Any]] = []
+        self.workers: dict[str, _NsProc] = {}
+
+    def start(self) -> None:
+        me, work, mpy = os.path.abspath(__file__), self.work, self.args.mooncake
+        master_bin = os.path.join(os.path.dirname(mpy), "mooncake_master")
+        self.started.append(self.holder.popen(
+            [master_bin, f"--rpc_port={XHOST_PORT + 1}", "--enable_http_metadata_server=false",
+             "--metrics_port=19003"], stdout=open(os.path.join(work, "mc-master.log"), "ab"),
+            stderr=subprocess.STDOUT))
+        ready = os.path.join(work, "mc-holder.ready")
+        # twice kvpool's memory: Mooncake's remove_all leaves leased objects (lease
+        # TTL) behind, and with the same size its 16 MiB x 32 puts ran out of space
+        self.started.append(self.holder.popen(
+            [mpy, me, "--xhost-mc-holder", self.holder.address, self.master,
+             str(2 * self.holder_bytes), ready],
+            stdout=open(os.path.join(work, "mc-holder.log"), "ab"), stderr=subprocess.STDOUT))
+        _wait_file(ready, "Mooncake holder", [os.path.join(work, "mc-holder.log"),
+                                               os.path.join(work, "mc-master.log")])
+        for role in ("putter", "getter"):
+            self.workers[role] = _NsProc(self.client, [mpy, me, "--xhost-mc-worker",
+                                                       self.master, self.client.address],
+                                         os.path.join(work, f"mc-{role}.log"))
+            self.helpers.append(self.workers[role])
+
+    def remove_all(self) -> None:
+        self.workers["putter"].ask("remove_all")
+
+    def stop(self) -> None:
+        for h in self.helpers:
+            h.close()
+        for p in self.started:
+            self.topo.kill(p)
+
+
+def _xhost_ops(topo: Any, args: argparse.Namespace, transport: str,
+               workers: dict[str, _NsProc], remove_all: Any, holder_bytes: int,
+               size: int) -> list[dict[str, Any]]:
+    """Every op at ``size`` through ``workers`` ("putter" writes, "getter" reads
+    back what its write form stored), with the hosts' TCP counters."""
+    hosts = [topo.host("holder"), topo.host("client")]
+    records = []
+    for batch, ops in ((1, SINGLE_OPS), (args.batch, BATCH_OPS)):
+        n = _iters(size * batch, args.bytes_per_op, 3, args.max_iters)
+        n = max(3, n // batch) if batch > 1 and size < (64 << 10) else n
+        n = max(1, min(n, int(0.8 * holder_bytes) // (size * batch)))
+        for op in ops:
+            if args.ops and op not in args.ops and WRITE_OF.get(op) not in args.ops:
+                continue
+            if op in WRITE_OF:
+                tag = f"x/{WRITE_OF[op]}/{size}/{batch}"
+                role = "getter"
+            else:
+                remove_all()
+                tag = f"x/{op}/{size}/{batch}"
+                role = "putter"
+            ctr = _Counters(hosts)
+            try:
+                rec = workers[role].ask("run", transport, op, size, batch, n, tag,
+                                        timeout=args.op_timeout)
+            except RuntimeError as exc:  # recorded; the other measurements go on
+                print(f"  {transport} {op} {size} x{batch}: {exc}", file=sys.stderr)
+                records.append({"transport": transport, "op": op, "size": size,
+                                "batch": batch, "gbps": 0.0, "ops_per_s": 0.0,
+                                "p50_us": 0.0, "p99_us": 0.0, "mode": "cross-host",
+                                "error": str(exc)})
+                continue
+            rec["tcp"] = ctr.delta()
+            rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
+            rec["bytes"] = n * batch * size
+            records.append(_show_x(rec))
+    return records
+
+
+def _xhost_mc_holder() -> None:
+    """In the holder namespace, under Mooncake's interpreter: contribute memory."""
+    from mooncake.store import MooncakeDistributedStore
+
+    i = sys.argv.index("--xhost-mc-holder")
+    addr, master, size, ready = sys.argv[i + 1:i + 5]
+    s = MooncakeDistributedStore()
+    rc = s.setup(addr, "P2PHANDSHAKE", int(size), 16 << 20, "tcp", "", master)
+    if rc != 0:
+        raise SystemExit(f"Mooncake holder setup returned {rc}")
+    with open(ready, "w") as f:
+        f.write("ok")
+    threading.Event().wait()
+
+
+def _xhost_mc_worker() -> None:
+    """In the client namespace, under Mooncake's interpreter: the local mode's
+    worker protocol (("run", transport, op, size, batch, n, tag) -> record;
+    ("remove_all",); ("quit",)) through Mooncake's MooncakeDistributedStore."""
+    from mooncake.store import MooncakeDistributedStore
+
+    conn = _StdioConn()
+    i = sys.argv.index("--xhost-mc-worker")
+    master, addr = sys.argv[i + 1:i + 3]
+    s = MooncakeDistributedStore()
+    # the local buffer holds get()/get_batch() results and put() staging
+    rc = s.setup(addr, "P2PHANDSHAKE", 0, 1 << 30, "tcp", "", master)
+    if rc != 0:
+        conn.send({"error": f"Mooncake setup returned {rc}"})
+        return
+    for k in range(200):  # warm-up, as the kvpool worker does
+        s.is_exist(f"bench-warmup/{k}")
+    bufs: dict[tuple[int, int], list[np.ndarray]] = {}
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "quit":
+                break
+            if msg[0] == "remove_all":
+                conn.send({"removed": s.remove_all()})
+                continue
+            _, transport, op, size, batch, n, tag = msg
+            if (size, batch) not in bufs:
+                arrs = [np.random.default_rng(j).integers(0, 256, size, dtype=np.uint8)
+                        for j in range(batch)]
+                for a in arrs:
+                    assert s.register_buffer(a.ctypes.data, a.nbytes) == 0
+                bufs[(size, batch)] = arrs
+            arrs = bufs[(size, batch)]
+            ptrs, sizes = [a.ctypes.data for a in arrs], [size] * batch
+            values = [a.tobytes() for a in arrs] if op in ("put", "put_batch") else []
+            lat: list[float] = []
+            failed = 0  # keys whose call did not succeed (Mooncake returns codes)
+            t0 = time.perf_counter()
+            for it in range(n):
+                keys = [f"{tag}/{it}/{j}" for j in range(batch)]
+                t = time.perf_counter()
+                if op == "put":
+                    failed += s.put(keys[0], values[0]) != 0
+                elif op == "put_from":
+                    failed += s.put_from(keys[0], ptrs[0], size) != 0
+                elif op == "get":
+                    failed += len(s.get(keys[0])) != size
+                elif op == "get_into":
+                    failed += s.get_into(keys[0], ptrs[0], size) != size
+                elif op == "put_batch":
+                    failed += batch * (s.put_batch(keys, values) != 0)
+                elif op == "batch_put_from":
+                    failed += sum(x != 0 for x in s.batch_put_from(keys, ptrs, sizes))
+                elif op == "get_batch":
+                    failed += sum(len(v) != size for v in s.get_batch(keys))
+                elif op == "batch_get_into":
+                    failed += sum(r != size for r in s.batch_get_into(keys, ptrs, sizes))
+                lat.append(time.perf_counter() - t)
+            rec = _record(transport, op, size, batch, lat, time.perf_counter() - t0)
+            rec["failed"] = failed
+            conn.send(rec)
+    except Exception as exc:  # report to the driver instead of hanging it
+        conn.send({"error": repr(exc)})
+    finally:
+        s.close()
+
+
+def _remove_shm(host_id: str) -> None:
+    """Remove shared memory the holder of this run left behind (killed, not stopped)."""
+    import glob
+
+    for path in glob.glob(f"/dev/shm/kvpool-{host_id}_*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _xhost_limits(topo: Any, kv: _KvpoolSide, size: int,
+                  args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The link's limits right before the ops of ``size``: iperf3 both ways (its
+    records carry that size) and the Python socket streams of that size."""
+    hosts = [topo.host("holder"), topo.host("client")]
+    out: list[dict[str, Any]] = []
+    for reverse in (False, True):
+        ctr = _Counters(hosts)
+        rec = _iperf3(topo, XHOST_STREAMS, args.limit_seconds, reverse)
+        if rec is not None:
+            rec["size"] = size
+            rec["tcp"] = ctr.delta()
+            rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
+            out.append(_show_x(rec))
+    for streams in sorted({1, XHOST_STREAMS}):
+        for op in ("write", "read"):
+            ctr = _Counters(hosts)
+            rec = kv.prober.ask("streams", kv.holder.address, kv.sock_port, streams, size,
+                                min(args.limit_seconds, 2.0), op)
+            rec["tcp"] = ctr.delta()
+            rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
+            out.append(_show_x(rec))
+    return out
+
+
+def xhost_table(records: list[dict[str, Any]]) -> str:
+    """The table with the streams and the TCP retransmits (both hosts) of each record."""
+    head = f"{'transport':9} {'op':15} {'size':>9} {'batch':>5} {'GB/s':>8} {'keys/s':>10} " \
+           f"{'p50 us':>9} {'p99 us':>9} {'streams':>7} {'retrans':>8}"
+    lines = [head]
+    for r in records:
+        if r["transport"] == "links":
+            lines.append(f"links dropped: {r['drops']}")
+            continue
+        bad = f"  FAILED {r['failed']} keys" if r.get("failed") else \
+            (f"  ERROR {r['error'][:60]}" if r.get("error") else "")
+        lines.append(f"{r['transport']:9} {r['op']:15} {r['size']:>9} {r['batch']:>5} "
+                     f"{r['gbps']:8.3f} {r['ops_per_s']:10.0f} {r['p50_us']:9.1f} "
+                     f"{r['p99_us']:9.1f} {r.get('streams', ''):>7} {r.get('retrans', ''):>8}"
+                     f"{bad}")
+    return "\n".join(lines)
+
+
+def xhost_targets(records: list[dict[str, Any]], batch: int) -> list[tuple[str, float, float,
+                                                                           bool]]:
+    """(name, measured, target, ok) of the cross-host targets that were measured."""
+    out = []
+    big = 16 << 20
+    for op, lim_op in (("batch_put_from", "xhost_write"), ("batch_get_into", "xhost_read"),
+                       ("put_from", "xhost_write"), ("get_into", "xhost_read")):
+        r = _find(records, "tcp", op, big, batch if op.startswith("batch") else 1)
+        ip = _find(records, "iperf3", lim_op, big)
+        sk = [x for x in records if x["transport"] == "socket" and x["op"] == lim_op
+              and x["size"] == big]
+        lim = ip or (max(sk, key=lambda x: x["gbps"]) if sk else None)
+        if r and lim:
+            ratio = r["gbps"] / lim["gbps"]
+            name = f"16MiB {op} / {lim['transport']} x{lim.get('streams', 1)}"
+            out.append((name, ratio, 0.9, ratio >= 0.9))
+    for op in ("batch_put_from", "batch_get_into"):
+        r = _find(records, "tcp", op, 4096, batch)
+        if r:
+            out.append((f"4KiB {op} keys/s", r["ops_per_s"], 40000, r["ops_per_s"] >= 40000))
+            mc = _find(records, "mooncake", op, 4096, batch)
+            if mc and mc["ops_per_s"]:
+                ratio = r["ops_per_s"] / mc["ops_per_s"]
+                out.append((f"4KiB {op} / Mooncake", ratio, 2.0, ratio >= 2.0))
+    r = _find(records, "tcp", "put", 4096)
+    if r:
+        out.append(("4KiB put p50 us", r["p50_us"], 200, r["p50_us"] <= 200))
+        mc = _find(records, "mooncake", "put", 4096)
+        if mc:
+            out.append(("4KiB put p50 us, Mooncake (info)", mc["p50_us"], 200,
+                        mc["p50_us"] <= 200))
+    # retransmits per GiB moved: the store's against iperf3's over the same link
+    per_gib = {}
+    for t in ("tcp", "mooncake", "iperf3"):
+        rs = [x for x in records if x["transport"] == t and x.get("bytes")]
+        moved = sum(x["bytes"] for x in rs)
+        if moved:
+            per_gib[t] = sum(int(x.get("retrans", 0)) for x in rs) / (moved / (1 << 30))
+    if "tcp" in per_gib:
+        ref = per_gib.get("iperf3", per_gib.get("mooncake"))
+        out.append(("TCP retransmits per GiB moved (info)", per_gib["tcp"],
+                    round(ref, 1) if ref is not None else 0.0,
+                    ref is None or per_gib["tcp"] <= 1.5 * ref))
+        if "mooncake" in per_gib:
+            out.append(("Mooncake retransmits per GiB (info)", per_gib["mooncake"], 0.0, True))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvpool.core.config import parse_size
 
@@ -540,19 +1332,38 @@ def main(argv: list[str] | None = None) -> int:
                    help="store: the Client ops above; multi-buffer: Mooncake's multi-buffer "
                    "batch calls against the single-buffer ones (32 keys x 8 parts)")
     p.add_argument("--parts", default="4KiB,1MiB", help="multi-buffer mode: part sizes")
+    p.add_argument("--cross-host", action="store_true",
+                   help="holder and clients in two network namespaces (tcp over veth; root)")
+    p.add_argument("--limit-seconds", type=float, default=3.0,
+                   help="cross-host: seconds per iperf3 / socket-stream limit")
+    p.add_argument("--ops", default="", help="cross-host: only these ops (and their reads)")
+    p.add_argument("--no-limits", action="store_true", help="cross-host: skip the limits")
+    p.add_argument("--profile", default="",
+                   help="cross-host: py-spy record every kvpool process into this folder")
+    p.add_argument("--py-spy", default="py-spy", help="the py-spy executable")
+    p.add_argument("--mooncake", default="",
+                   help="cross-host: also measure Mooncake; PYTHON of a venv with "
+                        "mooncake-transfer-engine (mooncake_master beside it)")
+    p.add_argument("--rps", action="store_true",
+                   help="cross-host: steer each flow to one CPU (RPS) as a NIC queue would: "
+                        "no veth reordering, no spurious retransmits")
+    p.add_argument("--link", choices=("bridge", "veth"), default="bridge",
+                   help="cross-host: hosts on a Linux bridge (a switch) or one veth pair")
     args = p.parse_args(argv)
     if args.mode == "multi-buffer":
         return _main_multi_buffer(args)
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     args.transports = [t for t in args.transports.split(",") if t]
     args.bytes_per_op = parse_size(args.bytes_per_op)
-    records = run(args)
+    args.ops = [o for o in args.ops.split(",") if o]
+    records = run_cross_host(args) if args.cross_host else run(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(records, f, indent=1)
-    print(table(records))
+    print(xhost_table(records) if args.cross_host else table(records))
     print()
-    for name, val, target, ok in targets(records, args.batch):
+    for name, val, target, ok in (xhost_targets if args.cross_host else targets)(records,
+                                                                                args.batch):
         print(f"target {name:32} measured {val:12.2f}  target {target:>8}  "
               f"{'OK' if ok else 'MISSED'}")
     print(f"\nrecords written to {args.json}")
@@ -581,6 +1392,11 @@ def _main_multi_buffer(args: argparse.Namespace) -> int:
     return 0
 
 
+_HELPERS = {"--xhost-worker": _xhost_worker, "--xhost-prober": _xhost_prober,
+            "--xhost-sockserver": _xhost_sockserver, "--xhost-mc-holder": _xhost_mc_holder,
+            "--xhost-mc-worker": _xhost_mc_worker}
+
 if __name__ == "__main__":
     threading.current_thread().name = "bench"
-    sys.exit(main())
+    helper = next((f for flag, f in _HELPERS.items() if flag in sys.argv[1:2]), None)
+    sys.exit(helper() if helper is not None else main())

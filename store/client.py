@@ -222,6 +222,7 @@ class Client:
         self._checksum_algo = resolve_checksum_algo(config.checksum)
         self._transfer_mod: Any = None
         self._inline: InlineShm | None = None
+        self._gpu_segments_learned = False  # see _learn_memory_segments
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -432,22 +433,13 @@ class Client:
             raise TransferFailed(str(exc), ErrorCode.TRANSFER_FAIL) from exc
 
     def _run(self, reqs: list[Any], timeout: float) -> list[Any]:
-        """Submit a read batch and wait up to ``timeout``; requests still running
-        then are reported FAILED with code TIMEOUT (the caller moves on to
-        another replica instead of waiting on a dead peer)."""
-        t = self._transfer_mod
+        """Run a read batch for at most ``timeout``; requests still running then
+        are reported FAILED with code TIMEOUT (the caller moves on to another
+        replica instead of waiting on a dead peer)."""
         try:
-            handle = self._engine.submit(reqs)
+            return list(self._engine.run(reqs, timeout))
         except KVPoolError as exc:
             raise TransferFailed(str(exc), ErrorCode.TRANSFER_FAIL) from exc
-        handle.wait(timeout)
-        out = []
-        for st in handle.status():
-            if not st.state.terminal:
-                st = t.RequestStatus(t.RequestState.FAILED, st.transport, ErrorCode.TIMEOUT,
-                                     [*st.errors, f"no answer within {timeout:.2f}s"])
-            out.append(st)
-        return out
 
     # ------------------------------------------------------------------ put
 
@@ -925,10 +917,27 @@ class Client:
         self._check_open()
         try:
             if device is not None:
-                return self._engine.register_buffer(buffer, device=device)
-            return self._engine.register_buffer(buffer)
+                handle = self._engine.register_buffer(buffer, device=device)
+            else:
+                handle = self._engine.register_buffer(buffer)
         except KVPoolError as exc:
             raise error_for_code(exc.code, str(exc)) from exc
+        if handle.is_gpu and not self._gpu_segments_learned:
+            self._gpu_segments_learned = True
+            self._learn_memory_segments()
+        return handle
+
+    def _learn_memory_segments(self) -> None:
+        """Learn every memory segment now (one LIST_SEGMENTS): with a GPU buffer
+        registered, the engine then page-locks their mappings in the background
+        instead of inside the first put or get (tens of ms per segment)."""
+        try:
+            segs = self.list_segments()
+        except StoreError as exc:
+            log.debug("list_segments for GPU warm-up: %s", exc)
+            return
+        self._learn_segments({s.descriptor.segment_id: s.descriptor for s in segs
+                              if s.descriptor.kind == SegmentKind.MEMORY})
 
     def unregister_buffer(self, handle: Any) -> None:
         """Release a handle from :meth:`register_buffer`."""

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -46,6 +46,11 @@ from kvpool.transfer.types import (
 __all__ = ["BatchHandle", "SubBatch", "SubBatchState", "TransferEngine"]
 
 log = logging.getLogger(__name__)
+
+_RULE_CACHE = 4096  # (segment kind, same host, device, size) -> selector rule, remembered
+#: a sub-batch is split across a transport's threads only in slices of at least this
+#: many bytes (below it one thread finishes sooner than two threads start)
+_MIN_SLICE_BYTES = 4 << 20
 
 
 class SubBatchState(Enum):
@@ -122,17 +127,21 @@ class BatchHandle:
     def _finish(self, idx: int, state: RequestState, transport: str | None,
                 code: ErrorCode = ErrorCode.OK, error: str | None = None) -> None:
         with self._cond:
-            st = self._tracks[idx].status
-            if st.state.terminal:
-                return
-            st.state = state
-            st.transport = transport
-            st.code = code
-            if error:
-                st.errors.append(error)
-            self._remaining -= 1
-            if self._remaining == 0:
-                self._cond.notify_all()
+            self._finish_locked(idx, state, transport, code, error)
+
+    def _finish_locked(self, idx: int, state: RequestState, transport: str | None,
+                       code: ErrorCode = ErrorCode.OK, error: str | None = None) -> None:
+        st = self._tracks[idx].status
+        if st.state is RequestState.DONE or st.state is RequestState.FAILED:
+            return
+        st.state = state
+        st.transport = transport
+        st.code = code
+        if error:
+            st.errors.append(error)
+        self._remaining -= 1
+        if self._remaining == 0:
+            self._cond.notify_all()
 
 
 class _TransportSlot:
@@ -181,6 +190,10 @@ class TransferEngine:
         self._slots: dict[str, _TransportSlot] = {}
         self._unavailable: dict[str, str] = {}
         self._sb_ids = itertools.count(1)
+        self._rule_cache: dict[tuple[SegmentKind, bool, str, int], RuleConfig | None] = {}
+        self._gpu_in_use = False  # a GPU buffer was registered: prepare segments for it
+        self._warm_pool: ThreadPoolExecutor | None = None
+        self._warm_futures: list[Future[None]] = []
         self._closed = False
         self._server: TransferServer | None = None
         if config.server.enabled:
@@ -310,7 +323,9 @@ class TransferEngine:
                 raise TransferError(f"segment {segment.segment_id!r} already added",
                                     ErrorCode.SEGMENT_ALREADY_EXISTS, retryable=False)
             self._local[segment.segment_id] = segment
-        return segment.descriptor(self.client_id, self._host_id, self.endpoint)
+        desc = segment.descriptor(self.client_id, self._host_id, self.endpoint)
+        self._warm_gpu(desc, segment)
+        return desc
 
     def remove_local_segment(self, segment_id: str) -> None:
         """Stop serving the segment (the caller still owns and closes it)."""
@@ -329,6 +344,8 @@ class TransferEngine:
         if old is not None and old != desc:
             for slot in list(self._slots.values()):
                 slot.transport.forget_segment(desc.segment_id)
+        if old != desc:
+            self._warm_gpu(desc, self._local.get(desc.segment_id))
 
     def remove_peer_segment(self, segment_id: str) -> None:
         """Forget a segment and drop cached mappings/connections for it."""
@@ -342,10 +359,51 @@ class TransferEngine:
 
     def register_buffer(self, obj: Any, length: int | None = None,
                         device: str | None = None) -> BufferHandle:
-        """Wrap ``obj`` once so later requests skip the conversion."""
+        """Wrap ``obj`` once so later requests skip the conversion. The first GPU
+        buffer makes the transports get ready for GPU requests to every segment
+        known now or learned later, in the background (:meth:`wait_gpu_ready`)."""
         h = as_buffer(obj, length, device)
         h.registered = True
+        if h.is_gpu and not self._gpu_in_use:
+            with self._lock:
+                first, self._gpu_in_use = not self._gpu_in_use, True
+                known = [(d, self._local.get(d.segment_id)) for d in self._peers.values()]
+                known += [(seg.descriptor(self.client_id, self._host_id, self.endpoint), seg)
+                          for sid, seg in self._local.items() if sid not in self._peers]
+            if first:
+                for desc, local in known:
+                    self._warm_gpu(desc, local)
         return h
+
+    def _warm_gpu(self, desc: SegmentDescriptor, local: LocalSegment | None) -> None:
+        """Let every transport prepare ``desc`` for GPU requests, in the background."""
+        if not self._gpu_in_use or self._closed:
+            return
+        same_host = desc.host_id == self._host_id
+        slots = list(self._slots.values())
+
+        def warm() -> None:
+            for slot in slots:
+                try:
+                    slot.transport.warm_gpu(desc, local, same_host)
+                except Exception as exc:  # only slower: the first request does it
+                    log.debug("%s: GPU warm-up of %s failed: %s", slot.transport.name,
+                              desc.segment_id, exc)
+
+        with self._lock:
+            if self._warm_pool is None:
+                self._warm_pool = ThreadPoolExecutor(1, thread_name_prefix="kvpool-gpu-warm")
+            try:
+                self._warm_futures.append(self._warm_pool.submit(warm))
+            except RuntimeError:  # closing
+                return
+            self._warm_futures = [f for f in self._warm_futures if not f.done()]
+
+    def wait_gpu_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the GPU preparations started so far are finished (True)."""
+        with self._lock:
+            pending = list(self._warm_futures)
+        return not wait(pending, timeout).not_done
 
     def unregister_buffer(self, handle: BufferHandle) -> None:
         """Release transport state kept for the buffer and its reference."""
@@ -355,10 +413,20 @@ class TransferEngine:
     # -- selection --------------------------------------------------------------
     def _rule_for(self, kind: SegmentKind, same_host: bool, device: str,
                   size: int) -> RuleConfig | None:
+        key = (kind, same_host, device, size)
+        try:
+            return self._rule_cache[key]
+        except KeyError:
+            pass
+        found = None
         for rule in self.config.rules:
             if rule.matches(kind, same_host, device, size):
-                return rule
-        return None
+                found = rule
+                break
+        if len(self._rule_cache) >= _RULE_CACHE:
+            self._rule_cache.clear()
+        self._rule_cache[key] = found
+        return found
 
     def _next_transport(self, item: WorkItem, track: _Track) -> tuple[str | None, str]:
         """First candidate not yet tried that is loaded, supports the item and is
@@ -389,8 +457,8 @@ class TransferEngine:
         if not isinstance(req, TransferRequest):
             raise TransferError(f"request {i} is not a TransferRequest", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
-        op = TransferOp(req.op)
-        buf = as_buffer(req.buffer)
+        op = req.op if type(req.op) is TransferOp else TransferOp(req.op)
+        buf = req.buffer if type(req.buffer) is BufferHandle else as_buffer(req.buffer)
         local = self._local.get(req.segment_id)
         desc = self._peers.get(req.segment_id)
         if local is not None:
@@ -399,7 +467,9 @@ class TransferEngine:
         elif desc is None:
             raise TransferError(f"unknown segment {req.segment_id!r} (add_peer_segment first)",
                                 ErrorCode.SEGMENT_NOT_FOUND, retryable=False)
-        if not all(isinstance(x, int) for x in (req.offset, req.length, req.buffer_offset)):
+        if not (type(req.offset) is int and type(req.length) is int
+                and type(req.buffer_offset) is int) and not all(
+                isinstance(x, int) for x in (req.offset, req.length, req.buffer_offset)):
             raise TransferError("offset/length must be integers", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
         if req.offset < 0 or req.length < 0 or req.offset + req.length > desc.size:
@@ -412,9 +482,9 @@ class TransferEngine:
             raise TransferError("READ into a read-only buffer", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
         same_host = desc.host_id == self._host_id
-        item = WorkItem(index=i, op=op, buffer=buf, buffer_offset=req.buffer_offset,
-                        length=req.length, segment=desc, offset=req.offset, same_host=same_host,
-                        local=local, capability=bytes(req.capability or b""))
+        cap = req.capability
+        item = WorkItem(i, op, buf, req.buffer_offset, req.length, desc, req.offset, same_host,
+                        local, cap if type(cap) is bytes else bytes(cap or b""))
         if req.transport:
             if req.transport not in self._slots and req.transport not in self._unavailable \
                     and load_transport_class(req.transport)[0] is None:
@@ -425,7 +495,7 @@ class TransferEngine:
         if rule is None:
             raise TransferError("no selector rule matches this request",
                                 ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
-        return item, list(rule.transports)
+        return item, rule.transports
 
     # -- submit -----------------------------------------------------------------
     def submit(self, requests: Sequence[TransferRequest]) -> BatchHandle:
@@ -441,6 +511,7 @@ class TransferEngine:
             raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
         handle = BatchHandle(len(requests))
         groups: dict[str, list[WorkItem]] = {}
+        memo: dict[tuple[Any, ...], tuple[str | None, str]] = {}
         for i, req in enumerate(requests):
             try:
                 item, candidates = self._resolve(i, req)
@@ -456,13 +527,25 @@ class TransferEngine:
                 continue
             track = handle._tracks[i]
             track.candidates = candidates
-            self._plan(handle, item, track, groups)
+            self._plan(handle, item, track, groups, memo=memo)
         self._launch(handle, groups, sync=sync, caller_deadline=caller_deadline)
         return handle
 
     def _plan(self, handle: BatchHandle, item: WorkItem, track: _Track,
-              groups: dict[str, list[WorkItem]], last_error: TransferError | None = None) -> None:
-        name, why = self._next_transport(item, track)
+              groups: dict[str, list[WorkItem]], last_error: TransferError | None = None,
+              memo: dict[tuple[Any, ...], tuple[str | None, str]] | None = None) -> None:
+        """Put ``item`` into the group of its next transport, or fail it. ``memo``
+        remembers first choices within one submit (requests alike in candidates,
+        segment kind, host, device and peer get the same answer)."""
+        if memo is not None and not track.tried:
+            key = (id(track.candidates), item.segment.kind, item.same_host, item.buffer.device,
+                   _peer_key(item))
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = self._next_transport(item, track)
+            name, why = found
+        else:
+            name, why = self._next_transport(item, track)
         if name is None:
             code = last_error.code if last_error is not None else ErrorCode.TRANSPORT_UNAVAILABLE
             last = track.tried[-1] if track.tried else None
@@ -482,22 +565,23 @@ class TransferEngine:
                 for it in items:
                     handle._tracks[it.index].status.state = RequestState.RUNNING
                     handle._tracks[it.index].status.transport = name
-            n = min(slot.settings.threads, len(items))
+            total = sum(it.length for it in items)
+            # a second slice costs a thread hop: only a large sub-batch gains from it
+            n = max(1, min(slot.settings.threads, len(items), total // _MIN_SLICE_BYTES))
             step = (len(items) + n - 1) // n
             slices = [items[k:k + step] for k in range(0, len(items), step)]
             sb._slices_left = len(slices)
-            if len(slices) == 1 and (
-                    (sync and len(groups) == 1)
-                    or sum(it.length for it in items) <= int(slot.settings.inline_max_bytes)):
-                # no thread hop: the caller waits anyway, or the copy is tiny
-                self._run_slice(handle, sb, slot, items, caller_deadline)
-                continue
-            for part in slices:
+            # no thread hop for one slice (the caller waits anyway, or the copy is tiny)
+            inline = (sync and len(groups) == 1) or (
+                len(slices) == 1 and total <= int(slot.settings.inline_max_bytes))
+            for part in slices[:-1] if inline else slices:
                 try:
                     slot.pool.submit(self._run_slice, handle, sb, slot, part, None)
                 except RuntimeError as exc:  # pool shut down (engine closing)
                     self._slice_done(handle, sb, slot, part,
                                      TransferError(str(exc), ErrorCode.CLOSED, retryable=False))
+            if inline:
+                self._run_slice(handle, sb, slot, slices[-1], caller_deadline)
 
     def _run_slice(self, handle: BatchHandle, sb: SubBatch, slot: _TransportSlot,
                    part: list[WorkItem], caller_deadline: float | None) -> None:
@@ -516,11 +600,10 @@ class TransferEngine:
                 sb._reported.add(item.index)
                 if err is None:
                     sb.done += 1
+                    handle._finish_locked(item.index, RequestState.DONE, sb.transport)
                 else:
                     sb.failed += 1
                     sb._failures.append((item, err))
-            if err is None:
-                handle._finish(item.index, RequestState.DONE, sb.transport)
 
         crash: TransferError | None = None
         try:
@@ -583,6 +666,8 @@ class TransferEngine:
         # per peer, an attempt counts against the transport only if nothing got
         # through to that peer and a failure was the transport's (not a
         # bounds/permission refusal, which is final and says nothing of health)
+        if not failures and not slot.health:
+            return
         failed_peers = {_peer_key(it) for it, e in failures if e.retryable}
         failed_items = {it.index for it, _ in failures}
         ok_peers = {_peer_key(it) for it in sb.items if it.index not in failed_items}
@@ -599,6 +684,22 @@ class TransferEngine:
                     h[1] = time.monotonic() + slot.settings.cooldown_s
                     log.warning("transport %s paused for %.1fs towards %s after repeated "
                                 "failures", sb.transport, slot.settings.cooldown_s, peer)
+
+    def run(self, requests: Sequence[TransferRequest], timeout: float) -> list[RequestStatus]:
+        """Run a batch, in the calling thread where one transport serves it, and
+        wait at most ``timeout`` seconds. Never raises for a slow batch: a
+        request still unfinished then is reported FAILED with TIMEOUT (a reader
+        moves on to another replica instead of waiting on a dead peer)."""
+        deadline = time.monotonic() + timeout
+        handle = self._submit(requests, sync=True, caller_deadline=deadline)
+        handle.wait(max(0.0, deadline - time.monotonic()))
+        out = []
+        for st in handle.status():
+            if not st.state.terminal:
+                st = RequestStatus(RequestState.FAILED, st.transport, ErrorCode.TIMEOUT,
+                                   [*st.errors, f"no answer within {timeout:.2f}s"])
+            out.append(st)
+        return out
 
     def transfer(self, requests: Sequence[TransferRequest],
                  timeout: float | None = None) -> list[RequestStatus]:
@@ -620,6 +721,8 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
+        if self._warm_pool is not None:
+            self._warm_pool.shutdown(wait=True, cancel_futures=True)
         if self._server is not None:
             self._server.close()
         for slot in list(self._slots.values()):

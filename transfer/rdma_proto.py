@@ -20,14 +20,19 @@ Reply::
 (``xxxx:`` x8), ``mtu`` the port's active MTU in bytes (the path uses the
 smaller of both ends). ``addr`` is the absolute address of the segment's first
 usable byte in the owner's address space (what RDMA READ/WRITE target) and
-``length`` its usable size. Everything is validated on decode; a bad field is
-``KVPoolError(MALFORMED_FRAME)``.
+``length`` its usable size. The messages are msgspec Structs with their bounds
+as field constraints, converted from the decoded maps; what a type cannot say
+(GID form, MTU value, reachability, 64-bit address overflow) is checked after.
+A bad field is ``KVPoolError(MALFORMED_FRAME)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.transfer.rdma_verbs import MTU_BYTES, RemoteQp, valid_gid
@@ -52,45 +57,33 @@ _U24 = (1 << 24) - 1
 _U16 = (1 << 16) - 1
 _U32 = (1 << 32) - 1
 _U64 = (1 << 64) - 1
+_T = TypeVar("_T")
 
 
 def _bad(msg: str) -> KVPoolError:
     return KVPoolError(f"rdma connect: {msg}", ErrorCode.MALFORMED_FRAME)
 
 
-def _int(v: Any, name: str, hi: int, lo: int = 0) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise _bad(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
-    return v
+def _convert(value: Any, typ: type[_T]) -> _T:
+    """``value`` (decoded msgpack) as ``typ``; MALFORMED_FRAME when it does not fit."""
+    try:
+        return msgspec.convert(value, typ, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _bad(str(exc)) from None
 
 
-def _str(v: Any, name: str, max_len: int = 256) -> str:
-    if not isinstance(v, str) or len(v) > max_len:
-        raise _bad(f"{name} must be a string of at most {max_len} chars")
-    return v
-
-
-def _list(v: Any, name: str, max_len: int) -> list[Any]:
-    if not isinstance(v, list | tuple) or len(v) > max_len:
-        raise _bad(f"{name} must be a list of at most {max_len} entries")
-    return list(v)
-
-
-@dataclass(frozen=True, slots=True)
-class QpInfo:
+class QpInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One QP end: what the other side's RTR transition needs."""
 
-    qp_num: int
-    psn: int
-    lid: int
+    qp_num: Annotated[int, Meta(ge=1, le=_U24)]
+    psn: Annotated[int, Meta(ge=0, le=_U24)]
+    lid: Annotated[int, Meta(ge=0, le=_U16)]
     gid: str
     mtu: int
 
     def validate(self) -> QpInfo:
-        _int(self.qp_num, "qp_num", _U24, 1)
-        _int(self.psn, "psn", _U24)
-        _int(self.lid, "lid", _U16)
-        if not isinstance(self.gid, str) or not valid_gid(self.gid):
+        """The checks a type cannot state: GID form, MTU value, reachability."""
+        if not valid_gid(self.gid):
             raise _bad(f"gid {self.gid!r} is not xxxx:xxxx:xxxx:xxxx:xxxx:xxxx:xxxx:xxxx")
         if self.mtu not in MTU_BYTES.values():
             raise _bad(f"mtu {self.mtu!r} not in {sorted(MTU_BYTES.values())}")
@@ -103,29 +96,23 @@ class QpInfo:
 
     @classmethod
     def from_wire(cls, v: Any) -> QpInfo:
-        f = _list(v, "qp entry", 5)
-        if len(f) != 5:
-            raise _bad("qp entry must be [qp_num, psn, lid, gid, mtu]")
-        return cls(f[0], f[1], f[2], f[3], f[4]).validate()
+        return _convert(v, cls).validate()
 
     def remote(self) -> RemoteQp:
         return RemoteQp(self.qp_num, self.psn, self.lid, self.gid, self.mtu)
 
 
-@dataclass(frozen=True, slots=True)
-class SegmentMr:
+class SegmentMr(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A segment's registration as peers target it."""
 
-    segment_id: str
-    addr: int
-    rkey: int
-    length: int
+    segment_id: Annotated[str, Meta(max_length=256)]
+    addr: Annotated[int, Meta(ge=1)]  # msgspec ints end at 2**64 - 1
+    rkey: Annotated[int, Meta(ge=0, le=_U32)]
+    length: Annotated[int, Meta(ge=0)]
 
     def validate(self) -> SegmentMr:
-        _str(self.segment_id, "segment_id")
-        _int(self.addr, "addr", _U64, 1)
-        _int(self.rkey, "rkey", _U32)
-        _int(self.length, "length", _U64 - self.addr)
+        if self.addr + self.length > _U64:
+            raise _bad(f"segment {self.segment_id!r}: addr + length beyond 64 bits")
         return self
 
     def to_wire(self) -> list[Any]:
@@ -133,10 +120,7 @@ class SegmentMr:
 
     @classmethod
     def from_wire(cls, v: Any) -> SegmentMr:
-        f = _list(v, "segment entry", 4)
-        if len(f) != 4:
-            raise _bad("segment entry must be [segment_id, addr, rkey, length]")
-        return cls(f[0], f[1], f[2], f[3]).validate()
+        return _convert(v, cls).validate()
 
     def to_extra(self, connect: str) -> dict[str, Any]:
         """The ``SegmentDescriptor.extra["rdma"]`` form (plus the connect endpoint)."""
@@ -146,10 +130,39 @@ class SegmentMr:
     def from_extra(cls, segment_id: str, extra: Any) -> SegmentMr:
         if not isinstance(extra, dict):
             raise _bad("descriptor extra['rdma'] must be a map")
-        addr: Any = extra.get("addr")
-        rkey: Any = extra.get("rkey")
-        length: Any = extra.get("len")
-        return cls(segment_id, addr, rkey, length).validate()
+        return cls.from_wire([segment_id, extra.get("addr"), extra.get("rkey"),
+                              extra.get("len")])
+
+
+_Conn = Annotated[str, Meta(min_length=1, max_length=64)]
+_Str = Annotated[str, Meta(max_length=256)]
+_Id = Annotated[int, Meta(ge=0)]  # msgspec ints end at 2**64 - 1
+
+
+class _RequestWire(msgspec.Struct, gc=False):
+    """The request map as it travels (``op`` and ``v`` are checked first)."""
+
+    op: int
+    v: int
+    conn: _Conn
+    id: _Id = 0
+    host: _Str = ""
+    qps: Annotated[list[QpInfo], Meta(max_length=MAX_QPS_PER_CONNECT)] = \
+        msgspec.field(default_factory=list)
+    segs: Annotated[list[_Str], Meta(max_length=MAX_SEGMENTS_PER_CONNECT)] = \
+        msgspec.field(default_factory=list)
+
+
+class _ReplyWire(msgspec.Struct, gc=False):
+    """A successful reply map as it travels."""
+
+    id: _Id
+    code: int
+    err: str = ""
+    qps: Annotated[list[QpInfo], Meta(max_length=MAX_QPS_PER_CONNECT)] = \
+        msgspec.field(default_factory=list)
+    segs: Annotated[list[SegmentMr], Meta(max_length=MAX_SEGMENTS_PER_CONNECT)] = \
+        msgspec.field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -174,18 +187,14 @@ class ConnectRequest:
         if d.get("v") != PROTO_VERSION:
             raise KVPoolError(f"rdma connect: protocol version {d.get('v')!r} "
                               f"(this side speaks {PROTO_VERSION})", ErrorCode.INVALID_VERSION)
-        rid = _int(d.get("id", 0), "id", _U64)
-        conn = _str(d.get("conn"), "conn", 64)
-        if not conn:
-            raise _bad("conn must not be empty")
-        host = _str(d.get("host", ""), "host")
-        qps = [QpInfo.from_wire(q) for q in _list(d.get("qps", []), "qps",
-                                                   MAX_QPS_PER_CONNECT)]
-        segs = [_str(s, "segment id") for s in _list(d.get("segs", []), "segs",
-                                                      MAX_SEGMENTS_PER_CONNECT)]
-        if not qps and not segs:
+        w = _convert(d, _RequestWire)
+        if w.id > _U64:  # decoded msgpack cannot exceed it; a converted Python int can
+            raise _bad(f"id {w.id} beyond 64 bits")
+        for q in w.qps:
+            q.validate()
+        if not w.qps and not w.segs:
             raise _bad("nothing asked: no qps and no segments")
-        return cls(conn, host, qps, segs, rid)
+        return cls(w.conn, w.host, w.qps, w.segs, w.id)
 
 
 @dataclass(slots=True)
@@ -207,17 +216,19 @@ class ConnectReply:
             raise _bad("reply is not a map")
         rid = d.get("id")
         code_v = d.get("code")
-        if not isinstance(code_v, int):
+        if not isinstance(code_v, int) or isinstance(code_v, bool):
             raise _bad("reply has no integer code")
         try:
             code = ErrorCode(code_v)
         except ValueError:
             code = ErrorCode.INTERNAL_ERROR
-        err = str(d.get("err", ""))
         if code != ErrorCode.OK:
-            return cls(rid if isinstance(rid, int) else 0, code, err)
-        qps = [QpInfo.from_wire(q) for q in _list(d.get("qps", []), "qps",
-                                                   MAX_QPS_PER_CONNECT)]
-        segs = [SegmentMr.from_wire(s) for s in _list(d.get("segs", []), "segs",
-                                                       MAX_SEGMENTS_PER_CONNECT)]
-        return cls(_int(rid, "id", _U64), code, err, qps, segs)
+            return cls(rid if isinstance(rid, int) else 0, code, str(d.get("err", "")))
+        w = _convert(d, _ReplyWire)
+        if w.id > _U64:
+            raise _bad(f"id {w.id} beyond 64 bits")
+        for q in w.qps:
+            q.validate()
+        for sm in w.segs:
+            sm.validate()
+        return cls(w.id, code, w.err, w.qps, w.segs)

@@ -1,30 +1,28 @@
 """The transfer server: serves READ/WRITE into this process's segments for
 peers whose transport needs a server hop (``tcp``).
 
-Wire protocol (ZeroMQ ROUTER; peers connect a DEALER). Request::
-
-    [header: msgpack {"op": 1 READ | 2 WRITE | 3 PING | 4 STATS, "id": int, "seg": str,
-                      "off": int, "len": int, "cap": bytes}]
-    [payload: exactly "len" bytes]            (WRITE only)
-
-Reply::
-
-    [header: msgpack {"id": int, "code": int(ErrorCode), "err": str}]
-      (STATS adds "stats": {served, refused, capability_refusals: {reason: n}, ...})
-    [payload: "len" bytes]                    (READ with code OK only)
+Wire protocol (ZeroMQ ROUTER; peers connect a DEALER): a header frame
+(:class:`~kvpool.transfer.wire.ServerRequest`, a msgpack map ``{op, id, seg,
+off, len, cap}``; ``op`` a :class:`~kvpool.transfer.wire.ServerOp`), then
+exactly ``len`` payload bytes for a WRITE. Reply: a
+:class:`~kvpool.transfer.wire.ServerReply` frame ``{id, code, err}``, then
+``len`` bytes for a successful READ; BULK answers a
+:class:`~kvpool.transfer.wire.BulkOffer`, STATS a
+:class:`~kvpool.transfer.wire.StatsReply` (served, refused,
+capability_refusals by reason, ...).
 
 ``off`` is relative to the segment's usable region. Every request is
-validated before any byte moves: segment owned here (SEGMENT_NOT_FOUND), op
-known and allowed on the segment (UNKNOWN_OP / PERMISSION_DENIED), offset and
-length integers inside the segment (OUT_OF_BOUNDS) and below
-``max_request_bytes`` (FRAME_TOO_LARGE), then the capability hook
-(:attr:`TransferServer.verify_capability`, issue 7: PERMISSION_DENIED with
-the reason). With ``curve`` the socket requires ZeroMQ CURVE (an
-unauthenticated peer cannot complete the handshake and gets nothing).
-Malformed frames get a
-MALFORMED_FRAME reply; the server never dies on bad input. WRITE payloads are
-received straight into the segment (``recv_into``) and READ payloads sent
-zero-copy from it.
+validated before any byte moves: header fields of the right types
+(MALFORMED_FRAME), segment owned here (SEGMENT_NOT_FOUND), op known and
+allowed on the segment (UNKNOWN_OP / PERMISSION_DENIED), length below
+``max_request_bytes`` (FRAME_TOO_LARGE), range inside the segment
+(OUT_OF_BOUNDS), then the capability hook
+(:attr:`TransferServer.verify_capability`: PERMISSION_DENIED with the
+reason). With ``curve`` the socket requires ZeroMQ CURVE (an unauthenticated
+peer cannot complete the handshake and gets nothing). The server never dies
+on bad input. WRITE payloads are received straight into the segment
+(``recv_into``) and READ payloads sent zero-copy from it. The bulk path
+(:mod:`kvpool.transfer.bulk`) applies the same range validation.
 """
 
 from __future__ import annotations
@@ -38,19 +36,21 @@ import zmq
 
 from kvpool.core.auth import CurveAuthenticator, CurveConfig
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import decode_frame, encode_frame
+from kvpool.transfer import wire
 from kvpool.transfer.bulk import BulkServer
 from kvpool.transfer.config import ServerConfig
 from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.types import TransferOp
+from kvpool.transfer.wire import ServerOp, ServerRequest
 
 __all__ = ["OP_BULK", "OP_PING", "OP_STATS", "CapabilityVerifier", "TransferServer"]
 
 log = logging.getLogger(__name__)
 
-OP_PING = 3
-OP_STATS = 4
-OP_BULK = 5  # -> {"bulk": port of the plain-TCP bulk path (transfer.bulk), 0 = none, "max": bytes}
+OP_PING = ServerOp.PING
+OP_STATS = ServerOp.STATS
+OP_BULK = ServerOp.BULK
+_CONTROL_OPS = (ServerOp.PING, ServerOp.STATS, ServerOp.BULK)
 _MIN_ZERO_COPY = 64 << 10  # below this, copying the frame is cheaper than tracking it
 
 #: (segment, op, offset, length, capability) -> None to allow, or an ErrorCode to refuse.
@@ -110,7 +110,7 @@ class TransferServer:
         # payloads straight into place over plain TCP (never beside CURVE)
         self.bulk: BulkServer | None = None
         if self.config.bulk and not self.curve:
-            self.bulk = BulkServer(bind_host, self._validate, self._count,
+            self.bulk = BulkServer(bind_host, self._validate_range, self._count,
                                    int(self.config.max_header_bytes),
                                    int(self.config.max_request_bytes))
         self._thread = threading.Thread(target=self._run, name=f"kvpool-xfer-server:{port}",
@@ -151,9 +151,14 @@ class TransferServer:
         else:
             self.requests_refused += 1
 
-    def _reply(self, sock: zmq.Socket, ident: Any, rid: Any, code: ErrorCode, err: str = "",
-               payload: Any = None) -> None:
-        hdr = encode_frame({"id": rid, "code": int(code), "err": err})
+    def _reply(self, sock: zmq.Socket, ident: Any, rid: int | None, code: ErrorCode,
+               err: str = "", payload: Any = None) -> None:
+        self._send_reply(sock, ident, wire.ServerReply(rid, int(code), err), payload)
+
+    @staticmethod
+    def _send_reply(sock: zmq.Socket, ident: Any, rep: wire.ServerReply,
+                    payload: Any = None) -> None:
+        hdr = wire.encode(rep)
         if payload is None:
             sock.send_multipart([ident, hdr], copy=True)
         else:
@@ -168,49 +173,52 @@ class TransferServer:
             self._reply(sock, ident, None, ErrorCode.MALFORMED_FRAME, "missing header frame")
             return
         hframe = sock.recv(copy=False)
-        rid: Any = None
+        rid: int | None = None
         try:
             if len(hframe) > self.config.max_header_bytes:
                 raise KVPoolError(f"header of {len(hframe)} bytes", ErrorCode.FRAME_TOO_LARGE)
-            hdr = decode_frame(hframe.buffer)
-            if not isinstance(hdr, dict):
-                raise KVPoolError("header is not a map", ErrorCode.MALFORMED_FRAME)
-            rid = hdr.get("id")
-            seg, op, off, n = self._validate(hdr)
+            try:
+                req = wire.decode_request(hframe.buffer)
+            except KVPoolError:
+                rid = wire.request_id(hframe.buffer)  # echo a readable id with the refusal
+                raise
+            rid = req.id
+            seg = self._validate(req)
         except KVPoolError as exc:
             self._drain(sock)
             self.requests_refused += 1
-            self._reply(sock, ident, rid if isinstance(rid, int) else None, exc.code,
-                        _msg(exc))
+            self._reply(sock, ident, rid, exc.code, _msg(exc))
             return
-        if op == OP_PING:
+        if seg is None:
             self._drain(sock)
-            self._reply(sock, ident, rid, ErrorCode.OK)
-            return
-        if op == OP_BULK:
-            self._drain(sock)
-            sock.send_multipart([ident, encode_frame(
-                {"id": rid, "code": 0, "err": "",
-                 "bulk": self.bulk.port if self.bulk is not None else 0,
-                 "max": int(self.config.max_request_bytes)})])
-            return
-        if op == OP_STATS:
-            self._drain(sock)
-            sock.send_multipart([ident, encode_frame(
-                {"id": rid, "code": 0, "err": "", "stats": self.stats()})])
+            self._serve_control(sock, ident, req)
             return
         try:
-            if op == TransferOp.WRITE:
-                self._serve_write(sock, seg, off, n)
+            if req.op == TransferOp.WRITE:
+                self._serve_write(sock, seg, req.off, req.len)
                 self._reply(sock, ident, rid, ErrorCode.OK)
             else:
                 self._drain(sock)
-                self._reply(sock, ident, rid, ErrorCode.OK, payload=seg.read_payload(off, n))
+                self._reply(sock, ident, rid, ErrorCode.OK,
+                            payload=seg.read_payload(req.off, req.len))
             self.requests_served += 1
         except KVPoolError as exc:
             self._drain(sock)
             self.requests_refused += 1
             self._reply(sock, ident, rid, exc.code, _msg(exc))
+
+    def _serve_control(self, sock: zmq.Socket, ident: Any, req: ServerRequest) -> None:
+        """PING, STATS and BULK: no segment, no payload."""
+        rep: wire.ServerReply
+        if req.op == ServerOp.BULK:
+            rep = wire.BulkOffer(req.id, 0, bulk=self.bulk.port if self.bulk is not None else 0,
+                                 max=int(self.config.max_request_bytes),
+                                 hdr=int(self.config.max_header_bytes))
+        elif req.op == ServerOp.STATS:
+            rep = wire.StatsReply(req.id, 0, stats=self.stats())
+        else:
+            rep = wire.ServerReply(req.id, 0)
+        self._send_reply(sock, ident, rep)
 
     def _serve_write(self, sock: zmq.Socket, seg: LocalSegment, off: int, n: int) -> None:
         if not sock.getsockopt(zmq.RCVMORE):
@@ -233,24 +241,23 @@ class TransferServer:
             seg.write_from(off, frame.buffer)
         self._drain(sock)
 
-    def _validate(self, hdr: dict[str, Any]) -> tuple[LocalSegment, int, int, int]:
-        op = hdr.get("op")
-        if op == OP_PING or op == OP_STATS or op == OP_BULK:
-            return None, op, 0, 0  # type: ignore[return-value]
-        if op not in (TransferOp.READ, TransferOp.WRITE) or isinstance(op, bool):
-            raise KVPoolError(f"unknown op {op!r}", ErrorCode.UNKNOWN_OP)
-        sid, off, n, cap = hdr.get("seg"), hdr.get("off"), hdr.get("len"), hdr.get("cap", b"")
-        if not isinstance(sid, str):
-            raise KVPoolError("segment id must be a string", ErrorCode.MALFORMED_FRAME)
-        if not (isinstance(off, int) and isinstance(n, int)) or isinstance(off, bool) \
-                or isinstance(n, bool):
-            raise KVPoolError("offset and length must be integers", ErrorCode.MALFORMED_FRAME)
-        if not isinstance(cap, bytes):
-            raise KVPoolError("capability must be bytes", ErrorCode.MALFORMED_FRAME)
+    def _validate(self, req: ServerRequest) -> LocalSegment | None:
+        """The segment a READ/WRITE request may touch (None for a control op);
+        raises KVPoolError with the refusal's code."""
+        if req.op in _CONTROL_OPS:
+            return None
+        if req.op not in (TransferOp.READ, TransferOp.WRITE):
+            raise KVPoolError(f"unknown op {req.op!r}", ErrorCode.UNKNOWN_OP)
+        return self._validate_range(TransferOp(req.op), req.seg, req.off, req.len, req.cap)
+
+    def _validate_range(self, top: TransferOp, sid: str, off: int, n: int,
+                        cap: bytes) -> LocalSegment:
+        """One READ/WRITE range (both the ZeroMQ and the bulk path): the segment,
+        or KVPoolError (SEGMENT_NOT_FOUND, PERMISSION_DENIED, FRAME_TOO_LARGE,
+        OUT_OF_BOUNDS, or the capability check's code)."""
         seg = self._lookup(sid)
         if seg is None:
             raise KVPoolError(f"segment {sid!r} is not owned here", ErrorCode.SEGMENT_NOT_FOUND)
-        top = TransferOp(op)
         if top not in seg.allowed_ops:
             raise KVPoolError(f"{top.name} not allowed on segment {sid!r}",
                               ErrorCode.PERMISSION_DENIED)
@@ -260,13 +267,18 @@ class TransferServer:
         if off < 0 or n < 0 or off + n > seg.size:
             raise KVPoolError(f"range [{off}, {off + n}) outside segment {sid!r} of "
                               f"{seg.size} bytes", ErrorCode.OUT_OF_BOUNDS)
-        # issue 7: capability tokens are checked here, per request, before any byte moves
+        self._check_capability(seg, top, off, n, cap)
+        return seg
+
+    def _check_capability(self, seg: LocalSegment, top: TransferOp, off: int, n: int,
+                          cap: bytes) -> None:
+        """The capability check, per range, before any byte moves."""
+        sid = seg.segment_id
         verifier = self.verify_capability
         if verifier is not None:
             code = verifier(seg, top, off, n, cap)
             if code is not None and code != ErrorCode.OK:
                 raise KVPoolError(f"capability refused for {sid!r}", code)
-        return seg, int(op), off, n
 
     def stats(self) -> dict[str, Any]:
         """Counters: requests served / refused, CURVE, plus ``stats_hook()``'s."""

@@ -2,7 +2,9 @@
 
 Each host is a network namespace with one veth interface (``eth0``) whose
 peer is a port of a bridge living in its own namespace, so nothing is added
-to the root namespace and deleting the namespaces removes every link. Hosts
+to the root namespace and deleting the namespaces removes every link. Two
+hosts can instead be joined by one veth pair (``direct=True``: a cable, no
+switch). Hosts
 get addresses in a private test subnet (``10.231.0.0/24`` by default) that
 exists only inside these namespaces. Names carry a ``kvp`` prefix, this
 process's pid and a per-process counter, so parallel runs never clash and
@@ -158,16 +160,22 @@ class Topology:
 
     ``hosts`` are logical names (``"master"``, ``"node1"``...); host i gets
     ``{subnet}.{10 + i}``. Call :meth:`setup` (or enter the context) to build.
+    ``direct``: exactly two hosts whose ``eth0`` ends form one veth pair (no
+    bridge namespace); faults then act on the hosts' own ``eth0``.
     """
 
-    def __init__(self, hosts: Sequence[str], subnet: str = "10.231.0") -> None:
+    def __init__(self, hosts: Sequence[str], subnet: str = "10.231.0",
+                 direct: bool = False) -> None:
         if len(set(hosts)) != len(hosts) or not hosts:
             raise ValueError("host names must be unique and non-empty")
         if len(hosts) > 200:
             raise ValueError("at most 200 hosts")
+        if direct and len(hosts) != 2:
+            raise ValueError("a direct veth pair joins exactly two hosts")
         self.tag = f"{PREFIX}{os.getpid()}t{next(_counter)}"
         self.subnet = subnet
-        self.bridge_netns = f"{self.tag}-br"
+        self.direct = direct
+        self.bridge_netns = "" if direct else f"{self.tag}-br"
         self.hosts: dict[str, Host] = {}
         for i, name in enumerate(hosts):
             if not re.fullmatch(r"[A-Za-z0-9_]{1,20}", name):
@@ -184,6 +192,8 @@ class Topology:
         """Create the bridge namespace, the host namespaces and their links."""
         with _live_lock:
             _live.add(self)
+        if self.direct:
+            return self._setup_direct()
         try:
             br = self.bridge_netns
             _run(["ip", "netns", "add", br])
@@ -206,6 +216,26 @@ class Topology:
             raise
         return self
 
+    def _setup_direct(self) -> Topology:
+        a, b = self.hosts.values()
+        try:
+            for h in (a, b):
+                _run(["ip", "netns", "add", h.netns])
+                self._created.append(h.netns)
+            _run(["ip", "link", "add", "eth0", "netns", a.netns, "type", "veth",
+                  "peer", "name", "eth0", "netns", b.netns])
+            for h in (a, b):
+                _run(["ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0"])
+                _run(["ip", "-n", h.netns, "link", "set", "eth0", "up"])
+                _run(["ip", "-n", h.netns, "link", "set", "lo", "up"])
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _other(self, name: str) -> Host:
+        return next(h for n, h in self.hosts.items() if n != name)
+
     def __enter__(self) -> Topology:
         return self.setup()
 
@@ -221,10 +251,16 @@ class Topology:
     # -- faults -----------------------------------------------------------------------------
     def link_down(self, name: str) -> None:
         """Partition ``name``: its bridge port goes down, its packets are silently lost."""
+        if self.direct:
+            _run(["ip", "-n", self.hosts[name].netns, "link", "set", "eth0", "down"])
+            return
         _run(["ip", "-n", self.bridge_netns, "link", "set", self.hosts[name].port, "down"])
 
     def link_up(self, name: str) -> None:
         """Heal a partition made by :meth:`link_down`."""
+        if self.direct:
+            _run(["ip", "-n", self.hosts[name].netns, "link", "set", "eth0", "up"])
+            return
         _run(["ip", "-n", self.bridge_netns, "link", "set", self.hosts[name].port, "up"])
 
     def slow(self, name: str, rate: str = "2mbit", burst: str = "32kb",
@@ -233,12 +269,19 @@ class Topology:
         h = self.hosts[name]
         tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
         _run(["tc", "-n", h.netns, "qdisc", "replace", "dev", "eth0", *tbf])
+        if self.direct:
+            _run(["tc", "-n", self._other(name).netns, "qdisc", "replace", "dev", "eth0", *tbf])
+            return
         _run(["tc", "-n", self.bridge_netns, "qdisc", "replace", "dev", h.port, *tbf])
 
     def unslow(self, name: str) -> None:
         """Remove the rate limit of :meth:`slow`."""
         h = self.hosts[name]
         _run(["tc", "-n", h.netns, "qdisc", "del", "dev", "eth0", "root"], check=False)
+        if self.direct:
+            _run(["tc", "-n", self._other(name).netns, "qdisc", "del", "dev", "eth0", "root"],
+                 check=False)
+            return
         _run(["tc", "-n", self.bridge_netns, "qdisc", "del", "dev", h.port, "root"], check=False)
 
     # -- processes --------------------------------------------------------------------------
@@ -292,7 +335,8 @@ class Topology:
             _live.discard(self)
 
     def netns_names(self) -> list[str]:
-        return [self.bridge_netns, *(h.netns for h in self.hosts.values())]
+        hosts = [h.netns for h in self.hosts.values()]
+        return hosts if self.direct else [self.bridge_netns, *hosts]
 
     def __repr__(self) -> str:
         return f"Topology({self.tag}, {list(self.hosts)})"

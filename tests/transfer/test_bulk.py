@@ -12,7 +12,7 @@ import zmq
 
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import decode_frame, encode_frame
-from kvpool.transfer import RequestState, TransferOp, TransferRequest
+from kvpool.transfer import RequestState, TransferOp, TransferRequest, wire
 from kvpool.transfer.peer import fill_pattern
 from kvpool.transfer.server import OP_BULK
 
@@ -114,8 +114,15 @@ def test_bulk_peer_killed_mid_transfer(make_engine: Any, make_peer: Any) -> None
         assert s.errors and s.transport == "tcp"
 
 
+def _frame(msg: Any) -> bytes:
+    raw = wire.encode(msg)
+    return len(raw).to_bytes(4, "little") + raw
+
+
 def test_bulk_socket_garbage_and_op_query(make_peer: Any) -> None:
     peer = make_peer(MiB, host_id="far-away")
+    peer.cmd("fill 5")
+    pattern = fill_pattern(5, MiB)
     ctx = zmq.Context()
     try:
         s = ctx.socket(zmq.DEALER)
@@ -128,7 +135,9 @@ def test_bulk_socket_garbage_and_op_query(make_peer: Any) -> None:
     finally:
         ctx.term()
     assert rep["code"] == 0 and rep["id"] == 3 and rep["bulk"] > 0 and rep["max"] >= MiB
+    assert rep["hdr"] >= 256
     host = peer.desc.endpoint.split("://")[1].rsplit(":", 1)[0]
+    seg = peer.segment_id
 
     def exchange(data: bytes) -> bytes:
         with socket.create_connection((host, rep["bulk"]), timeout=5) as c:
@@ -142,23 +151,63 @@ def test_bulk_socket_garbage_and_op_query(make_peer: Any) -> None:
                 pass
             return out
 
-    # garbage / a huge header length / an unknown op: answered or closed, never served
+    def reply(out: bytes) -> tuple[wire.BulkReply, bytes]:
+        n = int.from_bytes(out[:4], "little")
+        return wire.decode_bulk_reply(out[4:4 + n]), out[4 + n:]
+
+    # garbage, a huge header length, a map instead of the array header: closed, never served
     assert exchange(b"\xff\xff\xff\xff" + b"x" * 64) == b""
     assert exchange(b"\x05\x00\x00\x00\xc1\xc1\xc1\xc1\xc1") == b""
-    hdr = encode_frame({"op": 3, "id": 1})
-    out = exchange(len(hdr).to_bytes(4, "little") + hdr)
-    assert decode_frame(out[4:])["code"] == ErrorCode.UNKNOWN_OP
-    # a refused WRITE's payload is skipped: the next request on the stream is served
-    bad = encode_frame({"op": 2, "id": 1, "seg": "nope", "off": 0, "len": 10, "cap": b""})
-    good = encode_frame({"op": 1, "id": 2, "seg": peer.segment_id, "off": 0, "len": 4,
-                         "cap": b""})
-    out = exchange(len(bad).to_bytes(4, "little") + bad + b"0123456789"
-                   + len(good).to_bytes(4, "little") + good)
-    n1 = int.from_bytes(out[:4], "little")
-    assert decode_frame(out[4:4 + n1])["code"] == ErrorCode.SEGMENT_NOT_FOUND
-    rest = out[4 + n1:]
-    n2 = int.from_bytes(rest[:4], "little")
-    r2 = decode_frame(rest[4:4 + n2])
-    assert r2["code"] == 0 and r2["id"] == 2 and len(rest[4 + n2:]) == 4
+    old = encode_frame({"op": 1, "id": 2, "seg": seg, "off": 0, "len": 4, "cap": b""})
+    assert exchange(len(old).to_bytes(4, "little") + old) == b""
+    # an unknown op: every range refused with UNKNOWN_OP, and the stream goes on
+    r, rest = reply(exchange(_frame(wire.BulkRequest(1, 3, [wire.BulkItem(seg, 0, 4)]))))
+    assert r.id == 1 and r.codes == [ErrorCode.UNKNOWN_OP] and rest == b""
+    # a READ of three ranges, the middle one refused: only the accepted payloads follow
+    r, rest = reply(exchange(_frame(wire.BulkRequest(7, int(R), [
+        wire.BulkItem(seg, 10, 5), wire.BulkItem("nope", 0, 4), wire.BulkItem(seg, MiB - 3, 3)]))))
+    assert r.id == 7 and r.codes == [0, ErrorCode.SEGMENT_NOT_FOUND, 0] and "nope" in r.err
+    assert rest == pattern[10:15].tobytes() + pattern[MiB - 3:].tobytes()
+    # a WRITE with a refused range in the middle: its payload is dropped, the others land,
+    # and the next request on the stream is served
+    out = exchange(_frame(wire.BulkRequest(8, int(W), [
+        wire.BulkItem(seg, 0, 4), wire.BulkItem(seg, MiB - 2, 4), wire.BulkItem(seg, 100, 3)]))
+        + b"AAAA" + b"BBBB" + b"CCC"
+        + _frame(wire.BulkRequest(9, int(R), [wire.BulkItem(seg, 0, 4)])))
+    r, rest = reply(out)
+    assert r.id == 8 and r.codes == [0, ErrorCode.OUT_OF_BOUNDS, 0]
+    r2, rest = reply(rest)
+    assert r2.id == 9 and r2.codes == [0] and rest == b"AAAA"
+    assert peer.crc(100, 3) == zlib.crc32(b"CCC")
+    assert peer.crc(MiB - 8, 8) == zlib.crc32(pattern[MiB - 8:].tobytes())
+    # a refused WRITE range whose length cannot be trusted: answered, then closed
+    out = exchange(_frame(wire.BulkRequest(10, int(W), [wire.BulkItem("nope", 0, 1 << 62)]))
+                   + _frame(wire.BulkRequest(11, int(R), [wire.BulkItem(seg, 0, 4)])))
+    r, rest = reply(out)
+    assert r.id == 10 and r.codes == [ErrorCode.SEGMENT_NOT_FOUND] and rest == b""
     # the peer still serves over ZeroMQ
     assert peer.crc(0, 16) >= 0
+
+
+def test_lone_large_request_goes_over_parallel_stripes(make_engine: Any, make_peer: Any) -> None:
+    """A single request of >= 8 MiB is cut into page-aligned stripes, one per tcp
+    thread, each over its own bulk connection; it is reported once, bytes intact."""
+    seg = 48 * MiB
+    peer = make_peer(seg, host_id="far-away")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"threads": 2}}})
+    e.add_peer_segment(peer.desc)
+    tcp = _bulk_ready(e, peer)
+    n = 20 * MiB + 12345  # not a multiple of the stripe
+    src = np.random.default_rng(7).integers(0, 256, n + 3, dtype=np.uint8)
+    n0 = tcp.stats()["bulk_requests"]
+    st = e.transfer([TransferRequest(W, src, peer.segment_id, 4096 + 1, n, buffer_offset=3)],
+                    30)
+    assert st[0].ok and st[0].transport == "tcp", st
+    assert tcp.stats()["bulk_requests"] == n0 + 2  # two stripes
+    assert peer.crc(4096 + 1, n) == zlib.crc32(src[3:])
+    dst = np.zeros(n + 5, np.uint8)
+    st = e.transfer([TransferRequest(R, dst, peer.segment_id, 4096 + 1, n, buffer_offset=5)],
+                    30)
+    assert st[0].ok, st
+    assert zlib.crc32(dst[5:]) == zlib.crc32(src[3:])
+    assert tcp.stats()["bulk_requests"] == n0 + 4

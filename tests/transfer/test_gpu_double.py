@@ -7,6 +7,7 @@ and scripts/gpu_check_transfer.py on a GPU machine."""
 from __future__ import annotations
 
 import ctypes
+import time
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -85,9 +86,60 @@ def test_gpu_paths_through_double(cuda_double: HostCudaDouble, make_engine: Any,
         e.remove_peer_segment(peer.segment_id)
         assert cuda_double.registered == {}
     else:
-        # staged through the pinned pool: 3 buffers of 1 MiB, one copy per chunk
-        assert sorted(cuda_double.registered.values()) == [MiB] * 3
+        # staged through the pinned pool: 3 buffers of 1 MiB, one copy per chunk; the
+        # same-host peer's mapping was also page-locked (GPU warm-up) for shm
+        assert e.wait_gpu_ready(10)
+        assert sorted(cuda_double.registered.values()) == [MiB] * 3 + [16 * MiB]
         assert cuda_double.copies == 2 * 10
+
+
+class CountingDouble(HostCudaDouble):
+    """The double, counting registrations and slowing them like a real one
+    (cudaHostRegister of a fresh mapping faults and pins every page)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_calls = 0
+
+    def host_register(self, ptr: int, n: int) -> None:
+        self.register_calls += 1
+        time.sleep(0.05)
+        super().host_register(ptr, n)
+
+
+def test_gpu_warm_up_registers_segments_off_the_request_path(
+        monkeypatch: pytest.MonkeyPatch, make_engine: Any, make_peer: Any) -> None:
+    """Once a GPU buffer is registered, every same-host segment (known before or
+    learned after) is page-locked in the background, and another host's segment
+    warms the tcp staging pool; GPU requests then register nothing."""
+    rt = CountingDouble()
+    monkeypatch.setattr(gpu_mod, "_cached", (rt, ""))
+    near = make_peer(8 * MiB, host_id="host-test")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"staging_size": "1MiB",
+                                                                   "staging_buffers": 2}}})
+    e.add_peer_segment(near.desc)
+    assert rt.registered == {}  # no GPU buffer yet: nothing prepared
+    fake_dev = np.random.default_rng(4).integers(0, 256, 2 * MiB, dtype=np.uint8)
+    h = e.register_buffer((int(fake_dev.ctypes.data), fake_dev.nbytes), device="cuda")
+    assert e.wait_gpu_ready(10)
+    assert sorted(rt.registered.values()) == [8 * MiB]
+    later = make_peer(4 * MiB, host_id="host-test")
+    far = make_peer(4 * MiB, host_id="far-away")
+    e.add_peer_segment(later.desc)
+    e.add_peer_segment(far.desc)
+    assert e.wait_gpu_ready(10)
+    assert sorted(rt.registered.values()) == [MiB, MiB, 4 * MiB, 8 * MiB]
+    calls = rt.register_calls
+    for peer, transport in ((near, "shm"), (later, "shm"), (far, "tcp")):
+        for off in (0, MiB):
+            st = e.transfer([TransferRequest(TransferOp.WRITE, h, peer.segment_id, off, MiB,
+                                             buffer_offset=off)], 30)
+            assert st[0].ok and st[0].transport == transport, st
+        assert peer.crc(0, 2 * MiB) == zlib.crc32(fake_dev)
+    assert rt.register_calls == calls  # nothing registered on the request path
+    # a forgotten segment's registration is released, a re-learned one prepared again
+    e.remove_peer_segment(near.segment_id)
+    assert sorted(rt.registered.values()) == [MiB, MiB, 4 * MiB]
 
 
 def test_local_segment_registered_once_and_released(cuda_double: HostCudaDouble,
@@ -124,3 +176,33 @@ def test_tcp_staging_pool_shared_by_threads_never_deadlocks(
     st = e.transfer(reqs, 30)
     assert all(s.ok for s in st), [s.errors for s in st if not s.ok][:2]
     assert peer.crc(0, chunk * count) == zlib.crc32(data)
+
+
+def test_store_first_gpu_put_finds_the_holder_prepared(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The store path of a single GPU put_from (a holder daemon on this host): the
+    first registered GPU buffer makes the client learn the memory segments and
+    page-lock the holder's mapping in the background, so neither the first put
+    nor later ones register anything, and the bytes round-trip."""
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+    from kvpool.store import Client, ClientConfig
+
+    rt = CountingDouble()
+    monkeypatch.setattr(gpu_mod, "_cached", (rt, ""))
+    with MasterProcess() as m, NodeDaemonProcess(m.address, "32MiB",
+                                                 log_dir=str(tmp_path / "d")) as d, \
+            Client(ClientConfig(master_address=m.address)) as c:
+        fake_dev = np.random.default_rng(5).integers(0, 256, 4 * MiB, dtype=np.uint8)
+        back = np.zeros(4 * MiB, np.uint8)
+        h = c.register_buffer((int(fake_dev.ctypes.data), fake_dev.nbytes), device="cuda")
+        hb = c.register_buffer((int(back.ctypes.data), back.nbytes), device="cuda")
+        assert c.engine.wait_gpu_ready(10)
+        assert sorted(rt.registered.values()) == [32 * MiB]  # the holder's whole segment
+        calls = rt.register_calls
+        for i in range(4):
+            c.put_from(f"gpu/{i}", h)
+            assert c.replica_segments(f"gpu/{i}") == d.segment_ids
+            back[:] = 0
+            assert c.get_into(f"gpu/{i}", hb) == 4 * MiB
+            assert zlib.crc32(back) == zlib.crc32(fake_dev)
+        assert rt.register_calls == calls

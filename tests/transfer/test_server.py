@@ -60,7 +60,9 @@ def test_valid_read_write_and_ping(served: Any) -> None:
     ([msgpack.packb([1, 2, 3])], ErrorCode.MALFORMED_FRAME),
     ([b"x" * 5000], ErrorCode.FRAME_TOO_LARGE),
     ([_hdr(op=99, seg="S")], ErrorCode.UNKNOWN_OP),
-    ([_hdr(op=True, seg="S")], ErrorCode.UNKNOWN_OP),
+    ([_hdr(op=True, seg="S")], ErrorCode.MALFORMED_FRAME),  # a bool is no op number
+    ([_hdr(seg="S", id="7")], ErrorCode.MALFORMED_FRAME),
+    ([msgpack.packb({"id": 1})], ErrorCode.MALFORMED_FRAME),  # no op
     ([_hdr(seg=5)], ErrorCode.MALFORMED_FRAME),
     ([_hdr(seg="S", off="0")], ErrorCode.MALFORMED_FRAME),
     ([_hdr(seg="S", off=True)], ErrorCode.MALFORMED_FRAME),
@@ -86,6 +88,14 @@ def test_bad_requests_get_error_replies(served: Any, frames: list[bytes],
     # still serving
     r, p = _call(s, _hdr(seg=seg.segment_id, id=77))
     assert r["code"] == 0 and r["id"] == 77 and len(p[0]) == 4
+
+
+def test_refusal_echoes_a_readable_id(served: Any) -> None:
+    _, _, s = served
+    r, _ = _call(s, _hdr(seg=5, id=41))  # mistyped field, readable id
+    assert r["code"] == int(ErrorCode.MALFORMED_FRAME) and r["id"] == 41
+    r, _ = _call(s, _hdr(seg=5, id="41"))
+    assert r["code"] == int(ErrorCode.MALFORMED_FRAME) and r["id"] is None
 
 
 def test_empty_multipart_identity_only(served: Any) -> None:

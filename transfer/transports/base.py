@@ -165,6 +165,14 @@ class Transport(ABC):
     def forget_segment(self, segment_id: str) -> None:  # noqa: B027 - optional hook
         """Drop any cached state for a segment (unmounted / removed)."""
 
+    def warm_gpu(self, segment: SegmentDescriptor,  # noqa: B027 - optional hook
+                 local: LocalSegment | None, same_host: bool) -> None:
+        """Get ready to move GPU buffers to/from ``segment`` (``local``: owned by
+        this process) before the first such request, e.g. page-lock its mapping
+        or a staging pool. Called from a background thread once the engine has
+        a registered GPU buffer, for every segment it knows or learns; a request
+        racing it must still be correct (it may wait for, or do, the same work)."""
+
     def stats(self) -> dict[str, Any]:
         """Transport-specific counters (for logs and benchmarks)."""
         return {}

@@ -956,161 +956,8 @@ class RdmaTransport(Transport):
 
     def _run(self, peer: _PeerState, conn: _Connection, items: list[WorkItem],
              deadline: float, report: ReportFn) -> None:
-        by_key: dict[int, WorkItem] = {}
-        pieces: list[WrPiece] = []
-        pending: dict[int, int] = {}
-        done: set[int] = set()
-
-        def finish(key: int, err: TransferError | None) -> None:
-            if key in done:
-                return
-            done.add(key)
-            report(by_key[key], err)
-
-        for key, it in enumerate(items):
-            by_key[key] = it
-            seg = conn.segments.get(it.segment.segment_id)
-            if seg is None:
-                finish(key, TransferError(f"no rdma registration for segment "
-                                          f"{it.segment.segment_id!r}", ErrorCode.TRANSFER_FAIL))
-                continue
-            if it.offset + it.length > seg.length:
-                finish(key, TransferError(
-                    f"segment {seg.segment_id!r} registration covers {seg.length} bytes, "
-                    f"request ends at {it.offset + it.length}", ErrorCode.SEGMENT_MISMATCH))
-                continue
-            mr = self._local_mr(it.buffer)
-            if mr is not None:
-                pieces.append(WrPiece(key, it.op, seg.addr + it.offset, seg.rkey, it.length,
-                                      it.buffer.ptr + it.buffer_offset, mr.lkey))
-            else:
-                pieces.append(WrPiece(key, it.op, seg.addr + it.offset, seg.rkey, it.length,
-                                      staged=True))
-        staging = self._staging_pool() if any(p.staged for p in pieces) else None
-        plan = plan_work_requests(pieces, int(self.options.max_wr_bytes), conn.max_sge,
-                                  staging.size if staging is not None else None)
-        for pw in plan:
-            for k in pw.keys:
-                pending[k] = pending.get(k, 0) + 1
-        inflight: dict[int, _Inflight] = {}
-        per_qp = [0] * len(conn.qps)
-        depth = self.options.qp_depth
-        broken: TransferError | None = None
-        nxt = 0
-        idle_polls = 0
-        while True:
-            # post as many WRs as the QPs' depth (and the staging pool) allows
-            while broken is None and nxt < len(plan):
-                qi = min(range(len(per_qp)), key=per_qp.__getitem__)
-                if per_qp[qi] >= depth:
-                    break
-                pw = plan[nxt]
-                slot = None
-                if pw.staged:
-                    assert staging is not None
-                    slot = staging.try_acquire()
-                    if slot is None:
-                        break
-                    try:
-                        sges = [Sge(staging.addr(slot), pw.length, staging.mr.lkey)]
-                        if pw.op == TransferOp.WRITE:
-                            self._stage_in(by_key[pw.sges[0].key], pw.sges[0],
-                                           staging.view(slot, pw.length))
-                    except TransferError as exc:
-                        staging.release(slot)
-                        for k in pw.keys:
-                            finish(k, exc)
-                        nxt += 1
-                        continue
-                else:
-                    sges = [Sge(s.addr, s.length, s.lkey) for s in pw.sges]
-                wr_id = next(self._wr_ids)
-                wr = WorkRequest(wr_id, WrOp.RDMA_WRITE if pw.op == TransferOp.WRITE
-                                 else WrOp.RDMA_READ, sges, pw.remote_addr, pw.rkey)
-                try:
-                    conn.qps[qi].post_send([wr])
-                except VerbsError as exc:
-                    if slot is not None and staging is not None:
-                        staging.release(slot)
-                    broken = TransferError(f"post_send: {exc}", ErrorCode.TRANSFER_FAIL)
-                    break
-                inflight[wr_id] = _Inflight(pw, qi, slot)
-                per_qp[qi] += 1
-                nxt += 1
-                self.counters["wrs_posted"] += 1
-            if not inflight:
-                if broken is not None or nxt >= len(plan):
-                    break
-                # blocked on the staging pool (shared with other sub-batches)
-                if time.monotonic() >= deadline:
-                    broken = TransferError("rdma: no free staging buffer before the deadline",
-                                           ErrorCode.TIMEOUT)
-                    break
-                time.sleep(0.0002)
-                continue
-            comps = conn.cq.poll(_POLL_BATCH)
-            for c in comps:
-                fl = inflight.pop(c.wr_id, None)
-                if fl is None:
-                    log.warning("rdma: completion for unknown wr_id %d", c.wr_id)
-                    continue
-                per_qp[fl.qp] -= 1
-                err: TransferError | None = None
-                if c.ok:
-                    self.counters["bytes"] += fl.wr.length
-                    if fl.slot is not None and fl.wr.op == TransferOp.READ and staging:
-                        try:
-                            self._stage_out(by_key[fl.wr.sges[0].key], fl.wr.sges[0],
-                                            staging.view(fl.slot, fl.wr.length))
-                        except TransferError as exc:
-                            err = exc
-                else:
-                    self.counters["completion_errors"] += 1
-                    err = completion_error(c)
-                    if broken is None:
-                        broken = err
-                        log.warning("rdma: %s on a WR to %s; failing its requests over",
-                                    err, conn.endpoint)
-                        conn.to_error()  # flush the rest instead of waiting them out
-                if fl.slot is not None and staging is not None:
-                    staging.release(fl.slot)
-                for k in fl.wr.keys:
-                    if err is not None:
-                        finish(k, err)
-                    else:
-                        pending[k] -= 1
-                        if pending[k] == 0:
-                            finish(k, None)
-            if comps:
-                idle_polls = 0
-                continue
-            if self.closed or time.monotonic() >= deadline:
-                self.counters["timeouts"] += 1
-                err = TransferError(f"rdma: {len(inflight)} WRs to {conn.endpoint} not "
-                                    "completed by the deadline", ErrorCode.TIMEOUT) \
-                    if not self.closed else TransferError("rdma transport closed",
-                                                          ErrorCode.CLOSED)
-                # destroying the QPs guarantees no late DMA into the buffers
-                conn.to_error()
-                self._drop(peer, conn)
-                for fl in inflight.values():
-                    for k in fl.wr.keys:
-                        finish(k, err)
-                inflight.clear()
-                broken = broken or err
-                break
-            idle_polls += 1
-            if idle_polls > 64:
-                time.sleep(0.00005)
-        if broken is not None:
-            for k in by_key:
-                finish(k, broken)  # requests never posted
-            self._drop(peer, conn)
-        else:
-            for k in by_key:
-                if k not in done:  # e.g. a zero-length remainder
-                    finish(k, None if pending.get(k, 0) == 0 else TransferError(
-                        "request left unfinished", ErrorCode.TRANSFER_FAIL))
+        """Move ``items`` over ``conn``: see :class:`_WrRun` for the steps."""
+        _WrRun(self, peer, conn, items, deadline, report).run()
 
     # -- staging copies -------------------------------------------------------------------
     def _stage_in(self, item: WorkItem, sge: PlannedSge, dst: np.ndarray) -> None:
@@ -1143,3 +990,206 @@ class RdmaTransport(Transport):
             except TransferError:
                 log.debug("cudaHostRegister of the rdma staging pool failed", exc_info=True)
         return rt
+
+
+class _WrRun:
+    """One sub-batch to one peer over RDMA, in named steps.
+
+    :meth:`_plan` turns the items into WRs (:func:`plan_work_requests`; an
+    item without a usable registration fails at once), then :meth:`run`
+    loops: :meth:`_post` posts WRs up to each QP's depth and the staging
+    pool's free buffers, :meth:`_poll` takes completions (a completion error
+    moves the QPs to ERR so the rest flush, and fails its requests
+    retryably), :meth:`_expire` gives up at the deadline (destroying the QPs
+    guarantees no late DMA into the buffers), and :meth:`_settle` reports
+    what was never posted or finished. Every item is reported exactly once.
+    """
+
+    def __init__(self, rdma: RdmaTransport, peer: _PeerState, conn: _Connection,
+                 items: list[WorkItem], deadline: float, report: ReportFn) -> None:
+        self.rdma = rdma
+        self.peer = peer
+        self.conn = conn
+        self.deadline = deadline
+        self.report = report
+        self.by_key: dict[int, WorkItem] = dict(enumerate(items))
+        self.pending: dict[int, int] = {}  # item key -> WRs not yet completed
+        self.done: set[int] = set()
+        self.plan: list[PlannedWr] = []
+        self.staging: _Staging | None = None
+        self.inflight: dict[int, _Inflight] = {}
+        self.per_qp = [0] * len(conn.qps)
+        self.broken: TransferError | None = None
+        self.nxt = 0  # next WR of the plan to post
+
+    def finish(self, key: int, err: TransferError | None) -> None:
+        if key in self.done:
+            return
+        self.done.add(key)
+        self.report(self.by_key[key], err)
+
+    # -- steps ------------------------------------------------------------------------
+    def _plan(self) -> None:
+        pieces: list[WrPiece] = []
+        for key, it in self.by_key.items():
+            seg = self.conn.segments.get(it.segment.segment_id)
+            if seg is None:
+                self.finish(key, TransferError(f"no rdma registration for segment "
+                                               f"{it.segment.segment_id!r}",
+                                               ErrorCode.TRANSFER_FAIL))
+                continue
+            if it.offset + it.length > seg.length:
+                self.finish(key, TransferError(
+                    f"segment {seg.segment_id!r} registration covers {seg.length} bytes, "
+                    f"request ends at {it.offset + it.length}", ErrorCode.SEGMENT_MISMATCH))
+                continue
+            mr = self.rdma._local_mr(it.buffer)
+            if mr is not None:
+                pieces.append(WrPiece(key, it.op, seg.addr + it.offset, seg.rkey, it.length,
+                                      it.buffer.ptr + it.buffer_offset, mr.lkey))
+            else:
+                pieces.append(WrPiece(key, it.op, seg.addr + it.offset, seg.rkey, it.length,
+                                      staged=True))
+        if any(p.staged for p in pieces):
+            self.staging = self.rdma._staging_pool()
+        self.plan = plan_work_requests(pieces, int(self.rdma.options.max_wr_bytes),
+                                       self.conn.max_sge,
+                                       self.staging.size if self.staging is not None else None)
+        for pw in self.plan:
+            for k in pw.keys:
+                self.pending[k] = self.pending.get(k, 0) + 1
+
+    def run(self) -> None:
+        self._plan()
+        idle_polls = 0
+        while True:
+            self._post()
+            if not self.inflight:
+                if self.broken is not None or self.nxt >= len(self.plan):
+                    break
+                # blocked on the staging pool (shared with other sub-batches)
+                if time.monotonic() >= self.deadline:
+                    self.broken = TransferError("rdma: no free staging buffer before the "
+                                                "deadline", ErrorCode.TIMEOUT)
+                    break
+                time.sleep(0.0002)
+                continue
+            if self._poll():
+                idle_polls = 0
+                continue
+            if self.rdma.closed or time.monotonic() >= self.deadline:
+                self._expire()
+                break
+            idle_polls += 1
+            if idle_polls > 64:
+                time.sleep(0.00005)
+        self._settle()
+
+    def _post(self) -> None:
+        """Post WRs while a QP has room (and, for staged WRs, a buffer is free)."""
+        conn, staging, rdma = self.conn, self.staging, self.rdma
+        depth = rdma.options.qp_depth
+        while self.broken is None and self.nxt < len(self.plan):
+            qi = min(range(len(self.per_qp)), key=self.per_qp.__getitem__)
+            if self.per_qp[qi] >= depth:
+                return
+            pw = self.plan[self.nxt]
+            slot = None
+            if pw.staged:
+                assert staging is not None
+                slot = staging.try_acquire()
+                if slot is None:
+                    return
+                try:
+                    sges = [Sge(staging.addr(slot), pw.length, staging.mr.lkey)]
+                    if pw.op == TransferOp.WRITE:
+                        rdma._stage_in(self.by_key[pw.sges[0].key], pw.sges[0],
+                                       staging.view(slot, pw.length))
+                except TransferError as exc:
+                    staging.release(slot)
+                    for k in pw.keys:
+                        self.finish(k, exc)
+                    self.nxt += 1
+                    continue
+            else:
+                sges = [Sge(sg.addr, sg.length, sg.lkey) for sg in pw.sges]
+            wr_id = next(rdma._wr_ids)
+            wr = WorkRequest(wr_id, WrOp.RDMA_WRITE if pw.op == TransferOp.WRITE
+                             else WrOp.RDMA_READ, sges, pw.remote_addr, pw.rkey)
+            try:
+                conn.qps[qi].post_send([wr])
+            except VerbsError as exc:
+                if slot is not None and staging is not None:
+                    staging.release(slot)
+                self.broken = TransferError(f"post_send: {exc}", ErrorCode.TRANSFER_FAIL)
+                return
+            self.inflight[wr_id] = _Inflight(pw, qi, slot)
+            self.per_qp[qi] += 1
+            self.nxt += 1
+            rdma.counters["wrs_posted"] += 1
+
+    def _poll(self) -> bool:
+        """Handle the completions that arrived; False when none did."""
+        staging, rdma = self.staging, self.rdma
+        comps = self.conn.cq.poll(_POLL_BATCH)
+        for c in comps:
+            fl = self.inflight.pop(c.wr_id, None)
+            if fl is None:
+                log.warning("rdma: completion for unknown wr_id %d", c.wr_id)
+                continue
+            self.per_qp[fl.qp] -= 1
+            err: TransferError | None = None
+            if c.ok:
+                rdma.counters["bytes"] += fl.wr.length
+                if fl.slot is not None and fl.wr.op == TransferOp.READ and staging:
+                    try:
+                        rdma._stage_out(self.by_key[fl.wr.sges[0].key], fl.wr.sges[0],
+                                        staging.view(fl.slot, fl.wr.length))
+                    except TransferError as exc:
+                        err = exc
+            else:
+                rdma.counters["completion_errors"] += 1
+                err = completion_error(c)
+                if self.broken is None:
+                    self.broken = err
+                    log.warning("rdma: %s on a WR to %s; failing its requests over",
+                                err, self.conn.endpoint)
+                    self.conn.to_error()  # flush the rest instead of waiting them out
+            if fl.slot is not None and staging is not None:
+                staging.release(fl.slot)
+            for k in fl.wr.keys:
+                if err is not None:
+                    self.finish(k, err)
+                else:
+                    self.pending[k] -= 1
+                    if self.pending[k] == 0:
+                        self.finish(k, None)
+        return bool(comps)
+
+    def _expire(self) -> None:
+        """The deadline passed (or the transport closed) with WRs in flight."""
+        rdma = self.rdma
+        rdma.counters["timeouts"] += 1
+        err = TransferError(f"rdma: {len(self.inflight)} WRs to {self.conn.endpoint} not "
+                            "completed by the deadline", ErrorCode.TIMEOUT) \
+            if not rdma.closed else TransferError("rdma transport closed", ErrorCode.CLOSED)
+        # destroying the QPs guarantees no late DMA into the buffers
+        self.conn.to_error()
+        rdma._drop(self.peer, self.conn)
+        for fl in self.inflight.values():
+            for k in fl.wr.keys:
+                self.finish(k, err)
+        self.inflight.clear()
+        self.broken = self.broken or err
+
+    def _settle(self) -> None:
+        """Report every item not reported yet; drop a broken connection."""
+        if self.broken is not None:
+            for k in self.by_key:
+                self.finish(k, self.broken)  # requests never posted
+            self.rdma._drop(self.peer, self.conn)
+        else:
+            for k in self.by_key:
+                if k not in self.done:  # e.g. a zero-length remainder
+                    self.finish(k, None if self.pending.get(k, 0) == 0 else TransferError(
+                        "request left unfinished", ErrorCode.TRANSFER_FAIL))

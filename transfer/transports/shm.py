@@ -21,10 +21,10 @@ import numpy as np
 
 from kvpool.core.config import parse_size
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import SegmentKind
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.copy import DEFAULT_SPLIT_MIN_BYTES, parallel_copyto
 from kvpool.transfer.gpu import CudaRuntime, cuda_runtime
-from kvpool.transfer.segment import SHM_DIR, MemorySegment, map_shm
+from kvpool.transfer.segment import SHM_DIR, LocalSegment, MemorySegment, map_shm
 from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
 from kvpool.transfer.types import TransferError, TransferOp
 
@@ -73,8 +73,9 @@ class ShmTransport(Transport):
 
     # -- mappings ---------------------------------------------------------------
     def _region(self, item: WorkItem) -> _Mapping:
-        seg = item.segment
-        local = item.local
+        return self._mapping(item.segment, item.local)
+
+    def _mapping(self, seg: SegmentDescriptor, local: LocalSegment | None) -> _Mapping:
         if isinstance(local, MemorySegment):
             # owned by this process: in place; cache the CUDA registration state on it
             m = local.cache.get("shm_mapping")
@@ -98,13 +99,15 @@ class ShmTransport(Transport):
             return m
 
     def _drop(self, m: _Mapping) -> None:
-        rt = cuda_runtime()[0] if m.cuda_registered else None
-        if rt is not None:
-            try:
-                rt.host_unregister(m.address)
-            except Exception:
-                log.debug("cudaHostUnregister failed", exc_info=True)
-        m.array = np.empty(0, np.uint8)
+        with m.lock:  # waits for a registration in progress (GPU warm-up)
+            rt = cuda_runtime()[0] if m.cuda_registered else None
+            if rt is not None:
+                try:
+                    rt.host_unregister(m.address)
+                except Exception:
+                    log.debug("cudaHostUnregister failed", exc_info=True)
+            m.cuda_registered = True  # never register a dropped mapping
+            m.array = np.empty(0, np.uint8)
         if m.mm is not None:
             try:
                 m.mm.close()
@@ -132,6 +135,19 @@ class ShmTransport(Transport):
                 log.warning("cudaHostRegister of shm %s failed (%s); using pageable copies",
                             m.name, exc)
                 m.cuda_registered = True  # do not retry on every request
+
+    def warm_gpu(self, segment: SegmentDescriptor, local: LocalSegment | None,
+                 same_host: bool) -> None:
+        """Map and page-lock a same-host memory segment now, so the first GPU copy
+        into it does not pay for registering the whole mapping (tens of ms for
+        a few hundred MiB)."""
+        if segment.kind != SegmentKind.MEMORY or not same_host or self.closed:
+            return
+        rt = cuda_runtime()[0]
+        if rt is None:
+            return
+        m = self._mapping(segment, local)
+        self._ensure_registered(m, rt, local if isinstance(local, MemorySegment) else None)
 
     # -- execute ----------------------------------------------------------------
     def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
@@ -174,7 +190,7 @@ class ShmTransport(Transport):
         owner = item.local if isinstance(item.local, MemorySegment) else None
         self._ensure_registered(m, rt, owner)
         rt.set_device(buf.device_index)
-        seg_ptr = m.address + off
+        seg_ptr = int(region.ctypes.data) + off  # the captured view keeps the mapping alive
         gpu_ptr = buf.ptr + item.buffer_offset
         if item.op is TransferOp.READ:
             rt.memcpy(gpu_ptr, seg_ptr, n)

@@ -1,19 +1,28 @@
-"""``tcp``: any host, through the segment owner's transfer server (ZeroMQ).
+"""``tcp``: any host, through the segment owner's transfer server.
 
-Each worker thread keeps one DEALER socket per peer endpoint. A request is
-split into ``chunk_size`` chunks; up to ``window`` chunks per connection are in
-flight at once (pipelining), and the requests to different peers progress in
-one poll loop, so a dead peer does not hold up a live one. Frames are
-zero-copy: WRITE payloads are sent straight from the caller's buffer
-(``copy=False``), READ payloads received straight into it (``recv_into``).
-GPU buffers are staged through a pool of pinned host buffers in both
-directions. A peer that stops answering fails its requests (retryably, with
-TIMEOUT) at the deadline and its socket is discarded so no stale request is
-delivered later. See :mod:`kvpool.transfer.server` for the wire protocol.
+:meth:`TcpTransport.execute` runs in named steps: :meth:`~TcpTransport._route`
+sorts a sub-batch into what the peers' bulk sockets can take and the rest;
+:meth:`~TcpTransport._run_bulk` moves the first (:mod:`kvpool.transfer.bulk`:
+plain TCP, in place, many ranges per round trip; one thread per extra peer so
+a silent peer does not hold up a live one); :class:`_ZmqRun` moves the rest
+over ZeroMQ (GPU buffers, peers with CURVE or without a bulk socket, the first
+requests to a peer while its bulk port is being asked).
+
+ZeroMQ path: each worker thread keeps one DEALER socket per peer endpoint. A
+request is split into ``chunk_size`` chunks; up to ``window`` chunks per
+connection are in flight at once, and the requests to different peers
+progress in one poll loop. Frames are zero-copy: WRITE payloads are sent
+straight from the caller's buffer (``copy=False``), READ payloads received
+straight into it (``recv_into``). GPU buffers are staged through a pool of
+pinned host buffers in both directions. A peer that stops answering fails its
+requests (retryably, with TIMEOUT) at the deadline and its socket is
+discarded so no stale request is delivered later. Headers:
+:mod:`kvpool.transfer.wire`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -21,15 +30,17 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import SegmentKind, decode_frame, encode_frame
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.transfer import wire
 from kvpool.transfer.bulk import BulkClient
 from kvpool.transfer.gpu import CudaRuntime, PinnedPool, cuda_runtime
+from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
 from kvpool.transfer.types import TransferError, TransferOp
 
@@ -38,11 +49,8 @@ __all__ = ["TcpTransport"]
 log = logging.getLogger(__name__)
 
 _MIN_ZERO_COPY = 64 << 10
-# host-buffer requests from this size go over the peer's bulk socket when it has
-# one (kvpool.transfer.bulk: no extra copy of the payload on the receiving side)
-_BULK_MIN = 64 << 10
 _BULK_RETRY_S = 10.0  # how long "this peer has no bulk socket" is believed
-_OP_BULK = 5  # kvpool.transfer.server.OP_BULK
+_STRIPE_MIN = 8 << 20  # a lone request this large goes over several connections at once
 # server refusals that no other attempt can fix
 _FINAL_CODES = {
     ErrorCode.OUT_OF_BOUNDS, ErrorCode.PERMISSION_DENIED, ErrorCode.UNKNOWN_OP,
@@ -77,6 +85,16 @@ class _Conn:
     ever_connected: bool = False
 
 
+@dataclass(frozen=True)
+class _BulkPeer:
+    """What a peer's ``ServerOp.BULK`` answer said (port 0: none, or not yet known)."""
+
+    port: int = 0
+    retry_at: float = 0.0  # monotonic time to ask again (port 0 only)
+    max_bytes: int = 0  # largest single range
+    max_header: int = 4096  # largest request header
+
+
 class TcpTransport(Transport):
     """Chunked, pipelined READ/WRITE through peers' transfer servers."""
 
@@ -92,8 +110,7 @@ class TcpTransport(Transport):
         self._pool: PinnedPool | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
-        # endpoint -> (bulk port, retry at, largest request the peer takes)
-        self._bulk_ports: dict[str, tuple[int, float, int]] = {}
+        self._bulk_peers: dict[str, _BulkPeer] = {}
         self._bulk_all: set[BulkClient] = set()
         self._bulk_idle: dict[str, list[BulkClient]] = {}
         self.bulk_requests = 0
@@ -190,23 +207,50 @@ class TcpTransport(Transport):
                                         self.settings.staging_bytes)
             return rt, self._pool
 
-    # -- bulk path --------------------------------------------------------------
-    def _bulk_port(self, endpoint: str) -> tuple[int, int]:
-        """The peer's bulk port (0: none / not known yet / CURVE active towards
-        it) and the largest request it accepts. Never blocks: an unknown peer
-        is asked in the background and served over ZeroMQ meanwhile."""
+    def warm_gpu(self, segment: SegmentDescriptor, local: LocalSegment | None,
+                 same_host: bool) -> None:
+        """Page-lock the GPU staging pool before the first GPU request to another host."""
+        if not same_host and not self.closed and cuda_runtime()[0] is not None:
+            self._staging()
+
+    # -- step 1: route ---------------------------------------------------------------
+    def _route(self, items: Sequence[WorkItem], report: ReportFn
+               ) -> tuple[dict[str, list[WorkItem]], list[WorkItem]]:
+        """Items for each peer's bulk socket (by endpoint), and the rest (ZeroMQ).
+        Items whose segment names no endpoint are failed here."""
+        bulk_on = bool(self.settings.options.get("bulk", True))
+        by_ep: dict[str, list[WorkItem]] = {}
+        rest: list[WorkItem] = []
+        for it in items:
+            ep = it.segment.endpoint
+            if not ep:
+                report(it, TransferError(f"segment {it.segment.segment_id} has no endpoint",
+                                         ErrorCode.TRANSPORT_UNAVAILABLE))
+                continue
+            if bulk_on and not it.buffer.is_gpu and it.segment.kind == SegmentKind.MEMORY:
+                peer = self._bulk_peer(ep)
+                if peer.port > 0 and it.length <= peer.max_bytes:
+                    by_ep.setdefault(ep, []).append(it)
+                    continue
+            rest.append(it)
+        return by_ep, rest
+
+    def _bulk_peer(self, endpoint: str) -> _BulkPeer:
+        """What is known of the peer's bulk socket (port 0: none, not known yet, or
+        CURVE active towards it). Never blocks: an unknown peer is asked in the
+        background and served over ZeroMQ meanwhile."""
         now = time.monotonic()
         with self._lock:
-            ent = self._bulk_ports.get(endpoint)
-            if ent is not None and (ent[0] > 0 or now < ent[1]):
-                return ent[0], ent[2]
+            peer = self._bulk_peers.get(endpoint)
+            if peer is not None and (peer.port > 0 or now < peer.retry_at):
+                return peer
             # negative until the answer arrives (or for _BULK_RETRY_S on failure)
-            self._bulk_ports[endpoint] = (0, now + _BULK_RETRY_S, 0)
+            peer = self._bulk_peers[endpoint] = _BulkPeer(retry_at=now + _BULK_RETRY_S)
         curve = getattr(getattr(self, "ctx", None), "curve", None)
         if curve is None or not curve.active(endpoint):
             threading.Thread(target=self._query_bulk, args=(endpoint, 1.0), daemon=True,
                              name="kvpool-tcp-bulk-query").start()
-        return 0, 0
+        return peer
 
     def _query_bulk(self, endpoint: str, timeout: float) -> None:
         with self._lock:
@@ -219,15 +263,15 @@ class TcpTransport(Transport):
         try:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(endpoint)
-            s.send(encode_frame({"op": _OP_BULK, "id": 0}))
+            s.send(wire.encode(wire.ServerRequest(op=wire.ServerOp.BULK, id=0)))
             if not s.poll(int(timeout * 1000) + 1, zmq.POLLIN):
                 return
-            rep = decode_frame(s.recv_multipart()[-1])
-            if isinstance(rep, dict) and rep.get("code") == ErrorCode.OK:
-                port, most = rep.get("bulk", 0), rep.get("max", 0)
-                if isinstance(port, int) and 0 < port < 65536 and isinstance(most, int):
-                    with self._lock:
-                        self._bulk_ports[endpoint] = (port, 0.0, most)
+            rep = wire.decode_reply(s.recv_multipart()[-1], offer=True)
+            if isinstance(rep, wire.BulkOffer) and rep.code == ErrorCode.OK \
+                    and 0 < rep.bulk < 65536:
+                with self._lock:
+                    self._bulk_peers[endpoint] = _BulkPeer(rep.bulk, 0.0, rep.max,
+                                                           rep.hdr or 4096)
         except Exception as exc:  # an old or odd peer, or closing: no bulk path
             log.debug("tcp: bulk port of %s: %s", endpoint, exc)
         finally:
@@ -238,19 +282,23 @@ class TcpTransport(Transport):
             except zmq.ZMQError:
                 pass
 
-    def _bulk_checkout(self, endpoint: str, port: int, deadline: float) -> BulkClient | None:
+    # -- step 2: the bulk sockets -------------------------------------------------------
+    def _bulk_checkout(self, endpoint: str, deadline: float) -> BulkClient | None:
         """An idle connection to the peer's bulk port, or a new one (None: cannot connect)."""
         with self._lock:
             idle = self._bulk_idle.get(endpoint)
             if idle:
                 return idle.pop()
+            peer = self._bulk_peers[endpoint]
         host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
         try:
-            bc = BulkClient(host, port, min(2.0, deadline - time.monotonic()))
+            bc = BulkClient(host, peer.port, min(2.0, deadline - time.monotonic()),
+                            peer.max_header)
         except OSError as exc:
-            log.debug("tcp: bulk connect %s:%d: %s", host, port, exc)
+            log.debug("tcp: bulk connect %s:%d: %s", host, peer.port, exc)
             with self._lock:
-                self._bulk_ports[endpoint] = (0, time.monotonic() + _BULK_RETRY_S, 0)
+                self._bulk_peers[endpoint] = _BulkPeer(
+                    retry_at=time.monotonic() + _BULK_RETRY_S)
             return None
         with self._lock:
             if self.closed:
@@ -267,32 +315,39 @@ class TcpTransport(Transport):
             self._bulk_all.discard(bc)
         bc.close()
 
-    def _execute_bulk(self, items: Sequence[WorkItem], deadline: float,
-                      report: ReportFn) -> list[WorkItem]:
-        """Run what can go over peers' bulk sockets; return the rest.
-        ``options: {bulk: false}`` in the tcp settings turns the path off."""
-        if not self.settings.options.get("bulk", True):
-            return list(items)
+    def _run_bulk(self, by_ep: dict[str, list[WorkItem]], deadline: float,
+                  report: ReportFn) -> list[WorkItem]:
+        """Move each peer's items over its bulk socket (a lone large item over
+        several, see :meth:`_stripes`); return the items of peers that could
+        not be connected (they go over ZeroMQ)."""
         rest: list[WorkItem] = []
-        by_ep: dict[str, list[WorkItem]] = {}
-        for it in items:
-            ep = it.segment.endpoint
-            if (it.length >= _BULK_MIN and ep and not it.buffer.is_gpu
-                    and it.segment.kind == SegmentKind.MEMORY):
-                port, most = self._bulk_port(ep)
-                if port > 0 and it.length <= most:
-                    by_ep.setdefault(ep, []).append(it)
-                    continue
-            rest.append(it)
         jobs: list[tuple[str, list[WorkItem], BulkClient]] = []
+        parts: dict[int, list[Any]] = {}  # id(sub-item) -> [whole item, its state]
         for ep, its in by_ep.items():
-            bc = self._bulk_checkout(ep, self._bulk_ports[ep][0], deadline)
-            if bc is None:
+            stripes = self._stripes(its, parts)
+            clients = [self._bulk_checkout(ep, deadline) for _ in stripes]
+            if any(bc is None for bc in clients):
+                for bc in clients:
+                    if bc is not None:
+                        self._bulk_checkin(ep, bc)
                 rest.extend(its)
-            else:
-                jobs.append((ep, its, bc))
+                continue
+            jobs += [(ep, part, bc) for part, bc in zip(stripes, clients, strict=True)
+                     if bc is not None]
+        lock = threading.Lock()
 
         def rep(it: WorkItem, err: TransferError | None) -> None:
+            whole = parts.get(id(it))
+            if whole is not None:  # a stripe of a larger item: report the item once
+                with lock:
+                    state = whole[1]
+                    if state["reported"]:
+                        return
+                    state["left"] -= 1
+                    if err is None and state["left"] > 0:
+                        return
+                    state["reported"] = True
+                it = whole[0]
             if err is None:
                 if it.op is TransferOp.READ:
                     self.bytes_received += it.length
@@ -307,7 +362,8 @@ class TcpTransport(Transport):
                 self.bulk_requests += len(its)
                 self._bulk_checkin(ep, bc)
 
-        # one thread per extra peer: a silent peer must not hold up a live one
+        # one thread per extra connection: a silent peer must not hold up a live one,
+        # and the stripes of a large item move in parallel
         threads = [threading.Thread(target=run, args=job, daemon=True,
                                     name="kvpool-tcp-bulk") for job in jobs[1:]]
         for t in threads:
@@ -318,211 +374,36 @@ class TcpTransport(Transport):
             t.join(max(0.0, deadline - time.monotonic()) + 1.0)
         return rest
 
-    # -- execute ----------------------------------------------------------------
+    def _stripes(self, items: list[WorkItem], parts: dict[int, list[Any]]
+                 ) -> list[list[WorkItem]]:
+        """``items`` as one list, or, for a lone item of at least ``_STRIPE_MIN``
+        bytes, as ``threads`` stripes of it, each to go over its own connection
+        (one TCP stream of one thread is slower than the link here: a single
+        16 MiB put reached ~0.7x of 2-stream iperf3). ``parts`` maps each stripe
+        to the whole item."""
+        n = int(self.settings.threads)
+        if n < 2 or len(items) != 1 or items[0].length < _STRIPE_MIN:
+            return [items]
+        it = items[0]
+        step = -(-it.length // n) + 4095 & ~4095  # page-aligned stripes
+        state: dict[str, Any] = {"left": 0, "reported": False}
+        out = []
+        for off in range(0, it.length, step):
+            sub = dataclasses.replace(it, offset=it.offset + off,
+                                      buffer_offset=it.buffer_offset + off,
+                                      length=min(step, it.length - off))
+            parts[id(sub)] = [it, state]
+            state["left"] += 1
+            out.append([sub])
+        return out
+
+    # -- execute ------------------------------------------------------------------------
     def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
-        items = self._execute_bulk(items, deadline, report)
-        if not items:
-            return
-        conns: dict[str, _Conn] = {}
-        states: list[_ItemState] = []
-        gpu = any(it.buffer.is_gpu for it in items)
-        rt, pool = self._staging() if gpu else (None, None)
-        chunk = self.settings.chunk_bytes
-        if pool is not None:
-            chunk = min(chunk, pool.size)
-        for it in items:
-            if not it.segment.endpoint:
-                report(it, TransferError(f"segment {it.segment.segment_id} has no endpoint",
-                                         ErrorCode.TRANSPORT_UNAVAILABLE))
-                continue
-            conn = conns.get(it.segment.endpoint)
-            if conn is None:
-                conn = conns[it.segment.endpoint] = self._conn(it.segment.endpoint)
-                self._peer_events(conn)  # old news from before this attempt
-            st = _ItemState(it, (it.length + chunk - 1) // chunk)
-            states.append(st)
-            for off in range(0, it.length, chunk):
-                conn.pending.append(_Chunk(st, off, min(chunk, it.length - off)))
-
-        def fail(st: _ItemState, err: TransferError) -> None:
-            if not st.failed and st.chunks_left > 0:
-                st.failed = True
-                report(st.item, err)
-
-        window = self.settings.window
-        if pool is not None:
-            window = max(1, min(window, len(pool._arrays) // max(1, len(conns))))
-        poller = zmq.Poller()
-        by_sock: dict[zmq.Socket, _Conn] = {}
-        by_mon: dict[zmq.Socket, _Conn] = {}
-        for c in conns.values():
-            poller.register(c.sock, zmq.POLLIN)
-            by_sock[c.sock] = c
-            if c.mon is not None:
-                poller.register(c.mon, zmq.POLLIN)
-                by_mon[c.mon] = c
-
-        def give_up(c: _Conn, why: str, code: ErrorCode) -> None:
-            c.broken = True
-            for ch in [*c.inflight.values(), *c.pending]:
-                self._release(ch, pool)
-                fail(ch.st, TransferError(why, code))
-            c.inflight.clear()
-            c.pending.clear()
-
-        try:
-            while True:
-                if self.closed:
-                    raise TransferError("tcp transport closed", ErrorCode.CLOSED)
-                for c in conns.values():
-                    while c.pending and len(c.inflight) < window and not c.broken:
-                        ch = c.pending.popleft()
-                        if ch.st.failed:
-                            continue
-                        if ch.st.item.buffer.is_gpu and pool is not None:
-                            # Never hold staging slots and block for more: other
-                            # threads share the pool, and our in-flight slots are
-                            # only freed by this loop reading their replies.
-                            if any(x.inflight for x in conns.values()):
-                                ch.slot = pool.try_acquire()
-                                if ch.slot < 0:
-                                    c.pending.appendleft(ch)
-                                    break
-                            else:
-                                try:
-                                    ch.slot = pool.acquire(max(0.0, deadline - time.monotonic()))
-                                except TransferError as exc:
-                                    fail(ch.st, exc)
-                                    continue
-                        try:
-                            self._send(c, ch, rt, pool, deadline)
-                        except TransferError as exc:
-                            self._release(ch, pool)
-                            fail(ch.st, exc)
-                if not any(c.inflight for c in conns.values()):
-                    if not any(c.pending and not c.broken for c in conns.values()):
-                        break
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    for c in conns.values():
-                        if c.inflight or c.pending:
-                            give_up(c, f"no reply from {c.endpoint} before the deadline",
-                                    ErrorCode.TIMEOUT)
-                    break
-                for sock, _ in poller.poll(int(min(left, 1.0) * 1000) + 1):
-                    if sock in by_mon:
-                        c = by_mon[sock]
-                        why = self._peer_events(c)
-                        if why and c.inflight:
-                            # replies already queued still count; the rest is lost
-                            while c.inflight and \
-                                    cast(int, c.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                                self._recv(c, rt, pool, report, fail)
-                            give_up(c, why, ErrorCode.TRANSFER_FAIL)
-                        continue
-                    c = by_sock[sock]
-                    while c.inflight and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                        self._recv(c, rt, pool, report, fail)
-        except TransferError as exc:
-            for st in states:
-                fail(st, exc)
-            for c in conns.values():
-                c.broken = True
-        finally:
-            for c in conns.values():
-                for ch in c.inflight.values():
-                    self._release(ch, pool)
-                if c.broken or c.inflight:
-                    self._discard(c)  # stale requests must never reach a later peer
-
-    def _release(self, ch: _Chunk, pool: PinnedPool | None) -> None:
-        if ch.slot >= 0 and pool is not None:
-            pool.release(ch.slot)
-            ch.slot = -1
-
-    def _send(self, c: _Conn, ch: _Chunk, rt: CudaRuntime | None, pool: PinnedPool | None,
-              deadline: float) -> None:
-        it = ch.st.item
-        cid = next(self._ids)
-        hdr = encode_frame({"op": int(it.op), "id": cid, "seg": it.segment.segment_id,
-                            "off": it.offset + ch.off, "len": ch.n, "cap": it.capability})
-        if it.buffer.is_gpu and ch.slot < 0:
-            assert rt is not None and pool is not None
-            ch.slot = pool.acquire(max(0.0, deadline - time.monotonic()))
-        if it.op is TransferOp.READ:
-            c.sock.send(hdr, copy=True)
-        else:
-            if it.buffer.is_gpu:
-                assert rt is not None and pool is not None
-                rt.set_device(it.buffer.device_index)
-                rt.memcpy(pool.ptr(ch.slot), it.buffer.ptr + it.buffer_offset + ch.off, ch.n)
-                payload = pool.array(ch.slot)[:ch.n]
-            else:
-                payload = it.buffer.host_view(it.buffer_offset + ch.off, ch.n)
-            c.sock.send(hdr, zmq.SNDMORE, copy=True)
-            # the server's reply proves the payload left our buffer, so the
-            # buffer (or staging slot) is reusable once the reply arrives
-            c.sock.send(payload.data, 0, copy=ch.n < _MIN_ZERO_COPY)
-            self.bytes_sent += ch.n
-        c.inflight[cid] = ch
-
-    def _recv(self, c: _Conn, rt: CudaRuntime | None, pool: PinnedPool | None, report: ReportFn,
-              fail: object) -> None:
-        sock = c.sock
-        raw = sock.recv(copy=True)
-        try:
-            hdr = decode_frame(raw)
-            cid = hdr["id"]
-            code = ErrorCode(int(hdr["code"]))
-        except Exception:
-            self._drain(sock)
-            log.warning("tcp: malformed reply from %s", c.endpoint)
-            return
-        ch = c.inflight.pop(cid, None) if isinstance(cid, int) else None
-        if ch is None:  # stale reply of an abandoned request
-            self._drain(sock)
-            return
-        st = ch.st
-        fail_fn = fail  # typed as object to keep the signature short
-        try:
-            if code != ErrorCode.OK:
-                self._drain(sock)
-                raise TransferError(f"peer {c.endpoint}: {hdr.get('err', '')}", code,
-                                    retryable=code not in _FINAL_CODES)
-            it = st.item
-            if it.op is TransferOp.READ:
-                if not sock.getsockopt(zmq.RCVMORE):
-                    raise TransferError("READ reply without payload", ErrorCode.MALFORMED_FRAME)
-                if st.failed:
-                    self._drain(sock)
-                    return
-                if it.buffer.is_gpu:
-                    assert rt is not None and pool is not None
-                    got = sock.recv_into(pool.array(ch.slot)[:ch.n].data)
-                    if got == ch.n:
-                        rt.set_device(it.buffer.device_index)
-                        rt.memcpy(it.buffer.ptr + it.buffer_offset + ch.off, pool.ptr(ch.slot),
-                                  ch.n)
-                else:
-                    got = sock.recv_into(it.buffer.host_view(it.buffer_offset + ch.off, ch.n).data)
-                self._drain(sock)
-                if got != ch.n:
-                    raise TransferError(f"READ reply of {got} bytes, expected {ch.n}",
-                                        ErrorCode.MALFORMED_FRAME)
-                self.bytes_received += ch.n
-            else:
-                self._drain(sock)
-        except TransferError as exc:
-            self._release(ch, pool)
-            fail_fn(st, exc)  # type: ignore[operator]
-            return
-        self._release(ch, pool)
-        if st.failed:
-            return
-        st.chunks_left -= 1
-        if st.chunks_left == 0:
-            report(st.item, None)
+        by_ep, rest = self._route(items, report)
+        if by_ep:
+            rest += self._run_bulk(by_ep, deadline, report)
+        if rest:
+            _ZmqRun(self, rest, deadline, report).run()
 
     @staticmethod
     def _drain(sock: zmq.Socket) -> None:
@@ -553,3 +434,241 @@ class TcpTransport(Transport):
             zctx.term()
         if pool is not None:
             pool.close()
+
+
+class _ZmqRun:
+    """Step 3 of :meth:`TcpTransport.execute`: one sub-batch slice over ZeroMQ.
+
+    :meth:`run` chunks the items per peer connection, then loops: :meth:`_pump`
+    sends chunks up to the window, :meth:`_poll` waits for replies and
+    monitor events (a disconnect fails that peer's chunks at once), and
+    :meth:`_expire` fails what is left at the deadline. :meth:`_close` returns
+    staging slots and discards every connection left with requests in flight
+    (a stale request must never reach a later peer).
+    """
+
+    def __init__(self, tcp: TcpTransport, items: Sequence[WorkItem], deadline: float,
+                 report: ReportFn) -> None:
+        self.tcp = tcp
+        self.deadline = deadline
+        self.report = report
+        self.conns: dict[str, _Conn] = {}
+        self.states: list[_ItemState] = []
+        self.rt: CudaRuntime | None = None
+        self.pool: PinnedPool | None = None
+        if any(it.buffer.is_gpu for it in items):
+            self.rt, self.pool = tcp._staging()
+        self.items = items
+        self.window = tcp.settings.window
+        self.poller = zmq.Poller()
+        self.by_sock: dict[zmq.Socket, _Conn] = {}
+        self.by_mon: dict[zmq.Socket, _Conn] = {}
+
+    # -- setup ------------------------------------------------------------------------
+    def _chunk(self) -> None:
+        """Split every item into chunks queued on its peer's connection."""
+        chunk = self.tcp.settings.chunk_bytes
+        if self.pool is not None:
+            chunk = min(chunk, self.pool.size)
+        for it in self.items:
+            conn = self.conns.get(it.segment.endpoint)
+            if conn is None:
+                conn = self.conns[it.segment.endpoint] = self.tcp._conn(it.segment.endpoint)
+                self.tcp._peer_events(conn)  # old news from before this attempt
+            st = _ItemState(it, (it.length + chunk - 1) // chunk)
+            self.states.append(st)
+            for off in range(0, it.length, chunk):
+                conn.pending.append(_Chunk(st, off, min(chunk, it.length - off)))
+        if self.pool is not None:
+            self.window = max(1, min(self.window,
+                                     len(self.pool._arrays) // max(1, len(self.conns))))
+        for c in self.conns.values():
+            self.poller.register(c.sock, zmq.POLLIN)
+            self.by_sock[c.sock] = c
+            if c.mon is not None:
+                self.poller.register(c.mon, zmq.POLLIN)
+                self.by_mon[c.mon] = c
+
+    # -- the loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._chunk()
+            while True:
+                if self.tcp.closed:
+                    raise TransferError("tcp transport closed", ErrorCode.CLOSED)
+                self._pump()
+                if not any(c.inflight for c in self.conns.values()):
+                    if not any(c.pending and not c.broken for c in self.conns.values()):
+                        break
+                    continue
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    self._expire()
+                    break
+                self._poll(left)
+        except TransferError as exc:
+            for st in self.states:
+                self._fail(st, exc)
+            for c in self.conns.values():
+                c.broken = True
+        finally:
+            self._close()
+
+    def _fail(self, st: _ItemState, err: TransferError) -> None:
+        if not st.failed and st.chunks_left > 0:
+            st.failed = True
+            self.report(st.item, err)
+
+    def _give_up(self, c: _Conn, why: str, code: ErrorCode) -> None:
+        c.broken = True
+        for ch in [*c.inflight.values(), *c.pending]:
+            self._release(ch)
+            self._fail(ch.st, TransferError(why, code))
+        c.inflight.clear()
+        c.pending.clear()
+
+    def _pump(self) -> None:
+        """Send pending chunks while each connection's window has room."""
+        pool = self.pool
+        for c in self.conns.values():
+            while c.pending and len(c.inflight) < self.window and not c.broken:
+                ch = c.pending.popleft()
+                if ch.st.failed:
+                    continue
+                if ch.st.item.buffer.is_gpu and pool is not None:
+                    # Never hold staging slots and block for more: other threads
+                    # share the pool, and our in-flight slots are only freed by
+                    # this loop reading their replies.
+                    if any(x.inflight for x in self.conns.values()):
+                        ch.slot = pool.try_acquire()
+                        if ch.slot < 0:
+                            c.pending.appendleft(ch)
+                            break
+                    else:
+                        try:
+                            ch.slot = pool.acquire(max(0.0, self.deadline - time.monotonic()))
+                        except TransferError as exc:
+                            self._fail(ch.st, exc)
+                            continue
+                try:
+                    self._send(c, ch)
+                except TransferError as exc:
+                    self._release(ch)
+                    self._fail(ch.st, exc)
+
+    def _poll(self, left: float) -> None:
+        """Wait for replies or monitor events and handle them."""
+        for sock, _ in self.poller.poll(int(min(left, 1.0) * 1000) + 1):
+            if sock in self.by_mon:
+                c = self.by_mon[sock]
+                why = self.tcp._peer_events(c)
+                if why and c.inflight:
+                    # replies already queued still count; the rest is lost
+                    while c.inflight and \
+                            cast(int, c.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                        self._recv(c)
+                    self._give_up(c, why, ErrorCode.TRANSFER_FAIL)
+                continue
+            c = self.by_sock[sock]
+            while c.inflight and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                self._recv(c)
+
+    def _expire(self) -> None:
+        for c in self.conns.values():
+            if c.inflight or c.pending:
+                self._give_up(c, f"no reply from {c.endpoint} before the deadline",
+                              ErrorCode.TIMEOUT)
+
+    def _close(self) -> None:
+        for c in self.conns.values():
+            for ch in c.inflight.values():
+                self._release(ch)
+            if c.broken or c.inflight:
+                self.tcp._discard(c)  # stale requests must never reach a later peer
+
+    # -- one chunk --------------------------------------------------------------------
+    def _release(self, ch: _Chunk) -> None:
+        if ch.slot >= 0 and self.pool is not None:
+            self.pool.release(ch.slot)
+            ch.slot = -1
+
+    def _send(self, c: _Conn, ch: _Chunk) -> None:
+        it = ch.st.item
+        rt, pool = self.rt, self.pool
+        cid = next(self.tcp._ids)
+        hdr = wire.encode(wire.ServerRequest(int(it.op), cid, it.segment.segment_id,
+                                             it.offset + ch.off, ch.n, it.capability))
+        if it.buffer.is_gpu and ch.slot < 0:
+            assert rt is not None and pool is not None
+            ch.slot = pool.acquire(max(0.0, self.deadline - time.monotonic()))
+        if it.op is TransferOp.READ:
+            c.sock.send(hdr, copy=True)
+        else:
+            if it.buffer.is_gpu:
+                assert rt is not None and pool is not None
+                rt.set_device(it.buffer.device_index)
+                rt.memcpy(pool.ptr(ch.slot), it.buffer.ptr + it.buffer_offset + ch.off, ch.n)
+                payload = pool.array(ch.slot)[:ch.n]
+            else:
+                payload = it.buffer.host_view(it.buffer_offset + ch.off, ch.n)
+            c.sock.send(hdr, zmq.SNDMORE, copy=True)
+            # the server's reply proves the payload left our buffer, so the
+            # buffer (or staging slot) is reusable once the reply arrives
+            c.sock.send(payload.data, 0, copy=ch.n < _MIN_ZERO_COPY)
+            self.tcp.bytes_sent += ch.n
+        c.inflight[cid] = ch
+
+    def _recv(self, c: _Conn) -> None:
+        sock = c.sock
+        raw = sock.recv(copy=True)
+        try:
+            rep = wire.decode_reply(raw)
+            code = ErrorCode(rep.code)
+        except Exception:
+            TcpTransport._drain(sock)
+            log.warning("tcp: malformed reply from %s", c.endpoint)
+            return
+        ch = c.inflight.pop(rep.id, None) if rep.id is not None else None
+        if ch is None:  # stale reply of an abandoned request
+            TcpTransport._drain(sock)
+            return
+        st = ch.st
+        try:
+            if code != ErrorCode.OK:
+                TcpTransport._drain(sock)
+                raise TransferError(f"peer {c.endpoint}: {rep.err}", code,
+                                    retryable=code not in _FINAL_CODES)
+            if st.item.op is TransferOp.READ and not st.failed:
+                self._recv_payload(sock, ch)
+            else:
+                TcpTransport._drain(sock)
+        except TransferError as exc:
+            self._release(ch)
+            self._fail(st, exc)
+            return
+        self._release(ch)
+        if st.failed:
+            return
+        st.chunks_left -= 1
+        if st.chunks_left == 0:
+            self.report(st.item, None)
+
+    def _recv_payload(self, sock: zmq.Socket, ch: _Chunk) -> None:
+        """A READ reply's payload frame, straight into the buffer (or staging slot)."""
+        it = ch.st.item
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise TransferError("READ reply without payload", ErrorCode.MALFORMED_FRAME)
+        if it.buffer.is_gpu:
+            rt, pool = self.rt, self.pool
+            assert rt is not None and pool is not None
+            got = sock.recv_into(pool.array(ch.slot)[:ch.n].data)
+            if got == ch.n:
+                rt.set_device(it.buffer.device_index)
+                rt.memcpy(it.buffer.ptr + it.buffer_offset + ch.off, pool.ptr(ch.slot), ch.n)
+        else:
+            got = sock.recv_into(it.buffer.host_view(it.buffer_offset + ch.off, ch.n).data)
+        TcpTransport._drain(sock)
+        if got != ch.n:
+            raise TransferError(f"READ reply of {got} bytes, expected {ch.n}",
+                                ErrorCode.MALFORMED_FRAME)
+        self.tcp.bytes_received += ch.n
