@@ -221,6 +221,11 @@ class EvictionPolicy:
     def after_restore(self, directory: Directory) -> None:
         """Called at the end of ``finish_restore``."""
 
+    def spill_on_full(self, directory: Directory) -> bool:
+        """A put that memory cannot take even after eviction: True = place its
+        replicas on FILE segments instead (the default: fail the put)."""
+        return False
+
 
 def _is_int(v: object) -> bool:
     return type(v) is int
@@ -263,6 +268,7 @@ class Directory:
         self.lease_refusals = 0
         self.preemptions = 0
         self.expired_clients = 0
+        self.spilled = 0  # puts placed on disk because memory was full
         self._rng = random.Random()
         # KV-cache objects mostly share a few sizes: one int object per size
         # instead of one per object saves 28-32 B/object
@@ -563,9 +569,14 @@ class Directory:
                         self.evict(_MEM)
         if not out:
             pref = preferred or []
-            self._place(size, replica_num, _MEM, pref, out)
-            if disk_replica_num:
-                self._place(size, disk_replica_num, _FILE, pref, out)
+            got = self._place(size, replica_num, _MEM, pref, out)
+            # memory is full and eviction could not free it at once (its victims
+            # wait for their copy to disk): the disk tier takes the object now
+            spill = replica_num if replica_num and not got \
+                and self.policy.spill_on_full(self) else 0
+            if disk_replica_num or spill:
+                if self._place(size, max(disk_replica_num, spill), _FILE, pref, out) and spill:
+                    self.spilled += 1
         if not out:
             return ErrorCode.NO_AVAILABLE_HANDLE, None
         p = Pending(self._intern_size(size), tuple(out), flags, checksum, client_id, now)
@@ -964,4 +975,5 @@ class Directory:
             "lease_refusals": self.lease_refusals,
             "preemptions": self.preemptions,
             "expired_clients": self.expired_clients,
+            "spilled": self.spilled,
         }
