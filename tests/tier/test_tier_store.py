@@ -149,10 +149,23 @@ def test_promotion_on_disk_hit(make_daemon, make_client, master):
     data = pattern(7, 300_001).tobytes()
     c.put(key, data, DISK)
     assert _kinds(master, key) == [SegmentKind.FILE]
-    assert c.get(key) == data  # served from disk; queues a promotion
+    assert c.get(key) == data  # served from disk
+    assert c.get(key) == data  # the second read from disk queues a promotion
     _wait(lambda: SegmentKind.MEMORY in _kinds(master, key))
     assert c.get(key) == data
     assert _stats(master)["promote_done"] >= 1
+
+
+def test_promotion_at_first_hit_from_the_command_line(tmp_path):
+    with MasterProcess(data_dir=str(tmp_path / "m1"), extra_args=["--promote-after-hits", "1"]
+                       ) as m, NodeDaemonProcess(m.address, "8MiB", extra_args=[
+                           "--disk-dir", str(tmp_path / "d1"), "--disk", "32MiB"]), \
+            client_factory(m.address) as make:
+        c = make()
+        data = pattern(8, 70_000).tobytes()
+        c.put("one", data, DISK)
+        assert c.get("one") == data
+        _wait(lambda: SegmentKind.MEMORY in _kinds(m, "one"))
 
 
 def test_kill9_and_restart_on_same_disk_dir_readopts_objects(make_daemon, make_client, master):
