@@ -44,12 +44,16 @@ __all__ = [
     "Rec",
     "SegState",
     "Segment",
+    "write_grant_ms",
 ]
 
 log = logging.getLogger(__name__)
 
 HARD_PIN = 1
 SOFT_PIN = 2
+# Beyond a WRITE capability's expiry, how long a transfer server may still
+# accept it (its capability_leeway_ms, 2 s by default, plus clock skew).
+_WRITE_LEEWAY_S = 5.0
 
 OK = ErrorCode.OK
 _MEM = SegmentKind.MEMORY
@@ -231,6 +235,13 @@ def _is_int(v: object) -> bool:
     return type(v) is int
 
 
+def write_grant_ms(cfg: MasterConfig) -> int:
+    """How long the WRITE capability granted with a put's replicas is valid:
+    a big put over a slow link must not be cut off mid-way."""
+    return max(cfg.capability_ttl_ms or cfg.lease_ttl_ms,
+               int(cfg.put_start_discard_timeout_s * 1000))
+
+
 class Directory:
     """Segments + objects + clients. Methods return ``(code, value)`` for
     per-key ops (cheap in batches) and raise KVPoolError for whole-request
@@ -269,6 +280,11 @@ class Directory:
         self.preemptions = 0
         self.expired_clients = 0
         self.spilled = 0  # puts placed on disk because memory was full
+        # space of abandoned puts, held while their writer may still write:
+        # heap of (release time, seq, replicas, size)
+        self._held: list[tuple[float, int, tuple[Any, ...], int]] = []
+        self._held_seq = itertools.count()
+        self.write_window_s = write_grant_ms(cfg) / 1000.0 + _WRITE_LEEWAY_S
         self._rng = random.Random()
         # KV-cache objects mostly share a few sizes: one int object per size
         # instead of one per object saves 28-32 B/object
@@ -459,8 +475,13 @@ class Directory:
 
     def sweep_pending(self) -> int:
         """Revoke in-flight puts older than put_start_release_timeout or whose
-        client has expired. Return how many."""
+        client has expired; free the held space of abandoned puts whose write
+        window passed. Return how many puts were revoked."""
         now = self.clock()
+        held = self._held
+        while held and held[0][0] <= now:
+            _, _, reps, size = heapq.heappop(held)
+            self._free_replicas(reps, size)
         limit = self.cfg.put_start_release_timeout_s
         stale = [k for k, p in self.pending.items()
                  if now - p.started > limit or p.client_id not in self.clients]
@@ -481,7 +502,20 @@ class Directory:
                 pool_used[seg.kind] -= before - seg.alloc.used
 
     def _release_pending(self, key: str, p: Pending) -> None:
-        self._free_replicas(p.replicas, p.size)
+        """Give back an abandoned put's space, once no write into it can land.
+
+        A writer that gave up (its transfer timed out) may still have bytes
+        on their way: queued in a stalled peer's socket, or in a copy thread.
+        Reusing the space at once let such a late write overwrite the next
+        object placed there (seen: a 2-byte object read back as the 'zz' of
+        a revoked 100 KB put after its stalled holder resumed). So the space
+        stays allocated until the WRITE capability granted with the put has
+        expired everywhere (``write_window_s`` after put_start)."""
+        until = p.started + self.write_window_s
+        if until <= self.clock():
+            self._free_replicas(p.replicas, p.size)
+        else:
+            heapq.heappush(self._held, (until, next(self._held_seq), p.replicas, p.size))
 
     def _candidates(self, kind: SegmentKind, n: int, preferred: list[str],
                     exclude: list[Segment]) -> Iterator[Segment]:
@@ -976,4 +1010,5 @@ class Directory:
             "preemptions": self.preemptions,
             "expired_clients": self.expired_clients,
             "spilled": self.spilled,
+            "held_puts": len(self._held),
         }

@@ -98,11 +98,13 @@ def test_put_get_remove_single_ops(mclient: MasterClient) -> None:
     assert code_of(c.call, Op.REMOVE, key="k") == ErrorCode.OBJECT_HAS_LEASE
     c.call(Op.REMOVE, key="k", force=True)
     assert code_of(c.call, Op.REMOVE, key="k") == ErrorCode.OBJECT_NOT_FOUND
-    # revoke frees the space
-    c.call(Op.PUT_START, client_id="c1", key="r", size=1 << 20)
+    # revoke gives the space back once the writer's WRITE capability ended
+    # (a late write must not land in the next object placed there): held now
+    c.call(Op.PUT_START, client_id="c1", key="r", size=1 << 16)
     c.call(Op.PUT_REVOKE, client_id="c1", key="r")
     assert code_of(c.call, Op.PUT_REVOKE, client_id="c1", key="r") == ErrorCode.OBJECT_NOT_FOUND
-    assert c.call(Op.STATS)["memory_used"] == 0
+    st = c.call(Op.STATS)
+    assert st["memory_used"] == 1 << 16 and st["held_puts"] == 1 and st["pending"] == 0
     # lease expires (1 s in this fixture): plain remove works afterwards
     put(c, "l")
     assert c.call(Op.EXIST, key="l") == {"exists": True}
@@ -189,7 +191,8 @@ def test_batch_ops(mclient: MasterClient) -> None:
     c.call(Op.EXIST, key="k5")
     assert c.call(Op.REMOVE_ALL)["removed"] == n - 3
     assert c.call(Op.REMOVE_ALL, force=True)["removed"] == 3
-    assert c.call(Op.STATS)["bytes_used"] == 0
+    st = c.call(Op.STATS)  # only the two revoked puts' space, held for their writer
+    assert st["bytes_used"] == 2 * 64 and st["held_puts"] == 2
 
 
 def test_req_socket_and_unknown_op(master_proc: MasterProcess) -> None:
