@@ -27,8 +27,12 @@ DISK = ReplicateConfig(replica_num=0, disk_replica_num=1)
 
 
 @pytest.fixture
-def master(tmp_path: Any) -> Iterator[MasterProcess]:
-    with MasterProcess(data_dir=str(tmp_path / "master"), lease_ttl_ms=300,
+def master(tmp_path: Any, request: Any) -> Iterator[MasterProcess]:
+    # short leases let the offload tests evict what they just read; a test
+    # reading big objects from disk passes a longer one (indirect parameter):
+    # a read that outlasts its lease is refused by design (bytes discarded)
+    lease_ms = getattr(request, "param", 300)
+    with MasterProcess(data_dir=str(tmp_path / "master"), lease_ttl_ms=lease_ms,
                        client_ttl_s=2) as m:
         yield m
 
@@ -109,6 +113,7 @@ def _put_retry(c: Client, key: str, value: bytes, cfg: ReplicateConfig | None = 
             time.sleep(0.1)
 
 
+@pytest.mark.parametrize("master", [10_000], indirect=True)  # 64 MiB reads on a busy disk
 def test_put_get_through_disk_replicas_with_checksums(make_daemon, make_client, master):
     make_daemon()
     c = make_client()
