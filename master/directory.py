@@ -200,7 +200,7 @@ class ObjectTable:
 
 
 class EvictionPolicy:
-    """Policy point for eviction (issue 5 hooks SSD offload here).
+    """Policy point for eviction (the SSD tier, kvpool.master.tiering, hooks in here).
 
     ``on_evict(directory, key, obj, kind)`` is called for each victim before
     its replicas in pool ``kind`` are freed. Return True when the policy
@@ -212,7 +212,7 @@ class EvictionPolicy:
     def on_evict(self, directory: Directory, key: str, obj: Obj, kind: SegmentKind) -> bool:
         return False
 
-    # issue 5 (SSD tier, kvpool.master.tiering) hooks; the defaults change nothing
+    # SSD-tier hooks (kvpool.master.tiering); the defaults change nothing
     def on_owner_lost(self, directory: Directory, seg: Segment) -> bool:
         """A client expired: True = the policy kept ``seg`` (not dropped)."""
         return False
