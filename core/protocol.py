@@ -562,6 +562,10 @@ class StatsReply(Reply):
     suspect_segments: int = 0
     suspected_clients: int = 0
     revived_clients: int = 0
+    # SSD tier: puts placed on disk because memory was full; abandoned puts whose
+    # space is held until their writer's WRITE capability has ended
+    spilled: int = 0
+    held_puts: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Every counter in one flat map (tiering and extra merged in)."""

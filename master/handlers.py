@@ -88,7 +88,7 @@ from kvpool.core.protocol import (
     peek_id,
 )
 from kvpool.master.config import MasterConfig
-from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, SegState
+from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, SegState, write_grant_ms
 from kvpool.master.stats import LoopStats, OpCounters
 from kvpool.master.tiering import TieringPolicy
 
@@ -195,7 +195,7 @@ class OpHandlers:
         # must not be cut off mid-way); READ grants last a read lease
         ttl = cfg.capability_ttl_ms or cfg.lease_ttl_ms
         self._read_ttl_ms = signer.ttl_ms if signer is not None else ttl
-        self._write_ttl_ms = max(ttl, int(cfg.put_start_discard_timeout_s * 1000))
+        self._write_ttl_ms = write_grant_ms(cfg)  # the directory holds revoked space as long
         self._run: dict[int, tuple[str, Callable[[Any], Reply]]] = {}
         for op, spec in OPS.items():
             fn = getattr(self, spec.handler_name, None)
