@@ -14,8 +14,12 @@ Model (see docs/security.md):
   allow exactly the cluster public key. Per-process keys plus an allow-list
   directory of ``*.key`` public keys also work.
 
-Policy: CURVE is off by default on loopback and on for any non-loopback
-bind unless explicitly disabled (:func:`curve_required`).
+Policy (``enabled: null``, auto; :func:`curve_required`): off on loopback;
+on any other address CURVE is on when this process has keys configured,
+otherwise off with one WARNING line per process. ``enabled: true`` requires
+it (and a key) everywhere, ``false`` turns it off everywhere. Signed
+capabilities guard every transfer either way. docs/security.md gives the
+threat model of each mode and why auto is the default.
 
 Key files use ZeroMQ's certificate format (``zmq.auth.load_certificate``
 reads them): ``NAME.key`` holds the public key (mode 0644) and
@@ -359,22 +363,44 @@ def is_loopback(host: str) -> bool:
         return False  # a hostname or wildcard ("*", "0.0.0.0" is an address: not loopback)
 
 
-def curve_required(bind_host: str, configured: bool | None) -> bool:
-    """Whether a server bound on ``bind_host`` must use CURVE.
+def curve_required(bind_host: str, configured: bool | None, has_keys: bool = False) -> bool:
+    """Whether a socket bound on (or connecting to) ``bind_host`` uses CURVE.
 
-    ``configured`` True/False is an explicit choice; None (auto) means off on
-    loopback, on for every other bind (including 0.0.0.0 and hostnames).
+    ``configured`` True/False is an explicit choice. None (auto): off on
+    loopback; on any other address (including 0.0.0.0 and hostnames) on
+    exactly when ``has_keys`` (this process has a secret key configured).
     """
     if configured is not None:
         return configured
-    return not is_loopback(bind_host)
+    if is_loopback(bind_host):
+        return False
+    return has_keys
+
+
+_warned_plain = False
+_warned_lock = threading.Lock()
+
+
+def _warn_plain_once(address: str, explicit: bool) -> None:
+    """The one WARNING line per process about CURVE being off off-loopback."""
+    global _warned_plain
+    with _warned_lock:
+        if _warned_plain:
+            return
+        _warned_plain = True
+    why = ("disabled by configuration" if explicit else
+           "no key configured (KVPOOL_CURVE_KEY_DIR, --curve-key or curve.secret_key_file)")
+    log.warning("CURVE is off on non-loopback address %s: %s; peers are not authenticated "
+                "and traffic is not encrypted, signed capabilities still bound every "
+                "transfer (docs/security.md)", address, why)
 
 
 @dataclass
 class CurveConfig:
     """CURVE settings of one process (a ``curve:`` block in master/client YAML, or flags).
 
-    ``enabled``: None = auto (:func:`curve_required`), True/False = forced.
+    ``enabled``: None = auto (:func:`curve_required`: on off-loopback when a
+    secret key is configured), True/False = forced.
     ``secret_key_file``: this process's keypair (``*.key_secret``); used as the
     server key of its sockets and as its client key towards other servers.
     ``server_public_key_file``: the servers' public key when it differs from
@@ -390,15 +416,25 @@ class CurveConfig:
     allowed_clients_dir: str = ""
     allow_any_client: bool = False
 
+    @property
+    def has_keys(self) -> bool:
+        """Whether a secret key file is configured (auto mode then turns CURVE on)."""
+        return bool(self.secret_key_file)
+
     def active(self, bind_host: str) -> bool:
-        return curve_required(bind_host, self.enabled)
+        """Whether CURVE applies to a socket on/towards ``bind_host``; logs the
+        process's one WARNING when it is off on a non-loopback address."""
+        on = curve_required(bind_host, self.enabled, self.has_keys)
+        if not on and not is_loopback(bind_host):
+            _warn_plain_once(bind_host, self.enabled is False)
+        return on
 
     def keypair(self) -> CurveKeyPair:
         if not self.secret_key_file:
             raise ConfigError(
-                "CURVE is required (non-loopback bind or curve enabled) but no secret key is "
-                "configured: run `kvpool keygen --out DIR --name cluster` and pass "
-                "--curve-key DIR/cluster.key_secret, or disable it with --curve off"
+                "CURVE is enabled but no secret key is configured: run `kvpool keygen "
+                "--out DIR --name cluster` and pass --curve-key DIR/cluster.key_secret "
+                "(or set KVPOOL_CURVE_KEY_DIR=DIR), or use --curve auto/off"
             )
         return load_keypair(self.secret_key_file)
 
@@ -425,9 +461,6 @@ class CurveConfig:
         is off for ``bind_host``.
         """
         if not self.active(bind_host):
-            if not is_loopback(bind_host):
-                log.warning("CURVE disabled on non-loopback bind %s: any peer can connect",
-                            bind_host)
             return None
         apply_server_curve(sock, self.keypair())
         return CurveAuthenticator.shared(sock.context, self.allowed_clients())
@@ -450,7 +483,8 @@ def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
     ``--curve-allow-dir`` to a subcommand (dests ``curve_*``, None when absent)."""
     g = parser.add_argument_group("authentication (ZeroMQ CURVE; see docs/security.md)")
     g.add_argument("--curve", choices=("auto", "on", "off"), default=None,
-                   help="auto (default): on for non-loopback binds, off on loopback")
+                   help="auto (default): off on loopback; elsewhere on when a key is "
+                   "configured, else off with a warning; on: required everywhere")
     g.add_argument("--curve-key", dest="curve_key", default=None,
                    help="this process's secret key file (kvpool keygen -> NAME.key_secret)")
     g.add_argument("--curve-server-key", dest="curve_server_key", default=None,

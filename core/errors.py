@@ -48,6 +48,8 @@ class ErrorCode(IntEnum):
     TIMEOUT = -1009
     SEGMENT_MISMATCH = -1010
     CLOSED = -1011
+    NOT_SUPPORTED = -1012  # Mooncake's number: the operation has no equivalent here
+    TASK_NOT_FOUND = -1400  # Mooncake's number: unknown or pruned copy/move task
     # high availability (kvpool.core.etcd, kvpool.master.ha)
     NOT_LEADER = -1100  # this master instance is a follower: ask the leader
     STALE_EPOCH = -1101  # a request, record or capability of an older leader term

@@ -137,6 +137,7 @@ class Op(IntEnum):
     GET_SIZE = 15
     REMOVE = 16
     REMOVE_ALL = 17
+    REMOVE_BY_REGEX = 18
     BATCH_PUT_START = 30
     BATCH_PUT_END = 31
     BATCH_PUT_REVOKE = 32
@@ -431,6 +432,17 @@ class RemoveAll(Request[RemoveAllReply]):
     force: bool = False
 
 
+@register(Op.REMOVE_BY_REGEX, RemoveAllReply,
+          "remove every unleased object (every with force) whose key starts with prefix and, "
+          "with prefix stripped, matches pattern (re.search; '' matches all); keys starting "
+          "with exclude_prefix are kept (INVALID_PARAMS for a bad pattern)")
+class RemoveByRegex(Request[RemoveAllReply]):
+    pattern: str
+    force: bool = False
+    prefix: str = ""
+    exclude_prefix: str = ""
+
+
 class BatchPutStartReply(Reply):
     codes: list[int]
     replicas: list[list[ReplicaDescriptor]]  # [] where the code is not OK
@@ -554,6 +566,10 @@ class StatsReply(Reply):
     suspect_segments: int = 0
     suspected_clients: int = 0
     revived_clients: int = 0
+    # SSD tier: puts placed on disk because memory was full; abandoned puts whose
+    # space is held until their writer's WRITE capability has ended
+    spilled: int = 0
+    held_puts: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Every counter in one flat map (tiering and extra merged in)."""

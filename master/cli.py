@@ -35,6 +35,11 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--max-batch-size", "max_batch_size", int, "default 16384"),
     ("--max-frame-size", "max_frame_size", int, "default 64 MiB"),
 ]
+# flag -> (``tiering:`` key, type, help): SSD-tier settings (kvpool.master.tiering_config)
+_TIER_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--promote-after-hits", "promote_after_hits", int,
+     "promote a disk-only object into memory at its Nth read from disk (default 2)"),
+]
 
 
 def register(subparsers: Any) -> None:
@@ -45,6 +50,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--config", help="YAML config (configs/master.yaml documents the keys)")
     for flag, dest, tp, help_ in _FLAGS:
         p.add_argument(flag, dest=dest, type=tp, default=None, help=help_)
+    for flag, key, tp, help_ in _TIER_FLAGS:
+        p.add_argument(flag, dest=f"tiering_{key}", type=tp, default=None, metavar="N",
+                       help=help_)
     add_curve_arguments(p)
     p.set_defaults(func=run)
 
@@ -55,8 +63,13 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.master.config import load_master_config
     from kvpool.master.server import MasterServer
 
-    overrides = {dest: getattr(args, dest, None) for _, dest, _, _ in _FLAGS}
+    overrides: dict[str, Any] = {dest: getattr(args, dest, None) for _, dest, _, _ in _FLAGS}
     cfg = load_master_config(args.config, overrides)
+    for _, key, _, _ in _TIER_FLAGS:
+        value = getattr(args, f"tiering_{key}", None)
+        if value is not None:
+            setattr(cfg.tiering, key, value)
+    cfg.tiering.validate()
     cfg.curve = curve_config_from_args(args, cfg.curve)
     if getattr(args, "log_level", "INFO") == "INFO":  # the global flag wins when given
         logging.getLogger().setLevel(cfg.log_level.upper())

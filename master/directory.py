@@ -54,12 +54,16 @@ __all__ = [
     "Rec",
     "SegState",
     "Segment",
+    "write_grant_ms",
 ]
 
 log = logging.getLogger(__name__)
 
 HARD_PIN = 1
 SOFT_PIN = 2
+# Beyond a WRITE capability's expiry, how long a transfer server may still
+# accept it (its capability_leeway_ms, 2 s by default, plus clock skew).
+_WRITE_LEEWAY_S = 5.0
 
 OK = ErrorCode.OK
 _MEM = SegmentKind.MEMORY
@@ -211,7 +215,7 @@ class ObjectTable:
 
 
 class EvictionPolicy:
-    """Policy point for eviction (issue 5 hooks SSD offload here).
+    """Policy point for eviction (the SSD tier, kvpool.master.tiering, hooks in here).
 
     ``on_evict(directory, key, obj, kind)`` is called for each victim before
     its replicas in pool ``kind`` are freed. Return True when the policy
@@ -223,7 +227,7 @@ class EvictionPolicy:
     def on_evict(self, directory: Directory, key: str, obj: Obj, kind: SegmentKind) -> bool:
         return False
 
-    # issue 5 (SSD tier, kvpool.master.tiering) hooks; the defaults change nothing
+    # SSD-tier hooks (kvpool.master.tiering); the defaults change nothing
     def on_owner_lost(self, directory: Directory, seg: Segment) -> bool:
         """A client expired: True = the policy kept ``seg`` (not dropped)."""
         return False
@@ -236,9 +240,21 @@ class EvictionPolicy:
     def after_restore(self, directory: Directory) -> None:
         """Called at the end of ``finish_restore``."""
 
+    def spill_on_full(self, directory: Directory) -> bool:
+        """A put that memory cannot take even after eviction: True = place its
+        replicas on FILE segments instead (the default: fail the put)."""
+        return False
+
 
 def _is_int(v: object) -> bool:
     return type(v) is int
+
+
+def write_grant_ms(cfg: MasterConfig) -> int:
+    """How long the WRITE capability granted with a put's replicas is valid:
+    a big put over a slow link must not be cut off mid-way."""
+    return max(cfg.capability_ttl_ms or cfg.lease_ttl_ms,
+               int(cfg.put_start_discard_timeout_s * 1000))
 
 
 class Directory:
@@ -286,6 +302,12 @@ class Directory:
         self.expired_clients = 0  # dropped: silent past client_ttl + grace, or no segments
         self.suspected_clients = 0  # times a client became suspect
         self.revived_clients = 0  # times a suspect client came back with its segments
+        self.spilled = 0  # puts placed on disk because memory was full
+        # space of abandoned puts, held while their writer may still write:
+        # heap of (release time, seq, replicas, size)
+        self._held: list[tuple[float, int, tuple[Any, ...], int]] = []
+        self._held_seq = itertools.count()
+        self.write_window_s = write_grant_ms(cfg) / 1000.0 + _WRITE_LEEWAY_S
         self._rng = random.Random()
         # KV-cache objects mostly share a few sizes: one int object per size
         # instead of one per object saves 28-32 B/object
@@ -577,8 +599,13 @@ class Directory:
 
     def sweep_pending(self) -> int:
         """Revoke in-flight puts older than put_start_release_timeout or whose
-        client was dropped (a suspect client's puts stay). Return how many."""
+        client was dropped (a suspect client's puts stay); free the held space of
+        abandoned puts whose write window passed. Return how many puts were revoked."""
         now = self.clock()
+        held = self._held
+        while held and held[0][0] <= now:
+            _, _, reps, size = heapq.heappop(held)
+            self._free_replicas(reps, size)
         limit = self.cfg.put_start_release_timeout_s
         stale = [k for k, p in self.pending.items()
                  if now - p.started > limit or p.client_id not in self.clients]
@@ -599,7 +626,20 @@ class Directory:
                 pool_used[seg.kind] -= before - seg.alloc.used
 
     def _release_pending(self, key: str, p: Pending) -> None:
-        self._free_replicas(p.replicas, p.size)
+        """Give back an abandoned put's space, once no write into it can land.
+
+        A writer that gave up (its transfer timed out) may still have bytes
+        on their way: queued in a stalled peer's socket, or in a copy thread.
+        Reusing the space at once let such a late write overwrite the next
+        object placed there (seen: a 2-byte object read back as the 'zz' of
+        a revoked 100 KB put after its stalled holder resumed). So the space
+        stays allocated until the WRITE capability granted with the put has
+        expired everywhere (``write_window_s`` after put_start)."""
+        until = p.started + self.write_window_s
+        if until <= self.clock():
+            self._free_replicas(p.replicas, p.size)
+        else:
+            heapq.heappush(self._held, (until, next(self._held_seq), p.replicas, p.size))
 
     def _candidates(self, kind: SegmentKind, n: int, preferred: list[str],
                     exclude: list[Segment]) -> Iterator[Segment]:
@@ -687,9 +727,14 @@ class Directory:
                         self.evict(_MEM)
         if not out:
             pref = preferred or []
-            self._place(size, replica_num, _MEM, pref, out)
-            if disk_replica_num:
-                self._place(size, disk_replica_num, _FILE, pref, out)
+            got = self._place(size, replica_num, _MEM, pref, out)
+            # memory is full and eviction could not free it at once (its victims
+            # wait for their copy to disk): the disk tier takes the object now
+            spill = replica_num if replica_num and not got \
+                and self.policy.spill_on_full(self) else 0
+            if disk_replica_num or spill:
+                if self._place(size, max(disk_replica_num, spill), _FILE, pref, out) and spill:
+                    self.spilled += 1
         if not out:
             return ErrorCode.NO_AVAILABLE_HANDLE, None
         p = Pending(self._intern_size(size), tuple(out), flags, checksum, client_id, now)
@@ -825,6 +870,22 @@ class Directory:
     def remove_all(self, force: bool = False) -> int:
         now = self.clock()
         victims = [(k, o) for k, o in self.objects.items() if force or o.lease <= now]
+        for k, o in victims:
+            self._remove_obj(k, o)
+        return len(victims)
+
+    def remove_matching(self, match: Callable[[str], bool], force: bool = False,
+                        prefix: str = "", exclude_prefix: str = "") -> int:
+        """Remove every complete object whose key starts with ``prefix``, does
+        not start with ``exclude_prefix`` (when given) and, with ``prefix``
+        stripped, satisfies ``match``; leased ones only with ``force``. One
+        pass over the directory (as REMOVE_ALL). Return the count removed."""
+        now = self.clock()
+        cut = len(prefix)
+        victims = [(k, o) for k, o in self.objects.items()
+                   if (force or o.lease <= now) and k.startswith(prefix)
+                   and not (exclude_prefix and k.startswith(exclude_prefix))
+                   and match(k[cut:])]
         for k, o in victims:
             self._remove_obj(k, o)
         return len(victims)
@@ -1101,4 +1162,6 @@ class Directory:
             "suspect_segments": sum(1 for s in self.segments.values() if s.state == _SUSPECT),
             "suspected_clients": self.suspected_clients,
             "revived_clients": self.revived_clients,
+            "spilled": self.spilled,
+            "held_puts": len(self._held),
         }

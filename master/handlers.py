@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +71,7 @@ from kvpool.core.protocol import (
     Remove,
     RemoveAll,
     RemoveAllReply,
+    RemoveByRegex,
     ReplicaDescriptor,
     ReplicaStatus,
     Reply,
@@ -88,7 +90,7 @@ from kvpool.core.protocol import (
     peek_id,
 )
 from kvpool.master.config import MasterConfig
-from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, SegState
+from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, SegState, write_grant_ms
 from kvpool.master.events import list_objects
 from kvpool.master.stats import LoopStats, OpCounters
 from kvpool.master.tiering import TieringPolicy
@@ -198,7 +200,7 @@ class OpHandlers:
         # must not be cut off mid-way); READ grants last a read lease
         ttl = cfg.capability_ttl_ms or cfg.lease_ttl_ms
         self._read_ttl_ms = signer.ttl_ms if signer is not None else ttl
-        self._write_ttl_ms = max(ttl, int(cfg.put_start_discard_timeout_s * 1000))
+        self._write_ttl_ms = write_grant_ms(cfg)  # the directory holds revoked space as long
         self._run: dict[int, tuple[str, Callable[[Any], Reply]]] = {}
         for op, spec in OPS.items():
             fn = getattr(self, spec.handler_name, None)
@@ -649,6 +651,18 @@ class OpHandlers:
 
     def remove_all(self, req: RemoveAll) -> RemoveAllReply:
         return RemoveAllReply(self.dir.remove_all(req.force))
+
+    def remove_by_regex(self, req: RemoveByRegex) -> RemoveAllReply:
+        if len(req.pattern) > self.max_key:
+            raise _bad(f"pattern longer than max_key_length {self.max_key}")
+        try:
+            search = re.compile(req.pattern).search
+        except re.error as exc:
+            raise _bad(f"bad pattern {req.pattern!r}: {exc}") from None
+        removed = self.dir.remove_matching(lambda k: search(k) is not None, req.force,
+                                           req.prefix, req.exclude_prefix)
+        self._count("remove", [0] * removed)
+        return RemoveAllReply(removed)
 
     # ================================================================ events
     def list_objects(self, req: ListObjects) -> ListObjectsReply:

@@ -192,6 +192,13 @@ def make_handler(server: StatsSource,
             elif path == "/health":
                 body = json.dumps(copy_retrying(server.health)).encode()
                 self._send(200, body, "application/json")
+            elif path == "/get_all_segments":
+                # Mooncake's admin route (SGLang's check_server polls it): the
+                # mounted segments, one name per line; empty while there are none
+                segs = server.stats_snapshot().segments
+                body = "".join(f"{s.descriptor.segment_id}\n" for s in segs
+                               if s.state == "active").encode()
+                self._send(200, body, "text/plain")
             else:
                 self._send(404, b"not found\n", "text/plain")
 

@@ -20,9 +20,18 @@ with ``TIER_TASK_DONE {client_id, task_id, ok, error}``.
   are copied to disk ahead of time (COPY tasks, memory kept), so eviction is
   immediate for them. If no disk space can be found, or the offload fails or
   times out, the object is evicted the ordinary way (no second attempt).
-- **Promotion on hit** (``promote_on_hit``): a read whose object lives only
-  on disk queues a PROMOTE task (file owner copies into a new memory replica);
-  on success the memory replica is added (journal PUT record).
+- **Spill on full**: a put that memory cannot take even after eviction (its
+  victims are still being copied to disk) is placed on a FILE segment
+  directly (``spill_on_full``; on whenever offload is): a write burst larger
+  than memory lands on disk instead of failing. Measured against waiting for
+  the offloads (docs/tier.md): ~3x the burst throughput, no put stalls.
+- **Promotion on hit** (``promote_on_hit``): the ``promote_after_hits``-th
+  read (default 2) of an object that lives only on disk queues a PROMOTE task
+  (file owner copies into a new memory replica); on success the memory
+  replica is added (journal PUT record). The copy reads the object from disk
+  once more, while the reader's own read is still going on or just done: a
+  promotion at the first hit halved cold reads (0.45x the disk through the
+  store, docs/tier.md); from the second hit on, only objects read again pay it.
 - **Warm restart**: when a FILE segment's owner expires, the segment is kept
   AWAITING its owner for ``file_owner_ttl_s`` (not dropped); a node restarted
   on the same disk dir mounts the same segment id (from the file header) and
@@ -63,6 +72,7 @@ log = logging.getLogger(__name__)
 _MEM = SegmentKind.MEMORY
 _FILE = SegmentKind.FILE
 _FAILED_MEMORY = 100_000  # keys remembered as "offload failed: evict plainly next time"
+_HIT_MEMORY = 100_000  # disk-only keys read recently, with their hit counts
 
 
 class TaskKind(IntEnum):
@@ -113,6 +123,7 @@ class TieringPolicy(EvictionPolicy):
         self._by_key: dict[str, CopyTask] = {}
         self._queues: dict[str, list[CopyTask]] = {}
         self._failed: dict[str, None] = {}  # insertion-ordered set, bounded
+        self._hits: dict[str, int] = {}  # disk hits not yet promoted, oldest first, bounded
         self.inflight_bytes = 0
         # FILE segments kept after their owner left: id -> (deadline, since)
         self.file_awaiting: dict[str, tuple[float, float]] = {}
@@ -269,6 +280,11 @@ class TieringPolicy(EvictionPolicy):
             queued += 1
         return queued
 
+    def spill_on_full(self, d: Directory) -> bool:
+        """Directory hook: a put that memory cannot take goes to disk whenever
+        offload is on (the same switch: memory overflows into the disk tier)."""
+        return self.offload_enabled(d)
+
     # ---------------------------------------------------------------- reads
     def on_disk_hit(self, d: Directory, key: str, obj: Obj, reps: tuple[Any, ...]) -> None:
         """Server hook after a successful GET_REPLICA_LIST: when every
@@ -278,6 +294,8 @@ class TieringPolicy(EvictionPolicy):
         for i in range(0, len(reps), 2):
             if reps[i].kind != _FILE:
                 return
+        if not self._hit_enough(key):
+            return
         src = self._active_replica(d, obj, _FILE, live_owner=True)
         if src is None or not self._budget_ok(obj.size):
             return
@@ -290,6 +308,19 @@ class TieringPolicy(EvictionPolicy):
             return
         self._new_task(TaskKind.PROMOTE, key, obj, src, (out[0], out[1]))
         self.counters["promote_started"] += 1
+
+    def _hit_enough(self, key: str) -> bool:
+        """Count a disk hit of ``key``: True at its ``promote_after_hits``-th."""
+        need = self.cfg.promote_after_hits
+        if need <= 1:
+            return True
+        hits = self._hits.pop(key, 0) + 1
+        if hits >= need:
+            return True
+        self._hits[key] = hits  # to the end: the oldest are forgotten first
+        if len(self._hits) > _HIT_MEMORY:
+            del self._hits[next(iter(self._hits))]
+        return False
 
     # ---------------------------------------------------------------- tasks
     def tasks_for(self, d: Directory, client_id: str) -> tuple[list[dict[str, Any]],

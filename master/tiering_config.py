@@ -22,7 +22,11 @@ class TieringConfig:
     least recently used memory-only objects are copied to disk ahead of
     eviction (memory kept), so eviction can free them at once (0 = off).
     ``offload_ahead_bytes``: bytes of such copies started per timer tick.
-    ``promote_on_hit``: copy a disk-only object back into memory when read.
+    ``promote_on_hit``: copy a disk-only object back into memory when read,
+    at its ``promote_after_hits``-th read from disk (1 = at the first; hits
+    are remembered for the last 100k keys read from disk). A promotion
+    reads the object from disk a second time: the default 2 spares that
+    read, and the memory, to objects read once.
     ``task_timeout_s``: a task not reported done by then is failed (its
     destination allocation freed). ``max_tasks_per_ping``: tasks handed to one
     node per PING reply. ``file_owner_ttl_s``: how long a FILE segment whose
@@ -34,6 +38,7 @@ class TieringConfig:
     offload_ahead_watermark: float = 0.7
     offload_ahead_bytes: int = 256 << 20
     promote_on_hit: bool = True
+    promote_after_hits: int = 2
     task_timeout_s: float = 30.0
     max_tasks_per_ping: int = 64
     file_owner_ttl_s: float = 3600.0
@@ -48,6 +53,8 @@ class TieringConfig:
         if not 0 <= self.offload_ahead_watermark < 1 or self.offload_ahead_bytes < 0:
             raise ConfigError("offload_ahead_watermark must be in [0, 1), "
                               "offload_ahead_bytes >= 0")
+        if self.promote_after_hits < 1:
+            raise ConfigError("promote_after_hits must be >= 1")
         if self.task_timeout_s <= 0 or self.max_tasks_per_ping < 1:
             raise ConfigError("task_timeout_s must be > 0 and max_tasks_per_ping >= 1")
         if self.file_owner_ttl_s < 0 or self.max_inflight_bytes < 0:

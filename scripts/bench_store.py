@@ -17,6 +17,14 @@ table and the targets:
 - single 4 KiB shm put p50 <= 80 us.
 
     .venv/bin/python scripts/bench_store.py --json out/bench_store.json [--plot out/bench_store.png]
+    .venv/bin/python scripts/bench_store.py --mode multi-buffer --json out/bench_mb.json
+
+``--mode multi-buffer``: Mooncake's ``batch_put_from_multi_buffers`` /
+``batch_get_into_multi_buffers`` against ``batch_put_from`` /
+``batch_get_into`` of the same bytes (32 keys x 8 parts of 4 KiB and 1 MiB)
+through the Mooncake-compatible class; multi-buffer records carry
+``ratio_multi_to_single`` (GB/s over the whole run) and
+``ratio_p50_multi_to_single`` (by median call time).
 
 Cross-host mode (root; see the "cross-host mode" section below): the holder
 in one network namespace, the clients in another, tcp over veth, with
@@ -297,6 +305,143 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             raw.close()
     records.sort(key=lambda r: (["memcpy", "socket", "shm", "tcp"].index(r["transport"])
                                 if r["transport"] in ("memcpy", "socket", "shm", "tcp") else 9))
+    return records
+
+
+# ----------------------------------------------------------------------------- multi-buffer mode
+# Mooncake's batch_put_from_multi_buffers / batch_get_into_multi_buffers (the
+# calls vLLM's and SGLang's Mooncake connectors make on every save and load)
+# against the single-buffer batch calls moving the same bytes: 32 keys x 8
+# parts of 4 KiB and 1 MiB, through the Mooncake-compatible class.
+
+MB_KEYS, MB_PARTS = 32, 8
+# each write form right before its read form: a write call empties the pool first
+MB_OPS = ("batch_put_from", "batch_get_into",
+          "batch_put_from_multi_buffers", "batch_get_into_multi_buffers")
+
+
+def _mb_worker(conn: Connection, master: str) -> None:
+    """A pure Mooncake-compatible store in its own process, driven over ``conn``:
+    ("run", transport, op, part, n, tag) -> record; ("quit",)."""
+    from kvpool.core.config import setup_logging
+    from kvpool.store.mooncake import MooncakeDistributedStore
+
+    setup_logging("WARNING")
+    stores: dict[str, MooncakeDistributedStore] = {}
+    arrays: dict[int, np.ndarray] = {}
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "quit":
+                break
+            _, transport, op, part, n, tag = msg
+            if transport not in stores:
+                st = MooncakeDistributedStore()
+                conf = {"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+                        "global_segment_size": 0, "local_buffer_size": "16MB",
+                        "master_server_address": master}
+                if transport == "tcp":
+                    conf["transfer_overrides"] = FORCE_TCP
+                rc = st.setup(conf)
+                assert rc == 0, rc
+                stores[transport] = st
+            st = stores[transport]
+            if part not in arrays:  # one registered region per part size
+                arrays[part] = np.random.default_rng(part).integers(
+                    0, 256, MB_KEYS * MB_PARTS * part, dtype=np.uint8)
+                assert st.register_buffer(int(arrays[part].ctypes.data),
+                                          arrays[part].nbytes) == 0
+            base = int(arrays[part].ctypes.data)
+            whole = MB_PARTS * part
+            # part j of every key in region j (vLLM: one region per layer and K/V),
+            # so a key's parts are never adjacent in memory
+            ptrs = [[base + (j * MB_KEYS + k) * part for j in range(MB_PARTS)]
+                    for k in range(MB_KEYS)]
+            sizes = [[part] * MB_PARTS for _ in range(MB_KEYS)]
+            lat: list[float] = []
+            total = 0.0
+            for _ in range(n):
+                write = op.startswith("batch_put")
+                keys = [f"{tag}/{k}" for k in range(MB_KEYS)]
+                if write:
+                    st.remove_all(True)  # untimed: room for this call's keys (the last
+                    # call's stay for the read form of the pair)
+                t = time.perf_counter()
+                if op == "batch_put_from":  # one buffer per key: the same bytes, contiguous
+                    res = st.batch_put_from(keys, [base + k * whole for k in range(MB_KEYS)],
+                                            [whole] * MB_KEYS)
+                    ok = res == [0] * MB_KEYS
+                elif op == "batch_put_from_multi_buffers":
+                    res = st.batch_put_from_multi_buffers(keys, ptrs, sizes)
+                    ok = res == [0] * MB_KEYS
+                elif op == "batch_get_into":
+                    res = st.batch_get_into(keys, [base + k * whole for k in range(MB_KEYS)],
+                                            [whole] * MB_KEYS)
+                    ok = res == [whole] * MB_KEYS
+                else:
+                    res = st.batch_get_into_multi_buffers(keys, ptrs, sizes)
+                    ok = res == [whole] * MB_KEYS
+                dt = time.perf_counter() - t
+                assert ok, res
+                lat.append(dt)
+                total += dt
+            rec = _record(transport, op, part, MB_KEYS, lat, total)
+            rec["gbps"] = round(MB_KEYS * whole * n / total / 1e9, 4)  # bytes of all parts
+            rec["parts"] = MB_PARTS
+            conn.send(rec)
+    except Exception as exc:  # report to the driver instead of hanging it
+        conn.send({"error": repr(exc)})
+    finally:
+        for st in stores.values():
+            st.close()
+
+
+def run_multi_buffer(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Both calls of each pair on the same bytes, the write form first (it
+    stores what the read form then reads), memcpy of one call's bytes as the
+    limit. Adds ``ratio_multi_to_single`` to the multi-buffer records."""
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+    from kvpool.core.config import parse_size
+
+    records: list[dict[str, Any]] = []
+    ctx = mp.get_context("spawn")
+    with MasterProcess() as master, \
+            NodeDaemonProcess(master.address, parse_size(args.holder_memory)):
+        a, b = ctx.Pipe()
+        proc = ctx.Process(target=_mb_worker, args=(b, master.address), daemon=True)
+        proc.start()
+        try:
+            for part in args.parts:
+                rec = _memcpy(MB_KEYS * MB_PARTS * part)
+                records.append(rec)
+                _show(rec)
+                for transport in args.transports:
+                    n = _iters(MB_KEYS * MB_PARTS * part, args.bytes_per_op, 3, args.max_iters)
+                    got: dict[str, dict[str, Any]] = {}
+                    for op in MB_OPS:
+                        tag = f"mb/{transport}/{part}/{'multi' if 'multi' in op else 'one'}"
+                        a.send(("run", transport, op, part, n, tag))
+                        if not a.poll(args.op_timeout):
+                            raise TimeoutError(f"{op} {part} {transport}: no answer")
+                        rec = a.recv()
+                        if "error" in rec:
+                            raise RuntimeError(f"{op}: {rec['error']}")
+                        got[op] = rec
+                    for single, multi in (("batch_put_from", "batch_put_from_multi_buffers"),
+                                          ("batch_get_into", "batch_get_into_multi_buffers")):
+                        got[multi]["ratio_multi_to_single"] = round(
+                            got[multi]["gbps"] / got[single]["gbps"], 3)
+                        # the same by median call time (robust to this box's load spikes)
+                        got[multi]["ratio_p50_multi_to_single"] = round(
+                            got[single]["p50_us"] / got[multi]["p50_us"], 3)
+                    for rec in got.values():
+                        records.append(rec)
+                        _show(rec)
+        finally:
+            a.send(("quit",))
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
     return records
 
 
@@ -1183,6 +1328,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-iters", type=int, default=1000, help="calls per measurement (max)")
     p.add_argument("--holder-memory", default="1GiB", help="memory of the holder daemon")
     p.add_argument("--op-timeout", type=float, default=120.0, help="seconds per measurement")
+    p.add_argument("--mode", choices=("store", "multi-buffer"), default="store",
+                   help="store: the Client ops above; multi-buffer: Mooncake's multi-buffer "
+                   "batch calls against the single-buffer ones (32 keys x 8 parts)")
+    p.add_argument("--parts", default="4KiB,1MiB", help="multi-buffer mode: part sizes")
     p.add_argument("--cross-host", action="store_true",
                    help="holder and clients in two network namespaces (tcp over veth; root)")
     p.add_argument("--limit-seconds", type=float, default=3.0,
@@ -1201,6 +1350,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link", choices=("bridge", "veth"), default="bridge",
                    help="cross-host: hosts on a Linux bridge (a switch) or one veth pair")
     args = p.parse_args(argv)
+    if args.mode == "multi-buffer":
+        return _main_multi_buffer(args)
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     args.transports = [t for t in args.transports.split(",") if t]
     args.bytes_per_op = parse_size(args.bytes_per_op)
@@ -1218,6 +1369,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nrecords written to {args.json}")
     if args.plot:
         plot(records, args.plot)
+    return 0
+
+
+def _main_multi_buffer(args: argparse.Namespace) -> int:
+    from kvpool.core.config import parse_size
+
+    args.parts = [parse_size(s) for s in args.parts.split(",") if s]
+    args.transports = [t for t in args.transports.split(",") if t]
+    args.bytes_per_op = parse_size(args.bytes_per_op)
+    records = run_multi_buffer(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(records, f, indent=1)
+    print(table(records))
+    for r in records:
+        if "ratio_multi_to_single" in r:
+            print(f"{r['transport']:4} {r['op']:30} part {r['size']:>8}: "
+                  f"{r['ratio_multi_to_single']:.2f}x the single-buffer call "
+                  f"({r['ratio_p50_multi_to_single']:.2f}x by median call time)")
+    print(f"\nrecords written to {args.json}")
     return 0
 
 

@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-AREAS = ["transfer", "tier", "connector", "store", "rdma"]
+AREAS = ["transfer", "tier", "connector", "store", "mooncake", "rdma"]
 
 
 def main() -> int:

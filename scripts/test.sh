@@ -19,7 +19,9 @@ mkdir -p out
 .venv/bin/python scripts/soak.py --minutes 1 --json out/soak_ci.json
 if [ "${KVPOOL_SKIP_VLLM:-0}" != 1 ] && [ -d tests/connector ]; then
   bash scripts/install_vllm.sh
-  # torch CPU tensors as transfer buffers (torch arrives with the vllm extra)
+  # torch CPU tensors as transfer buffers, and the Mooncake tensor API (torch
+  # arrives with the vllm extra)
   .venv/bin/python -m pytest -q -k torch tests/transfer/test_buffers.py tests/transfer/test_engine.py
+  .venv/bin/python -m pytest -q tests/store/test_mooncake_tensor.py
   .venv/bin/python -m pytest -q -m vllm tests/connector
 fi

@@ -30,9 +30,12 @@ import threading
 import time
 import uuid
 import weakref
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import numpy as np
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import (
@@ -42,6 +45,7 @@ from kvpool.core.protocol import (
     BatchPutEnd,
     BatchPutRevoke,
     BatchPutStart,
+    BatchRemove,
     Checksum,
     Exist,
     GetReplicaList,
@@ -53,6 +57,7 @@ from kvpool.core.protocol import (
     PutStart,
     Remove,
     RemoveAll,
+    RemoveByRegex,
     ReplicaDescriptor,
     ReplicaStatus,
     Reply,
@@ -91,7 +96,18 @@ from kvpool.store.guard import master_stub
 from kvpool.store.segment_host import SegmentHost
 from kvpool.transfer.copy import parallel_copyto
 
-__all__ = ["Client", "ClientConfig", "ReplicaLocation", "ReplicateConfig"]
+__all__ = [
+    "Client",
+    "ClientConfig",
+    "Location",
+    "RangeRead",
+    "RangeWrite",
+    "ReplicaLocation",
+    "ReplicateConfig",
+    "Reservation",
+    "parts_checksum",
+    "parts_checksum_ok",
+]
 
 log = logging.getLogger(__name__)
 
@@ -432,8 +448,9 @@ class Client:
         """The placement a config stands for (None: every default)."""
         if config is None:
             return None
-        opts = PutOptions(int(config.replica_num), int(config.disk_replica_num),
-                          config.segments(), bool(config.with_hard_pin), bool(config.soft_pin))
+        opts = PutOptions(int(config.replica_num),
+                          int(config.disk_replica_num) + int(config.nof_replica_num),
+                          config.segments(), bool(config.with_hard_pin), bool(config.pins_soft))
         return None if opts == _DEFAULT_OPTIONS else opts
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
@@ -1034,6 +1051,417 @@ class Client:
             out.append(locs or None)
         return out
 
+    # ------------------------------------------------------------------ multi-part and ranged I/O
+    # The primitives under Mooncake's multi-buffer, range and session calls
+    # (store/mooncake_*.py): each call is at most one master RPC and one
+    # transfer batch. A write reserves space (BATCH_PUT_START), copies byte
+    # ranges of caller buffers into every replica, then commits (BATCH_PUT_END)
+    # or aborts (BATCH_PUT_REVOKE); a read locates objects once
+    # (BATCH_GET_REPLICA_LIST, read lease) and copies byte ranges out.
+
+    def batch_put_reserve(self, keys: Sequence[str], sizes: Sequence[int],
+                          config: ReplicateConfig | None = None,
+                          checksums: Sequence[Checksum] | None = None) -> list[Reservation]:
+        """Reserve ``sizes[i]`` bytes for ``keys[i]`` on every replica, moving no data.
+
+        Per key a :class:`Reservation`: code OK with its replicas (and the
+        capability tokens they point at), or why not (INVALID_KEY,
+        INVALID_PARAMS for a size <= 0, OBJECT_ALREADY_EXISTS,
+        NO_AVAILABLE_HANDLE...). A reserved key must be committed with
+        :meth:`batch_put_commit` or aborted with :meth:`batch_put_abort` (the
+        master discards it after ``put_start_discard_timeout_s`` otherwise).
+        ``checksums[i]`` (a :func:`parts_checksum` string) is recorded with the
+        object and verified by readers. One master RPC.
+        """
+        self._check_open()
+        if len(keys) != len(sizes) or (checksums is not None and len(checksums) != len(keys)):
+            raise StoreError(f"{len(keys)} keys but {len(sizes)} sizes", ErrorCode.INVALID_PARAMS)
+        out = [Reservation(ErrorCode.OK, int(size), [], _NO_CAPS) for size in sizes]
+        put_keys: list[str] = []
+        put_sizes: list[int] = []
+        sums: list[Checksum] = []
+        idx: list[int] = []
+        seen: set[str] = set()
+        for i, key in enumerate(keys):
+            if type(key) is not str or not key or len(key) > MAX_KEY_LENGTH:
+                out[i].code = ErrorCode.INVALID_KEY
+                continue
+            if key in seen:
+                out[i].code = ErrorCode.OBJECT_ALREADY_EXISTS
+                continue
+            if out[i].size <= 0:
+                out[i].code = ErrorCode.INVALID_PARAMS
+                continue
+            seen.add(key)
+            put_keys.append(key)
+            put_sizes.append(out[i].size)
+            sums.append(checksums[i] if checksums is not None else None)
+            idx.append(i)
+        if not idx:
+            return out
+        res = self._call(BatchPutStart(self.client_id, put_keys, put_sizes,
+                                       self._put_options(config),
+                                       sums if any(c is not None for c in sums) else None))
+        self._learn_segments(res.segments)
+        empty: list[str] = []
+        for pos, (code, reps) in enumerate(zip(res.codes, res.replicas, strict=True)):
+            i = idx[pos]
+            if code:
+                out[i].code = self._code(code)
+                continue
+            out[i].replicas = list(reps)
+            out[i].caps = res.caps
+            if not reps:  # nothing to write to: give the reservation back
+                out[i].code = ErrorCode.NO_AVAILABLE_HANDLE
+                empty.append(put_keys[pos])
+        self._revoke(empty)
+        return out
+
+    def write_ranges(self, writes: Sequence[RangeWrite],
+                     timeout_s: float | None = None) -> list[tuple[bool, str]]:
+        """Copy each write's buffer into ``[offset, offset + length)`` of every one
+        of its replicas: one transfer batch, no RPC. Per write ``(ok, error)``;
+        a range outside the reserved object fails without moving bytes. Raises
+        StoreTimeout when the batch overruns ``timeout_s`` (default
+        ``transfer_timeout_s``)."""
+        self._check_open()
+        results: list[tuple[bool, str]] = [_COPIED] * len(writes)
+        jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
+        owner: list[int] = []
+        caps = _CapsMerge()
+        for w, wr in enumerate(writes):
+            n = wr.nbytes()
+            for r in wr.replicas:
+                if wr.offset < 0 or n < 0 or wr.offset + n > r.length:
+                    results[w] = (False, f"range [{wr.offset}, {wr.offset + n}) is outside "
+                                         f"the {r.length}-byte object")
+                    break
+            else:
+                if n == 0:
+                    continue
+                base = caps.base(wr.caps)
+                for r in wr.replicas:
+                    jobs.append((wr.buffer, _sub_replica(r, wr.offset, n, base), n))
+                    owner.append(w)
+        if not jobs:
+            return results
+        copied = self._copy_batch(True, jobs, timeout_s or self.config.transfer_timeout_s,
+                                  caps.caps)
+        for (_b, r, _n), w, (ok, err) in zip(jobs, owner, copied, strict=True):
+            if not ok:
+                self._forget_segment(r.segment_id)
+                if results[w][0]:
+                    results[w] = (False, f"{r.segment_id}: {err}")
+        return results
+
+    def batch_put_commit(self, keys: Sequence[str]) -> list[ErrorCode]:
+        """Make reserved keys readable (BATCH_PUT_END); per key OK or why not."""
+        self._check_open()
+        if not keys:
+            return []
+        end = self._call(BatchPutEnd(self.client_id, list(keys)))
+        return [self._code(code) for code in end.codes]
+
+    def batch_put_abort(self, keys: Sequence[str]) -> None:
+        """Give reserved keys back (BATCH_PUT_REVOKE); failures are logged."""
+        self._revoke(list(keys))
+
+    def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]],
+                        config: ReplicateConfig | None = None) -> list[ErrorCode]:
+        """Store each key's value as the concatenation of its parts (host or GPU
+        buffers, raw or registered handles): one BATCH_PUT_START, one transfer
+        batch writing every part into every replica, one BATCH_PUT_END. Per key
+        the :meth:`batch_put_from` codes."""
+        self._check_open()
+        if len(keys) != len(parts):
+            raise StoreError(f"{len(keys)} keys but {len(parts)} part lists",
+                             ErrorCode.INVALID_PARAMS)
+        sizes = [sum(buffer_nbytes(p) for p in ps) for ps in parts]
+        checksums: list[Checksum] | None = None
+        if self._checksum_algo is not None:
+            checksums = [parts_checksum(self._checksum_algo, ps) for ps in parts]
+        held = self.batch_put_reserve(keys, sizes, config, checksums)
+        codes = [rv.code for rv in held]
+        writes: list[RangeWrite] = []
+        owner: list[int] = []
+        for i, (rv, ps) in enumerate(zip(held, parts, strict=True)):
+            if rv.code != ErrorCode.OK:
+                continue
+            off = 0
+            for p in ps:
+                n = buffer_nbytes(p)
+                if n:
+                    writes.append(RangeWrite(p, rv.replicas, off, n, rv.caps))
+                    owner.append(i)
+                off += n
+        reserved = [i for i, c in enumerate(codes) if c == ErrorCode.OK]
+        try:
+            writes, owner = self._gather_parts(held, parts, writes, owner)
+            done = self.write_ranges(writes)
+        except BaseException:
+            self.batch_put_abort([keys[i] for i in reserved])
+            raise
+        for (ok, _err), i in zip(done, owner, strict=True):
+            if not ok:
+                codes[i] = ErrorCode.TRANSFER_FAIL
+        self.batch_put_abort([keys[i] for i in reserved if codes[i] != ErrorCode.OK])
+        good = [i for i in reserved if codes[i] == ErrorCode.OK]
+        for i, code in zip(good, self.batch_put_commit([keys[i] for i in good]), strict=True):
+            codes[i] = code
+        return codes
+
+    def _inline_region(self, r: ReplicaDescriptor, size: int) -> Any:
+        """The same-host shm bytes of replica ``r`` as a numpy view, when the
+        inline path would copy them (else None)."""
+        inline = self._inline
+        if inline is None:
+            return None
+        region = inline.target(self._known.get(r.segment_id), size)
+        if region is None or r.offset < 0 or r.offset + size > region.size:
+            return None
+        return region[r.offset:r.offset + size]
+
+    def _gather_parts(self, held: Sequence[Reservation], parts: Sequence[Sequence[Any]],
+                      writes: list[RangeWrite], owner: list[int]
+                      ) -> tuple[list[RangeWrite], list[int]]:
+        """Small objects (< 4 MiB) made of several host parts become one copy
+        per replica instead of one request per part: same-host shm replicas
+        get ``np.concatenate`` straight into the segment; any other replica one
+        write of the parts gathered into a staging buffer (a memcpy costs far
+        less than a request each over tcp). Returns the writes still to do."""
+        handled: set[int] = set()
+        staged: list[RangeWrite] = []
+        staged_owner: list[int] = []
+        for i, rv in enumerate(held):
+            if rv.code != ErrorCode.OK or not 0 < rv.size < _GATHER_MAX or len(parts[i]) < 2:
+                continue
+            arrs = [_flat_u8(p) for p in parts[i]]
+            if any(a is None for a in arrs):
+                continue
+            dests = [self._inline_region(r, rv.size) for r in rv.replicas]
+            remote = [r for r, d in zip(rv.replicas, dests, strict=True) if d is None]
+            for d in dests:
+                if d is not None:
+                    np.concatenate(arrs, out=d)  # type: ignore[arg-type]
+            if remote:
+                staged.append(RangeWrite(np.concatenate(arrs), remote, 0,  # type: ignore[arg-type]
+                                         rv.size, rv.caps))
+                staged_owner.append(i)
+            handled.add(i)
+        if not handled:
+            return writes, owner
+        keep = [j for j, i in enumerate(owner) if i not in handled]
+        return ([writes[j] for j in keep] + staged,
+                [owner[j] for j in keep] + staged_owner)
+
+    def batch_locate(self, keys: Sequence[str]) -> list[Location]:
+        """Where each key can be read from (one BATCH_GET_REPLICA_LIST; grants a
+        read lease per found key): a :class:`Location` with code OK, the size,
+        checksum, lease deadline and complete replicas nearest first, or the
+        code why not (INVALID_KEY, OBJECT_NOT_FOUND...)."""
+        self._check_open()
+        out = [Location(ErrorCode.INTERNAL_ERROR) for _ in keys]
+        valid: list[int] = []
+        for i, key in enumerate(keys):
+            if type(key) is str and key and len(key) <= MAX_KEY_LENGTH:
+                valid.append(i)
+            else:
+                out[i] = Location(ErrorCode.INVALID_KEY)
+        if not valid:
+            return out
+        t0 = time.monotonic()  # the lease starts no earlier than our request
+        res = self._call(BatchGetReplicaList([keys[i] for i in valid]))
+        self._learn_segments(res.segments)
+        ttl_ms = res.lease_ttl_ms
+        deadline = t0 + ttl_ms / 1000.0 if ttl_ms else float("inf")
+        for pos, i in enumerate(valid):
+            code = res.codes[pos]
+            if code:
+                out[i] = Location(self._code(code))
+                continue
+            reps = self._nearest_first(res.replicas[pos])
+            if not reps:
+                out[i] = Location(ErrorCode.OBJECT_NOT_FOUND)
+                continue
+            checksum = res.checksums[pos] if res.checksums else None
+            out[i] = Location(ErrorCode.OK, res.sizes[pos],
+                              checksum if isinstance(checksum, str) else None, deadline, reps,
+                              res.caps)
+        return out
+
+    def read_ranges(self, reads: Sequence[RangeRead]) -> list[int]:
+        """Copy ``[src_offset, src_offset + length)`` of each read's located object
+        into the start of its buffer; no RPC. Round k reads every pending range
+        from its object's k-th nearest replica (one transfer batch per round;
+        usually one round). Per read the bytes read, or a negative code:
+        INVALID_PARAMS (range outside the object or larger than the buffer),
+        LEASE_EXPIRED (the location's read lease ended; bytes discarded),
+        TRANSFER_FAIL (every replica failed), the location's own code."""
+        self._check_open()
+        results = [int(ErrorCode.INTERNAL_ERROR)] * len(reads)
+        pending: list[int] = []
+        for j, rd in enumerate(reads):
+            loc = rd.location
+            if loc.code != ErrorCode.OK:
+                results[j] = int(loc.code)
+            elif rd.src_offset < 0 or rd.length < 0 or rd.src_offset + rd.length > loc.size \
+                    or buffer_nbytes(rd.buffer) < rd.length:
+                results[j] = int(ErrorCode.INVALID_PARAMS)
+            elif rd.length == 0:
+                results[j] = 0
+            else:
+                pending.append(j)
+        attempt = 0
+        while pending:
+            now = time.monotonic()
+            jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
+            owners: list[int] = []
+            caps = _CapsMerge()
+            for j in pending:
+                rd = reads[j]
+                if rd.location.deadline <= now:
+                    results[j] = int(ErrorCode.LEASE_EXPIRED)
+                elif attempt >= len(rd.location.replicas):
+                    results[j] = int(ErrorCode.TRANSFER_FAIL)
+                else:
+                    r = rd.location.replicas[attempt]
+                    jobs.append((rd.buffer, _sub_replica(r, rd.src_offset, rd.length,
+                                                         caps.base(rd.location.caps)),
+                                 rd.length))
+                    owners.append(j)
+            if not jobs:
+                break
+            lease_left = min(reads[j].location.deadline for j in owners) - now
+            left = max(len(reads[j].location.replicas) - attempt for j in owners)
+            timeout = max(0.001, min(self.config.transfer_timeout_s, lease_left / left))
+            copied = self._copy_batch(False, jobs, timeout, caps.caps)
+            pending = []
+            end = time.monotonic()
+            for (_b, r, n), j, (ok, _err) in zip(jobs, owners, copied, strict=True):
+                if not ok:
+                    self._forget_segment(r.segment_id)
+                    pending.append(j)
+                elif end > reads[j].location.deadline:
+                    results[j] = int(ErrorCode.LEASE_EXPIRED)
+                else:
+                    results[j] = n
+            attempt += 1
+        return results
+
+    def batch_get_parts(self, keys: Sequence[str],
+                        parts: Sequence[Sequence[Any]]) -> list[int]:
+        """Read each key's value scattered over its parts in order (the first
+        part gets the first bytes): one master RPC, one transfer batch. Per key
+        the object size, or a negative code: BUFFER_OVERFLOW (the parts hold
+        fewer bytes than the object; nothing is read), CHECKSUM_MISMATCH, and
+        the codes of :meth:`read_ranges`."""
+        self._check_open()
+        if len(keys) != len(parts):
+            raise StoreError(f"{len(keys)} keys but {len(parts)} part lists",
+                             ErrorCode.INVALID_PARAMS)
+        locs = self.batch_locate(keys) if keys else []
+        results = [int(loc.code) for loc in locs]
+        reads: list[RangeRead] = []
+        owner: list[int] = []
+        staged: list[tuple[int, np.ndarray, list[Any]]] = []
+        for i, (loc, ps) in enumerate(zip(locs, parts, strict=True)):
+            if loc.code != ErrorCode.OK:
+                continue
+            if sum(buffer_nbytes(p) for p in ps) < loc.size:
+                results[i] = int(ErrorCode.BUFFER_OVERFLOW)
+                continue
+            results[i] = loc.size
+            done = self._scatter_inline(loc, ps)
+            if done is not None:
+                results[i] = done
+                continue
+            if 0 < loc.size < _GATHER_MAX and len(ps) > 1:
+                arrs = [_flat_u8(p) for p in ps]
+                if all(a is not None and a.flags.writeable for a in arrs):
+                    # one request into a staging buffer, scattered after the batch
+                    tmp = np.empty(loc.size, dtype=np.uint8)
+                    staged.append((i, tmp, arrs))
+                    reads.append(RangeRead(loc, tmp, 0, loc.size))
+                    owner.append(i)
+                    continue
+            off = 0
+            for p in ps:
+                n = min(buffer_nbytes(p), loc.size - off)
+                if n <= 0:
+                    break
+                reads.append(RangeRead(loc, p, off, n))
+                owner.append(i)
+                off += n
+        for code, i in zip(self.read_ranges(reads), owner, strict=True):
+            if code < 0 and results[i] >= 0:
+                results[i] = code
+        for i, tmp, arrs in staged:
+            if results[i] >= 0:
+                _scatter(tmp, arrs)
+        if self.config.verify_checksum:
+            for i, loc in enumerate(locs):
+                if results[i] >= 0 and loc.checksum and \
+                        parts_checksum_ok(loc.checksum, parts[i], loc.size) is False:
+                    results[i] = int(ErrorCode.CHECKSUM_MISMATCH)
+        return results
+
+    def _scatter_inline(self, loc: Location, parts: Sequence[Any]) -> int | None:
+        """Scatter a small object from its nearest same-host shm replica into
+        host parts with plain numpy copies (no per-part engine bookkeeping):
+        the object size, or LEASE_EXPIRED when the copy ended after the read
+        lease. None when that path does not apply (read ranges instead)."""
+        if not loc.replicas or loc.size >= _GATHER_MAX or len(parts) < 2:
+            return None
+        src = self._inline_region(loc.replicas[0], loc.size)
+        if src is None:
+            return None
+        arrs = [_flat_u8(p) for p in parts]
+        if any(a is None or not a.flags.writeable for a in arrs):
+            return None
+        _scatter(src, arrs)
+        return loc.size if time.monotonic() <= loc.deadline else int(ErrorCode.LEASE_EXPIRED)
+
+    def batch_get_ranges(self, fragments: Sequence[tuple[str, Any, int, int]]) -> list[int]:
+        """Read byte ranges of objects: each fragment ``(key, buffer, src_offset,
+        length)`` copies ``length`` bytes from ``src_offset`` of the object into
+        the start of ``buffer``. One master RPC for the distinct keys, one
+        transfer batch. Per fragment the :meth:`read_ranges` result."""
+        keys = list(dict.fromkeys(f[0] for f in fragments))
+        if not keys:
+            return []
+        where = dict(zip(keys, self.batch_locate(keys), strict=True))
+        return self.read_ranges([RangeRead(where[k], b, int(o), int(n))
+                                 for k, b, o, n in fragments])
+
+    def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[ErrorCode]:
+        """Remove many keys in one RPC; per key OK, OBJECT_NOT_FOUND,
+        OBJECT_HAS_LEASE (leased, unless ``force``) or INVALID_KEY."""
+        self._check_open()
+        codes = [ErrorCode.OK] * len(keys)
+        valid = [i for i, k in enumerate(keys)
+                 if type(k) is str and k and len(k) <= MAX_KEY_LENGTH]
+        for i in set(range(len(keys))) - set(valid):
+            codes[i] = ErrorCode.INVALID_KEY
+        if valid:
+            res = self._call(BatchRemove([keys[i] for i in valid], bool(force)))
+            for i, code in zip(valid, res.codes, strict=True):
+                codes[i] = self._code(code)
+        return codes
+
+    def remove_by_regex(self, pattern: str, force: bool = False, prefix: str = "",
+                        exclude_prefix: str = "") -> int:
+        """Remove every unleased object (every with ``force``) whose key starts
+        with ``prefix`` and, with it stripped, matches ``pattern`` (``re.search``;
+        "" matches all); keys starting with ``exclude_prefix`` stay. Returns the
+        count. StoreError(INVALID_PARAMS) for a bad pattern."""
+        return self._call(RemoveByRegex(pattern, bool(force), prefix, exclude_prefix)).removed
+
+    def describe_segment(self, segment_id: str) -> SegmentDescriptor | None:
+        """The descriptor of a segment this client has seen (its own, or one a
+        master reply named), or None."""
+        own = self._own_descs.get(segment_id)
+        return own if own is not None else self._known.get(segment_id)
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaLocation:
@@ -1046,3 +1474,146 @@ class ReplicaLocation:
     host_id: str
     kind: SegmentKind
     same_host: bool
+
+
+_GATHER_MAX = 4 << 20  # objects below this gather/scatter their parts in one pass
+
+
+class _CapsMerge:
+    """One capability list for a transfer batch built from several replies:
+    each reply's tokens are appended once; ``base(caps)`` is where they start."""
+
+    def __init__(self) -> None:
+        self.caps: list[bytes] = []
+        self._at: dict[int, int] = {}
+
+    def base(self, caps: list[bytes]) -> int:
+        at = self._at.get(id(caps))
+        if at is None:
+            at = self._at[id(caps)] = len(self.caps)
+            self.caps.extend(caps)
+        return at
+
+
+def _sub_replica(r: ReplicaDescriptor, offset: int, length: int, cap_base: int
+                 ) -> ReplicaDescriptor:
+    """``length`` bytes at ``offset`` inside replica ``r`` (the same capability
+    token, re-indexed into the batch's merged caps: a transfer server accepts
+    any range inside the granted one)."""
+    return ReplicaDescriptor(r.segment_id, r.offset + offset, length, r.status,
+                             r.cap + cap_base if r.cap >= 0 else -1)
+
+
+def _scatter(src: np.ndarray, parts: Sequence[Any]) -> None:
+    """Copy ``src`` over the flat uint8 arrays ``parts`` in order (the last one
+    may be filled partly)."""
+    off, size = 0, src.size
+    for a in parts:
+        end = off + a.size
+        if end >= size:
+            np.copyto(a[:size - off], src[off:size])
+            return
+        np.copyto(a, src[off:end])
+        off = end
+
+
+def _flat_u8(buf: Any) -> np.ndarray | None:
+    """A flat uint8 host array of ``buf`` (the common case, a flat uint8
+    numpy view, without a call), or None."""
+    if type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 \
+            and buf.flags.c_contiguous:
+        return buf
+    return host_array(buf)
+
+
+@dataclass(slots=True)
+class Reservation:
+    """One key of :meth:`Client.batch_put_reserve`: ``code`` OK with the
+    ``replicas`` to write ``size`` bytes into and the capability tokens
+    (``caps``) they point at, or why not."""
+
+    code: ErrorCode
+    size: int
+    replicas: list[ReplicaDescriptor]
+    caps: list[bytes]
+
+
+@dataclass(slots=True)
+class RangeWrite:
+    """Write ``length`` bytes of ``buffer`` (None: all of it) at ``offset`` of
+    every replica of a reserved object (``caps``: its reservation's tokens)."""
+
+    buffer: Any
+    replicas: list[ReplicaDescriptor]
+    offset: int = 0
+    length: int | None = None
+    caps: list[bytes] = field(default_factory=list)
+
+    def nbytes(self) -> int:
+        return buffer_nbytes(self.buffer) if self.length is None else self.length
+
+
+@dataclass(slots=True)
+class Location:
+    """A located object (:meth:`Client.batch_locate`): ``code`` OK with its
+    size, checksum, read-lease deadline (monotonic), complete replicas nearest
+    first and the capability tokens they point at, or why not."""
+
+    code: ErrorCode
+    size: int = 0
+    checksum: str | None = None
+    deadline: float = 0.0
+    replicas: list[ReplicaDescriptor] = field(default_factory=list)
+    caps: list[bytes] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RangeRead:
+    """Read ``length`` bytes from ``src_offset`` of a located object into the
+    start of ``buffer``."""
+
+    location: Location
+    buffer: Any
+    src_offset: int
+    length: int
+
+
+def parts_checksum(algo: str, parts: Sequence[Any]) -> str | None:
+    """:func:`checksum_of` over the concatenation of ``parts`` without joining
+    them; None when a part is not host memory (GPU buffers are not hashed)."""
+    views = [host_view(p) for p in parts]
+    if any(v is None for v in views):
+        return None
+    if algo == "xxh64":
+        import xxhash  # type: ignore[import-not-found]  # resolve_checksum_algo checked it
+
+        h = xxhash.xxh64()
+        for v in views:
+            h.update(v)
+        return "xxh64:" + str(h.hexdigest())
+    crc = 0
+    for v in views:
+        assert v is not None
+        crc = zlib.crc32(v, crc)
+    return f"crc32:{crc & 0xFFFFFFFF:08x}"
+
+
+def parts_checksum_ok(expected: str, parts: Sequence[Any], size: int) -> bool | None:
+    """Whether the first ``size`` bytes of ``parts`` match ``expected``; None
+    when that cannot be checked here (GPU part, unknown algorithm)."""
+    algo = expected.partition(":")[0]
+    if algo not in ("crc32", "xxh64") or resolve_checksum_algo(
+            "xxhash" if algo == "xxh64" else "crc32") != algo:
+        return None
+    trimmed: list[Any] = []
+    left = size
+    for p in parts:
+        if left <= 0:
+            break
+        v = host_view(p)
+        if v is None:
+            return None
+        trimmed.append(v[:left])
+        left -= len(trimmed[-1])
+    got = parts_checksum(algo, trimmed)
+    return None if got is None else got == expected

@@ -2,25 +2,46 @@
 
 ``ClientConfig`` loads from YAML (``configs/client.yaml`` documents every key)
 with :func:`load_client_config`; size keys accept ``4GiB``, ``512MiB``, ``1GB``.
+
+Entry points that take no file (the Mooncake-compatible class, the vLLM
+connector's extra config) build theirs with :func:`client_config_from_env`:
+overrides over the YAML named by ``KVPOOL_CONFIG``, with CURVE keys from the
+directory named by ``KVPOOL_CURVE_KEY_DIR``, and a transfer-server address
+reachable from a non-loopback master.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
+import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-from kvpool.core.auth import CurveConfig
-from kvpool.core.config import ConfigError, load_dataclass
+from kvpool.core.auth import CurveConfig, is_loopback
+from kvpool.core.config import ConfigError, load_dataclass, load_yaml_mapping
 
 __all__ = [
     "CHECKSUM_ALGOS",
+    "CONFIG_ENV",
+    "CURVE_KEY_DIR_ENV",
     "ClientConfig",
+    "ObjectDataType",
     "ReplicateConfig",
+    "SoftPinAction",
+    "client_config_from_env",
+    "curve_config_from_key_dir",
     "default_host_id",
     "load_client_config",
+    "local_address_towards",
 ]
+
+CONFIG_ENV = "KVPOOL_CONFIG"  # a client YAML for entry points that take no file
+CURVE_KEY_DIR_ENV = "KVPOOL_CURVE_KEY_DIR"  # directory holding cluster.key_secret
 
 CHECKSUM_ALGOS = ("none", "crc32", "xxhash", "auto")
 
@@ -90,6 +111,150 @@ def load_client_config(
     return load_dataclass(ClientConfig, path, overrides)
 
 
+def curve_config_from_key_dir(directory: str | Path) -> dict[str, Any]:
+    """The ``curve`` settings (a mapping) for a cluster-key directory.
+
+    ``DIR/cluster.key_secret`` (``kvpool keygen --out DIR --name cluster``), or
+    the only ``*.key_secret`` in ``DIR``, is this process's keypair, used as its
+    server and client key (the cluster-key model: every member holds the same
+    secret). ``*.key`` public keys in ``DIR`` are admitted as clients too.
+    Raises :class:`ConfigError` when the directory holds no usable secret.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise ConfigError(f"{CURVE_KEY_DIR_ENV}={d}: not a directory")
+    secret = d / "cluster.key_secret"
+    if not secret.is_file():
+        found = sorted(d.glob("*.key_secret"))
+        if len(found) != 1:
+            raise ConfigError(
+                f"{CURVE_KEY_DIR_ENV}={d}: expected cluster.key_secret or exactly one "
+                f"*.key_secret (found {len(found)}); run `kvpool keygen --out {d} --name cluster`")
+        secret = found[0]
+    out: dict[str, Any] = {"secret_key_file": str(secret)}
+    if any(d.glob("*.key")):
+        out["allowed_clients_dir"] = str(d)
+    return out
+
+
+def local_address_towards(address: str) -> str:
+    """This host's source address for packets to ``address`` (``HOST:PORT``,
+    ``tcp://HOST:PORT`` or a bare host): the address peers on that network can
+    reach us at. Sends nothing (a UDP ``connect`` only consults the routing
+    table). Falls back to 127.0.0.1 when there is no route."""
+    host = address.split("://", 1)[-1]
+    if host.startswith("["):
+        host = host[1:host.find("]")]
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    try:
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)
+    except OSError:
+        return "127.0.0.1"
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)
+                return str(s.getsockname()[0])
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+def _curve_mapping(value: Any) -> dict[str, Any]:
+    if isinstance(value, CurveConfig):
+        return dataclasses.asdict(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise ConfigError(f"curve: expected a mapping or CurveConfig, got {type(value).__name__}")
+
+
+def client_config_from_env(overrides: Mapping[str, Any] | None = None, *,
+                           environ: Mapping[str, str] | None = None) -> ClientConfig:
+    """A :class:`ClientConfig` for entry points that take no config file.
+
+    Layers, later wins: the defaults; the YAML named by ``KVPOOL_CONFIG``
+    (if set); the CURVE keys of the directory named by ``KVPOOL_CURVE_KEY_DIR``
+    (if set; see :func:`curve_config_from_key_dir`); ``overrides`` (any
+    ``ClientConfig`` key, ``None`` values ignored; sizes may be strings such as
+    ``"4GiB"``; ``curve`` a mapping, merged key by key, or a CurveConfig).
+    When neither the YAML nor ``overrides`` sets ``bind_host`` and the master
+    is not on loopback, the transfer server binds this host's address towards
+    the master (:func:`local_address_towards`), so remote peers can reach it.
+    CURVE's default (auto) is on off-loopback exactly when a key is configured.
+
+    Raises :class:`ConfigError` (code CONFIG_ERROR) naming the bad key, file
+    or directory.
+    """
+    env = os.environ if environ is None else environ
+    mapping: dict[str, Any] = {}
+    path = env.get(CONFIG_ENV, "")
+    if path:
+        mapping = load_yaml_mapping(path)
+    curve = _curve_mapping(mapping.get("curve") or {})
+    key_dir = env.get(CURVE_KEY_DIR_ENV, "")
+    if key_dir:
+        curve.update(curve_config_from_key_dir(key_dir))
+    bind_explicit = "bind_host" in mapping
+    for k, v in (overrides or {}).items():
+        if v is None:
+            continue
+        if k == "curve":
+            curve.update(_curve_mapping(v))
+            continue
+        if k == "bind_host":
+            bind_explicit = True
+        mapping[k] = v
+    if curve:
+        mapping["curve"] = curve
+    cfg = load_dataclass(ClientConfig, mapping)
+    if not bind_explicit and not is_loopback(cfg.master_address) \
+            and _is_default_bind(cfg.bind_host):
+        cfg.bind_host = local_address_towards(cfg.master_address)
+    return cfg
+
+
+def _is_default_bind(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class SoftPinAction(IntEnum):
+    """Mooncake's soft-pin transition of a write (values as Mooncake's).
+
+    PRESERVE keeps an existing object's soft pin (a new object is not
+    pinned); ENABLE pins it (for ``soft_pin_ttl_ms`` when given); DISABLE
+    unpins it.
+    """
+
+    def __str__(self) -> str:  # as pybind11 prints it: SoftPinAction.ENABLE
+        return f"{type(self).__name__}.{self.name}"
+
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
+
+
+class ObjectDataType(IntEnum):
+    """Mooncake's object data-type tag (accepted; kvpool does not use it)."""
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+    UNKNOWN = 0
+    KVCACHE = 1
+    TENSOR = 2
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
 @dataclass
 class ReplicateConfig:
     """How to place the replicas of one put.
@@ -99,6 +264,14 @@ class ReplicateConfig:
     (``preferred_segment`` is Mooncake's single-segment spelling);
     ``with_hard_pin`` objects are never evicted, ``soft_pin`` ones last;
     ``disk_replica_num`` extra replicas on FILE segments (SSD tier).
+
+    Mooncake's fields are accepted with its names and defaults:
+    ``with_soft_pin`` (0.3.12; alias of ``soft_pin``), ``soft_pin_action`` /
+    ``soft_pin_ttl_ms`` (0.3.13; ENABLE pins), ``nof_replica_num`` (kvpool's
+    disk tier serves Mooncake's NVMe-oF replicas: added to
+    ``disk_replica_num``), ``preferred_nof_segments``, ``dfs_replica_num``,
+    ``prefer_alloc_in_same_node``, ``data_type`` and ``group_ids``; what
+    each does on kvpool is in docs/mooncake_compat.md.
     """
 
     replica_num: int = 1
@@ -107,8 +280,26 @@ class ReplicateConfig:
     soft_pin: bool = False
     disk_replica_num: int = 0
     preferred_segment: str = ""
+    nof_replica_num: int = 0
+    dfs_replica_num: int = 0
+    soft_pin_action: SoftPinAction = SoftPinAction.PRESERVE
+    soft_pin_ttl_ms: int | None = None
+    preferred_nof_segments: list[str] = field(default_factory=list)
+    prefer_alloc_in_same_node: bool = False
+    data_type: ObjectDataType = ObjectDataType.UNKNOWN
+    group_ids: list[str] | None = None
 
-    # Mooncake's name for soft_pin.
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Mooncake binds soft_pin_ttl_ms as optional<uint64>: anything else is a TypeError
+        if name == "soft_pin_ttl_ms" and value is not None and (
+                isinstance(value, bool) or not isinstance(value, int)
+                or not 0 <= value < 1 << 64):
+            raise TypeError(f"soft_pin_ttl_ms must be None or an unsigned 64-bit int: {value!r}")
+        if name == "soft_pin_action" and not isinstance(value, SoftPinAction):
+            value = SoftPinAction(value)
+        object.__setattr__(self, name, value)
+
+    # Mooncake 0.3.12's name for soft_pin.
     @property
     def with_soft_pin(self) -> bool:
         return self.soft_pin
@@ -117,12 +308,40 @@ class ReplicateConfig:
     def with_soft_pin(self, value: bool) -> None:
         self.soft_pin = bool(value)
 
+    @property
+    def pins_soft(self) -> bool:
+        """Whether a write with this config soft-pins its object."""
+        return self.soft_pin or self.soft_pin_action == SoftPinAction.ENABLE
+
+    def mooncake_error(self, keys: int = 1) -> str | None:
+        """Why Mooncake would refuse this config for a write of ``keys`` objects
+        (INVALID_PARAMS), or None."""
+        if self.soft_pin_ttl_ms is not None and self.soft_pin_action != SoftPinAction.ENABLE:
+            return "soft_pin_ttl_ms needs soft_pin_action ENABLE"
+        if self.dfs_replica_num not in (0, 1):
+            return "dfs_replica_num must be 0 or 1"
+        if self.dfs_replica_num and self.replica_num < 1:
+            return "dfs_replica_num needs replica_num >= 1"
+        if self.prefer_alloc_in_same_node and self.replica_num != 1:
+            return "prefer_alloc_in_same_node needs replica_num == 1"
+        if self.group_ids is not None and len(self.group_ids) != keys:
+            return f"group_ids has {len(self.group_ids)} entries for {keys} keys"
+        if self.replica_num < 0 or self.nof_replica_num < 0 or self.disk_replica_num < 0:
+            return "replica counts must be >= 0"
+        return None
+
+    def __str__(self) -> str:
+        return (f"ReplicateConfig(replica_num={self.replica_num}, "
+                f"disk_replica_num={self.disk_replica_num + self.nof_replica_num}, "
+                f"hard_pin={self.with_hard_pin}, soft_pin={self.pins_soft}, "
+                f"preferred_segments={self.segments()})")
+
     def segments(self) -> list[str]:
         """Preferred segment ids, ``preferred_segment`` first, without duplicates."""
         out: list[str] = []
         for s in ([self.preferred_segment] if self.preferred_segment else []) + list(
             self.preferred_segments
-        ):
+        ) + list(self.preferred_nof_segments):
             if s and s not in out:
                 out.append(s)
         return out
@@ -133,8 +352,8 @@ class ReplicateConfig:
             "replica_num": int(self.replica_num),
             "preferred_segments": self.segments(),
             "hard_pin": bool(self.with_hard_pin),
-            "soft_pin": bool(self.soft_pin),
-            "disk_replica_num": int(self.disk_replica_num),
+            "soft_pin": bool(self.pins_soft),
+            "disk_replica_num": int(self.disk_replica_num) + int(self.nof_replica_num),
         }
 
     def to_wire_args(self) -> dict[str, Any]:

@@ -46,7 +46,7 @@ class TierTask:
     src_off: int
     dst_id: str
     dst_off: int
-    capability: bytes = b""  # WRITE capability on the destination (issue 7), if any
+    capability: bytes = b""  # WRITE capability on the destination, if any
     ttl_ms: int = 0  # the master gives up after this (0: no limit sent)
     received: float = 0.0  # monotonic time this node got it
 

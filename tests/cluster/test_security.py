@@ -51,7 +51,10 @@ class RawPeer:
         # sending would block, so wait for POLLOUT with the same deadline
         if not self.sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
             raise TimeoutError("cannot send")
-        self.sock.send_multipart([hdr] if payload is None else [hdr, payload], zmq.NOBLOCK)
+        try:
+            self.sock.send_multipart([hdr] if payload is None else [hdr, payload], zmq.NOBLOCK)
+        except zmq.Again:  # the pipe went away between poll and send (handshake refused)
+            raise TimeoutError("cannot send") from None
         if not self.sock.poll(int(timeout_s * 1000)):
             raise TimeoutError("no reply")
         frames = self.sock.recv_multipart()

@@ -87,16 +87,20 @@ def ctx() -> Iterator[zmq.Context]:
     c.term()
 
 
-def test_policy_off_on_loopback_on_elsewhere() -> None:
+def test_policy_off_on_loopback_keys_decide_elsewhere() -> None:
     for host in ("127.0.0.1", "127.9.9.9", "::1", "localhost", "tcp://127.0.0.1:5000",
                  "tcp://[::1]:5000", "ipc:///tmp/x.sock", "inproc://a"):
         assert is_loopback(host), host
         assert not curve_required(host, None), host
+        assert not curve_required(host, None, has_keys=True), host
         assert curve_required(host, True)
     for host in ("0.0.0.0", "10.231.0.2", "::", "*", "node7.example", "tcp://10.1.2.3:5000"):
         assert not is_loopback(host), host
-        assert curve_required(host, None), host
-        assert not curve_required(host, False)
+        # auto: on exactly when this process has a key, off (with a warning) otherwise
+        assert curve_required(host, None, has_keys=True), host
+        assert not curve_required(host, None, has_keys=False), host
+        assert not curve_required(host, False, has_keys=True)
+        assert curve_required(host, True, has_keys=False)
 
 
 def test_key_files_modes_and_roundtrip(tmp_path: Path) -> None:
@@ -221,9 +225,11 @@ def test_policy_in_config(tmp_path: Path, ctx: zmq.Context) -> None:
     try:
         # loopback, auto: nothing applied
         assert CurveConfig().setup_server(sock, "127.0.0.1") is None
-        # non-loopback, auto, no key: a clear configuration error
+        # non-loopback, auto, no key: plain (capabilities still guard transfers)
+        assert CurveConfig().setup_server(sock, "10.231.0.2") is None
+        # forced on without a key: a clear configuration error naming the fix
         with pytest.raises(ConfigError, match="kvpool keygen"):
-            CurveConfig().setup_server(sock, "10.231.0.2")
+            CurveConfig(enabled=True).setup_server(sock, "10.231.0.2")
         # explicitly disabled on a non-loopback bind: allowed
         assert CurveConfig(enabled=False).setup_server(sock, "0.0.0.0") is None
     finally:

@@ -64,14 +64,30 @@ def test_put_get_lifecycle_and_errors() -> None:
     assert d.put_revoke("c1", "nope") == ErrorCode.OBJECT_NOT_FOUND
 
 
-def test_revoke_frees_space() -> None:
-    d, _ = make()
+def test_revoke_frees_space_once_no_late_write_can_land() -> None:
+    d, clock = make()
     mount(d, "s1", 4096)
     assert d.put_start("c1", "a", 4096)[0] == 0
     assert d.put_start("c1", "b", 64)[0] == ErrorCode.NO_AVAILABLE_HANDLE
     assert d.put_revoke("c1", "a") == 0
-    assert d.pool_used[MEM] == 0
+    # the revoked writer's WRITE capability is still valid: a write of it that
+    # is late (a stalled peer, a copy thread) must not land in another object
+    d.sweep_pending()
+    assert d.pool_used[MEM] == 4096 and d.stats()["held_puts"] == 1
+    assert d.put_start("c1", "b", 64)[0] == ErrorCode.NO_AVAILABLE_HANDLE
+    clock.t += d.write_window_s
+    d.sweep_pending()
+    assert d.pool_used[MEM] == 0 and d.stats()["held_puts"] == 0
     assert d.put_start("c1", "b", 4096)[0] == 0
+
+
+def test_space_of_a_put_abandoned_long_ago_is_freed_at_once() -> None:
+    d, clock = make(put_start_discard_timeout_s=1.0, put_start_release_timeout_s=5.0)
+    mount(d, "s1", 4096)
+    assert d.put_start("c1", "a", 4096)[0] == 0
+    clock.t += d.write_window_s  # the writer's capability is long expired
+    assert d.put_start("c2", "a", 4096)[0] == 0  # preempted: its space reused at once
+    assert d.preemptions == 1
 
 
 def test_replicas_on_distinct_segments_best_effort() -> None:
@@ -138,6 +154,10 @@ def test_inflight_put_preempted_after_discard_timeout() -> None:
     assert d.preemptions == 1
     assert d.put_end("w1", "k") == ErrorCode.INVALID_WRITE  # the old writer lost it
     assert d.put_end("w2", "k") == 0
+    # w1 may still be writing with its capability: its space is held till that ends
+    assert d.pool_used[MEM] == 256
+    clock.t = 1000.0 + d.write_window_s
+    d.sweep_pending()
     assert d.pool_used[MEM] == 128
 
 
@@ -359,7 +379,12 @@ def test_inflight_puts_of_expired_or_stuck_writers_are_released() -> None:
         d.expire_step()
     assert "writer" not in d.clients
     assert d.sweep_pending() == 1 and "a" not in d.pending and "b" in d.pending
-    assert d.pool_used[MEM] == used - 1024
+    # a silent writer may be a stalled one: its space waits out its capability
+    assert d.pool_used[MEM] == used and d.stats()["held_puts"] == 1
+    clock.t = 1000.0 + d.write_window_s
+    d.ping("owner")
+    d.ping("slow")
+    assert d.sweep_pending() == 0 and d.pool_used[MEM] == used - 1024
     clock.t += 101
     d.ping("owner")
     d.ping("slow")

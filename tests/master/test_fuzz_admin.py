@@ -228,9 +228,10 @@ def test_curve_master_refuses_unauthenticated_clients(tmp_path: Path) -> None:
         assert st.curve is True and st.curve_denied >= 1
 
 
-def test_non_loopback_bind_without_key_refuses_to_start() -> None:
+def test_curve_on_without_key_refuses_to_start() -> None:
     # 192.0.2.1 (TEST-NET-1) is never local: even a bug could not expose a socket
     out = subprocess.run([sys.executable, "-m", "kvpool.cluster.cli", "master",
-                          "--host", "192.0.2.1", "--port", "0", "--metrics-port", "0"],
+                          "--host", "192.0.2.1", "--port", "0", "--metrics-port", "0",
+                          "--curve", "on"],
                          capture_output=True, text=True, timeout=30)
-    assert out.returncode == 1 and "CURVE is required" in out.stderr
+    assert out.returncode == 1 and "CURVE is enabled but no secret key" in out.stderr

@@ -138,17 +138,31 @@ def test_replicated_data_outlives_its_writer(
 
 def test_setup_with_config_dict_and_errors(fresh_master: MasterProcess) -> None:
     s = MooncakeDistributedStore()
+    # Mooncake's dict form: string sizes with Mooncake's units (MB = MiB)
     assert s.setup({"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
-                    "global_segment_size": "8MiB", "local_buffer_size": 0, "protocol": "rdma",
-                    "master_server_address": fresh_master.address}) == 0
+                    "global_segment_size": "8MB", "local_buffer_size": "16 MB",
+                    "protocol": "rdma", "master_server_address": fresh_master.address}) == 0
     try:
         assert s.put("d", b"dict") == 0 and s.get("d") == b"dict"
+        assert s._c().config.memory_size == 8 << 20
     finally:
         assert s.close() == 0
+    # Mooncake stages bytes calls through local_buffer_size: 0 makes them fail
+    zero = MooncakeDistributedStore()
+    assert zero.setup("localhost", "P2PHANDSHAKE", SEG, 0, "tcp", "", fresh_master.address) == 0
+    try:
+        assert zero.put("z", b"abc") == ErrorCode.INVALID_PARAMS
+        assert zero.is_exist("z") == 0
+    finally:
+        zero.close()
     bad = MooncakeDistributedStore()
     assert bad.setup("localhost", "", SEG, SEG, "carrier-pigeon", "", fresh_master.address) < 0
-    nowhere = {"local_hostname": "localhost", "global_segment_size": SEG, "protocol": "tcp",
+    assert bad.setup({"local_hostname": "localhost"}) == ErrorCode.INVALID_PARAMS  # no metadata
+    assert bad.setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+                      "global_segment_size": "50%"}) == ErrorCode.INVALID_PARAMS
+    nowhere = {"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
+               "global_segment_size": SEG, "protocol": "tcp",
                "master_server_address": f"127.0.0.1:{find_free_port()}", "rpc_timeout_s": 0.5}
     assert bad.setup(nowhere) in (ErrorCode.RPC_TIMEOUT, ErrorCode.RPC_FAIL)
-    assert bad.health_check() < 0
+    assert bad.health_check() == 1  # not initialized
     assert bad.get("x") == b"" and bad.put("x", b"y") < 0 and bad.is_exist("x") == -1

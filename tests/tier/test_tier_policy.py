@@ -12,8 +12,9 @@ import pytest
 from kvpool.core.config import ConfigError
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.master import tiering
 from kvpool.master.config import MasterConfig, load_master_config
-from kvpool.master.directory import Directory, Rec, SegState
+from kvpool.master.directory import HARD_PIN, Directory, Rec, SegState
 from kvpool.master.tiering import TaskKind, TieringConfig, TieringPolicy
 
 MEM = SegmentKind.MEMORY
@@ -160,6 +161,34 @@ def test_offload_disabled_and_auto_without_disk() -> None:
         assert p.counters["offload_started"] == 0 and len(d.objects) < 10
 
 
+def test_put_that_memory_cannot_take_spills_to_disk() -> None:
+    """Memory full and every eviction victim waiting for its copy: the put
+    lands on the file segment at once instead of failing; the object is an
+    ordinary disk-resident object (promoted on a hit)."""
+    d, p, _ = make()
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    for i in range(30):  # 3x the memory, no task ever completes meanwhile
+        assert put(d, f"k{i}", 100 * KiB) == ErrorCode.OK
+    spilled = [f"k{i}" for i in range(30) if kinds(d, f"k{i}") == [FILE]]
+    assert len(spilled) >= 15 and d.stats()["spilled"] == len(spilled)
+    assert d.pool_used[MEM] <= d.pool_cap[MEM]
+    run_tasks(d, p)  # the offloads finish: memory takes new puts again
+    assert put(d, "after", 100 * KiB) == ErrorCode.OK and kinds(d, "after") == [MEM]
+    code, (obj, reps) = d.get_replicas(spilled[-1])
+    assert code == ErrorCode.OK
+    for _ in range(2):  # promoted at its second read from disk
+        p.on_disk_hit(d, spilled[-1], obj, reps)
+    assert p.counters["promote_started"] == 1
+    # offload off: the disk tier only takes what is asked for; the put fails
+    d, p, _ = make({"offload_on_evict": False})
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    hard = [put(d, f"pinned{i}", 600 * KiB, flags=HARD_PIN) for i in range(2)]
+    assert hard == [ErrorCode.OK, ErrorCode.NO_AVAILABLE_HANDLE]
+    assert d.stats()["spilled"] == 0
+
+
 def test_promotion_on_disk_hit() -> None:
     d, p, _ = make()
     d.mount("node", desc("mem", 1024 * KiB, MEM))
@@ -168,6 +197,8 @@ def test_promotion_on_disk_hit() -> None:
     assert kinds(d, "cold") == [FILE]
     code, (obj, reps) = d.get_replicas("cold")
     p.on_disk_hit(d, "cold", obj, reps)
+    assert p.counters["promote_started"] == 0  # read once: the disk serves it
+    p.on_disk_hit(d, "cold", obj, reps)  # read again: worth a copy in memory
     p.on_disk_hit(d, "cold", obj, reps)  # one task per key at a time
     assert p.counters["promote_started"] == 1
     tasks = run_tasks(d, p)
@@ -178,6 +209,30 @@ def test_promotion_on_disk_hit() -> None:
     assert code == ErrorCode.OK
     p.on_disk_hit(d, "cold", obj, reps)
     assert p.counters["promote_started"] == 1
+
+
+def test_promotion_after_hits_setting_and_bounded_hit_memory() -> None:
+    d, p, _ = make({"promote_after_hits": 1})
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    put(d, "cold", 100 * KiB, replica_num=0, disk_replica_num=1)
+    _, (obj, reps) = d.get_replicas("cold")
+    p.on_disk_hit(d, "cold", obj, reps)
+    assert p.counters["promote_started"] == 1
+    d, p, _ = make({"promote_after_hits": 3})
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    put(d, "cold", 100 * KiB, replica_num=0, disk_replica_num=1)
+    _, (obj, reps) = d.get_replicas("cold")
+    for n in (0, 0, 1):
+        p.on_disk_hit(d, "cold", obj, reps)
+        assert p.counters["promote_started"] == n
+    assert "cold" not in p._hits  # counted hits are forgotten once promoted
+    for i in range(tiering._HIT_MEMORY + 10):  # many one-hit keys: the memory stays bounded
+        p._hit_enough(f"once{i}")
+    assert len(p._hits) == tiering._HIT_MEMORY
+    with pytest.raises(ConfigError):
+        TieringConfig(promote_after_hits=0).validate()
 
 
 def test_promotion_disabled() -> None:

@@ -27,9 +27,13 @@ DISK = ReplicateConfig(replica_num=0, disk_replica_num=1)
 
 
 @pytest.fixture
-def master(tmp_path: Any) -> Iterator[MasterProcess]:
+def master(tmp_path: Any, request: Any) -> Iterator[MasterProcess]:
+    # short leases let the offload tests evict what they just read; a test
+    # reading big objects from disk passes a longer one (indirect parameter):
+    # a read that outlasts its lease is refused by design (bytes discarded);
     # no grace: an owner silent for client_ttl is dropped (its file segment kept)
-    with MasterProcess(data_dir=str(tmp_path / "master"), lease_ttl_ms=300,
+    lease_ms = getattr(request, "param", 300)
+    with MasterProcess(data_dir=str(tmp_path / "master"), lease_ttl_ms=lease_ms,
                        client_ttl_s=2, extra_args=["--client-grace-s", "0"]) as m:
         yield m
 
@@ -109,6 +113,7 @@ def _put_retry(c: Client, key: str, value: bytes, cfg: ReplicateConfig | None = 
             time.sleep(0.1)
 
 
+@pytest.mark.parametrize("master", [10_000], indirect=True)  # 64 MiB reads on a busy disk
 def test_put_get_through_disk_replicas_with_checksums(make_daemon, make_client, master):
     make_daemon()
     c = make_client()
@@ -149,10 +154,23 @@ def test_promotion_on_disk_hit(make_daemon, make_client, master):
     data = pattern(7, 300_001).tobytes()
     c.put(key, data, DISK)
     assert _kinds(master, key) == [SegmentKind.FILE]
-    assert c.get(key) == data  # served from disk; queues a promotion
+    assert c.get(key) == data  # served from disk
+    assert c.get(key) == data  # the second read from disk queues a promotion
     _wait(lambda: SegmentKind.MEMORY in _kinds(master, key))
     assert c.get(key) == data
     assert _stats(master)["promote_done"] >= 1
+
+
+def test_promotion_at_first_hit_from_the_command_line(tmp_path):
+    with MasterProcess(data_dir=str(tmp_path / "m1"), extra_args=["--promote-after-hits", "1"]
+                       ) as m, NodeDaemonProcess(m.address, "8MiB", extra_args=[
+                           "--disk-dir", str(tmp_path / "d1"), "--disk", "32MiB"]), \
+            client_factory(m.address) as make:
+        c = make()
+        data = pattern(8, 70_000).tobytes()
+        c.put("one", data, DISK)
+        assert c.get("one") == data
+        _wait(lambda: SegmentKind.MEMORY in _kinds(m, "one"))
 
 
 def test_kill9_and_restart_on_same_disk_dir_readopts_objects(make_daemon, make_client, master):

@@ -1,0 +1,188 @@
+"""Mooncake's administrative calls on kvpool: segments, replica descriptors, tasks.
+
+- ``get_replica_desc`` / ``batch_get_replica_desc``: where an object's
+  complete replicas are (memory: offset in its segment and the owner's
+  ``host:port``; disk: the SSD-tier file), from one master RPC (which grants
+  a read lease, as Mooncake's query does);
+- ``batch_replica_clear(keys, "")``: remove the keys whose read lease has
+  ended (one batch RPC; leased keys are skipped and not returned);
+- what needs the master to grow (placing a replica on a named segment:
+  copy/move tasks, clearing one segment's replicas) or has no kvpool model
+  (mounting arbitrary files or extra shared-memory regions into a running
+  client) returns Mooncake's NOT_SUPPORTED (-1012) after one log line;
+  docs/mooncake_compat.md says which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import SegmentKind
+from kvpool.store.client import Location
+from kvpool.store.mooncake_core import NOT_SUPPORTED, MooncakeCore, code_of, log, mooncake_code
+from kvpool.store.mooncake_types import (
+    Descriptor,
+    DiskDescriptor,
+    MemoryDescriptor,
+    QueryTaskResponse,
+    ReplicaDescriptor,
+    ReplicaStatus,
+)
+
+__all__ = ["AdminCalls"]
+
+_NO_TASK = (0, 0)
+
+
+def _unsupported(what: str, why: str) -> int:
+    log.warning("%s is not supported on kvpool: %s", what, why)
+    return NOT_SUPPORTED
+
+
+class AdminCalls(MooncakeCore):
+    """Segment, replica-descriptor and task calls (module docstring)."""
+
+    # ------------------------------------------------------------------ segments
+
+    def mount_segment(self, path: str, size: int, offset: int = 0, protocol: str = "tcp",
+                      location: str = "") -> dict[str, Any]:
+        """Mooncake mounts an arbitrary file or shm region. kvpool's segments are
+        its own shared memory and checked SSD-tier files: NOT_SUPPORTED
+        (``{"ret": -1012, "segment_ids": []}``)."""
+        return {"ret": _unsupported("mount_segment", "segments are created by kvpool "
+                                    "(memory: setup's global_segment_size; disk: "
+                                    "kvpool client --disk-dir)"), "segment_ids": []}
+
+    def unmount_segment(self, segment_ids: Sequence[str], grace_period_seconds: int = 0) -> int:
+        """Counterpart of :meth:`mount_segment`: NOT_SUPPORTED."""
+        return _unsupported("unmount_segment", "no segment was mounted by mount_segment")
+
+    def allocate_and_mount_segment(self, size: int, protocol: str = "tcp",
+                                   location: str = "") -> dict[str, Any]:
+        """Mooncake adds a memory segment to a running client; a kvpool client
+        contributes one segment sized at setup: NOT_SUPPORTED."""
+        return {"ret": _unsupported("allocate_and_mount_segment",
+                                    "a client's memory segment is sized at setup"),
+                "segment_ids": [], "allocated_size": 0}
+
+    def unmount_and_free_segment(self, segment_ids: Sequence[str],
+                                 grace_period_seconds: int = 0) -> int:
+        """Counterpart of :meth:`allocate_and_mount_segment`: NOT_SUPPORTED."""
+        return _unsupported("unmount_and_free_segment", "see allocate_and_mount_segment")
+
+    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
+        """Mooncake detaches the client's local SSD segment. A kvpool SSD tier
+        stays mounted for its owner's lifetime (close() keeps it for a warm
+        restart): NOT_SUPPORTED."""
+        return _unsupported("unmount_local_disk_segment",
+                            "the SSD tier is mounted for the client's lifetime")
+
+    def get_offload_rpc_read_count(self) -> int:
+        """Mooncake counts reads served by its offload RPC; kvpool reads disk
+        replicas through the transfer engine: 0."""
+        return 0
+
+    def _get_pyclient_capsule(self) -> Any:
+        """Mooncake-internal handle of the C++ client; here the kvpool Client
+        (None when not set up)."""
+        return self._client
+
+    # ------------------------------------------------------------------ replica descriptors
+
+    def _descriptors(self, loc: Location) -> list[ReplicaDescriptor]:
+        client = self._c()
+        out: list[ReplicaDescriptor] = []
+        for r in loc.replicas:
+            desc = client.describe_segment(r.segment_id)
+            # Mooncake names a replica's server by its owner's hostname:port,
+            # which is what a Mooncake-compatible store's segment id is
+            if r.segment_id.rsplit(":", 1)[-1].isdigit():
+                endpoint = r.segment_id
+            elif desc is not None and desc.endpoint:
+                endpoint = f"{desc.host_id}:{desc.endpoint.rsplit(':', 1)[-1]}"
+            else:
+                endpoint = ""
+            if desc is not None and desc.kind == SegmentKind.FILE:
+                out.append(ReplicaDescriptor(
+                    ReplicaStatus.COMPLETE, r.segment_id,
+                    disk=DiskDescriptor(desc.name, r.length),
+                    local=desc.host_id == client.host_id))
+            else:
+                out.append(ReplicaDescriptor(
+                    ReplicaStatus.COMPLETE, r.segment_id,
+                    memory=MemoryDescriptor(Descriptor(r.length, r.offset, endpoint))))
+        return out
+
+    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
+        """The complete replicas of ``key``, nearest first ([] when missing)."""
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def batch_get_replica_desc(self, keys: Sequence[str]) -> dict[str, list[ReplicaDescriptor]]:
+        """``{key: replicas}`` for the keys that exist (one master RPC)."""
+        valid = [(key, k) for key, k in ((key, self._k_or_none(key)) for key in keys)
+                 if k is not None]
+        if not valid or self._client is None:
+            return {}
+        try:
+            locs = self._client.batch_locate([k for _, k in valid])
+            return {key: self._descriptors(loc) for (key, _k), loc in zip(valid, locs,
+                                                                           strict=True)
+                    if loc.code == ErrorCode.OK}
+        except KVPoolError as exc:
+            log.debug("batch_get_replica_desc: %s", exc)
+            return {}
+
+    def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> list[str]:
+        """Clear the replicas of ``keys`` whose read lease has ended: with
+        ``segment_name`` "" every replica (the object goes). Returns the keys
+        cleared; leased, missing and invalid keys are skipped. Clearing one
+        segment's replicas only needs the master's support: [] (logged)."""
+        if not keys or self._client is None:
+            return []
+        if segment_name:
+            _unsupported("batch_replica_clear(segment_name=...)",
+                         "the master cannot drop one segment's replicas yet")
+            return []
+        valid = [(key, k) for key, k in ((key, self._k_or_none(key)) for key in keys)
+                 if k is not None]
+        try:
+            codes = self._client.batch_remove([k for _, k in valid], force=False)
+        except KVPoolError as exc:
+            log.debug("batch_replica_clear: %s", exc)
+            return []
+        return [key for (key, _k), c in zip(valid, codes, strict=True) if c == ErrorCode.OK]
+
+    # ------------------------------------------------------------------ copy / move tasks
+
+    def _task_precheck(self, key: str) -> int:
+        """-704 for a missing key (Mooncake answers that before any task exists)."""
+        try:
+            self._c().get_size(self._k(key))
+            return 0
+        except KVPoolError as exc:
+            return code_of(exc)
+
+    def create_copy_task(self, key: str, targets: Sequence[str]) -> tuple[tuple[int, int], int]:
+        """``(task_id, 0)`` or ``((0, 0), code)``: a missing key gives -704; a
+        replica on a named segment needs the master's support: NOT_SUPPORTED."""
+        code = self._task_precheck(key)
+        if code:
+            return _NO_TASK, code
+        return _NO_TASK, _unsupported("create_copy_task",
+                                      "the master cannot place a replica on a named segment yet")
+
+    def create_move_task(self, key: str, source: str,
+                         target: str) -> tuple[tuple[int, int], int]:
+        """As :meth:`create_copy_task` for a move."""
+        code = self._task_precheck(key)
+        if code:
+            return _NO_TASK, code
+        return _NO_TASK, _unsupported("create_move_task",
+                                      "the master cannot move a replica to a named segment yet")
+
+    def query_task(self, task_id: tuple[int, int]) -> tuple[QueryTaskResponse | None, int]:
+        """``(response, 0)`` or ``(None, code)``; no task can exist yet, so
+        TASK_NOT_FOUND (-1400)."""
+        return None, mooncake_code(ErrorCode.TASK_NOT_FOUND)
