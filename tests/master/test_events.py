@@ -240,10 +240,15 @@ def test_tier_moves_are_stored_events(master_events: tuple[MasterProcess, int]) 
                 else:  # copy ahead: on both tiers
                     assert sorted(e.replicas, key=lambda r: r.tier) == \
                         [Replica("f1", DISK), Replica("m1", DRAM)]
-            # promotion: a read of a disk-only object copies it back into memory
+            # promotion: reads of a disk-only object copy it back into memory
+            # (at its promote_after_hits-th read)
             cold = next(k for k, kind in moved.items() if kind == 1)
-            c.call(GetReplicaList(cold))
-            promote = [t for t in c.call(Ping("c1")).tasks if t.key == cold]
+            promote: list[Any] = []
+            for _ in range(5):
+                c.call(GetReplicaList(cold))
+                promote = [t for t in c.call(Ping("c1")).tasks if t.key == cold]
+                if promote:
+                    break
             assert [t.kind for t in promote] == [2]
             c.call(TierTaskDone("c1", promote[0].id, True))
             evs = sub.until(lambda evs: sum(getattr(e, "key", "") == cold for e in evs) >= 3)
