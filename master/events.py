@@ -20,9 +20,9 @@ DROP_REPLICA            ReplicaRemoved (one tier's copy evicted)
 
 Sending never blocks the loop: the socket is XPUB (a PUB that also reads
 subscriptions: a new subscriber is greeted with a heartbeat at once), each
-subscriber has its
-own queue of ``events_hwm`` messages, and a subscriber whose queue is full
-misses messages (it sees a seq gap and resyncs) while the others get them.
+subscriber has its own queue of ``events_hwm`` messages, and a subscriber
+whose queue is full misses messages (it sees a seq gap and resyncs) while
+the others get them.
 ZeroMQ drops silently; to count, the socket runs with ``XPUB_NODROP``: a
 send that finds a full queue fails, is counted in ``overflows`` and is sent
 again lossily. A queue already full is skipped by ZeroMQ without a
@@ -146,6 +146,16 @@ class EventPublisher:
     def on_commit(self, records: Sequence[list[Any]], commit_no: int) -> None:
         """Durability listener: translate one group commit (loop thread)."""
         out: list[Event] = []
+        try:
+            self._translate(records, out)
+        except Exception:  # a listener must not raise into the commit: resync them
+            log.exception("events: cannot translate a commit; publishing a new stream")
+            self.stream = secrets.randbits(63) or 1
+            self.seq = 0
+        if out:
+            self._pending.append((commit_no, out))
+
+    def _translate(self, records: Sequence[list[Any]], out: list[Event]) -> None:
         append = out.append
         replica = self._replica
         for rec in records:
@@ -167,8 +177,6 @@ class EventPublisher:
             elif tag == _DROP_SEGMENT:
                 self._replicas.pop(rec[1], None)
                 append(SegmentRemoved(rec[1]))
-        if out:
-            self._pending.append((commit_no, out))
 
     # ================================================================ sending
     def flush(self, acked: int, now: float) -> None:

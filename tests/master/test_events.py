@@ -455,6 +455,14 @@ def test_publisher_ha_hook_ack_gate_and_split() -> None:
         batch = sub.recv(2.0)
         assert batch is not None and batch.seq == 5 and batch.events == [] and batch.epoch == 8
         assert pub.stats()["heartbeats"] >= 2 and pub.stats()["batches"] == 5
+        # a commit that cannot be translated never raises into the loop: the
+        # stream starts anew, so every subscriber resyncs
+        stream = pub.stream
+        pub.on_commit([[Rec.REMOVE, "a"], [Rec.MOUNT, {}]], 5)
+        pub.flush(5, now)
+        batch = sub.recv(2.0)
+        assert batch is not None and pub.stream != stream
+        assert (batch.stream, batch.seq, batch.events) == (pub.stream, 1, [ObjectRemoved("a")])
     finally:
         sub.close()
         pub.close()
