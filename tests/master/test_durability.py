@@ -55,10 +55,13 @@ def wait_stats(c: MasterClient, pred: Any, timeout: float = 10.0) -> StatsReply:
 def test_kill9_mid_workload_restores_every_committed_object(tmp_path: Path) -> None:
     data = str(tmp_path / "d")
     with MasterProcess(data_dir=data) as m:
+        # segments far larger than the workload can fill: an eviction (a
+        # legitimate DROP_REPLICA under pressure) would change replica sets
+        # the test compares exactly
         with m.client() as c:
-            mount(c, "a")
-            mount(c, "b")
-            mount(c, "f", kind=SegmentKind.FILE)
+            mount(c, "a", size=1 << 34)
+            mount(c, "b", size=1 << 34)
+            mount(c, "f", size=1 << 34, kind=SegmentKind.FILE)
         committed: dict[str, list[Any]] = {}
         removed: set[str] = set()
         # a REMOVE whose reply never came: the master may have applied and
