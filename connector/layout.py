@@ -211,6 +211,10 @@ class ObjectLayout:
         self._tstep = torch.tensor([lay.token_stride // rb for lay in layers], device=dev)
         self._tok = torch.arange(first.tokens, device=dev)
         self._L = L
+        # layer selections on the device, made once: building one per call
+        # (torch.tensor(..., device=cuda)) syncs the host with the stream, i.e.
+        # waits for the forward's queued kernels in the middle of a layer-wise load
+        self._sels: dict[tuple[int, ...], Any] = {}
 
     def _w(self, t: Any) -> Any:
         """``t`` (uint8, last dim contiguous) as 8-byte words when allowed."""
@@ -239,7 +243,10 @@ class ObjectLayout:
             raise ConfigError(f"head range {h0}:{h1} outside 0..{self.heads}")
         dev = self.device
         b = torch.tensor(block_ids, dtype=torch.long).to(dev, non_blocking=True)
-        sel = torch.tensor(list(layer_sel), dtype=torch.long, device=dev)
+        key = tuple(layer_sel)
+        sel = self._sels.get(key)
+        if sel is None:
+            sel = self._sels[key] = torch.tensor(key, dtype=torch.long, device=dev)
         h = torch.arange(h0, h1, device=dev)
         C, nl = len(block_ids), len(layer_sel)
         rows = (self._off[sel].view(1, 1, nl, 1, 1)

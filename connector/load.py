@@ -6,7 +6,11 @@ the reads and issues ONE ``batch_get_into_parts`` (one master RPC, then one
 transfer batch per layer group, in layer order) on a fetch thread and
 returns; :meth:`LoadPipeline.wait_for_layer` waits only for that layer's
 group and scatters it into the blocks on the caller's (forward's) thread, so
-loading layer group ``g + 1`` overlaps computing group ``g``. A group not
+loading layer group ``g + 1`` overlaps computing group ``g``. The fetch's
+GPU copies run on a stream of their own
+(:func:`kvpool.transfer.gpu.independent_copies`): on the legacy default
+stream each would wait for the forward's queued kernels, and every load
+would run after the compute it should hide behind. A group not
 there by the job's deadline fails its chunks (vLLM recomputes them); a group
 not scattered before the forward ended (vLLM did not call
 wait_for_layer_load) fails its chunks too. Async loads and
@@ -35,6 +39,7 @@ from kvpool.connector.staging import MAX_LOAD_BUFFERS, StagingBuffers, release
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess
 from kvpool.core.config import ConfigError
+from kvpool.transfer.gpu import independent_copies
 
 __all__ = ["LoadJob", "LoadPipeline", "LoadResult", "Started"]
 
@@ -208,8 +213,12 @@ class LoadPipeline:
 
         def run() -> None:
             try:
-                self.store.call(lambda c: c.batch_get_into_parts(job.keys, job.bufs,
-                                                                 job.parts, on_part))
+                # the buffer is free (no scatter reads it), and a group is
+                # scattered only after its part arrived: the copies need not
+                # queue behind the forward's kernels
+                with independent_copies():
+                    self.store.call(lambda c: c.batch_get_into_parts(job.keys, job.bufs,
+                                                                     job.parts, on_part))
             except Exception as exc:  # never fail the request: vLLM recomputes
                 job.problem = job.problem or f"failed ({exc!r})"
             finally:

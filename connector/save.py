@@ -31,6 +31,7 @@ from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess
 from kvpool.core.config import ConfigError
 from kvpool.core.errors import ErrorCode
+from kvpool.transfer.gpu import independent_copies
 
 __all__ = ["SaveJob", "SaveQueue"]
 
@@ -40,7 +41,10 @@ _SAVE_WAIT_S = 120.0  # a save job waits this long for its forward's layers
 
 
 def _batch_put_from(client: Any, keys: list[str], bufs: list[Any], config: Any) -> list[Any]:
-    return list(client.batch_put_from(keys, bufs, config))
+    # the buffer was gathered on the save stream and synchronised: the copies
+    # need not queue behind the forward's kernels on the default stream
+    with independent_copies():
+        return list(client.batch_put_from(keys, bufs, config))
 
 
 @dataclass

@@ -26,7 +26,9 @@ client`` node daemon on this machine. Two parts:
    - ``hidden_fraction = (ttft_serial - ttft_pipelined) / load_s``: the part
      of the load time hidden behind compute (goal >= 0.8; at most
      ``1 - 1/groups``: the first group's load has nothing to hide behind).
-   Loaded bytes are verified after the pipelined run.
+   Loaded bytes are verified after the pipelined run; ``group_arrival_ms``:
+   when each layer group of the last pipelined run had arrived (ms after
+   ``start_load_kv``).
 
 Standalone: ``python scripts/gpu_check_connector.py [--json OUT]
 [--layer-groups 1 4 8 16] [--hit-tokens 4096] [--compute-tokens 2048 256]``
@@ -243,6 +245,14 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                               load_or_recompute=False, load_timeout_s=30.0)
         w = KVPoolWorker(cfg, ks, StoreAccess(cfg), heads=HeadSpec(0, H, H, True))
         w.register_kv_caches(caches)
+        arrivals: dict[str, list[float]] = {}
+        close_job = w.loads.close_job
+
+        def closing(job: Any, close: Any = close_job, seen: Any = arrivals) -> Any:
+            seen["ms"] = [round(1000 * job.part_s[g], 2) for g in sorted(job.part_s)]
+            return close(job)
+
+        w.loads.close_job = closing  # type: ignore[method-assign]
         toks = torch.randint(0, 50000, (n_chunks * ct,), generator=torch.Generator()
                              .manual_seed(groups)).tolist()
         hashes = ks.chunk_hashes(toks)
@@ -266,6 +276,7 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
             load_s = best(False, compute=False)
             serial_s = best(False)
             pipe_s = best(True)
+            part_ms = arrivals.get("ms", [])  # the last pipelined run's groups
             ok = bool(torch.equal(kv[:, src_ids], kv[:, dst_ids]))
             per_layer_ms = 1000 * compute_s / L
             r = {"layer_groups": groups, "hit_tokens": n_chunks * ct, "compute_tokens": tokens,
@@ -275,7 +286,8 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                  "load_s": load_s, "compute_s": compute_s, "ttft_serial_s": serial_s,
                  "ttft_pipelined_s": pipe_s,
                  "hidden_fraction": (serial_s - pipe_s) / load_s if load_s else None,
-                 "hidden_bound": 1 - 1 / groups, "bytes_equal": ok}
+                 "hidden_bound": 1 - 1 / groups, "bytes_equal": ok,
+                 "group_arrival_ms": part_ms}
             out.append(r)
             print(f"pipeline groups={groups} hit={n_chunks * ct} compute={tokens} tok "
                   f"({per_layer_ms:.2f} ms/layer): load {1000 * load_s:.1f} ms, compute "

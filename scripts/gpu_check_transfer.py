@@ -6,6 +6,8 @@ is installed) between this process and a peer process that owns the segment:
 correctness (crc32 of the segment vs the GPU data, and a READ back compared on
 the GPU) and GB/s per (library, transport, op). In the same run it measures
 pinned cudaMemcpy H2D/D2H bandwidth as the limit; target: GPU<->shm >= 0.8x pinned.
+``backends``: every CUDA runtime backend's copies (legacy and side stream,
+2-D) checked byte for byte.
 
 Standalone: ``python scripts/gpu_check_transfer.py [--json OUT]``.
 """
@@ -90,6 +92,59 @@ def _pinned_limit(rt: Any, dev_ptr: int) -> dict[str, float]:
         pool.close()
 
 
+def runtime_backends(report: dict[str, Any]) -> None:
+    """Every CUDA runtime backend here (cupy, ctypes libcudart): device memory,
+    a synchronous copy on the legacy stream and on a side stream, a 2-D
+    copy, and the bytes back on the host. ``report["backends"]``: per backend
+    "ok" or the error."""
+    import ctypes
+
+    from kvpool.transfer import gpu as gpu_mod
+
+    rts: list[Any] = []
+    rt, _ = cuda_runtime()
+    if rt is not None:
+        rts.append(rt)
+    if rt is None or rt.backend != "cudart":
+        for path in gpu_mod._cudart_candidates():
+            try:
+                rts.append(gpu_mod.CudaRuntime("cudart", ctypes.CDLL(path)))
+                break
+            except OSError:
+                continue
+    out: dict[str, str] = {}
+    n, rows = 1 << 20, 8
+    host = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+    for r in rts:
+        try:
+            a, b = r.malloc(n, 0), r.malloc(n, 0)
+            try:
+                r.copy(a, int(host.ctypes.data), n, 0, False)  # H2D, legacy stream
+                r.copy(b, a, n, 0, True)  # D2D on this thread's side stream
+                back = np.zeros(n, np.uint8)
+                r.copy(int(back.ctypes.data), b, n, 0, True)
+                ok = bool((back == host).all())
+                # rows of 4 KiB, 64 KiB apart -> packed
+                w = 4096
+                r.memcpy2d_async(b, w, a, n // rows, w, rows, r.side_stream(0))
+                r.stream_synchronize(r.side_stream(0))
+                r.memcpy_async(int(back.ctypes.data), b, w * rows, 0)
+                r.stream_synchronize(0)
+                want = np.concatenate([host[i * (n // rows):i * (n // rows) + w]
+                                       for i in range(rows)])
+                ok = ok and bool((back[:w * rows] == want).all())
+            finally:
+                r.free(a)
+                r.free(b)
+            out[r.backend] = "ok" if ok else "wrong bytes"
+        except Exception as exc:
+            out[r.backend] = f"{type(exc).__name__}: {exc}"
+    report["backends"] = out
+    print(f"CUDA runtime backends: {out}")
+    if any(v != "ok" for v in out.values()):
+        report["status"] = "failed"
+
+
 def run(report: dict[str, Any]) -> None:
     """Record results into ``report`` (pinned_gbps, results[], ok, status);
     prints a summary. ``status`` is "failed" if any transfer was incorrect."""
@@ -101,6 +156,7 @@ def run(report: dict[str, Any]) -> None:
         print(f"transfer GPU check skipped: {reason}")
         return
     res["cuda_backend"] = rt.backend
+    runtime_backends(res)
     libs = _gpu_libs()
     if not libs:
         res["skipped"] = "neither torch nor cupy with CUDA is importable"
@@ -182,7 +238,8 @@ def run(report: dict[str, Any]) -> None:
         gb = "" if r["gbps"] is None else f"{r['gbps']:.2f}"
         print(f"{r['lib']:<14} {r['transport'] or '-':<9} {r['op']:<5} {gb:>7} "
               f"{r.get('ratio_vs_pinned', ''):>8} {r['correct']}")
-    res["ok"] = all(r["correct"] for r in rows)
+    res["ok"] = all(r["correct"] for r in rows) and all(
+        v == "ok" for v in res.get("backends", {}).values())
     if not res["ok"]:
         res["status"] = "failed"
 

@@ -80,6 +80,13 @@ from kvpool.store._bufutil import (
     verify_checksum,
 )
 from kvpool.store._fastpath import InlineShm, host_array
+from kvpool.store._gpustage import (
+    STAGING_MAX_BYTES,
+    DeviceStaging,
+    gpu_regions,
+    plan_copies,
+    run_copies,
+)
 from kvpool.store.config import ClientConfig, ReplicateConfig, default_host_id
 from kvpool.store.errors import (
     BufferTooSmall,
@@ -94,7 +101,9 @@ from kvpool.store.errors import (
 )
 from kvpool.store.guard import master_stub
 from kvpool.store.segment_host import SegmentHost
+from kvpool.transfer.buffers import BufferHandle
 from kvpool.transfer.copy import parallel_copyto
+from kvpool.transfer.gpu import cuda_runtime
 
 __all__ = [
     "Client",
@@ -150,6 +159,7 @@ class _Owned:
     master: MasterClient | None = None
     engine: Any = None
     inline: InlineShm | None = None
+    staging: DeviceStaging | None = None
 
 
 def _release(owned: _Owned) -> None:
@@ -164,6 +174,8 @@ def _release(owned: _Owned) -> None:
     host.detach()
     if owned.inline is not None:
         owned.inline.close()
+    if owned.staging is not None:
+        owned.staging.close()
     host.release_segments()
     if owned.engine is not None:
         try:
@@ -223,6 +235,7 @@ class Client:
         self._transfer_mod: Any = None
         self._inline: InlineShm | None = None
         self._gpu_segments_learned = False  # see _learn_memory_segments
+        self._staging_lock = threading.Lock()  # creates self._owned.staging once
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1195,12 +1208,17 @@ class Client:
                     owner.append(i)
                 off += n
         reserved = [i for i, c in enumerate(codes) if c == ErrorCode.OK]
+        give_back: Callable[[], None] | None = None
         try:
+            writes, owner, give_back = self._stage_gpu_writes(held, parts, writes, owner)
             writes, owner = self._gather_parts(held, parts, writes, owner)
             done = self.write_ranges(writes)
         except BaseException:
             self.batch_put_abort([keys[i] for i in reserved])
             raise
+        finally:
+            if give_back is not None:
+                give_back()
         for (ok, _err), i in zip(done, owner, strict=True):
             if not ok:
                 codes[i] = ErrorCode.TRANSFER_FAIL
@@ -1209,6 +1227,78 @@ class Client:
         for i, code in zip(good, self.batch_put_commit([keys[i] for i in good]), strict=True):
             codes[i] = code
         return codes
+
+    def _device_staging(self, device: int, nbytes: int
+                        ) -> tuple[DeviceStaging, tuple[int, int]] | None:
+        """A device staging buffer of ``nbytes`` (kvpool.store._gpustage), or None."""
+        with self._staging_lock:
+            staging = self._owned.staging
+            if staging is None:
+                rt, _ = cuda_runtime()
+                if rt is None:
+                    return None
+                staging = self._owned.staging = DeviceStaging(rt)
+        buf = staging.take(device, nbytes)
+        return None if buf is None else (staging, buf)
+
+    @staticmethod
+    def _gpu_keys(sizes: Sequence[int], parts: Sequence[Sequence[Any]], want: Sequence[int]
+                  ) -> tuple[int, int, list[tuple[int, list[tuple[int, int]]]]]:
+        """Of the keys ``want``, those made of several GPU parts of one device
+        that fit one staging buffer together: ``(device, total bytes, [(key,
+        [(address, bytes)])])``."""
+        device, total = -1, 0
+        out: list[tuple[int, list[tuple[int, int]]]] = []
+        for i in want:
+            if len(parts[i]) < 2 or total + sizes[i] > STAGING_MAX_BYTES:
+                continue
+            found = gpu_regions(parts[i])
+            if found is None or (device >= 0 and found[0] != device):
+                continue
+            device = found[0]
+            out.append((i, found[1]))
+            total += sizes[i]
+        return device, total, out
+
+    def _stage_gpu_writes(self, held: Sequence[Reservation], parts: Sequence[Sequence[Any]],
+                          writes: list[RangeWrite], owner: list[int]
+                          ) -> tuple[list[RangeWrite], list[int], Callable[[], None] | None]:
+        """Keys made of several GPU parts are gathered on the GPU into one
+        staging buffer (a few 2-D copies for the whole call) and written as one
+        range each. Returns the writes, their owners and what gives the
+        staging buffer back once they are done (None: nothing staged)."""
+        device, total, keys = self._gpu_keys(
+            [rv.size for rv in held], parts,
+            [i for i, rv in enumerate(held) if rv.code == ErrorCode.OK])
+        taken = self._device_staging(device, total) if keys else None
+        if taken is None:
+            return writes, owner, None
+        staging, buf = taken
+        at = buf[0]
+        per_key: list[list[tuple[int, int, int]]] = []
+        staged: list[RangeWrite] = []
+        for i, regions in keys:
+            rv = held[i]
+            copies, off = [], at
+            for ptr, n in regions:
+                copies.append((off, ptr, n))
+                off += n
+            per_key.append(copies)
+            staged.append(RangeWrite(BufferHandle(ptr=at, length=rv.size, device="cuda",
+                                                  device_index=device),
+                                     rv.replicas, 0, rv.size, rv.caps))
+            at += rv.size
+        try:
+            run_copies(staging.rt, plan_copies(per_key), device)
+        except Exception as exc:  # write part by part instead
+            log.warning("GPU gather of %d keys failed: %s", len(keys), exc)
+            staging.give(device, buf)
+            return writes, owner, None
+        handled = {i for i, _ in keys}
+        keep = [j for j, i in enumerate(owner) if i not in handled]
+        return ([writes[j] for j in keep] + staged,
+                [owner[j] for j in keep] + [i for i, _ in keys],
+                functools.partial(staging.give, device, buf))
 
     def _inline_region(self, r: ReplicaDescriptor, size: int) -> Any:
         """The same-host shm bytes of replica ``r`` as a numpy view, when the
@@ -1364,6 +1454,18 @@ class Client:
         reads: list[RangeRead] = []
         owner: list[int] = []
         staged: list[tuple[int, np.ndarray, list[Any]]] = []
+        maybe_gpu: list[int] = []
+
+        def part_by_part(i: int) -> None:
+            loc, off = locs[i], 0
+            for p in parts[i]:
+                n = min(buffer_nbytes(p), loc.size - off)
+                if n <= 0:
+                    break
+                reads.append(RangeRead(loc, p, off, n))
+                owner.append(i)
+                off += n
+
         for i, (loc, ps) in enumerate(zip(locs, parts, strict=True)):
             if loc.code != ErrorCode.OK:
                 continue
@@ -1384,17 +1486,37 @@ class Client:
                     reads.append(RangeRead(loc, tmp, 0, loc.size))
                     owner.append(i)
                     continue
-            off = 0
-            for p in ps:
-                n = min(buffer_nbytes(p), loc.size - off)
-                if n <= 0:
-                    break
-                reads.append(RangeRead(loc, p, off, n))
+            if len(ps) > 1 and loc.size > 0:
+                maybe_gpu.append(i)
+                continue
+            part_by_part(i)
+        # several GPU parts per key: one read per key into a device staging
+        # buffer, scattered on the GPU after the batch (kvpool.store._gpustage)
+        device, total, gpu = self._gpu_keys([loc.size for loc in locs], parts, maybe_gpu)
+        taken = self._device_staging(device, total) if gpu else None
+        on_gpu = {i for i, _ in gpu} if taken is not None else set()
+        for i in maybe_gpu:
+            if i not in on_gpu:
+                part_by_part(i)
+        where: dict[int, int] = {}
+        if taken is not None:
+            at = taken[1][0]
+            for i, _ in gpu:
+                where[i] = at
+                reads.append(RangeRead(locs[i], BufferHandle(ptr=at, length=locs[i].size,
+                                                             device="cuda", device_index=device),
+                                       0, locs[i].size))
                 owner.append(i)
-                off += n
-        for code, i in zip(self.read_ranges(reads), owner, strict=True):
-            if code < 0 and results[i] >= 0:
-                results[i] = code
+                at += locs[i].size
+        try:
+            for code, i in zip(self.read_ranges(reads), owner, strict=True):
+                if code < 0 and results[i] >= 0:
+                    results[i] = code
+            if taken is not None:
+                self._scatter_gpu(taken[0], device, gpu, where, locs, results)
+        finally:
+            if taken is not None:
+                taken[0].give(device, taken[1])
         for i, tmp, arrs in staged:
             if results[i] >= 0:
                 _scatter(tmp, arrs)
@@ -1404,6 +1526,35 @@ class Client:
                         parts_checksum_ok(loc.checksum, parts[i], loc.size) is False:
                     results[i] = int(ErrorCode.CHECKSUM_MISMATCH)
         return results
+
+    @staticmethod
+    def _scatter_gpu(staging: DeviceStaging, device: int,
+                     gpu: list[tuple[int, list[tuple[int, int]]]], where: dict[int, int],
+                     locs: Sequence[Location], results: list[int]) -> None:
+        """Scatter the keys read into device staging (at ``where[key]``) over
+        their GPU parts; keys whose read failed are skipped."""
+        per_key: list[list[tuple[int, int, int]]] = []
+        done: list[int] = []
+        for i, regions in gpu:
+            if results[i] < 0:
+                continue
+            src, left = where[i], locs[i].size
+            copies = []
+            for ptr, n in regions:
+                n = min(n, left)
+                if n <= 0:
+                    break
+                copies.append((ptr, src, n))
+                src += n
+                left -= n
+            per_key.append(copies)
+            done.append(i)
+        try:
+            run_copies(staging.rt, plan_copies(per_key), device)
+        except Exception as exc:
+            log.warning("GPU scatter of %d keys failed: %s", len(done), exc)
+            for i in done:
+                results[i] = int(ErrorCode.TRANSFER_FAIL)
 
     def _scatter_inline(self, loc: Location, parts: Sequence[Any]) -> int | None:
         """Scatter a small object from its nearest same-host shm replica into

@@ -31,6 +31,7 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.buffers import BufferHandle, as_buffer
 from kvpool.transfer.config import RuleConfig, TransferConfig, TransportSettings
+from kvpool.transfer.gpu import copies_independent
 from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.server import TransferServer
 from kvpool.transfer.transports import load_transport_class
@@ -512,9 +513,11 @@ class TransferEngine:
         handle = BatchHandle(len(requests))
         groups: dict[str, list[WorkItem]] = {}
         memo: dict[tuple[Any, ...], tuple[str | None, str]] = {}
+        independent = copies_independent()
         for i, req in enumerate(requests):
             try:
                 item, candidates = self._resolve(i, req)
+                item.independent = independent
             except TransferError as exc:
                 handle._finish(i, RequestState.FAILED, None, exc.code, str(exc))
                 continue

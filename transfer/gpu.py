@@ -5,6 +5,16 @@ Backends, in order: cupy (``cupy.cuda.runtime``) when ``cupy.cuda.is_available()
 else the CUDA runtime library through ctypes (``libcudart`` shipped with torch or
 the ``nvidia-cuda-runtime`` wheel, or the system one). Without a usable device,
 :func:`cuda_runtime` returns ``(None, reason)`` and never raises.
+
+Stream order. A plain :meth:`CudaRuntime.memcpy` is ``cudaMemcpy`` on the
+legacy default stream: it waits for every kernel queued there before it and
+delays every kernel queued after it, so data written by the caller's kernels
+is complete when it is copied. A caller that orders its GPU work itself (the
+connector: its staging buffers are written on a side stream it synchronises,
+and read only after the transfer returned) submits transfers inside
+:func:`independent_copies`; their copies then run on a non-blocking stream of
+the copying thread and overlap the kernels of a forward instead of queueing
+behind them.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -24,12 +36,37 @@ import numpy as np
 from kvpool.core.errors import ErrorCode
 from kvpool.transfer.types import TransferError
 
-__all__ = ["CudaRuntime", "PinnedPool", "cuda_available", "cuda_runtime"]
+__all__ = ["CudaRuntime", "PinnedPool", "copies_independent", "cuda_available", "cuda_runtime",
+           "independent_copies"]
 
 log = logging.getLogger(__name__)
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault (direction inferred via unified addressing)
 HOST_REGISTER_PORTABLE = 1
+STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit sync with the legacy stream
+LEGACY_STREAM = 0
+
+_order = threading.local()
+
+
+@contextmanager
+def independent_copies() -> Iterator[None]:
+    """Transfers this thread submits inside the block copy GPU memory on a
+    non-blocking stream (see the module docstring): they neither wait for
+    nor delay kernels on the legacy default stream. The caller guarantees
+    that GPU data it writes is complete before the transfer is submitted and
+    that nothing reads a transfer's destination before the call returned."""
+    before = getattr(_order, "independent", False)
+    _order.independent = True
+    try:
+        yield
+    finally:
+        _order.independent = before
+
+
+def copies_independent() -> bool:
+    """True inside :func:`independent_copies` (on this thread)."""
+    return bool(getattr(_order, "independent", False))
 
 
 class CudaRuntime:
@@ -38,6 +75,7 @@ class CudaRuntime:
     def __init__(self, backend: str, lib: Any) -> None:
         self.backend = backend
         self._lib = lib
+        self._streams = threading.local()  # per thread: {device: non-blocking stream}
 
     def set_device(self, index: int) -> None:
         if self.backend == "cupy":
@@ -57,6 +95,91 @@ class CudaRuntime:
                                      ctypes.c_size_t(n), ctypes.c_int(MEMCPY_DEFAULT)),
                 "cudaMemcpy",
             )
+
+    def side_stream(self, device: int) -> int:
+        """This thread's non-blocking stream on ``device`` (created on first use;
+        makes ``device`` current)."""
+        streams: dict[int, int] | None = getattr(self._streams, "by_device", None)
+        if streams is None:
+            streams = self._streams.by_device = {}
+        stream = streams.get(device)
+        if stream is None:
+            self.set_device(device)
+            if self.backend == "cupy":
+                stream = int(self._lib.streamCreateWithFlags(STREAM_NON_BLOCKING))
+            else:
+                handle = ctypes.c_void_p(0)
+                self._check(self._lib.cudaStreamCreateWithFlags(
+                    ctypes.byref(handle), ctypes.c_uint(STREAM_NON_BLOCKING)),
+                    "cudaStreamCreateWithFlags")
+                stream = int(handle.value or 0)
+            streams[device] = stream
+        return stream
+
+    def copy(self, dst: int, src: int, n: int, device: int, independent: bool) -> None:
+        """Synchronous copy of ``n`` bytes: :meth:`memcpy`, or with
+        ``independent`` on this thread's non-blocking stream of ``device``
+        (see :func:`independent_copies`). Makes ``device`` current."""
+        if not independent:
+            self.set_device(device)
+            self.memcpy(dst, src, n)
+            return
+        if n == 0:
+            return
+        stream = self.side_stream(device)
+        self.set_device(device)
+        self.memcpy_async(dst, src, n, stream)
+        self.stream_synchronize(stream)
+
+    def memcpy_async(self, dst: int, src: int, n: int, stream: int) -> None:
+        """Queue a copy of ``n`` bytes on ``stream`` (any direction)."""
+        if n == 0:
+            return
+        if self.backend == "cupy":
+            self._lib.memcpyAsync(dst, src, n, MEMCPY_DEFAULT, stream)
+        else:
+            self._check(self._lib.cudaMemcpyAsync(
+                ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(n),
+                ctypes.c_int(MEMCPY_DEFAULT), ctypes.c_void_p(stream)), "cudaMemcpyAsync")
+
+    def memcpy2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
+                       height: int, stream: int) -> None:
+        """Queue ``height`` rows of ``width`` bytes, ``spitch`` apart at ``src``,
+        to ``dpitch`` apart at ``dst`` on ``stream`` (pitches >= width)."""
+        if width == 0 or height == 0:
+            return
+        if self.backend == "cupy":
+            self._lib.memcpy2DAsync(dst, dpitch, src, spitch, width, height, MEMCPY_DEFAULT,
+                                    stream)
+        else:
+            self._check(self._lib.cudaMemcpy2DAsync(
+                ctypes.c_void_p(dst), ctypes.c_size_t(dpitch), ctypes.c_void_p(src),
+                ctypes.c_size_t(spitch), ctypes.c_size_t(width), ctypes.c_size_t(height),
+                ctypes.c_int(MEMCPY_DEFAULT), ctypes.c_void_p(stream)), "cudaMemcpy2DAsync")
+
+    def stream_synchronize(self, stream: int) -> None:
+        """Wait for ``stream`` (0: the legacy default stream)."""
+        if self.backend == "cupy":
+            self._lib.streamSynchronize(stream)
+        else:
+            self._check(self._lib.cudaStreamSynchronize(ctypes.c_void_p(stream)),
+                        "cudaStreamSynchronize")
+
+    def malloc(self, n: int, device: int) -> int:
+        """``n`` bytes of device memory on ``device`` (makes it current)."""
+        self.set_device(device)
+        if self.backend == "cupy":
+            return int(self._lib.malloc(n))
+        ptr = ctypes.c_void_p(0)
+        self._check(self._lib.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(n)), "cudaMalloc")
+        return int(ptr.value or 0)
+
+    def free(self, ptr: int) -> None:
+        """Release memory from :meth:`malloc`."""
+        if self.backend == "cupy":
+            self._lib.free(ptr)
+        else:
+            self._check(self._lib.cudaFree(ctypes.c_void_p(ptr)), "cudaFree")
 
     def host_register(self, ptr: int, n: int) -> None:
         """Page-lock host memory so copies to/from the GPU are direct DMA."""

@@ -7,6 +7,7 @@ and scripts/gpu_check_transfer.py on a GPU machine."""
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 
 from kvpool.transfer import TransferOp, TransferRequest
 from kvpool.transfer import gpu as gpu_mod
-from kvpool.transfer.gpu import CudaRuntime
+from kvpool.transfer.gpu import CudaRuntime, independent_copies
 
 MiB = 1 << 20
 
@@ -30,6 +31,11 @@ class HostCudaDouble(CudaRuntime):
         self.registered: dict[int, int] = {}
         self.copies = 0
         self.devices: list[int] = []
+        self.async_copies: list[int] = []  # the stream of each asynchronous copy
+        self.rows_2d = 0
+        self.syncs: list[int] = []
+        self.side_threads: set[int] = set()
+        self.device_memory: dict[int, np.ndarray] = {}
 
     def set_device(self, index: int) -> None:
         self.devices.append(index)
@@ -47,6 +53,34 @@ class HostCudaDouble(CudaRuntime):
 
     def device_count(self) -> int:
         return 1
+
+    # streams: the double's copies complete at once; it records which stream ran them
+    def side_stream(self, device: int) -> int:
+        self.side_threads.add(threading.get_ident())
+        return 1000 + device
+
+    def memcpy_async(self, dst: int, src: int, n: int, stream: int) -> None:
+        self.async_copies.append(stream)
+        ctypes.memmove(dst, src, n)
+
+    def memcpy2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
+                       height: int, stream: int) -> None:
+        assert dpitch >= width and spitch >= width
+        self.async_copies.append(stream)
+        self.rows_2d += height
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+    def stream_synchronize(self, stream: int) -> None:
+        self.syncs.append(stream)
+
+    def malloc(self, n: int, device: int) -> int:
+        arr = np.zeros(n, np.uint8)
+        self.device_memory[int(arr.ctypes.data)] = arr
+        return int(arr.ctypes.data)
+
+    def free(self, ptr: int) -> None:
+        del self.device_memory[ptr]
 
 
 @pytest.fixture
@@ -206,3 +240,97 @@ def test_store_first_gpu_put_finds_the_holder_prepared(
             assert c.get_into(f"gpu/{i}", hb) == 4 * MiB
             assert zlib.crc32(back) == zlib.crc32(fake_dev)
         assert rt.register_calls == calls
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_independent_copies_run_on_the_side_stream(cuda_double: HostCudaDouble,
+                                                   make_engine: Any, make_peer: Any,
+                                                   transport: str) -> None:
+    """Inside independent_copies a transfer's GPU copies are asynchronous copies
+    on the copying thread's side stream, each waited for; outside, plain
+    (legacy-stream) cudaMemcpy. The flag is the submitting thread's, also
+    when an engine worker thread does the copy."""
+    n = 3 * MiB + 7
+    peer = make_peer(8 * MiB, host_id="host-test")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"staging_size": "1MiB",
+                                                                   "staging_buffers": 2}}})
+    e.add_peer_segment(peer.desc)
+    data = np.random.default_rng(11).integers(0, 256, n, dtype=np.uint8)
+    src = e.register_buffer((int(data.ctypes.data), n), device="cuda")
+    back = np.zeros(n, np.uint8)
+    dst = e.register_buffer((int(back.ctypes.data), n), device="cuda")
+    with independent_copies():
+        st = e.transfer([TransferRequest(TransferOp.WRITE, src, peer.segment_id, 0, n,
+                                         transport=transport)], 30)
+        assert st[0].ok, st
+        st = e.transfer([TransferRequest(TransferOp.READ, dst, peer.segment_id, 0, n,
+                                         transport=transport)], 30)
+        assert st[0].ok, st
+    assert (back == data).all()
+    copies = 2 if transport == "shm" else 2 * 4  # tcp: one per 1 MiB staged chunk
+    assert cuda_double.copies == 0
+    assert cuda_double.async_copies == [1000] * copies
+    assert cuda_double.syncs == [1000] * copies
+    back[:] = 0
+    st = e.transfer([TransferRequest(TransferOp.READ, dst, peer.segment_id, 0, n,
+                                     transport=transport)], 30)
+    assert st[0].ok and (back == data).all()
+    assert cuda_double.copies == copies // 2 and len(cuda_double.async_copies) == copies
+
+
+def test_store_multi_part_gpu_values_are_staged_once_per_call(
+        cuda_double: HostCudaDouble, tmp_path: Any) -> None:
+    """batch_put_parts / batch_get_parts with several GPU parts per key (vLLM's
+    per-layer K/V segments of a block): the parts are gathered into (scattered
+    from) one device staging buffer with one 2-D copy per part position, and
+    the transfer moves one range per key; the bytes round-trip, short parts
+    included, and a key that misses leaves its parts untouched."""
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+    from kvpool.store import Client, ClientConfig
+    from kvpool.transfer import as_buffer
+
+    layers, blocks, bb, keys = 4, 16, 4096, 8
+    rng = np.random.default_rng(6)
+    caches = [rng.integers(0, 256, (2, blocks, bb), dtype=np.uint8) for _ in range(layers)]
+    outs = [np.zeros_like(t) for t in caches]
+
+    def parts(cache: list[np.ndarray], b: int) -> list[Any]:
+        return [as_buffer((int(t.ctypes.data) + kv * blocks * bb + b * bb, bb), device="cuda")
+                for t in cache for kv in range(2)]
+
+    with MasterProcess() as m, NodeDaemonProcess(m.address, "32MiB",
+                                                 log_dir=str(tmp_path / "d")), \
+            Client(ClientConfig(master_address=m.address)) as c:
+        for t in caches + outs:
+            c.register_buffer((int(t.ctypes.data), t.nbytes), device="cuda")
+        assert c.engine.wait_gpu_ready(10)
+        names = [f"mb/{b}" for b in range(keys)]
+        codes = c.batch_put_parts(names, [parts(caches, b) for b in range(keys)])
+        assert codes == [0] * keys
+        # one 2-D copy per part position (2 per layer), keys rows each; one D2H per key
+        assert cuda_double.rows_2d == 2 * layers * keys
+        assert len(cuda_double.async_copies) == 2 * layers
+        assert cuda_double.syncs == [0]  # the legacy stream: after the caller's kernels
+        assert cuda_double.copies == keys
+        assert len(cuda_double.device_memory) == 1  # the staging buffer, kept for reuse
+        got = c.batch_get_parts([*names, "mb/missing"],
+                                [parts(outs, keys + b) for b in range(keys)]
+                                + [parts(outs, 2 * keys)])
+        assert got[:keys] == [2 * layers * bb] * keys and got[keys] < 0
+        for t, o in zip(caches, outs, strict=True):
+            assert (o[:, keys:2 * keys] == t[:, :keys]).all()
+            assert not o[:, 2 * keys:].any()
+        assert cuda_double.copies == 2 * keys
+        assert len(cuda_double.device_memory) == 1
+        # a last part larger than the rest of the object: filled in part, in order
+        n = 2 * layers * bb
+        extra = np.zeros(3 * n, np.uint8)
+        uneven = [as_buffer((int(extra.ctypes.data), bb), device="cuda"),
+                  as_buffer((int(extra.ctypes.data) + n, 2 * n), device="cuda")]
+        assert c.batch_get_parts(["mb/0", "mb/1"], [uneven, parts(outs, 3)]) == [n, n]
+        flat = np.concatenate([t[kv, 0] for t in caches for kv in range(2)])
+        assert (extra[:bb] == flat[:bb]).all() and not extra[bb:n].any()
+        assert (extra[n:2 * n - bb] == flat[bb:]).all() and not extra[2 * n - bb:].any()
+        for t, o in zip(caches, outs, strict=True):
+            assert (o[:, 3] == t[:, 1]).all()
+    assert cuda_double.device_memory == {}  # freed at close

@@ -43,7 +43,9 @@ class WorkItem:
     ``offset`` is relative to the segment's usable region (add
     ``segment.base_offset`` for the absolute position in the region).
     ``local`` is the segment object when this process owns it.
-    ``index`` is the request's position in its batch.
+    ``index`` is the request's position in its batch. ``independent``: the
+    batch was submitted inside :func:`kvpool.transfer.gpu.independent_copies`
+    (GPU copies run on the copying thread's non-blocking stream).
     """
 
     index: int
@@ -56,6 +58,7 @@ class WorkItem:
     same_host: bool
     local: LocalSegment | None = None
     capability: bytes = b""
+    independent: bool = False
 
     @property
     def device(self) -> str:

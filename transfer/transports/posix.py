@@ -189,7 +189,8 @@ class PosixTransport(Transport):
                 free.append(slot)
             slot = free.pop()
             n = min(pool.size, item.length - done)
-            pool.rt.memcpy(pool.ptr(slot), gpu + done, n)
+            pool.rt.copy(pool.ptr(slot), gpu + done, n, item.buffer.device_index,
+                         item.independent)
             inflight.append((io.submit(fio.write, pos + done, pool.array(slot)[:n]), slot))
             done += n
         while inflight:
@@ -221,7 +222,8 @@ class PosixTransport(Transport):
             fut.result()
             inflight.popleft()
             n = min(pool.size, item.length - copied)
-            pool.rt.memcpy(gpu + copied, pool.ptr(slot), n)
+            pool.rt.copy(gpu + copied, pool.ptr(slot), n, item.buffer.device_index,
+                         item.independent)
             copied += n
             if submitted < item.length:
                 submit(slot)

@@ -4,7 +4,9 @@ A peer's segment (``/dev/shm/<descriptor.name>``) is mapped once and the
 mapping cached until ``forget_segment`` (remove_peer_segment); a segment this
 process owns is used in place. Host buffers are copied with numpy (memcpy,
 GIL released). GPU buffers: the mapping is registered with CUDA once
-(cudaHostRegister) so cudaMemcpy is direct DMA between GPU and the segment.
+(cudaHostRegister) so cudaMemcpy is direct DMA between GPU and the segment
+(on a non-blocking stream for batches submitted inside
+:func:`kvpool.transfer.gpu.independent_copies`).
 """
 
 from __future__ import annotations
@@ -189,13 +191,12 @@ class ShmTransport(Transport):
             raise TransferError(reason, ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
         owner = item.local if isinstance(item.local, MemorySegment) else None
         self._ensure_registered(m, rt, owner)
-        rt.set_device(buf.device_index)
         seg_ptr = int(region.ctypes.data) + off  # the captured view keeps the mapping alive
         gpu_ptr = buf.ptr + item.buffer_offset
         if item.op is TransferOp.READ:
-            rt.memcpy(gpu_ptr, seg_ptr, n)
+            rt.copy(gpu_ptr, seg_ptr, n, buf.device_index, item.independent)
         else:
-            rt.memcpy(seg_ptr, gpu_ptr, n)
+            rt.copy(seg_ptr, gpu_ptr, n, buf.device_index, item.independent)
 
     def stats(self) -> dict[str, int]:
         return {"mapped_segments": len(self._maps), "bytes_copied": self.bytes_copied}

@@ -606,8 +606,8 @@ class _ZmqRun:
         else:
             if it.buffer.is_gpu:
                 assert rt is not None and pool is not None
-                rt.set_device(it.buffer.device_index)
-                rt.memcpy(pool.ptr(ch.slot), it.buffer.ptr + it.buffer_offset + ch.off, ch.n)
+                rt.copy(pool.ptr(ch.slot), it.buffer.ptr + it.buffer_offset + ch.off, ch.n,
+                        it.buffer.device_index, it.independent)
                 payload = pool.array(ch.slot)[:ch.n]
             else:
                 payload = it.buffer.host_view(it.buffer_offset + ch.off, ch.n)
@@ -663,8 +663,8 @@ class _ZmqRun:
             assert rt is not None and pool is not None
             got = sock.recv_into(pool.array(ch.slot)[:ch.n].data)
             if got == ch.n:
-                rt.set_device(it.buffer.device_index)
-                rt.memcpy(it.buffer.ptr + it.buffer_offset + ch.off, pool.ptr(ch.slot), ch.n)
+                rt.copy(it.buffer.ptr + it.buffer_offset + ch.off, pool.ptr(ch.slot), ch.n,
+                        it.buffer.device_index, it.independent)
         else:
             got = sock.recv_into(it.buffer.host_view(it.buffer_offset + ch.off, ch.n).data)
         TcpTransport._drain(sock)
