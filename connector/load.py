@@ -39,6 +39,7 @@ from kvpool.connector.staging import MAX_LOAD_BUFFERS, StagingBuffers, release
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess
 from kvpool.core.config import ConfigError
+from kvpool.transfer.buffers import BufferHandle
 from kvpool.transfer.gpu import independent_copies
 
 __all__ = ["LoadJob", "LoadPipeline", "LoadResult", "Started"]
@@ -202,9 +203,16 @@ class LoadPipeline:
             return
         job.buf, job.token = taken
         pos = 0
-        for size in job.key_size:
-            job.bufs.append(job.buf[pos : pos + size])
-            pos += size
+        if self._geo().cuda:  # handles made directly: no tensor slice per object
+            base, dev = job.buf.data_ptr(), job.buf.device.index or 0
+            for size in job.key_size:
+                job.bufs.append(BufferHandle(ptr=base + pos, length=size, device="cuda",
+                                             device_index=dev, owner=job.buf))
+                pos += size
+        else:
+            for size in job.key_size:
+                job.bufs.append(job.buf[pos : pos + size])
+                pos += size
 
         def on_part(p: int, results: list[int]) -> None:
             job.results[p] = results

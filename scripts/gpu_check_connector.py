@@ -28,7 +28,9 @@ client`` node daemon on this machine. Two parts:
      ``1 - 1/groups``: the first group's load has nothing to hide behind).
    Loaded bytes are verified after the pipelined run; ``group_arrival_ms``:
    when each layer group of the last pipelined run had arrived (ms after
-   ``start_load_kv``).
+   ``start_load_kv``); ``forward_after_arrival_s``: a layer-wise forward
+   started once every group had arrived (its excess over ``compute_s`` is
+   the scatters' cost on the forward's path, without any overlap).
 
 Standalone: ``python scripts/gpu_check_connector.py [--json OUT]
 [--layer-groups 1 4 8 16] [--hit-tokens 4096] [--compute-tokens 2048 256]``
@@ -202,15 +204,21 @@ class _LayerStandIn:
 
 def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv: Any,
              dst_ids: list[int], names: list[str], layerwise: bool, compute: bool,
-             load: bool) -> float:
+             load: bool, arrived_first: bool = False) -> float:
     """One harness forward: start_load_kv, per layer wait_for_layer_load then the
-    layer's compute, wait_for_save; seconds until the GPU is done."""
+    layer's compute, wait_for_save; seconds until the GPU is done
+    (``arrived_first``: timed from when every layer group had arrived)."""
     w.layerwise = layerwise
     kv[:, dst_ids].zero_()
     _sync(torch, device)
     t0 = time.perf_counter()
     if load:
         w.start_load(meta)
+        job = w.loads._active
+        if arrived_first and job is not None:
+            for ev in job.arrived:
+                ev.wait(30.0)
+            t0 = time.perf_counter()
     for name in names:
         if load:
             w.wait_for_layer(name)
@@ -269,13 +277,15 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
             run_ = partial(_forward, torch, device, w, meta, layer, kv, dst_ids, names)
 
             def best(layerwise: bool, compute: bool = True, load: bool = True,
-                     run: Any = run_) -> float:
-                return min(run(layerwise, compute, load) for _ in range(p["repeat"] + 1))
+                     run: Any = run_, arrived_first: bool = False) -> float:
+                return min(run(layerwise, compute, load, arrived_first)
+                           for _ in range(p["repeat"] + 1))
 
             compute_s = best(False, load=False)
             load_s = best(False, compute=False)
             serial_s = best(False)
             pipe_s = best(True)
+            after_s = best(True, arrived_first=True)
             part_ms = arrivals.get("ms", [])  # the last pipelined run's groups
             ok = bool(torch.equal(kv[:, src_ids], kv[:, dst_ids]))
             per_layer_ms = 1000 * compute_s / L
@@ -287,12 +297,14 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                  "ttft_pipelined_s": pipe_s,
                  "hidden_fraction": (serial_s - pipe_s) / load_s if load_s else None,
                  "hidden_bound": 1 - 1 / groups, "bytes_equal": ok,
-                 "group_arrival_ms": part_ms}
+                 "group_arrival_ms": part_ms,
+                 "forward_after_arrival_s": after_s}
             out.append(r)
             print(f"pipeline groups={groups} hit={n_chunks * ct} compute={tokens} tok "
                   f"({per_layer_ms:.2f} ms/layer): load {1000 * load_s:.1f} ms, compute "
                   f"{1000 * compute_s:.1f} ms, TTFT serial {1000 * serial_s:.1f} ms, pipelined "
-                  f"{1000 * pipe_s:.1f} ms, hidden {r['hidden_fraction']:.2f} "
+                  f"{1000 * pipe_s:.1f} ms (after arrival {1000 * after_s:.1f} ms), hidden "
+                  f"{r['hidden_fraction']:.2f} "
                   f"(bound {r['hidden_bound']:.2f}), bytes_equal={ok}")
         w.store.call(lambda c: c.remove_all(force=True))
         w.close()

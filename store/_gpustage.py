@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.core.errors import KVPoolError
 from kvpool.transfer.gpu import LEGACY_STREAM, CudaRuntime, copies_independent
 
 __all__ = ["STAGING_MAX_BYTES", "Copy2D", "DeviceStaging", "gpu_regions", "plan_copies",
@@ -206,7 +207,10 @@ def gpu_regions(parts: Sequence[Any]) -> tuple[int, list[tuple[int, int]]] | Non
         if type(p) is BufferHandle:
             h = p
         elif is_gpu_buffer(p):
-            h = as_buffer(p)
+            try:
+                h = as_buffer(p)
+            except KVPoolError:  # e.g. not contiguous: the transfer reports it
+                return None
         else:
             return None
         if not h.is_gpu or (device >= 0 and h.device_index != device):

@@ -1195,22 +1195,21 @@ class Client:
             checksums = [parts_checksum(self._checksum_algo, ps) for ps in parts]
         held = self.batch_put_reserve(keys, sizes, config, checksums)
         codes = [rv.code for rv in held]
-        writes: list[RangeWrite] = []
-        owner: list[int] = []
-        for i, (rv, ps) in enumerate(zip(held, parts, strict=True)):
-            if rv.code != ErrorCode.OK:
-                continue
-            off = 0
-            for p in ps:
-                n = buffer_nbytes(p)
-                if n:
-                    writes.append(RangeWrite(p, rv.replicas, off, n, rv.caps))
-                    owner.append(i)
-                off += n
         reserved = [i for i, c in enumerate(codes) if c == ErrorCode.OK]
         give_back: Callable[[], None] | None = None
         try:
-            writes, owner, give_back = self._stage_gpu_writes(held, parts, writes, owner)
+            writes, owner, give_back = self._stage_gpu_writes(held, parts)
+            staged = set(owner)
+            for i, (rv, ps) in enumerate(zip(held, parts, strict=True)):
+                if rv.code != ErrorCode.OK or i in staged:
+                    continue
+                off = 0
+                for p in ps:
+                    n = buffer_nbytes(p)
+                    if n:
+                        writes.append(RangeWrite(p, rv.replicas, off, n, rv.caps))
+                        owner.append(i)
+                    off += n
             writes, owner = self._gather_parts(held, parts, writes, owner)
             done = self.write_ranges(writes)
         except BaseException:
@@ -1260,19 +1259,18 @@ class Client:
             total += sizes[i]
         return device, total, out
 
-    def _stage_gpu_writes(self, held: Sequence[Reservation], parts: Sequence[Sequence[Any]],
-                          writes: list[RangeWrite], owner: list[int]
+    def _stage_gpu_writes(self, held: Sequence[Reservation], parts: Sequence[Sequence[Any]]
                           ) -> tuple[list[RangeWrite], list[int], Callable[[], None] | None]:
         """Keys made of several GPU parts are gathered on the GPU into one
         staging buffer (a few 2-D copies for the whole call) and written as one
-        range each. Returns the writes, their owners and what gives the
+        range each. Returns those writes, their keys and what gives the
         staging buffer back once they are done (None: nothing staged)."""
         device, total, keys = self._gpu_keys(
             [rv.size for rv in held], parts,
             [i for i, rv in enumerate(held) if rv.code == ErrorCode.OK])
         taken = self._device_staging(device, total) if keys else None
         if taken is None:
-            return writes, owner, None
+            return [], [], None
         staging, buf = taken
         at = buf[0]
         per_key: list[list[tuple[int, int, int]]] = []
@@ -1293,12 +1291,8 @@ class Client:
         except Exception as exc:  # write part by part instead
             log.warning("GPU gather of %d keys failed: %s", len(keys), exc)
             staging.give(device, buf)
-            return writes, owner, None
-        handled = {i for i, _ in keys}
-        keep = [j for j, i in enumerate(owner) if i not in handled]
-        return ([writes[j] for j in keep] + staged,
-                [owner[j] for j in keep] + [i for i, _ in keys],
-                functools.partial(staging.give, device, buf))
+            return [], [], None
+        return staged, [i for i, _ in keys], functools.partial(staging.give, device, buf)
 
     def _inline_region(self, r: ReplicaDescriptor, size: int) -> Any:
         """The same-host shm bytes of replica ``r`` as a numpy view, when the
@@ -1325,8 +1319,8 @@ class Client:
         for i, rv in enumerate(held):
             if rv.code != ErrorCode.OK or not 0 < rv.size < _GATHER_MAX or len(parts[i]) < 2:
                 continue
-            arrs = [_flat_u8(p) for p in parts[i]]
-            if any(a is None for a in arrs):
+            arrs = _host_arrays(parts[i])
+            if arrs is None:
                 continue
             dests = [self._inline_region(r, rv.size) for r in rv.replicas]
             remote = [r for r, d in zip(rv.replicas, dests, strict=True) if d is None]
@@ -1478,8 +1472,8 @@ class Client:
                 results[i] = done
                 continue
             if 0 < loc.size < _GATHER_MAX and len(ps) > 1:
-                arrs = [_flat_u8(p) for p in ps]
-                if all(a is not None and a.flags.writeable for a in arrs):
+                arrs = _host_arrays(ps, writeable=True)
+                if arrs is not None:
                     # one request into a staging buffer, scattered after the batch
                     tmp = np.empty(loc.size, dtype=np.uint8)
                     staged.append((i, tmp, arrs))
@@ -1566,8 +1560,8 @@ class Client:
         src = self._inline_region(loc.replicas[0], loc.size)
         if src is None:
             return None
-        arrs = [_flat_u8(p) for p in parts]
-        if any(a is None or not a.flags.writeable for a in arrs):
+        arrs = _host_arrays(parts, writeable=True)
+        if arrs is None:
             return None
         _scatter(src, arrs)
         return loc.size if time.monotonic() <= loc.deadline else int(ErrorCode.LEASE_EXPIRED)
@@ -1666,6 +1660,18 @@ def _scatter(src: np.ndarray, parts: Sequence[Any]) -> None:
             return
         np.copyto(a, src[off:end])
         off = end
+
+
+def _host_arrays(parts: Sequence[Any], writeable: bool = False) -> list[np.ndarray] | None:
+    """Flat uint8 host arrays of every part, or None as soon as one is not
+    host memory (or not writeable, with ``writeable``)."""
+    out = []
+    for p in parts:
+        a = _flat_u8(p)
+        if a is None or (writeable and not a.flags.writeable):
+            return None
+        out.append(a)
+    return out
 
 
 def _flat_u8(buf: Any) -> np.ndarray | None:

@@ -38,6 +38,7 @@ from kvpool.store._bufutil import buffer_nbytes
 from kvpool.store._gpuptr import pointer_is_device
 from kvpool.store.client import Client
 from kvpool.store.config import ReplicateConfig
+from kvpool.transfer.buffers import BufferHandle
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -349,6 +350,10 @@ class MooncakeCore:
                 # a numpy view of the registered memory costs far less per
                 # request than wrapping the raw address again
                 return arr[off:off + size] if arr is not None else (ptr, size)
+            # a view of a registered GPU region: a handle made directly (the
+            # multi-buffer calls make one per part)
+            return BufferHandle(ptr=ptr, length=size, device="cuda",
+                                device_index=handle.device_index)
         elif not pointer_is_device(ptr):
             return (ptr, size)
         from kvpool.transfer import as_buffer

@@ -114,9 +114,10 @@ def test_gpu_paths_through_double(cuda_double: HostCudaDouble, make_engine: Any,
     assert st[0].ok, st
     assert (back == data).all()
     if transport == "shm":
-        # the peer's mapping was registered once, whole, and copies went straight to it
+        # the peer's mapping was registered once, whole, and copies went straight to
+        # it: queued on the legacy stream, one wait per batch
         assert list(cuda_double.registered.values()) == [16 * MiB]
-        assert cuda_double.copies == 2
+        assert cuda_double.async_copies == [0, 0] and cuda_double.syncs == [0, 0]
         e.remove_peer_segment(peer.segment_id)
         assert cuda_double.registered == {}
     else:
@@ -268,14 +269,18 @@ def test_independent_copies_run_on_the_side_stream(cuda_double: HostCudaDouble,
         assert st[0].ok, st
     assert (back == data).all()
     copies = 2 if transport == "shm" else 2 * 4  # tcp: one per 1 MiB staged chunk
+    # shm: a batch's copies queued, then one wait per batch
     assert cuda_double.copies == 0
     assert cuda_double.async_copies == [1000] * copies
-    assert cuda_double.syncs == [1000] * copies
+    assert cuda_double.syncs == [1000] * (2 if transport == "shm" else copies)
     back[:] = 0
     st = e.transfer([TransferRequest(TransferOp.READ, dst, peer.segment_id, 0, n,
                                      transport=transport)], 30)
     assert st[0].ok and (back == data).all()
-    assert cuda_double.copies == copies // 2 and len(cuda_double.async_copies) == copies
+    if transport == "shm":  # the legacy stream
+        assert cuda_double.async_copies[copies:] == [0] and cuda_double.syncs[2:] == [0]
+    else:  # cudaMemcpy per staged chunk
+        assert cuda_double.copies == copies // 2 and len(cuda_double.async_copies) == copies
 
 
 def test_store_multi_part_gpu_values_are_staged_once_per_call(
@@ -307,11 +312,12 @@ def test_store_multi_part_gpu_values_are_staged_once_per_call(
         names = [f"mb/{b}" for b in range(keys)]
         codes = c.batch_put_parts(names, [parts(caches, b) for b in range(keys)])
         assert codes == [0] * keys
-        # one 2-D copy per part position (2 per layer), keys rows each; one D2H per key
+        # one 2-D copy per part position (2 per layer), keys rows each, then one D2H
+        # per key; each step waited for once, on the legacy stream (after the
+        # caller's kernels)
         assert cuda_double.rows_2d == 2 * layers * keys
-        assert len(cuda_double.async_copies) == 2 * layers
-        assert cuda_double.syncs == [0]  # the legacy stream: after the caller's kernels
-        assert cuda_double.copies == keys
+        assert len(cuda_double.async_copies) == 2 * layers + keys
+        assert cuda_double.syncs == [0, 0] and cuda_double.copies == 0
         assert len(cuda_double.device_memory) == 1  # the staging buffer, kept for reuse
         got = c.batch_get_parts([*names, "mb/missing"],
                                 [parts(outs, keys + b) for b in range(keys)]
@@ -320,7 +326,9 @@ def test_store_multi_part_gpu_values_are_staged_once_per_call(
         for t, o in zip(caches, outs, strict=True):
             assert (o[:, keys:2 * keys] == t[:, :keys]).all()
             assert not o[:, 2 * keys:].any()
-        assert cuda_double.copies == 2 * keys
+        assert cuda_double.rows_2d == 2 * 2 * layers * keys
+        assert len(cuda_double.async_copies) == 2 * (2 * layers + keys)
+        assert cuda_double.syncs == [0] * 4
         assert len(cuda_double.device_memory) == 1
         # a last part larger than the rest of the object: filled in part, in order
         n = 2 * layers * bb

@@ -4,9 +4,10 @@ A peer's segment (``/dev/shm/<descriptor.name>``) is mapped once and the
 mapping cached until ``forget_segment`` (remove_peer_segment); a segment this
 process owns is used in place. Host buffers are copied with numpy (memcpy,
 GIL released). GPU buffers: the mapping is registered with CUDA once
-(cudaHostRegister) so cudaMemcpy is direct DMA between GPU and the segment
-(on a non-blocking stream for batches submitted inside
-:func:`kvpool.transfer.gpu.independent_copies`).
+(cudaHostRegister) so a copy is direct DMA between GPU and the segment; a
+batch's GPU copies are queued back to back and waited for once (on the
+legacy default stream, or on a non-blocking stream for batches submitted
+inside :func:`kvpool.transfer.gpu.independent_copies`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvpool.core.config import parse_size
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.copy import DEFAULT_SPLIT_MIN_BYTES, parallel_copyto
-from kvpool.transfer.gpu import CudaRuntime, cuda_runtime
+from kvpool.transfer.gpu import LEGACY_STREAM, CudaRuntime, cuda_runtime
 from kvpool.transfer.segment import SHM_DIR, LocalSegment, MemorySegment, map_shm
 from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
 from kvpool.transfer.types import TransferError, TransferOp
@@ -153,6 +154,13 @@ class ShmTransport(Transport):
 
     # -- execute ----------------------------------------------------------------
     def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
+        """Host items are copied one by one; GPU items are queued on their
+        stream (the legacy default stream, or the thread's non-blocking one for
+        independent batches) and reported after one synchronisation per
+        stream, so a batch's DMAs run back to back."""
+        # (device, stream) -> items and the mappings they copy from or to (kept
+        # referenced until the copies are done: a referenced mapping is never unmapped)
+        queued: dict[tuple[int, int], list[tuple[WorkItem, np.ndarray]]] = {}
         for item in items:
             if self.closed:
                 report(item, TransferError("shm transport closed", ErrorCode.CLOSED))
@@ -161,6 +169,10 @@ class ShmTransport(Transport):
                 report(item, TransferError("deadline passed", ErrorCode.TIMEOUT))
                 continue
             try:
+                if item.buffer.is_gpu:
+                    where, region = self._queue_gpu(item)
+                    queued.setdefault(where, []).append((item, region))
+                    continue
                 self._copy(item)
             except TransferError as exc:
                 report(item, exc)
@@ -170,33 +182,65 @@ class ShmTransport(Transport):
                 continue
             self.bytes_copied += item.length
             report(item, None)
+        for (device, stream), done in queued.items():
+            err: TransferError | None = None
+            try:
+                rt = cuda_runtime()[0]
+                assert rt is not None  # _queue_gpu found it
+                rt.set_device(device)
+                rt.stream_synchronize(stream)
+            except TransferError as exc:
+                err = exc
+            except Exception as exc:  # a backend's own error type
+                err = TransferError(f"CUDA copy failed: {exc}", ErrorCode.TRANSFER_FAIL)
+            for item, _region in done:
+                if err is None:
+                    self.bytes_copied += item.length
+                report(item, err)
 
-    def _copy(self, item: WorkItem) -> None:
+    def _checked_region(self, item: WorkItem) -> _Mapping:
+        """The item's mapping, its range checked."""
         m = self._region(item)
-        region = m.array
-        off, n = item.offset, item.length
-        if off + n > region.size:
+        if item.offset + item.length > m.array.size:
             raise TransferError("range outside mapped segment", ErrorCode.OUT_OF_BOUNDS,
                                 retryable=False)
-        buf = item.buffer
-        if not buf.is_gpu:
-            host = buf.host_view(item.buffer_offset, n)
-            if item.op is TransferOp.READ:
-                parallel_copyto(host, region[off:off + n], self._copy_threads, self._split_min)
-            else:
-                parallel_copyto(region[off:off + n], host, self._copy_threads, self._split_min)
-            return
+        return m
+
+    def _copy(self, item: WorkItem) -> None:
+        region, off, n = self._checked_region(item).array, item.offset, item.length
+        host = item.buffer.host_view(item.buffer_offset, n)
+        if item.op is TransferOp.READ:
+            parallel_copyto(host, region[off:off + n], self._copy_threads, self._split_min)
+        else:
+            parallel_copyto(region[off:off + n], host, self._copy_threads, self._split_min)
+
+    def _queue_gpu(self, item: WorkItem) -> tuple[tuple[int, int], np.ndarray]:
+        """Queue a GPU item's copy; returns the ``(device, stream)`` it is on and
+        the mapped region it copies from or to."""
         rt, reason = cuda_runtime()
         if rt is None:
             raise TransferError(reason, ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
+        m = self._checked_region(item)
+        off, n = item.offset, item.length
+        buf = item.buffer
         owner = item.local if isinstance(item.local, MemorySegment) else None
         self._ensure_registered(m, rt, owner)
-        seg_ptr = int(region.ctypes.data) + off  # the captured view keeps the mapping alive
+        device = buf.device_index
+        stream = rt.side_stream(device) if item.independent else LEGACY_STREAM
+        rt.set_device(device)
+        region = m.array
+        seg_ptr = int(region.ctypes.data) + off
         gpu_ptr = buf.ptr + item.buffer_offset
-        if item.op is TransferOp.READ:
-            rt.copy(gpu_ptr, seg_ptr, n, buf.device_index, item.independent)
-        else:
-            rt.copy(seg_ptr, gpu_ptr, n, buf.device_index, item.independent)
+        try:
+            if item.op is TransferOp.READ:
+                rt.memcpy_async(gpu_ptr, seg_ptr, n, stream)
+            else:
+                rt.memcpy_async(seg_ptr, gpu_ptr, n, stream)
+        except TransferError:
+            raise
+        except Exception as exc:  # a backend's own error type
+            raise TransferError(f"CUDA copy failed: {exc}", ErrorCode.TRANSFER_FAIL) from exc
+        return (device, stream), region
 
     def stats(self) -> dict[str, int]:
         return {"mapped_segments": len(self._maps), "bytes_copied": self.bytes_copied}
