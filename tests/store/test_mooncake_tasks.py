@@ -12,7 +12,6 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -34,9 +33,11 @@ SEG = 16 << 20
 INVALID = int(ErrorCode.INVALID_PARAMS)
 
 
+Cluster = tuple[MooncakeDistributedStore, list[str], list[MooncakeDistributedStore]]
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[MooncakeDistributedStore, list[str], list[MooncakeDistributedStore]]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """(coordinator, the servers' segment names, the servers)."""
     d = tmp_path_factory.mktemp("mc-tasks")
     with MasterProcess(data_dir=str(d), lease_ttl_ms=LEASE_MS, client_ttl_s=3) as m:
@@ -81,7 +82,7 @@ def put_on(store: MooncakeDistributedStore, key: str, payload: bytes, *segments:
     assert endpoints(store, key) == sorted(segments)
 
 
-def test_copy_then_move(cluster: tuple[MooncakeDistributedStore, list[str], list[Any]]) -> None:
+def test_copy_then_move(cluster: Cluster) -> None:
     coord, segs, servers = cluster
     payload = os.urandom(2 << 20)
     put_on(coord, "copy_key", payload, segs[0])
@@ -108,7 +109,7 @@ def test_copy_then_move(cluster: tuple[MooncakeDistributedStore, list[str], list
     assert servers[0].get("copy_key") == payload  # its own segment, same bytes
 
 
-def test_errors_as_mooncake(cluster: tuple[MooncakeDistributedStore, list[str], list[Any]]
+def test_errors_as_mooncake(cluster: Cluster
                             ) -> None:
     coord, segs, _ = cluster
     assert coord.create_copy_task("nonexistent_key", segs[1:])[1] == -704
@@ -127,7 +128,7 @@ def test_errors_as_mooncake(cluster: tuple[MooncakeDistributedStore, list[str], 
 
 
 def test_concurrent_copies_and_moves(
-        cluster: tuple[MooncakeDistributedStore, list[str], list[Any]]) -> None:
+        cluster: Cluster) -> None:
     coord, segs, _ = cluster
     rng = random.Random(7)
     n = 40
@@ -164,7 +165,7 @@ def test_concurrent_copies_and_moves(
 
 
 def test_replica_clear_only_by_writer_and_after_lease(
-        cluster: tuple[MooncakeDistributedStore, list[str], list[Any]]) -> None:
+        cluster: Cluster) -> None:
     coord, segs, servers = cluster
     put_on(coord, "rc", b"x" * 100, segs[0], segs[1])
     assert coord.get("rc") == b"x" * 100  # a read lease
@@ -179,8 +180,8 @@ def test_replica_clear_only_by_writer_and_after_lease(
 
 
 def test_upsert_never_hides_the_key_from_readers(
-        cluster: tuple[MooncakeDistributedStore, list[str], list[Any]]) -> None:
-    coord, segs, servers = cluster
+        cluster: Cluster) -> None:
+    coord, _segs, servers = cluster
     reader = servers[1]
     assert coord.put("hot", b"v0" * 1000) == 0
     stop = threading.Event()
@@ -205,8 +206,8 @@ def test_upsert_never_hides_the_key_from_readers(
 
 
 def test_upsert_keeps_hard_pin_and_soft_pin_actions(
-        cluster: tuple[MooncakeDistributedStore, list[str], list[Any]]) -> None:
-    coord, segs, _ = cluster
+        cluster: Cluster) -> None:
+    coord = cluster[0]
     master = coord._c()
     hard = ReplicateConfig()
     hard.with_hard_pin = True
