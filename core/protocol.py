@@ -391,6 +391,7 @@ class PutStart(Request[PutStartReply]):
     size: int
     options: PutOptions | None = None
     checksum: Checksum = None
+    group: str | None = None  # object group ("" none; an existing object's cannot change)
 
 
 @register(Op.UPSERT_START, PutStartReply,
@@ -487,6 +488,7 @@ class BatchPutStart(Request[BatchPutStartReply]):
     sizes: list[int]
     options: PutOptions | None = None
     checksums: list[Checksum] | None = None
+    groups: list[str] | None = None  # per key, as PUT_START's group
 
 
 class BatchKeysReply(Reply):
@@ -618,6 +620,7 @@ class StatsReply(Reply):
     # upserts that replaced an object; objects soft-pinned now (with a deadline)
     replaced: int = 0
     soft_pinned: int = 0
+    groups: int = 0  # object groups with members now
 
     def as_dict(self) -> dict[str, Any]:
         """Every counter in one flat map (tiering and extra merged in)."""

@@ -145,10 +145,12 @@ class Pending:
     sets: > 0 a new pin of that many seconds, 0 keep the replaced object's
     (PRESERVE; nothing for a new key), -1 none (DISABLE)."""
 
-    __slots__ = ("checksum", "client_id", "flags", "pin", "replicas", "size", "started")
+    __slots__ = ("checksum", "client_id", "flags", "group", "pin", "replicas", "size",
+                 "started")
 
     def __init__(self, size: int, replicas: tuple[Any, ...], flags: int, checksum: Any,
-                 client_id: str, started: float, pin: float = 0.0) -> None:
+                 client_id: str, started: float, pin: float = 0.0,
+                 group: str | None = None) -> None:
         self.size = size
         self.replicas = replicas
         self.flags = flags
@@ -156,6 +158,7 @@ class Pending:
         self.client_id = client_id
         self.started = started
         self.pin = pin
+        self.group = group  # None: unset (an upsert keeps the object's group)
 
 
 def _item_tick(item: tuple[str, Obj]) -> int:
@@ -320,6 +323,11 @@ class Directory:
         self.soft_until: dict[str, float] = {}
         self.soft_pin_s = cfg.soft_pin_ttl_ms / 1000.0
         self.replaced = 0  # objects replaced by an upsert
+        # object groups (Mooncake's ReplicateConfig.group_ids): a read of a member
+        # leases every member; eviction takes a group's evictable members
+        # together. In memory only: after a restart objects are ungrouped.
+        self.group_of: dict[str, str] = {}
+        self.groups: dict[str, set[str]] = {}
         self._writers: dict[str, str] = {}  # one str per writer id (Obj.writer)
         # KV-cache objects mostly share a few sizes: one int object per size
         # instead of one per object saves 28-32 B/object
@@ -703,7 +711,7 @@ class Directory:
     def put_start(self, client_id: str, key: str, size: int, replica_num: int = 1,
                   preferred: list[str] | None = None, flags: int = 0, checksum: Any = None,
                   disk_replica_num: int = 0, soft_pin_ms: int = -1, replace: bool = False,
-                  unpin: bool = False) -> tuple[int, Any]:
+                  unpin: bool = False, group: str | None = None) -> tuple[int, Any]:
         """Allocate replicas for a new object; value is the Pending (or None).
 
         ``flags`` with SOFT_PIN: pinned for ``soft_pin_ms`` from the commit
@@ -711,10 +719,15 @@ class Directory:
         an existing object stays readable, unchanged, until PUT_END swaps in the
         new one (its hard pin carries over; its soft pin too unless the new put
         pins anew or ``unpin``); an in-flight put of the key is preempted at
-        once. Without ``replace`` an existing key is OBJECT_ALREADY_EXISTS."""
+        once. Without ``replace`` an existing key is OBJECT_ALREADY_EXISTS.
+        ``group``: the object group it joins at the commit ("" none; None
+        unset); an existing object's group cannot change (INVALID_PARAMS)."""
         objects = self.objects
-        if key in objects.shards[hash(key) & objects.mask] and not replace:
-            return ErrorCode.OBJECT_ALREADY_EXISTS, None
+        if key in objects.shards[hash(key) & objects.mask]:
+            if not replace:
+                return ErrorCode.OBJECT_ALREADY_EXISTS, None
+            if group is not None and group != self.group_of.get(key, ""):
+                return ErrorCode.INVALID_PARAMS, None
         now = self.clock()
         self.clients[client_id] = now
         pin = -1.0 if unpin else 0.0
@@ -762,7 +775,8 @@ class Directory:
                     self.spilled += 1
         if not out:
             return ErrorCode.NO_AVAILABLE_HANDLE, None
-        p = Pending(self._intern_size(size), tuple(out), flags, checksum, client_id, now, pin)
+        p = Pending(self._intern_size(size), tuple(out), flags, checksum, client_id, now, pin,
+                    group)
         self.pending[key] = p
         return OK, p
 
@@ -778,7 +792,7 @@ class Directory:
         objects = self.objects
         shard = objects.shards[hash(key) & objects.mask]
         flags = p.flags
-        if p.pin or key in shard:  # a soft pin or an upsert: the general path
+        if p.pin or p.group or key in shard:  # pin, group or upsert: the general path
             flags = self._commit_flags(key, p, shard.get(key))
         elif len(reps) == 2:  # fast path: one replica of a new, unpinned object
             seg = reps[0]
@@ -799,7 +813,30 @@ class Directory:
         if old is not None:
             self._retire(key, old)
         self._complete(key, p.size, reps, flags, p.checksum, self._writer(client_id))
+        if p.group and old is None:
+            self.group_of[key] = p.group
+            self.groups.setdefault(p.group, set()).add(key)
         return OK
+
+    def _leave_group(self, key: str) -> None:
+        group = self.group_of.pop(key, None)
+        if group is not None:
+            members = self.groups[group]
+            members.discard(key)
+            if not members:
+                del self.groups[group]
+
+    def _lease_group(self, key: str, obj: Obj, lease: float) -> None:
+        """A read of grouped ``key``: lease every member of its group (only when
+        this object's lease was past its first half: repeated reads cost one
+        lookup)."""
+        if obj.lease - self.lease_s / 2 > self.clock():
+            return
+        get = self.objects.get
+        for member in self.groups[self.group_of[key]]:
+            other = get(member)
+            if other is not None and other.lease < lease:
+                other.lease = lease
 
     def _writer(self, client_id: str) -> str:
         """``client_id`` as one shared str per writer (Obj.writer)."""
@@ -894,7 +931,10 @@ class Directory:
                 if all(r.state == SegState.DEAD for r in obj.replicas[::2]):
                     return ErrorCode.OBJECT_NOT_FOUND, None
                 return ErrorCode.REPLICA_IS_NOT_READY, None
-        obj.lease = self.clock() + self.lease_s
+        lease = self.clock() + self.lease_s
+        if self.group_of and key in self.group_of:
+            self._lease_group(key, obj, lease)
+        obj.lease = lease
         obj.tick = next(_TICKS)
         del shard[key]
         shard[key] = obj  # LRU: most recent at the end of its shard
@@ -908,7 +948,10 @@ class Directory:
             return False
         if not any(s.state != SegState.DEAD for s in obj.replicas[::2]):
             return False
-        obj.lease = self.clock() + self.lease_s
+        lease = self.clock() + self.lease_s
+        if self.group_of and key in self.group_of:
+            self._lease_group(key, obj, lease)
+        obj.lease = lease
         obj.tick = next(_TICKS)
         del shard[key]
         shard[key] = obj
@@ -927,6 +970,8 @@ class Directory:
         del self.objects[key]
         if obj.flags & SOFT_PIN:
             self.soft_until.pop(key, None)
+        if self.group_of:
+            self._leave_group(key)
         reps = obj.replicas
         for i in range(0, len(reps), 2):
             reps[i].keys.discard(key)
@@ -1056,6 +1101,7 @@ class Directory:
         limited = False
         now = self.clock()
         victims: list[tuple[str, Obj]] = []
+        taken: set[str] = set()
         soft: list[tuple[str, Obj]] = []
         freed = 0
         scanned = 0
@@ -1075,8 +1121,12 @@ class Directory:
                     continue
                 obj.flags &= ~SOFT_PIN  # its pin ended: ordinary cache now
                 self.soft_until.pop(key, None)
+            if key in taken:  # a group member taken with an earlier victim
+                continue
             victims.append((key, obj))
             freed += b
+            if self.group_of and key in self.group_of:
+                freed += self._group_victims(key, kind, now, victims, taken)
             if freed >= to_free:
                 break
             if len(victims) >= limit:
@@ -1098,6 +1148,28 @@ class Directory:
         else:
             self.evicting.discard(kind)
         return actual
+
+    def _group_victims(self, key: str, kind: SegmentKind, now: float,
+                       victims: list[tuple[str, Obj]], taken: set[str]) -> int:
+        """Eviction picked grouped ``key``: add the other members of its group
+        that are evictable on their own (not leased, not pinned, not chosen
+        yet, with bytes in pool ``kind``) to ``victims`` and ``taken``; return
+        their bytes."""
+        chosen = {k for k, _ in victims}
+        get = self.objects.get
+        soft = self.soft_until
+        added = 0
+        for member in self.groups[self.group_of[key]]:
+            obj = get(member)
+            if obj is None or member in chosen or obj.lease > now or obj.flags & HARD_PIN \
+                    or (obj.flags & SOFT_PIN and soft.get(member, 0.0) > now):
+                continue
+            b = self._pool_bytes(obj, kind)
+            if b:
+                victims.append((member, obj))
+                taken.add(member)
+                added += b
+        return added
 
     def evict_step(self) -> int:
         """Continue watermark eviction (one batch per pool); return bytes freed."""
@@ -1302,5 +1374,6 @@ class Directory:
             "spilled": self.spilled,
             "held_puts": len(self._held),
             "replaced": self.replaced,
+            "groups": len(self.groups),
             "soft_pinned": len(self.soft_until),
         }

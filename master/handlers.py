@@ -459,9 +459,12 @@ class OpHandlers:
         if size <= 0 or size > self.cfg.max_object_size:
             raise _bad("size must be an int in [1, max_object_size]")
         rn, dn, pref, flags = self._options(req.options)
+        if req.group is not None and len(req.group) > self.max_key:
+            raise _bad(f"group longer than max_key_length {self.max_key}")
         self._count_one("upsert_start" if replace else "put_start")
         code, p = self.dir.put_start(client_id, key, size, rn, pref, flags, req.checksum, dn,
-                                     replace=replace, **self._pin_args(req.options))
+                                     replace=replace, group=req.group,
+                                     **self._pin_args(req.options))
         self._raise(code, "put_start failed")
         segs: dict[str, SegmentDescriptor] = {}
         grants = self._grants(_CAP_WRITE)
@@ -476,17 +479,20 @@ class OpHandlers:
 
     def batch_put_start(self, req: BatchPutStart, replace: bool = False) -> BatchPutStartReply:
         client_id = self._client(req.client_id)
-        keys, sizes, checksums = req.keys, req.sizes, req.checksums
+        keys, sizes, checksums, groups = req.keys, req.sizes, req.checksums, req.groups
         n = len(keys)
         self._batch(keys)
-        if len(sizes) != n or (checksums is not None and len(checksums) != n):
-            raise _bad("keys, sizes and checksums must have the same length")
+        if len(sizes) != n or (checksums is not None and len(checksums) != n) \
+                or (groups is not None and len(groups) != n):
+            raise _bad("keys, sizes, checksums and groups must have the same length")
+        if groups is not None and any(len(g) > self.max_key for g in groups):
+            raise _bad(f"a group is longer than max_key_length {self.max_key}")
         rn, dn, pref, flags = self._options(req.options)
         pin = self._pin_args(req.options)
         if replace:
             pin["replace"] = True
         simple = rn == 1 and dn == 0 and not pref and not flags and checksums is None \
-            and not pin
+            and not pin and groups is None
         put_start = self.dir.put_start
         max_key, max_size = self.max_key, self.cfg.max_object_size
         segs: dict[str, SegmentDescriptor] = {}
@@ -510,7 +516,8 @@ class OpHandlers:
                 code, p = put_start(client_id, key, size)
             else:
                 code, p = put_start(client_id, key, size, rn, pref, flags,
-                                    None if checksums is None else checksums[i], dn, **pin)
+                                    None if checksums is None else checksums[i], dn,
+                                    group=None if groups is None else groups[i], **pin)
             if code:
                 codes[i] = int(code)
                 continue

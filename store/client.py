@@ -463,6 +463,17 @@ class Client:
                           not soft and config.soft_pin_action == SoftPinAction.DISABLE)
         return None if opts == _DEFAULT_OPTIONS else opts
 
+    @staticmethod
+    def _groups(config: ReplicateConfig | None, n: int) -> list[str] | None:
+        """``config.group_ids`` (one object group per key) checked against ``n`` keys."""
+        if config is None or config.group_ids is None:
+            return None
+        groups = [str(g) for g in config.group_ids]
+        if len(groups) != n:
+            raise StoreError(f"group_ids has {len(groups)} entries for {n} keys",
+                             ErrorCode.INVALID_PARAMS)
+        return groups
+
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
         """Store ``value`` (bytes-like or any buffer) under ``key``.
 
@@ -480,8 +491,9 @@ class Client:
         if size <= 0:
             raise StoreError("cannot put an empty value", ErrorCode.INVALID_PARAMS)
         checksum = self._checksum(buffer) if self._checksum_algo is not None else None
+        groups = self._groups(config, 1)
         res = self._call(PutStart(self.client_id, key, size, self._put_options(config),
-                                  checksum))
+                                  checksum, None if groups is None else groups[0]))
         self._learn_segments(res.segments)
         replicas = res.replicas
         try:
@@ -594,6 +606,7 @@ class Client:
         codes: list[ErrorCode] = [ErrorCode.OK] * n
         if n == 0:
             return codes
+        groups = self._groups(config, n)
         put_keys: list[str] = []
         put_sizes: list[int] = []
         idx: list[int] = []  # position in the request -> key index
@@ -621,7 +634,8 @@ class Client:
         if not idx:
             return codes
         res = self._call(BatchPutStart(self.client_id, put_keys, put_sizes,
-                                       self._put_options(config), checksums))
+                                       self._put_options(config), checksums,
+                                       None if groups is None else [groups[i] for i in idx]))
         self._learn_segments(res.segments)
         jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
         owner: list[int] = []  # job -> key index
@@ -1090,6 +1104,7 @@ class Client:
         if len(keys) != len(sizes) or (checksums is not None and len(checksums) != len(keys)):
             raise StoreError(f"{len(keys)} keys but {len(sizes)} sizes", ErrorCode.INVALID_PARAMS)
         out = [Reservation(ErrorCode.OK, int(size), [], _NO_CAPS) for size in sizes]
+        groups = self._groups(config, len(keys))
         put_keys: list[str] = []
         put_sizes: list[int] = []
         sums: list[Checksum] = []
@@ -1114,7 +1129,8 @@ class Client:
             return out
         start = BatchUpsertStart if upsert else BatchPutStart
         res = self._call(start(self.client_id, put_keys, put_sizes, self._put_options(config),
-                               sums if any(c is not None for c in sums) else None))
+                               sums if any(c is not None for c in sums) else None,
+                               None if groups is None else [groups[i] for i in idx]))
         self._learn_segments(res.segments)
         empty: list[str] = []
         for pos, (code, reps) in enumerate(zip(res.codes, res.replicas, strict=True)):

@@ -197,7 +197,8 @@ class MooncakeCore:
         A replaced object stays readable, unchanged, until the new one is
         committed (readers never see the key missing); its space is freed
         once the read leases on it have ended. Its hard pin carries over; its
-        soft pin too unless the config says ENABLE (a new pin) or DISABLE. A
+        soft pin too unless the config says ENABLE (a new pin) or DISABLE; its
+        object group cannot change (-600 for another ``group_ids`` entry). A
         key given twice in one call ends with its last value.
         """
         try:
@@ -212,9 +213,12 @@ class MooncakeCore:
         results = [INVALID] * len(keys)
         todo = list(range(len(keys)))
         while todo:
+            round_cfg = cfg
+            if cfg is not None and cfg.group_ids is not None and len(todo) != len(keys):
+                round_cfg = dataclasses.replace(cfg, group_ids=[cfg.group_ids[i] for i in todo])
             try:
                 codes = client.batch_put_parts([pool_keys[i] for i in todo],
-                                               [parts[i] for i in todo], cfg, upsert=True)
+                                               [parts[i] for i in todo], round_cfg, upsert=True)
             except KVPoolError as exc:
                 for i in todo:
                     results[i] = code_of(exc)
@@ -251,8 +255,6 @@ class MooncakeCore:
             if own and own[0] not in config.segments():
                 config = dataclasses.replace(
                     config, preferred_segments=[own[0], *config.preferred_segments])
-        if config.group_ids is not None:
-            log.debug("group_ids accepted; grouped placement awaits the master's support")
         return config
 
     # ------------------------------------------------------------------ registered buffers

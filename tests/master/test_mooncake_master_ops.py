@@ -16,6 +16,7 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import (
     BatchGetReplicaList,
     BatchPutEnd,
+    BatchPutStart,
     BatchReplicaClear,
     BatchUpsertStart,
     CreateCopyTask,
@@ -28,6 +29,7 @@ from kvpool.core.protocol import (
     PutOptions,
     PutStart,
     QueryTask,
+    Remove,
     Stats,
     TierTaskDone,
     UpsertStart,
@@ -132,6 +134,9 @@ def test_task_errors_and_malformed_requests(mclient: MasterClient) -> None:
         (PutStart("c1", "k2", 10, PutOptions(soft_pin=True, soft_unpin=True)),
          ErrorCode.INVALID_PARAMS),
         (BatchReplicaClear("", ["k"]), ErrorCode.INVALID_PARAMS),
+        (BatchPutStart("c1", ["g"], [10], None, None, ["a", "b"]), ErrorCode.INVALID_PARAMS),
+        (PutStart("c1", "g", 10, None, None, "x" * 5000), ErrorCode.INVALID_PARAMS),
+        (UpsertStart("c1", "k", 10, None, None, "a-group"), ErrorCode.INVALID_PARAMS),
     ]
     for req, code in bad:
         assert code_of(c.call, req) == code, req
@@ -145,9 +150,19 @@ def test_task_errors_and_malformed_requests(mclient: MasterClient) -> None:
         (Op.BATCH_UPSERT_START, ["c1", ["a"], [1, 2]], ErrorCode.INVALID_PARAMS),
         (Op.BATCH_REPLICA_CLEAR, ["c1", "k"], ErrorCode.INVALID_KEY),
         (Op.BATCH_REPLICA_CLEAR, ["c1", ["k"], 3], ErrorCode.INVALID_PARAMS),
+        (Op.BATCH_PUT_START, ["c1", ["g"], [10], None, None, [7]], ErrorCode.INVALID_PARAMS),
+        (Op.PUT_START, ["c1", "g", 10, None, None, ["grp"]], ErrorCode.INVALID_PARAMS),
     ]
     for op, args, code in raw:
         assert code_of(c.call_raw, op, args) == code, (op, args)
     # still serving, and nothing changed
     assert segs(c, "k") == ["a"]
     assert c.call(Stats()).objects == 1
+    # object groups: a read of one member leases the others
+    assert c.call(BatchPutStart("c1", ["g1", "g2", "u"], [8, 8, 8], None, None,
+                                ["grp", "grp", ""])).codes == [0, 0, 0]
+    c.call(BatchPutEnd("c1", ["g1", "g2", "u"]))
+    assert c.call(Stats()).groups == 1
+    c.call(GetReplicaList("g1"))
+    assert code_of(c.call, Remove("g2")) == ErrorCode.OBJECT_HAS_LEASE
+    c.call(Remove("u"))

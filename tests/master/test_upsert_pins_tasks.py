@@ -227,3 +227,34 @@ def test_job_fails_when_object_replaced_meanwhile() -> None:
     assert pol.complete(d, "c1", wires[0]["id"], True) == 0
     assert job.status == JobStatus.FAILED
     assert [s for s, _ in where(d, "k")] == ["a"] and d.segments["b"].alloc.used == 0
+
+
+# ---------------------------------------------------------------- object groups
+
+
+def test_group_read_leases_every_member_and_eviction_takes_the_group() -> None:
+    d, clock, _ = make(lease_ttl_ms=1000, eviction_high_watermark=0.7, eviction_ratio=0.3)
+    mount(d, "s", 64 * 10)
+    for k in ("g1", "g2", "g3"):
+        assert put(d, k, 64, group="kv") == 0
+    assert put(d, "solo", 64, group="") == 0
+    assert d.groups == {"kv": {"g1", "g2", "g3"}} and "solo" not in d.group_of
+    assert d.get_replicas("g2")[0] == ErrorCode.OK
+    for k in ("g1", "g3"):  # a read of one member leases the whole group
+        assert d.remove(k) == ErrorCode.OBJECT_HAS_LEASE
+    assert d.remove("solo") == ErrorCode.OK
+    # an upsert cannot move an object to another group (or out of it)
+    assert d.put_start("c1", "g1", 64, replace=True, group="other")[0] == \
+        ErrorCode.INVALID_PARAMS
+    assert d.put_start("c1", "g1", 64, replace=True, group="")[0] == ErrorCode.INVALID_PARAMS
+    clock.t += 2
+    assert put(d, "a", 64) == 0 and put(d, "b", 64) == 0
+    assert put(d, "g1", 64, replace=True) == 0 and d.group_of["g1"] == "kv"  # kept
+    # LRU order now g3 g2 a b g1; eviction down to 4 objects takes the LRU
+    # victim g3 with its whole group (g1 too, the youngest), then a: b stays
+    for i in range(3):
+        assert put(d, f"n{i}", 64) == 0
+    assert not any(k in d.objects for k in ("g1", "g2", "g3", "a"))
+    assert "b" in d.objects and len(d.objects) == 4
+    assert d.groups == {} and d.group_of == {}
+    assert d.stats()["groups"] == 0

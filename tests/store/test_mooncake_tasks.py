@@ -227,3 +227,22 @@ def test_upsert_keeps_hard_pin_and_soft_pin_actions(
     assert master.stats().soft_pinned == before
     pin.soft_pin_ttl_ms = 48 * 3600 * 1000  # above the master's max_soft_pin_ttl_ms
     assert coord.upsert("sp", b"d", pin) == INVALID and coord.get("sp") == b"c"
+
+
+def test_group_ids_lease_groups_and_stay_fixed(cluster: Cluster) -> None:
+    coord = cluster[0]
+    cfg = ReplicateConfig()
+    cfg.group_ids = ["req-1", "req-1", ""]
+    assert coord.put_batch(["gk", "gv", "solo"], [b"k" * 64, b"v" * 64, b"s"], cfg) == 0
+    assert coord.get("gk") == b"k" * 64  # leases gv too: it is in the same group
+    assert coord.remove("gv") == int(ErrorCode.OBJECT_HAS_LEASE)
+    assert coord.remove("solo") == 0
+    other = ReplicateConfig()
+    other.group_ids = ["req-2"]
+    assert coord.upsert("gk", b"x", other) == INVALID  # membership is fixed
+    assert coord.upsert("gk", b"x") == 0 and coord.get("gk") == b"x"
+    bad = ReplicateConfig()
+    bad.group_ids = ["a", "b"]
+    assert coord.put("gx", b"1", bad) == INVALID  # one entry per key
+    time.sleep(LEASE_MS / 1000 + 0.1)
+    assert coord.batch_remove(["gk", "gv"]) == [0, 0]
