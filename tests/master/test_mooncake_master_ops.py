@@ -6,12 +6,13 @@ error codes; the master keeps serving)."""
 from __future__ import annotations
 
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvpool.cluster.processes import MasterProcess
+from kvpool.cluster.processes import MasterProcess, find_free_port
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import (
     BatchGetReplicaList,
@@ -53,7 +54,8 @@ def segs(c: MasterClient, key: str) -> list[str]:
 
 
 def test_upsert_replica_clear_and_tasks_survive_restart(tmp_path: Path) -> None:
-    with MasterProcess(data_dir=str(tmp_path / "d"), lease_ttl_ms=200) as m:
+    port = find_free_port()
+    with MasterProcess(data_dir=str(tmp_path / "d"), lease_ttl_ms=200, metrics_port=port) as m:
         with m.client() as c:
             for sid, cid in (("a", "c1"), ("b", "c2"), ("c", "c3")):
                 mount(c, sid, cid)
@@ -70,6 +72,8 @@ def test_upsert_replica_clear_and_tasks_survive_restart(tmp_path: Path) -> None:
             assert b.codes == [0, 0]
             assert c.call(BatchPutEnd("c1", ["k", "fresh"])).codes == [0, 0]
             assert c.call(Stats()).replaced == 2
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+            assert b"kvpool_master_replaced_objects_total 2.0" in text
             # copy to b and c: handed to the owner of a's replica (c1) in its ping
             tid = c.call(CreateCopyTask("k", ["b", "c"])).task_id
             q = c.call(QueryTask(tid))
