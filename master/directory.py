@@ -477,6 +477,10 @@ class Directory:
                     obj.replicas = tuple(kept)
                 else:
                     del objects[key]
+                    if obj.flags & SOFT_PIN:
+                        self.soft_until.pop(key, None)
+                    if self.group_of:
+                        self._leave_group(key)
             budget -= n
             if not keys:
                 self._purge.popleft()

@@ -258,3 +258,13 @@ def test_group_read_leases_every_member_and_eviction_takes_the_group() -> None:
     assert "b" in d.objects and len(d.objects) == 4
     assert d.groups == {} and d.group_of == {}
     assert d.stats()["groups"] == 0
+
+
+def test_dropped_segment_forgets_pins_and_groups() -> None:
+    d, _, _ = make()
+    mount(d, "s", 1 << 20)
+    assert put(d, "k", 64, flags=SOFT_PIN, group="g") == 0
+    assert d.soft_until and d.groups
+    d.unmount("c1", "s")
+    d.purge_step(100)
+    assert not d.objects and d.soft_until == {} and d.groups == {} and d.group_of == {}
