@@ -12,11 +12,13 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvpool.cluster.processes import MasterProcess
 from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentKind
 from kvpool.store.mooncake import (
     MooncakeDistributedStore,
     QueryTaskResponse,
@@ -246,3 +248,43 @@ def test_group_ids_lease_groups_and_stay_fixed(cluster: Cluster) -> None:
     assert coord.put("gx", b"1", bad) == INVALID  # one entry per key
     time.sleep(LEASE_MS / 1000 + 0.1)
     assert coord.batch_remove(["gk", "gv"]) == [0, 0]
+
+
+def test_copy_onto_an_ssd_tier_and_move_back(cluster: Cluster, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    coord, segs, _ = cluster
+    monkeypatch.setenv("MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES", str(16 << 20))
+    ssd = MooncakeDistributedStore()
+    assert ssd.setup("localhost", "P2PHANDSHAKE", SEG, SEG, "tcp", "",
+                     coord._c().config.master_address, enable_ssd_offload=True,
+                     ssd_offload_path=str(tmp_path / "ssd")) == 0
+    try:
+        disk = next(d.descriptor.segment_id for d in ssd._c().list_segments()
+                    if d.descriptor.kind == SegmentKind.FILE
+                    and d.descriptor.segment_id in ssd._c().segment_ids)
+        payload = os.urandom(300_000)
+        put_on(coord, "to_disk", payload, segs[0])
+        task_id, err = coord.create_copy_task("to_disk", [disk])
+        assert err == 0 and until_done(coord, task_id).status == TaskStatus.SUCCESS
+        descs = coord.get_replica_desc("to_disk")
+        assert sorted(d.is_disk_replica() for d in descs) == [False, True]
+        # move the memory replica off: the disk replica alone serves the bytes
+        task_id, err = coord.create_move_task("to_disk", segs[0], disk)
+        assert err == 0 and until_done(coord, task_id).status == TaskStatus.SUCCESS
+        (d,) = coord.get_replica_desc("to_disk")
+        assert d.is_disk_replica() and coord.get("to_disk") == payload
+        # and back into memory on another server; the reads above (disk hits)
+        # may have started a promotion: -708 while it runs, as Mooncake
+        deadline = time.monotonic() + 30
+        while True:
+            task_id, err = coord.create_move_task("to_disk", disk, segs[1])
+            if err != int(ErrorCode.OBJECT_HAS_REPLICATION_TASK):
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert err == 0 and until_done(coord, task_id).status == TaskStatus.SUCCESS
+        descs = coord.get_replica_desc("to_disk")
+        assert not any(d.is_disk_replica() for d in descs)
+        assert segs[1] in endpoints(coord, "to_disk") and coord.get("to_disk") == payload
+    finally:
+        assert ssd.close() == 0
