@@ -596,8 +596,10 @@ class Client:
         return self.batch_put_from(keys, values, config)
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any],
-                       config: ReplicateConfig | None = None) -> list[ErrorCode]:
-        """Zero-copy :meth:`put_batch` from host or GPU buffers. Same result contract."""
+                       config: ReplicateConfig | None = None,
+                       upsert: bool = False) -> list[ErrorCode]:
+        """Zero-copy :meth:`put_batch` from host or GPU buffers. Same result
+        contract. ``upsert``: insert or replace (:meth:`batch_put_reserve`)."""
         self._check_open()
         if len(keys) != len(buffers):
             raise StoreError(f"{len(keys)} keys but {len(buffers)} buffers",
@@ -633,9 +635,9 @@ class Client:
             idx.append(i)
         if not idx:
             return codes
-        res = self._call(BatchPutStart(self.client_id, put_keys, put_sizes,
-                                       self._put_options(config), checksums,
-                                       None if groups is None else [groups[i] for i in idx]))
+        start = BatchUpsertStart if upsert else BatchPutStart
+        res = self._call(start(self.client_id, put_keys, put_sizes, self._put_options(config),
+                               checksums, None if groups is None else [groups[i] for i in idx]))
         self._learn_segments(res.segments)
         jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
         owner: list[int] = []  # job -> key index

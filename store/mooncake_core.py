@@ -217,8 +217,14 @@ class MooncakeCore:
             if cfg is not None and cfg.group_ids is not None and len(todo) != len(keys):
                 round_cfg = dataclasses.replace(cfg, group_ids=[cfg.group_ids[i] for i in todo])
             try:
-                codes = client.batch_put_parts([pool_keys[i] for i in todo],
-                                               [parts[i] for i in todo], round_cfg, upsert=True)
+                if all(len(parts[i]) == 1 for i in todo):  # one buffer each: the direct path
+                    codes = client.batch_put_from([pool_keys[i] for i in todo],
+                                                  [parts[i][0] for i in todo], round_cfg,
+                                                  upsert=True)
+                else:
+                    codes = client.batch_put_parts([pool_keys[i] for i in todo],
+                                                   [parts[i] for i in todo], round_cfg,
+                                                   upsert=True)
             except KVPoolError as exc:
                 for i in todo:
                     results[i] = code_of(exc)
