@@ -32,6 +32,7 @@ class ErrorCode(IntEnum):
     OBJECT_ALREADY_EXISTS = -705
     OBJECT_HAS_LEASE = -706
     LEASE_EXPIRED = -707
+    OBJECT_HAS_REPLICATION_TASK = -708  # a copy/move (or tier) task is running on the object
     TRANSFER_FAIL = -800
     CHECKSUM_MISMATCH = -801
     RPC_FAIL = -900

@@ -61,7 +61,11 @@ __all__ = [
     "BatchPutStart",
     "BatchPutStartReply",
     "BatchRemove",
+    "BatchReplicaClear",
+    "BatchUpsertStart",
     "Checksum",
+    "CreateCopyTask",
+    "CreateMoveTask",
     "Empty",
     "Exist",
     "ExistReply",
@@ -88,6 +92,8 @@ __all__ = [
     "PutRevoke",
     "PutStart",
     "PutStartReply",
+    "QueryTask",
+    "QueryTaskReply",
     "Remove",
     "RemoveAll",
     "RemoveAllReply",
@@ -101,9 +107,11 @@ __all__ = [
     "SegmentKind",
     "Stats",
     "StatsReply",
+    "TaskReply",
     "TierTask",
     "TierTaskDone",
     "UnmountSegment",
+    "UpsertStart",
     "decode_frame",
     "decode_reply",
     "decode_request",
@@ -138,6 +146,7 @@ class Op(IntEnum):
     REMOVE = 16
     REMOVE_ALL = 17
     REMOVE_BY_REGEX = 18
+    UPSERT_START = 19
     BATCH_PUT_START = 30
     BATCH_PUT_END = 31
     BATCH_PUT_REVOKE = 32
@@ -145,12 +154,17 @@ class Op(IntEnum):
     BATCH_EXIST = 34
     BATCH_GET_SIZE = 35
     BATCH_REMOVE = 36
+    BATCH_UPSERT_START = 37
+    BATCH_REPLICA_CLEAR = 38
     STATS = 50
     LIST_SEGMENTS = 51
     GET_SEGMENTS = 52
     LOCAL_ENDPOINT = 53
     TIER_TASK_DONE = 60
     LIST_OBJECTS = 70
+    CREATE_COPY_TASK = 80
+    CREATE_MOVE_TASK = 81
+    QUERY_TASK = 82
 
 
 class SegmentKind(IntEnum):
@@ -255,13 +269,20 @@ class TierTask(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class PutOptions(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Placement of one put (or of every key of a batch put)."""
+    """Placement of one put (or of every key of a batch put).
+
+    ``soft_pin``: evicted after unpinned objects for ``soft_pin_ttl_ms`` from
+    the commit (-1: the master's ``soft_pin_ttl_ms``; 0: not pinned; above
+    ``max_soft_pin_ttl_ms``: INVALID_PARAMS). An upsert keeps the replaced
+    object's soft pin unless it pins anew or ``soft_unpin``."""
 
     replica_num: int = 1
     disk_replica_num: int = 0
     preferred_segments: list[str] = []
     hard_pin: bool = False
     soft_pin: bool = False
+    soft_pin_ttl_ms: int = -1
+    soft_unpin: bool = False
 
 
 # ------------------------------------------------------------------ base types
@@ -370,6 +391,15 @@ class PutStart(Request[PutStartReply]):
     size: int
     options: PutOptions | None = None
     checksum: Checksum = None
+    group: str | None = None  # object group ("" none; an existing object's cannot change)
+
+
+@register(Op.UPSERT_START, PutStartReply,
+          "PUT_START that may replace: an existing object stays readable, unchanged, until "
+          "PUT_END swaps the new one in (its old space is freed after its read lease); an "
+          "in-flight put of the key is preempted; the hard pin carries over")
+class UpsertStart(PutStart):
+    pass
 
 
 @register(Op.PUT_END, Empty, "mark the caller's pending put complete")
@@ -458,10 +488,17 @@ class BatchPutStart(Request[BatchPutStartReply]):
     sizes: list[int]
     options: PutOptions | None = None
     checksums: list[Checksum] | None = None
+    groups: list[str] | None = None  # per key, as PUT_START's group
 
 
 class BatchKeysReply(Reply):
     codes: list[int]
+
+
+@register(Op.BATCH_UPSERT_START, BatchPutStartReply,
+          "UPSERT_START of many keys with one placement; per-key codes")
+class BatchUpsertStart(BatchPutStart):
+    pass
 
 
 @register(Op.BATCH_PUT_END, BatchKeysReply, "PUT_END of many keys; per-key codes")
@@ -518,6 +555,16 @@ class BatchRemove(Request[BatchKeysReply]):
     force: bool = False
 
 
+@register(Op.BATCH_REPLICA_CLEAR, BatchKeysReply,
+          "clear each key's replicas on segment_id ('' = every replica: the object goes); "
+          "only the object's writer may (PERMISSION_DENIED), not while read-leased "
+          "(OBJECT_HAS_LEASE); OBJECT_NOT_FOUND when it has no replica there; per-key codes")
+class BatchReplicaClear(Request[BatchKeysReply]):
+    client_id: str
+    keys: list[str]
+    segment_id: str = ""
+
+
 class StatsReply(Reply):
     """The master's counters. ``tiering`` holds the SSD tier's counters;
     ``extra`` directory counters that have no field here yet."""
@@ -570,6 +617,10 @@ class StatsReply(Reply):
     # space is held until their writer's WRITE capability has ended
     spilled: int = 0
     held_puts: int = 0
+    # upserts that replaced an object; objects soft-pinned now (with a deadline)
+    replaced: int = 0
+    soft_pinned: int = 0
+    groups: int = 0  # object groups with members now
 
     def as_dict(self) -> dict[str, Any]:
         """Every counter in one flat map (tiering and extra merged in)."""
@@ -646,6 +697,51 @@ class ListObjects(Request[ListObjectsReply]):
     cursor: int = 0
     limit: int = 4096
     prefix: str = ""
+
+
+class TaskReply(Reply):
+    task_id: int
+
+
+@register(Op.CREATE_COPY_TASK, TaskReply,
+          "copy an object's replica onto each target segment (executed by a replica "
+          "owner); OBJECT_NOT_FOUND, INVALID_PARAMS (no or unknown target), "
+          "NO_AVAILABLE_HANDLE (no room), OBJECT_HAS_REPLICATION_TASK; targets that hold "
+          "a replica are skipped")
+class CreateCopyTask(Request[TaskReply]):
+    key: str
+    targets: list[str]
+
+
+@register(Op.CREATE_MOVE_TASK, TaskReply,
+          "move an object's replica from source to target (the source replica is freed "
+          "after the copy); errors as CREATE_COPY_TASK, INVALID_PARAMS also for a source "
+          "without a replica or equal to the target")
+class CreateMoveTask(Request[TaskReply]):
+    key: str
+    source: str
+    target: str
+
+
+class QueryTaskReply(Reply):
+    """A copy/move task: ``status`` 0 pending, 1 processing, 2 failed, 3 success
+    (Mooncake's TaskStatus); times in epoch ms; ``executor`` the client copying."""
+
+    task_id: int
+    move: bool
+    key: str
+    status: int
+    created_ms: int
+    updated_ms: int
+    executor: str
+    message: str = ""
+
+
+@register(Op.QUERY_TASK, QueryTaskReply,
+          "the state of a copy/move task (TASK_NOT_FOUND: unknown, or forgotten after "
+          "100000 newer tasks)")
+class QueryTask(Request[QueryTaskReply]):
+    task_id: int
 
 
 # ------------------------------------------------------------------ framing

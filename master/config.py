@@ -36,6 +36,11 @@ class MasterConfig:
     metrics_port: int = 9003  # 0 disables the admin HTTP server
     data_dir: str | None = None  # None: no journal, no snapshots (state lost on exit)
     lease_ttl_ms: int = 10000
+    # soft pins (ReplicateConfig soft_pin / SoftPinAction.ENABLE): a soft-pinned
+    # object is evicted after the unpinned ones until its pin expires; a put that
+    # names no TTL gets the default, none may ask for more than the maximum
+    soft_pin_ttl_ms: int = 30 * 60 * 1000
+    max_soft_pin_ttl_ms: int = 24 * 60 * 60 * 1000
     # liveness (docs/INTERFACES.md): a client silent for client_ttl_s is suspect
     # (no new placements, objects kept); one silent, with its guard process, for
     # client_ttl_s + client_grace_s is dropped with its objects (its memory is
@@ -110,6 +115,8 @@ class MasterConfig:
             raise ConfigError("client_grace_s must be >= 0")
         if not all(0 <= p < 65536 for p in (self.port, self.metrics_port, self.events_port)):
             raise ConfigError("ports must be in [0, 65535]")
+        if not 0 <= self.soft_pin_ttl_ms <= self.max_soft_pin_ttl_ms:
+            raise ConfigError("soft_pin_ttl_ms must be in [0, max_soft_pin_ttl_ms]")
         if self.capability_ttl_ms < 0:
             raise ConfigError("capability_ttl_ms must be >= 0 (0 = lease_ttl_ms)")
         if self.snapshot_slice_ms <= 0:

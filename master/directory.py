@@ -124,32 +124,41 @@ _TICKS = itertools.count(1)
 
 
 class Obj:
-    """A COMPLETE object. ``replicas`` = (segment, offset, segment, offset, ...)."""
+    """A COMPLETE object. ``replicas`` = (segment, offset, segment, offset, ...).
+    ``writer``: the client whose put made it ("" after a restart: not journaled)."""
 
-    __slots__ = ("checksum", "flags", "lease", "replicas", "size", "tick")
+    __slots__ = ("checksum", "flags", "lease", "replicas", "size", "tick", "writer")
 
-    def __init__(self, size: int, replicas: tuple[Any, ...], flags: int, checksum: Any) -> None:
+    def __init__(self, size: int, replicas: tuple[Any, ...], flags: int, checksum: Any,
+                 writer: str = "") -> None:
         self.size = size
         self.replicas = replicas
         self.flags = flags
         self.checksum = checksum
         self.lease = 0.0
         self.tick = next(_TICKS)  # last-use stamp: orders objects across shards for LRU
+        self.writer = writer
 
 
 class Pending:
-    """An in-flight put (PROCESSING replicas)."""
+    """An in-flight put (PROCESSING replicas). ``pin``: the soft pin its commit
+    sets: > 0 a new pin of that many seconds, 0 keep the replaced object's
+    (PRESERVE; nothing for a new key), -1 none (DISABLE)."""
 
-    __slots__ = ("checksum", "client_id", "flags", "replicas", "size", "started")
+    __slots__ = ("checksum", "client_id", "flags", "group", "pin", "replicas", "size",
+                 "started")
 
     def __init__(self, size: int, replicas: tuple[Any, ...], flags: int, checksum: Any,
-                 client_id: str, started: float) -> None:
+                 client_id: str, started: float, pin: float = 0.0,
+                 group: str | None = None) -> None:
         self.size = size
         self.replicas = replicas
         self.flags = flags
         self.checksum = checksum
         self.client_id = client_id
         self.started = started
+        self.pin = pin
+        self.group = group  # None: unset (an upsert keeps the object's group)
 
 
 def _item_tick(item: tuple[str, Obj]) -> int:
@@ -309,6 +318,17 @@ class Directory:
         self._held_seq = itertools.count()
         self.write_window_s = write_grant_ms(cfg) / 1000.0 + _WRITE_LEEWAY_S
         self._rng = random.Random()
+        # soft-pinned keys -> when their pin ends (clock()); not journaled: a
+        # restored soft-pinned object is ordinary cache (as Mooncake's)
+        self.soft_until: dict[str, float] = {}
+        self.soft_pin_s = cfg.soft_pin_ttl_ms / 1000.0
+        self.replaced = 0  # objects replaced by an upsert
+        # object groups (Mooncake's ReplicateConfig.group_ids): a read of a member
+        # leases every member; eviction takes a group's evictable members
+        # together. In memory only: after a restart objects are ungrouped.
+        self.group_of: dict[str, str] = {}
+        self.groups: dict[str, set[str]] = {}
+        self._writers: dict[str, str] = {}  # one str per writer id (Obj.writer)
         # KV-cache objects mostly share a few sizes: one int object per size
         # instead of one per object saves 28-32 B/object
         self._sizes: dict[int, int] = {}
@@ -457,6 +477,10 @@ class Directory:
                     obj.replicas = tuple(kept)
                 else:
                     del objects[key]
+                    if obj.flags & SOFT_PIN:
+                        self.soft_until.pop(key, None)
+                    if self.group_of:
+                        self._leave_group(key)
             budget -= n
             if not keys:
                 self._purge.popleft()
@@ -636,10 +660,7 @@ class Directory:
         stays allocated until the WRITE capability granted with the put has
         expired everywhere (``write_window_s`` after put_start)."""
         until = p.started + self.write_window_s
-        if until <= self.clock():
-            self._free_replicas(p.replicas, p.size)
-        else:
-            heapq.heappush(self._held, (until, next(self._held_seq), p.replicas, p.size))
+        self.hold_replicas(p.replicas, p.size, until)
 
     def _candidates(self, kind: SegmentKind, n: int, preferred: list[str],
                     exclude: list[Segment]) -> Iterator[Segment]:
@@ -693,18 +714,39 @@ class Directory:
 
     def put_start(self, client_id: str, key: str, size: int, replica_num: int = 1,
                   preferred: list[str] | None = None, flags: int = 0, checksum: Any = None,
-                  disk_replica_num: int = 0) -> tuple[int, Any]:
-        """Allocate replicas for a new object; value is the Pending (or None)."""
+                  disk_replica_num: int = 0, soft_pin_ms: int = -1, replace: bool = False,
+                  unpin: bool = False, group: str | None = None) -> tuple[int, Any]:
+        """Allocate replicas for a new object; value is the Pending (or None).
+
+        ``flags`` with SOFT_PIN: pinned for ``soft_pin_ms`` from the commit
+        (-1: the configured default; 0: not pinned). ``replace`` (an upsert):
+        an existing object stays readable, unchanged, until PUT_END swaps in the
+        new one (its hard pin carries over; its soft pin too unless the new put
+        pins anew or ``unpin``); an in-flight put of the key is preempted at
+        once. Without ``replace`` an existing key is OBJECT_ALREADY_EXISTS.
+        ``group``: the object group it joins at the commit ("" none; None
+        unset); an existing object's group cannot change (INVALID_PARAMS)."""
         objects = self.objects
         if key in objects.shards[hash(key) & objects.mask]:
-            return ErrorCode.OBJECT_ALREADY_EXISTS, None
+            if not replace:
+                return ErrorCode.OBJECT_ALREADY_EXISTS, None
+            if group is not None and group != self.group_of.get(key, ""):
+                return ErrorCode.INVALID_PARAMS, None
         now = self.clock()
         self.clients[client_id] = now
+        pin = -1.0 if unpin else 0.0
+        if flags & SOFT_PIN:
+            ms = self.cfg.soft_pin_ttl_ms if soft_pin_ms < 0 else soft_pin_ms
+            if ms > 0:
+                pin = ms / 1000.0
+            else:  # a zero TTL commits the object as ordinary cache
+                flags &= ~SOFT_PIN
+                pin = -1.0
         p = self.pending.get(key)
         if p is not None:
-            if now - p.started <= self.cfg.put_start_discard_timeout_s:
+            if not replace and now - p.started <= self.cfg.put_start_discard_timeout_s:
                 return ErrorCode.OBJECT_ALREADY_EXISTS, None
-            # the writer is presumed dead: preempt its put
+            # the writer is presumed dead, or an upsert takes the key over: preempt its put
             del self.pending[key]
             self._release_pending(key, p)
             self.preemptions += 1
@@ -737,7 +779,8 @@ class Directory:
                     self.spilled += 1
         if not out:
             return ErrorCode.NO_AVAILABLE_HANDLE, None
-        p = Pending(self._intern_size(size), tuple(out), flags, checksum, client_id, now)
+        p = Pending(self._intern_size(size), tuple(out), flags, checksum, client_id, now, pin,
+                    group)
         self.pending[key] = p
         return OK, p
 
@@ -750,15 +793,19 @@ class Directory:
             return ErrorCode.INVALID_WRITE
         del self.pending[key]
         reps = p.replicas
-        if len(reps) == 2:  # fast path: one replica
+        objects = self.objects
+        shard = objects.shards[hash(key) & objects.mask]
+        flags = p.flags
+        if p.pin or p.group or key in shard:  # pin, group or upsert: the general path
+            flags = self._commit_flags(key, p, shard.get(key))
+        elif len(reps) == 2:  # fast path: one replica of a new, unpinned object
             seg = reps[0]
             if seg.state == _DEAD:
                 return ErrorCode.OBJECT_NOT_FOUND
-            objects = self.objects
-            objects.shards[hash(key) & objects.mask][key] = Obj(p.size, reps, p.flags, p.checksum)
+            shard[key] = Obj(p.size, reps, flags, p.checksum, self._writer(client_id))
             seg.keys.add(key)
             if self.journaling:
-                self.records.append([_REC_PUT, key, p.size, p.flags, p.checksum,
+                self.records.append([_REC_PUT, key, p.size, flags, p.checksum,
                                      [seg.id, reps[1]]])
             return OK
         if any(reps[i].state == _DEAD for i in range(0, len(reps), 2)):
@@ -766,12 +813,83 @@ class Directory:
                          for x in (reps[i], reps[i + 1]))
             if not reps:
                 return ErrorCode.OBJECT_NOT_FOUND
-        self._complete(key, p.size, reps, p.flags, p.checksum)
+        old = shard.get(key)
+        if old is not None:
+            self._retire(key, old)
+        self._complete(key, p.size, reps, flags, p.checksum, self._writer(client_id))
+        if p.group and old is None:
+            self.group_of[key] = p.group
+            self.groups.setdefault(p.group, set()).add(key)
         return OK
 
+    def _leave_group(self, key: str) -> None:
+        group = self.group_of.pop(key, None)
+        if group is not None:
+            members = self.groups[group]
+            members.discard(key)
+            if not members:
+                del self.groups[group]
+
+    def _lease_group(self, key: str, obj: Obj, lease: float) -> None:
+        """A read of grouped ``key``: lease every member of its group (only when
+        this object's lease was past its first half: repeated reads cost one
+        lookup)."""
+        if obj.lease - self.lease_s / 2 > self.clock():
+            return
+        get = self.objects.get
+        for member in self.groups[self.group_of[key]]:
+            other = get(member)
+            if other is not None and other.lease < lease:
+                other.lease = lease
+
+    def _writer(self, client_id: str) -> str:
+        """``client_id`` as one shared str per writer (Obj.writer)."""
+        writers = self._writers
+        got = writers.get(client_id)
+        if got is None:
+            if len(writers) >= 65536:
+                writers.clear()
+            got = writers[client_id] = client_id
+        return got
+
+    def _commit_flags(self, key: str, p: Pending, old: Obj | None) -> int:
+        """The flags (and soft pin deadline) of ``p`` committing over ``old``."""
+        flags = p.flags
+        soft = self.soft_until
+        if old is not None:
+            flags |= old.flags & HARD_PIN  # an upsert keeps the hard pin
+        if p.pin > 0:
+            flags |= SOFT_PIN
+            soft[key] = self.clock() + p.pin
+        elif p.pin == 0 and old is not None and old.flags & SOFT_PIN \
+                and soft.get(key, 0.0) > self.clock():
+            flags |= SOFT_PIN  # PRESERVE: the replaced object's deadline stays
+        else:
+            flags &= ~SOFT_PIN
+            soft.pop(key, None)
+        return flags
+
+    def _retire(self, key: str, old: Obj) -> None:
+        """Take a replaced object out (no journal record: the new object's PUT
+        record replaces it on replay). Its space is freed once its read lease
+        has ended: a reader may still be copying the old bytes."""
+        del self.objects[key]
+        reps = old.replicas
+        for i in range(0, len(reps), 2):
+            reps[i].keys.discard(key)
+        self.hold_replicas(reps, old.size, old.lease)
+        self.replaced += 1
+
+    def hold_replicas(self, reps: tuple[Any, ...], size: int, until: float) -> None:
+        """Free ``reps`` now, or at ``until`` (clock()) when that is later."""
+        if until <= self.clock():
+            self._free_replicas(reps, size)
+        else:
+            heapq.heappush(self._held, (until, next(self._held_seq), reps, size))
+
     def _complete(self, key: str, size: int, reps: tuple[Any, ...], flags: int,
-                  checksum: Any) -> Obj:
-        obj = Obj(size, reps, flags, checksum)
+                  checksum: Any, writer: str = "") -> Obj:
+        obj = Obj(size, reps, flags, checksum, writer)
         objects = self.objects
         objects.shards[hash(key) & objects.mask][key] = obj
         wire: list[Any] = []
@@ -817,7 +935,10 @@ class Directory:
                 if all(r.state == SegState.DEAD for r in obj.replicas[::2]):
                     return ErrorCode.OBJECT_NOT_FOUND, None
                 return ErrorCode.REPLICA_IS_NOT_READY, None
-        obj.lease = self.clock() + self.lease_s
+        lease = self.clock() + self.lease_s
+        if self.group_of and key in self.group_of:
+            self._lease_group(key, obj, lease)
+        obj.lease = lease
         obj.tick = next(_TICKS)
         del shard[key]
         shard[key] = obj  # LRU: most recent at the end of its shard
@@ -831,7 +952,10 @@ class Directory:
             return False
         if not any(s.state != SegState.DEAD for s in obj.replicas[::2]):
             return False
-        obj.lease = self.clock() + self.lease_s
+        lease = self.clock() + self.lease_s
+        if self.group_of and key in self.group_of:
+            self._lease_group(key, obj, lease)
+        obj.lease = lease
         obj.tick = next(_TICKS)
         del shard[key]
         shard[key] = obj
@@ -848,6 +972,10 @@ class Directory:
     # ---------------------------------------------------------------- removal
     def _remove_obj(self, key: str, obj: Obj) -> None:
         del self.objects[key]
+        if obj.flags & SOFT_PIN:
+            self.soft_until.pop(key, None)
+        if self.group_of:
+            self._leave_group(key)
         reps = obj.replicas
         for i in range(0, len(reps), 2):
             reps[i].keys.discard(key)
@@ -866,6 +994,61 @@ class Directory:
             return ErrorCode.OBJECT_HAS_LEASE
         self._remove_obj(key, obj)
         return OK
+
+    def replica_clear(self, client_id: str, key: str, segment_id: str = "") -> int:
+        """Clear ``key``'s replicas on ``segment_id`` ("" = every replica: the
+        object goes), as Mooncake's BatchReplicaClear: only the object's writer
+        may (PERMISSION_DENIED; an object restored after a restart has no
+        recorded writer: any client may), not while read-leased
+        (OBJECT_HAS_LEASE); OBJECT_NOT_FOUND when missing (or pending), or
+        holding no replica on the segment. The last replica's clear removes the
+        object. Journaled (REMOVE or DROP_REPLICA)."""
+        obj = self.objects.get(key)
+        if obj is None:
+            return ErrorCode.OBJECT_NOT_FOUND
+        if obj.writer and obj.writer != client_id:
+            return ErrorCode.PERMISSION_DENIED
+        if obj.lease > self.clock():
+            self.lease_refusals += 1
+            return ErrorCode.OBJECT_HAS_LEASE
+        if not segment_id:
+            self._remove_obj(key, obj)
+            return OK
+        reps = obj.replicas
+        kept: list[Any] = []
+        gone: list[Any] = []
+        for i in range(0, len(reps), 2):
+            seg = reps[i]
+            if seg.id == segment_id and seg.state != _DEAD:
+                gone += (seg, reps[i + 1])
+            elif seg.state != _DEAD:
+                kept += (seg, reps[i + 1])
+        if not gone:
+            return ErrorCode.OBJECT_NOT_FOUND
+        if not kept:
+            self._remove_obj(key, obj)
+            return OK
+        obj.replicas = tuple(kept)
+        gone[0].keys.discard(key)
+        self._free_replicas(tuple(gone), obj.size)
+        if self.journaling:
+            self.records.append([Rec.DROP_REPLICA, key, segment_id])
+        return OK
+
+    def allocate_on(self, seg: Segment, size: int) -> int:
+        """Allocate ``size`` bytes on ``seg`` itself (ACTIVE), evicting from its
+        pool once when it is full; the offset, or -1."""
+        if seg.state != _ACTIVE:
+            return -1
+        for attempt in range(2):
+            before = seg.alloc.used
+            off = seg.alloc.allocate(size)
+            if off >= 0:
+                self.pool_used[seg.kind] += seg.alloc.used - before
+                return off
+            if attempt or not self.evict(seg.kind, need=size):
+                break
+        return -1
 
     def remove_all(self, force: bool = False) -> int:
         now = self.clock()
@@ -922,6 +1105,7 @@ class Directory:
         limited = False
         now = self.clock()
         victims: list[tuple[str, Obj]] = []
+        taken: set[str] = set()
         soft: list[tuple[str, Obj]] = []
         freed = 0
         scanned = 0
@@ -936,10 +1120,17 @@ class Directory:
             if not b:
                 continue
             if obj.flags & SOFT_PIN:
-                soft.append((key, obj))
+                if self.soft_until.get(key, 0.0) > now:
+                    soft.append((key, obj))
+                    continue
+                obj.flags &= ~SOFT_PIN  # its pin ended: ordinary cache now
+                self.soft_until.pop(key, None)
+            if key in taken:  # a group member taken with an earlier victim
                 continue
             victims.append((key, obj))
             freed += b
+            if self.group_of and key in self.group_of:
+                freed += self._group_victims(key, kind, now, victims, taken)
             if freed >= to_free:
                 break
             if len(victims) >= limit:
@@ -961,6 +1152,28 @@ class Directory:
         else:
             self.evicting.discard(kind)
         return actual
+
+    def _group_victims(self, key: str, kind: SegmentKind, now: float,
+                       victims: list[tuple[str, Obj]], taken: set[str]) -> int:
+        """Eviction picked grouped ``key``: add the other members of its group
+        that are evictable on their own (not leased, not pinned, not chosen
+        yet, with bytes in pool ``kind``) to ``victims`` and ``taken``; return
+        their bytes."""
+        chosen = {k for k, _ in victims}
+        get = self.objects.get
+        soft = self.soft_until
+        added = 0
+        for member in self.groups[self.group_of[key]]:
+            obj = get(member)
+            if obj is None or member in chosen or obj.lease > now or obj.flags & HARD_PIN \
+                    or (obj.flags & SOFT_PIN and soft.get(member, 0.0) > now):
+                continue
+            b = self._pool_bytes(obj, kind)
+            if b:
+                victims.append((member, obj))
+                taken.add(member)
+                added += b
+        return added
 
     def evict_step(self) -> int:
         """Continue watermark eviction (one batch per pool); return bytes freed."""
@@ -1164,4 +1377,7 @@ class Directory:
             "revived_clients": self.revived_clients,
             "spilled": self.spilled,
             "held_puts": len(self._held),
+            "replaced": self.replaced,
+            "groups": len(self.groups),
+            "soft_pinned": len(self.soft_until),
         }

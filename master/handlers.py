@@ -44,6 +44,10 @@ from kvpool.core.protocol import (
     BatchPutStart,
     BatchPutStartReply,
     BatchRemove,
+    BatchReplicaClear,
+    BatchUpsertStart,
+    CreateCopyTask,
+    CreateMoveTask,
     Empty,
     Exist,
     ExistReply,
@@ -68,6 +72,8 @@ from kvpool.core.protocol import (
     PutRevoke,
     PutStart,
     PutStartReply,
+    QueryTask,
+    QueryTaskReply,
     Remove,
     RemoveAll,
     RemoveAllReply,
@@ -81,9 +87,11 @@ from kvpool.core.protocol import (
     SegmentKind,
     Stats,
     StatsReply,
+    TaskReply,
     TierTask,
     TierTaskDone,
     UnmountSegment,
+    UpsertStart,
     decode_request,
     encode_error,
     encode_reply,
@@ -294,8 +302,21 @@ class OpHandlers:
             raise _bad("bad replica_num/disk_replica_num")
         if len(o.preferred_segments) > 64:
             raise _bad("at most 64 preferred_segments")
+        ttl = o.soft_pin_ttl_ms
+        if ttl < -1 or ttl > self.cfg.max_soft_pin_ttl_ms or (ttl != -1 and not o.soft_pin):
+            raise _bad(f"soft_pin_ttl_ms must be -1 or in [0, {self.cfg.max_soft_pin_ttl_ms}], "
+                       "and only with soft_pin")
+        if o.soft_unpin and o.soft_pin:
+            raise _bad("soft_pin and soft_unpin exclude each other")
         return rn, dn, o.preferred_segments, \
             (HARD_PIN if o.hard_pin else 0) | (SOFT_PIN if o.soft_pin else 0)
+
+    @staticmethod
+    def _pin_args(o: PutOptions | None) -> dict[str, Any]:
+        """The directory's soft-pin arguments of (validated) options."""
+        if o is None or (o.soft_pin_ttl_ms == -1 and not o.soft_unpin):
+            return {}
+        return {"soft_pin_ms": o.soft_pin_ttl_ms, "unpin": o.soft_unpin}
 
     # ================================================================ segments
     def ping(self, req: Ping) -> PingReply:
@@ -431,30 +452,47 @@ class OpHandlers:
             out.append(ReplicaDescriptor(sid, off, size, status, slot(sid, off, size)))
         return out
 
-    def put_start(self, req: PutStart) -> PutStartReply:
+    def put_start(self, req: PutStart, replace: bool = False) -> PutStartReply:
         client_id = self._client(req.client_id)
         key = self._key(req.key)
         size = req.size
         if size <= 0 or size > self.cfg.max_object_size:
             raise _bad("size must be an int in [1, max_object_size]")
         rn, dn, pref, flags = self._options(req.options)
-        self._count_one("put_start")
-        code, p = self.dir.put_start(client_id, key, size, rn, pref, flags, req.checksum, dn)
+        if req.group is not None and len(req.group) > self.max_key:
+            raise _bad(f"group longer than max_key_length {self.max_key}")
+        self._count_one("upsert_start" if replace else "put_start")
+        code, p = self.dir.put_start(client_id, key, size, rn, pref, flags, req.checksum, dn,
+                                     replace=replace, group=req.group,
+                                     **self._pin_args(req.options))
         self._raise(code, "put_start failed")
         segs: dict[str, SegmentDescriptor] = {}
         grants = self._grants(_CAP_WRITE)
         reps = self._replicas(p.replicas, size, _PROCESSING, segs, grants)
         return PutStartReply(reps, segs, grants.sign())
 
-    def batch_put_start(self, req: BatchPutStart) -> BatchPutStartReply:
+    def upsert_start(self, req: UpsertStart) -> PutStartReply:
+        return self.put_start(req, replace=True)
+
+    def batch_upsert_start(self, req: BatchUpsertStart) -> BatchPutStartReply:
+        return self.batch_put_start(req, replace=True)
+
+    def batch_put_start(self, req: BatchPutStart, replace: bool = False) -> BatchPutStartReply:
         client_id = self._client(req.client_id)
-        keys, sizes, checksums = req.keys, req.sizes, req.checksums
+        keys, sizes, checksums, groups = req.keys, req.sizes, req.checksums, req.groups
         n = len(keys)
         self._batch(keys)
-        if len(sizes) != n or (checksums is not None and len(checksums) != n):
-            raise _bad("keys, sizes and checksums must have the same length")
+        if len(sizes) != n or (checksums is not None and len(checksums) != n) \
+                or (groups is not None and len(groups) != n):
+            raise _bad("keys, sizes, checksums and groups must have the same length")
+        if groups is not None and any(len(g) > self.max_key for g in groups):
+            raise _bad(f"a group is longer than max_key_length {self.max_key}")
         rn, dn, pref, flags = self._options(req.options)
-        simple = rn == 1 and dn == 0 and not pref and not flags and checksums is None
+        pin = self._pin_args(req.options)
+        if replace:
+            pin["replace"] = True
+        simple = rn == 1 and dn == 0 and not pref and not flags and checksums is None \
+            and not pin and groups is None
         put_start = self.dir.put_start
         max_key, max_size = self.max_key, self.cfg.max_object_size
         segs: dict[str, SegmentDescriptor] = {}
@@ -478,7 +516,8 @@ class OpHandlers:
                 code, p = put_start(client_id, key, size)
             else:
                 code, p = put_start(client_id, key, size, rn, pref, flags,
-                                    None if checksums is None else checksums[i], dn)
+                                    None if checksums is None else checksums[i], dn,
+                                    group=None if groups is None else groups[i], **pin)
             if code:
                 codes[i] = int(code)
                 continue
@@ -497,7 +536,7 @@ class OpHandlers:
                 out[i] = [ReplicaDescriptor(sid, off, size, _PROCESSING, cap)]
             else:
                 out[i] = self._replicas(reps, size, _PROCESSING, segs, grants)
-        self._count("put_start", codes)
+        self._count("upsert_start" if replace else "put_start", codes)
         return BatchPutStartReply(codes, out, segs, grants.sign())
 
     def put_end(self, req: PutEnd) -> Empty:
@@ -649,6 +688,12 @@ class OpHandlers:
         remove = self.dir.remove
         return self._keyed("remove", req.keys, lambda k: remove(k, force))
 
+    def batch_replica_clear(self, req: BatchReplicaClear) -> BatchKeysReply:
+        client_id = self._client(req.client_id)
+        clear = self.dir.replica_clear
+        sid = req.segment_id
+        return self._keyed("replica_clear", req.keys, lambda k: clear(client_id, k, sid))
+
     def remove_all(self, req: RemoveAll) -> RemoveAllReply:
         return RemoveAllReply(self.dir.remove_all(req.force))
 
@@ -663,6 +708,32 @@ class OpHandlers:
                                            req.prefix, req.exclude_prefix)
         self._count("remove", [0] * removed)
         return RemoveAllReply(removed)
+
+    # ================================================================ replica tasks
+    def _task(self, key: str, targets: list[str], source: str = "") -> TaskReply:
+        self._key(key)
+        if len(targets) > 64:
+            raise _bad("at most 64 targets")
+        code, job = self.tiering.create_job(self.dir, key, targets, source)
+        self._count_one("create_task")
+        self._raise(code, "create task failed")
+        assert job is not None
+        return TaskReply(job.id)
+
+    def create_copy_task(self, req: CreateCopyTask) -> TaskReply:
+        return self._task(req.key, req.targets)
+
+    def create_move_task(self, req: CreateMoveTask) -> TaskReply:
+        if not req.source:
+            raise _bad("source must be a segment id")
+        return self._task(req.key, [req.target], req.source)
+
+    def query_task(self, req: QueryTask) -> QueryTaskReply:
+        job = self.tiering.jobs.get(req.task_id)
+        if job is None:
+            raise _bad(f"no task {req.task_id}", ErrorCode.TASK_NOT_FOUND)
+        return QueryTaskReply(job.id, job.move, job.key, int(job.status), job.created_ms,
+                              job.updated_ms, job.executor, job.message)
 
     # ================================================================ events
     def list_objects(self, req: ListObjects) -> ListObjectsReply:

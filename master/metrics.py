@@ -114,6 +114,17 @@ class MasterCollector(Collector):
                                 "times a suspect client came back with its segments")
         c.add_metric([], st.revived_clients)
         yield c
+        c = CounterMetricFamily("kvpool_master_replaced_objects",
+                                "objects replaced by an upsert")
+        c.add_metric([], st.replaced)
+        yield c
+        g = GaugeMetricFamily("kvpool_master_soft_pinned_objects",
+                              "objects with a soft pin deadline (some may have passed it)")
+        g.add_metric([], st.soft_pinned)
+        yield g
+        g = GaugeMetricFamily("kvpool_master_object_groups", "object groups with members")
+        g.add_metric([], st.groups)
+        yield g
         tier = st.tiering  # SSD tier
         c = CounterMetricFamily("kvpool_master_tier_events",
                                 "SSD tier: copy tasks and file segments, by event",

@@ -39,6 +39,17 @@ with ``TIER_TASK_DONE {client_id, task_id, ok, error}``.
   ACTIVE under a dead owner's id is a takeover when the file's generation is
   newer (the file's flock proves the old owner released it).
 
+- **Replica jobs** (Mooncake's copy/move tasks, ``CREATE_COPY_TASK`` /
+  ``CREATE_MOVE_TASK`` / ``QUERY_TASK``): copy an object's replica onto named
+  segments, or move it from one segment to another. Each destination is
+  allocated on the named segment at once and copied by the source replica's
+  owner as a tier task (REPLICA_COPY / REPLICA_MOVE); on success the replica
+  joins the object (a move frees its source, after the source's read lease)
+  and the new replica set is journaled (PUT record). A job is PENDING until
+  its tasks are handed out, PROCESSING until every one reported, then
+  SUCCESS or FAILED (with the reason); finished jobs are remembered (the
+  newest ``_JOB_MEMORY``) for QUERY_TASK, not journaled.
+
 The directory and server call the hooks below; see ``docs`` in each method.
 """
 
@@ -65,7 +76,7 @@ from kvpool.master.directory import (
 )
 from kvpool.master.tiering_config import TieringConfig
 
-__all__ = ["CopyTask", "TaskKind", "TieringConfig", "TieringPolicy"]
+__all__ = ["CopyTask", "JobStatus", "ReplicaJob", "TaskKind", "TieringConfig", "TieringPolicy"]
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +84,52 @@ _MEM = SegmentKind.MEMORY
 _FILE = SegmentKind.FILE
 _FAILED_MEMORY = 100_000  # keys remembered as "offload failed: evict plainly next time"
 _HIT_MEMORY = 100_000  # disk-only keys read recently, with their hit counts
+_JOB_MEMORY = 100_000  # replica jobs remembered for QUERY_TASK (oldest forgotten first)
 
 
 class TaskKind(IntEnum):
     OFFLOAD = 1  # memory replica -> new disk replica, then free the memory replica
     PROMOTE = 2  # disk replica -> new memory replica (disk replica kept)
     COPY = 3  # memory replica -> new disk replica, memory kept (offload ahead of eviction)
+    REPLICA_COPY = 4  # a replica job's copy onto a named segment (source kept)
+    REPLICA_MOVE = 5  # a replica job's move: the source replica is freed on success
+
+
+class JobStatus(IntEnum):
+    """State of a replica job (Mooncake's TaskStatus values)."""
+
+    PENDING = 0
+    PROCESSING = 1
+    FAILED = 2
+    SUCCESS = 3
+
+
+@dataclass(eq=False)
+class ReplicaJob:
+    """A copy or move of one object's replica onto named segments (Mooncake's
+    copy/move task). ``left``: its tier tasks still running; times are epoch ms."""
+
+    id: int
+    move: bool
+    key: str
+    executor: str
+    created_ms: int
+    updated_ms: int
+    status: JobStatus = JobStatus.PENDING
+    message: str = ""
+    left: int = 0
+
+    def finish(self, ok: bool, message: str = "") -> None:
+        """Record a task's outcome: FAILED at the first failure, SUCCESS when
+        the last task succeeded."""
+        self.updated_ms = time.time_ns() // 1_000_000
+        if not ok:
+            self.status = JobStatus.FAILED
+            self.message = self.message or message
+            return
+        self.left -= 1
+        if self.left <= 0 and self.status != JobStatus.FAILED:
+            self.status = JobStatus.SUCCESS
 
 
 @dataclass(eq=False)
@@ -98,10 +149,14 @@ class CopyTask:
     deadline: float
     sent: bool = False
     cancelled: bool = False  # its object went away while the node may be copying
+    job: ReplicaJob | None = None  # the replica job it belongs to, if any
 
     def to_wire(self) -> dict[str, Any]:
         return {"id": self.id, "kind": int(self.kind), "key": self.key, "size": self.size,
                 "src": [self.src.id, self.src_off], "dst": [self.dst.id, self.dst_off]}
+
+
+_NEEDS_SOURCE = frozenset({TaskKind.OFFLOAD, TaskKind.REPLICA_COPY, TaskKind.REPLICA_MOVE})
 
 
 class TieringPolicy(EvictionPolicy):
@@ -125,13 +180,15 @@ class TieringPolicy(EvictionPolicy):
         self._failed: dict[str, None] = {}  # insertion-ordered set, bounded
         self._hits: dict[str, int] = {}  # disk hits not yet promoted, oldest first, bounded
         self.inflight_bytes = 0
+        self.jobs: dict[int, ReplicaJob] = {}  # replica jobs, oldest first (bounded)
+        self._job_ids = itertools.count(1)
         # FILE segments kept after their owner left: id -> (deadline, since)
         self.file_awaiting: dict[str, tuple[float, float]] = {}
         self.counters = {"offload_started": 0, "offload_done": 0, "offload_failed": 0,
                          "copy_ahead_started": 0, "copy_ahead_done": 0,
                          "offload_no_space": 0, "promote_started": 0, "promote_done": 0,
                          "promote_failed": 0, "tasks_expired": 0, "file_segments_kept": 0,
-                         "takeovers": 0}
+                         "takeovers": 0, "replica_jobs": 0}
 
     # ---------------------------------------------------------------- helpers
     def offload_enabled(self, d: Directory) -> bool:
@@ -342,6 +399,9 @@ class TieringPolicy(EvictionPolicy):
             # after half of it (its clock: "ttl_ms" is relative), so nothing
             # lands in the destination after the master gave up and freed it
             t.deadline = now + ttl
+            if t.job is not None and t.job.status == JobStatus.PENDING:
+                t.job.status = JobStatus.PROCESSING
+                t.job.updated_ms = time.time_ns() // 1_000_000
             w = t.to_wire()
             w["ttl_ms"] = int(ttl * 1000)
             out.append(w)
@@ -374,12 +434,17 @@ class TieringPolicy(EvictionPolicy):
         src_present = any(reps[i] is t.src and reps[i + 1] == t.src_off
                           for i in range(0, len(reps), 2))
         if (d.objects.get(t.key) is not obj or t.dst.state == SegState.DEAD
-                or (t.kind is TaskKind.OFFLOAD and not src_present)):
+                or (t.kind in _NEEDS_SOURCE and not src_present)):
             self._fail(d, t, "object changed meanwhile", count=False)
             return ErrorCode.OK
         self._forget(t)
         t.dst.keys.add(t.key)
-        if t.kind is TaskKind.COPY:
+        if t.job is not None:
+            obj.replicas = (*reps, t.dst, t.dst_off)
+            if t.kind is TaskKind.REPLICA_MOVE:
+                self._drop_source(d, t.key, obj, t.src, t.src_off)
+            t.job.finish(True)
+        elif t.kind is TaskKind.COPY:
             obj.replicas = (*reps, t.dst, t.dst_off)
             self.counters["copy_ahead_done"] += 1
         elif t.kind is TaskKind.OFFLOAD and obj.lease > self.clock():
@@ -420,7 +485,9 @@ class TieringPolicy(EvictionPolicy):
     def _fail(self, d: Directory, t: CopyTask, why: str, count: bool = True) -> None:
         self._forget(t)
         self._free_dst(d, t)
-        if count:
+        if t.job is not None:
+            t.job.finish(False, why)
+        elif count:
             if t.kind is not TaskKind.PROMOTE:
                 self.counters["offload_failed"] += 1
                 self._remember_failed(t.key)  # next eviction of it drops it plainly
@@ -439,6 +506,97 @@ class TieringPolicy(EvictionPolicy):
             self.counters["tasks_expired"] += 1
             self._fail(d, t, "timed out" if t.deadline < now else "executor gone")
         return len(dead)
+
+    # ---------------------------------------------------------------- replica jobs
+    @staticmethod
+    def _drop_source(d: Directory, key: str, obj: Obj, src: Segment, src_off: int) -> None:
+        """A move's last step: the source replica leaves ``obj``; its space is
+        freed once the object's read lease has ended (a reader may be copying)."""
+        reps = obj.replicas
+        kept: list[Any] = []
+        for i in range(0, len(reps), 2):
+            if not (reps[i] is src and reps[i + 1] == src_off):
+                kept += (reps[i], reps[i + 1])
+        obj.replicas = tuple(kept)
+        src.keys.discard(key)
+        d.hold_replicas((src, src_off), obj.size, obj.lease)
+
+    def _job(self, key: str, move: bool, executor: str) -> ReplicaJob:
+        now_ms = time.time_ns() // 1_000_000
+        job = ReplicaJob(next(self._job_ids), move, key, executor, now_ms, now_ms)
+        self.jobs[job.id] = job
+        if len(self.jobs) > _JOB_MEMORY:
+            del self.jobs[next(iter(self.jobs))]
+        return job
+
+    def create_job(self, d: Directory, key: str, targets: list[str],
+                   source: str = "") -> tuple[ErrorCode, ReplicaJob | None]:
+        """Start a replica job: copy ``key`` onto every segment of ``targets``
+        (``source`` ""), or move its replica on ``source`` to ``targets[0]``.
+
+        OBJECT_NOT_FOUND: no such complete object; INVALID_PARAMS: no target,
+        a target or source that is not an active segment, a move whose source
+        holds no replica of the object or equals its target;
+        OBJECT_HAS_REPLICATION_TASK: a tier task is copying the object now;
+        REPLICA_IS_NOT_READY: no replica whose owner is alive to copy from;
+        NO_AVAILABLE_HANDLE: a target has no room even after eviction. Targets
+        that already hold a replica are skipped (a job with nothing left to
+        copy succeeds at once; so does a move onto a segment that has one:
+        the source replica is just dropped). Changes made at once are journaled."""
+        obj = d.objects.get(key)
+        if obj is None:
+            return ErrorCode.OBJECT_NOT_FOUND, None
+        want: list[Segment] = []
+        for sid in targets:
+            seg = d.segments.get(sid)
+            if not sid or seg is None or seg.state != SegState.ACTIVE:
+                return ErrorCode.INVALID_PARAMS, None
+            if seg not in want:
+                want.append(seg)
+        if not want or (source and len(want) != 1):
+            return ErrorCode.INVALID_PARAMS, None
+        reps = obj.replicas
+        holders = {reps[i].id: (reps[i], reps[i + 1]) for i in range(0, len(reps), 2)
+                   if reps[i].state == SegState.ACTIVE}
+        if source:
+            if source == want[0].id or source not in holders:
+                return ErrorCode.INVALID_PARAMS, None
+            src: tuple[Segment, int] | None = holders[source]
+        else:
+            src = self._active_replica(d, obj, _MEM, live_owner=True) \
+                or self._active_replica(d, obj, _FILE, live_owner=True)
+        if src is None or src[0].owner not in d.clients:
+            return ErrorCode.REPLICA_IS_NOT_READY, None
+        running = self._by_key.get(key)
+        if running is not None and running.obj is obj:
+            return ErrorCode.OBJECT_HAS_REPLICATION_TASK, None
+        todo = [seg for seg in want if seg.id not in holders]
+        job = self._job(key, bool(source), src[0].owner)
+        if not todo:
+            if source:  # the target holds a replica already: drop the source's
+                self._drop_source(d, key, obj, src[0], src[1])
+                self._journal_replicas(d, key, obj)
+            job.status = JobStatus.SUCCESS
+            return ErrorCode.OK, job
+        placed: list[tuple[Segment, int]] = []
+        for seg in todo:
+            off = d.allocate_on(seg, obj.size)
+            if off < 0 or d.objects.get(key) is not obj:  # room-making evicted the object
+                if off >= 0:
+                    placed.append((seg, off))
+                for s, o in placed:
+                    d._free_replicas((s, o), obj.size)
+                del self.jobs[job.id]
+                return (ErrorCode.NO_AVAILABLE_HANDLE if off < 0
+                        else ErrorCode.OBJECT_NOT_FOUND), None
+            placed.append((seg, off))
+        kind = TaskKind.REPLICA_MOVE if source else TaskKind.REPLICA_COPY
+        for dst in placed:
+            t = self._new_task(kind, key, obj, src, dst)
+            t.job = job
+        job.left = len(placed)
+        self.counters["replica_jobs"] += 1
+        return ErrorCode.OK, job
 
     # ---------------------------------------------------------------- segments
     def on_owner_lost(self, d: Directory, seg: Segment) -> bool:

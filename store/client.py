@@ -46,7 +46,11 @@ from kvpool.core.protocol import (
     BatchPutRevoke,
     BatchPutStart,
     BatchRemove,
+    BatchReplicaClear,
+    BatchUpsertStart,
     Checksum,
+    CreateCopyTask,
+    CreateMoveTask,
     Exist,
     GetReplicaList,
     GetSize,
@@ -55,6 +59,8 @@ from kvpool.core.protocol import (
     PutOptions,
     PutRevoke,
     PutStart,
+    QueryTask,
+    QueryTaskReply,
     Remove,
     RemoveAll,
     RemoveByRegex,
@@ -87,7 +93,7 @@ from kvpool.store._gpustage import (
     plan_copies,
     run_copies,
 )
-from kvpool.store.config import ClientConfig, ReplicateConfig, default_host_id
+from kvpool.store.config import ClientConfig, ReplicateConfig, SoftPinAction, default_host_id
 from kvpool.store.errors import (
     BufferTooSmall,
     ChecksumMismatch,
@@ -461,10 +467,25 @@ class Client:
         """The placement a config stands for (None: every default)."""
         if config is None:
             return None
+        soft = bool(config.pins_soft)
+        ttl = config.soft_pin_ttl_ms
         opts = PutOptions(int(config.replica_num),
                           int(config.disk_replica_num) + int(config.nof_replica_num),
-                          config.segments(), bool(config.with_hard_pin), bool(config.pins_soft))
+                          config.segments(), bool(config.with_hard_pin), soft,
+                          int(ttl) if soft and ttl is not None else -1,
+                          not soft and config.soft_pin_action == SoftPinAction.DISABLE)
         return None if opts == _DEFAULT_OPTIONS else opts
+
+    @staticmethod
+    def _groups(config: ReplicateConfig | None, n: int) -> list[str] | None:
+        """``config.group_ids`` (one object group per key) checked against ``n`` keys."""
+        if config is None or config.group_ids is None:
+            return None
+        groups = [str(g) for g in config.group_ids]
+        if len(groups) != n:
+            raise StoreError(f"group_ids has {len(groups)} entries for {n} keys",
+                             ErrorCode.INVALID_PARAMS)
+        return groups
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
         """Store ``value`` (bytes-like or any buffer) under ``key``.
@@ -483,8 +504,9 @@ class Client:
         if size <= 0:
             raise StoreError("cannot put an empty value", ErrorCode.INVALID_PARAMS)
         checksum = self._checksum(buffer) if self._checksum_algo is not None else None
+        groups = self._groups(config, 1)
         res = self._call(PutStart(self.client_id, key, size, self._put_options(config),
-                                  checksum))
+                                  checksum, None if groups is None else groups[0]))
         self._learn_segments(res.segments)
         replicas = res.replicas
         try:
@@ -587,8 +609,10 @@ class Client:
         return self.batch_put_from(keys, values, config)
 
     def batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any],
-                       config: ReplicateConfig | None = None) -> list[ErrorCode]:
-        """Zero-copy :meth:`put_batch` from host or GPU buffers. Same result contract."""
+                       config: ReplicateConfig | None = None,
+                       upsert: bool = False) -> list[ErrorCode]:
+        """Zero-copy :meth:`put_batch` from host or GPU buffers. Same result
+        contract. ``upsert``: insert or replace (:meth:`batch_put_reserve`)."""
         self._check_open()
         if len(keys) != len(buffers):
             raise StoreError(f"{len(keys)} keys but {len(buffers)} buffers",
@@ -597,6 +621,7 @@ class Client:
         codes: list[ErrorCode] = [ErrorCode.OK] * n
         if n == 0:
             return codes
+        groups = self._groups(config, n)
         put_keys: list[str] = []
         put_sizes: list[int] = []
         idx: list[int] = []  # position in the request -> key index
@@ -623,8 +648,9 @@ class Client:
             idx.append(i)
         if not idx:
             return codes
-        res = self._call(BatchPutStart(self.client_id, put_keys, put_sizes,
-                                       self._put_options(config), checksums))
+        start = BatchUpsertStart if upsert else BatchPutStart
+        res = self._call(start(self.client_id, put_keys, put_sizes, self._put_options(config),
+                               checksums, None if groups is None else [groups[i] for i in idx]))
         self._learn_segments(res.segments)
         jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
         owner: list[int] = []  # job -> key index
@@ -1074,7 +1100,8 @@ class Client:
 
     def batch_put_reserve(self, keys: Sequence[str], sizes: Sequence[int],
                           config: ReplicateConfig | None = None,
-                          checksums: Sequence[Checksum] | None = None) -> list[Reservation]:
+                          checksums: Sequence[Checksum] | None = None,
+                          upsert: bool = False) -> list[Reservation]:
         """Reserve ``sizes[i]`` bytes for ``keys[i]`` on every replica, moving no data.
 
         Per key a :class:`Reservation`: code OK with its replicas (and the
@@ -1084,12 +1111,15 @@ class Client:
         :meth:`batch_put_commit` or aborted with :meth:`batch_put_abort` (the
         master discards it after ``put_start_discard_timeout_s`` otherwise).
         ``checksums[i]`` (a :func:`parts_checksum` string) is recorded with the
-        object and verified by readers. One master RPC.
+        object and verified by readers. One master RPC. ``upsert``: an existing
+        key is replaced (BATCH_UPSERT_START): its object stays readable until
+        the commit swaps the new one in.
         """
         self._check_open()
         if len(keys) != len(sizes) or (checksums is not None and len(checksums) != len(keys)):
             raise StoreError(f"{len(keys)} keys but {len(sizes)} sizes", ErrorCode.INVALID_PARAMS)
         out = [Reservation(ErrorCode.OK, int(size), [], _NO_CAPS) for size in sizes]
+        groups = self._groups(config, len(keys))
         put_keys: list[str] = []
         put_sizes: list[int] = []
         sums: list[Checksum] = []
@@ -1112,9 +1142,10 @@ class Client:
             idx.append(i)
         if not idx:
             return out
-        res = self._call(BatchPutStart(self.client_id, put_keys, put_sizes,
-                                       self._put_options(config),
-                                       sums if any(c is not None for c in sums) else None))
+        start = BatchUpsertStart if upsert else BatchPutStart
+        res = self._call(start(self.client_id, put_keys, put_sizes, self._put_options(config),
+                               sums if any(c is not None for c in sums) else None,
+                               None if groups is None else [groups[i] for i in idx]))
         self._learn_segments(res.segments)
         empty: list[str] = []
         for pos, (code, reps) in enumerate(zip(res.codes, res.replicas, strict=True)):
@@ -1180,11 +1211,13 @@ class Client:
         self._revoke(list(keys))
 
     def batch_put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[Any]],
-                        config: ReplicateConfig | None = None) -> list[ErrorCode]:
+                        config: ReplicateConfig | None = None,
+                        upsert: bool = False) -> list[ErrorCode]:
         """Store each key's value as the concatenation of its parts (host or GPU
         buffers, raw or registered handles): one BATCH_PUT_START, one transfer
         batch writing every part into every replica, one BATCH_PUT_END. Per key
-        the :meth:`batch_put_from` codes."""
+        the :meth:`batch_put_from` codes. ``upsert``: insert or replace
+        (:meth:`batch_put_reserve`)."""
         self._check_open()
         if len(keys) != len(parts):
             raise StoreError(f"{len(keys)} keys but {len(parts)} part lists",
@@ -1193,7 +1226,7 @@ class Client:
         checksums: list[Checksum] | None = None
         if self._checksum_algo is not None:
             checksums = [parts_checksum(self._checksum_algo, ps) for ps in parts]
-        held = self.batch_put_reserve(keys, sizes, config, checksums)
+        held = self.batch_put_reserve(keys, sizes, config, checksums, upsert)
         codes = [rv.code for rv in held]
         reserved = [i for i, c in enumerate(codes) if c == ErrorCode.OK]
         give_back: Callable[[], None] | None = None
@@ -1600,6 +1633,37 @@ class Client:
         "" matches all); keys starting with ``exclude_prefix`` stay. Returns the
         count. StoreError(INVALID_PARAMS) for a bad pattern."""
         return self._call(RemoveByRegex(pattern, bool(force), prefix, exclude_prefix)).removed
+
+    def batch_replica_clear(self, keys: Sequence[str], segment_id: str = "") -> list[ErrorCode]:
+        """Clear each key's replicas on ``segment_id`` ("" = every replica: the
+        object goes) in one RPC; per key OK, PERMISSION_DENIED (another client
+        wrote it), OBJECT_HAS_LEASE, OBJECT_NOT_FOUND (none there) or INVALID_KEY."""
+        self._check_open()
+        codes = [ErrorCode.INVALID_KEY] * len(keys)
+        valid = [i for i, k in enumerate(keys)
+                 if type(k) is str and k and len(k) <= MAX_KEY_LENGTH]
+        if valid:
+            res = self._call(BatchReplicaClear(self.client_id, [keys[i] for i in valid],
+                                               segment_id))
+            for i, code in zip(valid, res.codes, strict=True):
+                codes[i] = self._code(code)
+        return codes
+
+    def create_copy_task(self, key: str, targets: Sequence[str]) -> int:
+        """Start copying ``key``'s replica onto each segment of ``targets``; the
+        task id (:meth:`query_task`). Raises StoreError: OBJECT_NOT_FOUND,
+        INVALID_PARAMS (unknown target), NO_AVAILABLE_HANDLE,
+        OBJECT_HAS_REPLICATION_TASK."""
+        return self._call(CreateCopyTask(self._valid_key(key), list(targets))).task_id
+
+    def create_move_task(self, key: str, source: str, target: str) -> int:
+        """Start moving ``key``'s replica from segment ``source`` to ``target``;
+        the task id. Errors as :meth:`create_copy_task`."""
+        return self._call(CreateMoveTask(self._valid_key(key), source, target)).task_id
+
+    def query_task(self, task_id: int) -> QueryTaskReply:
+        """A copy/move task's state; StoreError(TASK_NOT_FOUND) when unknown."""
+        return self._call(QueryTask(int(task_id)))
 
     def describe_segment(self, segment_id: str) -> SegmentDescriptor | None:
         """The descriptor of a segment this client has seen (its own, or one a

@@ -4,13 +4,16 @@
   complete replicas are (memory: offset in its segment and the owner's
   ``host:port``; disk: the SSD-tier file), from one master RPC (which grants
   a read lease, as Mooncake's query does);
-- ``batch_replica_clear(keys, "")``: remove the keys whose read lease has
-  ended (one batch RPC; leased keys are skipped and not returned);
-- what needs the master to grow (placing a replica on a named segment:
-  copy/move tasks, clearing one segment's replicas) or has no kvpool model
-  (mounting arbitrary files or extra shared-memory regions into a running
-  client) returns Mooncake's NOT_SUPPORTED (-1012) after one log line;
-  docs/mooncake_compat.md says which.
+- ``batch_replica_clear(keys, segment_name)``: clear the replicas of the
+  keys this store wrote whose read lease has ended, on one segment or all
+  (one master RPC, BATCH_REPLICA_CLEAR); the keys cleared are returned;
+- copy/move tasks: the master's replica jobs (CREATE_COPY_TASK,
+  CREATE_MOVE_TASK, QUERY_TASK), copied by the source replica's owner; task
+  ids are Mooncake's UUID pairs ``(0, n)``; ``assigned_client`` is the
+  copying client's id as a UUID pair;
+- what has no kvpool model (mounting arbitrary files or extra shared-memory
+  regions into a running client) returns Mooncake's NOT_SUPPORTED (-1012)
+  after one log line; docs/mooncake_compat.md says which.
 """
 
 from __future__ import annotations
@@ -29,11 +32,22 @@ from kvpool.store.mooncake_types import (
     QueryTaskResponse,
     ReplicaDescriptor,
     ReplicaStatus,
+    TaskStatus,
+    TaskType,
 )
 
 __all__ = ["AdminCalls"]
 
 _NO_TASK = (0, 0)
+
+
+def _uuid_pair(hex_id: str) -> tuple[int, int]:
+    """A kvpool client id (a UUID's hex) as Mooncake's (high, low) pair."""
+    try:
+        n = int(hex_id, 16) & ((1 << 128) - 1)
+    except ValueError:
+        return _NO_TASK
+    return n >> 64, n & ((1 << 64) - 1)
 
 
 def _unsupported(what: str, why: str) -> int:
@@ -135,20 +149,17 @@ class AdminCalls(MooncakeCore):
             return {}
 
     def batch_replica_clear(self, keys: Sequence[str], segment_name: str = "") -> list[str]:
-        """Clear the replicas of ``keys`` whose read lease has ended: with
-        ``segment_name`` "" every replica (the object goes). Returns the keys
-        cleared; leased, missing and invalid keys are skipped. Clearing one
-        segment's replicas only needs the master's support: [] (logged)."""
+        """Clear the replicas of ``keys`` on segment ``segment_name`` ("": every
+        replica, the object goes; a key's last replica going takes the object
+        too). As Mooncake: only keys this store wrote, whose read lease has
+        ended; the others (and missing or invalid keys) are skipped. Returns
+        the keys cleared (one master RPC)."""
         if not keys or self._client is None:
-            return []
-        if segment_name:
-            _unsupported("batch_replica_clear(segment_name=...)",
-                         "the master cannot drop one segment's replicas yet")
             return []
         valid = [(key, k) for key, k in ((key, self._k_or_none(key)) for key in keys)
                  if k is not None]
         try:
-            codes = self._client.batch_remove([k for _, k in valid], force=False)
+            codes = self._client.batch_replica_clear([k for _, k in valid], segment_name)
         except KVPoolError as exc:
             log.debug("batch_replica_clear: %s", exc)
             return []
@@ -156,33 +167,49 @@ class AdminCalls(MooncakeCore):
 
     # ------------------------------------------------------------------ copy / move tasks
 
-    def _task_precheck(self, key: str) -> int:
-        """-704 for a missing key (Mooncake answers that before any task exists)."""
+    def _start_task(self, key: str, targets: Sequence[str],
+                    source: str = "") -> tuple[tuple[int, int], int]:
         try:
-            self._c().get_size(self._k(key))
-            return 0
+            client = self._c()
+            k = self._k(key)
+            if source:
+                tid = client.create_move_task(k, source, targets[0])
+            else:
+                tid = client.create_copy_task(k, list(targets))
         except KVPoolError as exc:
-            return code_of(exc)
+            return _NO_TASK, code_of(exc)
+        return (0, tid), 0
 
     def create_copy_task(self, key: str, targets: Sequence[str]) -> tuple[tuple[int, int], int]:
-        """``(task_id, 0)`` or ``((0, 0), code)``: a missing key gives -704; a
-        replica on a named segment needs the master's support: NOT_SUPPORTED."""
-        code = self._task_precheck(key)
-        if code:
-            return _NO_TASK, code
-        return _NO_TASK, _unsupported("create_copy_task",
-                                      "the master cannot place a replica on a named segment yet")
+        """Copy ``key``'s object onto each segment named in ``targets`` (segment
+        names as ``get_hostname()`` gives them). ``(task_id, 0)``, or
+        ``((0, 0), code)``: -704 missing key, -600 no or unknown target, -200
+        no room on a target, -708 a task already copying it. Targets holding
+        a replica are skipped. Poll :meth:`query_task` for the outcome."""
+        return self._start_task(key, targets)
 
     def create_move_task(self, key: str, source: str,
                          target: str) -> tuple[tuple[int, int], int]:
-        """As :meth:`create_copy_task` for a move."""
-        code = self._task_precheck(key)
-        if code:
-            return _NO_TASK, code
-        return _NO_TASK, _unsupported("create_move_task",
-                                      "the master cannot move a replica to a named segment yet")
+        """Move ``key``'s replica from segment ``source`` to ``target``: as
+        :meth:`create_copy_task`; -600 also when ``source`` holds no replica or
+        equals ``target``."""
+        if not source:
+            return _NO_TASK, mooncake_code(ErrorCode.INVALID_PARAMS)
+        return self._start_task(key, [target], source)
 
     def query_task(self, task_id: tuple[int, int]) -> tuple[QueryTaskResponse | None, int]:
-        """``(response, 0)`` or ``(None, code)``; no task can exist yet, so
-        TASK_NOT_FOUND (-1400)."""
-        return None, mooncake_code(ErrorCode.TASK_NOT_FOUND)
+        """``(response, 0)`` or ``(None, code)``: TASK_NOT_FOUND (-1400) for an
+        unknown id (or one from before a master restart)."""
+        try:
+            hi, lo = (int(x) for x in task_id)
+            if hi:
+                raise KVPoolError(f"no task {task_id}", ErrorCode.TASK_NOT_FOUND)
+            r = self._c().query_task(lo)
+        except (TypeError, ValueError):
+            return None, mooncake_code(ErrorCode.INVALID_PARAMS)
+        except KVPoolError as exc:
+            return None, code_of(exc)
+        return QueryTaskResponse(
+            (0, r.task_id), TaskType.REPLICA_MOVE if r.move else TaskType.REPLICA_COPY,
+            TaskStatus(r.status), r.created_ms, r.updated_ms, _uuid_pair(r.executor),
+            r.message), 0

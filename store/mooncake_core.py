@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import re
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,7 +56,6 @@ DEFAULT_TENANT = "default"
 TENANT_SEP = "\x1f"
 INVALID = int(ErrorCode.INVALID_PARAMS)
 NOT_SUPPORTED = int(ErrorCode.NOT_SUPPORTED)
-_UPSERT_RETRY_S = 0.05  # an upsert of a leased key retries its remove this often
 
 # kvpool-only codes -> the Mooncake code a Mooncake caller expects instead
 _TO_MOONCAKE = {
@@ -192,14 +190,17 @@ class MooncakeCore:
 
     def _upsert_many(self, keys: Sequence[str], parts: Sequence[Sequence[Any]],
                      config: ReplicateConfig | None, staged: bool = True) -> list[int]:
-        """Insert-or-replace each key with the concatenation of its parts: put;
-        where the key exists, remove it and put again. Per key 0 or a Mooncake
-        code. ``staged``: a non-zero-copy call (``local_buffer_size`` applies).
+        """Insert-or-replace each key with the concatenation of its parts: one
+        BATCH_UPSERT_START, one transfer batch, one BATCH_PUT_END. Per key 0 or
+        a Mooncake code. ``staged``: a non-zero-copy call (``local_buffer_size``
+        applies).
 
-        The master has no in-place replace yet, so a reader may find the key
-        missing between the remove and the put; a key under a read lease is
-        replaced once the lease ends (waiting at most ``transfer_timeout_s``).
-        A replaced object does not keep its soft pin (PRESERVE keeps nothing).
+        A replaced object stays readable, unchanged, until the new one is
+        committed (readers never see the key missing); its space is freed
+        once the read leases on it have ended. Its hard pin carries over; its
+        soft pin too unless the config says ENABLE (a new pin) or DISABLE; its
+        object group cannot change (-600 for another ``group_ids`` entry). A
+        key given twice in one call ends with its last value.
         """
         try:
             cfg = self._config(config, len(keys))
@@ -212,41 +213,32 @@ class MooncakeCore:
             return [code_of(exc)] * len(keys)
         results = [INVALID] * len(keys)
         todo = list(range(len(keys)))
-        deadline = time.monotonic() + client.config.transfer_timeout_s
         while todo:
+            round_cfg = cfg
+            if cfg is not None and cfg.group_ids is not None and len(todo) != len(keys):
+                round_cfg = dataclasses.replace(cfg, group_ids=[cfg.group_ids[i] for i in todo])
             try:
-                codes = client.batch_put_parts([pool_keys[i] for i in todo],
-                                               [parts[i] for i in todo], cfg)
+                if all(len(parts[i]) == 1 for i in todo):  # one buffer each: the direct path
+                    codes = client.batch_put_from([pool_keys[i] for i in todo],
+                                                  [parts[i][0] for i in todo], round_cfg,
+                                                  upsert=True)
+                else:
+                    codes = client.batch_put_parts([pool_keys[i] for i in todo],
+                                                   [parts[i] for i in todo], round_cfg,
+                                                   upsert=True)
             except KVPoolError as exc:
                 for i in todo:
                     results[i] = code_of(exc)
                 break
-            exists: list[int] = []
+            again: list[int] = []
             for i, c in zip(todo, codes, strict=True):
+                # only a key repeated in the batch is refused as existing: its
+                # later occurrences go in the next round (the last value wins)
                 if c == ErrorCode.OBJECT_ALREADY_EXISTS:
-                    exists.append(i)
+                    again.append(i)
                 else:
                     results[i] = mooncake_code(c)
-            if not exists:
-                break
-            try:
-                removed = client.batch_remove([pool_keys[i] for i in exists])
-            except KVPoolError as exc:
-                for i in exists:
-                    results[i] = code_of(exc)
-                break
-            todo = []
-            leased = False
-            for i, c in zip(exists, removed, strict=True):
-                if c in (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND):
-                    todo.append(i)
-                elif c == ErrorCode.OBJECT_HAS_LEASE and time.monotonic() < deadline:
-                    todo.append(i)
-                    leased = True
-                else:
-                    results[i] = mooncake_code(c)
-            if leased:
-                time.sleep(_UPSERT_RETRY_S)
+            todo = again
         return results
 
     # ------------------------------------------------------------------ configs
@@ -270,8 +262,6 @@ class MooncakeCore:
             if own and own[0] not in config.segments():
                 config = dataclasses.replace(
                     config, preferred_segments=[own[0], *config.preferred_segments])
-        if config.group_ids is not None:
-            log.debug("group_ids accepted; grouped placement awaits the master's support")
         return config
 
     # ------------------------------------------------------------------ registered buffers
