@@ -99,6 +99,7 @@ class HaNode:
         self._pending: collections.deque[tuple[int, int]] = collections.deque()
         self._released = 0
         self._next_sync_check = 0.0
+        self._next_join_wait = 0.0
         self._standby_ids: frozenset[str] = frozenset()
         self._sync_published: tuple[str, ...] | None = None
         self.promotions = 0
@@ -269,7 +270,8 @@ class HaNode:
         if not candidates:
             return
         caught = src.caught_up()
-        if not caught:
+        if not caught and time.monotonic() >= self._next_join_wait:
+            self._next_join_wait = time.monotonic() + 0.5  # at most 10 % of the loop
             # under load a standby is always one batch behind: give it a moment
             # with no new batches (bounded) so it can be seen holding everything
             deadline = time.monotonic() + 0.05
