@@ -9,6 +9,9 @@ rejoins as a follower of the new term."""
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -69,6 +72,14 @@ def test_followers_refuse_with_not_leader_and_health_reports_roles(group: HaGrou
     with MasterClient(group.url, timeout_s=2.0) as c:
         assert c.call(Ping(client_id="x")) is not None
         assert c.address.endswith(leader.address)
+    # kvpool status --master etcd://...: every instance with role, epoch, lag
+    out = subprocess.run([sys.executable, "-m", "kvpool.cluster.cli", "status", "--master",
+                          group.url, "--json"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {r["instance_id"]: r for r in json.loads(out.stdout)["instances"]}
+    assert set(rows) == {m.address for m in group.members}
+    assert [a for a, r in rows.items() if r["role"] == "leader"] == [leader.address]
+    assert all(r["epoch"] == epoch and r["lag"] >= 0 for r in rows.values())
 
 
 def test_kill9_leader_under_load_loses_no_acknowledged_put(group: HaGroup) -> None:
