@@ -323,7 +323,7 @@ def cmd_failover(args: argparse.Namespace) -> dict[str, Any]:
         th.start()
         try:
             for _ in range(args.kills):
-                leader = group.wait_leader(in_sync=2, timeout_s=30)
+                leader = group.wait_leader(in_sync=1, streaming=2, timeout_s=30)
                 time.sleep(1.0)  # load on the settled group
                 first_ok.clear()
                 t_kill[0] = time.monotonic()
@@ -419,7 +419,7 @@ def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
                 with HaGroup(etcd.endpoint, f"tp-{uuid.uuid4().hex[:6]}",
                              os.path.join(tmp, f"ha{sync}"),
                              extra_args=[*common, "--sync-standbys", str(sync)]) as g:
-                    leader = g.wait_leader(in_sync=2, timeout_s=30)
+                    leader = g.wait_leader(in_sync=min(sync, 1), streaming=2, timeout_s=30)
                     assert leader.pid is not None
                     r = _put_rate(g.url, leader.pid, args.seconds, args.batch)
                     r["ratio_to_single"] = round(

@@ -265,6 +265,8 @@ class HaNode:
                 src.remove_sync(sid)
                 log.warning("%s: standby %s dropped from the in-sync set", self.me.instance_id,
                             sid)
+        if len(src.sync_members) >= self.sync_standbys:
+            return  # the set is full: the others stream asynchronously (not eligible)
         candidates = [sid for sid, sb in src.standbys.items()
                       if sid not in src.sync_members and sb.status.state.value == "streaming"]
         if not candidates:
@@ -279,7 +281,7 @@ class HaNode:
                 if src.sock.poll(5):
                     src.poll()
                 caught = src.caught_up()
-        for sid in caught:
+        for sid in caught[:self.sync_standbys - len(src.sync_members)]:
             members = tuple(sorted(src.sync_members | {sid}))
             if self._publish_sync(members):
                 src.add_sync(sid)

@@ -54,7 +54,7 @@ def group(etcd: EtcdProcess, tmp_path: Path) -> Iterator[HaGroup]:
 
 
 def test_followers_refuse_with_not_leader_and_health_reports_roles(group: HaGroup) -> None:
-    leader = group.wait_leader(in_sync=2)
+    leader = group.wait_leader(in_sync=1, streaming=2)
     healths = {m.address: m.health() for m in group.members}
     epoch = healths[leader.address]["epoch"]  # type: ignore[index]
     for m in group.members:
@@ -83,7 +83,7 @@ def test_followers_refuse_with_not_leader_and_health_reports_roles(group: HaGrou
 
 
 def test_kill9_leader_under_load_loses_no_acknowledged_put(group: HaGroup) -> None:
-    leader = group.wait_leader(in_sync=2)
+    leader = group.wait_leader(in_sync=1, streaming=2)
     acked: dict[str, int] = {}
     errors: list[str] = []
     stop = threading.Event()
@@ -151,8 +151,8 @@ def test_kill9_leader_under_load_loses_no_acknowledged_put(group: HaGroup) -> No
             h = leader.health()
             nh = new_leader.health()
             if h and nh and h["role"] == "follower" and h["epoch"] == new_epoch and any(
-                    s["instance_id"] == leader.address and s["in_sync"]
-                    for s in nh.get("standbys", ())):
+                    s["instance_id"] == leader.address and s["state"] == "streaming"
+                    and s["lag"] == 0 for s in nh.get("standbys", ())):
                 break
             time.sleep(0.1)
         else:

@@ -113,8 +113,10 @@ class HaGroup:
         return self
 
     def wait_leader(self, in_sync: int = 1, timeout_s: float = 20.0,
-                    exclude: HaMasterProcess | None = None) -> HaMasterProcess:
-        """The instance serving as leader with ``in_sync`` in-sync standbys."""
+                    exclude: HaMasterProcess | None = None,
+                    streaming: int = 0) -> HaMasterProcess:
+        """The instance serving as leader with ``in_sync`` in-sync standbys and
+        ``streaming`` standbys connected and streaming (in sync or not)."""
         deadline = time.monotonic() + timeout_s
         last: list[Any] = []
         while time.monotonic() < deadline:
@@ -124,8 +126,10 @@ class HaGroup:
                     continue
                 h = m.health()
                 last.append(h)
-                if h and h.get("role") == "leader" and sum(
-                        1 for s in h.get("standbys", ()) if s["in_sync"]) >= in_sync:
+                sbs = h.get("standbys", ()) if h else ()
+                if h and h.get("role") == "leader" \
+                        and sum(1 for s in sbs if s["in_sync"]) >= in_sync \
+                        and sum(1 for s in sbs if s["state"] == "streaming") >= streaming:
                     return m
             time.sleep(0.05)
         raise TimeoutError(f"no leader with {in_sync} in-sync standbys: {last}")
