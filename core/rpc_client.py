@@ -75,7 +75,8 @@ def _address_is_ours(address: str) -> bool:
 _DONTWAIT = socket.MSG_DONTWAIT
 R = TypeVar("R", bound=Reply)
 #: codes after which a call to a master group is sent again to the (new) leader
-_FOLLOW = frozenset({ErrorCode.NOT_LEADER, ErrorCode.NO_LEADER, ErrorCode.RPC_FAIL})
+_FOLLOW = frozenset({ErrorCode.NOT_LEADER, ErrorCode.NO_LEADER, ErrorCode.RPC_FAIL,
+                     ErrorCode.COORDINATION_UNAVAILABLE})
 _LEADER_CHANGED = "the master group's leader changed while waiting for the reply"
 _SPIN_S = float(os.environ.get("KVPOOL_RPC_SPIN_US", "50")) / 1e6
 
@@ -356,7 +357,7 @@ class MasterClient:
                 self._follow_leader(deadline)
                 frame = self._roundtrip_once(op, rid, payload,
                                              min(timeout, max(0.05, deadline - time.monotonic())))
-                if frame.code != ErrorCode.NOT_LEADER:
+                if frame.code not in (ErrorCode.NOT_LEADER, ErrorCode.COORDINATION_UNAVAILABLE):
                     return frame
                 err: KVPoolError = MasterRPCError(f"{op.name}: {frame.error}", frame.code)
             except KVPoolError as exc:

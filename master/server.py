@@ -21,6 +21,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
@@ -82,6 +83,8 @@ class MasterServer:
             gc.enable()
         gc.freeze()
         self.handlers = OpHandlers(cfg, self.dir, self.tiering, self.signer, self.info)
+        #: payload -> reply: the handlers (an HA leader wraps them: fenced -> no writes)
+        self._payload: Callable[[bytes], bytes] = self.handlers.handle_payload
         self.info.save_keys = lambda: self.durability.save_keys(self.signer)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -193,6 +196,7 @@ class MasterServer:
         d = ha.promote(self.dir)
         self.dir = d
         self.handlers = OpHandlers(self.cfg, d, self.tiering, self.signer, self.info)
+        self._payload = ha.guard_writes(self.handlers.handle_payload)
         if self.events is not None:
             self.events.rebind_directory(d)
         self.durability.set_ack_gate(ha.acked)
@@ -294,7 +298,7 @@ class MasterServer:
                                             f"expected one payload frame, got {n - 1}")]
         else:
             return None
-        return [*prefix, self.handlers.handle_payload(frames[-1])]
+        return [*prefix, self._payload(frames[-1])]
 
     def _too_many(self, frames: list[bytes]) -> list[bytes] | None:
         if len(frames) < 2:
@@ -363,7 +367,7 @@ class MasterServer:
                     out = handle(frames) if queued <= inflight_limit else self._too_many(frames)
                     if out is not None:
                         replies.append(out)
-                local_replies = local.serve(events, handlers.handle_payload,
+                local_replies = local.serve(events, self._payload,
                                             handlers.too_many, inflight_limit) \
                     if local is not None else None
                 commit_no = commit(records)  # group commit before any reply leaves

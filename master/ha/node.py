@@ -34,7 +34,7 @@ from typing import Any
 from kvpool.core.capability import CapabilitySigner
 from kvpool.core.errors import ErrorCode
 from kvpool.core.etcd import LeaderInfo, MemberInfo, parse_etcd_url
-from kvpool.core.protocol import encode_error, peek_id
+from kvpool.core.protocol import Op, encode_error, peek_id
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
 from kvpool.master.ha.election import ElectionConfig, Elector, Role
@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 
 #: stream-only record ``[KEYS_RECORD, {segment_id: key}]`` (never journaled)
 KEYS_RECORD = 100
+#: ops that change the directory: refused while the leader is fenced
+_WRITES = frozenset(int(o) for o in (
+    Op.MOUNT_SEGMENT, Op.UNMOUNT_SEGMENT, Op.PUT_START, Op.PUT_END, Op.PUT_REVOKE, Op.REMOVE,
+    Op.REMOVE_ALL, Op.REMOVE_BY_REGEX, Op.BATCH_PUT_START, Op.BATCH_PUT_END,
+    Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE, Op.TIER_TASK_DONE))
 _RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hello again
 
 
@@ -207,6 +212,24 @@ class HaNode:
         self._publish_sync(())
         self.serving = True
         return d
+
+    def guard_writes(self, handle: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
+        """``handle`` for the leader: while the fencing deadline has passed
+        (etcd unreachable, or this instance was frozen), ops that change the
+        directory are refused with ``COORDINATION_UNAVAILABLE``; reads go on."""
+        may = self.elector.may_acknowledge
+
+        def guarded(payload: bytes) -> bytes:
+            if may():
+                return handle(payload)
+            # [op, id, args]: a fixarray of 3 whose first item is a positive fixint
+            if len(payload) > 1 and payload[0] == 0x93 and payload[1] in _WRITES:
+                return encode_error(peek_id(payload), ErrorCode.COORDINATION_UNAVAILABLE,
+                                    f"master {self.me.address}: etcd unreachable (lease "
+                                    "unconfirmed): writes refused until it returns")
+            return handle(payload)
+
+        return guarded
 
     def set_released(self, commit_no: int) -> None:
         self._released = commit_no

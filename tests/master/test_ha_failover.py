@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +24,15 @@ import pytest
 
 from kvpool.cluster.processes import NodeDaemonProcess
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import ListSegments, Ping
+from kvpool.core.protocol import (
+    Exist,
+    ListSegments,
+    MountSegment,
+    Ping,
+    PutStart,
+    SegmentDescriptor,
+    SegmentKind,
+)
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
 from kvpool.store import Client, ClientConfig
 from support.etcd import EtcdProcess, etcd_binary
@@ -160,3 +170,53 @@ def test_kill9_leader_under_load_loses_no_acknowledged_put(group: HaGroup) -> No
         assert h["objects"] == len(acked) or h["objects"] >= len(snapshot)
         for key, size in list(acked.items())[-20:]:
             assert client.get(key) == _value(key, size), key
+
+
+def test_frozen_leader_is_fenced_and_rejoins_as_follower(group: HaGroup) -> None:
+    """SIGSTOP the leader past its lease: a successor is elected; a write sent
+    to the frozen leader is never acknowledged after it resumes (its fencing
+    deadline passed), and it rejoins as a follower of the new term."""
+    old = group.wait_leader(in_sync=1, streaming=2)
+    assert old.pid is not None
+    with MasterClient(group.url, timeout_s=3.0) as c:  # capacity for the puts below
+        c.call(MountSegment(client_id="owner", segment=SegmentDescriptor(
+            "seg-f", "owner", "host-f", SegmentKind.MEMORY, 1 << 30, "kvpool-test-seg-f")))
+    old_epoch = old.health()["epoch"]  # type: ignore[index]
+    os.kill(old.pid, signal.SIGSTOP)
+    try:
+        new = group.wait_leader(in_sync=0, exclude=old, timeout_s=15)
+        result: list[object] = []
+
+        def write_to_old() -> None:
+            with MasterClient(old.address, timeout_s=4.0) as c:
+                try:
+                    result.append(c.call(PutStart(client_id="w", key="fenced", size=4096)))
+                except MasterRPCError as exc:
+                    result.append(exc)
+
+        t = threading.Thread(target=write_to_old)
+        t.start()
+        time.sleep(0.3)  # the request is queued at the frozen leader
+    finally:
+        os.kill(old.pid, signal.SIGCONT)
+    t.join(10)
+    print(f"write to the frozen leader: {result}")
+    assert len(result) == 1
+    assert isinstance(result[0], MasterRPCError), result
+    assert result[0].code in (ErrorCode.NOT_LEADER, ErrorCode.COORDINATION_UNAVAILABLE,
+                              ErrorCode.RPC_TIMEOUT), result[0]
+    new_epoch = new.health()["epoch"]  # type: ignore[index]
+    assert new_epoch > old_epoch
+    deadline = time.monotonic() + 15
+    h = None
+    while time.monotonic() < deadline:
+        h = old.health()
+        if h and h["role"] == "follower" and h["epoch"] == new_epoch \
+                and h.get("sink") == "streaming":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"old leader did not rejoin: {h}")
+    with MasterClient(group.url, timeout_s=3.0) as c:
+        assert not c.call(Exist(key="fenced")).exists
+        c.call(PutStart(client_id="w", key="after", size=4096))  # the group still writes
