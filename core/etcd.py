@@ -63,6 +63,8 @@ __all__ = [
     "group_keys",
     "is_etcd_url",
     "parse_etcd_url",
+    "policy_address",
+    "shared_resolver",
 ]
 
 log = logging.getLogger(__name__)
@@ -119,6 +121,15 @@ def parse_etcd_url(address: str, cluster_id: str | None = None) -> EtcdTarget:
     if "/" in cid or not cid.isprintable() or len(cid) > 128:
         raise ValueError(f"bad cluster id {cid!r}")
     return EtcdTarget(eps, cid)
+
+
+def policy_address(address: str) -> str:
+    """The address to base network decisions on (CURVE policy, the local bind
+    address): a master group's first etcd endpoint as ``tcp://HOST:PORT``
+    (the group's instances run on that network), any other address as is."""
+    if is_etcd_url(address):
+        return "tcp://" + parse_etcd_url(address).endpoints[0]
+    return address
 
 
 @dataclass(frozen=True)
@@ -715,3 +726,19 @@ class LeaderResolver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_SHARED: dict[str, LeaderResolver] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_resolver(address: str | EtcdTarget) -> LeaderResolver:
+    """The process's one watching resolver of a master group (created on first
+    use, kept for the process's life: every client of the group shares it)."""
+    target = parse_etcd_url(address) if isinstance(address, str) else address
+    key = target.url()
+    with _SHARED_LOCK:
+        r = _SHARED.get(key)
+        if r is None or r._closed:
+            r = _SHARED[key] = LeaderResolver(target)
+        return r

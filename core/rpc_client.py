@@ -32,6 +32,7 @@ import msgspec
 import zmq
 
 from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.etcd import EtcdError, LeaderResolver, is_etcd_url, shared_resolver
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
 from kvpool.core.protocol import (
     OPS,
@@ -73,6 +74,10 @@ def _address_is_ours(address: str) -> bool:
 
 _DONTWAIT = socket.MSG_DONTWAIT
 R = TypeVar("R", bound=Reply)
+#: codes after which a call to a master group is sent again to the (new) leader
+_FOLLOW = frozenset({ErrorCode.NOT_LEADER, ErrorCode.NO_LEADER, ErrorCode.RPC_FAIL,
+                     ErrorCode.COORDINATION_UNAVAILABLE})
+_LEADER_CHANGED = "the master group's leader changed while waiting for the reply"
 _SPIN_S = float(os.environ.get("KVPOOL_RPC_SPIN_US", "50")) / 1e6
 
 
@@ -103,6 +108,19 @@ class MasterClient:
     the reply is decoded into the op's reply Struct. Raises
     :class:`MasterRPCError` with the master's code for an error reply,
     ``RPC_TIMEOUT`` when no reply arrives within ``timeout_s``.
+
+    A master group (HA, docs/ha.md) is addressed as
+    ``etcd://HOST:PORT[;HOST:PORT...][/CLUSTER_ID]``: the stub sends to the
+    leader etcd names and follows it. A call answered ``NOT_LEADER``, one
+    whose leader went away before it answered (the wait is cut short when
+    etcd names a new leader) or one sent while no leader serves is sent again
+    to the current leader, for at most ``timeout_s + failover_timeout_s`` in
+    all; then the last error is raised (``NO_LEADER`` when none appeared). A
+    call that timed out is resent only if etcd names a newer leader within
+    that budget (a dead leader is silent until its lease lapses).
+    A request resent after its leader died may have taken effect there
+    (and, if replicated, at the new leader): a retried put can then answer
+    as a conflict, never silently succeed twice.
     """
 
     def __init__(
@@ -113,9 +131,21 @@ class MasterClient:
         curve_server_key: bytes | None = None,
         curve_keypair: tuple[bytes, bytes] | None = None,
         local: str = "auto",
+        failover_timeout_s: float = 6.0,
     ) -> None:
         if local not in ("auto", "off"):
             raise ValueError(f"local must be 'auto' or 'off', not {local!r}")
+        #: the group's resolver when ``address`` is an ``etcd://`` URL
+        self.resolver: LeaderResolver | None = None
+        self.group = ""
+        self.failover_timeout_s = failover_timeout_s
+        self._epoch = 0  # the leader term calls go to (groups only)
+        if is_etcd_url(address):
+            self.resolver = shared_resolver(address)
+            self.group = address
+            leader = self.resolver.current()
+            address = leader.address if leader is not None else "127.0.0.1:0"
+            self._epoch = leader.epoch if leader is not None else 0
         self.address = normalize_address(address)
         self.timeout_s = timeout_s
         self._ctx = context or zmq.Context.instance()
@@ -127,6 +157,7 @@ class MasterClient:
         self._closed = False
         # same-host Unix socket (see module docstring)
         self._local_on = local == "auto" and curve_server_key is None
+        self._local_wanted = self._local_on
         self._usock: socket.socket | None = None
         self._zmq_ok = 0  # successful ZeroMQ calls since the last lookup
         self._next_lookup = 0.0
@@ -318,6 +349,68 @@ class MasterClient:
         if self._closed:
             raise MasterRPCError("master client is closed", ErrorCode.CLOSED)
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self.resolver is None:
+            return self._roundtrip_once(op, rid, payload, timeout)
+        deadline = time.monotonic() + timeout + self.failover_timeout_s
+        while True:
+            try:
+                self._follow_leader(deadline)
+                frame = self._roundtrip_once(op, rid, payload,
+                                             min(timeout, max(0.05, deadline - time.monotonic())))
+                if frame.code not in (ErrorCode.NOT_LEADER, ErrorCode.COORDINATION_UNAVAILABLE):
+                    return frame
+                err: KVPoolError = MasterRPCError(f"{op.name}: {frame.error}", frame.code)
+            except KVPoolError as exc:
+                if exc.code == ErrorCode.RPC_TIMEOUT:
+                    # a leader that died (or hangs) goes silent until its lease
+                    # lapses: resend only once etcd names a newer one
+                    try:
+                        self.resolver.wait(max(0.0, deadline - time.monotonic()),
+                                           newer_than=self._epoch)
+                    except KVPoolError:
+                        raise exc from None
+                    continue
+                if exc.code not in _FOLLOW:
+                    raise
+                err = exc
+            if time.monotonic() >= deadline:
+                if isinstance(err, MasterRPCError):
+                    raise err
+                raise MasterRPCError(str(err), err.code)
+            log.debug("%s: %s; following the leader of %s", op.name, err, self.group)
+            try:
+                self.resolver.refresh()
+            except EtcdError:
+                pass
+            time.sleep(0.02)
+
+    def _follow_leader(self, deadline: float) -> None:
+        """Point the socket at the leader etcd names (wait for one until ``deadline``)."""
+        assert self.resolver is not None
+        leader = self.resolver.current()
+        if leader is None:
+            leader = self.resolver.wait(max(0.01, deadline - time.monotonic()))
+        addr = normalize_address(leader.address)
+        self._epoch = leader.epoch
+        if addr != self.address:
+            with self._lock:
+                self._reset()
+                self._drop_local()
+                self.address = addr
+                self._local_on = self._local_wanted
+                self._next_lookup = 0.0
+            log.info("master group %s: calls go to %s (epoch %d)", self.group, addr,
+                     leader.epoch)
+
+    def _leader_moved(self) -> bool:
+        r = self.resolver
+        if r is None:
+            return False
+        leader = r.current()
+        return leader is None or leader.epoch != self._epoch
+
+    def _roundtrip_once(self, op: Op, rid: int, payload: bytes,
+                        timeout: float) -> ReplyFrame:
         with self._lock:
             reply: ReplyFrame | None = None
             if self._local_on and self._local_socket() is not None:
@@ -359,14 +452,23 @@ class MasterClient:
                 f"cannot send to master {self.address}", ErrorCode.RPC_FAIL
             ) from exc
         deadline = time.monotonic() + timeout
+        group = self.resolver is not None
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+            # a group member: wait in slices, cut short when etcd names another leader
+            wait_ms = int(min(remaining, 0.05) * 1000) + 1 if group else \
+                int(remaining * 1000) + 1
+            if remaining <= 0:
                 self._reset()
                 raise MasterRPCError(
                     f"{op.name}: no reply from master {self.address} within {timeout:.1f}s",
                     ErrorCode.RPC_TIMEOUT,
                 )
+            if not sock.poll(wait_ms, zmq.POLLIN):
+                if group and self._leader_moved():
+                    self._reset()
+                    raise MasterRPCError(f"{op.name}: {_LEADER_CHANGED}", ErrorCode.RPC_FAIL)
+                continue
             frames = sock.recv_multipart()
             try:
                 reply = decode_reply(frames[-1])

@@ -34,6 +34,13 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--max-key-length", "max_key_length", int, "default 4096"),
     ("--max-batch-size", "max_batch_size", int, "default 16384"),
     ("--max-frame-size", "max_frame_size", int, "default 64 MiB"),
+    # high availability (docs/ha.md)
+    ("--etcd", "etcd", str, "HOST:PORT[,HOST:PORT...] of etcd: run as one instance of an "
+     "HA group (default: a single master)"),
+    ("--cluster-id", "cluster_id", str, "HA group name in etcd (default 'default')"),
+    ("--advertise", "advertise", str, "HOST:PORT clients reach this instance at"),
+    ("--sync-standbys", "sync_standbys", int,
+     "standbys that must hold a change before it is acknowledged (default 1)"),
 ]
 # flag -> (``tiering:`` key, type, help): SSD-tier settings (kvpool.master.tiering_config)
 _TIER_FLAGS: list[tuple[str, str, Any, str]] = [

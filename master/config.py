@@ -92,6 +92,16 @@ class MasterConfig:
     events_hwm: int = 10000
     # SSD tier (kvpool.master.tiering): offload on eviction, promotion, warm restart
     tiering: TieringConfig = field(default_factory=TieringConfig)
+    # high availability (kvpool.master.ha, docs/ha.md): "" = a single master.
+    # etcd: HOST:PORT[,HOST:PORT...] (or etcd://...); instances with the same etcd
+    # and cluster_id elect one leader, the others replicate its journal
+    etcd: str = ""
+    cluster_id: str = "default"
+    advertise: str = ""  # HOST:PORT clients reach this instance at ("": host:port)
+    sync_standbys: int = 1  # standbys that must hold a change before it is acknowledged
+    sync_timeout_s: float = 0.5  # an in-sync standby silent this long is dropped from the set
+    ha_lease_ttl_s: int = 2  # etcd lease TTL: bounds failover and fencing
+    replication_port: int = 0  # journal stream to the standbys (0: a free port)
 
     def validate(self) -> None:
         """Raise ConfigError on values that cannot work."""
@@ -123,6 +133,21 @@ class MasterConfig:
             raise ConfigError("snapshot_slice_ms must be > 0")
         if self.snapshot_interval_s < 0:
             raise ConfigError("snapshot_interval_s must be >= 0")
+        if self.sync_standbys < 0:
+            raise ConfigError("sync_standbys must be >= 0")
+        if self.sync_timeout_s <= 0:
+            raise ConfigError("sync_timeout_s must be > 0")
+        if self.ha_lease_ttl_s < 1:
+            raise ConfigError("ha_lease_ttl_s must be >= 1")
+        if not 0 <= self.replication_port < 65536:
+            raise ConfigError("replication_port must be in [0, 65535]")
+        if self.etcd:
+            from kvpool.core.etcd import parse_etcd_url
+
+            try:
+                parse_etcd_url(self.etcd, self.cluster_id or None)
+            except ValueError as exc:
+                raise ConfigError(f"etcd: {exc}") from None
         self.tiering.validate()
 
 

@@ -115,8 +115,7 @@ class EventPublisher:
         self._next_join_check = 0.0
         # segment id -> the Replica its replicas are announced as (one shared instance)
         self._replicas: dict[str, Replica] = {}
-        for seg in directory.segments.values():
-            self._replicas[seg.id] = Replica(seg.id, _TIERS[seg.kind])
+        self.rebind_directory(directory)
         # XPUB: a PUB that also reads subscriptions, so a new subscriber is
         # greeted with a heartbeat at once (it knows its subscription is live)
         self.sock = context.socket(zmq.XPUB)
@@ -134,6 +133,12 @@ class EventPublisher:
         log.info("events on %s (CURVE %s)", self.endpoint, "on" if self._auth else "off")
 
     # ================================================================ translation
+    def rebind_directory(self, directory: Directory) -> None:
+        """Serve ``directory`` from now on (HA: a promoted standby's directory)."""
+        self.dir = directory
+        self._replicas = {seg.id: Replica(seg.id, _TIERS[seg.kind])
+                          for seg in directory.segments.values()}
+
     def _replica(self, sid: str) -> Replica | None:
         rep = self._replicas.get(sid)
         if rep is None:  # e.g. a standby promoted with segments it learned by replication

@@ -21,6 +21,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
@@ -34,6 +35,7 @@ from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
 from kvpool.master.durability import Durability
 from kvpool.master.events import EventPublisher
+from kvpool.master.ha.node import HaNode
 from kvpool.master.handlers import OpHandlers, ServerInfo
 from kvpool.master.local_rpc import LocalRpcServer, default_socket_path
 from kvpool.master.stats import MasterStats, copy_retrying
@@ -81,6 +83,8 @@ class MasterServer:
             gc.enable()
         gc.freeze()
         self.handlers = OpHandlers(cfg, self.dir, self.tiering, self.signer, self.info)
+        #: payload -> reply: the handlers (an HA leader wraps them: fenced -> no writes)
+        self._payload: Callable[[bytes], bytes] = self.handlers.handle_payload
         self.info.save_keys = lambda: self.durability.save_keys(self.signer)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -127,6 +131,10 @@ class MasterServer:
         self.metrics_port = 0
         if cfg.metrics_port:
             self._start_http()
+        # HA (docs/ha.md): one instance of a group elected through etcd
+        self.ha: HaNode | None = None
+        if cfg.etcd:
+            self._setup_ha()
         log.info("kvpool master %s listening on tcp://%s:%d (CURVE %s, metrics %s, data_dir %s)",
                  __version__, cfg.host, self.port, "on" if self._auth else "off",
                  self.metrics_port or "off", cfg.data_dir)
@@ -146,9 +154,105 @@ class MasterServer:
 
     def health(self) -> dict[str, Any]:
         """``/health``: liveness and a few counters."""
-        return {"status": "ok", "version": __version__, "port": self.port,
-                "objects": len(self.dir.objects), "segments": len(self.dir.segments),
-                "uptime_s": round(time.monotonic() - self.info.started, 3)}
+        out: dict[str, Any] = {
+            "status": "ok", "version": __version__, "port": self.port,
+            "objects": len(self.dir.objects), "segments": len(self.dir.segments),
+            "uptime_s": round(time.monotonic() - self.info.started, 3)}
+        ha = self.ha
+        if ha is not None:
+            out.update(ha.health())
+            sink = ha.sink
+            if sink is not None:  # a follower: the replicated directory
+                out["objects"] = len(sink.directory.objects)
+                out["segments"] = len(sink.directory.segments)
+        return out
+
+    # ================================================================ HA
+    def _setup_ha(self) -> None:
+        cfg = self.cfg
+        self.ha = ha = HaNode(cfg, self.port, self.metrics_port, self.signer,
+                              lambda: Directory(cfg, policy=self.tiering), self.ctx)
+        self.durability.add_listener(ha.on_commit)
+        save = self.info.save_keys
+
+        def save_keys() -> None:
+            ha.keys_dirty = True
+            save()
+
+        self.info.save_keys = save_keys
+        if self.events is not None:
+            self.events.term = lambda: ha.epoch if ha.serving else None
+        ha.begin_follower(None)
+        ha.start()
+        log.info("HA instance %s of group %s (etcd %s, replication %s, sync_standbys %d)",
+                 ha.me.instance_id, cfg.cluster_id, cfg.etcd, ha.me.replication,
+                 cfg.sync_standbys)
+
+    def _promote(self) -> None:
+        """Elected: serve the replicated directory (or the restored one)."""
+        ha = self.ha
+        assert ha is not None
+        from_stream = ha.streamed or (ha.sink is not None and ha.sink.log.last_lsn > 0)
+        d = ha.promote(self.dir)
+        self.dir = d
+        self.handlers = OpHandlers(self.cfg, d, self.tiering, self.signer, self.info)
+        self._payload = ha.guard_writes(self.handlers.handle_payload)
+        if self.events is not None:
+            self.events.rebind_directory(d)
+        self.durability.set_ack_gate(ha.acked)
+        ha.set_released(self.durability.commits)
+        if self.signer is not None:
+            try:
+                self.durability.save_keys(self.signer)
+            except OSError as exc:
+                log.error("cannot write capability keys: %s", exc)
+        if from_stream:
+            # the data dir's journal does not hold the replicated state: a
+            # snapshot of the promoted directory makes it durable here
+            self.durability.request_snapshot()
+        log.info("serving as the leader of epoch %d", ha.epoch)
+
+    def _serve_follower(self, poller: zmq.Poller) -> bool:
+        """Replicate the leader, refuse client calls; True once elected."""
+        ha = self.ha
+        assert ha is not None
+        sock = self.sock
+        recv = sock.recv_multipart
+        local = self.local_rpc
+        limit = self.cfg.max_inflight_per_client
+        refuse = ha.not_leader_reply
+        sink_sock: Any = None
+        try:
+            while not self._stop:
+                if ha.follower_tick():
+                    return True
+                sink = ha.sink
+                assert sink is not None
+                if sink.sock is not sink_sock:
+                    if sink_sock is not None:
+                        poller.unregister(sink_sock)
+                    sink_sock = sink.sock
+                    if sink_sock is not None:
+                        poller.register(sink_sock, zmq.POLLIN)
+                events = poller.poll(20)
+                if events:
+                    for _ in range(_DRAIN):
+                        if not cast(int, sock.get(_EVENTS)) & _POLLIN:
+                            break
+                        frames = recv(_NOBLOCK, copy=True)
+                        if len(frames) >= 2:
+                            prefix = frames[:2] if len(frames) == 3 and frames[1] == _EMPTY \
+                                else frames[:1]
+                            self._send([[*prefix, refuse(frames[-1])]], None)
+                    if local is not None:
+                        out = local.serve(events, refuse, refuse, limit)
+                        if out:
+                            local.send_all(out)
+                sink.poll(0)
+            return False
+        finally:
+            if sink_sock is not None:
+                poller.unregister(sink_sock)
 
     def request_snapshot(self) -> None:
         """Take a snapshot at the next loop iteration (also SIGUSR1)."""
@@ -194,7 +298,7 @@ class MasterServer:
                                             f"expected one payload frame, got {n - 1}")]
         else:
             return None
-        return [*prefix, self.handlers.handle_payload(frames[-1])]
+        return [*prefix, self._payload(frames[-1])]
 
     def _too_many(self, frames: list[bytes]) -> list[bytes] | None:
         if len(frames) < 2:
@@ -203,9 +307,32 @@ class MasterServer:
         return [*prefix, self.handlers.too_many(frames[-1])]
 
     def serve_forever(self) -> None:
-        sock = self.sock
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        poller.register(self.sock, zmq.POLLIN)
+        if self.local_rpc is not None:
+            self.local_rpc.register(poller)
+        ha = self.ha
+        if ha is None:
+            self._serve(poller)
+            return
+        while not self._stop:
+            if not self._serve_follower(poller):
+                return
+            self._promote()
+            assert ha.source is not None
+            poller.register(ha.source.sock, zmq.POLLIN)
+            try:
+                self._serve(poller)
+            finally:
+                poller.unregister(ha.source.sock)
+            if self._stop:
+                return
+            self.durability.set_ack_gate(None)
+            ha.demote(self.dir)
+
+    def _serve(self, poller: zmq.Poller) -> None:
+        """The serving loop (a single master, or the elected leader until deposed)."""
+        sock = self.sock
         recv = sock.recv_multipart
         handle = self.handle_frames
         handlers = self.handlers
@@ -216,9 +343,8 @@ class MasterServer:
         records = d.records
         loop_stats = self.info.loop
         local = self.local_rpc
-        if local is not None:
-            local.register(poller)
         publisher = self.events
+        ha = self.ha
         # replies waiting for the ack gate (durability.set_ack_gate), oldest first
         held: collections.deque[tuple[int, list[list[bytes]], Any]] = collections.deque()
         next_expiry = next_sweep = next_freeze = time.monotonic()
@@ -241,7 +367,7 @@ class MasterServer:
                     out = handle(frames) if queued <= inflight_limit else self._too_many(frames)
                     if out is not None:
                         replies.append(out)
-                local_replies = local.serve(events, handlers.handle_payload,
+                local_replies = local.serve(events, self._payload,
                                             handlers.too_many, inflight_limit) \
                     if local is not None else None
                 commit_no = commit(records)  # group commit before any reply leaves
@@ -270,6 +396,10 @@ class MasterServer:
                 gc.freeze()  # O(1): moves survivors out of the scanned generations
             commit(records)  # expiry/sweep changes
             durability.tick(d, now)
+            if ha is not None and not ha.leader_tick(now):
+                log.warning("no longer the leader: %d held replies dropped (never "
+                            "acknowledged)", len(held))
+                return
             if held:
                 acked = durability.acked()
                 while held and held[0][0] <= acked:
@@ -289,7 +419,10 @@ class MasterServer:
             self.local_rpc.send_all(local_replies)  # type: ignore[union-attr]
 
     def close(self) -> None:
-        """Flush + fsync the journal, stop a snapshot in progress, close sockets."""
+        """Flush + fsync the journal, stop a snapshot in progress, close sockets;
+        an HA instance resigns (a successor is elected at once)."""
+        if self.ha is not None:
+            self.ha.close()
         self.durability.close(self.dir.records)
         if self._http is not None:
             self._http.shutdown()

@@ -15,8 +15,23 @@ trip to etcd's ``/health`` over a kept-alive socket.
 three candidate processes, the leader killed with SIGKILL ``--kills`` times;
 reports the time from the kill to a new leader holding the key (p50/max).
 
+``failover``: the whole master group: etcd, three ``kvpool master --etcd``
+instances, a node daemon and a store client addressing the group as
+``etcd://``. A writer puts 4 KiB objects; the leader is SIGKILLed
+``--kills`` times (restarted each time, it rejoins as a standby); reports
+the time from the kill to the first successful put started after it
+(p50/max) and checks that every acknowledged object is still readable with
+its bytes after the last failover (``lost``, ``corrupt``).
+
+``throughput``: batched put (BatchPutStart + BatchPutEnd of ``--batch``
+keys, MasterClient over loopback TCP, journal on) against a single master
+and against the leader of a three-instance group with ``sync_standbys`` 0
+and 1; key-ops/s and the ratio to the single master.
+
 Usage: scripts/bench_ha.py clients --json OUT [--n 300]
        scripts/bench_ha.py election --json OUT [--kills 10]
+       scripts/bench_ha.py failover --json OUT [--kills 5]
+       scripts/bench_ha.py throughput --json OUT [--seconds 3] [--batch 128]
 """
 
 from __future__ import annotations
@@ -255,6 +270,165 @@ def _await_leader(cands: list[Any], not_this: Any, timeout_s: float) -> Any:
     raise RuntimeError("no leader elected")
 
 
+def _value(key: str, size: int) -> bytes:
+    import hashlib
+
+    seed = hashlib.sha256(key.encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def cmd_failover(args: argparse.Namespace) -> dict[str, Any]:
+    """Kill -9 the leader of a real master group under put load, ``--kills`` times."""
+    import tempfile
+    import uuid
+
+    from kvpool.cluster.processes import NodeDaemonProcess
+    from kvpool.core.errors import KVPoolError
+    from kvpool.store import Client, ClientConfig
+    from support.ha_master import HaGroup
+
+    times: list[float] = []
+    failed_puts = 0
+    acked: dict[str, int] = {}
+    lost = corrupt = 0
+    with EtcdProcess() as etcd, tempfile.TemporaryDirectory() as tmp, \
+            HaGroup(etcd.endpoint, f"bench-{uuid.uuid4().hex[:6]}", tmp) as group, \
+            NodeDaemonProcess(group.url, memory="256MiB") as _daemon, \
+            Client(ClientConfig(master_address=group.url, memory_size=0,
+                                rpc_timeout_s=2.0)) as client:
+        stop = threading.Event()
+        t_kill = [float("inf")]
+        first_ok: list[float] = []
+        errors: list[str] = []
+
+        def writer() -> None:
+            nonlocal failed_puts
+            i = 0
+            while not stop.is_set():
+                key = f"b{i:08d}"
+                t0 = time.monotonic()
+                try:
+                    client.put(key, _value(key, 4096))
+                except KVPoolError as exc:
+                    failed_puts += 1
+                    errors.append(str(exc))
+                    time.sleep(0.005)
+                else:
+                    acked[key] = 4096
+                    if t0 > t_kill[0] and not first_ok:
+                        first_ok.append(time.monotonic())
+                i += 1
+
+        th = threading.Thread(target=writer, daemon=True)
+        th.start()
+        try:
+            for _ in range(args.kills):
+                leader = group.wait_leader(in_sync=1, streaming=2, timeout_s=30)
+                time.sleep(1.0)  # load on the settled group
+                first_ok.clear()
+                t_kill[0] = time.monotonic()
+                leader.kill()
+                deadline = time.monotonic() + 20
+                while not first_ok and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                if first_ok:
+                    times.append(first_ok[0] - t_kill[0])
+                t_kill[0] = float("inf")
+                leader.start()  # rejoins as a standby
+        finally:
+            stop.set()
+            th.join(15)
+        for key, size in acked.items():
+            try:
+                if client.get(key) != _value(key, size):
+                    corrupt += 1
+            except KVPoolError:
+                lost += 1
+    times.sort()
+    return {"kills": args.kills, "measured": len(times),
+            "put_again_p50_s": round(statistics.median(times), 3) if times else None,
+            "put_again_max_s": round(times[-1], 3) if times else None,
+            "put_again_min_s": round(times[0], 3) if times else None,
+            "put_again_s": [round(t, 3) for t in times],
+            "acknowledged_puts": len(acked), "failed_puts": failed_puts,
+            "lost": lost, "corrupt": corrupt, "errors_sample": errors[-3:],
+            "loadavg_1m": os.getloadavg()[0]}
+
+
+def _put_rate(address: str, pid: int, seconds: float, batch: int) -> dict[str, Any]:
+    import psutil
+
+    from kvpool.core.protocol import (
+        BatchPutEnd,
+        BatchPutStart,
+        MountSegment,
+        SegmentDescriptor,
+        SegmentKind,
+    )
+    from kvpool.core.rpc_client import MasterClient
+
+    proc = psutil.Process(pid)
+    with MasterClient(address, timeout_s=30) as c:
+        c.call(MountSegment(client_id="bench", segment=SegmentDescriptor(
+            "bench-seg", "bench", "host-bench", SegmentKind.MEMORY, 64 << 40, "kvpool-bench")))
+        n = 0
+        lat: list[float] = []
+
+        def one() -> None:
+            nonlocal n
+            keys = [f"bench-{n + j:012d}" for j in range(batch)]
+            n += batch
+            t = time.perf_counter()
+            c.call(BatchPutStart("bench", keys, [4096] * batch))
+            c.call(BatchPutEnd(client_id="bench", keys=keys))
+            lat.append(time.perf_counter() - t)
+
+        for _ in range(20):
+            one()
+        lat.clear()
+        n0 = n
+        cpu0 = sum(proc.cpu_times()[:2])
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            one()
+        wall = time.perf_counter() - t0
+        cpu = sum(proc.cpu_times()[:2]) - cpu0
+    key_ops = 2 * (n - n0)
+    return {"key_ops_per_s": round(key_ops / wall), "wall_s": round(wall, 3),
+            "master_cpu_key_ops_per_s": round(key_ops / cpu) if cpu > 0 else None,
+            "batch_p50_ms": round(statistics.median(lat) * 1000, 3)}
+
+
+def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """Batched puts: single master vs the leader of a group with 0/1 sync standbys."""
+    import tempfile
+    import uuid
+
+    from kvpool.cluster.processes import MasterProcess
+    from support.ha_master import HaGroup
+
+    common = ["--client-ttl-s", "3600", "--snapshot-interval-s", "0"]
+    res: dict[str, Any] = {"batch": args.batch, "seconds": args.seconds}
+    with tempfile.TemporaryDirectory() as tmp:
+        with MasterProcess(data_dir=os.path.join(tmp, "single"), client_ttl_s=3600,
+                           extra_args=common[2:]) as m:
+            assert m.pid is not None
+            res["single"] = _put_rate(m.address, m.pid, args.seconds, args.batch)
+        with EtcdProcess() as etcd:
+            for sync in (0, 1):
+                with HaGroup(etcd.endpoint, f"tp-{uuid.uuid4().hex[:6]}",
+                             os.path.join(tmp, f"ha{sync}"),
+                             extra_args=[*common, "--sync-standbys", str(sync)]) as g:
+                    leader = g.wait_leader(in_sync=min(sync, 1), streaming=2, timeout_s=30)
+                    assert leader.pid is not None
+                    r = _put_rate(g.url, leader.pid, args.seconds, args.batch)
+                    r["ratio_to_single"] = round(
+                        r["key_ops_per_s"] / res["single"]["key_ops_per_s"], 3)
+                    res[f"ha_sync_standbys_{sync}"] = r
+    res["loadavg_1m"] = os.getloadavg()[0]
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -265,8 +439,17 @@ def main() -> None:
     e.add_argument("--kills", type=int, default=10)
     e.add_argument("--ttl", type=int, default=2)
     e.add_argument("--json", default="-")
+    f = sub.add_parser("failover")
+    f.add_argument("--kills", type=int, default=5)
+    f.add_argument("--json", default="-")
+    t = sub.add_parser("throughput")
+    t.add_argument("--seconds", type=float, default=3.0)
+    t.add_argument("--batch", type=int, default=128)
+    t.add_argument("--json", default="-")
     args = ap.parse_args()
-    res = cmd_clients(args) if args.cmd == "clients" else cmd_election(args)
+    cmds = {"clients": cmd_clients, "election": cmd_election, "failover": cmd_failover,
+            "throughput": cmd_throughput}
+    res = cmds[args.cmd](args)
     text = json.dumps(res, indent=2)
     if args.json == "-":
         print(text)

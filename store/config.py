@@ -24,6 +24,7 @@ from typing import Any
 
 from kvpool.core.auth import CurveConfig, is_loopback
 from kvpool.core.config import ConfigError, load_dataclass, load_yaml_mapping
+from kvpool.core.etcd import policy_address
 
 __all__ = [
     "CHECKSUM_ALGOS",
@@ -208,9 +209,9 @@ def client_config_from_env(overrides: Mapping[str, Any] | None = None, *,
     if curve:
         mapping["curve"] = curve
     cfg = load_dataclass(ClientConfig, mapping)
-    if not bind_explicit and not is_loopback(cfg.master_address) \
-            and _is_default_bind(cfg.bind_host):
-        cfg.bind_host = local_address_towards(cfg.master_address)
+    master = policy_address(cfg.master_address)  # a group: its etcd's network
+    if not bind_explicit and not is_loopback(master) and _is_default_bind(cfg.bind_host):
+        cfg.bind_host = local_address_towards(master)
     return cfg
 
 

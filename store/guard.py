@@ -75,9 +75,11 @@ _UNMOUNT_RETRY_S = 30.0  # how long a dead parent's unmounts are retried (master
 def master_stub(address: str, timeout_s: float, curve: CurveConfig) -> MasterClient:
     """A master RPC stub; with CURVE when the policy makes it active for the
     master's address (off for loopback unless forced, on otherwise)."""
+    from kvpool.core.etcd import policy_address
     from kvpool.core.rpc_client import MasterClient
 
-    addr = address if "://" in address else f"tcp://{address}"
+    addr = policy_address(address)
+    addr = addr if "://" in addr else f"tcp://{addr}"
     if not curve.active(addr):
         return MasterClient(address, timeout_s=timeout_s)
     kp = curve.keypair()

@@ -229,8 +229,7 @@ class SegmentHost:
             shm={d.segment_id: d.name for d in self.descs.values()
                  if d.kind == SegmentKind.MEMORY},
             curve=dataclasses.asdict(cfg.curve),
-            curve_active=cfg.curve.active(cfg.master_address if "://" in cfg.master_address
-                                          else f"tcp://{cfg.master_address}"),
+            curve_active=cfg.curve.active(_policy(cfg.master_address)),
             log_level=logging.getLogger("kvpool").getEffectiveLevel(),
         )
         try:
@@ -397,3 +396,10 @@ class SegmentHost:
     def owned_here(self) -> bool:
         """False in a forked child: the parent owns the segments and the guard."""
         return os.getpid() == self.pid
+
+
+def _policy(address: str) -> str:
+    from kvpool.core.etcd import policy_address
+
+    addr = policy_address(address)
+    return addr if "://" in addr else f"tcp://{addr}"

@@ -453,6 +453,8 @@ class ReplicaSink:
         self._ctx = context or zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.endpoint = ""
+        #: without a journal, ack a batch when it arrives, before applying it
+        self.ack_on_receipt = True
 
     def connect(self, endpoint: str, epoch: int) -> None:
         """Follow the leader of ``epoch`` at ``endpoint`` (a ZeroMQ address)."""
@@ -574,6 +576,14 @@ class ReplicaSink:
                 self.connect(self.endpoint, self.leader_epoch)
             return False
         self.known_epoch = max(self.known_epoch, epoch)
+        early = self.journal is None and self.state is SinkState.STREAMING \
+            and self.sock is not None and self.ack_on_receipt
+        if early:
+            # nothing to write first: the batch is held (in this process) once
+            # received; ack before applying it, off the leader's critical path
+            # (applying follows at once, in this thread, before any promotion)
+            assert self.sock is not None
+            self.sock.send(_pack([MsgType.ACK, self.leader_epoch, first + len(records) - 1]))
         d = self.directory
         on_record = self.on_record
         for rec in records:
@@ -589,7 +599,7 @@ class ReplicaSink:
         self.log.append(rec_epoch, first, records)
         self.stats.batches += 1
         self.stats.records += len(records)
-        return self.state is SinkState.STREAMING
+        return self.state is SinkState.STREAMING and not early
 
     def close(self) -> None:
         if self.sock is not None:

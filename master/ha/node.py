@@ -1,0 +1,356 @@
+"""One master instance of an HA group: the election and replication wired
+into the master's event loop (docs/ha.md).
+
+:class:`HaNode` is created by :class:`kvpool.master.server.MasterServer`
+when ``MasterConfig.etcd`` is set. The server's loop then alternates:
+
+- **follower**: a :class:`~.replication.ReplicaSink` follows the leader
+  named in etcd and applies its journal batches to a directory held in
+  memory; every client request is answered ``NOT_LEADER`` (the message
+  names the leader's address and epoch). No timer mutates the directory.
+- **leader** (elected): the sink's directory is promoted (every replicated
+  segment active, owners treated as just seen) and served by the ordinary
+  loop; each group commit is published to the standbys
+  (:meth:`on_commit`) and the loop's ack gate (:meth:`acked`) releases the
+  replies of a commit only once ``sync_standbys`` in-sync standbys hold it
+  and the fencing deadline has not passed (``Elector.may_acknowledge``).
+  A leader that is deposed (its campaign key gone or replaced) drops the
+  replies it still holds (never acknowledged) and becomes a follower again,
+  keeping its log position so the new leader can send a tail or a snapshot.
+
+Stream-only records (tags >= 100, never journaled): ``[KEYS, {segment id:
+key}]`` carries the capability keys so a new leader signs tokens the node
+daemons accept.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.core.capability import CapabilitySigner
+from kvpool.core.errors import ErrorCode
+from kvpool.core.etcd import LeaderInfo, MemberInfo, parse_etcd_url
+from kvpool.core.protocol import Op, encode_error, peek_id
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import Directory
+from kvpool.master.ha.election import ElectionConfig, Elector, Role
+from kvpool.master.ha.replication import (
+    ReplicaSink,
+    ReplicationLog,
+    ReplicationSource,
+    SinkState,
+    promote_directory,
+)
+
+__all__ = ["KEYS_RECORD", "HaNode"]
+
+log = logging.getLogger(__name__)
+
+#: stream-only record ``[KEYS_RECORD, {segment_id: key}]`` (never journaled)
+KEYS_RECORD = 100
+#: ops that change the directory: refused while the leader is fenced
+_WRITES = frozenset(int(o) for o in (
+    Op.MOUNT_SEGMENT, Op.UNMOUNT_SEGMENT, Op.PUT_START, Op.PUT_END, Op.PUT_REVOKE, Op.REMOVE,
+    Op.REMOVE_ALL, Op.REMOVE_BY_REGEX, Op.BATCH_PUT_START, Op.BATCH_PUT_END,
+    Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE, Op.TIER_TASK_DONE))
+_RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hello again
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class HaNode:
+    """Election + replication state of one instance (loop thread, except
+    :meth:`health`, which reads plain attributes)."""
+
+    def __init__(self, cfg: MasterConfig, rpc_port: int, metrics_port: int,
+                 signer: CapabilitySigner | None,
+                 make_directory: Callable[[], Directory], context: Any) -> None:
+        assert cfg.etcd
+        self.cfg = cfg
+        target = parse_etcd_url(cfg.etcd, cfg.cluster_id or None)
+        advertise = cfg.advertise or f"{cfg.host}:{rpc_port}"
+        adv_host = advertise.rsplit(":", 1)[0]
+        self.repl_port = cfg.replication_port or _free_port(cfg.host)
+        self.repl_bind = f"tcp://{cfg.host}:{self.repl_port}"
+        self.me = MemberInfo(
+            instance_id=advertise, address=advertise,
+            metrics=f"{adv_host}:{metrics_port}" if metrics_port else "",
+            replication=f"tcp://{adv_host}:{self.repl_port}")
+        self.signer = signer
+        self.make_directory = make_directory
+        self.ctx = context
+        self.elector = Elector(ElectionConfig.for_target(
+            target, lease_ttl_s=cfg.ha_lease_ttl_s), self.me)
+        self.sync_standbys = cfg.sync_standbys
+        self.sync_timeout_s = cfg.sync_timeout_s
+        self.log = ReplicationLog()
+        self.sink: ReplicaSink | None = None
+        self.source: ReplicationSource | None = None
+        self.epoch = 0  # the term this instance serves (0: not serving)
+        self.serving = False
+        self.streamed = False  # the sink received state from some leader
+        self.keys_dirty = False
+        # leader: (commit number, last lsn) of commits not yet released
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()
+        self._released = 0
+        self._next_sync_check = 0.0
+        self._next_join_wait = 0.0
+        self._standby_ids: frozenset[str] = frozenset()
+        self._sync_published: tuple[str, ...] | None = None
+        self.promotions = 0
+        self.demotions = 0
+
+    def start(self) -> None:
+        self.elector.start()
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+            self.sink = None
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+        self.elector.close(resign=True)
+
+    # ================================================================ follower
+    def leader_info(self) -> LeaderInfo | None:
+        return self.elector.state().leader
+
+    def not_leader_reply(self, payload: bytes) -> bytes:
+        """The reply of a follower to any client request."""
+        leader = self.elector.state().leader
+        where = (f"leader is {leader.address} (epoch {leader.epoch})" if leader is not None
+                 and leader.instance_id != self.me.instance_id else "no leader serves now")
+        return encode_error(peek_id(payload), ErrorCode.NOT_LEADER,
+                            f"master {self.me.address} is a follower: {where}")
+
+    def begin_follower(self, directory: Directory | None) -> ReplicaSink:
+        """A sink over ``directory`` (None: a fresh one; its position restarts at 0)."""
+        self.serving = False
+        self.epoch = 0
+        if directory is None:
+            directory = self.make_directory()
+            self.log = ReplicationLog()
+        self.sink = ReplicaSink(directory, self.me.instance_id, journal=None,
+                                make_directory=self.make_directory,
+                                on_record=self._stream_record, log_=self.log, context=self.ctx)
+        return self.sink
+
+    def _stream_record(self, rec: list[Any]) -> None:
+        if rec and rec[0] == KEYS_RECORD and self.signer is not None and len(rec) > 1 \
+                and isinstance(rec[1], dict):
+            self.signer.load_keys({str(k): bytes(v) for k, v in rec[1].items()
+                                   if isinstance(v, bytes | bytearray)})
+
+    def follower_tick(self) -> bool:
+        """Follow the leader etcd names; True once this instance is elected."""
+        st = self.elector.state()
+        sink = self.sink
+        assert sink is not None
+        if st.role is Role.LEADER:
+            return True
+        if st.epoch:
+            sink.observe_epoch(st.epoch)
+        leader = st.leader
+        if leader is None or leader.instance_id == self.me.instance_id \
+                or not leader.replication:
+            return False
+        now = time.monotonic()
+        if sink.endpoint != leader.replication or sink.leader_epoch != leader.epoch:
+            log.info("%s: following %s (epoch %d) from lsn %d", self.me.instance_id,
+                     leader.address, leader.epoch, sink.log.last_lsn)
+            sink.connect(leader.replication, leader.epoch)
+        elif sink.state in (SinkState.CONNECTING, SinkState.REFUSED) \
+                and now - sink.stats.last_message > _RECONNECT_S:
+            sink.connect(leader.replication, leader.epoch)
+        elif now - sink.stats.last_message > 3 * _RECONNECT_S:
+            sink.connect(leader.replication, leader.epoch)  # silent stream: hello again
+        if sink.state is SinkState.STREAMING:
+            self.streamed = True
+        return False
+
+    # ================================================================ leader
+    def promote(self, restored: Directory) -> Directory:
+        """Elected: the directory to serve (the sink's if this instance ever
+        followed a leader, else ``restored``, its own data dir's) and the
+        replication source for the standbys."""
+        st = self.elector.state()
+        sink = self.sink
+        if sink is not None and (self.streamed or sink.log.last_lsn > 0):
+            d = sink.directory
+            n = promote_directory(d)
+            log.info("%s: promoted with %d objects, %d segments (%d re-activated), lsn %d",
+                     self.me.instance_id, len(d.objects), len(d.segments), n,
+                     self.log.last_lsn)
+        else:
+            d = restored
+            d.journaling = True
+            if self.log.last_lsn == 0:
+                # a directory that did not come from the stream: joiners need a snapshot
+                self.log.reset(st.epoch, 1, [(st.epoch, 1)])
+        if sink is not None:
+            sink.close()
+            self.sink = None
+        self.epoch = st.epoch
+        self.source = ReplicationSource(d, self.repl_bind, st.epoch, self.log, self.ctx)
+        self._pending.clear()
+        self._released = 0
+        self._standby_ids = frozenset()
+        self._sync_published = None
+        self.keys_dirty = True
+        self.promotions += 1
+        self._publish_sync(())
+        self.serving = True
+        return d
+
+    def guard_writes(self, handle: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
+        """``handle`` for the leader: while the fencing deadline has passed
+        (etcd unreachable, or this instance was frozen), ops that change the
+        directory are refused with ``COORDINATION_UNAVAILABLE``; reads go on."""
+        may = self.elector.may_acknowledge
+
+        def guarded(payload: bytes) -> bytes:
+            if may():
+                return handle(payload)
+            # [op, id, args]: a fixarray of 3 whose first item is a positive fixint
+            if len(payload) > 1 and payload[0] == 0x93 and payload[1] in _WRITES:
+                return encode_error(peek_id(payload), ErrorCode.COORDINATION_UNAVAILABLE,
+                                    f"master {self.me.address}: etcd unreachable (lease "
+                                    "unconfirmed): writes refused until it returns")
+            return handle(payload)
+
+        return guarded
+
+    def set_released(self, commit_no: int) -> None:
+        self._released = commit_no
+
+    def on_commit(self, records: Any, commit_no: int) -> None:
+        """Commit listener: ship the group commit to the standbys."""
+        src = self.source
+        if src is None or not self.serving:
+            return
+        recs = list(records)
+        if self.keys_dirty and self.signer is not None:
+            self.keys_dirty = False
+            recs.append([KEYS_RECORD, self.signer.keys()])
+        lsn = src.publish(recs)
+        self._pending.append((commit_no, lsn))
+
+    def acked(self) -> int:
+        """The ack gate: the highest commit number whose replies may leave."""
+        src = self.source
+        if src is None or not self.elector.may_acknowledge():
+            return self._released
+        if self.sync_standbys <= 0:
+            lsn = src.last_lsn
+        elif len(src.sync_members) < self.sync_standbys:
+            return self._released
+        else:
+            lsn = src.acked_lsn()
+        pending = self._pending
+        while pending and pending[0][1] <= lsn:
+            self._released = pending.popleft()[0]
+        return self._released
+
+    def leader_tick(self, now: float) -> bool:
+        """Between loop iterations: acks, snapshots, the in-sync set. False
+        when this instance no longer leads (the caller becomes a follower)."""
+        st = self.elector.state()
+        if st.role is Role.FOLLOWER or st.epoch != self.epoch:
+            return False
+        src = self.source
+        assert src is not None
+        src.poll()
+        ids = frozenset(src.standbys)
+        if ids != self._standby_ids:
+            if ids - self._standby_ids and self.signer is not None:
+                src.publish([[KEYS_RECORD, self.signer.keys()]])  # joiners need every key
+            self._standby_ids = ids
+        if now >= self._next_sync_check and st.role is Role.LEADER:
+            self._next_sync_check = now + 0.02
+            self._maintain_sync(src)
+        return True
+
+    def _maintain_sync(self, src: ReplicationSource) -> None:
+        for sid in src.lagging(self.sync_timeout_s):
+            members = tuple(sorted(src.sync_members - {sid}))
+            if self._publish_sync(members):
+                src.remove_sync(sid)
+                log.warning("%s: standby %s dropped from the in-sync set", self.me.instance_id,
+                            sid)
+        if len(src.sync_members) >= self.sync_standbys:
+            return  # the set is full: the others stream asynchronously (not eligible)
+        candidates = [sid for sid, sb in src.standbys.items()
+                      if sid not in src.sync_members and sb.status.state.value == "streaming"]
+        if not candidates:
+            return
+        caught = src.caught_up()
+        if not caught and time.monotonic() >= self._next_join_wait:
+            self._next_join_wait = time.monotonic() + 0.5  # at most 10 % of the loop
+            # under load a standby is always one batch behind: give it a moment
+            # with no new batches (bounded) so it can be seen holding everything
+            deadline = time.monotonic() + 0.05
+            while not caught and time.monotonic() < deadline:
+                if src.sock.poll(5):
+                    src.poll()
+                caught = src.caught_up()
+        for sid in caught[:self.sync_standbys - len(src.sync_members)]:
+            members = tuple(sorted(src.sync_members | {sid}))
+            if self._publish_sync(members):
+                src.add_sync(sid)
+                log.info("%s: standby %s joined the in-sync set", self.me.instance_id, sid)
+
+    def _publish_sync(self, members: tuple[str, ...]) -> bool:
+        try:
+            self.elector.set_sync_set(members, self.sync_standbys <= 0)
+        except Exception as exc:
+            log.warning("%s: cannot publish the in-sync set: %s", self.me.instance_id, exc)
+            return False
+        self._sync_published = members
+        return True
+
+    def demote(self, directory: Directory) -> ReplicaSink:
+        """Deposed: stop serving, follow whoever leads (keeping our position)."""
+        self.serving = False
+        self.demotions += 1
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+        self._pending.clear()
+        directory.journaling = False
+        log.warning("%s: deposed from epoch %d; following", self.me.instance_id, self.epoch)
+        return self.begin_follower(directory)
+
+    # ================================================================ health
+    def health(self) -> dict[str, Any]:
+        st = self.elector.state()
+        leader = st.leader
+        role = "leader" if self.serving and st.role is Role.LEADER else "follower"
+        out: dict[str, Any] = {
+            "role": role, "election": st.role.value, "epoch": st.epoch,
+            "instance_id": self.me.instance_id, "eligible": st.eligible,
+            "leader": leader.address if leader is not None else None,
+            "lsn": self.log.last_lsn,
+        }
+        src = self.source
+        if src is not None and self.serving:
+            out["acked_lsn"] = src.acked_lsn()
+            out["standbys"] = [
+                {"instance_id": s.instance_id, "state": s.state.value, "in_sync": s.in_sync,
+                 "acked_lsn": s.acked_lsn, "lag": s.lag(src.last_lsn)}
+                for s in src.status()]
+        sink = self.sink
+        if sink is not None:
+            out["sink"] = sink.state.value
+            out["applied_lsn"] = sink.log.last_lsn
+        return out
