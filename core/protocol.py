@@ -656,10 +656,11 @@ class GetSegments(Request[GetSegmentsReply]):
 class LocalEndpointReply(Reply):
     path: str = ""  # empty: the master has no same-host socket
     instance: str = ""
+    tcp_port: int = 0  # the direct RPC port on the master's host (0: none)
 
 
 @register(Op.LOCAL_ENDPOINT, LocalEndpointReply,
-          "the master's same-host Unix socket and its instance id")
+          "the master's direct RPC sockets (same-host Unix path, TCP port) and instance id")
 class LocalEndpoint(Request[LocalEndpointReply]):
     pass
 

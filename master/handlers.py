@@ -138,8 +138,8 @@ class ServerInfo:
         self.loop = LoopStats()
         #: persist the capability keys before a MOUNT reply hands one out
         self.save_keys: Callable[[], None] = lambda: None
-        #: (path, instance) of the same-host socket, or None
-        self.local_endpoint: Callable[[], tuple[str, str] | None] = lambda: None
+        #: (path, instance, tcp_port) of the direct RPC sockets, or None
+        self.local_endpoint: Callable[[], tuple[str, str, int] | None] = lambda: None
         #: requests / connections served over the same-host socket
         self.local_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.curve = False

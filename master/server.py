@@ -106,19 +106,28 @@ class MasterServer:
         else:
             self.sock.bind(f"tcp://{cfg.host}:{cfg.port}")
             self.port = cfg.port
-        # same-host clients: a Unix socket served from the loop (local_rpc)
+        # direct RPC sockets served from the loop (local_rpc): a Unix socket for
+        # same-host clients, a raw TCP port for the others; never beside CURVE
+        # (they would bypass it), except an explicitly configured socket path
         self.local_rpc: LocalRpcServer | None = None
         local = cfg.local_socket
         if local == "auto":
             local = "off" if self._auth is not None else default_socket_path(self.port)
-        if local and local != "off":
+        path = local if local and local != "off" else None
+        tcp_host = cfg.host if cfg.rpc_tcp and self._auth is None else None
+        if path:
             try:
-                self.local_rpc = LocalRpcServer(local, cfg.max_frame_size)
+                self.local_rpc = LocalRpcServer(path, cfg.max_frame_size, tcp_host)
             except OSError as exc:
-                log.warning("no local socket at %s (%s); same-host clients use tcp", local, exc)
+                log.warning("no local socket at %s (%s); same-host clients use tcp", path, exc)
+        if self.local_rpc is None and tcp_host:
+            try:
+                self.local_rpc = LocalRpcServer(None, cfg.max_frame_size, tcp_host)
+            except OSError as exc:
+                log.warning("no direct RPC port on %s (%s); clients use ZeroMQ", tcp_host, exc)
         lr = self.local_rpc
         if lr is not None:
-            self.info.local_endpoint = lambda: (lr.path, lr.instance)
+            self.info.local_endpoint = lambda: (lr.path, lr.instance, lr.tcp_port)
             self.info.local_counts = lambda: (lr.requests, lr.connections)
         # object events (docs/events.md); HA sets ``self.events.term`` (epoch, or
         # None while this master is not the serving leader)

@@ -1,4 +1,5 @@
-"""The master's same-host Unix socket (kvpool.master.local_rpc) on real processes."""
+"""The master's direct RPC sockets (kvpool.master.local_rpc: the same-host Unix
+socket and the TCP port for other hosts) on real processes."""
 
 from __future__ import annotations
 
@@ -129,16 +130,78 @@ def test_off_and_stale_and_taken_paths(tmp_path: Path) -> None:
         assert c1.call(LocalEndpoint()).path == sock_path
         c1.call(Exist(key="x"))
         assert c1.local
-        # a second master asked for the same live path keeps serving over tcp only
+        # a second master asked for the same live path serves its direct TCP port only
         with MasterProcess(extra_args=["--config", str(cfg)]) as m2, m2.client() as c2:
-            assert c2.call(LocalEndpoint()) == LocalEndpointReply()
+            ep = c2.call(LocalEndpoint())
+            assert ep.path == "" and ep.tcp_port > 0
             c2.call(Exist(key="x"))
-            assert not c2.local
+            assert c2.local and c2._usock is not None
+            assert c2._usock.family == socket.AF_INET
             assert "another master serves" in m2.log_tail()
         c1.call(Exist(key="x"))
         assert c1.local
     assert not os.path.exists(sock_path)  # unlinked at shutdown
     with MasterProcess(extra_args=["--config", str(off)]) as m3, m3.client() as c3:
-        assert c3.call(LocalEndpoint()) == LocalEndpointReply()
-        c3.call(Exist(key="x"))
-        assert not c3.local
+        ep = c3.call(LocalEndpoint())
+        assert ep.path == "" and ep.tcp_port > 0  # no Unix socket; TCP still
+    both_off = tmp_path / "both_off.yaml"
+    both_off.write_text('local_socket: "off"\nrpc_tcp: false\n')
+    with MasterProcess(extra_args=["--config", str(both_off)]) as m4, m4.client() as c4:
+        assert c4.call(LocalEndpoint()) == LocalEndpointReply()
+        c4.call(Exist(key="x"))
+        assert not c4.local
+
+
+def _raw_tcp_call(port: int, payload: bytes) -> ReplyFrame:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(len(payload).to_bytes(HEADER, "little") + payload)
+        buf = b""
+        while len(buf) < HEADER or len(buf) < HEADER + int.from_bytes(buf[:HEADER], "little"):
+            chunk = s.recv(65536)
+            assert chunk, "master closed the socket without a reply"
+            buf += chunk
+        return decode_reply(buf[HEADER:])
+
+
+def test_tcp_port_for_other_hosts(tmp_path: Path) -> None:
+    """Without a usable Unix socket (another host; here: the socket turned off)
+    the client uses the master's direct TCP port: same replies, same codes,
+    malformed frames answered, and the master keeps serving."""
+    off = tmp_path / "off.yaml"
+    off.write_text('local_socket: "off"\n')
+    with MasterProcess(extra_args=["--config", str(off)]) as m, m.client() as c, \
+            MasterClient(m.address, timeout_s=5, local="off") as z:
+        port = c.call(LocalEndpoint()).tcp_port
+        assert port > 0
+        c.call(MountSegment(client_id="c1", segment=segment_desc("s1", "c1")))
+        assert c.local and c._usock is not None and c._usock.family == socket.AF_INET
+        assert c._usock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        before = c.local_calls
+        c.call(PutStart(client_id="c1", key="k", size=100))
+        c.call(PutEnd(client_id="c1", key="k"))
+        assert c.local_calls == before + 2
+        assert z.call(Exist(key="k")) == ExistReply(exists=True)
+        try:
+            c.call(GetSize(key="missing"))
+            raise AssertionError("expected OBJECT_NOT_FOUND")
+        except Exception as exc:
+            assert getattr(exc, "code", None) == ErrorCode.OBJECT_NOT_FOUND
+        assert _raw_tcp_call(port, b"\xc1garbage").code == ErrorCode.MALFORMED_FRAME
+        assert _raw_tcp_call(port, encode_frame([999, 7, []])).code == ErrorCode.UNKNOWN_OP
+        # a peer that connects and vanishes mid-frame costs nothing
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall((1000).to_bytes(HEADER, "little") + b"partial")
+        assert c.call(Exist(key="k")) == ExistReply(exists=True)
+        assert z.call(Stats()).local_rpc_requests >= 5
+
+
+def test_no_tcp_port_beside_curve(tmp_path: Path) -> None:
+    """With CURVE on the ZeroMQ socket is the only way in: a plaintext port
+    would bypass the authentication."""
+    from kvpool.core.auth import save_keypair
+
+    _, secret = save_keypair(tmp_path / "keys", "cluster")
+    with MasterProcess(curve_key=str(secret)) as m, m.client() as c:
+        assert c.call(LocalEndpoint()) == LocalEndpointReply()
+        c.call(Exist(key="x"))
+        assert not c.local
