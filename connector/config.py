@@ -13,11 +13,11 @@ Example (``--kv-transfer-config``)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from kvpool.core.config import ConfigError
+from kvpool.core.config import ConfigError, load_dataclass
 
 __all__ = ["ConnectorConfig", "LoadFailurePolicy"]
 
@@ -107,18 +107,10 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        """Build from vLLM's ``kv_connector_extra_config`` dict (None = defaults)."""
-        extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown kv_connector_extra_config keys for KVPoolConnector: {unknown}; "
-                f"known: {sorted(known)}"
-            )
-        cfg = cls(**extra)
-        cfg.validate()
-        return cfg
+        """Build from vLLM's ``kv_connector_extra_config`` dict (None = defaults)
+        with the loader every kvpool config uses (:func:`load_dataclass`): unknown
+        keys, wrong types and bad values raise :class:`ConfigError` naming the key."""
+        return load_dataclass(cls, extra or {}, prefix="kv_connector_extra_config.")
 
     def validate(self, block_size: int | None = None) -> None:
         """Raise :class:`ConfigError` on values that cannot work."""

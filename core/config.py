@@ -30,7 +30,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?i?B?|)\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGTP]?i?B?|)\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "B": 1,
     "K": 1000, "KB": 1000, "KIB": 1024, "KI": 1024,
@@ -47,8 +47,13 @@ class ConfigError(KVPoolError):
     code = ErrorCode.CONFIG_ERROR
 
 
-def parse_size(value: str | int | float) -> int:
-    """Parse ``4GiB``, ``512MiB``, ``1GB``, ``4096`` or an int into bytes."""
+def parse_size(value: str | int | float, *, binary_units: bool = False) -> int:
+    """Parse ``4GiB``, ``512MiB``, ``1GB``, ``4096`` or an int into bytes.
+
+    ``K``/``KB``, ``M``/``MB``, ... are powers of 1000, ``KiB``, ``MiB``, ...
+    powers of 1024; with ``binary_units`` (Mooncake's reading of its setup
+    arguments) all of them are powers of 1024. Raises :class:`ConfigError`.
+    """
     if isinstance(value, bool):
         raise ConfigError(f"not a size: {value!r}")
     if isinstance(value, int):
@@ -65,6 +70,8 @@ def parse_size(value: str | int | float) -> int:
     number, unit = m.group(1), m.group(2).upper()
     if unit not in _UNITS:
         raise ConfigError(f"unknown size unit in {value!r}")
+    if binary_units and unit and unit != "B":
+        unit = unit[0] + "IB"
     result = float(number) * _UNITS[unit]
     if result != int(result):
         raise ConfigError(f"size is not a whole number of bytes: {value!r}")

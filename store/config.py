@@ -3,9 +3,9 @@
 ``ClientConfig`` loads from YAML (``configs/client.yaml`` documents every key)
 with :func:`load_client_config`; size keys accept ``4GiB``, ``512MiB``, ``1GB``.
 
-Entry points that take no file (the Mooncake-compatible class, the vLLM
+Entry points configured by a mapping (the Mooncake-compatible class, the vLLM
 connector's extra config) build theirs with :func:`client_config_from_env`:
-overrides over the YAML named by ``KVPOOL_CONFIG``, with CURVE keys from the
+overrides over a YAML (by default the one named by ``KVPOOL_CONFIG``), with CURVE keys from the
 directory named by ``KVPOOL_CURVE_KEY_DIR``, and a transfer-server address
 reachable from a non-loopback master.
 """
@@ -195,11 +195,13 @@ def _curve_mapping(value: Any) -> dict[str, Any]:
 
 
 def client_config_from_env(overrides: Mapping[str, Any] | None = None, *,
+                           path: str | Path | None = None,
                            environ: Mapping[str, str] | None = None) -> ClientConfig:
-    """A :class:`ClientConfig` for entry points that take no config file.
+    """A :class:`ClientConfig` for entry points configured by a mapping rather
+    than by flags (the Mooncake-compatible class, the vLLM connector).
 
-    Layers, later wins: the defaults; the YAML named by ``KVPOOL_CONFIG``
-    (if set); the CURVE keys of the directory named by ``KVPOOL_CURVE_KEY_DIR``
+    Layers, later wins: the defaults; the YAML at ``path``, else the one named
+    by ``KVPOOL_CONFIG`` (if set); the CURVE keys of the directory named by ``KVPOOL_CURVE_KEY_DIR``
     (if set; see :func:`curve_config_from_key_dir`); ``overrides`` (any
     ``ClientConfig`` key, ``None`` values ignored; sizes may be strings such as
     ``"4GiB"``; ``curve`` a mapping, merged key by key, or a CurveConfig).
@@ -213,7 +215,7 @@ def client_config_from_env(overrides: Mapping[str, Any] | None = None, *,
     """
     env = os.environ if environ is None else environ
     mapping: dict[str, Any] = {}
-    path = env.get(CONFIG_ENV, "")
+    path = path or env.get(CONFIG_ENV, "")
     if path:
         mapping = load_yaml_mapping(path)
     curve = _curve_mapping(mapping.get("curve") or {})

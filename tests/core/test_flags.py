@@ -155,3 +155,19 @@ def test_demo_flags() -> None:
                                                         "--no-progress"]))
     assert cfg == DemoConfig(memory=48 << 20, max_value=4 << 20, replicated_fraction=0.0,
                              progress=False)
+
+
+def test_one_size_parser_reads_mooncake_units_too() -> None:
+    from kvpool.core.config import parse_size
+    from kvpool.store.mooncake_core import mooncake_size
+
+    assert parse_size("1GB") == 10**9 and parse_size("1GiB") == 1 << 30
+    assert parse_size("1GB", binary_units=True) == mooncake_size("1GB") == 1 << 30
+    assert mooncake_size("512M") == mooncake_size("512MiB") == 512 << 20
+    assert mooncake_size(".5K") == 512 and mooncake_size(4096) == 4096
+    with pytest.raises(ConfigError):
+        parse_size("1.5B")
+    for bad in ("lots", -1, True):
+        with pytest.raises(Exception) as ei:
+            mooncake_size(bad)
+        assert getattr(ei.value, "code", None) == ErrorCode.INVALID_PARAMS
