@@ -162,7 +162,7 @@ class ServerConfig:
     ``enabled``: start it in TransferEngine.__init__. ``max_request_bytes``:
     largest single READ/WRITE frame it accepts (clients chunk below it).
     ``max_header_bytes``: largest header frame. ``io_threads``: ZeroMQ I/O threads.
-    ``capabilities`` (issue 7): ``auto`` = verify every READ/WRITE of a segment
+    ``capabilities`` (docs/security.md): ``auto`` = verify every READ/WRITE of a segment
     once the master handed over its key (the normal case), ``on`` = always
     (a segment without a key refuses everything), ``off`` = never.
     ``capability_leeway_ms``: clock skew tolerated on expiry.

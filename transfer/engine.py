@@ -178,7 +178,7 @@ class TransferEngine:
         self.config = config
         #: CURVE policy for the server socket and the tcp transport's client sockets
         self.curve = curve
-        # issue 7: capability keys of local segments; refusals counted by reason
+        # capability keys of local segments (docs/security.md); refusals counted by reason
         scfg = config.server
         self.capabilities = CapVerifier(required=scfg.capabilities == "on",
                                         leeway_ms=scfg.capability_leeway_ms)
@@ -221,13 +221,13 @@ class TransferEngine:
 
     @property
     def server(self) -> TransferServer | None:
-        """The transfer server (issue 7 sets ``server.verify_capability``)."""
+        """The transfer server (capability checking sets ``server.verify_capability``)."""
         return self._server
 
     def local_segment(self, segment_id: str) -> LocalSegment | None:
         return self._local.get(segment_id)
 
-    # -- capabilities (issue 7) ---------------------------------------------------
+    # -- capabilities (docs/security.md) ------------------------------------------------
     def set_capability_key(self, segment_id: str, key: bytes) -> None:
         """Install the key the master handed over at (re-)mount for a local
         segment. From then on (unless ``server.capabilities: off``) the

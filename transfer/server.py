@@ -78,7 +78,7 @@ class TransferServer:
         #: extra counters for STATS replies (e.g. the engine's capability refusals)
         self.stats_hook: Callable[[], dict[str, Any]] | None = None
         self._lookup = lookup
-        #: issue 7 hook: verify TransferRequest.capability per request (None = allow all)
+        #: capability check: verify TransferRequest.capability per request (None = allow all)
         self.verify_capability: CapabilityVerifier | None = None
         self._ctx = zmq.Context(io_threads=self.config.io_threads)
         self._sock = self._ctx.socket(zmq.ROUTER)
