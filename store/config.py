@@ -382,9 +382,3 @@ class ReplicateConfig:
             "soft_pin": bool(self.pins_soft),
             "disk_replica_num": int(self.disk_replica_num) + int(self.nof_replica_num),
         }
-
-    def to_wire_args(self) -> dict[str, Any]:
-        """:meth:`to_args` without the op table's defaults (smaller frames on the hot path)."""
-        defaults = {"replica_num": 1, "preferred_segments": [], "hard_pin": False,
-                    "soft_pin": False, "disk_replica_num": 0}
-        return {k: v for k, v in self.to_args().items() if v != defaults[k]}

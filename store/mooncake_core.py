@@ -159,10 +159,6 @@ class MooncakeCore:
         except KVPoolError:
             return None
 
-    def _uk(self, pool_key: str) -> str:
-        """The caller's key for a pool key."""
-        return pool_key[len(self._prefix):] if self._prefix else pool_key
-
     def _fits_staging(self, nbytes: int) -> bool:
         """Whether a non-zero-copy call of ``nbytes`` fits Mooncake's staging
         buffer (``local_buffer_size``; module docstring)."""

@@ -354,9 +354,6 @@ class TransferEngine:
         for slot in list(self._slots.values()):
             slot.transport.forget_segment(segment_id)
 
-    def peer_segment(self, segment_id: str) -> SegmentDescriptor | None:
-        return self._peers.get(segment_id)
-
     def register_buffer(self, obj: Any, length: int | None = None,
                         device: str | None = None) -> BufferHandle:
         """Wrap ``obj`` once so later requests skip the conversion. The first GPU

@@ -43,12 +43,11 @@ from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.types import TransferOp
 from kvpool.transfer.wire import ServerOp, ServerRequest
 
-__all__ = ["OP_BULK", "OP_PING", "OP_STATS", "CapabilityVerifier", "TransferServer"]
+__all__ = ["OP_BULK", "OP_PING", "CapabilityVerifier", "TransferServer"]
 
 log = logging.getLogger(__name__)
 
 OP_PING = ServerOp.PING
-OP_STATS = ServerOp.STATS
 OP_BULK = ServerOp.BULK
 _CONTROL_OPS = (ServerOp.PING, ServerOp.STATS, ServerOp.BULK)
 _MIN_ZERO_COPY = 64 << 10  # below this, copying the frame is cheaper than tracking it

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,8 +32,6 @@ from kvpool.store.errors import (
     TransferFailed,
     error_for_code,
 )
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_sizes_and_overrides() -> None:
