@@ -81,7 +81,8 @@ class ClientConfig:
         None, help="directory of the SSD tier's file segment (disk_size bytes)")
     disk_size: int = setting(0, flag="--disk", size=True, help="SSD tier size, e.g. 200GiB")
     transfer_config: str | None = setting(
-        None, help="transfer-engine YAML; none = configs/transfer.yaml's defaults")
+        None, help="transfer-engine YAML over the built-in defaults (configs/transfer.yaml "
+        "writes them out); none = the defaults")
     transfer_overrides: dict[str, Any] = setting(
         default_factory=dict, help="deep-merged over the transfer config, e.g. "
         "{rules: [{name: all-tcp, transports: [tcp]}]} forces tcp")

@@ -17,12 +17,13 @@ from kvpool.master.config import MasterConfig
 from kvpool.store.config import ClientConfig
 from kvpool.transfer.config import (
     DEFAULT_RULES,
-    RuleConfig,
     ServerConfig,
     TransferConfig,
     TransportSettings,
     load_transfer_config,
 )
+from kvpool.transfer.copy import DEFAULT_SPLIT_MIN_BYTES
+from kvpool.transfer.transports import TRANSPORT_CLASSES
 from kvpool.transfer.transports.rdma import RdmaOptions
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -69,11 +70,17 @@ def test_transfer_yaml_documents_exactly_the_fields_and_defaults() -> None:
     want = ServerConfig()
     want.validate()
     assert server == want
-    # rules: the built-in rules, written out
-    rule_fields = {f.name for f in dataclasses.fields(RuleConfig)}
-    assert all(set(r) <= rule_fields for r in data["rules"])
-    assert load_transfer_config().rules == load_transfer_config(overrides={
-        "rules": DEFAULT_RULES}).rules
+    # rules and per-transport settings: the built-in defaults, written out
+    shipped, built_in = load_transfer_config(CONFIGS / "transfer.yaml"), load_transfer_config()
+    assert shipped.rules == built_in.rules and shipped.max_failover == built_in.max_failover
+    assert [r["name"] for r in data["rules"]] == [r["name"] for r in DEFAULT_RULES]
+    assert set(data["transports"]) == set(TRANSPORT_CLASSES)
+    for name in TRANSPORT_CLASSES:
+        assert dataclasses.replace(shipped.settings_for(name), options={}) == \
+            built_in.settings_for(name), name
+    shm = data["transports"]["shm"]["options"]
+    assert shm == {"copy_threads": 0, "split_min_bytes": "4MiB"}
+    assert parse_size(shm["split_min_bytes"]) == DEFAULT_SPLIT_MIN_BYTES
     # transports: sections use TransportSettings keys; the comment block lists
     # every key with the dataclass default
     ts_fields = {f.name for f in dataclasses.fields(TransportSettings)}
