@@ -409,8 +409,8 @@ class CurveConfig:
 
     enabled: bool | None = setting(
         None, flag="--curve", choices={"auto": None, "on": True, "off": False},
-        help="auto (none): off on loopback; elsewhere on when a key is configured, else off "
-        "with a warning; on (true): required everywhere; off (false)")
+        help="auto (null in YAML): off on loopback; elsewhere on when a key is configured, else "
+        "off with a warning; on (true): required everywhere; off (false)")
     secret_key_file: str = setting(
         "", flag="--curve-key",
         help="this process's secret key file (kvpool keygen -> NAME.key_secret)")

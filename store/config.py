@@ -63,16 +63,17 @@ class ClientConfig:
         "127.0.0.1:50051", flag="--master", help="master address HOST:PORT (or tcp://HOST:PORT)")
     memory_size: int = setting(
         0, flag="--memory", size=True,
-        help="memory contributed to the pool as one shared-memory segment, e.g. 4GiB; "
-        "0 = pure client (reads and writes others' segments only)")
+        help="memory contributed to the pool as one shared-memory segment "
+        "(/dev/shm/kvpool-...), e.g. 4GiB; 0 = pure client (reads and writes others' segments "
+        "only)")
     host_id: str | None = setting(
         None, help="host identity; processes with the same id share /dev/shm, so their "
-        "transfers go through shared memory; none = this machine's hostname")
+        "transfers go through shared memory; null = this machine's hostname")
     bind_host: str = setting(
         "127.0.0.1", help="address the transfer server binds (serves remote peers)")
     transfer_port: int = setting(0, flag="--port", help="transfer server port; 0 = any free port")
     segment_id: str | None = setting(
-        None, help="segment id; none = <host_id>:<transfer port> (what the Mooncake-compatible "
+        None, help="segment id; null = <host_id>:<transfer port> (what the Mooncake-compatible "
         "get_hostname() returns, usable as a preferred segment)")
     prefault: bool = setting(
         True, help="touch the segment at mount so peers copy into it at memcpy speed (fresh "
@@ -82,7 +83,7 @@ class ClientConfig:
     disk_size: int = setting(0, flag="--disk", size=True, help="SSD tier size, e.g. 200GiB")
     transfer_config: str | None = setting(
         None, help="transfer-engine YAML over the built-in defaults (configs/transfer.yaml "
-        "writes them out); none = the defaults")
+        "writes them out); null = the defaults")
     transfer_overrides: dict[str, Any] = setting(
         default_factory=dict, help="deep-merged over the transfer config, e.g. "
         "{rules: [{name: all-tcp, transports: [tcp]}]} forces tcp")
@@ -94,23 +95,34 @@ class ClientConfig:
         1.0, help="liveness ping period, seconds; the client re-mounts its segments when the "
         "master asks (e.g. after a master restart)")
     guard: bool = setting(
-        True, help="segment owners start a guard process (kvpool.store.guard): it heartbeats "
-        "while this process is stalled and frees its shared memory if it dies")
+        True, help="a client that owns segments starts a guard process (python -m "
+        "kvpool.store.guard, ~25MiB): it heartbeats for the client while the process is "
+        "stalled (a call holding the GIL, a debugger, SIGSTOP), so the master keeps its segments "
+        "and objects, and when the process dies however it dies (SIGTERM, kill -9) it removes "
+        "its /dev/shm memory and unmounts it. false = no guard: a stall past the master's "
+        "client_ttl_s marks the client suspect (objects kept for client_grace_s); a crash "
+        "leaves its shared memory to the janitor of the next kvpool process on the host")
     checksum: str = setting(
         "none", help="checksum of values at put, verified at get: none | crc32 | xxhash | auto "
         "(xxhash if installed, else crc32)")
     verify_checksum: bool = setting(
         True, help="verify a recorded checksum on every get (host buffers)")
     inline_shm: bool = setting(
-        True, help="same-host shm copies of host buffers run inline in the calling thread, "
-        "without the transfer engine's thread hop")
+        True, help="same-host shared-memory copies of host buffers run inline in the calling "
+        "thread (the shm transport's memcpy minus its thread hop) whenever the selector rules "
+        "would pick shm first; false = always the transfer engine. The inline path maps "
+        "same-host segments directly and carries no capability: shm segments are mode 0600, so "
+        "only the same user on the same host can map them (docs/security.md)")
     curve: CurveConfig = setting(
         default_factory=CurveConfig,
         help="authentication (ZeroMQ CURVE towards the master and on/towards transfer "
-        "servers; see docs/security.md)")
+        "servers; see docs/security.md). Entry points without flags (the Mooncake-compatible "
+        "class, the vLLM connector) read this file from $KVPOOL_CONFIG and the cluster key "
+        "from $KVPOOL_CURVE_KEY_DIR")
     metrics_port: int = setting(
-        0, help="node daemon: Prometheus /metrics on 127.0.0.1:PORT (capability refusals by "
-        "reason, transfer server counters); 0 = off")
+        0, help="node daemon: Prometheus /metrics on 127.0.0.1:PORT with the transfer "
+        "server's capability refusals by reason (kvpool_capability_refusals_total{reason}) and "
+        "request counters; 0 = off")
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on values that cannot work."""

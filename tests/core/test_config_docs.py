@@ -4,6 +4,7 @@ with the default the dataclass declares, and no key the loader would refuse."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 import typing
 from pathlib import Path
@@ -27,6 +28,7 @@ from kvpool.transfer.transports import TRANSPORT_CLASSES
 from kvpool.transfer.transports.rdma import RdmaOptions
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+SCRIPTS = CONFIGS.parent / "scripts"
 
 
 def _keys_match(cls: type, mapping: dict[str, Any], where: str) -> list[str]:
@@ -45,6 +47,19 @@ def _keys_match(cls: type, mapping: dict[str, Any], where: str) -> list[str]:
 
 def _load(name: str) -> dict[str, Any]:
     return yaml.safe_load((CONFIGS / name).read_text())
+
+
+def test_generated_yamls_are_current() -> None:
+    """master.yaml and client.yaml are scripts/config_docs.py's output: every
+    field under its help text, with its default."""
+    spec = importlib.util.spec_from_file_location("config_docs", SCRIPTS / "config_docs.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    texts = mod.rendered()
+    assert sorted(p.name for p in texts) == ["client.yaml", "master.yaml"]
+    stale = [p.name for p, text in texts.items() if p.read_text() != text]
+    assert stale == [], "run: python scripts/config_docs.py"
 
 
 def test_every_yaml_is_checked() -> None:

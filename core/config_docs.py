@@ -1,0 +1,74 @@
+"""Documented YAML configs rendered from config dataclasses.
+
+``configs/master.yaml`` and ``configs/client.yaml`` are this module's output
+(``python scripts/config_docs.py`` writes them): every field, in declaration
+order, under its help text (:func:`kvpool.core.config.setting`), with its
+default. The help text is thereby written once for the command line and the
+YAML alike; tests/core/test_config_docs.py fails when a file is stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import textwrap
+import typing
+from typing import Any
+
+from kvpool.core.config import is_size_field
+
+__all__ = ["render_yaml", "yaml_value"]
+
+WIDTH = 92
+
+
+def yaml_value(f: dataclasses.Field[Any]) -> str:
+    """The default of field ``f`` as YAML text (sizes as ``64MiB``)."""
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        value = f.default
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int) and is_size_field(f) and value:
+        for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+            if value % (1 << shift) == 0:
+                return f"{value >> shift}{unit}"
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, dict | list):
+        return json.dumps(value)
+    return repr(value)
+
+
+def _comment(text: str, indent: int) -> list[str]:
+    pad = " " * indent
+    return [f"{pad}# {line}" for line in textwrap.wrap(text, WIDTH - indent - 2)]
+
+
+def render_yaml(cls: type, header: str = "", *, indent: int = 0) -> str:
+    """YAML text documenting every init field of dataclass ``cls``."""
+    lines: list[str] = []
+    if header:
+        lines += [f"# {line}".rstrip() for line in header.strip("\n").splitlines()]
+    hints = typing.get_type_hints(cls)
+    pad = " " * indent
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if indent == 0 and lines:
+            lines.append("")
+        lines += _comment(str(f.metadata.get("help") or ""), indent)
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            lines.append(f"{pad}{f.name}:")
+            lines.append(render_yaml(tp, indent=indent + 2).rstrip("\n"))
+        else:
+            lines.append(f"{pad}{f.name}: {yaml_value(f)}")
+    return "\n".join(lines) + "\n"
