@@ -18,6 +18,7 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = [
     "ConfigError",
+    "exact_size",
     "format_size",
     "is_size_field",
     "load_dataclass",
@@ -76,6 +77,15 @@ def parse_size(value: str | int | float, *, binary_units: bool = False) -> int:
     if result != int(result):
         raise ConfigError(f"size is not a whole number of bytes: {value!r}")
     return int(result)
+
+
+def exact_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that divides it: 67108864 -> '64MiB'
+    (what :func:`parse_size` reads back to the same number)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
 
 
 def format_size(n: int) -> str:

@@ -16,7 +16,7 @@ import textwrap
 import typing
 from typing import Any
 
-from kvpool.core.config import is_size_field
+from kvpool.core.config import exact_size, is_size_field
 
 __all__ = ["render_yaml", "yaml_value"]
 
@@ -35,11 +35,8 @@ def yaml_value(f: dataclasses.Field[Any]) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int) and is_size_field(f) and value:
-        for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-            if value % (1 << shift) == 0:
-                return f"{value >> shift}{unit}"
-        return str(value)
+    if isinstance(value, int) and is_size_field(f):
+        return exact_size(value)
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, dict | list):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvpool.core.config import (
+    exact_size,
     is_size_field,
     load_dataclass,
     load_yaml_mapping,
@@ -77,10 +78,8 @@ def _show_default(f: dataclasses.Field[Any]) -> str | None:
         value = value.value
     if isinstance(value, bool) or value is None:
         return {True: "true", False: "false", None: "none"}[value]
-    if isinstance(value, int) and is_size_field(f) and value:
-        for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-            if value % (1 << shift) == 0:
-                return f"{value >> shift}{unit}"
+    if isinstance(value, int) and is_size_field(f):
+        return exact_size(value)
     return str(value)
 
 
