@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.master.server import MasterServer
 
     cfg = config_from_flags(MasterConfig, args, args.config)
-    if getattr(args, "log_level", "INFO") == "INFO":  # the global flag wins when given
+    if getattr(args, "log_level", None) is None:  # the global --log-level wins when given
         logging.getLogger().setLevel(cfg.log_level.upper())
     server = MasterServer(cfg)
     try:
