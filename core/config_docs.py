@@ -1,10 +1,11 @@
-"""Documented YAML configs rendered from config dataclasses.
+"""Config documentation rendered from config dataclasses.
 
-``configs/master.yaml`` and ``configs/client.yaml`` are this module's output
-(``python scripts/config_docs.py`` writes them): every field, in declaration
-order, under its help text (:func:`kvpool.core.config.setting`), with its
-default. The help text is thereby written once for the command line and the
-YAML alike; tests/core/test_config_docs.py fails when a file is stale.
+``configs/master.yaml``, ``configs/client.yaml`` and the key table of
+docs/vllm.md are this module's output (``python scripts/config_docs.py``
+writes them): every field, in declaration order, with its help text
+(:func:`kvpool.core.config.setting`) and its default. The help text is thereby
+written once for the command line, the YAML and the docs alike;
+tests/core/test_config_docs.py fails when a file is stale.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from kvpool.core.config import exact_size, is_size_field
 
-__all__ = ["render_yaml", "yaml_value"]
+__all__ = ["render_markdown_table", "render_yaml", "yaml_value"]
 
 WIDTH = 92
 
@@ -69,3 +70,17 @@ def render_yaml(cls: type, header: str = "", *, indent: int = 0) -> str:
         else:
             lines.append(f"{pad}{f.name}: {yaml_value(f)}")
     return "\n".join(lines) + "\n"
+
+
+def render_markdown_table(cls: type) -> str:
+    """A ``| key | default | meaning |`` table of dataclass ``cls``'s init fields."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        shown = yaml_value(f)
+        if shown.startswith('"'):
+            shown = json.loads(shown)
+        meaning = str(f.metadata.get("help") or "").replace("|", "\\|")
+        rows.append(f"| `{f.name}` | `{shown}` | {meaning} |")
+    return "\n".join(rows) + "\n"

@@ -1,8 +1,11 @@
 #!/usr/bin/env python
-"""Write configs/master.yaml and configs/client.yaml from the config dataclasses.
+"""Write configs/master.yaml, configs/client.yaml and docs/vllm.md's key table
+from the config dataclasses.
 
 Every key, its help text and its default come from the dataclass fields
 (kvpool.core.config.setting); run this after adding or changing a setting.
+In docs/vllm.md only the lines between the two ``config_docs`` markers are
+rewritten.
 ``--check`` writes nothing and exits 1 when a file is stale (what
 tests/core/test_config_docs.py checks).
 """
@@ -13,11 +16,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvpool.core.config_docs import render_yaml
+from kvpool.connector.config import ConnectorConfig
+from kvpool.core.config_docs import render_markdown_table, render_yaml
 from kvpool.master.config import MasterConfig
 from kvpool.store.config import ClientConfig
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+VLLM_DOC = ROOT / "docs" / "vllm.md"
+BEGIN = "<!-- config_docs: ConnectorConfig (python scripts/config_docs.py) -->\n"
+END = "<!-- config_docs: end -->\n"
 
 DOCS: dict[str, tuple[type, str]] = {
     "master.yaml": (MasterConfig, """\
@@ -35,8 +43,13 @@ override the file. Sizes accept 4GiB, 512MiB, 1GB or plain bytes."""),
 
 
 def rendered() -> dict[Path, str]:
-    """The text each generated config file should hold."""
-    return {CONFIGS / name: render_yaml(cls, header) for name, (cls, header) in DOCS.items()}
+    """The text each generated file should hold."""
+    out = {CONFIGS / name: render_yaml(cls, header) for name, (cls, header) in DOCS.items()}
+    doc = VLLM_DOC.read_text()
+    head, rest = doc.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    out[VLLM_DOC] = head + BEGIN + render_markdown_table(ConnectorConfig) + END + tail
+    return out
 
 
 def main() -> int:

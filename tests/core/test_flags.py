@@ -10,6 +10,7 @@ import pytest
 
 from kvpool.cluster.cli import build_parser
 from kvpool.cluster.demo_config import DemoConfig
+from kvpool.connector.config import ConnectorConfig
 from kvpool.core.auth import CurveConfig
 from kvpool.core.config import ConfigError
 from kvpool.core.errors import ErrorCode
@@ -18,7 +19,7 @@ from kvpool.master.config import FsyncPolicy, MasterConfig
 from kvpool.master.tiering_config import TieringConfig
 from kvpool.store.config import ClientConfig
 
-CONFIGS = [MasterConfig, TieringConfig, CurveConfig, ClientConfig, DemoConfig]
+CONFIGS = [MasterConfig, TieringConfig, CurveConfig, ClientConfig, DemoConfig, ConnectorConfig]
 
 # flags that scripts, tests and docs use: they must keep their names
 MASTER_FLAGS = [
