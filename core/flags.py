@@ -115,18 +115,20 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, *, prefix: str 
             continue
         if not _is_scalar(tp):
             continue  # lists, mappings: YAML only
+        base = _non_none(tp)
+        is_bool = base is bool and not meta.get("choices")
         names = [meta.get("flag") or "--" + path.replace(".", "-").replace("_", "-"),
                  *meta.get("aliases", ())]
+        # a boolean's flag also brings its --no- form: both must be free
         names = [n for n in names if n not in taken
-                 and not (n.startswith("--no-") and "--" + n[5:] in taken)]
+                 and not (is_bool and "--no-" + n[2:] in taken)]
         if not names:
             continue
         kw: dict[str, Any] = {"dest": _DEST + path, "default": argparse.SUPPRESS,
                               "help": _help(f)}
-        base = _non_none(tp)
         if meta.get("choices"):
             target.add_argument(*names, action=_MapChoice, mapping=meta["choices"], **kw)
-        elif base is bool:
+        elif is_bool:
             target.add_argument(*names, action=argparse.BooleanOptionalAction, **kw)
         elif isinstance(base, type) and issubclass(base, enum.Enum):
             target.add_argument(*names, choices=[str(m.value) for m in base], **kw)

@@ -145,9 +145,11 @@ def test_bad_choice_is_a_usage_error() -> None:
 def test_a_subcommands_own_flag_wins() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, default=9)
+    p.add_argument("--no-capabilities", action="store_true")  # a boolean's --no- form
     add_config_flags(p, MasterConfig)
-    args = p.parse_args(["--port", "1", "--host", "h"])
-    assert args.port == 1 and flag_settings(args) == {"host": "h"}
+    args = p.parse_args(["--port", "1", "--host", "h", "--no-capabilities"])
+    assert args.port == 1 and args.no_capabilities
+    assert flag_settings(args) == {"host": "h"}
 
 
 def test_demo_flags() -> None:
