@@ -35,7 +35,9 @@ SUBCOMMAND_MODULES: dict[str, str] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="kvpool: distributed KV-cache pool")
     parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--log-level", default=None,
+                        help="DEBUG, INFO, WARNING, ERROR (default: INFO, or the config's "
+                        "log_level where it has one)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES.values():
         try:
@@ -54,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    setup_logging(args.log_level)
+    setup_logging(args.log_level or "INFO")
     try:
         return int(args.func(args) or 0)
     except KVPoolError as exc:

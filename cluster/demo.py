@@ -28,6 +28,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from kvpool.cluster.demo_config import DemoConfig
 from kvpool.core.config import format_size
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import StatsReply
@@ -38,21 +39,6 @@ from kvpool.store.errors import StoreError
 __all__ = ["DemoConfig", "run_demo"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DemoConfig:
-    requests: int = 60
-    hit_rate: float = 0.5  # probability a request continues an earlier prompt
-    max_chunks: int = 4  # chunks per prompt (1..max_chunks new chunks per request)
-    min_value: int = 1 << 20
-    max_value: int = 16 << 20
-    memory: int = 192 << 20  # per node daemon
-    replicated_fraction: float = 0.3  # prompts stored with replica_num=2
-    seed: int = 1
-    progress: bool = True
-    client_ttl_s: float = 2.0  # master liveness (the killed daemon's guard unmounts it at once)
-    system_chunks: int = 4  # shared system-prompt prefix: 2 replicas, hard-pinned
 
 
 @dataclass
@@ -141,7 +127,8 @@ def run_demo(cfg: DemoConfig, out: TextIO = sys.stdout) -> int:
             prev = key
         if system:
             prompts.append(system)
-        progress = _Progress(cfg.requests, sys.stderr, cfg.progress)
+        progress = _Progress(cfg.requests, sys.stderr,
+                             sys.stderr.isatty() if cfg.progress is None else cfg.progress)
         t_run = time.monotonic()
         for n in range(cfg.requests):
             chain: list[tuple[str, int, bool]] = []

@@ -26,9 +26,14 @@ __all__ = ["format_instances", "format_status", "group_instances", "register"]
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("status", help="show the pool's segments and objects",
                               description="Ask a master for its segments and object count.")
-    p.add_argument("--master", default="127.0.0.1:50051",
-                   help="master address HOST:PORT, or a group etcd://HOST:PORT[;...][/ID]")
-    p.add_argument("--timeout", type=float, default=5.0, help="RPC timeout in seconds")
+    from kvpool.store.config import ClientConfig
+
+    defaults = ClientConfig()
+    p.add_argument("--master", default=defaults.master_address,
+                   help="master address HOST:PORT, or a group etcd://HOST:PORT[;...][/ID] "
+                        "(default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=defaults.rpc_timeout_s,
+                   help="RPC timeout in seconds (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print raw JSON instead of a table")
     p.set_defaults(func=_main)
 

@@ -13,11 +13,11 @@ Example (``--kv-transfer-config``)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from kvpool.core.config import ConfigError
+from kvpool.core.config import ConfigError, load_dataclass, setting
 
 __all__ = ["ConnectorConfig", "LoadFailurePolicy"]
 
@@ -38,87 +38,83 @@ class LoadFailurePolicy(StrEnum):
 
 @dataclass
 class ConnectorConfig:
-    """Connector settings. Unknown keys raise :class:`ConfigError`.
+    """Connector settings (``kv_connector_extra_config``). Unknown keys raise
+    :class:`ConfigError`; docs/vllm.md's key table is rendered from the fields."""
 
-    - ``master_address``: kvpool master ``HOST:PORT``; overrides the YAML's.
-    - ``local_address``: this host's address for the connector's transfer
-      server (bind and advertise; the node's IP in a multi-host pool).
-    - ``host_id``: this host's id (processes with one id share memory by shm).
-    - ``client_config``: path of a kvpool client YAML (``configs/client.yaml`` keys).
-    - ``client_overrides``: extra ClientConfig keys (e.g. ``{"memory_size": "1GiB"}``).
-    - ``chunk_size``: tokens per stored chunk; a multiple of vLLM's block size.
-    - ``save_decode``: also store chunks filled by generated tokens.
-    - ``load_async``: load between scheduler steps (request waits in
-      WAITING_FOR_REMOTE_KVS) instead of synchronously before the forward.
-    - ``model_id``: key namespace; defaults to vLLM's model name.
-    - ``rpc_timeout_s``: master RPC timeout of the connector's client (short, so
-      a dead master costs little).
-    - ``retry_interval_s``: after a store failure, skip the store this long.
-    - ``replica_num``: memory replicas per stored object.
-    - ``staging_mib``: size of each of the worker's two staging buffers (save,
-      load) on the KV cache's device; a chunk's blocks are gathered there
-      and moved as one object. Requests larger than it move in groups of
-      whole chunks (one store batch per group).
-    - ``lookup_all_layers``: accepted for compatibility, no effect (a lookup
-      checks every object of a chunk).
-    - ``load_failure_policy``: "recompute" (default) makes vLLM recompute the
-      blocks of a failed or late load; "vllm" keeps vLLM's own
-      ``kv_load_failure_policy`` (see :class:`LoadFailurePolicy`).
-    - ``load_timeout_s``: a request's load that has not finished after this
-      long is abandoned; its missing blocks are recomputed. Kept below the
-      master's read lease (10 s by default) so no read outlives its lease.
-    - ``load_or_recompute``: decide per request from measured speeds whether
-      loading a hit is faster than computing it (:mod:`kvpool.connector.estimate`);
-      false loads every hit (bounded by ``load_timeout_s``).
-    - ``probe_fraction``: a load from a peer not measured yet may take this
-      fraction of the request's recompute time before it is abandoned.
-    - ``reprobe_s``: how long a peer's measured speed (or its failure) stands
-      before a new probe.
-    - ``layer_groups``: stored objects per chunk along the layers (and loads
-      pipelined per group: group ``g + 1`` moves while group ``g`` computes).
-      Part of the keys: engines sharing chunks must use the same value.
-    - ``layerwise``: load layer group by layer group during the forward
-      (``wait_for_layer_load``) and save each group as its layers finish
-      (``save_kv_layer``); false loads whole requests before the forward and
-      saves after it.
-    """
-
-    master_address: str | None = None
-    local_address: str | None = None
-    host_id: str | None = None
-    client_config: str | None = None
-    client_overrides: dict[str, Any] = field(default_factory=dict)
-    chunk_size: int = 256
-    save_decode: bool = False
-    load_async: bool = False
-    model_id: str | None = None
-    rpc_timeout_s: float = 2.0
-    retry_interval_s: float = 5.0
-    replica_num: int = 1
-    staging_mib: float = 512
-    lookup_all_layers: bool = True
-    load_failure_policy: str = LoadFailurePolicy.RECOMPUTE.value
-    load_timeout_s: float = 2.0
-    load_or_recompute: bool = True
-    probe_fraction: float = 0.25
-    reprobe_s: float = 30.0
-    layer_groups: int = 8
-    layerwise: bool = True
+    master_address: str | None = setting(
+        None, help="kvpool master `HOST:PORT`; overrides the client YAML's")
+    local_address: str | None = setting(
+        None, help="this host's address for the connector client's transfer server (bind and "
+        "advertise; the node's IP in a multi-host pool); null: the client YAML's (127.0.0.1)")
+    host_id: str | None = setting(
+        None, help="this host's id (processes with one id share memory through shm); "
+        "null: the hostname")
+    client_config: str | None = setting(
+        None, help="path of a kvpool client YAML (`configs/client.yaml` keys); null: "
+        "`$KVPOOL_CONFIG` if set")
+    client_overrides: dict[str, Any] = setting(
+        default_factory=dict, help="extra client keys, e.g. `{\"memory_size\": \"8GiB\"}` to "
+        "also contribute memory from the vLLM process")
+    chunk_size: int = setting(
+        256, help="tokens per stored chunk; a multiple of vLLM's `--block-size` (CPU: block "
+        "size multiple of 32)")
+    save_decode: bool = setting(
+        False, help="also store chunks completed by generated tokens (multi-turn chat)")
+    load_async: bool = setting(
+        False, help="load between scheduler steps (the request waits in "
+        "`WAITING_FOR_REMOTE_KVS`, other requests keep running) instead of synchronously "
+        "before the forward")
+    model_id: str | None = setting(
+        None, help="key namespace; null: vLLM's model name (set it when the same weights are "
+        "served under different paths)")
+    rpc_timeout_s: float = setting(
+        2.0, help="master RPC timeout of the connector's client (short, so a dead master costs "
+        "little)")
+    retry_interval_s: float = setting(
+        5.0, help="after a store failure the connector skips kvpool this long")
+    replica_num: int = setting(1, help="memory replicas per stored object")
+    staging_mib: float = setting(
+        512, help="size of each of the worker's two staging buffers (save, load) on the KV "
+        "cache's device, MiB; a chunk's blocks are gathered there and moved as one object. "
+        "Steps larger than it move in batches of whole chunks (and load before the forward "
+        "instead of layer-wise)")
+    lookup_all_layers: bool = setting(
+        True, help="accepted for compatibility; no effect (a lookup checks every object of a "
+        "chunk)")
+    load_failure_policy: str = setting(
+        LoadFailurePolicy.RECOMPUTE.value,
+        help="`recompute`: the connector sets vLLM's `kv_load_failure_policy` to "
+        "\"recompute\", so blocks kvpool could not deliver are computed; `vllm`: keep vLLM's "
+        "own setting (its default, \"fail\", ends such a request with "
+        "`finish_reason=error`)")
+    load_timeout_s: float = setting(
+        2.0, help="a request's load still running after this long is abandoned and its "
+        "missing blocks recomputed (below the master's 10 s read lease, so no read outlives "
+        "its lease)")
+    load_or_recompute: bool = setting(
+        True, help="decide per request from measured speeds whether to load a hit or compute "
+        "it (kvpool.connector.estimate); false loads every hit, bounded by `load_timeout_s`")
+    probe_fraction: float = setting(
+        0.25, help="a load from a peer not measured yet may take this fraction of the "
+        "request's recompute time")
+    reprobe_s: float = setting(
+        30.0, help="how long a peer's measured speed (or failure) stands before it is probed "
+        "again")
+    layer_groups: int = setting(
+        8, help="objects per chunk along the layers; loads are pipelined per group (group "
+        "g + 1 moves while group g computes). Part of the keys: engines sharing chunks use the "
+        "same value")
+    layerwise: bool = setting(
+        True, help="load layer group by layer group during the forward "
+        "(`wait_for_layer_load`) and save each group as its layers finish "
+        "(`save_kv_layer`); false: whole requests before / after the forward")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        """Build from vLLM's ``kv_connector_extra_config`` dict (None = defaults)."""
-        extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown kv_connector_extra_config keys for KVPoolConnector: {unknown}; "
-                f"known: {sorted(known)}"
-            )
-        cfg = cls(**extra)
-        cfg.validate()
-        return cfg
+        """Build from vLLM's ``kv_connector_extra_config`` dict (None = defaults)
+        with the loader every kvpool config uses (:func:`load_dataclass`): unknown
+        keys, wrong types and bad values raise :class:`ConfigError` naming the key."""
+        return load_dataclass(cls, extra or {}, prefix="kv_connector_extra_config.")
 
     def validate(self, block_size: int | None = None) -> None:
         """Raise :class:`ConfigError` on values that cannot work."""

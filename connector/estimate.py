@@ -151,13 +151,6 @@ class SpeedBook:
         with self._lock:
             return self._prefill.value if self._prefill.n else None
 
-    def snapshot(self) -> dict[str, Any]:
-        """Current estimates (for logs and tests)."""
-        with self._lock:
-            return {"bandwidth": {k: a.value for k, a in self._bw.items()},
-                    "avoid": sorted(self._avoid),
-                    "prefill_tps": self._prefill.value if self._prefill.n else None}
-
 
 def decide(book: SpeedBook, costs: list[ChunkCost], load_timeout_s: float,
            probe_fraction: float = 0.25) -> Decision:

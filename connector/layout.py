@@ -75,14 +75,6 @@ class LayerLayout:
         """Bytes of one head of one block."""
         return self.tokens * self.row_bytes
 
-    def run_view(self, first_block: int, n: int) -> Any:
-        """Contiguous 1-D uint8 view of blocks ``first_block .. first_block+n-1`` (dense only)."""
-        if not self.dense:
-            raise ConfigError(f"layer {self.name}: blocks are not adjacent")
-        if first_block < 0 or first_block + n > self.num_blocks:
-            raise ConfigError(f"block range {first_block}+{n} outside 0..{self.num_blocks}")
-        return self.blocks[first_block : first_block + n].reshape(-1)
-
     @classmethod
     def from_tensor(cls, name: str, index: int, t: Any, kernel_blocks_per_block: int = 1,
                     heads: int | None = None) -> LayerLayout:

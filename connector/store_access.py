@@ -34,11 +34,14 @@ class StoreUnavailable(KVPoolError):
 
 
 def client_config(cfg: ConnectorConfig) -> Any:
-    """The store :class:`~kvpool.store.ClientConfig` of the connector: the client
-    YAML (``client_config``) plus ``client_overrides``, then ``master_address``,
-    ``local_address`` (bind and advertised address of this process's transfer
-    server) and ``host_id`` on top. The one place the connector builds it."""
-    from kvpool.store.config import load_client_config
+    """The store :class:`~kvpool.store.ClientConfig` of the connector, built by
+    the store's own loader (:func:`~kvpool.store.config.client_config_from_env`):
+    the client YAML (``client_config``, else ``$KVPOOL_CONFIG``), the cluster
+    key of ``$KVPOOL_CURVE_KEY_DIR``, ``client_overrides``, then
+    ``master_address``, ``local_address`` (bind and advertised address of this
+    process's transfer server) and ``host_id`` on top. The one place the
+    connector builds it."""
+    from kvpool.store.config import client_config_from_env
 
     overrides: dict[str, Any] = {"rpc_timeout_s": cfg.rpc_timeout_s}
     overrides.update(cfg.client_overrides)
@@ -48,7 +51,7 @@ def client_config(cfg: ConnectorConfig) -> Any:
         overrides["bind_host"] = cfg.local_address
     if cfg.host_id:
         overrides["host_id"] = cfg.host_id
-    return load_client_config(cfg.client_config, overrides)
+    return client_config_from_env(overrides, path=cfg.client_config)
 
 
 def make_client(cfg: ConnectorConfig) -> Any:

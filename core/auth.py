@@ -29,7 +29,6 @@ group or others can read, like ssh).
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import logging
 import os
@@ -43,17 +42,15 @@ import zmq
 from zmq.auth import CURVE_ALLOW_ANY
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvpool.core.config import ConfigError
+from kvpool.core.config import ConfigError, setting
 from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = [
     "CurveAuthenticator",
     "CurveConfig",
     "CurveKeyPair",
-    "add_curve_arguments",
     "apply_client_curve",
     "apply_server_curve",
-    "curve_config_from_args",
     "curve_required",
     "generate_keypair",
     "is_loopback",
@@ -410,11 +407,22 @@ class CurveConfig:
     ``allow_any_client``: skip client authentication (encryption only).
     """
 
-    enabled: bool | None = None
-    secret_key_file: str = ""
-    server_public_key_file: str = ""
-    allowed_clients_dir: str = ""
-    allow_any_client: bool = False
+    enabled: bool | None = setting(
+        None, flag="--curve", choices={"auto": None, "on": True, "off": False},
+        help="auto (null in YAML): off on loopback; elsewhere on when a key is configured, else "
+        "off with a warning; on (true): required everywhere; off (false)")
+    secret_key_file: str = setting(
+        "", flag="--curve-key",
+        help="this process's secret key file (kvpool keygen -> NAME.key_secret)")
+    server_public_key_file: str = setting(
+        "", flag="--curve-server-key",
+        help="servers' public key file when it differs from this process's own (cluster key)")
+    allowed_clients_dir: str = setting(
+        "", flag="--curve-allow-dir",
+        help="directory of allowed client public keys (*.key); empty = own key only")
+    allow_any_client: bool = setting(
+        False, flag="--curve-allow-any-client",
+        help="skip client authentication (encryption only)")
 
     @property
     def has_keys(self) -> bool:
@@ -476,34 +484,3 @@ class CurveConfig:
             return False
         apply_client_curve(sock, server_public or self.server_public_key(), self.keypair())
         return True
-
-
-def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--curve {auto,on,off}``, ``--curve-key``, ``--curve-server-key``,
-    ``--curve-allow-dir`` to a subcommand (dests ``curve_*``, None when absent)."""
-    g = parser.add_argument_group("authentication (ZeroMQ CURVE; see docs/security.md)")
-    g.add_argument("--curve", choices=("auto", "on", "off"), default=None,
-                   help="auto (default): off on loopback; elsewhere on when a key is "
-                   "configured, else off with a warning; on: required everywhere")
-    g.add_argument("--curve-key", dest="curve_key", default=None,
-                   help="this process's secret key file (kvpool keygen -> NAME.key_secret)")
-    g.add_argument("--curve-server-key", dest="curve_server_key", default=None,
-                   help="servers' public key file when it differs from --curve-key's")
-    g.add_argument("--curve-allow-dir", dest="curve_allow_dir", default=None,
-                   help="directory of allowed client public keys (*.key)")
-
-
-def curve_config_from_args(args: argparse.Namespace,
-                           base: CurveConfig | None = None) -> CurveConfig:
-    """A :class:`CurveConfig` from ``base`` (e.g. the YAML's) overridden by the flags."""
-    cfg = base or CurveConfig()
-    mode = getattr(args, "curve", None)
-    enabled = {"auto": None, "on": True, "off": False}.get(mode or "", cfg.enabled)
-    return CurveConfig(
-        enabled=enabled if mode else cfg.enabled,
-        secret_key_file=getattr(args, "curve_key", None) or cfg.secret_key_file,
-        server_public_key_file=getattr(args, "curve_server_key", None)
-        or cfg.server_public_key_file,
-        allowed_clients_dir=getattr(args, "curve_allow_dir", None) or cfg.allowed_clients_dir,
-        allow_any_client=cfg.allow_any_client,
-    )

@@ -18,16 +18,20 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = [
     "ConfigError",
+    "exact_size",
     "format_size",
+    "is_size_field",
     "load_dataclass",
     "load_yaml_mapping",
+    "merge_settings",
     "parse_size",
+    "setting",
     "setup_logging",
 ]
 
 T = TypeVar("T")
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?i?B?|)\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGTP]?i?B?|)\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "B": 1,
     "K": 1000, "KB": 1000, "KIB": 1024, "KI": 1024,
@@ -44,8 +48,13 @@ class ConfigError(KVPoolError):
     code = ErrorCode.CONFIG_ERROR
 
 
-def parse_size(value: str | int | float) -> int:
-    """Parse ``4GiB``, ``512MiB``, ``1GB``, ``4096`` or an int into bytes."""
+def parse_size(value: str | int | float, *, binary_units: bool = False) -> int:
+    """Parse ``4GiB``, ``512MiB``, ``1GB``, ``4096`` or an int into bytes.
+
+    ``K``/``KB``, ``M``/``MB``, ... are powers of 1000, ``KiB``, ``MiB``, ...
+    powers of 1024; with ``binary_units`` (Mooncake's reading of its setup
+    arguments) all of them are powers of 1024. Raises :class:`ConfigError`.
+    """
     if isinstance(value, bool):
         raise ConfigError(f"not a size: {value!r}")
     if isinstance(value, int):
@@ -62,10 +71,21 @@ def parse_size(value: str | int | float) -> int:
     number, unit = m.group(1), m.group(2).upper()
     if unit not in _UNITS:
         raise ConfigError(f"unknown size unit in {value!r}")
+    if binary_units and unit and unit != "B":
+        unit = unit[0] + "IB"
     result = float(number) * _UNITS[unit]
     if result != int(result):
         raise ConfigError(f"size is not a whole number of bytes: {value!r}")
     return int(result)
+
+
+def exact_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that divides it: 67108864 -> '64MiB'
+    (what :func:`parse_size` reads back to the same number)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
 
 
 def format_size(n: int) -> str:
@@ -76,6 +96,48 @@ def format_size(n: int) -> str:
             return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
         size /= 1024
     return f"{n}B"
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str,
+            default_factory: Any = dataclasses.MISSING, flag: str | None = None,
+            aliases: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None,
+            size: bool = False, cli: bool = True) -> Any:
+    """A config dataclass field that carries its own description.
+
+    The default is written here and nowhere else; ``help`` is the one
+    description of the setting (command-line help is generated from it, see
+    :mod:`kvpool.core.flags`). ``flag`` is its command-line spelling when that
+    is not ``--field-name`` (``--parent-field-name`` inside a nested config),
+    ``aliases`` further spellings, ``choices`` maps command-line words onto
+    values (``{"auto": None, "on": True}``), ``size`` marks a byte count, which
+    also accepts size strings such as ``4GiB``; ``cli=False`` keeps it off
+    the command line (YAML only).
+    """
+    metadata = {"help": help, "flag": flag, "aliases": aliases, "choices": choices,
+                "size": size, "cli": cli}  # "size" present: the name heuristic is off
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def is_size_field(f: dataclasses.Field[Any]) -> bool:
+    """Whether config field ``f`` holds a byte count that may be written ``4GiB``:
+    its ``size`` metadata (:func:`setting`), else a name ending ``_size``/``_bytes``."""
+    if "size" in f.metadata:
+        return bool(f.metadata["size"])
+    return f.name.endswith(("_size", "_bytes")) or f.name in ("memory", "disk")
+
+
+def merge_settings(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over`` laid on top, nested mappings merged key by key.
+    Unlike ``load_dataclass``'s overrides, a ``None`` in ``over`` is a value."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = merge_settings(out[k], v)
+        else:
+            out[k] = v
+    return out
 
 
 def _coerce(name: str, tp: Any, value: Any) -> Any:
@@ -177,7 +239,7 @@ def load_dataclass(
     """Build dataclass ``cls`` from a mapping or a YAML file, plus overrides.
 
     Unknown keys, wrong types and bad values raise :class:`ConfigError`
-    naming the key. Fields named ``*_size`` / ``*_bytes`` (typed int) also
+    naming the key. Size fields (:func:`is_size_field`, typed int) also
     accept size strings such as ``4GiB``. ``None`` overrides are ignored so
     argparse defaults of ``None`` mean "keep the file's value".
     """
@@ -203,9 +265,11 @@ def load_dataclass(
     kwargs: dict[str, Any] = {}
     for key, value in mapping.items():
         tp = hints[key]
-        if tp is int and isinstance(value, str) and (key.endswith("_size") or key.endswith("_bytes")
-                                                    or key in ("memory", "disk")):
-            kwargs[key] = parse_size(value)
+        if tp is int and isinstance(value, str) and is_size_field(fields[key]):
+            try:
+                kwargs[key] = parse_size(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{prefix}{key}: {exc}") from None
         else:
             kwargs[key] = _coerce(prefix + key, tp, value)
     try:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from kvpool.core.auth import CurveConfig
-from kvpool.core.config import ConfigError, load_dataclass
+from kvpool.core.config import ConfigError, load_dataclass, setting
 from kvpool.master.tiering_config import TieringConfig
 
 __all__ = ["FsyncPolicy", "MasterConfig", "load_master_config"]
@@ -30,82 +31,121 @@ class FsyncPolicy(StrEnum):
 
 @dataclass
 class MasterConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 9003  # 0 disables the admin HTTP server
-    data_dir: str | None = None  # None: no journal, no snapshots (state lost on exit)
-    lease_ttl_ms: int = 10000
-    # soft pins (ReplicateConfig soft_pin / SoftPinAction.ENABLE): a soft-pinned
-    # object is evicted after the unpinned ones until its pin expires; a put that
-    # names no TTL gets the default, none may ask for more than the maximum
-    soft_pin_ttl_ms: int = 30 * 60 * 1000
-    max_soft_pin_ttl_ms: int = 24 * 60 * 60 * 1000
-    # liveness (docs/INTERFACES.md): a client silent for client_ttl_s is suspect
-    # (no new placements, objects kept); one silent, with its guard process, for
-    # client_ttl_s + client_grace_s is dropped with its objects (its memory is
-    # presumed gone: a dead host, or a frozen cgroup that outlived the grace)
-    client_ttl_s: float = 10.0
-    client_grace_s: float = 300.0
-    eviction_high_watermark: float = 0.9
-    eviction_ratio: float = 0.05
-    eviction_max_scan: int = 100000  # objects examined per eviction round at most
-    eviction_batch: int = 2000  # objects evicted per loop iteration (watermark eviction)
-    put_start_discard_timeout_s: float = 30.0  # an in-flight put older than this may be preempted
-    put_start_release_timeout_s: float = 600.0  # an in-flight put older than this is revoked
-    snapshot_interval_s: float = 300.0  # 0 disables periodic snapshots
-    snapshot_min_journal_records: int = 1  # skip a periodic snapshot when nothing changed
-    snapshot_keep: int = 2
-    snapshot_slice_ms: float = 4.0  # loop time spent serializing a snapshot per iteration
-    journal_fsync: FsyncPolicy = FsyncPolicy.INTERVAL
-    journal_fsync_interval_ms: int = 100
-    max_key_length: int = 4096
-    max_batch_size: int = 16384
-    max_frame_size: int = 64 * 1024 * 1024
-    max_object_size: int = 1 << 44
-    max_replica_num: int = 16
-    memory_alignment: int = 64
-    file_alignment: int = 4096
-    expiry_slice: int = 64  # segments dropped per loop iteration at most
-    purge_slice: int = 20000  # objects purged from a dropped segment per loop iteration
-    log_level: str = "INFO"
-    # issue 7: capability-checked data access (docs/security.md). When on, the
-    # master creates a key per segment (handed to its owner in the MOUNT reply)
-    # and signs a READ/WRITE capability per granted replica.
-    capabilities: bool = True
-    capability_ttl_ms: int = 0  # 0 = lease_ttl_ms
-    # a connection with more requests than this queued at the master in one
-    # loop pass gets TOO_MANY_REQUESTS for the excess (back-pressure: its
-    # ZeroMQ pipe is also bounded, so a flood stalls in TCP, not in RAM)
-    max_inflight_per_client: int = 128
-    # same-host RPC over a Unix socket (kvpool.master.local_rpc): ~4x shorter
-    # round trips than ZeroMQ for clients on this host. "auto": a 0600 socket in
-    # $TMPDIR unless CURVE is on; "off"; or an explicit path.
-    local_socket: str = "auto"
-    # clients on other hosts: the same framing on an ephemeral TCP port of
-    # ``host`` (announced through LOCAL_ENDPOINT; ~3x shorter master round trips
-    # than ZeroMQ across hosts); never opened when CURVE is on
-    rpc_tcp: bool = True
-    # ZeroMQ CURVE on the RPC socket (kvpool.core.auth; docs/security.md):
-    # auto = off on loopback binds, required on any other bind
-    curve: CurveConfig = field(default_factory=CurveConfig)
-    # object events for routers (kvpool.master.events): a ZeroMQ PUB socket on
-    # host:events_port (0 = off); each subscriber may queue events_hwm messages,
-    # beyond that it misses messages (it sees a seq gap and resyncs)
-    events_port: int = 0
-    events_hwm: int = 10000
-    # SSD tier (kvpool.master.tiering): offload on eviction, promotion, warm restart
-    tiering: TieringConfig = field(default_factory=TieringConfig)
-    # high availability (kvpool.master.ha, docs/ha.md): "" = a single master.
-    # etcd: HOST:PORT[,HOST:PORT...] (or etcd://...); instances with the same etcd
-    # and cluster_id elect one leader, the others replicate its journal
-    etcd: str = ""
-    cluster_id: str = "default"
-    advertise: str = ""  # HOST:PORT clients reach this instance at ("": host:port)
-    sync_standbys: int = 1  # standbys that must hold a change before it is acknowledged
-    sync_timeout_s: float = 0.5  # an in-sync standby silent this long is dropped from the set
-    ha_lease_ttl_s: int = 2  # etcd lease TTL: bounds failover and fencing
-    replication_port: int = 0  # journal stream to the standbys (0: a free port)
+    """Everything the master reads at startup (``kvpool master --config``; flags
+    of the same names override the file, see :mod:`kvpool.core.flags`)."""
+
+    host: str = setting("127.0.0.1", help="bind address of the RPC socket (ZeroMQ ROUTER)")
+    port: int = setting(50051, help="RPC port; 0 picks a free one")
+    metrics_host: str = setting("127.0.0.1", help="bind address of the admin HTTP server")
+    metrics_port: int = setting(
+        9003, help="admin HTTP port (/metrics, /health); 0 disables the admin HTTP server")
+    data_dir: str | None = setting(
+        None, help="journal + snapshots directory (durability); null: no journal, state is lost "
+        "on exit")
+    lease_ttl_ms: int = setting(
+        10000, help="read lease granted by get_replica_list / exist, milliseconds")
+    soft_pin_ttl_ms: int = setting(
+        30 * 60 * 1000, help="soft pin (ReplicateConfig soft_pin / SoftPinAction.ENABLE) of a "
+        "put that names no TTL: the object is evicted after the unpinned ones until the pin "
+        "expires")
+    max_soft_pin_ttl_ms: int = setting(
+        24 * 60 * 60 * 1000, help="longest soft pin a put may ask for")
+    client_ttl_s: float = setting(
+        10.0, help="a client silent this long is suspect: its segments take no new "
+        "placements and keep their objects; it is back at its next ping")
+    client_grace_s: float = setting(
+        300.0, help="a suspect client whose guard process is silent too is dropped, with its "
+        "objects, after client_ttl_s + this (its memory is presumed gone: a dead host, or a "
+        "frozen cgroup that outlived the grace); an exit seen on its host unmounts at once")
+    eviction_high_watermark: float = setting(
+        0.9, help="evict when a pool (memory / file, separately) is this full")
+    eviction_ratio: float = setting(
+        0.05, help="eviction frees down to (watermark - ratio) of the pool's capacity")
+    eviction_max_scan: int = setting(
+        100000, help="objects examined per eviction round at most (bounds a stall)")
+    eviction_batch: int = setting(
+        2000, help="objects evicted per loop iteration (watermark eviction)")
+    put_start_discard_timeout_s: float = setting(
+        30.0, help="an in-flight put older than this may be preempted by a new put_start")
+    put_start_release_timeout_s: float = setting(
+        600.0, help="an in-flight put older than this is revoked (its space freed)")
+    snapshot_interval_s: float = setting(
+        300.0, help="periodic fuzzy snapshot (incremental, no fork); 0 disables "
+        "(SIGUSR1 still snapshots)")
+    snapshot_min_journal_records: int = setting(
+        1, help="skip a periodic snapshot when fewer records were journaled since the last")
+    snapshot_keep: int = setting(2, help="snapshots kept (with the journals they need)")
+    snapshot_slice_ms: float = setting(
+        4.0, help="loop time per iteration spent serializing a snapshot")
+    journal_fsync: FsyncPolicy = setting(
+        FsyncPolicy.INTERVAL, help="always: fsync every group commit before its replies go out "
+        "(survives power loss); interval: written before the replies (survives a master crash "
+        "or kill -9), fsync'ed every journal_fsync_interval_ms; never: fsync left to the OS")
+    journal_fsync_interval_ms: int = setting(100, help="fsync period of the interval policy")
+    max_key_length: int = setting(4096, help="longer keys get INVALID_KEY")
+    max_batch_size: int = setting(16384, help="larger batches get INVALID_PARAMS")
+    max_frame_size: int = setting(
+        64 * 1024 * 1024, size=True, help="larger request frames get FRAME_TOO_LARGE")
+    max_object_size: int = setting(1 << 44, size=True, help="largest object accepted")
+    max_replica_num: int = setting(
+        16, help="replicas per tier at most (replica_num, disk_replica_num)")
+    memory_alignment: int = setting(64, help="allocation alignment in MEMORY segments")
+    file_alignment: int = setting(
+        4096, help="allocation alignment in FILE segments (O_DIRECT)")
+    expiry_slice: int = setting(64, help="segments dropped per loop iteration at most")
+    purge_slice: int = setting(
+        20000, help="objects purged from a dropped segment per loop iteration")
+    log_level: str = setting(
+        "INFO", cli=False,
+        help="DEBUG, INFO, WARNING, ERROR (the command line's global --log-level wins)")
+    capabilities: bool = setting(
+        True, help="capability-checked data access (docs/security.md): a key per segment, "
+        "handed to its owner at mount, and a signed READ/WRITE capability per granted replica, "
+        "which the owner's transfer server verifies")
+    capability_ttl_ms: int = setting(0, help="lifetime of a capability; 0 = lease_ttl_ms")
+    max_inflight_per_client: int = setting(
+        128, help="requests one connection may have queued in one loop pass; the excess gets "
+        "TOO_MANY_REQUESTS (its ZeroMQ pipe is bounded too, so a flood stalls in TCP, not RAM)")
+    local_socket: str = setting(
+        "auto", help="same-host clients reach the master over a Unix socket served from its "
+        "loop (kvpool.master.local_rpc): ~35 us round trips instead of ~100 us over ZeroMQ on a "
+        "loaded host. auto: $TMPDIR/kvpool-master-<uid>-<port>.sock, mode 0600, not opened when "
+        "CURVE is on; off; or a path. Clients find it through Op.LOCAL_ENDPOINT after their "
+        "first call (MasterClient(local=\"off\") opts out)")
+    rpc_tcp: bool = setting(
+        True, help="clients on other hosts: the same direct framing as the Unix socket on an "
+        "ephemeral TCP port of host (announced through Op.LOCAL_ENDPOINT; ~2x shorter master "
+        "round trips than ZeroMQ across hosts); never opened when CURVE is on")
+    curve: CurveConfig = setting(
+        default_factory=CurveConfig,
+        help="authentication (ZeroMQ CURVE on the RPC socket; see docs/security.md)")
+    events_port: int = setting(
+        0, help="object events for routers (docs/events.md): a ZeroMQ PUB socket on "
+        "host:events_port (CURVE as the RPC socket) publishing stored/removed objects and "
+        "segments after they are journaled, with a gap-free seq (LIST_OBJECTS is the resync "
+        "listing); 0 = off")
+    events_hwm: int = setting(
+        10000, help="events queued per subscriber; a slower one misses messages (it sees a seq "
+        "gap and resyncs); the master never waits")
+    tiering: TieringConfig = setting(
+        default_factory=TieringConfig,
+        help="SSD tier (kvpool.master.tiering; nodes run `kvpool client --disk-dir DIR --disk "
+        "SIZE`): offload on eviction, promotion, warm restart")
+    etcd: str = setting(
+        "", help="high availability (docs/ha.md): HOST:PORT[,HOST:PORT...] (or etcd://...) of "
+        "an etcd cluster; instances with the same etcd and cluster_id elect one leader, the "
+        "others replicate its journal. Empty: a single master")
+    cluster_id: str = setting("default", help="name of the master group in etcd")
+    advertise: str = setting(
+        "", help="HOST:PORT clients reach this instance at (empty: host:port)")
+    sync_standbys: int = setting(
+        1, help="standbys that must hold a change before it is acknowledged")
+    sync_timeout_s: float = setting(
+        0.5, help="an in-sync standby silent this long is dropped from the in-sync set")
+    ha_lease_ttl_s: int = setting(
+        2, help="etcd lease TTL of the leader key: bounds failover and fencing time")
+    replication_port: int = setting(
+        0, help="port of the journal stream to the standbys (0: a free port)")
 
     def validate(self) -> None:
         """Raise ConfigError on values that cannot work."""
@@ -156,7 +196,8 @@ class MasterConfig:
 
 
 def load_master_config(
-    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+    path: str | Path | Mapping[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> MasterConfig:
-    """Defaults, then the YAML file (if any), then non-None ``overrides``."""
+    """Defaults, then the YAML file (or mapping), then non-None ``overrides``."""
     return load_dataclass(MasterConfig, path, overrides)

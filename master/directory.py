@@ -255,10 +255,6 @@ class EvictionPolicy:
         return False
 
 
-def _is_int(v: object) -> bool:
-    return type(v) is int
-
-
 def write_grant_ms(cfg: MasterConfig) -> int:
     """How long the WRITE capability granted with a put's replicas is valid:
     a big put over a slow link must not be cut off mid-way."""

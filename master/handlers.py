@@ -112,7 +112,6 @@ _COMPLETE = ReplicaStatus.COMPLETE
 _CAP_WRITE = int(CapOp.WRITE)
 _CAP_READ = int(CapOp.READ)
 _FILE = SegmentKind.FILE
-_OK = 0
 _INVALID_KEY = int(ErrorCode.INVALID_KEY)
 _INVALID_PARAMS = int(ErrorCode.INVALID_PARAMS)
 _time_ns = time.time_ns  # capability expiry is wall-clock epoch ms (it crosses hosts)

@@ -49,7 +49,6 @@ __all__ = [
     "list_snapshots",
     "read_journal",
     "read_snapshot",
-    "write_snapshot",
 ]
 
 log = logging.getLogger(__name__)
@@ -253,36 +252,6 @@ class SnapshotData:
     segments: list[dict[str, Any]]
     objects: list[list[Any]] = field(default_factory=list)
     created: float = 0.0
-
-
-def write_snapshot(data_dir: str, seq: int, segments: list[dict[str, Any]],
-                   objects: Iterator[list[Any]], n_objects: int) -> str:
-    """Write ``snapshot-<seq>`` atomically (temp + fsync + rename + dir fsync).
-
-    ``objects`` yields at most ``n_objects`` records (fewer are fine; a
-    trailing count records how many were written)."""
-    final = snapshot_path(data_dir, seq)
-    tmp = final + f".tmp.{os.getpid()}"
-    packer = msgpack.Packer(use_bin_type=True)
-    with open(tmp, "wb", buffering=1 << 20) as f:
-        f.write(packer.pack({"version": SNAPSHOT_VERSION, "seq": seq, "created": time.time(),
-                             "segments": segments}))
-        count = 0
-        chunk: list[bytes] = []
-        for rec in objects:
-            chunk.append(packer.pack(rec))
-            count += 1
-            if len(chunk) >= 4096:
-                f.write(b"".join(chunk))
-                chunk.clear()
-        f.write(b"".join(chunk))
-        # end marker: a torn snapshot lacks it and is rejected
-        f.write(packer.pack([_END, count]))
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, final)
-    fsync_dir(data_dir)
-    return final
 
 
 _END = "__end__"

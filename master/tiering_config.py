@@ -8,41 +8,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpool.core.config import ConfigError
+from kvpool.core.config import ConfigError, setting
 
 __all__ = ["TieringConfig"]
 
 
 @dataclass
 class TieringConfig:
-    """Tiering knobs (the master config's ``tiering`` fields map onto these).
+    """Tiering knobs (the ``tiering:`` block of the master config; flags
+    ``--tiering-<key>``)."""
 
-    ``offload_on_evict``: true | false | "auto" (on when a FILE segment exists).
-    ``offload_ahead_watermark``: above this fraction of memory in use, the
-    least recently used memory-only objects are copied to disk ahead of
-    eviction (memory kept), so eviction can free them at once (0 = off).
-    ``offload_ahead_bytes``: bytes of such copies started per timer tick.
-    ``promote_on_hit``: copy a disk-only object back into memory when read,
-    at its ``promote_after_hits``-th read from disk (1 = at the first; hits
-    are remembered for the last 100k keys read from disk). A promotion
-    reads the object from disk a second time: the default 2 spares that
-    read, and the memory, to objects read once.
-    ``task_timeout_s``: a task not reported done by then is failed (its
-    destination allocation freed). ``max_tasks_per_ping``: tasks handed to one
-    node per PING reply. ``file_owner_ttl_s``: how long a FILE segment whose
-    owner died waits for it (0 = drop with the owner, like memory).
-    ``max_inflight_bytes``: bytes of tasks in flight at once (0 = no limit).
-    """
-
-    offload_on_evict: bool | str = "auto"
-    offload_ahead_watermark: float = 0.7
-    offload_ahead_bytes: int = 256 << 20
-    promote_on_hit: bool = True
-    promote_after_hits: int = 2
-    task_timeout_s: float = 30.0
-    max_tasks_per_ping: int = 64
-    file_owner_ttl_s: float = 3600.0
-    max_inflight_bytes: int = 0
+    offload_on_evict: bool | str = setting(
+        "auto", help="evicted memory objects are copied to a file segment first (by the node "
+        "holding them): true | false | auto (on when a file segment is mounted)")
+    offload_ahead_watermark: float = setting(
+        0.7, help="above this fraction of memory in use, the least recently used memory-only "
+        "objects are copied to disk ahead of eviction (memory kept), so eviction can free them "
+        "at once; 0 = off")
+    offload_ahead_bytes: int = setting(
+        256 << 20, size=True,
+        help="bytes of such ahead-of-eviction copies started per timer tick")
+    promote_on_hit: bool = setting(
+        True, help="a get served from disk copies the object back into memory")
+    promote_after_hits: int = setting(
+        2, aliases=("--promote-after-hits",),
+        help="promote a disk-only object into memory at its Nth read from disk (1 = the "
+        "first; hits are remembered for the last 100k keys read from disk). A promotion reads "
+        "the disk a second time: 2 spares that read, and the memory, to objects read once")
+    task_timeout_s: float = setting(
+        30.0, help="a copy task not reported done by then is failed (its destination freed)")
+    max_tasks_per_ping: int = setting(64, help="copy tasks handed to one node per PING reply")
+    file_owner_ttl_s: float = setting(
+        3600.0, help="a file segment whose owner died waits this long for it (warm restart "
+        "re-adopts its objects); 0 = dropped with its owner, like memory")
+    max_inflight_bytes: int = setting(
+        0, size=True, help="bytes of copy tasks in flight at once; 0 = no limit")
 
     def validate(self) -> None:
         if isinstance(self.offload_on_evict, str):

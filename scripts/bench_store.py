@@ -461,7 +461,7 @@ def _find(records: list[dict[str, Any]], transport: str, op: str, size: int,
 
 
 def targets(records: list[dict[str, Any]], batch: int) -> list[tuple[str, float, float, bool]]:
-    """(name, measured, target, ok) for the issue's targets that were measured."""
+    """(name, measured, target, ok) for the targets (module docstring) that were measured."""
     out = []
     big = 16 << 20
     mem, sock = _find(records, "memcpy", "copy", big), _find(records, "socket", "roundtrip", big)

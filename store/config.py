@@ -3,9 +3,9 @@
 ``ClientConfig`` loads from YAML (``configs/client.yaml`` documents every key)
 with :func:`load_client_config`; size keys accept ``4GiB``, ``512MiB``, ``1GB``.
 
-Entry points that take no file (the Mooncake-compatible class, the vLLM
+Entry points configured by a mapping (the Mooncake-compatible class, the vLLM
 connector's extra config) build theirs with :func:`client_config_from_env`:
-overrides over the YAML named by ``KVPOOL_CONFIG``, with CURVE keys from the
+overrides over a YAML (by default the one named by ``KVPOOL_CONFIG``), with CURVE keys from the
 directory named by ``KVPOOL_CURVE_KEY_DIR``, and a transfer-server address
 reachable from a non-loopback master.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.core.auth import CurveConfig, is_loopback
-from kvpool.core.config import ConfigError, load_dataclass, load_yaml_mapping
+from kvpool.core.config import ConfigError, load_dataclass, load_yaml_mapping, setting
 from kvpool.core.etcd import policy_address
 
 __all__ = [
@@ -60,33 +60,70 @@ def default_host_id() -> str:
 class ClientConfig:
     """Everything a :class:`kvpool.store.Client` needs. See configs/client.yaml."""
 
-    master_address: str = "127.0.0.1:50051"
-    memory_size: int = 0  # bytes contributed to the pool (0 = pure client)
-    host_id: str | None = None  # None -> hostname; equal ids share memory via shm
-    bind_host: str = "127.0.0.1"  # address of this process's transfer server
-    transfer_port: int = 0  # 0 = any free port
-    segment_id: str | None = None  # None -> "<host_id>:<transfer port>"
-    prefault: bool = True  # touch the segment at mount so peers copy at memcpy speed
-    # SSD tier (issue 5): a FILE segment of disk_size bytes under disk_dir.
-    disk_dir: str | None = None
-    disk_size: int = 0
-    transfer_config: str | None = None  # transfer YAML (None = configs/transfer.yaml defaults)
-    transfer_overrides: dict[str, Any] = field(default_factory=dict)
-    rpc_timeout_s: float = 5.0  # every master RPC
-    transfer_timeout_s: float = 30.0  # every transfer batch (also capped by the read lease)
-    ping_interval_s: float = 1.0  # liveness ping; re-mounts when the master asks
-    # segment owners: a guard process heartbeats while this process is stalled
-    # and frees its segments when it dies (kvpool.store.guard)
-    guard: bool = True
-    checksum: str = "none"  # none | crc32 | xxhash | auto (xxhash if installed, else crc32)
-    verify_checksum: bool = True  # verify a recorded checksum on every get (host buffers)
-    inline_shm: bool = True  # same-host shm copies inline, without the engine's thread hop
-    # ZeroMQ CURVE towards the master and on/towards transfer servers (docs/security.md):
-    # auto = off for loopback addresses, required for any other
-    curve: CurveConfig = field(default_factory=CurveConfig)
-    # node daemon only: Prometheus /metrics on 127.0.0.1:metrics_port (0 = off):
-    # capability refusals by reason, transfer server counters
-    metrics_port: int = 0
+    master_address: str = setting(
+        "127.0.0.1:50051", flag="--master", help="master address HOST:PORT (or tcp://HOST:PORT)")
+    memory_size: int = setting(
+        0, flag="--memory", size=True,
+        help="memory contributed to the pool as one shared-memory segment "
+        "(/dev/shm/kvpool-...), e.g. 4GiB; 0 = pure client (reads and writes others' segments "
+        "only)")
+    host_id: str | None = setting(
+        None, help="host identity; processes with the same id share /dev/shm, so their "
+        "transfers go through shared memory; null = this machine's hostname")
+    bind_host: str = setting(
+        "127.0.0.1", help="address the transfer server binds (serves remote peers)")
+    transfer_port: int = setting(0, flag="--port", help="transfer server port; 0 = any free port")
+    segment_id: str | None = setting(
+        None, help="segment id; null = <host_id>:<transfer port> (what the Mooncake-compatible "
+        "get_hostname() returns, usable as a preferred segment)")
+    prefault: bool = setting(
+        True, help="touch the segment at mount so peers copy into it at memcpy speed (fresh "
+        "shm runs ~1 GB/s on first touch; costs ~0.9 s per GiB at startup)")
+    disk_dir: str | None = setting(
+        None, help="directory of the SSD tier's file segment (disk_size bytes)")
+    disk_size: int = setting(0, flag="--disk", size=True, help="SSD tier size, e.g. 200GiB")
+    transfer_config: str | None = setting(
+        None, help="transfer-engine YAML over the built-in defaults (configs/transfer.yaml "
+        "writes them out); null = the defaults")
+    transfer_overrides: dict[str, Any] = setting(
+        default_factory=dict, help="deep-merged over the transfer config, e.g. "
+        "{rules: [{name: all-tcp, transports: [tcp]}]} forces tcp")
+    rpc_timeout_s: float = setting(5.0, help="timeout of every master RPC, seconds")
+    transfer_timeout_s: float = setting(
+        30.0, help="timeout of every transfer batch, seconds (a read is also cut at its lease "
+        "deadline)")
+    ping_interval_s: float = setting(
+        1.0, help="liveness ping period, seconds; the client re-mounts its segments when the "
+        "master asks (e.g. after a master restart)")
+    guard: bool = setting(
+        True, help="a client that owns segments starts a guard process (python -m "
+        "kvpool.store.guard, ~25MiB): it heartbeats for the client while the process is "
+        "stalled (a call holding the GIL, a debugger, SIGSTOP), so the master keeps its segments "
+        "and objects, and when the process dies however it dies (SIGTERM, kill -9) it removes "
+        "its /dev/shm memory and unmounts it. false = no guard: a stall past the master's "
+        "client_ttl_s marks the client suspect (objects kept for client_grace_s); a crash "
+        "leaves its shared memory to the janitor of the next kvpool process on the host")
+    checksum: str = setting(
+        "none", help="checksum of values at put, verified at get: none | crc32 | xxhash | auto "
+        "(xxhash if installed, else crc32)")
+    verify_checksum: bool = setting(
+        True, help="verify a recorded checksum on every get (host buffers)")
+    inline_shm: bool = setting(
+        True, help="same-host shared-memory copies of host buffers run inline in the calling "
+        "thread (the shm transport's memcpy minus its thread hop) whenever the selector rules "
+        "would pick shm first; false = always the transfer engine. The inline path maps "
+        "same-host segments directly and carries no capability: shm segments are mode 0600, so "
+        "only the same user on the same host can map them (docs/security.md)")
+    curve: CurveConfig = setting(
+        default_factory=CurveConfig,
+        help="authentication (ZeroMQ CURVE towards the master and on/towards transfer "
+        "servers; see docs/security.md). Entry points without flags (the Mooncake-compatible "
+        "class, the vLLM connector) read this file from $KVPOOL_CONFIG and the cluster key "
+        "from $KVPOOL_CURVE_KEY_DIR")
+    metrics_port: int = setting(
+        0, help="node daemon: Prometheus /metrics on 127.0.0.1:PORT with the transfer "
+        "server's capability refusals by reason (kvpool_capability_refusals_total{reason}) and "
+        "request counters; 0 = off")
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on values that cannot work."""
@@ -106,7 +143,8 @@ class ClientConfig:
 
 
 def load_client_config(
-    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+    path: str | Path | Mapping[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> ClientConfig:
     """Load a :class:`ClientConfig` from YAML (or defaults) plus ``overrides``."""
     return load_dataclass(ClientConfig, path, overrides)
@@ -171,11 +209,13 @@ def _curve_mapping(value: Any) -> dict[str, Any]:
 
 
 def client_config_from_env(overrides: Mapping[str, Any] | None = None, *,
+                           path: str | Path | None = None,
                            environ: Mapping[str, str] | None = None) -> ClientConfig:
-    """A :class:`ClientConfig` for entry points that take no config file.
+    """A :class:`ClientConfig` for entry points configured by a mapping rather
+    than by flags (the Mooncake-compatible class, the vLLM connector).
 
-    Layers, later wins: the defaults; the YAML named by ``KVPOOL_CONFIG``
-    (if set); the CURVE keys of the directory named by ``KVPOOL_CURVE_KEY_DIR``
+    Layers, later wins: the defaults; the YAML at ``path``, else the one named
+    by ``KVPOOL_CONFIG`` (if set); the CURVE keys of the directory named by ``KVPOOL_CURVE_KEY_DIR``
     (if set; see :func:`curve_config_from_key_dir`); ``overrides`` (any
     ``ClientConfig`` key, ``None`` values ignored; sizes may be strings such as
     ``"4GiB"``; ``curve`` a mapping, merged key by key, or a CurveConfig).
@@ -189,7 +229,7 @@ def client_config_from_env(overrides: Mapping[str, Any] | None = None, *,
     """
     env = os.environ if environ is None else environ
     mapping: dict[str, Any] = {}
-    path = env.get(CONFIG_ENV, "")
+    path = path or env.get(CONFIG_ENV, "")
     if path:
         mapping = load_yaml_mapping(path)
     curve = _curve_mapping(mapping.get("curve") or {})
@@ -356,9 +396,3 @@ class ReplicateConfig:
             "soft_pin": bool(self.pins_soft),
             "disk_replica_num": int(self.disk_replica_num) + int(self.nof_replica_num),
         }
-
-    def to_wire_args(self) -> dict[str, Any]:
-        """:meth:`to_args` without the op table's defaults (smaller frames on the hot path)."""
-        defaults = {"replica_num": 1, "preferred_segments": [], "hard_pin": False,
-                    "soft_pin": False, "disk_replica_num": 0}
-        return {k: v for k, v in self.to_args().items() if v != defaults[k]}

@@ -86,7 +86,7 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
 
 def _start_metrics(client: Client, port: int) -> Any:
     """Prometheus /metrics on 127.0.0.1:``port``: the engine's capability
-    refusals (``kvpool_capability_refusals_total{reason}``, issue 7) and the
+    refusals (``kvpool_capability_refusals_total{reason}``) and the
     transfer server's request counters, read at scrape time."""
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.core import CounterMetricFamily

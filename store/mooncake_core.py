@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -95,27 +94,13 @@ def code_of(exc: BaseException) -> int:
     return int(ErrorCode.INTERNAL_ERROR)
 
 
-_MC_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]B?|B)?\s*$", re.IGNORECASE)
-_MC_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-             "G": 1 << 30, "GB": 1 << 30, "T": 1 << 40, "TB": 1 << 40}
-
-
 def mooncake_size(value: Any) -> int:
-    """A size as Mooncake's setup reads it: an int, or a string with Mooncake's
-    units (K/KB, M/MB, G/GB, T/TB: powers of 1024; B or none: bytes), or
-    kvpool's (``4GiB``, ``512MiB``). Raises KVPoolError(INVALID_PARAMS)."""
-    if isinstance(value, bool):
-        raise KVPoolError(f"not a size: {value!r}", ErrorCode.INVALID_PARAMS)
-    if isinstance(value, int):
-        if value < 0:
-            raise KVPoolError(f"negative size {value}", ErrorCode.INVALID_PARAMS)
-        return value
-    text = str(value)
-    m = _MC_SIZE.match(text)
-    if m:
-        return int(float(m.group(1)) * _MC_UNITS[(m.group(2) or "").upper()])
+    """A size as Mooncake's setup reads it: an int, or a string whose units
+    (K/KB, M/MB, G/GB, T/TB, and kvpool's KiB, MiB, ...) are all powers of 1024
+    (:func:`~kvpool.core.config.parse_size` with ``binary_units``).
+    Raises KVPoolError(INVALID_PARAMS)."""
     try:
-        return parse_size(text)
+        return parse_size(value, binary_units=True)
     except KVPoolError:
         raise KVPoolError(f"not a size: {value!r}", ErrorCode.INVALID_PARAMS) from None
 
@@ -172,10 +157,6 @@ class MooncakeCore:
             return self._k(key)
         except KVPoolError:
             return None
-
-    def _uk(self, pool_key: str) -> str:
-        """The caller's key for a pool key."""
-        return pool_key[len(self._prefix):] if self._prefix else pool_key
 
     def _fits_staging(self, nbytes: int) -> bool:
         """Whether a non-zero-copy call of ``nbytes`` fits Mooncake's staging

@@ -68,7 +68,6 @@ _MANIFEST_HEAD = struct.Struct("<IHHiiiii4x")  # 32 (28 + padding before the int
 MANIFEST_SIZE = _MANIFEST_HEAD.size + _SHAPE.size  # 96
 
 AXIS_KINDS = {"dp": 0, "tp": 1, "ep": 2, "pp": 3}
-_KIND_NAMES = {v: k for k, v in AXIS_KINDS.items()}
 _AXIS_ORDER = ("dp", "tp", "ep", "pp")
 # Mooncake's TensorDtype codes, by torch dtype name
 DTYPES = ("float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32",

@@ -1,9 +1,11 @@
 """Transfer engine configuration: selector rules and per-transport settings.
 
-Loaded from YAML (``configs/transfer.yaml`` documents every key and default)
-by :func:`load_transfer_config`. Unknown keys and impossible rules (unknown
-transport name, empty transport list, min_size > max_size, bad enum values)
-raise ``ConfigError`` at startup.
+Built by :func:`load_transfer_config` from the defaults written here (the
+dataclasses, :data:`DEFAULT_RULES`, :data:`TRANSPORT_DEFAULTS`), an optional
+YAML and overrides; ``configs/transfer.yaml`` documents every key with its
+default (tests/core/test_config_docs.py keeps the two equal). Unknown keys and
+impossible rules (unknown transport name, empty transport list, min_size >
+max_size, bad enum values) raise ``ConfigError`` at startup.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from kvpool.transfer.transports import TRANSPORT_CLASSES
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "DEFAULT_RULES",
+    "TRANSPORT_DEFAULTS",
     "RuleConfig",
     "ServerConfig",
     "TransferConfig",
@@ -26,6 +30,7 @@ __all__ = [
     "load_transfer_config",
 ]
 
+#: The documented defaults in a source checkout (loading it changes nothing).
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "transfer.yaml"
 
 
@@ -162,7 +167,7 @@ class ServerConfig:
     ``enabled``: start it in TransferEngine.__init__. ``max_request_bytes``:
     largest single READ/WRITE frame it accepts (clients chunk below it).
     ``max_header_bytes``: largest header frame. ``io_threads``: ZeroMQ I/O threads.
-    ``capabilities`` (issue 7): ``auto`` = verify every READ/WRITE of a segment
+    ``capabilities`` (docs/security.md): ``auto`` = verify every READ/WRITE of a segment
     once the master handed over its key (the normal case), ``on`` = always
     (a segment without a key refuses everything), ``off`` = never.
     ``capability_leeway_ms``: clock skew tolerated on expiry.
@@ -266,21 +271,22 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
 def load_transfer_config(
     path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
 ) -> TransferConfig:
-    """Load ``path`` (default: configs/transfer.yaml) and deep-merge ``overrides``
-    (e.g. ``{"transports": {"tcp": {"timeout_s": 2}}}``; ``rules`` replaces the
-    list). Raises ``ConfigError`` on any invalid key or value."""
-    p = Path(path) if path is not None else DEFAULT_CONFIG_PATH
-    if path is None and not p.exists():
-        data: dict[str, Any] = {}
-    else:
-        data = load_yaml_mapping(p)
+    """The built-in defaults (:data:`DEFAULT_RULES`, :data:`TRANSPORT_DEFAULTS`,
+    the dataclass defaults; configs/transfer.yaml writes them all out), the YAML
+    at ``path`` deep-merged over them (``rules`` replaces the list, a
+    ``transports.<name>`` section merges key by key), then ``overrides`` the
+    same way (e.g. ``{"transports": {"tcp": {"timeout_s": 2}}}``). Raises
+    ``ConfigError`` on any invalid key or value."""
+    data: dict[str, Any] = {"rules": DEFAULT_RULES,
+                            "transports": {k: dict(v) for k, v in TRANSPORT_DEFAULTS.items()}}
+    if path is not None:
+        data = _deep_merge(data, load_yaml_mapping(path))
     if overrides:
         data = _deep_merge(data, overrides)
-    if "rules" not in data:
-        data["rules"] = DEFAULT_RULES
     return _build(data)
 
 
+#: The selector's rules unless a config gives its own ``rules``.
 DEFAULT_RULES: list[dict[str, Any]] = [
     {"name": "local-memory", "kind": "memory", "same_host": True, "transports": ["shm", "tcp"]},
     {"name": "remote-memory", "kind": "memory", "same_host": False,
@@ -291,3 +297,10 @@ DEFAULT_RULES: list[dict[str, Any]] = [
      "transports": ["posix", "gds", "tcp"]},
     {"name": "remote-file", "kind": "file", "same_host": False, "transports": ["tcp"]},
 ]
+
+#: Per-transport settings that differ from :class:`TransportSettings`' defaults.
+TRANSPORT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "shm": {"inline_max_bytes": 256 << 10},  # a memcpy this small costs less than a thread hop
+    "tcp": {"retries": 1, "threads": 2},
+    "rdma": {"threads": 2, "staging_size": 1 << 20},
+}

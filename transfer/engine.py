@@ -179,7 +179,7 @@ class TransferEngine:
         self.config = config
         #: CURVE policy for the server socket and the tcp transport's client sockets
         self.curve = curve
-        # issue 7: capability keys of local segments; refusals counted by reason
+        # capability keys of local segments (docs/security.md); refusals counted by reason
         scfg = config.server
         self.capabilities = CapVerifier(required=scfg.capabilities == "on",
                                         leeway_ms=scfg.capability_leeway_ms)
@@ -222,13 +222,13 @@ class TransferEngine:
 
     @property
     def server(self) -> TransferServer | None:
-        """The transfer server (issue 7 sets ``server.verify_capability``)."""
+        """The transfer server (capability checking sets ``server.verify_capability``)."""
         return self._server
 
     def local_segment(self, segment_id: str) -> LocalSegment | None:
         return self._local.get(segment_id)
 
-    # -- capabilities (issue 7) ---------------------------------------------------
+    # -- capabilities (docs/security.md) ------------------------------------------------
     def set_capability_key(self, segment_id: str, key: bytes) -> None:
         """Install the key the master handed over at (re-)mount for a local
         segment. From then on (unless ``server.capabilities: off``) the
@@ -354,9 +354,6 @@ class TransferEngine:
             self._peers.pop(segment_id, None)
         for slot in list(self._slots.values()):
             slot.transport.forget_segment(segment_id)
-
-    def peer_segment(self, segment_id: str) -> SegmentDescriptor | None:
-        return self._peers.get(segment_id)
 
     def register_buffer(self, obj: Any, length: int | None = None,
                         device: str | None = None) -> BufferHandle:

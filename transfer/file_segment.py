@@ -266,10 +266,6 @@ class FileIO:
         """fdatasync: make written data durable across a host crash."""
         os.fdatasync(self.fd)
 
-    def advise_dontneed(self, off: int = 0, length: int = 0) -> None:
-        """Drop the page cache of a range (benchmarks: cold reads)."""
-        os.posix_fadvise(self.fd, off, length, os.POSIX_FADV_DONTNEED)
-
     def close(self) -> None:
         if self._closed:
             return

@@ -43,12 +43,11 @@ from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.types import TransferOp
 from kvpool.transfer.wire import ServerOp, ServerRequest
 
-__all__ = ["OP_BULK", "OP_PING", "OP_STATS", "CapabilityVerifier", "TransferServer"]
+__all__ = ["OP_BULK", "OP_PING", "CapabilityVerifier", "TransferServer"]
 
 log = logging.getLogger(__name__)
 
 OP_PING = ServerOp.PING
-OP_STATS = ServerOp.STATS
 OP_BULK = ServerOp.BULK
 _CONTROL_OPS = (ServerOp.PING, ServerOp.STATS, ServerOp.BULK)
 _MIN_ZERO_COPY = 64 << 10  # below this, copying the frame is cheaper than tracking it
@@ -78,7 +77,7 @@ class TransferServer:
         #: extra counters for STATS replies (e.g. the engine's capability refusals)
         self.stats_hook: Callable[[], dict[str, Any]] | None = None
         self._lookup = lookup
-        #: issue 7 hook: verify TransferRequest.capability per request (None = allow all)
+        #: capability check: verify TransferRequest.capability per request (None = allow all)
         self.verify_capability: CapabilityVerifier | None = None
         self._ctx = zmq.Context(io_threads=self.config.io_threads)
         self._sock = self._ctx.socket(zmq.ROUTER)

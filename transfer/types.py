@@ -62,7 +62,7 @@ class TransferRequest:
     descriptor's ``base_offset``). ``buffer`` is anything
     :func:`kvpool.transfer.buffers.as_buffer` accepts, or a ``BufferHandle``.
     ``transport`` forces a transport by name (overrides the selector rules).
-    ``capability`` is an opaque token the segment owner may verify (issue 7).
+    ``capability`` is an opaque token the segment owner may verify (docs/security.md).
     """
 
     op: TransferOp

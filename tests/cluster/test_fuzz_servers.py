@@ -1,4 +1,4 @@
-"""Fuzz the two servers a network peer can reach (issue 7): >= 10k malformed,
+"""Fuzz the two servers a network peer can reach (docs/security.md): >= 10k malformed,
 truncated, oversized, multi-frame and type-confused frames each to a real
 ``kvpool master`` and to a real node daemon's transfer server. Every frame
 must get a typed error reply (or, for the few absurdly large ones, a dropped

@@ -1,8 +1,8 @@
-"""Issue 7 end to end, real processes on loopback: a master, ``kvpool client``
-node daemons (their transfer servers verify capabilities) and raw ZeroMQ
-peers that try forged, expired, widened, wrong-op, missing and
-replayed-for-another-segment capabilities; CURVE on a daemon's transfer
-server keeps unauthenticated peers out entirely."""
+"""Capabilities and CURVE (docs/security.md) end to end, real processes on
+loopback: a master, ``kvpool client`` node daemons (their transfer servers
+verify capabilities) and raw ZeroMQ peers that try forged, expired, widened,
+wrong-op, missing and replayed-for-another-segment capabilities; CURVE on a
+daemon's transfer server keeps unauthenticated peers out entirely."""
 
 from __future__ import annotations
 

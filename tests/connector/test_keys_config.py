@@ -108,7 +108,9 @@ def test_config_from_extra_config() -> None:
     with pytest.raises(ConfigError, match="unknown"):
         ConnectorConfig.from_extra_config({"chunk_tokens": 64})
     with pytest.raises(ConfigError):
-        ConnectorConfig.from_extra_config({"save_decode": "yes"})
+        ConnectorConfig.from_extra_config({"save_decode": "maybe"})
+    with pytest.raises(ConfigError, match="chunk_size"):
+        ConnectorConfig.from_extra_config({"chunk_size": "lots"})
     assert ConnectorConfig.from_extra_config(None).chunk_size == 256
 
 

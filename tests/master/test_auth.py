@@ -18,10 +18,8 @@ from kvpool.core.auth import (
     CurveAuthenticator,
     CurveConfig,
     CurveKeyPair,
-    add_curve_arguments,
     apply_client_curve,
     apply_server_curve,
-    curve_config_from_args,
     curve_required,
     generate_keypair,
     is_loopback,
@@ -31,6 +29,8 @@ from kvpool.core.auth import (
     save_keypair,
 )
 from kvpool.core.config import ConfigError
+from kvpool.core.flags import add_config_flags, config_from_flags
+from kvpool.store.config import ClientConfig
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
 
@@ -238,16 +238,21 @@ def test_policy_in_config(tmp_path: Path, ctx: zmq.Context) -> None:
 
 def test_cli_flags_map_to_config(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
-    add_curve_arguments(parser)
-    assert curve_config_from_args(parser.parse_args([])) == CurveConfig()
+    add_config_flags(parser, ClientConfig)
+    assert config_from_flags(ClientConfig, parser.parse_args([])).curve == CurveConfig()
+    yaml_path = tmp_path / "c.yaml"
+    yaml_path.write_text("curve: {enabled: true, server_public_key_file: /s.key}\n")
     args = parser.parse_args(["--curve", "off", "--curve-key", "/k/c.key_secret",
                               "--curve-allow-dir", "/k/allow"])
-    cfg = curve_config_from_args(args, CurveConfig(enabled=True, server_public_key_file="/s.key"))
+    cfg = config_from_flags(ClientConfig, args, yaml_path).curve
     assert cfg == CurveConfig(enabled=False, secret_key_file="/k/c.key_secret",
                               server_public_key_file="/s.key", allowed_clients_dir="/k/allow")
-    assert curve_config_from_args(parser.parse_args(["--curve", "auto"]),
-                                  CurveConfig(enabled=True)).enabled is None
-    assert curve_config_from_args(parser.parse_args([]), CurveConfig(enabled=True)).enabled
+    # "auto" is a value (None), not an absent flag: it overrides the file's true
+    auto = config_from_flags(ClientConfig, parser.parse_args(["--curve", "auto"]), yaml_path)
+    assert auto.curve.enabled is None
+    assert config_from_flags(ClientConfig, parser.parse_args([]), yaml_path).curve.enabled
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--curve", "maybe"])
 
 
 def test_two_servers_share_one_zap_handler_per_context(ctx: zmq.Context, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.store.client import Client
 from kvpool.store.config import ClientConfig
 
-__all__ = ["client_factory", "closing_factory", "segment_desc", "segment_wire"]
+__all__ = ["client_factory", "closing_factory", "segment_desc"]
 
 _T = TypeVar("_T")
 
@@ -44,13 +44,6 @@ def segment_desc(segment_id: str, client_id: str, size: int = 1 << 20,
     """A SegmentDescriptor for MOUNT_SEGMENT in tests (no real region)."""
     return SegmentDescriptor(segment_id, client_id, host_id, kind, size, f"kvpool-{segment_id}",
                              endpoint=endpoint)
-
-
-def segment_wire(segment_id: str, client_id: str, size: int = 1 << 20,
-                 kind: SegmentKind = SegmentKind.MEMORY, host_id: str = "host-test",
-                 endpoint: str = "tcp://127.0.0.1:1") -> dict[str, object]:
-    """:func:`segment_desc` in its map form (as journals and snapshots keep it)."""
-    return segment_desc(segment_id, client_id, size, kind, host_id, endpoint).to_wire()
 
 
 @contextmanager

@@ -210,14 +210,6 @@ def test_completion_errors_are_retryable_with_a_mapped_code() -> None:
 # -- availability and the selector's fallback ---------------------------------------------
 
 
-def _has_pyverbs() -> bool:
-    try:
-        import pyverbs  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def test_rdma_unavailable_falls_back_to_tcp_with_one_log_line(
         make_peer: Any, caplog: pytest.LogCaptureFixture) -> None:
     """With the shipped config the engine loads the real (pyverbs) rdma

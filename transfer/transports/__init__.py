@@ -1,8 +1,8 @@
 """Transport implementations and their lazy registry.
 
 ``TRANSPORT_CLASSES`` maps a transport name to ``"module:Class"``; a module is
-imported only when the config enables its transport, so transports added by
-later issues (``posix``, ``gds`` for file segments; ``rdma``) plug in by name.
+imported only when the config enables its transport, so optional transports
+(``gds`` needs kvikio, ``rdma`` pyverbs) cost nothing where they are not used.
 A missing module or class makes :func:`load_transport_class` return None with
 the reason; the engine logs it once and skips that transport.
 """

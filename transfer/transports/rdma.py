@@ -121,7 +121,7 @@ class RdmaOptions:
     address of the connect listener used when the transfer server has no
     ``register_op_handler`` hook (default: the transfer server's host).
     ``allow_with_capabilities``: RDMA is one-sided, so the per-request
-    capability check of the transfer server (issue 7) cannot apply to it; while
+    capability check of the transfer server (docs/security.md) cannot apply to it; while
     that server has a verifier set, this owner hands out no rkeys unless this
     is true (peers then use tcp, where every request is checked).
     """
