@@ -22,16 +22,30 @@ the expiry, under the segment's key.
 Offsets are relative to the segment's usable region (the same convention as
 ``ReplicaDescriptor.offset`` and ``TransferRequest.offset``).
 
-Token layout (version 3, big-endian)::
+Token layout (version 4, big-endian)::
 
-    B  version (3)         B  op (CapOp)          H  segment id length n
+    B  version (4)         B  op (CapOp)          H  segment id length n
     I  range count k       Q  expiry (epoch ms)   Q  nonce
-    ns segment id (utf-8)  k x (Q offset, Q length)                16s tag
+    Q  leader epoch        ns segment id (utf-8)  k x (Q offset, Q length)
+    16s tag
 
-``tag`` = keyed BLAKE2b-128(key, person="kvpool-cap-v3", everything before
+``tag`` = keyed BLAKE2b-128(key, person="kvpool-cap-v4", everything before
 the tag). BLAKE2's keyed mode is a MAC by design (no HMAC construction
 needed); with the keyed state precomputed per segment and copied per token
 a one-range token costs ~0.6 us in CPython, each further range ~20 ns.
+
+Epoch (fencing, docs/ha.md): the term of the master that signed the token
+(the etcd revision that elected it; 0 for a master without HA, whose
+tokens behave exactly as before). A :class:`CapabilityVerifier` keeps the
+highest epoch it has seen, from authentic tokens and from the master's
+ping replies (:meth:`CapabilityVerifier.observe_epoch`), and refuses a
+token of a lower epoch with ``STALE_EPOCH`` (code ``ErrorCode.STALE_EPOCH``:
+the caller asks the master again, which after a failover is the new
+leader). So once a node daemon has heard of a new term, grants of a
+deposed leader, including one still serving reads while cut off from
+etcd, stop working there. Epochs only grow within one etcd cluster;
+replacing the etcd cluster (revisions restart) needs the node daemons
+restarted, else they refuse the new, lower epochs.
 
 Replay: a token is a bearer credential for its ranges until it expires; it
 cannot be reused for another segment (other key), other ranges or another
@@ -74,15 +88,15 @@ __all__ = [
     "wall_clock_ms",
 ]
 
-TOKEN_VERSION = 3
+TOKEN_VERSION = 4
 KEY_LENGTH = 32
 TAG_LENGTH = 16
 NONCE_LENGTH = 8
 MAX_SEGMENT_ID_LENGTH = 1024
 #: ranges per token: bounds a token (and so a transfer request header) to ~1 KiB
 MAX_RANGES = 64
-_PERSON = b"kvpool-cap-v3"  # BLAKE2 personalization: domain separation
-_HEADER = struct.Struct(">BBHIQQ")
+_PERSON = b"kvpool-cap-v4"  # BLAKE2 personalization: domain separation
+_HEADER = struct.Struct(">BBHIQQQ")  # ... expiry, nonce, epoch
 _PACK = _HEADER.pack
 _RANGE = struct.Struct(">QQ")
 _U64 = (1 << 64) - 1
@@ -132,17 +146,21 @@ class DenyReason(StrEnum):
     WRONG_OP = "wrong_op"  # READ token used to WRITE or vice versa
     EXPIRED = "expired"
     OUT_OF_RANGE = "out_of_range"  # request wider than / outside every granted range
+    STALE_EPOCH = "stale_epoch"  # signed by a master of an older leader term (HA fencing)
 
 
 class CapabilityError(KVPoolError):
-    """A request was refused: ``code`` is PERMISSION_DENIED, ``reason`` says why."""
+    """A request was refused: ``reason`` says why. ``code`` is PERMISSION_DENIED,
+    except STALE_EPOCH for :attr:`DenyReason.STALE_EPOCH` (retryable: a fresh
+    grant from the current leader passes)."""
 
     code = ErrorCode.PERMISSION_DENIED
 
     def __init__(self, reason: DenyReason, message: str) -> None:
         self.reason = reason
         super().__init__(f"capability refused ({reason.value}): {message}",
-                         ErrorCode.PERMISSION_DENIED)
+                         ErrorCode.STALE_EPOCH if reason is DenyReason.STALE_EPOCH
+                         else ErrorCode.PERMISSION_DENIED)
 
 
 def wall_clock_ms() -> int:
@@ -165,12 +183,13 @@ class Capability:
     op: CapOp
     expiry_ms: int
     nonce: int = field(default=-1)  # -1: sign() picks a random one
+    epoch: int = 0  # leader term of the signing master (0: no HA)
 
     @classmethod
     def single(cls, segment_id: str, offset: int, length: int, op: CapOp, expiry_ms: int,
-               nonce: int = -1) -> Capability:
+               nonce: int = -1, epoch: int = 0) -> Capability:
         """A grant of one range."""
-        return cls(segment_id, ((offset, length),), op, expiry_ms, nonce)
+        return cls(segment_id, ((offset, length),), op, expiry_ms, nonce, epoch)
 
     def covers(self, offset: int, length: int) -> bool:
         """True if ``[offset, offset + length)`` lies inside one granted range."""
@@ -198,14 +217,14 @@ def sign(cap: Capability, key: bytes) -> bytes:
     if not 0 < len(cap.ranges) <= MAX_RANGES:
         raise KVPoolError(f"a capability holds 1..{MAX_RANGES} ranges", ErrorCode.INVALID_PARAMS)
     flat = [v for r in cap.ranges for v in r]
-    for v in (*flat, cap.expiry_ms):
+    for v in (*flat, cap.expiry_ms, cap.epoch):
         if type(v) is not int or not 0 <= v <= _U64:
             raise KVPoolError(f"capability field out of range: {v!r}", ErrorCode.INVALID_PARAMS)
     nonce = cap.nonce if cap.nonce >= 0 else int.from_bytes(os.urandom(NONCE_LENGTH), "big")
     if nonce > _U64:
         raise KVPoolError("nonce must fit 64 bits", ErrorCode.INVALID_PARAMS)
     body = _PACK(TOKEN_VERSION, int(CapOp.coerce(cap.op)), len(seg), len(cap.ranges),
-                 cap.expiry_ms, nonce) + seg + _ranges_pack(len(cap.ranges))(*flat)
+                 cap.expiry_ms, nonce, cap.epoch) + seg + _ranges_pack(len(cap.ranges))(*flat)
     h = _mac_state(key)
     h.update(body)
     return body + h.digest()
@@ -215,7 +234,7 @@ def decode(token: bytes | bytearray | memoryview) -> Capability:
     """Parse a token WITHOUT checking its tag (for logging/inspection only).
 
     Raises :class:`CapabilityError` (MALFORMED) on anything that is not a
-    well-formed version-3 token.
+    well-formed version-4 token.
     """
     cap, _, _ = _parse(token)
     return cap
@@ -229,7 +248,7 @@ def _parse(token: Any) -> tuple[Capability, bytes, bytes]:
         raise CapabilityError(DenyReason.MISSING, "no capability presented")
     if len(raw) < _MIN_LENGTH:
         raise CapabilityError(DenyReason.MALFORMED, f"token of {len(raw)} bytes is truncated")
-    version, op, seg_len, count, expiry, nonce = _HEADER.unpack_from(raw)
+    version, op, seg_len, count, expiry, nonce, epoch = _HEADER.unpack_from(raw)
     if version != TOKEN_VERSION:
         raise CapabilityError(DenyReason.MALFORMED, f"unknown token version {version}")
     if not 0 < count <= MAX_RANGES:
@@ -244,7 +263,8 @@ def _parse(token: Any) -> tuple[Capability, bytes, bytes]:
         raise CapabilityError(DenyReason.MALFORMED, f"bad token field: {exc}") from None
     flat = struct.unpack_from(f">{2 * count}Q", raw, _HEADER.size + seg_len)
     ranges = tuple(zip(flat[::2], flat[1::2], strict=True))
-    return Capability(seg, ranges, cap_op, expiry, nonce), raw[:body_end], raw[body_end:]
+    return (Capability(seg, ranges, cap_op, expiry, nonce, epoch), raw[:body_end],
+            raw[body_end:])
 
 
 def verify(
@@ -256,16 +276,19 @@ def verify(
     op: CapOp | Any,
     now_ms: int | None = None,
     leeway_ms: int = 0,
+    min_epoch: int = 0,
 ) -> Capability:
     """Check that ``token`` allows ``op`` on ``[offset, offset+length)`` of ``segment_id``.
 
     Returns the verified :class:`Capability`; raises :class:`CapabilityError`
-    (a KVPoolError with code PERMISSION_DENIED) whose ``reason`` tells a
-    forged, expired, widened, other-segment, wrong-op or malformed token
-    apart. Semantic reasons (op, expiry, range) are reported only for tokens
+    (a KVPoolError with code PERMISSION_DENIED, STALE_EPOCH for a token of
+    an epoch below ``min_epoch``) whose ``reason`` tells a forged, expired,
+    widened, other-segment, wrong-op, stale or malformed token apart.
+    Semantic reasons (epoch, op, expiry, range) are reported only for tokens
     whose tag verified. ``leeway_ms`` tolerates clock skew between hosts.
     """
     grant = _authentic(token, _mac_state(key), segment_id)
+    grant.check_epoch(min_epoch)
     grant.check(offset, length, CapOp.coerce(op), now_ms, leeway_ms)
     return grant.cap
 
@@ -273,15 +296,23 @@ def verify(
 class _Grant:
     """A verified token, ready for cheap range checks."""
 
-    __slots__ = ("cap", "expiry_ms", "op", "reach", "starts")
+    __slots__ = ("cap", "epoch", "expiry_ms", "op", "reach", "starts")
 
     def __init__(self, cap: Capability) -> None:
         self.cap = cap
         self.op = cap.op
         self.expiry_ms = cap.expiry_ms
+        self.epoch = cap.epoch
         spans = sorted(cap.ranges)
         self.starts = [o for o, _ in spans]
         self.reach = list(itertools.accumulate((o + n for o, n in spans), max))
+
+    def check_epoch(self, min_epoch: int) -> None:
+        if self.epoch < min_epoch:
+            raise CapabilityError(
+                DenyReason.STALE_EPOCH,
+                f"signed in epoch {self.epoch}; epoch {min_epoch} has been seen: ask the "
+                "master again")
 
     def check(self, offset: int, length: int, op: CapOp, now_ms: int | None,
               leeway_ms: int) -> None:
@@ -326,6 +357,11 @@ class CapabilitySigner:
     state).
     ``keys()``/``load_keys()`` let the master persist keys so tokens stay
     valid and owners need no new key after a master restart.
+
+    ``epoch`` is written into every token: 0 for a master without HA; an HA
+    master sets it to its term's epoch when it is elected, before it signs
+    anything in that term (verifiers refuse tokens of an older epoch than
+    the newest they have seen).
     """
 
     def __init__(self, ttl_ms: int = 10_000) -> None:
@@ -340,6 +376,7 @@ class CapabilitySigner:
         # random start is enough and saves a getrandom() per token
         self._n0 = self._n = int.from_bytes(os.urandom(8), "big") >> 2
         self.granted_ranges = 0  # ranges covered by the tokens signed
+        self.epoch = 0  # the leader term signed into tokens (0: no HA)
 
     def _install(self, segment_id: str, key: bytes) -> None:
         seg = segment_id.encode()
@@ -391,8 +428,8 @@ class CapabilitySigner:
         self._n += 1
         k = len(flat) >> 1
         self.granted_ranges += k
-        body = (_PACK(TOKEN_VERSION, op, st[2], k, expiry_ms, self._n & _U64) + st[1]
-                + _ranges_pack(k)(*flat))
+        body = (_PACK(TOKEN_VERSION, op, st[2], k, expiry_ms, self._n & _U64, self.epoch)
+                + st[1] + _ranges_pack(k)(*flat))
         h = st[0].copy()
         h.update(body)
         return body + h.digest()
@@ -411,7 +448,7 @@ class CapabilitySigner:
               ttl_ms: int | None = None) -> bytes:
         """A signed token for ``op`` on ``[offset, offset+length)``, valid ``ttl_ms``."""
         cap = Capability.single(segment_id, offset, length, CapOp.coerce(op),
-                                self.expiry(ttl_ms))
+                                self.expiry(ttl_ms), epoch=self.epoch)
         return sign(cap, self.key_for(segment_id))
 
     def keys(self) -> dict[str, bytes]:
@@ -438,6 +475,12 @@ class CapabilityVerifier:
     Verified tokens are kept per segment (up to ``cache_size``, keyed by the
     whole token, dropped when the segment's key changes), so the requests of
     one batch pay for one MAC: the rest is a lookup and a range check.
+
+    Fencing: ``epoch`` is the highest leader epoch seen, one per verifier
+    (a node daemon serves one master group). Authentic tokens and the
+    master's ping replies (:meth:`observe_epoch`) raise it; a token of a
+    lower epoch is refused with :attr:`DenyReason.STALE_EPOCH`, also when
+    it was verified (and cached) before the epoch rose.
     """
 
     def __init__(
@@ -459,6 +502,19 @@ class CapabilityVerifier:
         self.refusals: dict[DenyReason, int] = dict.fromkeys(DenyReason, 0)
         self.accepted = 0
         self.macs = 0  # tokens whose tag was computed (cache misses)
+        self.epoch = 0  # the highest leader epoch seen (only grows)
+
+    def observe_epoch(self, epoch: int) -> bool:
+        """Raise the epoch high-water to ``epoch`` (a no-op if not higher);
+        True if it rose. Call it only with an epoch the master vouches for
+        (an authentic token, the master's reply on the control channel)."""
+        if epoch <= self.epoch:
+            return False
+        with self._lock:
+            if epoch <= self.epoch:
+                return False
+            self.epoch = epoch
+        return True
 
     def set_key(self, segment_id: str, key: bytes) -> None:
         """Install (or replace) the key the master handed over for a local segment."""
@@ -504,10 +560,15 @@ class CapabilityVerifier:
             if grant is None:
                 grant = _authentic(tok, entry[1], segment_id)
                 self.macs += 1
-                if cache is not None and self._keys.get(segment_id) is entry:
+                if grant.epoch > self.epoch:
+                    self.observe_epoch(grant.epoch)  # authentic: a term the master vouches for
+                if cache is not None and self._keys.get(segment_id) is entry \
+                        and grant.epoch >= self.epoch:
                     if len(cache) >= self.cache_size:
                         cache.pop(next(iter(cache), b""), None)  # the oldest
                     cache[tok] = grant
+            if grant.epoch < self.epoch:
+                grant.check_epoch(self.epoch)
             grant.check(offset, length, want, None, self.leeway_ms)
         except CapabilityError as exc:
             raise self._refuse(exc) from None

@@ -347,12 +347,17 @@ class PingReply(Reply):
     segments: dict[str, SegmentDescriptor] = {}
     caps: list[bytes] = []
     known: bool = False  # heartbeat replies: the master knows this client
+    #: the leader epoch of the replying master (0: no HA); the segment owner's
+    #: capability verifier raises its epoch high-water to it (fencing)
+    epoch: int = 0
 
 
 @register(Op.PING, PingReply, "liveness; remount=true when the master does not know the "
           "client (e.g. restarted without its segments); may carry SSD-tier copy tasks; "
-          "heartbeat=true (the client's guard process): its memory lives, the process may "
-          "be stalled -- keeps a suspect client from being dropped, never hands out tasks")
+          "epoch: the replying leader's term (0 without HA), raises the owner's capability "
+          "epoch high-water; heartbeat=true (the client's guard process): its memory lives, "
+          "the process may be stalled -- keeps a suspect client from being dropped, never "
+          "hands out tasks")
 class Ping(Request[PingReply]):
     client_id: str
     heartbeat: bool = False

@@ -326,6 +326,8 @@ class OpHandlers:
             return PingReply(False, known=d.heartbeat(client_id))
         remount, ids = d.ping(client_id)
         out = PingReply(remount, ids)
+        if self.signer is not None and self.signer.epoch:
+            out.epoch = self.signer.epoch  # the term this master signs in (HA fencing)
         if self.tiering.tasks:  # SSD tier: copy tasks this node executes
             wires, _segs = self.tiering.tasks_for(d, client_id)
             if wires:

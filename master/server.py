@@ -204,6 +204,10 @@ class MasterServer:
         from_stream = ha.streamed or (ha.sink is not None and ha.sink.log.last_lsn > 0)
         d = ha.promote(self.dir)
         self.dir = d
+        if self.signer is not None:
+            # every token of this term carries its epoch: node daemons that
+            # see it refuse the grants of earlier terms (docs/ha.md, fencing)
+            self.signer.epoch = ha.epoch
         self.handlers = OpHandlers(self.cfg, d, self.tiering, self.signer, self.info)
         self._payload = ha.guard_writes(self.handlers.handle_payload)
         if self.events is not None:

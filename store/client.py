@@ -100,6 +100,7 @@ from kvpool.store.errors import (
     LeaseExpired,
     MasterUnreachable,
     ObjectNotFound,
+    StaleEpoch,
     StoreError,
     StoreTimeout,
     TransferFailed,
@@ -131,6 +132,7 @@ _SUSPECT_S = 10.0  # how long a segment that failed a read is tried last
 _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
 _COMPLETE = ReplicaStatus.COMPLETE
 _COPIED = (True, "")
+_STALE = int(ErrorCode.STALE_EPOCH)
 _UNSET: Any = object()
 _BIG_COPY = 1 << 20  # InlineShm decides per segment and size bucket (below / from 1 MiB)
 _NO_CAPS: list[bytes] = []
@@ -497,7 +499,9 @@ class Client:
 
     def put_from(self, key: str, buffer: Any, config: ReplicateConfig | None = None) -> None:
         """Store the bytes of ``buffer`` (host or GPU, raw or a registered BufferHandle)
-        under ``key`` without an intermediate copy. Errors as :meth:`put`."""
+        under ``key`` without an intermediate copy. Errors as :meth:`put`; a
+        write refused for a grant of an older master term (HA failover) is
+        revoked and the put asked of the master once more (then StaleEpoch)."""
         self._check_open()
         self._valid_key(key)
         size = buffer_nbytes(buffer)
@@ -505,14 +509,26 @@ class Client:
             raise StoreError("cannot put an empty value", ErrorCode.INVALID_PARAMS)
         checksum = self._checksum(buffer) if self._checksum_algo is not None else None
         groups = self._groups(config, 1)
+        try:
+            self._put_once(key, buffer, size, config, checksum, groups)
+        except StaleEpoch as exc:
+            log.info("put %r: %s; asking the master again", key, exc)
+            self._put_once(key, buffer, size, config, checksum, groups)
+
+    def _put_once(self, key: str, buffer: Any, size: int, config: ReplicateConfig | None,
+                  checksum: Any, groups: list[str] | None) -> None:
         res = self._call(PutStart(self.client_id, key, size, self._put_options(config),
                                   checksum, None if groups is None else groups[0]))
         self._learn_segments(res.segments)
         replicas = res.replicas
         try:
+            codes: list[ErrorCode] = []
             results = self._copy_batch(True, [(buffer, r, size) for r in replicas],
-                                       self.config.transfer_timeout_s, res.caps)
+                                       self.config.transfer_timeout_s, res.caps, codes)
             failed = [(r, err) for r, (ok, err) in zip(replicas, results, strict=True) if not ok]
+            if failed and ErrorCode.STALE_EPOCH in codes:
+                raise StaleEpoch(f"put {key!r}: a node refused the grant as of an older "
+                                 "master term: " + "; ".join(err for _r, err in failed))
             if failed or not replicas:
                 for r, _ in failed:
                     self._forget_segment(r.segment_id)
@@ -526,12 +542,16 @@ class Client:
         self._call(PutEnd(self.client_id, key))
 
     def _copy_batch(self, write: bool, jobs: list[tuple[Any, ReplicaDescriptor, int]],
-                    timeout: float, caps: list[bytes]) -> list[tuple[bool, str]]:
+                    timeout: float, caps: list[bytes],
+                    codes: list[ErrorCode] | None = None) -> list[tuple[bool, str]]:
         """Copy every ``(buffer, replica, size)`` job: same-host shm copies inline
         (see ``_fastpath``), the rest as ONE engine batch (each request with the
         capability token of ``caps`` its replica points at). Returns ``(ok, error)``
-        per job. Writes raise StoreTimeout when the batch overruns ``timeout``;
+        per job; ``codes``, when given, gets each job's ErrorCode (OK when
+        copied). Writes raise StoreTimeout when the batch overruns ``timeout``;
         reads report the overrunning requests as failed (TIMEOUT)."""
+        if codes is not None:
+            codes[:] = [ErrorCode.OK] * len(jobs)
         results: list[tuple[bool, str]] = [_COPIED] * len(jobs)
         via_engine: list[int] = []
         inline = self._inline
@@ -578,6 +598,8 @@ class Client:
             for j, st in zip(via_engine, statuses, strict=True):
                 results[j] = (bool(st.ok), "" if st.ok else ("; ".join(st.errors)
                                                               or st.code.name))
+                if codes is not None and not st.ok:
+                    codes[j] = st.code
         return results
 
     def _revoke(self, keys: list[str]) -> None:
@@ -716,6 +738,8 @@ class Client:
         if not plan.replicas:
             raise error_for_code(ErrorCode.OBJECT_NOT_FOUND, f"{key!r} has no complete replica")
         errors: list[str] = []
+        stale = False
+        codes: list[ErrorCode] = []
         n = len(plan.replicas)
         for idx, r in enumerate(plan.replicas):
             remaining = plan.deadline - time.monotonic()
@@ -724,17 +748,24 @@ class Client:
             # leave the replicas after this one a share of the lease: a dead
             # peer must not use up all of it
             budget = min(self.config.transfer_timeout_s, remaining / (n - idx))
-            ((ok, err),) = self._copy_batch(False, [(buffer, r, plan.size)], budget, plan.caps)
+            ((ok, err),) = self._copy_batch(False, [(buffer, r, plan.size)], budget, plan.caps,
+                                            codes)
             if ok:
                 if time.monotonic() > plan.deadline:
                     raise LeaseExpired(f"read of {key!r} ended after its lease; bytes discarded")
                 self._verify(key, plan, buffer)
                 return plan.size
             errors.append(f"{r.segment_id}: {err}")
-            self._forget_segment(r.segment_id)
+            if codes[0] == ErrorCode.STALE_EPOCH:
+                stale = True  # the node is fine: the grant is of an older master term
+            else:
+                self._forget_segment(r.segment_id)
         if time.monotonic() >= plan.deadline:
             raise LeaseExpired(f"read lease of {key!r} expired; replicas failed: "
                                + " | ".join(errors))
+        if stale:
+            raise StaleEpoch(f"get {key!r}: refused as a grant of an older master term: "
+                             + " | ".join(errors))
         raise TransferFailed(f"get {key!r}: every replica failed: " + " | ".join(errors))
 
     def _read_inline_bytes(self, plan: _ReadPlan) -> bytes | None:
@@ -767,7 +798,9 @@ class Client:
         """Return the value of ``key``.
 
         Raises ObjectNotFound, LeaseExpired, TransferFailed (every replica
-        failed), ChecksumMismatch, MasterUnreachable, StoreTimeout.
+        failed), ChecksumMismatch, MasterUnreachable, StoreTimeout, and
+        StaleEpoch when the grants were refused as of an older master term
+        twice (after a failover the first refusal re-asks the master).
         """
         self._check_open()
         self._valid_key(key)
@@ -779,7 +812,13 @@ class Client:
             self._verify(key, plan, fast)
             return fast
         out, target = alloc_bytes(plan.size)
-        self._read(key, plan, target)
+        try:
+            self._read(key, plan, target)
+        except StaleEpoch as exc:  # a failover: the current leader grants afresh
+            log.info("%s; asking the master again", exc)
+            plan = self._locate(key)
+            out, target = alloc_bytes(plan.size)
+            self._read(key, plan, target)
         return out
 
     def get_into(self, key: str, buffer: Any) -> int:
@@ -790,11 +829,18 @@ class Client:
         """
         self._check_open()
         self._valid_key(key)
-        plan = self._locate(key)
         cap = buffer_nbytes(buffer)
-        if cap < plan.size:
-            raise BufferTooSmall(f"{key!r} is {plan.size} bytes; buffer holds {cap}")
-        return self._read(key, plan, buffer)
+        for retry in (False, True):
+            plan = self._locate(key)
+            if cap < plan.size:
+                raise BufferTooSmall(f"{key!r} is {plan.size} bytes; buffer holds {cap}")
+            try:
+                return self._read(key, plan, buffer)
+            except StaleEpoch as exc:  # a failover: the current leader grants afresh
+                if retry:
+                    raise
+                log.info("%s; asking the master again", exc)
+        raise AssertionError("unreachable")
 
     def get_batch(self, keys: Sequence[str]) -> list[bytes | None]:
         """Values of many keys (None where missing or unreadable): one master RPC,
@@ -822,12 +868,15 @@ class Client:
     def _batch_read(self, keys: Sequence[str], target: Callable[[int, int], Any],
                     outs: dict[int, bytes] | None = None,
                     parts: Sequence[Sequence[int]] | None = None,
-                    on_part: Callable[[int, list[int]], None] | None = None) -> list[int]:
+                    on_part: Callable[[int, list[int]], None] | None = None,
+                    reask_stale: bool = True) -> list[int]:
         """Shared body of the batch reads. ``target(i, size)`` gives key i's
         buffer (None: too small) or ``_LAZY_BYTES``: produce a new ``bytes`` into
         ``outs[i]`` (inline shm reads copy straight into it). ``parts``: read
         these groups of key indices one after another (one transfer batch
-        each), calling ``on_part(p, results of part p)`` after each."""
+        each), calling ``on_part(p, results of part p)`` after each. Keys whose
+        grants were refused as of an older master term (STALE_EPOCH) are
+        located and read once more (not with ``parts``: their results went out)."""
         self._check_open()
         n = len(keys)
         results: list[int] = [int(ErrorCode.INTERNAL_ERROR)] * n
@@ -871,6 +920,20 @@ class Client:
             bufs[i] = buf
         if parts is None:
             self._read_plans(keys, plans, bufs, outs, results, list(plans))
+            stale = [i for i in plans if results[i] == _STALE] if reask_stale else []
+            if stale:  # a failover: the current leader grants afresh
+                log.info("%d key(s) refused as of an older master term; asking again",
+                         len(stale))
+                sub_outs: dict[int, bytes] | None = {} if outs is not None else None
+                again = self._batch_read([keys[i] for i in stale],
+                                         lambda j, size: target(stale[j], size), sub_outs,
+                                         reask_stale=False)
+                for j, i in enumerate(stale):
+                    results[i] = again[j]
+                    if outs is not None:
+                        outs.pop(i, None)
+                        if sub_outs is not None and j in sub_outs:
+                            outs[i] = sub_outs[j]
             return results
         for p, part in enumerate(parts):
             self._read_plans(keys, plans, bufs, outs, results, [i for i in part if i in plans])
@@ -890,6 +953,8 @@ class Client:
         first = plans[pending[0]]
         deadline, caps = first.deadline, first.caps
         attempt = 0
+        stale: set[int] = set()  # keys refused as of an older master term
+        codes: list[ErrorCode] = []
         while pending:
             now = time.monotonic()
             jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
@@ -900,7 +965,7 @@ class Client:
                     results[i] = int(ErrorCode.LEASE_EXPIRED)
                     continue
                 if attempt >= len(plan.replicas):
-                    results[i] = int(ErrorCode.TRANSFER_FAIL)
+                    results[i] = _STALE if i in stale else int(ErrorCode.TRANSFER_FAIL)
                     continue
                 r = plan.replicas[attempt]
                 if bufs[i] is _LAZY_BYTES:
@@ -921,13 +986,17 @@ class Client:
             # every key of the call shares one lease deadline (one master reply)
             left = max(len(plans[i].replicas) - attempt for i in owners)
             timeout = max(0.001, min(self.config.transfer_timeout_s, (deadline - now) / left))
-            copied = self._copy_batch(False, jobs, timeout, caps)
+            copied = self._copy_batch(False, jobs, timeout, caps, codes)
             pending = []
             late = time.monotonic() > deadline  # the reads ended after the lease
             verify = self.config.verify_checksum
-            for (buf, r, _s), i, (ok, _err) in zip(jobs, owners, copied, strict=True):
+            for (buf, r, _s), i, (ok, _err), code in zip(jobs, owners, copied, codes,
+                                                         strict=True):
                 if not ok:
-                    self._forget_segment(r.segment_id)
+                    if code == ErrorCode.STALE_EPOCH:
+                        stale.add(i)  # the node is fine; the grant is of an older term
+                    else:
+                        self._forget_segment(r.segment_id)
                     pending.append(i)
                 elif late:
                     results[i] = int(ErrorCode.LEASE_EXPIRED)

@@ -17,6 +17,7 @@ __all__ = [
     "MasterUnreachable",
     "NoSpace",
     "ObjectNotFound",
+    "StaleEpoch",
     "StoreError",
     "StoreTimeout",
     "TransferFailed",
@@ -84,6 +85,13 @@ class ChecksumMismatch(StoreError):
     code = ErrorCode.CHECKSUM_MISMATCH
 
 
+class StaleEpoch(StoreError):
+    """A node daemon refused a capability of an older master term (HA
+    failover): retryable, a fresh grant from the current leader passes."""
+
+    code = ErrorCode.STALE_EPOCH
+
+
 _BY_CODE: dict[ErrorCode, type[StoreError]] = {
     ErrorCode.OBJECT_NOT_FOUND: ObjectNotFound,
     ErrorCode.BUFFER_OVERFLOW: BufferTooSmall,
@@ -96,6 +104,7 @@ _BY_CODE: dict[ErrorCode, type[StoreError]] = {
     ErrorCode.RPC_TIMEOUT: MasterUnreachable,
     ErrorCode.LEASE_EXPIRED: LeaseExpired,
     ErrorCode.CHECKSUM_MISMATCH: ChecksumMismatch,
+    ErrorCode.STALE_EPOCH: StaleEpoch,
 }
 
 

@@ -62,6 +62,7 @@ _TO_MOONCAKE = {
     ErrorCode.MALFORMED_FRAME: ErrorCode.RPC_FAIL,
     ErrorCode.TRANSPORT_UNAVAILABLE: ErrorCode.TRANSFER_FAIL,
     ErrorCode.PERMISSION_DENIED: ErrorCode.TRANSFER_FAIL,
+    ErrorCode.STALE_EPOCH: ErrorCode.TRANSFER_FAIL,  # a grant of an older master term
     ErrorCode.OUT_OF_BOUNDS: ErrorCode.INVALID_PARAMS,
     ErrorCode.TOO_MANY_REQUESTS: ErrorCode.RPC_FAIL,
     ErrorCode.FRAME_TOO_LARGE: ErrorCode.INVALID_PARAMS,

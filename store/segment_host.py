@@ -316,6 +316,9 @@ class SegmentHost:
             self._check_guard()
             try:
                 res = self.ping_master.call(Ping(self.client_id))
+                if res.epoch and self.engine is not None:
+                    # fencing: grants of older leader terms are refused from now on
+                    self.engine.observe_master_epoch(res.epoch)
                 if res.tasks and self.tier_runner is not None:
                     self.tier_runner.submit(res.tasks, res.segments, res.caps)
                     tier_busy_until = time.monotonic() + _TIER_BUSY_S

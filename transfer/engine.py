@@ -243,6 +243,12 @@ class TransferEngine:
     def remove_capability_key(self, segment_id: str) -> None:
         self.capabilities.remove_key(segment_id)
 
+    def observe_master_epoch(self, epoch: int) -> None:
+        """The master's leader epoch (from its PING reply): capabilities signed
+        in an older term are refused from now on (STALE_EPOCH, docs/ha.md)."""
+        if self.capabilities.observe_epoch(epoch):
+            log.info("capability epoch raised to %d by the master", epoch)
+
     def _verify_capability(self, seg: LocalSegment, op: TransferOp, off: int, n: int,
                            cap: bytes) -> ErrorCode | None:
         """The server hook: raises CapabilityError (PERMISSION_DENIED + reason)."""
@@ -256,7 +262,7 @@ class TransferEngine:
         """``capability_refusals`` by reason and ``capability_accepted``."""
         v = self.capabilities
         return {"capability_refusals": {r.value: n for r, n in v.refusals.items()},
-                "capability_accepted": v.accepted}
+                "capability_accepted": v.accepted, "capability_epoch": v.epoch}
 
     # -- transports -------------------------------------------------------------
     def _load_transports(self) -> None:

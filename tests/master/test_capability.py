@@ -30,7 +30,7 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 
 SEG = "node1:40001"
 NOW = 1_800_000_000_000
-HDR = struct.Struct(">BBHIQQ")  # version, op, segment id length, ranges, expiry, nonce
+HDR = struct.Struct(">BBHIQQQ")  # version, op, seg id length, ranges, expiry, nonce, epoch
 
 
 def _token(key: bytes, seg: str = SEG, off: int = 4096, length: int = 1024,

@@ -56,6 +56,7 @@ _FINAL_CODES = {
     ErrorCode.OUT_OF_BOUNDS, ErrorCode.PERMISSION_DENIED, ErrorCode.UNKNOWN_OP,
     ErrorCode.MALFORMED_FRAME, ErrorCode.FRAME_TOO_LARGE, ErrorCode.INVALID_PARAMS,
     ErrorCode.SEGMENT_NOT_FOUND,
+    ErrorCode.STALE_EPOCH,  # the same token stays stale: the caller asks the master again
 }
 
 
