@@ -143,7 +143,8 @@ class HaNode:
             self.log = ReplicationLog()
         self.sink = ReplicaSink(directory, self.me.instance_id, journal=None,
                                 make_directory=self.make_directory,
-                                on_record=self._stream_record, log_=self.log, context=self.ctx)
+                                on_record=self._stream_record, log_=self.log, context=self.ctx,
+                                curve=self.cfg.curve)
         return self.sink
 
     def _stream_record(self, rec: list[Any]) -> None:
@@ -202,7 +203,8 @@ class HaNode:
             sink.close()
             self.sink = None
         self.epoch = st.epoch
-        self.source = ReplicationSource(d, self.repl_bind, st.epoch, self.log, self.ctx)
+        self.source = ReplicationSource(d, self.repl_bind, st.epoch, self.log, self.ctx,
+                                        curve=self.cfg.curve)
         self._pending.clear()
         self._released = 0
         self._standby_ids = frozenset()

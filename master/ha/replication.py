@@ -23,6 +23,13 @@ the moment it is sent, which includes every batch sent before it.
 Standbys refuse batches of an epoch older than the newest they know (from
 etcd or an earlier batch), so a deposed leader cannot collect acks.
 
+CURVE (``curve``: the master's :class:`~kvpool.core.auth.CurveConfig`, the
+same policy and keys as its client socket): when it is active for the
+address, the leader's ROUTER is a CURVE server whose ZAP allow-list admits
+only the configured client keys, and a standby's DEALER authenticates with
+its own keypair, so a standby without the group's keys cannot join (nor
+read the stream).
+
 Wire: msgpack arrays, one frame per message (``MsgType`` first).
 """
 
@@ -39,6 +46,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from kvpool.core.auth import CurveAuthenticator, CurveConfig
 from kvpool.core.errors import ErrorCode
 from kvpool.master.directory import Directory, Rec, SegState
 from kvpool.master.journal import Journal
@@ -196,7 +204,8 @@ class ReplicationSource:
 
     def __init__(self, directory: Directory, bind: str, epoch: int,
                  log_: ReplicationLog | None = None, context: zmq.Context | None = None,
-                 snapshot_slice_s: float = 0.004, heartbeat_s: float = 0.1) -> None:
+                 snapshot_slice_s: float = 0.004, heartbeat_s: float = 0.1,
+                 curve: CurveConfig | None = None) -> None:
         self.dir = directory
         self.epoch = epoch
         self.log = log_ or ReplicationLog()
@@ -208,6 +217,10 @@ class ReplicationSource:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # a slow standby is dropped from sync, not blocked
+        # CURVE server + ZAP allow-list before bind (None: off for this address)
+        self._auth: CurveAuthenticator | None = None
+        if curve is not None:
+            self._auth = curve.setup_server(self.sock, _host_of(bind))
         if bind.endswith(":0"):
             port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
             self.endpoint = f"{bind.rsplit(':', 1)[0]}:{port}"
@@ -402,6 +415,14 @@ class ReplicationSource:
 
     def close(self) -> None:
         self.sock.close(0)
+        if self._auth is not None:
+            self._auth.close()
+            self._auth = None
+
+
+def _host_of(endpoint: str) -> str:
+    """``tcp://HOST:PORT`` (or ``HOST:PORT``) -> HOST (brackets of IPv6 removed)."""
+    return endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
 
 
 # ================================================================ standby side
@@ -437,8 +458,10 @@ class ReplicaSink:
                  make_directory: Callable[[], Directory] | None = None,
                  on_record: Callable[[list[Any]], None] | None = None,
                  log_: ReplicationLog | None = None,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None,
+                 curve: CurveConfig | None = None) -> None:
         self.directory = directory
+        self.curve = curve
         directory.journaling = False
         self.instance_id = instance_id
         self.journal = journal
@@ -464,6 +487,8 @@ class ReplicaSink:
             self.sock.close(0)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.setup_client(sock, _host_of(endpoint))
         sock.connect(endpoint if "://" in endpoint else f"tcp://{endpoint}")
         self.sock = sock
         self.endpoint = endpoint
