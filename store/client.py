@@ -1482,10 +1482,13 @@ class Client:
         usually one round). Per read the bytes read, or a negative code:
         INVALID_PARAMS (range outside the object or larger than the buffer),
         LEASE_EXPIRED (the location's read lease ended; bytes discarded),
-        TRANSFER_FAIL (every replica failed), the location's own code."""
+        TRANSFER_FAIL (every replica failed), STALE_EPOCH (refused as a grant
+        of an older master term: locate again), the location's own code."""
         self._check_open()
         results = [int(ErrorCode.INTERNAL_ERROR)] * len(reads)
         pending: list[int] = []
+        stale: set[int] = set()  # reads refused as of an older master term
+        codes: list[ErrorCode] = []
         for j, rd in enumerate(reads):
             loc = rd.location
             if loc.code != ErrorCode.OK:
@@ -1508,7 +1511,7 @@ class Client:
                 if rd.location.deadline <= now:
                     results[j] = int(ErrorCode.LEASE_EXPIRED)
                 elif attempt >= len(rd.location.replicas):
-                    results[j] = int(ErrorCode.TRANSFER_FAIL)
+                    results[j] = _STALE if j in stale else int(ErrorCode.TRANSFER_FAIL)
                 else:
                     r = rd.location.replicas[attempt]
                     jobs.append((rd.buffer, _sub_replica(r, rd.src_offset, rd.length,
@@ -1520,12 +1523,16 @@ class Client:
             lease_left = min(reads[j].location.deadline for j in owners) - now
             left = max(len(reads[j].location.replicas) - attempt for j in owners)
             timeout = max(0.001, min(self.config.transfer_timeout_s, lease_left / left))
-            copied = self._copy_batch(False, jobs, timeout, caps.caps)
+            copied = self._copy_batch(False, jobs, timeout, caps.caps, codes)
             pending = []
             end = time.monotonic()
-            for (_b, r, n), j, (ok, _err) in zip(jobs, owners, copied, strict=True):
+            for (_b, r, n), j, (ok, _err), code in zip(jobs, owners, copied, codes,
+                                                       strict=True):
                 if not ok:
-                    self._forget_segment(r.segment_id)
+                    if code == ErrorCode.STALE_EPOCH:
+                        stale.add(j)
+                    else:
+                        self._forget_segment(r.segment_id)
                     pending.append(j)
                 elif end > reads[j].location.deadline:
                     results[j] = int(ErrorCode.LEASE_EXPIRED)

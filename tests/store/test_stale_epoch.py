@@ -15,6 +15,7 @@ from kvpool.core.capability import DenyReason, decode
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import Exist, GetReplicaList
 from kvpool.store import Client, ReplicateConfig
+from kvpool.store.client import RangeRead
 from kvpool.store.errors import StaleEpoch, StoreError, error_for_code
 from kvpool.transfer.types import TransferError
 
@@ -54,6 +55,10 @@ def test_stale_grants_are_reasked_then_typed(master: MasterProcess,
     assert reader.batch_get_into([k], [bytearray(len(value))]) == [int(ErrorCode.STALE_EPOCH)]
     assert _stale_refusals(owner) == 4
     assert reader.get_batch([k]) == [None]
+    # read_ranges makes no RPC: it reports the code so the caller locates again
+    (loc,) = reader.batch_locate([k])
+    buf = bytearray(64)
+    assert reader.read_ranges([RangeRead(loc, buf, 16, 64)]) == [int(ErrorCode.STALE_EPOCH)]
     with pytest.raises(StaleEpoch):
         reader.put(key("w"), b"x" * 1000, cfg)
     with master.client() as mc:
