@@ -1064,6 +1064,42 @@ class Directory:
         shard[key] = obj
         return True
 
+    def exist_many(self, keys: list[str], max_key: int) -> tuple[list[int], list[bool]]:
+        """:meth:`exist` of many keys in one pass: (codes, found); code
+        INVALID_KEY (found False) for an empty or too long key."""
+        objects = self.objects
+        shards, mask = objects.shards, objects.mask
+        grouped = self.group_of
+        tick = _TICKS.__next__
+        bad_key = int(ErrorCode.INVALID_KEY)
+        codes: list[int] = []
+        found: list[bool] = []
+        lease = self.clock() + self.lease_s
+        for key in keys:
+            if not key or len(key) > max_key:
+                codes.append(bad_key)
+                found.append(False)
+                continue
+            codes.append(0)
+            shard = shards[hash(key) & mask]
+            obj = shard.get(key)
+            if obj is None:
+                found.append(False)
+                continue
+            reps = obj.replicas
+            if (reps[0].state == _DEAD) if len(reps) == 2 else \
+                    not any(s.state != _DEAD for s in reps[::2]):
+                found.append(False)
+                continue
+            if grouped and key in grouped:
+                self._lease_group(key, obj, lease)
+            obj.lease = lease
+            obj.tick = tick()
+            del shard[key]
+            shard[key] = obj  # LRU: most recent at the end of its shard
+            found.append(True)
+        return codes, found
+
     def get_size(self, key: str) -> tuple[int, Any]:
         obj = self.objects.get(key)
         if obj is None:

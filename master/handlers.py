@@ -650,10 +650,7 @@ class OpHandlers:
     def batch_exist(self, req: BatchExist) -> BatchExistReply:
         keys = req.keys
         self._batch(keys)
-        exist = self.dir.exist
-        max_key = self.max_key
-        codes = [0 if k and len(k) <= max_key else _INVALID_KEY for k in keys]
-        found = [exist(k) if not c else False for k, c in zip(keys, codes, strict=True)]
+        codes, found = self.dir.exist_many(keys, self.max_key)
         self._count("exist", codes)
         return BatchExistReply(codes, found)
 
