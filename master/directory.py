@@ -995,13 +995,16 @@ class Directory:
         obj = Obj(size, reps, flags, checksum, writer)
         objects = self.objects
         objects.shards[hash(key) & objects.mask][key] = obj
+        if not self.journaling:  # replay, a standby: no record to build
+            for i in range(0, len(reps), 2):
+                reps[i].keys.add(key)
+            return obj
         wire: list[Any] = []
         for i in range(0, len(reps), 2):
             seg = reps[i]
             seg.keys.add(key)
             wire += (seg.id, reps[i + 1])
-        if self.journaling:
-            self.records.append([_REC_PUT, key, size, flags, checksum, wire])
+        self.records.append([_REC_PUT, key, size, flags, checksum, wire])
         return obj
 
     def put_revoke(self, client_id: str, key: str) -> int:
@@ -1378,12 +1381,14 @@ class Directory:
     def restore_object(self, key: str, size: int, flags: int, checksum: Any,
                        wire: list[Any]) -> None:
         """Apply a PUT record while restoring (replicas on unknown segments are skipped)."""
-        old = self.objects.get(key)
+        objects = self.objects
+        old = objects.shards[hash(key) & objects.mask].get(key)
         if old is not None:
             self._remove_obj(key, old)
         reps: list[Any] = []
+        segments = self.segments
         for i in range(0, len(wire), 2):
-            seg = self.segments.get(wire[i])
+            seg = segments.get(wire[i])
             if seg is None:
                 continue
             try:
@@ -1447,15 +1452,15 @@ class Directory:
     def apply_record(self, rec: list[Any]) -> None:
         """Replay one journal record (restore); raises on a malformed record."""
         tag = rec[0]
-        if tag == Rec.MOUNT:
+        if tag == _REC_PUT:  # the common record first
+            self.restore_object(rec[1], int(rec[2]), int(rec[3]), rec[4], list(rec[5]))
+        elif tag == Rec.MOUNT:
             self.restore_segment(rec[1])
         elif tag == Rec.DROP_SEGMENT:
             seg = self.segments.get(rec[1])
             if seg is not None:
                 self.drop_segment(seg, "journal")
                 self.purge_step(1 << 62)
-        elif tag == Rec.PUT:
-            self.restore_object(rec[1], int(rec[2]), int(rec[3]), rec[4], list(rec[5]))
         elif tag == Rec.REMOVE:
             obj = self.objects.get(rec[1])
             if obj is not None:

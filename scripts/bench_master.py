@@ -57,7 +57,7 @@ from kvpool.core.protocol import (
 )
 from kvpool.core.rpc_client import MasterClient
 
-TARGETS = {"key_ops_per_s": 200_000, "rss_bytes_per_object": 400, "snapshot_pause_ms": 20}
+TARGETS = {"key_ops_per_s": 250_000, "rss_bytes_per_object": 400, "snapshot_pause_ms": 20}
 
 
 def key(prefix: str, i: int) -> str:

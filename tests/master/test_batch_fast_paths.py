@@ -1,6 +1,7 @@
 """Unit: the one-pass batch paths of the directory (put_start_many,
 put_end_many, exist_many) give exactly what the per-key methods give, and
-the journal's batch frames read back as the records they hold.
+the journal's batch frames read back as the records they hold; the
+allocator's in-place reserve matches allocate.
 
 Two directories with controllable clocks get the same operations, one key
 by key, the other batched; codes, placements, journal records and the
@@ -18,8 +19,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvpool.core.errors import ErrorCode
+from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.master.allocator import Allocator
 from kvpool.master.config import FsyncPolicy, MasterConfig
 from kvpool.master.directory import Directory, Obj, Pending
 from kvpool.master.journal import Journal, frame, read_journal
@@ -181,3 +183,29 @@ def test_journal_batch_frames_and_legacy_record_frames(tmp_path: Path) -> None:
     records, torn = read_journal(path)
     assert torn and records[:6] == [legacy, *batch1] and len(records) < 6 + len(big)
     assert (len(records) - 6) % 4096 == 0  # whole frames only
+
+
+def test_reserve_in_allocation_order_matches_allocate() -> None:
+    """Replay (a standby, a restart) reserves what allocate() handed out, in
+    order: the in-place path must leave the allocator as allocate() did."""
+    rng = random.Random(7)
+    a = Allocator(1 << 20, 64)
+    b = Allocator(1 << 20, 64)
+    live: list[tuple[int, int]] = []
+    for _ in range(2000):
+        if live and rng.random() < 0.35:
+            off, size = live.pop(rng.randrange(len(live)))
+            a.release(off, size)
+            b.release(off, size)
+        else:
+            size = rng.choice([1, 64, 100, 4096, 9000])
+            off = a.allocate(size)
+            if off < 0:
+                continue
+            b.reserve(off, size)
+            live.append((off, size))
+        assert (b._starts, b._lens, b._by_size, b.used, b.free) == \
+            (a._starts, a._lens, a._by_size, a.used, a.free)
+    b.check()
+    with pytest.raises(KVPoolError):
+        b.reserve(live[0][0], live[0][1])  # not free
