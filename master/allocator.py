@@ -59,22 +59,29 @@ class Allocator:
 
     def allocate(self, size: int) -> int:
         """Best-fit allocation of ``size`` bytes; return the offset or -1 when full."""
-        need = self.aligned(max(size, 1))
+        a = self.alignment
+        need = (size + a - 1) & -a if size > 0 else a  # aligned(max(size, 1)), inlined
         by_size = self._by_size
         j = bisect_left(by_size, (need, -1))
         if j == len(by_size):
             return -1
         length, off = by_size[j]
-        del by_size[j]
-        i = bisect_left(self._starts, off)
+        starts = self._starts
+        i = bisect_left(starts, off)
         if length == need:
-            del self._starts[i]
+            del by_size[j]
+            del starts[i]
             del self._lens[i]
         else:
             # keep the remainder in place (its start moves up by need)
-            self._starts[i] = off + need
+            rest = (length - need, off + need)
+            starts[i] = off + need
             self._lens[i] = length - need
-            insort(by_size, (length - need, off + need))
+            if j and by_size[j - 1] > rest:
+                del by_size[j]
+                insort(by_size, rest)
+            else:  # still in order where its block was (the common case: no move)
+                by_size[j] = rest
         self.used += need
         self.free -= need
         return off
@@ -84,10 +91,27 @@ class Allocator:
         need = self.aligned(max(size, 1))
         if off % self.alignment or off < 0:
             raise KVPoolError(f"unaligned offset {off}", ErrorCode.INVALID_PARAMS)
-        i = bisect_right(self._starts, off) - 1
-        if i < 0 or self._starts[i] + self._lens[i] < off + need:
+        starts, lens = self._starts, self._lens
+        i = bisect_right(starts, off) - 1
+        if i < 0 or starts[i] + lens[i] < off + need:
             raise KVPoolError(f"range {off}+{need} is not free", ErrorCode.INVALID_PARAMS)
-        start, length = self._starts[i], self._lens[i]
+        start, length = starts[i], lens[i]
+        if start == off and length > need:
+            # the front of a free block (replay of allocations, in order): the
+            # block shrinks in place, as allocate() does
+            by_size = self._by_size
+            j = bisect_left(by_size, (length, start))
+            rest = (length - need, off + need)
+            starts[i] = off + need
+            lens[i] = length - need
+            if j and by_size[j - 1] > rest:
+                del by_size[j]
+                insort(by_size, rest)
+            else:
+                by_size[j] = rest
+            self.used += need
+            self.free -= need
+            return
         self._del_free_at(i)
         if off > start:
             self._add_free(start, off - start)

@@ -4,7 +4,7 @@ Pure logic, no I/O: the server feeds it requests and ships the journal
 records it emits (``records``) to the journal before replying.
 
 Memory layout (the 1M-object target is <= 400 B/object): an object is a
-``__slots__`` instance whose ``replicas`` is one flat tuple
+msgspec Struct without a GC header whose ``replicas`` is one flat tuple
 ``(segment, offset, segment, offset, ...)`` (every replica has the object's
 length); ``objects`` is an :class:`ObjectTable`: 256 insertion-ordered dict
 shards, each an LRU list (a read moves the key to the end of its shard and
@@ -37,6 +37,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from enum import IntEnum
 from typing import Any
+
+import msgspec
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
@@ -123,42 +125,38 @@ class Segment:
 _TICKS = itertools.count(1)
 
 
-class Obj:
+class Obj(msgspec.Struct, gc=False, eq=False):
     """A COMPLETE object. ``replicas`` = (segment, offset, segment, offset, ...).
-    ``writer``: the client whose put made it ("" after a restart: not journaled)."""
+    ``writer``: the client whose put made it ("" after a restart: not journaled).
 
-    __slots__ = ("checksum", "flags", "lease", "replicas", "size", "tick", "writer")
+    A msgspec Struct (constructed in C) without a GC header: 16 B per object
+    less than a ``__slots__`` class, and never scanned by the collector (it
+    holds no reference cycle: segments do not point back at objects).
+    ``eq=False``: compared and hashed by identity, as a plain class."""
 
-    def __init__(self, size: int, replicas: tuple[Any, ...], flags: int, checksum: Any,
-                 writer: str = "") -> None:
-        self.size = size
-        self.replicas = replicas
-        self.flags = flags
-        self.checksum = checksum
-        self.lease = 0.0
-        self.tick = next(_TICKS)  # last-use stamp: orders objects across shards for LRU
-        self.writer = writer
+    size: int
+    replicas: tuple[Any, ...]
+    flags: int
+    checksum: Any
+    writer: str = ""
+    lease: float = 0.0
+    # last-use stamp: orders objects across shards for LRU
+    tick: int = msgspec.field(default_factory=_TICKS.__next__)
 
 
-class Pending:
+class Pending(msgspec.Struct, gc=False, eq=False):
     """An in-flight put (PROCESSING replicas). ``pin``: the soft pin its commit
     sets: > 0 a new pin of that many seconds, 0 keep the replaced object's
-    (PRESERVE; nothing for a new key), -1 none (DISABLE)."""
+    (PRESERVE; nothing for a new key), -1 none (DISABLE). A Struct as Obj."""
 
-    __slots__ = ("checksum", "client_id", "flags", "group", "pin", "replicas", "size",
-                 "started")
-
-    def __init__(self, size: int, replicas: tuple[Any, ...], flags: int, checksum: Any,
-                 client_id: str, started: float, pin: float = 0.0,
-                 group: str | None = None) -> None:
-        self.size = size
-        self.replicas = replicas
-        self.flags = flags
-        self.checksum = checksum
-        self.client_id = client_id
-        self.started = started
-        self.pin = pin
-        self.group = group  # None: unset (an upsert keeps the object's group)
+    size: int
+    replicas: tuple[Any, ...]
+    flags: int
+    checksum: Any
+    client_id: str
+    started: float
+    pin: float = 0.0
+    group: str | None = None  # None: unset (an upsert keeps the object's group)
 
 
 def _item_tick(item: tuple[str, Obj]) -> int:
@@ -780,6 +778,78 @@ class Directory:
         self.pending[key] = p
         return OK, p
 
+    def put_start_many(self, client_id: str, keys: list[str], sizes: list[int], max_key: int,
+                       max_size: int, codes: list[int], out: list[Any]) -> None:
+        """PUT_START of many keys with the default options (one memory
+        replica; no pin, checksum, group or replace), as :meth:`put_start`
+        key by key, in one pass: per-key work only. Key ``i`` sets
+        ``codes[i]`` (INVALID_KEY for an empty or too long key,
+        INVALID_PARAMS for a size outside ``[1, max_size]``, or put_start's
+        code) and, when OK, ``out[i]`` = its flat replicas. Anything but a
+        new key placed at once on a pool of up to 32 segments (preemption,
+        eviction, a full pool) takes :meth:`put_start` itself."""
+        objects = self.objects
+        shards, mask = objects.shards, objects.mask
+        pending = self.pending
+        pool = self.pools[_MEM]
+        pool_used = self.pool_used
+        cap = self.pool_cap[_MEM]
+        high = self.cfg.eviction_high_watermark
+        sizes_get = self._sizes.get
+        intern = self._intern_size
+        exists = int(ErrorCode.OBJECT_ALREADY_EXISTS)
+        bad_key = int(ErrorCode.INVALID_KEY)
+        bad_size = int(ErrorCode.INVALID_PARAMS)
+        now = self.clock()
+        stamped = False
+        # free bytes per pool segment: max() over ints picks the same (first)
+        # most-free segment as put_start's max(pool, key=free)
+        fast = 0 < len(pool) <= 32
+        frees = [seg.alloc.free for seg in pool] if fast else []
+        for i in range(len(keys)):
+            key = keys[i]
+            size = sizes[i]
+            if not key or len(key) > max_key:
+                codes[i] = bad_key
+                continue
+            if size <= 0 or size > max_size:
+                codes[i] = bad_size
+                continue
+            if key in shards[hash(key) & mask]:
+                codes[i] = exists
+                continue
+            if not stamped:
+                self.clients[client_id] = now
+                stamped = True
+            if fast and key not in pending:
+                j = frees.index(max(frees)) if len(frees) > 1 else 0
+                seg = pool[j]
+                alloc = seg.alloc
+                before = alloc.used
+                off = alloc.allocate(size)
+                if off >= 0:
+                    frees[j] = alloc.free
+                    used = pool_used[_MEM] + alloc.used - before
+                    pool_used[_MEM] = used
+                    reps = (seg, off)
+                    if used > high * cap:
+                        self.evict(_MEM)
+                        cap = self.pool_cap[_MEM]
+                        frees = [seg.alloc.free for seg in pool]
+                    isize = sizes_get(size)
+                    pending[key] = Pending(intern(size) if isize is None else isize, reps, 0,
+                                           None, client_id, now)
+                    out[i] = reps
+                    continue
+            code, p = self.put_start(client_id, key, size)
+            if code:
+                codes[i] = int(code)
+            else:
+                out[i] = p.replicas
+            cap = self.pool_cap[_MEM]  # the slow path may have evicted
+            fast = 0 < len(pool) <= 32
+            frees = [seg.alloc.free for seg in pool] if fast else []
+
     def put_end(self, client_id: str, key: str) -> int:
         """Make an in-flight put COMPLETE (readable, journaled)."""
         p = self.pending.get(key)
@@ -817,6 +887,43 @@ class Directory:
             self.group_of[key] = p.group
             self.groups.setdefault(p.group, set()).add(key)
         return OK
+
+    def put_end_many(self, client_id: str, keys: list[str], max_key: int) -> list[int]:
+        """PUT_END of many keys, as :meth:`put_end` key by key (INVALID_KEY for
+        an empty or too long key), in one pass; the per-key codes."""
+        pending = self.pending
+        get = pending.get
+        objects = self.objects
+        shards, mask = objects.shards, objects.mask
+        records = self.records if self.journaling else None
+        append = records.append if records is not None else None
+        writer = self._writer(client_id)
+        put_end = self.put_end
+        bad_key = int(ErrorCode.INVALID_KEY)
+        codes: list[int] = []
+        code_append = codes.append
+        for key in keys:
+            if not key or len(key) > max_key:
+                code_append(bad_key)
+                continue
+            p = get(key)
+            # a new, unpinned, ungrouped object with one live replica: put_end's fast path
+            if p is None or p.client_id != client_id or p.pin or p.group:
+                code_append(put_end(client_id, key))
+                continue
+            reps = p.replicas
+            shard = shards[hash(key) & mask]
+            if len(reps) != 2 or key in shard or reps[0].state == _DEAD:
+                code_append(put_end(client_id, key))
+                continue
+            del pending[key]
+            seg = reps[0]
+            shard[key] = Obj(p.size, reps, p.flags, p.checksum, writer)
+            seg.keys.add(key)
+            if append is not None:
+                append([_REC_PUT, key, p.size, p.flags, p.checksum, [seg.id, reps[1]]])
+            code_append(0)
+        return codes
 
     def _leave_group(self, key: str) -> None:
         group = self.group_of.pop(key, None)
@@ -888,13 +995,16 @@ class Directory:
         obj = Obj(size, reps, flags, checksum, writer)
         objects = self.objects
         objects.shards[hash(key) & objects.mask][key] = obj
+        if not self.journaling:  # replay, a standby: no record to build
+            for i in range(0, len(reps), 2):
+                reps[i].keys.add(key)
+            return obj
         wire: list[Any] = []
         for i in range(0, len(reps), 2):
             seg = reps[i]
             seg.keys.add(key)
             wire += (seg.id, reps[i + 1])
-        if self.journaling:
-            self.records.append([_REC_PUT, key, size, flags, checksum, wire])
+        self.records.append([_REC_PUT, key, size, flags, checksum, wire])
         return obj
 
     def put_revoke(self, client_id: str, key: str) -> int:
@@ -956,6 +1066,42 @@ class Directory:
         del shard[key]
         shard[key] = obj
         return True
+
+    def exist_many(self, keys: list[str], max_key: int) -> tuple[list[int], list[bool]]:
+        """:meth:`exist` of many keys in one pass: (codes, found); code
+        INVALID_KEY (found False) for an empty or too long key."""
+        objects = self.objects
+        shards, mask = objects.shards, objects.mask
+        grouped = self.group_of
+        tick = _TICKS.__next__
+        bad_key = int(ErrorCode.INVALID_KEY)
+        codes: list[int] = []
+        found: list[bool] = []
+        lease = self.clock() + self.lease_s
+        for key in keys:
+            if not key or len(key) > max_key:
+                codes.append(bad_key)
+                found.append(False)
+                continue
+            codes.append(0)
+            shard = shards[hash(key) & mask]
+            obj = shard.get(key)
+            if obj is None:
+                found.append(False)
+                continue
+            reps = obj.replicas
+            if (reps[0].state == _DEAD) if len(reps) == 2 else \
+                    not any(s.state != _DEAD for s in reps[::2]):
+                found.append(False)
+                continue
+            if grouped and key in grouped:
+                self._lease_group(key, obj, lease)
+            obj.lease = lease
+            obj.tick = tick()
+            del shard[key]
+            shard[key] = obj  # LRU: most recent at the end of its shard
+            found.append(True)
+        return codes, found
 
     def get_size(self, key: str) -> tuple[int, Any]:
         obj = self.objects.get(key)
@@ -1235,12 +1381,14 @@ class Directory:
     def restore_object(self, key: str, size: int, flags: int, checksum: Any,
                        wire: list[Any]) -> None:
         """Apply a PUT record while restoring (replicas on unknown segments are skipped)."""
-        old = self.objects.get(key)
+        objects = self.objects
+        old = objects.shards[hash(key) & objects.mask].get(key)
         if old is not None:
             self._remove_obj(key, old)
         reps: list[Any] = []
+        segments = self.segments
         for i in range(0, len(wire), 2):
-            seg = self.segments.get(wire[i])
+            seg = segments.get(wire[i])
             if seg is None:
                 continue
             try:
@@ -1304,15 +1452,15 @@ class Directory:
     def apply_record(self, rec: list[Any]) -> None:
         """Replay one journal record (restore); raises on a malformed record."""
         tag = rec[0]
-        if tag == Rec.MOUNT:
+        if tag == _REC_PUT:  # the common record first
+            self.restore_object(rec[1], int(rec[2]), int(rec[3]), rec[4], list(rec[5]))
+        elif tag == Rec.MOUNT:
             self.restore_segment(rec[1])
         elif tag == Rec.DROP_SEGMENT:
             seg = self.segments.get(rec[1])
             if seg is not None:
                 self.drop_segment(seg, "journal")
                 self.purge_step(1 << 62)
-        elif tag == Rec.PUT:
-            self.restore_object(rec[1], int(rec[2]), int(rec[3]), rec[4], list(rec[5]))
         elif tag == Rec.REMOVE:
             obj = self.objects.get(rec[1])
             if obj is not None:

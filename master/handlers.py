@@ -503,26 +503,32 @@ class OpHandlers:
         open_get = grants.open.get if grants.signer is not None else _never_open
         full = 2 * MAX_RANGES
         codes = [0] * n
-        out: list[list[ReplicaDescriptor]] = [_NO_REPLICAS] * n
-        for i in range(n):
-            key = keys[i]
-            size = sizes[i]
-            if not key or len(key) > max_key:
-                codes[i] = _INVALID_KEY
-                continue
-            if size <= 0 or size > max_size:
-                codes[i] = _INVALID_PARAMS
-                continue
-            if simple:
-                code, p = put_start(client_id, key, size)
-            else:
+        placed: list[Any] = [None] * n  # the flat replicas of each key put
+        if simple:
+            self.dir.put_start_many(client_id, keys, sizes, max_key, max_size, codes, placed)
+        else:
+            for i in range(n):
+                key = keys[i]
+                size = sizes[i]
+                if not key or len(key) > max_key:
+                    codes[i] = _INVALID_KEY
+                    continue
+                if size <= 0 or size > max_size:
+                    codes[i] = _INVALID_PARAMS
+                    continue
                 code, p = put_start(client_id, key, size, rn, pref, flags,
                                     None if checksums is None else checksums[i], dn,
                                     group=None if groups is None else groups[i], **pin)
-            if code:
-                codes[i] = int(code)
+                if code:
+                    codes[i] = int(code)
+                    continue
+                placed[i] = p.replicas
+        out: list[list[ReplicaDescriptor]] = [_NO_REPLICAS] * n
+        for i in range(n):
+            reps = placed[i]
+            if reps is None:
                 continue
-            reps = p.replicas
+            size = sizes[i]
             if len(reps) == 2:  # one replica (the common case), inlined
                 seg = reps[0]
                 sid = seg.id
@@ -562,10 +568,7 @@ class OpHandlers:
         client_id = self._client(req.client_id)
         keys = req.keys
         self._batch(keys)
-        put_end = self.dir.put_end
-        max_key = self.max_key
-        codes = [put_end(client_id, k) if k and len(k) <= max_key else _INVALID_KEY
-                 for k in keys]
+        codes = self.dir.put_end_many(client_id, keys, self.max_key)
         self._count("put_end", codes)
         return BatchKeysReply(codes)
 
@@ -649,10 +652,7 @@ class OpHandlers:
     def batch_exist(self, req: BatchExist) -> BatchExistReply:
         keys = req.keys
         self._batch(keys)
-        exist = self.dir.exist
-        max_key = self.max_key
-        codes = [0 if k and len(k) <= max_key else _INVALID_KEY for k in keys]
-        found = [exist(k) if not c else False for k, c in zip(keys, codes, strict=True)]
+        codes, found = self.dir.exist_many(keys, self.max_key)
         self._count("exist", codes)
         return BatchExistReply(codes, found)
 

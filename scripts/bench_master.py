@@ -20,6 +20,7 @@ CPU-second with capabilities on; RSS <= 400 B per object at 1M objects.
   numbers are only meaningful on an idle box (the 1-min load is recorded).
 
 Usage: scripts/bench_master.py --json OUT [--objects 1000000] [--seconds 2]
+Profiling: scripts/bench_master.py --quick --batches 128 --ops put --seconds 20
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from kvpool.core.protocol import (
 )
 from kvpool.core.rpc_client import MasterClient
 
-TARGETS = {"key_ops_per_s": 200_000, "rss_bytes_per_object": 400, "snapshot_pause_ms": 20}
+TARGETS = {"key_ops_per_s": 250_000, "rss_bytes_per_object": 400, "snapshot_pause_ms": 20}
 
 
 def key(prefix: str, i: int) -> str:
@@ -182,7 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--objects", type=int, default=1_000_000, help="objects for RSS/snapshot")
     ap.add_argument("--seconds", type=float, default=2.0, help="seconds per ops/s phase")
     ap.add_argument("--fsync", default="interval", help="journal fsync policy")
+    ap.add_argument("--batches", default="1,128",
+                    help="batch sizes of the ops/s phases (comma-separated)")
+    ap.add_argument("--ops", default="put,get_replica_list,exist",
+                    help="ops of the ops/s phases (comma-separated; reads need a put first)")
+    ap.add_argument("--quick", action="store_true",
+                    help="ops/s phases only (no RSS fill, snapshot or restart): for profiling")
     args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    op_names = args.ops.split(",")
 
     results: dict[str, Any] = {"targets": TARGETS, "objects": args.objects,
                                "key_length": 40, "cpus": os.cpu_count()}
@@ -193,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 MasterClient(m.address, timeout_s=30) as c:
             assert m.pid is not None
             meter = Meter(m.pid)
+            print(f"master pid {m.pid}", file=sys.stderr, flush=True)
             for i in range(4):  # 4 x 64 TiB: capacity never limits the benchmark
                 c.call(MountSegment(client_id="bench",
                        segment=SegmentDescriptor(f"bench-seg-{i}", "bench", "host-bench",
@@ -200,16 +210,19 @@ def main(argv: list[str] | None = None) -> int:
                                                  f"kvpool-bench-seg-{i}")))
             phases = []
             counter = [0, 0]
-            for batch in (1, 128):
+            for batch in batches:
                 prefix = f"b{batch}"
                 counter = [0, 0]
-                for name in ("put", "get_replica_list", "exist"):
+                for name in op_names:
                     r = run_phase(c, meter, name, batch, args.seconds, prefix, counter)
                     phases.append(r)
                     print(f"{name:17s} batch {batch:4d}: {r['key_ops_per_s']:>9,} key-ops/s wall, "
                           f"{r['master_cpu_key_ops_per_s'] or 0:>9,} per master-CPU-s, "
                           f"p50 {r['rpc_p50_us']} us", file=sys.stderr)
             results["ops"] = phases
+            if args.quick:
+                print(json.dumps(phases, indent=2))
+                return 0
             c.call(RemoveAll(force=True))
             time.sleep(0.2)
             rss0 = meter.rss()
