@@ -182,6 +182,9 @@ class _Standby:
     status: StandbyStatus
     snap_count: int = 0
     chunks: Iterator[list[str]] | None = None  # set while a snapshot is being sent
+    # when it last went from holding everything to owing a batch: an idle
+    # standby's last ack is old, but it owes the next batch only from its send
+    owed_since: float = 0.0
 
 
 class ReplicationSource:
@@ -233,7 +236,10 @@ class ReplicationSource:
         self.log.append(self.epoch, first, records)
         if self.standbys:
             frame = _pack([MsgType.BATCH, self.epoch, first, records, self.epoch])
+            now = time.monotonic()
             for sb in self.standbys.values():
+                if sb.status.acked_lsn >= first - 1:
+                    sb.owed_since = now
                 self._send(sb.ident, frame)
             self.batches_sent += 1
         return self.log.last_lsn
@@ -266,14 +272,16 @@ class ReplicationSource:
 
     def lagging(self, timeout_s: float) -> list[str]:
         """In-sync members that owe an ack for longer than ``timeout_s``
-        (or are gone): candidates to remove (after etcd says so)."""
+        (or are gone): candidates to remove (after etcd says so). Owing
+        starts at the later of its last ack and the send of the first batch
+        it has not acked."""
         now = time.monotonic()
         last = self.log.last_lsn
         out = []
         for m in self.sync_members:
             sb = self.standbys.get(m)
             if sb is None or (sb.status.acked_lsn < last
-                              and now - sb.status.last_ack > timeout_s):
+                              and now - max(sb.status.last_ack, sb.owed_since) > timeout_s):
                 out.append(m)
         return out
 

@@ -148,6 +148,31 @@ def test_in_sync_member_that_stops_acking_holds_replies_then_is_lagging(
         leader.src.close()
 
 
+def test_idle_in_sync_member_is_not_lagging_when_a_change_follows(ctx: zmq.Context) -> None:
+    """An in-sync standby that acked everything, then saw no change for longer
+    than the timeout, owes the next batch only from the moment it is sent:
+    it must not be dropped from the in-sync set before it could answer."""
+    leader = Leader(ctx, epoch=4)
+    sink = sink_for(ctx, "s1")
+    try:
+        sink.connect(leader.src.endpoint, 4)
+        leader.mount("seg-a")
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        leader.src.add_sync("s1")
+        time.sleep(0.3)  # idle: nothing to ack
+        assert leader.src.lagging(0.2) == []
+        leader.put(3)
+        assert leader.src.acked_lsn() < leader.src.last_lsn  # owed, just sent
+        assert leader.src.lagging(0.2) == []
+        time.sleep(0.3)  # now silent past the timeout while owing: lagging
+        assert leader.src.lagging(0.2) == ["s1"]
+        pump(leader, [sink], lambda: leader.src.acked_lsn() == leader.src.last_lsn)
+        assert leader.src.lagging(0.2) == []
+    finally:
+        sink.close()
+        leader.src.close()
+
+
 def test_late_standby_gets_a_snapshot_interleaved_with_live_changes(ctx: zmq.Context) -> None:
     leader = Leader(ctx, epoch=5)
     leader.src.snapshot_slice_s = 0.0005  # many slices: live batches fall between them
