@@ -23,7 +23,13 @@ batch. The commit seam is where replication hooks in:
   iteration (reads too: they may show that iteration's changes) until
   ``acked()`` reaches the commit number current when it was handled, and
   sends held replies in order. Without one (single master) replies leave
-  right after the local commit, as before.
+  right after the local commit, as before. The gate's optional
+  ``replicated() -> commit_no`` (every needed replica holds the commits up to
+  it, whether or not acknowledgments may go now) releases, out of order,
+  the replies of iterations that changed nothing (reads, refusals): they
+  acknowledge no change, so only the state they show must be safe. An HA
+  leader past its fencing deadline thus still answers reads and refuses
+  writes while a write it took just before the deadline stays unanswered.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ class Durability:
         self.journal: Journal | None = None
         self._listeners: list[CommitListener] = []
         self._gate: Callable[[], int] | None = None
+        self._replicated: Callable[[], int] | None = None
         self.commits = 0  # group commits with records so far (their commit numbers)
         self._snapshot: SnapshotWriter | None = None
         self._snap_requested = False
@@ -83,9 +90,13 @@ class Durability:
         """Call ``listener(records, batch)`` after every group commit (loop thread)."""
         self._listeners.append(listener)
 
-    def set_ack_gate(self, acked: Callable[[], int] | None) -> None:
-        """Hold replies until ``acked()`` reaches their commit number (None: never hold)."""
+    def set_ack_gate(self, acked: Callable[[], int] | None,
+                     replicated: Callable[[], int] | None = None) -> None:
+        """Hold replies until ``acked()`` reaches their commit number (None: never
+        hold); replies of iterations without records only until ``replicated()``
+        does (default: ``acked``)."""
         self._gate = acked
+        self._replicated = replicated
 
     @property
     def gated(self) -> bool:
@@ -94,6 +105,11 @@ class Durability:
     def acked(self) -> int:
         """The highest commit number whose replies may leave."""
         return self._gate() if self._gate is not None else self.commits
+
+    def replicated(self) -> int:
+        """The highest commit number whose records every needed replica holds:
+        replies that acknowledge no change may leave up to it."""
+        return self._replicated() if self._replicated is not None else self.acked()
 
     def commit(self, records: list[list[Any]]) -> int:
         """Make ``records`` durable (one write, fsync per policy), hand them to

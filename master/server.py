@@ -208,7 +208,7 @@ class MasterServer:
         self._payload = ha.guard_writes(self.handlers.handle_payload)
         if self.events is not None:
             self.events.rebind_directory(d)
-        self.durability.set_ack_gate(ha.acked)
+        self.durability.set_ack_gate(ha.acked, ha.replicated)
         ha.set_released(self.durability.commits)
         if self.signer is not None:
             try:
@@ -354,8 +354,9 @@ class MasterServer:
         local = self.local_rpc
         publisher = self.events
         ha = self.ha
-        # replies waiting for the ack gate (durability.set_ack_gate), oldest first
-        held: collections.deque[tuple[int, list[list[bytes]], Any]] = collections.deque()
+        # replies waiting for the ack gate (durability.set_ack_gate), oldest first:
+        # (commit number, whether the iteration changed anything, replies, local)
+        held: collections.deque[tuple[int, bool, list[list[bytes]], Any]] = collections.deque()
         next_expiry = next_sweep = next_freeze = time.monotonic()
         while not self._stop:
             timeout = 0 if (d.purge_pending or d.evicting or durability.busy) else \
@@ -363,6 +364,7 @@ class MasterServer:
             events = poller.poll(timeout)
             if events:
                 t_start = time.perf_counter()
+                commits_before = durability.commits
                 replies: list[list[bytes]] = []
                 per_peer: dict[bytes, int] = {}
                 for _ in range(_DRAIN):
@@ -381,7 +383,8 @@ class MasterServer:
                     if local is not None else None
                 commit_no = commit(records)  # group commit before any reply leaves
                 if durability.gated:
-                    held.append((commit_no, replies, local_replies))
+                    held.append((commit_no, commit_no != commits_before, replies,
+                                 local_replies))
                 else:
                     self._send(replies, local_replies)
                 loop_ms = (time.perf_counter() - t_start) * 1000
@@ -412,10 +415,29 @@ class MasterServer:
             if held:
                 acked = durability.acked()
                 while held and held[0][0] <= acked:
-                    _no, replies, local_replies = held.popleft()
+                    _no, _wrote, replies, local_replies = held.popleft()
                     self._send(replies, local_replies)
+                if held:
+                    replicated = durability.replicated()
+                    if replicated > acked:
+                        self._release_unchanged(held, replicated)
             if publisher is not None:  # after the replies: one batch per loop turn
                 publisher.flush(durability.acked(), now)
+
+    def _release_unchanged(self, held: collections.deque[tuple[int, bool, list[list[bytes]],
+                                                               Any]], replicated: int) -> None:
+        """Send the held replies of iterations that changed nothing once what they
+        show is replicated; acknowledgments of changes stay held (in order).
+        Reached only while acknowledgments lag replication: an HA leader past its
+        fencing deadline (it must still answer reads and refuse writes)."""
+        keep = [h for h in held if h[1] or h[0] > replicated]
+        if len(keep) == len(held):
+            return
+        for no, wrote, replies, local_replies in held:
+            if not wrote and no <= replicated:
+                self._send(replies, local_replies)
+        held.clear()
+        held.extend(keep)
 
     def _send(self, replies: list[list[bytes]], local_replies: Any) -> None:
         send = self.sock.send_multipart

@@ -262,6 +262,26 @@ class HaNode:
             self._released = pending.popleft()[0]
         return self._released
 
+    def replicated(self) -> int:
+        """The highest commit number every in-sync member holds (at least
+        ``sync_standbys`` of them), the fencing deadline aside: replies that
+        acknowledge no change (reads, refusals) may leave up to it."""
+        src = self.source
+        if src is None:
+            return self._released
+        if self.sync_standbys <= 0:
+            lsn = src.last_lsn
+        elif len(src.sync_members) < self.sync_standbys:
+            return self._released
+        else:
+            lsn = src.acked_lsn()
+        out = self._released
+        for commit_no, last in self._pending:
+            if last > lsn:
+                break
+            out = commit_no
+        return out
+
     def leader_tick(self, now: float) -> bool:
         """Between loop iterations: acks, snapshots, the in-sync set. False
         when this instance no longer leads (the caller becomes a follower)."""

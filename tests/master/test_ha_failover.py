@@ -29,6 +29,7 @@ from kvpool.core.protocol import (
     ListSegments,
     MountSegment,
     Ping,
+    PutEnd,
     PutStart,
     SegmentDescriptor,
     SegmentKind,
@@ -220,3 +221,68 @@ def test_frozen_leader_is_fenced_and_rejoins_as_follower(group: HaGroup) -> None
     with MasterClient(group.url, timeout_s=3.0) as c:
         assert not c.call(Exist(key="fenced")).exists
         c.call(PutStart(client_id="w", key="after", size=4096))  # the group still writes
+
+
+def test_fenced_leader_answers_reads_and_refuses_writes_behind_an_unacknowledged_write(
+        etcd: EtcdProcess, group: HaGroup) -> None:
+    """etcd silent (SIGSTOP) while a write waits for the in-sync standby
+    (SIGSTOPped too): past its fencing deadline the leader never acknowledges
+    that write, but once the standby holds it again the leader answers reads
+    and refuses writes with COORDINATION_UNAVAILABLE (docs/ha.md: reads go on
+    while etcd is unreachable) instead of holding them behind it."""
+    leader = group.wait_leader(in_sync=1, streaming=2)
+    h = leader.health()
+    assert h is not None
+    sync_id = next(s["instance_id"] for s in h["standbys"] if s["in_sync"])
+    standby = next(m for m in group.members if m.address == sync_id)
+    assert standby.pid is not None
+    with MasterClient(group.url, timeout_s=3.0) as c:
+        c.call(MountSegment(client_id="owner", segment=SegmentDescriptor(
+            "seg-r", "owner", "host-r", SegmentKind.MEMORY, 1 << 30, "kvpool-test-seg-r")))
+        c.call(PutStart(client_id="owner", key="before", size=4096))
+        c.call(PutEnd(client_id="owner", key="before"))
+        c.call(PutStart(client_id="owner", key="held", size=4096))  # no record until PUT_END
+    result: list[tuple[object, float]] = []
+
+    def held_write() -> None:
+        with MasterClient(leader.address, timeout_s=8.0) as c:
+            try:
+                c.call(PutEnd(client_id="owner", key="held"))
+                result.append(("ok", time.monotonic()))
+            except MasterRPCError as exc:
+                result.append((exc.code, time.monotonic()))
+
+    etcd.pause()
+    t_resume = float("inf")
+    try:
+        os.kill(standby.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.1)  # kill() returns before every thread of it has stopped
+            t = threading.Thread(target=held_write)
+            t.start()
+            # past the deadline: renewed <= 0.25 s before the pause, 2 s * 0.995 - 0.1 s
+            time.sleep(2.4)
+        finally:
+            os.kill(standby.pid, signal.SIGCONT)
+        h = leader.health()
+        assert h is not None and h["election"] == "fenced", h
+        with MasterClient(leader.address, timeout_s=3.0) as c:
+            t0 = time.monotonic()
+            # a read: answered (once the standby acked what it may show)
+            assert c.call(Exist(key="before")).exists
+            with pytest.raises(MasterRPCError) as ei:
+                c.call(PutStart(client_id="owner", key="refused", size=4096))
+            assert ei.value.code == ErrorCode.COORDINATION_UNAVAILABLE, ei.value
+            print(f"fenced leader answered a read and a refusal in {time.monotonic() - t0:.2f}s")
+        assert not result, result  # the write taken before the deadline: still unanswered
+    finally:
+        etcd.resume()
+        t_resume = time.monotonic()
+    t.join(15)
+    print(f"write held across the fence: {result}")
+    assert len(result) == 1
+    code, at = result[0]
+    # acknowledged only once etcd confirmed the lease again, or never
+    assert code in ("ok", ErrorCode.RPC_TIMEOUT, ErrorCode.NOT_LEADER), result
+    if code == "ok":
+        assert at > t_resume
