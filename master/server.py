@@ -191,7 +191,23 @@ class MasterServer:
         self.info.save_keys = save_keys
         if self.events is not None:
             self.events.term = lambda: ha.epoch if ha.serving else None
-        ha.begin_follower(None)
+        if cfg.data_dir:
+            ha.store = self.durability
+
+            def save_stream_keys() -> None:
+                try:
+                    self.durability.save_keys(self.signer)
+                except OSError as exc:
+                    log.error("cannot write capability keys: %s", exc)
+
+            ha.on_keys = save_stream_keys
+        position = self.durability.position
+        if position is not None:  # the data dir holds a replicated state: go on from it
+            log.info("HA: following from the replicated state of the data dir (lsn %d, "
+                     "epoch %d)", position.lsn, position.epoch)
+            ha.begin_follower(self.dir, position)
+        else:
+            ha.begin_follower(None)
         ha.start()
         log.info("HA instance %s of group %s (etcd %s, replication %s, sync_standbys %d)",
                  ha.me.instance_id, cfg.cluster_id, cfg.etcd, ha.me.replication,
@@ -202,6 +218,7 @@ class MasterServer:
         ha = self.ha
         assert ha is not None
         from_stream = ha.streamed or (ha.sink is not None and ha.sink.log.last_lsn > 0)
+        journaled = ha.sink is not None and ha.sink.based
         d = ha.promote(self.dir)
         self.dir = d
         self.handlers = OpHandlers(self.cfg, d, self.tiering, self.signer, self.info)
@@ -215,9 +232,9 @@ class MasterServer:
                 self.durability.save_keys(self.signer)
             except OSError as exc:
                 log.error("cannot write capability keys: %s", exc)
-        if from_stream:
-            # the data dir's journal does not hold the replicated state: a
-            # snapshot of the promoted directory makes it durable here
+        if from_stream and not journaled:
+            # the data dir does not hold the replicated state (no data dir, or
+            # it could not be written): a snapshot of the promoted directory
             self.durability.request_snapshot()
         log.info("serving as the leader of epoch %d", ha.epoch)
 
@@ -258,6 +275,8 @@ class MasterServer:
                         if out:
                             local.send_all(out)
                 sink.poll(0)
+                if sink.based:  # fsync per policy, snapshots of the journaled stream
+                    self.durability.tick(sink.directory, time.monotonic(), sink.position())
             return False
         finally:
             if sink_sock is not None:

@@ -31,6 +31,7 @@ from kvpool.core.protocol import (
     Ping,
     PutEnd,
     PutStart,
+    Remove,
     SegmentDescriptor,
     SegmentKind,
 )
@@ -286,3 +287,50 @@ def test_fenced_leader_answers_reads_and_refuses_writes_behind_an_unacknowledged
     assert code in ("ok", ErrorCode.RPC_TIMEOUT, ErrorCode.NOT_LEADER), result
     if code == "ok":
         assert at > t_resume
+
+
+def test_promoted_standby_killed_at_once_restarts_with_the_replicated_state(
+        group: HaGroup) -> None:
+    """kill -9 the leader, then the standby elected in its place as soon as it
+    serves (nothing written by it as a leader yet, no snapshot of its own):
+    restarted, it restores the replicated state from the stream it journaled
+    and serves every object; the others rejoin it."""
+    leader = group.wait_leader(in_sync=1, streaming=2)
+    h = leader.health()
+    assert h is not None
+    sync_id = next(s["instance_id"] for s in h["standbys"] if s["in_sync"])
+    standby = next(m for m in group.members if m.address == sync_id)
+    third = next(m for m in group.members if m is not leader and m is not standby)
+    keys = [f"obj-{i:04d}" for i in range(300)]
+    with MasterClient(group.url, timeout_s=3.0) as c:
+        c.call(MountSegment(client_id="owner", segment=SegmentDescriptor(
+            "seg-j", "owner", "host-j", SegmentKind.MEMORY, 1 << 30, "kvpool-test-seg-j")))
+        for k in keys:
+            c.call(PutStart(client_id="owner", key=k, size=4096))
+            c.call(PutEnd(client_id="owner", key=k))
+        c.call(Remove(key=keys[0]))
+    # the in-sync standby alone can succeed it, and no one can join its in-sync set
+    third.kill()
+    leader.kill()
+    deadline = time.monotonic() + 15
+    while (sh := standby.health()) is None or sh["role"] != "leader":
+        assert time.monotonic() < deadline, sh
+        time.sleep(0.005)
+    standby.kill()
+    standby.start()
+    restarted = group.wait_leader(in_sync=0, timeout_s=20)
+    assert restarted is standby
+    assert "replicated up to lsn" in Path(standby.log_path).read_text()
+    with MasterClient(standby.address, timeout_s=3.0) as c:
+        assert not c.call(Exist(key=keys[0])).exists
+        missing = [k for k in keys[1:] if not c.call(Exist(key=k)).exists]
+        assert not missing, missing[:5]
+        assert "seg-j" in {s.descriptor.segment_id for s in c.call(ListSegments()).segments}
+    # the two others come back as its standbys and catch up
+    leader.start()
+    third.start()
+    group.wait_leader(in_sync=1, streaming=2, timeout_s=20)
+    with MasterClient(group.url, timeout_s=3.0) as c:
+        c.call(PutStart(client_id="owner", key="after", size=4096))
+        c.call(PutEnd(client_id="owner", key="after"))
+        assert c.call(Exist(key=keys[-1])).exists
