@@ -330,6 +330,8 @@ def test_promoted_standby_killed_at_once_restarts_with_the_replicated_state(
     leader.start()
     third.start()
     group.wait_leader(in_sync=1, streaming=2, timeout_s=20)
+    # the third, a standby with its journal, went on from the state it had replicated
+    assert "following from the replicated state" in Path(third.log_path).read_text()
     with MasterClient(group.url, timeout_s=3.0) as c:
         c.call(PutStart(client_id="owner", key="after", size=4096))
         c.call(PutEnd(client_id="owner", key="after"))
