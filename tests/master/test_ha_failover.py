@@ -336,3 +336,28 @@ def test_promoted_standby_killed_at_once_restarts_with_the_replicated_state(
         c.call(PutStart(client_id="owner", key="after", size=4096))
         c.call(PutEnd(client_id="owner", key="after"))
         assert c.call(Exist(key=keys[-1])).exists
+
+
+def test_group_call_on_the_direct_socket_follows_a_successor_before_its_timeout(
+        group: HaGroup) -> None:
+    """A group client's call waiting on the direct (Unix socket) path at a
+    leader that went silent (SIGSTOP) is cut short once etcd names the
+    successor and resent there, long before the call's own timeout (as on
+    the ZeroMQ path)."""
+    old = group.wait_leader(in_sync=1, streaming=2)
+    assert old.pid is not None
+    with MasterClient(group.url, timeout_s=20.0) as c:
+        for _ in range(5):
+            c.call(Ping(client_id="x"))
+        assert c.local_calls > 0  # on the direct socket
+        os.kill(old.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            c.call(Ping(client_id="x"))  # sent to the frozen leader first
+            took = time.monotonic() - t0
+        finally:
+            os.kill(old.pid, signal.SIGCONT)
+        print(f"answered by {c.address} after {took:.2f}s")
+        assert not c.address.endswith(old.address)
+        # the successor exists 1.75-2.5 s after the freeze; the call's timeout is 20 s
+        assert took < 8.0, took
