@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -287,6 +288,8 @@ class MasterClient:
                         if time.perf_counter() >= spin_end:
                             break
             if got < 0:
+                if self.resolver is not None:
+                    self._await_local_reply(us, op, deadline)
                 got = us.recv_into(rbuf)
             buf: bytearray | memoryview = memoryview(rbuf)[:got]
             need = HEADER + int.from_bytes(rbuf[:HEADER], "little") if got >= HEADER else HEADER
@@ -327,6 +330,23 @@ class MasterClient:
                                  ErrorCode.RPC_FAIL)
         self.local_calls += 1
         return reply
+
+    def _await_local_reply(self, us: socket.socket, op: Op, deadline: float) -> None:
+        """A group's call on the direct socket: wait for the reply in slices, cut
+        short when etcd names another leader (as the ZeroMQ path does), so a call
+        to a leader that was partitioned away does not wait its whole timeout.
+        Raises TimeoutError at the deadline."""
+        poller = select.poll()
+        poller.register(us, select.POLLIN)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            if poller.poll(int(min(remaining, 0.05) * 1000) + 1):
+                return
+            if self._leader_moved():
+                self._drop_local()
+                raise MasterRPCError(f"{op.name}: {_LEADER_CHANGED}", ErrorCode.RPC_FAIL)
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:

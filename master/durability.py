@@ -13,7 +13,17 @@
 - the capability keys file (``capability-keys.msgpack``, 0600, fsync'ed).
 
 Without a ``data_dir`` nothing is written, but listeners still see every
-batch. The commit seam is where replication hooks in:
+batch.
+
+An HA standby journals the replicated stream here too
+(:meth:`commit_stream`: the batch's directory records plus a position
+record ``[STREAM_POS, epoch, lsn, history | None]`` in one write, before
+its ack) and replaces the data dir's state at
+once by a snapshot of a directory it received whole (:meth:`rebase`). So a
+standby, promoted or not, that crashes restarts with the replicated state
+and, through :attr:`position`, its place in the leader's log.
+
+The commit seam is where replication hooks in:
 
 - :meth:`add_listener`: ``listener(records, commit_no)`` runs on the loop
   thread after the local commit, before any reply of that iteration leaves
@@ -23,7 +33,13 @@ batch. The commit seam is where replication hooks in:
   iteration (reads too: they may show that iteration's changes) until
   ``acked()`` reaches the commit number current when it was handled, and
   sends held replies in order. Without one (single master) replies leave
-  right after the local commit, as before.
+  right after the local commit, as before. The gate's optional
+  ``replicated() -> commit_no`` (every needed replica holds the commits up to
+  it, whether or not acknowledgments may go now) releases, out of order,
+  the replies of iterations that changed nothing (reads, refusals): they
+  acknowledge no change, so only the state they show must be safe. An HA
+  leader past its fencing deadline thus still answers reads and refuses
+  writes while a write it took just before the deadline stays unanswered.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -49,11 +66,33 @@ from kvpool.master.journal import (
 )
 from kvpool.master.stats import LoopStats
 
-__all__ = ["CommitListener", "Durability"]
+__all__ = ["STREAM_POS", "CommitListener", "Durability", "StreamPosition"]
 
 log = logging.getLogger(__name__)
 
 _KEYS_FILE = "capability-keys.msgpack"
+
+#: journal record tag (outside the directory's ``Rec``) of a standby's position
+#: after the records before it: ``[STREAM_POS, epoch, lsn, history or None]``
+#: (history: ``[[epoch, first_lsn], ...]``, None when unchanged since the last)
+STREAM_POS = 101
+
+
+@dataclass
+class StreamPosition:
+    """Where a standby's journaled state stands in the leader's log."""
+
+    epoch: int
+    lsn: int
+    history: list[tuple[int, int]]
+
+    def wire(self) -> list[Any]:
+        return [self.epoch, self.lsn, [list(h) for h in self.history]]
+
+
+def _history(raw: Any) -> list[tuple[int, int]]:
+    return [(int(e), int(f)) for e, f in raw]
+
 
 #: ``listener(records, batch)``: the directory records of one group commit, in
 #: order, and the commit's sequence number (1, 2, ... per process).
@@ -70,10 +109,16 @@ class Durability:
         self.journal: Journal | None = None
         self._listeners: list[CommitListener] = []
         self._gate: Callable[[], int] | None = None
+        self._replicated: Callable[[], int] | None = None
         self.commits = 0  # group commits with records so far (their commit numbers)
         self._snapshot: SnapshotWriter | None = None
         self._snap_requested = False
         self._last_snapshot = time.monotonic()
+        #: set by restore: the restored state's position in the leader's log (an
+        #: HA standby's journal), None when unknown or when anything else was
+        #: journaled after the last position (a leader's records)
+        self.position: StreamPosition | None = None
+        self._journaled_history: list[tuple[int, int]] | None = None
         if self.data_dir:
             os.makedirs(self.data_dir, exist_ok=True)
             os.chmod(self.data_dir, 0o700)  # journal, snapshots and segment keys are secrets
@@ -83,9 +128,13 @@ class Durability:
         """Call ``listener(records, batch)`` after every group commit (loop thread)."""
         self._listeners.append(listener)
 
-    def set_ack_gate(self, acked: Callable[[], int] | None) -> None:
-        """Hold replies until ``acked()`` reaches their commit number (None: never hold)."""
+    def set_ack_gate(self, acked: Callable[[], int] | None,
+                     replicated: Callable[[], int] | None = None) -> None:
+        """Hold replies until ``acked()`` reaches their commit number (None: never
+        hold); replies of iterations without records only until ``replicated()``
+        does (default: ``acked``)."""
         self._gate = acked
+        self._replicated = replicated
 
     @property
     def gated(self) -> bool:
@@ -94,6 +143,11 @@ class Durability:
     def acked(self) -> int:
         """The highest commit number whose replies may leave."""
         return self._gate() if self._gate is not None else self.commits
+
+    def replicated(self) -> int:
+        """The highest commit number whose records every needed replica holds:
+        replies that acknowledge no change may leave up to it."""
+        return self._replicated() if self._replicated is not None else self.acked()
 
     def commit(self, records: list[list[Any]]) -> int:
         """Make ``records`` durable (one write, fsync per policy), hand them to
@@ -105,6 +159,7 @@ class Durability:
         if journal is not None:
             journal.append_many(records)
             journal.commit()
+            self._journaled_history = None  # a position journaled later restates it
         self.commits += 1
         if self._listeners:
             batch = list(records)
@@ -118,9 +173,11 @@ class Durability:
         """A snapshot is being written (the loop should not sleep long)."""
         return self._snapshot is not None
 
-    def tick(self, directory: Directory, now: float) -> None:
+    def tick(self, directory: Directory, now: float,
+             position: StreamPosition | None = None) -> None:
         """Timer work between loop iterations: fsync per policy, one snapshot
-        slice, start a snapshot when due or requested."""
+        slice, start a snapshot when due or requested (``position``: a
+        standby's, for the snapshot's header)."""
         journal = self.journal
         if journal is None:
             self._snap_requested = False
@@ -133,7 +190,7 @@ class Durability:
                 and now - self._last_snapshot >= cfg.snapshot_interval_s
                 and journal.records_written >= cfg.snapshot_min_journal_records):
             self._snap_requested = False
-            self._start_snapshot(directory)
+            self._start_snapshot(directory, position)
 
     def request_snapshot(self) -> None:
         """Take a snapshot at the next tick."""
@@ -150,14 +207,19 @@ class Durability:
         d.journaling = False
         t0 = time.monotonic()
         snap_seq = 0
+        pos: StreamPosition | None = None
         for seq, path in reversed(list_snapshots(data_dir)):
             try:
                 header, records = iter_snapshot(path)
                 d.bulk_load(list(header["segments"]), records)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+                stream = header.get("stream")
+                pos = None if stream is None else StreamPosition(
+                    int(stream[0]), int(stream[1]), _history(stream[2]))
+            except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
                 log.error("ignoring snapshot %s: %s", path, exc)
                 d = make_directory()  # discard what was partly loaded
                 d.journaling = False
+                pos = None
                 continue
             snap_seq = seq
             break
@@ -166,17 +228,32 @@ class Durability:
                 os.unlink(os.path.join(data_dir, name))
         last_seq = snap_seq
         replayed = 0
+        # the history of the last position seen (a position record restates it only
+        # when it changed)
+        history = list(pos.history) if pos is not None else None
         for seq, path in list_journals(data_dir):
             last_seq = max(last_seq, seq)
             if seq < snap_seq:
                 continue
             journal_records, _torn = read_journal(path, truncate=True)
             for rec in journal_records:
+                if rec and rec[0] == STREAM_POS:
+                    try:
+                        if rec[3] is not None:
+                            history = _history(rec[3])
+                        pos = None if history is None else StreamPosition(
+                            int(rec[1]), int(rec[2]), list(history))
+                    except (TypeError, ValueError, IndexError):
+                        pos = history = None
+                    continue
+                pos = None  # a record after the last position: the position is unknown
                 try:
                     d.apply_record(rec)
                 except Exception as exc:
                     log.error("journal %s: bad record %r: %s", path, rec[:2], exc)
             replayed += len(journal_records)
+        self.position = pos
+        self._journaled_history = list(pos.history) if pos is not None else None
         d.finish_restore()
         d.journaling = True
         self.stats.restored_objects = len(d.objects)
@@ -184,12 +261,71 @@ class Durability:
                                self.cfg.journal_fsync_interval_ms / 1000.0)
         self.stats.journal_seq = self.journal.seq
         if snap_seq or replayed:
-            log.info("restored %d segments, %d objects (snapshot %d + %d journal records) in %.2fs",
-                     len(d.segments), len(d.objects), snap_seq, replayed, time.monotonic() - t0)
+            log.info("restored %d segments, %d objects (snapshot %d + %d journal records) in %.2fs"
+                     "%s", len(d.segments), len(d.objects), snap_seq, replayed,
+                     time.monotonic() - t0,
+                     f"; replicated up to lsn {pos.lsn} (epoch {pos.epoch})" if pos else "")
         return d
 
+    # ================================================================ a standby's stream
+    def commit_stream(self, records: Sequence[list[Any]], position: StreamPosition) -> None:
+        """Journal a standby's replicated directory ``records`` and the position
+        after them: one write (fsync per policy)."""
+        journal = self.journal
+        if journal is None:
+            return
+        journal.append_many(records)
+        history = position.history
+        changed = history != self._journaled_history
+        journal.append([STREAM_POS, position.epoch, position.lsn,
+                        [list(h) for h in history] if changed else None])
+        if changed:
+            self._journaled_history = list(history)
+        journal.commit()
+
+    def rebase(self, directory: Directory, position: StreamPosition) -> bool:
+        """Make ``directory`` (a standby's, received whole) the data dir's state:
+        a snapshot of it in a new journal seq, written now (the loop waits), then
+        the older files go. Until the snapshot is on disk the old state stays
+        the restorable one. False (logged) when it could not be written: the
+        caller must not journal the stream on top of the old state then."""
+        journal = self.journal
+        if journal is None or not self.data_dir:
+            return False
+        self.discard_snapshot()
+        t0 = time.monotonic()
+        new_seq = journal.seq + 1
+        try:
+            journal.rotate(new_seq, sync=True)
+            writer = SnapshotWriter(self.data_dir, new_seq, directory.segment_wires(),
+                                    directory.objects.key_chunks(), stream=position.wire())
+            while not writer.step(directory.snapshot_record, 1.0):
+                pass
+            writer.done.wait()
+        except OSError as exc:
+            log.error("cannot write the replicated state to %s: %s", self.data_dir, exc)
+            return False
+        if writer.error is not None:
+            log.error("cannot write the replicated state to %s: %s", self.data_dir,
+                      writer.error)
+            return False
+        self.stats.journal_seq = new_seq
+        self._journaled_history = list(position.history)
+        self._last_snapshot = time.monotonic()
+        self._compact(new_seq)
+        log.info("replicated state written: snapshot %d (%d objects, lsn %d) in %.2fs",
+                 new_seq, writer.count, position.lsn, time.monotonic() - t0)
+        return True
+
+    def discard_snapshot(self) -> None:
+        """Abandon a snapshot in progress (its directory is being replaced)."""
+        if self._snapshot is not None:
+            self._snapshot.abort()
+            self._snapshot = None
+            self.stats.snapshot_in_progress = False
+
     # ================================================================ snapshots
-    def _start_snapshot(self, d: Directory) -> None:
+    def _start_snapshot(self, d: Directory, position: StreamPosition | None = None) -> None:
         """Rotate the journal and start a fuzzy snapshot (see journal.py)."""
         if self.journal is None or self._snapshot is not None:
             return
@@ -201,7 +337,8 @@ class Durability:
         st.journal_seq = new_seq
         # keys are copied one shard at a time as the snapshot reaches them
         self._snapshot = SnapshotWriter(self.data_dir or ".", new_seq, d.segment_wires(),
-                                        d.objects.key_chunks(), old_fd)
+                                        d.objects.key_chunks(), old_fd,
+                                        position.wire() if position is not None else None)
         st.snapshot_in_progress = True
         st.last_snapshot_pause_ms = (time.perf_counter() - t0) * 1000
         st.last_snapshot_pause_cpu_ms = (time.thread_time() - c0) * 1000

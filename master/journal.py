@@ -270,12 +270,14 @@ class SnapshotWriter:
     requests; a thread writes the chunks, fsyncs, renames.
 
     ``old_journal_fd`` (from ``Journal.rotate(sync=False)``) is fsync'ed and
-    closed by the thread first. ``done`` is set when finished; ``error`` is
+    closed by the thread first. ``stream`` (a standby's ``[epoch, lsn,
+    history]`` as of the rotation) goes into the header. ``done`` is set when finished; ``error`` is
     None on success.
     """
 
     def __init__(self, data_dir: str, seq: int, segments: list[dict[str, Any]],
-                 key_chunks: Iterable[list[str]], old_journal_fd: int = -1) -> None:
+                 key_chunks: Iterable[list[str]], old_journal_fd: int = -1,
+                 stream: list[Any] | None = None) -> None:
         self.data_dir = data_dir
         self.seq = seq
         self._chunks = iter(key_chunks)  # pulled lazily: each chunk is copied when reached
@@ -289,8 +291,11 @@ class SnapshotWriter:
         self._tmp = self.final + f".tmp.{os.getpid()}"
         self._packer = msgpack.Packer(use_bin_type=True)
         self._q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._q.put(self._packer.pack({"version": SNAPSHOT_VERSION, "seq": seq,
-                                       "created": time.time(), "segments": segments}))
+        header: dict[str, Any] = {"version": SNAPSHOT_VERSION, "seq": seq,
+                                  "created": time.time(), "segments": segments}
+        if stream is not None:  # a standby's: its position in the leader's log
+            header["stream"] = stream
+        self._q.put(self._packer.pack(header))
         self._finished_feeding = False
         self._thread = threading.Thread(target=self._run, args=(old_journal_fd,),
                                         name="kvpool-snapshot", daemon=True)

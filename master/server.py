@@ -191,7 +191,23 @@ class MasterServer:
         self.info.save_keys = save_keys
         if self.events is not None:
             self.events.term = lambda: ha.epoch if ha.serving else None
-        ha.begin_follower(None)
+        if cfg.data_dir:
+            ha.store = self.durability
+
+            def save_stream_keys() -> None:
+                try:
+                    self.durability.save_keys(self.signer)
+                except OSError as exc:
+                    log.error("cannot write capability keys: %s", exc)
+
+            ha.on_keys = save_stream_keys
+        position = self.durability.position
+        if position is not None:  # the data dir holds a replicated state: go on from it
+            log.info("HA: following from the replicated state of the data dir (lsn %d, "
+                     "epoch %d)", position.lsn, position.epoch)
+            ha.begin_follower(self.dir, position)
+        else:
+            ha.begin_follower(None)
         ha.start()
         log.info("HA instance %s of group %s (etcd %s, replication %s, sync_standbys %d)",
                  ha.me.instance_id, cfg.cluster_id, cfg.etcd, ha.me.replication,
@@ -202,6 +218,7 @@ class MasterServer:
         ha = self.ha
         assert ha is not None
         from_stream = ha.streamed or (ha.sink is not None and ha.sink.log.last_lsn > 0)
+        journaled = ha.sink is not None and ha.sink.based
         d = ha.promote(self.dir)
         self.dir = d
         if self.signer is not None:
@@ -212,16 +229,16 @@ class MasterServer:
         self._payload = ha.guard_writes(self.handlers.handle_payload)
         if self.events is not None:
             self.events.rebind_directory(d)
-        self.durability.set_ack_gate(ha.acked)
+        self.durability.set_ack_gate(ha.acked, ha.replicated)
         ha.set_released(self.durability.commits)
         if self.signer is not None:
             try:
                 self.durability.save_keys(self.signer)
             except OSError as exc:
                 log.error("cannot write capability keys: %s", exc)
-        if from_stream:
-            # the data dir's journal does not hold the replicated state: a
-            # snapshot of the promoted directory makes it durable here
+        if from_stream and not journaled:
+            # the data dir does not hold the replicated state (no data dir, or
+            # it could not be written): a snapshot of the promoted directory
             self.durability.request_snapshot()
         log.info("serving as the leader of epoch %d", ha.epoch)
 
@@ -262,6 +279,8 @@ class MasterServer:
                         if out:
                             local.send_all(out)
                 sink.poll(0)
+                if sink.based:  # fsync per policy, snapshots of the journaled stream
+                    self.durability.tick(sink.directory, time.monotonic(), sink.position())
             return False
         finally:
             if sink_sock is not None:
@@ -358,8 +377,9 @@ class MasterServer:
         local = self.local_rpc
         publisher = self.events
         ha = self.ha
-        # replies waiting for the ack gate (durability.set_ack_gate), oldest first
-        held: collections.deque[tuple[int, list[list[bytes]], Any]] = collections.deque()
+        # replies waiting for the ack gate (durability.set_ack_gate), oldest first:
+        # (commit number, whether the iteration changed anything, replies, local)
+        held: collections.deque[tuple[int, bool, list[list[bytes]], Any]] = collections.deque()
         next_expiry = next_sweep = next_freeze = time.monotonic()
         while not self._stop:
             timeout = 0 if (d.purge_pending or d.evicting or durability.busy) else \
@@ -367,6 +387,7 @@ class MasterServer:
             events = poller.poll(timeout)
             if events:
                 t_start = time.perf_counter()
+                commits_before = durability.commits
                 replies: list[list[bytes]] = []
                 per_peer: dict[bytes, int] = {}
                 for _ in range(_DRAIN):
@@ -385,7 +406,8 @@ class MasterServer:
                     if local is not None else None
                 commit_no = commit(records)  # group commit before any reply leaves
                 if durability.gated:
-                    held.append((commit_no, replies, local_replies))
+                    held.append((commit_no, commit_no != commits_before, replies,
+                                 local_replies))
                 else:
                     self._send(replies, local_replies)
                 loop_ms = (time.perf_counter() - t_start) * 1000
@@ -416,10 +438,29 @@ class MasterServer:
             if held:
                 acked = durability.acked()
                 while held and held[0][0] <= acked:
-                    _no, replies, local_replies = held.popleft()
+                    _no, _wrote, replies, local_replies = held.popleft()
                     self._send(replies, local_replies)
+                if held:
+                    replicated = durability.replicated()
+                    if replicated > acked:
+                        self._release_unchanged(held, replicated)
             if publisher is not None:  # after the replies: one batch per loop turn
                 publisher.flush(durability.acked(), now)
+
+    def _release_unchanged(self, held: collections.deque[tuple[int, bool, list[list[bytes]],
+                                                               Any]], replicated: int) -> None:
+        """Send the held replies of iterations that changed nothing once what they
+        show is replicated; acknowledgments of changes stay held (in order).
+        Reached only while acknowledgments lag replication: an HA leader past its
+        fencing deadline (it must still answer reads and refuse writes)."""
+        keep = [h for h in held if h[1] or h[0] > replicated]
+        if len(keep) == len(held):
+            return
+        for no, wrote, replies, local_replies in held:
+            if not wrote and no <= replicated:
+                self._send(replies, local_replies)
+        held.clear()
+        held.extend(keep)
 
     def _send(self, replies: list[list[bytes]], local_replies: Any) -> None:
         send = self.sock.send_multipart

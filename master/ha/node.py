@@ -37,9 +37,11 @@ from kvpool.core.etcd import LeaderInfo, MemberInfo, parse_etcd_url
 from kvpool.core.protocol import Op, encode_error, peek_id
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
+from kvpool.master.durability import StreamPosition
 from kvpool.master.ha.election import ElectionConfig, Elector, Role
 from kvpool.master.ha.replication import (
     ReplicaSink,
+    ReplicaStore,
     ReplicationLog,
     ReplicationSource,
     SinkState,
@@ -96,6 +98,10 @@ class HaNode:
         self.log = ReplicationLog()
         self.sink: ReplicaSink | None = None
         self.source: ReplicationSource | None = None
+        #: the data dir a follower journals the stream to (None: not kept)
+        self.store: ReplicaStore | None = None
+        #: called after stream records changed the segment keys (save them)
+        self.on_keys: Callable[[], None] | None = None
         self.epoch = 0  # the term this instance serves (0: not serving)
         self.serving = False
         self.streamed = False  # the sink received state from some leader
@@ -134,17 +140,26 @@ class HaNode:
         return encode_error(peek_id(payload), ErrorCode.NOT_LEADER,
                             f"master {self.me.address} is a follower: {where}")
 
-    def begin_follower(self, directory: Directory | None) -> ReplicaSink:
-        """A sink over ``directory`` (None: a fresh one; its position restarts at 0)."""
+    def begin_follower(self, directory: Directory | None,
+                       position: StreamPosition | None = None) -> ReplicaSink:
+        """A sink over ``directory``: None, a fresh one (position 0; the data dir
+        keeps its state until the leader's whole state arrived); with
+        ``position``, the state a standby journaled (restored from the data
+        dir); else the directory this instance served, at its own position."""
         self.serving = False
         self.epoch = 0
+        based = True
         if directory is None:
             directory = self.make_directory()
             self.log = ReplicationLog()
-        self.sink = ReplicaSink(directory, self.me.instance_id, journal=None,
+            based = False
+        elif position is not None:
+            self.log = ReplicationLog()
+            self.log.reset(position.epoch, position.lsn, position.history)
+        self.sink = ReplicaSink(directory, self.me.instance_id, store=self.store,
                                 make_directory=self.make_directory,
                                 on_record=self._stream_record, log_=self.log, context=self.ctx,
-                                curve=self.cfg.curve)
+                                curve=self.cfg.curve, based=based)
         return self.sink
 
     def _stream_record(self, rec: list[Any]) -> None:
@@ -152,6 +167,8 @@ class HaNode:
                 and isinstance(rec[1], dict):
             self.signer.load_keys({str(k): bytes(v) for k, v in rec[1].items()
                                    if isinstance(v, bytes | bytearray)})
+            if self.on_keys is not None:
+                self.on_keys()  # a restarted standby signs with the keys it had
 
     def follower_tick(self) -> bool:
         """Follow the leader etcd names; True once this instance is elected."""
@@ -263,6 +280,26 @@ class HaNode:
         while pending and pending[0][1] <= lsn:
             self._released = pending.popleft()[0]
         return self._released
+
+    def replicated(self) -> int:
+        """The highest commit number every in-sync member holds (at least
+        ``sync_standbys`` of them), the fencing deadline aside: replies that
+        acknowledge no change (reads, refusals) may leave up to it."""
+        src = self.source
+        if src is None:
+            return self._released
+        if self.sync_standbys <= 0:
+            lsn = src.last_lsn
+        elif len(src.sync_members) < self.sync_standbys:
+            return self._released
+        else:
+            lsn = src.acked_lsn()
+        out = self._released
+        for commit_no, last in self._pending:
+            if last > lsn:
+                break
+            out = commit_no
+        return out
 
     def leader_tick(self, now: float) -> bool:
         """Between loop iterations: acks, snapshots, the in-sync set. False

@@ -3,8 +3,9 @@
 Every record the leader's directory emits gets a **log position** (``lsn``:
 one per record, continuing across terms). The leader publishes each group
 commit as one batch ``[BATCH, epoch, first_lsn, records]`` to every
-connected standby; a standby applies the batch to its own directory (and
-journal) and answers ``[ACK, epoch, last_lsn]`` (cumulative). The leader
+connected standby; a standby writes the batch to its data dir (with its
+position, see :class:`ReplicaSink`), answers ``[ACK, epoch, last_lsn]``
+(cumulative) and applies it to its own directory. The leader
 releases the replies of a batch once every member of its **in-sync set**
 acknowledged it (:meth:`ReplicationSource.acked_lsn`); the set is published
 in etcd (:mod:`.election`), so whoever wins the next election holds every
@@ -41,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import msgpack
 import msgspec
@@ -50,7 +51,7 @@ import zmq
 from kvpool.core.auth import CurveAuthenticator, CurveConfig
 from kvpool.core.errors import ErrorCode
 from kvpool.master.directory import Directory, Rec, SegState
-from kvpool.master.journal import Journal
+from kvpool.master.durability import StreamPosition
 
 __all__ = [
     "MsgType",
@@ -196,6 +197,9 @@ class _Standby:
     status: StandbyStatus
     snap_count: int = 0
     chunks: Iterator[list[str]] | None = None  # set while a snapshot is being sent
+    # when it last went from holding everything to owing a batch: an idle
+    # standby's last ack is old, but it owes the next batch only from its send
+    owed_since: float = 0.0
 
 
 class ReplicationSource:
@@ -252,7 +256,10 @@ class ReplicationSource:
         self.log.append(self.epoch, first, records)
         if self.standbys:
             frame = _pack([MsgType.BATCH, self.epoch, first, records, self.epoch])
+            now = time.monotonic()
             for sb in self.standbys.values():
+                if sb.status.acked_lsn >= first - 1:
+                    sb.owed_since = now
                 self._send(sb.ident, frame)
             self.batches_sent += 1
         return self.log.last_lsn
@@ -285,14 +292,16 @@ class ReplicationSource:
 
     def lagging(self, timeout_s: float) -> list[str]:
         """In-sync members that owe an ack for longer than ``timeout_s``
-        (or are gone): candidates to remove (after etcd says so)."""
+        (or are gone): candidates to remove (after etcd says so). Owing
+        starts at the later of its last ack and the send of the first batch
+        it has not acked."""
         now = time.monotonic()
         last = self.log.last_lsn
         out = []
         for m in self.sync_members:
             sb = self.standbys.get(m)
             if sb is None or (sb.status.acked_lsn < last
-                              and now - sb.status.last_ack > timeout_s):
+                              and now - max(sb.status.last_ack, sb.owed_since) > timeout_s):
                 out.append(m)
         return out
 
@@ -448,29 +457,47 @@ class SinkStats:
     last_message: float = field(default_factory=time.monotonic)
 
 
+class ReplicaStore(Protocol):
+    """Where a standby keeps the stream (``kvpool.master.durability.Durability``)."""
+
+    def commit_stream(self, records: list[list[Any]], position: StreamPosition) -> None: ...
+
+    def rebase(self, directory: Directory, position: StreamPosition) -> bool: ...
+
+    def discard_snapshot(self) -> None: ...
+
+
 class ReplicaSink:
     """A standby's end: follows one leader, applies what it sends.
 
     ``connect(endpoint, epoch)`` (re)targets the leader of ``epoch``;
     ``poll(timeout_s)`` applies what arrived. Records go to the directory
     (``journaling`` off: they are the leader's records, journaled here as
-    they are) and to ``journal`` when given, committed before the ACK.
+    they are) and, with a ``store``, to the data dir: the batch's records
+    and the position after them in one write, before its ACK. ``based``:
+    the store holds exactly this directory's state (restored from it, or
+    written by ``rebase``); until then nothing is journaled, and a directory
+    received whole (a snapshot, or a tail onto a fresh directory) is written
+    with ``store.rebase`` before the stream is journaled on top of it.
     Stream-only records (tags outside :class:`Rec`) go to ``on_record``.
     ``directory`` may be replaced by a snapshot: read it from the sink.
     """
 
     def __init__(self, directory: Directory, instance_id: str,
-                 journal: Journal | None = None,
+                 store: ReplicaStore | None = None,
                  make_directory: Callable[[], Directory] | None = None,
                  on_record: Callable[[list[Any]], None] | None = None,
                  log_: ReplicationLog | None = None,
                  context: zmq.Context | None = None,
-                 curve: CurveConfig | None = None) -> None:
+                 curve: CurveConfig | None = None, based: bool = False) -> None:
         self.directory = directory
         self.curve = curve
         directory.journaling = False
         self.instance_id = instance_id
-        self.journal = journal
+        self.store = store
+        self.based = based and store is not None
+        self._unwritten: list[list[Any]] = []
+        self._dirty = False  # records applied (or a position changed) since the last write
         self.make_directory = make_directory or (lambda: Directory(directory.cfg))
         self.on_record = on_record
         self.log = log_ or ReplicationLog()
@@ -482,13 +509,41 @@ class ReplicaSink:
         self._ctx = context or zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.endpoint = ""
-        #: without a journal, ack a batch when it arrives, before applying it
+        #: ack a batch when it arrives (and is written, with a store), before
+        #: applying it
         self.ack_on_receipt = True
+
+    def position(self) -> StreamPosition:
+        """The applied position (the last record's epoch and lsn, the history)."""
+        lg = self.log
+        return StreamPosition(lg.last_epoch, lg.last_lsn, list(lg.history))
+
+    def _rebase(self) -> None:
+        store = self.store
+        if store is not None:
+            self.based = store.rebase(self.directory, self.position())
+            self._unwritten.clear()
+            self._dirty = False
+
+    def _flush(self) -> None:
+        """Write the records applied since the last write and the position after them."""
+        store = self.store
+        if store is not None and self.based and self._dirty:
+            store.commit_stream(self._unwritten, self.position())
+        self._unwritten.clear()
+        self._dirty = False
 
     def connect(self, endpoint: str, epoch: int) -> None:
         """Follow the leader of ``epoch`` at ``endpoint`` (a ZeroMQ address)."""
         self.known_epoch = max(self.known_epoch, epoch)
         self.leader_epoch = epoch
+        if self.state is SinkState.SNAPSHOT:
+            # an interrupted snapshot: the directory is partial, and the position
+            # it was sent at is not ours; start from nothing (the data dir keeps
+            # the state it had)
+            self.directory = self.make_directory()
+            self.directory.journaling = False
+            self.log.reset(0, 0, [])
         if self.sock is not None:
             self.sock.close(0)
         sock = self._ctx.socket(zmq.DEALER)
@@ -524,9 +579,8 @@ class ReplicaSink:
                 acks |= self._handle(msg)
             if self.sock is None:
                 break
+        self._flush()
         if acks and self.sock is not None and self.state is SinkState.STREAMING:
-            if self.journal is not None:
-                self.journal.commit()
             self.sock.send(_pack([MsgType.ACK, self.leader_epoch, self.log.last_lsn]))
         return n
 
@@ -563,9 +617,17 @@ class ReplicaSink:
             self.known_epoch = max(self.known_epoch, epoch)
             self.log.adopt_history(msg[3])
             self.state = SinkState.STREAMING
+            if self.store is not None and not self.based:
+                self._rebase()  # a fresh directory: the data dir's old state goes
+            self._dirty = True  # the history may have changed
             return True
         if kind == MsgType.SNAP_BEGIN:
             self.known_epoch = max(self.known_epoch, epoch)
+            if self.store is not None:
+                # the data dir keeps the old state until SNAP_END writes the new one
+                self.store.discard_snapshot()
+                self.based = False
+                self._unwritten.clear()
             d = self.make_directory()
             d.journaling = False
             for wire in msg[3]:
@@ -584,6 +646,7 @@ class ReplicaSink:
             self.state = SinkState.STREAMING
             log.info("standby %s: snapshot applied (%d objects, lsn %d)", self.instance_id,
                      len(self.directory.objects), self.log.last_lsn)
+            self._rebase()
             return True
         return False
 
@@ -607,12 +670,18 @@ class ReplicaSink:
                 self.connect(self.endpoint, self.leader_epoch)
             return False
         self.known_epoch = max(self.known_epoch, epoch)
-        early = self.journal is None and self.state is SinkState.STREAMING \
-            and self.sock is not None and self.ack_on_receipt
+        self.log.append(rec_epoch, first, records)
+        if self.based:
+            self._unwritten.extend(r for r in records if r and r[0] in _DIRECTORY_TAGS)
+        self._dirty = True
+        early = self.state is SinkState.STREAMING and self.sock is not None \
+            and self.ack_on_receipt
         if early:
-            # nothing to write first: the batch is held (in this process) once
-            # received; ack before applying it, off the leader's critical path
-            # (applying follows at once, in this thread, before any promotion)
+            # the batch is held (in this process) once received, and written to
+            # the data dir (one write: encoding is cheap, applying is not): ack
+            # before applying it, off the leader's critical path (applying
+            # follows at once, in this thread, before any promotion)
+            self._flush()
             assert self.sock is not None
             self.sock.send(_pack([MsgType.ACK, self.leader_epoch, first + len(records) - 1]))
         d = self.directory
@@ -625,9 +694,6 @@ class ReplicaSink:
                     log.error("standby %s: bad record %r: %s", self.instance_id, rec[:2], exc)
             elif on_record is not None:
                 on_record(rec)
-        if self.journal is not None:
-            self.journal.append_many(r for r in records if r and r[0] in _DIRECTORY_TAGS)
-        self.log.append(rec_epoch, first, records)
         self.stats.batches += 1
         self.stats.records += len(records)
         return self.state is SinkState.STREAMING and not early

@@ -29,7 +29,9 @@ from kvpool.core.protocol import (
     ListSegments,
     MountSegment,
     Ping,
+    PutEnd,
     PutStart,
+    Remove,
     SegmentDescriptor,
     SegmentKind,
 )
@@ -220,3 +222,142 @@ def test_frozen_leader_is_fenced_and_rejoins_as_follower(group: HaGroup) -> None
     with MasterClient(group.url, timeout_s=3.0) as c:
         assert not c.call(Exist(key="fenced")).exists
         c.call(PutStart(client_id="w", key="after", size=4096))  # the group still writes
+
+
+def test_fenced_leader_answers_reads_and_refuses_writes_behind_an_unacknowledged_write(
+        etcd: EtcdProcess, group: HaGroup) -> None:
+    """etcd silent (SIGSTOP) while a write waits for the in-sync standby
+    (SIGSTOPped too): past its fencing deadline the leader never acknowledges
+    that write, but once the standby holds it again the leader answers reads
+    and refuses writes with COORDINATION_UNAVAILABLE (docs/ha.md: reads go on
+    while etcd is unreachable) instead of holding them behind it."""
+    leader = group.wait_leader(in_sync=1, streaming=2)
+    h = leader.health()
+    assert h is not None
+    sync_id = next(s["instance_id"] for s in h["standbys"] if s["in_sync"])
+    standby = next(m for m in group.members if m.address == sync_id)
+    assert standby.pid is not None
+    with MasterClient(group.url, timeout_s=3.0) as c:
+        c.call(MountSegment(client_id="owner", segment=SegmentDescriptor(
+            "seg-r", "owner", "host-r", SegmentKind.MEMORY, 1 << 30, "kvpool-test-seg-r")))
+        c.call(PutStart(client_id="owner", key="before", size=4096))
+        c.call(PutEnd(client_id="owner", key="before"))
+        c.call(PutStart(client_id="owner", key="held", size=4096))  # no record until PUT_END
+    result: list[tuple[object, float]] = []
+
+    def held_write() -> None:
+        with MasterClient(leader.address, timeout_s=8.0) as c:
+            try:
+                c.call(PutEnd(client_id="owner", key="held"))
+                result.append(("ok", time.monotonic()))
+            except MasterRPCError as exc:
+                result.append((exc.code, time.monotonic()))
+
+    etcd.pause()
+    t_resume = float("inf")
+    try:
+        os.kill(standby.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.1)  # kill() returns before every thread of it has stopped
+            t = threading.Thread(target=held_write)
+            t.start()
+            # past the deadline: renewed <= 0.25 s before the pause, 2 s * 0.995 - 0.1 s
+            time.sleep(2.4)
+        finally:
+            os.kill(standby.pid, signal.SIGCONT)
+        h = leader.health()
+        assert h is not None and h["election"] == "fenced", h
+        with MasterClient(leader.address, timeout_s=3.0) as c:
+            t0 = time.monotonic()
+            # a read: answered (once the standby acked what it may show)
+            assert c.call(Exist(key="before")).exists
+            with pytest.raises(MasterRPCError) as ei:
+                c.call(PutStart(client_id="owner", key="refused", size=4096))
+            assert ei.value.code == ErrorCode.COORDINATION_UNAVAILABLE, ei.value
+            print(f"fenced leader answered a read and a refusal in {time.monotonic() - t0:.2f}s")
+        assert not result, result  # the write taken before the deadline: still unanswered
+    finally:
+        etcd.resume()
+        t_resume = time.monotonic()
+    t.join(15)
+    print(f"write held across the fence: {result}")
+    assert len(result) == 1
+    code, at = result[0]
+    # acknowledged only once etcd confirmed the lease again, or never
+    assert code in ("ok", ErrorCode.RPC_TIMEOUT, ErrorCode.NOT_LEADER), result
+    if code == "ok":
+        assert at > t_resume
+
+
+def test_promoted_standby_killed_at_once_restarts_with_the_replicated_state(
+        group: HaGroup) -> None:
+    """kill -9 the leader, then the standby elected in its place as soon as it
+    serves (nothing written by it as a leader yet, no snapshot of its own):
+    restarted, it restores the replicated state from the stream it journaled
+    and serves every object; the others rejoin it."""
+    leader = group.wait_leader(in_sync=1, streaming=2)
+    h = leader.health()
+    assert h is not None
+    sync_id = next(s["instance_id"] for s in h["standbys"] if s["in_sync"])
+    standby = next(m for m in group.members if m.address == sync_id)
+    third = next(m for m in group.members if m is not leader and m is not standby)
+    keys = [f"obj-{i:04d}" for i in range(300)]
+    with MasterClient(group.url, timeout_s=3.0) as c:
+        c.call(MountSegment(client_id="owner", segment=SegmentDescriptor(
+            "seg-j", "owner", "host-j", SegmentKind.MEMORY, 1 << 30, "kvpool-test-seg-j")))
+        for k in keys:
+            c.call(PutStart(client_id="owner", key=k, size=4096))
+            c.call(PutEnd(client_id="owner", key=k))
+        c.call(Remove(key=keys[0]))
+    # the in-sync standby alone can succeed it, and no one can join its in-sync set
+    third.kill()
+    leader.kill()
+    deadline = time.monotonic() + 15
+    while (sh := standby.health()) is None or sh["role"] != "leader":
+        assert time.monotonic() < deadline, sh
+        time.sleep(0.005)
+    standby.kill()
+    standby.start()
+    restarted = group.wait_leader(in_sync=0, timeout_s=20)
+    assert restarted is standby
+    assert "replicated up to lsn" in Path(standby.log_path).read_text()
+    with MasterClient(standby.address, timeout_s=3.0) as c:
+        assert not c.call(Exist(key=keys[0])).exists
+        missing = [k for k in keys[1:] if not c.call(Exist(key=k)).exists]
+        assert not missing, missing[:5]
+        assert "seg-j" in {s.descriptor.segment_id for s in c.call(ListSegments()).segments}
+    # the two others come back as its standbys and catch up
+    leader.start()
+    third.start()
+    group.wait_leader(in_sync=1, streaming=2, timeout_s=20)
+    # the third, a standby with its journal, went on from the state it had replicated
+    assert "following from the replicated state" in Path(third.log_path).read_text()
+    with MasterClient(group.url, timeout_s=3.0) as c:
+        c.call(PutStart(client_id="owner", key="after", size=4096))
+        c.call(PutEnd(client_id="owner", key="after"))
+        assert c.call(Exist(key=keys[-1])).exists
+
+
+def test_group_call_on_the_direct_socket_follows_a_successor_before_its_timeout(
+        group: HaGroup) -> None:
+    """A group client's call waiting on the direct (Unix socket) path at a
+    leader that went silent (SIGSTOP) is cut short once etcd names the
+    successor and resent there, long before the call's own timeout (as on
+    the ZeroMQ path)."""
+    old = group.wait_leader(in_sync=1, streaming=2)
+    assert old.pid is not None
+    with MasterClient(group.url, timeout_s=20.0) as c:
+        for _ in range(5):
+            c.call(Ping(client_id="x"))
+        assert c.local_calls > 0  # on the direct socket
+        os.kill(old.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            c.call(Ping(client_id="x"))  # sent to the frozen leader first
+            took = time.monotonic() - t0
+        finally:
+            os.kill(old.pid, signal.SIGCONT)
+        print(f"answered by {c.address} after {took:.2f}s")
+        assert not c.address.endswith(old.address)
+        # the successor exists 1.75-2.5 s after the freeze; the call's timeout is 20 s
+        assert took < 8.0, took

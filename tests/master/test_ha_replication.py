@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +18,10 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
+from kvpool.master.durability import Durability
 from kvpool.master.ha.replication import (
     ReplicaSink,
+    ReplicationLog,
     ReplicationSource,
     SinkState,
     promote_directory,
@@ -148,6 +151,31 @@ def test_in_sync_member_that_stops_acking_holds_replies_then_is_lagging(
         leader.src.close()
 
 
+def test_idle_in_sync_member_is_not_lagging_when_a_change_follows(ctx: zmq.Context) -> None:
+    """An in-sync standby that acked everything, then saw no change for longer
+    than the timeout, owes the next batch only from the moment it is sent:
+    it must not be dropped from the in-sync set before it could answer."""
+    leader = Leader(ctx, epoch=4)
+    sink = sink_for(ctx, "s1")
+    try:
+        sink.connect(leader.src.endpoint, 4)
+        leader.mount("seg-a")
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        leader.src.add_sync("s1")
+        time.sleep(0.3)  # idle: nothing to ack
+        assert leader.src.lagging(0.2) == []
+        leader.put(3)
+        assert leader.src.acked_lsn() < leader.src.last_lsn  # owed, just sent
+        assert leader.src.lagging(0.2) == []
+        time.sleep(0.3)  # now silent past the timeout while owing: lagging
+        assert leader.src.lagging(0.2) == ["s1"]
+        pump(leader, [sink], lambda: leader.src.acked_lsn() == leader.src.last_lsn)
+        assert leader.src.lagging(0.2) == []
+    finally:
+        sink.close()
+        leader.src.close()
+
+
 def test_late_standby_gets_a_snapshot_interleaved_with_live_changes(ctx: zmq.Context) -> None:
     leader = Leader(ctx, epoch=5)
     leader.src.snapshot_slice_s = 0.0005  # many slices: live batches fall between them
@@ -172,6 +200,30 @@ def test_late_standby_gets_a_snapshot_interleaved_with_live_changes(ctx: zmq.Con
         assert sink.stats.snapshots == 1
         assert state(sink.directory) == state(leader.d)
         assert len(sink.directory.objects) == len(leader.d.objects) == len(keys)
+    finally:
+        sink.close()
+        leader.src.close()
+
+
+def test_snapshot_interrupted_by_a_reconnect_starts_over(ctx: zmq.Context) -> None:
+    """A standby that reconnects (silent stream, new leader) in the middle of a
+    snapshot holds a partial directory: it must not claim the snapshot's
+    position (and be given only the tail after it)."""
+    leader = Leader(ctx, epoch=6, src_log=ReplicationLog(ring_records=50))
+    sink = sink_for(ctx, "s1")
+    try:
+        leader.mount("seg-a", 256 << 20)
+        leader.put(20000, size=1024)
+        sink.connect(leader.src.endpoint, 6)
+        deadline = time.monotonic() + 10
+        while not (sink.state is SinkState.SNAPSHOT and 0 < len(sink.directory.objects) < 20000):
+            assert time.monotonic() < deadline, (sink.state, len(sink.directory.objects))
+            leader.src.poll()  # one slice of the snapshot per call
+            sink.poll(0.01)
+        sink.connect(leader.src.endpoint, 6)  # mid-snapshot
+        leader.put(5)
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        assert state(sink.directory) == state(leader.d)
     finally:
         sink.close()
         leader.src.close()
@@ -275,3 +327,74 @@ def test_promoted_standby_serves_every_object_and_places_new_ones(ctx: zmq.Conte
     finally:
         sink.close()
         leader.src.close()
+
+
+def _restart(cfg: MasterConfig) -> tuple[Durability, Directory]:
+    store = Durability(cfg)
+    return store, store.restore(lambda: Directory(cfg))
+
+
+def test_standby_journal_restores_the_replicated_state_and_its_position(
+        ctx: zmq.Context, tmp_path: Path) -> None:
+    """A standby with a data dir: the snapshot it joins with is written whole,
+    the live batches after it are journaled with their position, a periodic
+    (fuzzy) snapshot covers them; a restart restores the same state and
+    position, and the restarted standby rejoins with a tail, not a snapshot."""
+    cfg = MasterConfig(data_dir=str(tmp_path), capabilities=False)
+    # a small ring: the late standby cannot get a tail from position 0
+    leader = Leader(ctx, epoch=5, src_log=ReplicationLog(ring_records=50))
+    store, restored = _restart(cfg)
+    assert store.position is None and not restored.objects
+    sink = ReplicaSink(Directory(CFG), "s1", store=store, context=ctx)
+    sink2: ReplicaSink | None = None
+    try:
+        leader.mount("seg-a")
+        keys = leader.put(300)
+        sink.connect(leader.src.endpoint, 5)
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        assert sink.stats.snapshots == 1 and sink.based
+        keys += leader.put(40)
+        leader.remove(keys[:25])
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        store.request_snapshot()
+        store.tick(sink.directory, time.monotonic(), sink.position())
+        leader.put(7)  # journaled while the fuzzy snapshot is written
+        while store.busy:
+            pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+            store.tick(sink.directory, time.monotonic(), sink.position())
+        leader.remove(keys[30:35])
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        expected, pos = state(leader.d), sink.position()
+        assert state(sink.directory) == expected
+        sink.close()
+        store.close([])  # a kill -9 loses nothing more: every batch was written
+
+        store, restored = _restart(cfg)
+        assert store.position == pos, (store.position, pos)
+        assert state(restored) == expected
+        log_ = ReplicationLog()
+        log_.reset(pos.epoch, pos.lsn, pos.history)
+        sink2 = ReplicaSink(restored, "s1", store=store, log_=log_, context=ctx, based=True)
+        leader.put(5)
+        sink2.connect(leader.src.endpoint, 5)
+        pump(leader, [sink2], lambda: leader.src.caught_up() == ["s1"])
+        assert sink2.stats.snapshots == 0  # the tail after its journaled position
+        assert state(sink2.directory) == state(leader.d)
+        sink2.close()
+        store.close([])
+        store, restored = _restart(cfg)
+        assert state(restored) == state(leader.d)
+        assert store.position is not None and store.position.lsn == leader.src.last_lsn
+        # anything journaled after the last position (a leader's records) voids it
+        assert store.journal is not None
+        store.commit([[4, keys[40]]])
+        store.close([])
+        store, restored = _restart(cfg)
+        assert store.position is None and keys[40] not in restored.objects
+        store.close([])
+    finally:
+        sink.close()
+        if sink2 is not None:
+            sink2.close()
+        leader.src.close()
+

@@ -12,6 +12,9 @@ leftovers of dead runs can be recognised (:func:`cleanup_stale`).
 
 Faults: :meth:`Topology.link_down` takes the host's bridge port down (a
 partition: the host's packets vanish silently, no RST, no ICMP);
+:meth:`Topology.cut` silently drops the traffic between two hosts only (a
+partial partition: each one's neighbour entry for the other names a MAC no
+host has, so neither tc filters nor iptables are needed);
 :meth:`Topology.slow` rate-limits both directions of its link with a ``tbf``
 qdisc (``netem`` is not available in every kernel; ``tbf`` is).
 
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 PREFIX = "kvp"
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)t\d+-")
 _counter = itertools.count(1)
+_NOWHERE_MAC = "02:00:5e:00:00:01"  # locally administered; no veth of a topology has it
 _live: set[Topology] = set()
 _live_lock = threading.Lock()
 
@@ -262,6 +266,20 @@ class Topology:
             _run(["ip", "-n", self.hosts[name].netns, "link", "set", "eth0", "up"])
             return
         _run(["ip", "-n", self.bridge_netns, "link", "set", self.hosts[name].port, "up"])
+
+    def cut(self, a: str, b: str) -> None:
+        """Silently drop every packet between hosts ``a`` and ``b``, both ways;
+        their traffic with everyone else flows. Each one's neighbour (ARP)
+        entry for the other points at a MAC no host has: the frames are sent,
+        flooded by the bridge and dropped by every receiver."""
+        for x, y in ((self.hosts[a], self.hosts[b]), (self.hosts[b], self.hosts[a])):
+            _run(["ip", "-n", x.netns, "neigh", "replace", y.address, "lladdr", _NOWHERE_MAC,
+                  "dev", "eth0", "nud", "permanent"])
+
+    def uncut(self, a: str, b: str) -> None:
+        """Heal a :meth:`cut` (the hosts resolve each other's MAC anew)."""
+        for x, y in ((self.hosts[a], self.hosts[b]), (self.hosts[b], self.hosts[a])):
+            _run(["ip", "-n", x.netns, "neigh", "del", y.address, "dev", "eth0"], check=False)
 
     def slow(self, name: str, rate: str = "2mbit", burst: str = "32kb",
              latency: str = "500ms") -> None:
