@@ -26,10 +26,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import (
     BatchReplicaClear,
+    CreateCopyTask,
     Exist,
     GetReplicaList,
     ListSegments,
     MountSegment,
+    Op,
     Ping,
     PutEnd,
     PutOptions,
@@ -39,8 +41,10 @@ from kvpool.core.protocol import (
     SegmentDescriptor,
     SegmentKind,
     Stats,
+    UpsertStart,
 )
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
+from kvpool.master.ha.node import _WRITES
 from support.etcd import EtcdProcess, etcd_binary
 from support.ha_master import HaGroup, HaMasterProcess
 
@@ -95,6 +99,18 @@ def _quiet(leader: HaMasterProcess, standbys: int) -> bool:
     sbs = h.get("standbys", [])
     return h.get("role") == "leader" and len(sbs) == standbys \
         and all(s["state"] == "streaming" and s["lag"] == 0 for s in sbs)
+
+
+#: ops that change nothing a standby replicates: served by a fenced leader
+_READS = {Op.PING, Op.GET_REPLICA_LIST, Op.EXIST, Op.GET_SIZE, Op.BATCH_GET_REPLICA_LIST,
+          Op.BATCH_EXIST, Op.BATCH_GET_SIZE, Op.STATS, Op.LIST_SEGMENTS, Op.GET_SEGMENTS,
+          Op.LOCAL_ENDPOINT, Op.LIST_OBJECTS, Op.QUERY_TASK}
+
+
+def test_every_op_is_a_read_or_refused_while_fenced() -> None:
+    """A new op must be classified: every op not in the read list above is
+    refused by a fenced leader."""
+    assert {int(op) for op in Op} - {int(op) for op in _READS} == set(_WRITES)
 
 
 def test_metrics_agree_with_health(etcd: EtcdProcess, tmp_path: Path) -> None:
@@ -222,11 +238,15 @@ def test_fenced_leader_refuses_writes_and_pauses_expiry(etcd: EtcdProcess,
                 c.call(Ping(client_id="owner"))
                 t_last = time.monotonic()
                 assert _scrape(leader)[("kvpool_master_ha_fenced", ())] == 1
-                t0 = time.monotonic()
-                with pytest.raises(MasterRPCError) as ei:
-                    c.call(PutStart(client_id="w", key="x", size=OBJ))
-                assert ei.value.code == ErrorCode.COORDINATION_UNAVAILABLE
-                assert time.monotonic() - t0 < 1.0  # refused at once, not held
+                for req in (PutStart(client_id="w", key="x", size=OBJ),
+                            UpsertStart(client_id="w", key="x", size=OBJ),
+                            BatchReplicaClear(client_id="w", keys=["x"]),
+                            CreateCopyTask(key="x", targets=["seg-t"])):
+                    t0 = time.monotonic()
+                    with pytest.raises(MasterRPCError) as ei:
+                        c.call(req)
+                    assert ei.value.code == ErrorCode.COORDINATION_UNAVAILABLE, req
+                    assert time.monotonic() - t0 < 1.0  # refused at once, not held
                 # the owner is silent past client_ttl: expiry would suspect it
                 time.sleep(max(0.0, t_last + ttl + 1.5 - time.monotonic()))
                 segs = {s.descriptor.segment_id: s.state
