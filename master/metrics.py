@@ -197,6 +197,11 @@ def _ha_metrics(ha: HaStats) -> Iterator[Metric]:
                           "writes refused, mutating timers paused)")
     g.add_metric([], 1 if ha.fenced else 0)
     yield g
+    g = GaugeMetricFamily("kvpool_master_ha_writes_refused",
+                          "1 while serving but refusing writes (fenced, or fewer in-sync "
+                          "standbys than sync_standbys for sync_timeout_s)")
+    g.add_metric([], 1 if ha.writes_refused else 0)
+    yield g
     g = GaugeMetricFamily("kvpool_master_ha_eligible",
                           "1 if this instance may be elected (in the in-sync set)")
     g.add_metric([], 1 if ha.eligible else 0)

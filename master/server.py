@@ -388,6 +388,10 @@ class MasterServer:
                 local_replies = local.serve(events, self._payload,
                                             handlers.too_many, inflight_limit) \
                     if local is not None else None
+                if ha is not None and ha.refusals:  # they reveal nothing: not held
+                    replies, local_replies, now_z, now_l = ha.take_refusals(replies,
+                                                                            local_replies)
+                    self._send(now_z, now_l)
                 commit_no = commit(records)  # group commit before any reply leaves
                 if durability.gated:
                     held.append((commit_no, replies, local_replies))

@@ -79,6 +79,7 @@ class HaStats:
     leader: str | None  # the leader's address as etcd names it
     lsn: int  # the last log position this instance holds
     fenced: bool  # serving a term, but the lease is unconfirmed: no acknowledgments
+    writes_refused: bool  # serving, but fenced or short of in-sync standbys: writes refused
     promotions: int
     demotions: int
     acked_lsn: int | None = None  # leader: held by every in-sync standby

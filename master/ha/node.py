@@ -25,7 +25,9 @@ deadlines (the PUT record carries only the flag).
 
 A new leader counts every object as read-leased for one lease TTL (read
 leases are not replicated). While its lease is unconfirmed (``FENCED``) it
-refuses writes and its mutating timers pause (``MasterServer._serve``).
+refuses writes and its mutating timers pause (``MasterServer._serve``); it
+refuses writes too while the in-sync set has been short of ``sync_standbys``
+for ``sync_timeout_s``. Refusals leave at once, never held for acks.
 """
 
 from __future__ import annotations
@@ -117,6 +119,13 @@ class HaNode:
         self._released = 0
         self._next_sync_check = 0.0
         self._next_join_wait = 0.0
+        # leader: since when the in-sync set is short of sync_standbys (0: it is
+        # not); short for sync_timeout_s -> writes are refused, not held
+        self._short_since = 0.0
+        self.sync_short = False
+        # refusal replies made since the loop last took them: they reveal no
+        # state, so they leave at once instead of queueing behind held replies
+        self.refusals: list[bytes] = []
         self._standby_ids: frozenset[str] = frozenset()
         self._sync_published: tuple[str, ...] | None = None
         self.promotions = 0
@@ -238,6 +247,8 @@ class HaNode:
         self.source = ReplicationSource(d, self.repl_bind, st.epoch, self.log, self.ctx)
         self._pending.clear()
         self._released = 0
+        self._short_since = time.monotonic()  # the set starts empty: standbys join
+        self.sync_short = False
         self._standby_ids = frozenset()
         self._sync_published = None
         self.keys_dirty = True
@@ -247,22 +258,47 @@ class HaNode:
         return d
 
     def guard_writes(self, handle: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
-        """``handle`` for the leader: while the fencing deadline has passed
-        (etcd unreachable, or this instance was frozen), ops that change the
-        directory are refused with ``COORDINATION_UNAVAILABLE``; reads go on."""
+        """``handle`` for the leader: ops that change the directory are refused
+        with ``COORDINATION_UNAVAILABLE`` (at once, nothing applied) while the
+        fencing deadline has passed (etcd unreachable, or this instance was
+        frozen) or while the in-sync set has been short of ``sync_standbys``
+        for ``sync_timeout_s`` (their replies could not be released); reads go
+        on. A client of the group (``etcd://``) resends them within its budget.
+        Refusals are collected in :attr:`refusals` for the loop to send at once
+        (:meth:`take_refusals`)."""
         may = self.elector.may_acknowledge
+        node = self
 
         def guarded(payload: bytes) -> bytes:
-            if may():
+            if may() and not node.sync_short:
                 return handle(payload)
             # [op, id, args]: a fixarray of 3 whose first item is a positive fixint
             if len(payload) > 1 and payload[0] == 0x93 and payload[1] in _WRITES:
-                return encode_error(peek_id(payload), ErrorCode.COORDINATION_UNAVAILABLE,
-                                    f"master {self.me.address}: etcd unreachable (lease "
-                                    "unconfirmed): writes refused until it returns")
+                why = ("no standby in sync: writes refused until one is" if may() else
+                       "etcd unreachable (lease unconfirmed): writes refused until it returns")
+                reply = encode_error(peek_id(payload), ErrorCode.COORDINATION_UNAVAILABLE,
+                                     f"master {node.me.address}: {why}")
+                node.refusals.append(reply)
+                return reply
             return handle(payload)
 
         return guarded
+
+    def take_refusals(self, replies: list[list[bytes]],
+                      local_replies: list[Any] | None) -> tuple[list[list[bytes]], list[Any] | None,
+                                                                list[list[bytes]], list[Any]]:
+        """Split this iteration's replies into (held as usual, refusals to send
+        now) for ZeroMQ (frames, payload last) and the direct sockets
+        (``(conn, payload)`` pairs)."""
+        mine = {id(b) for b in self.refusals}
+        self.refusals.clear()
+        zmq_now = [r for r in replies if id(r[-1]) in mine]
+        local_now = [r for r in local_replies or () if id(r[1]) in mine]
+        if zmq_now:
+            replies = [r for r in replies if id(r[-1]) not in mine]
+        if local_now and local_replies is not None:
+            local_replies = [r for r in local_replies if id(r[1]) not in mine]
+        return replies, local_replies, zmq_now, local_now
 
     def set_released(self, commit_no: int) -> None:
         self._released = commit_no
@@ -319,6 +355,13 @@ class HaNode:
         if now >= self._next_sync_check and st.role is Role.LEADER:
             self._next_sync_check = now + 0.02
             self._maintain_sync(src)
+        if len(src.sync_members) >= self.sync_standbys:
+            self._short_since = 0.0
+            self.sync_short = False
+        elif not self._short_since:
+            self._short_since = now
+        else:
+            self.sync_short = now - self._short_since >= self.sync_timeout_s
         return True
 
     def _maintain_sync(self, src: ReplicationSource) -> None:
@@ -394,7 +437,9 @@ class HaNode:
             role=role, election=st.role.value, epoch=st.epoch,
             instance_id=self.me.instance_id, eligible=st.eligible,
             leader=leader.address if leader is not None else None, lsn=self.log.last_lsn,
-            fenced=serving and st.role is Role.FENCED, promotions=self.promotions,
+            fenced=serving and st.role is Role.FENCED,
+            writes_refused=serving and (not self.elector.may_acknowledge() or self.sync_short),
+            promotions=self.promotions,
             demotions=self.demotions, acked_lsn=acked_lsn, in_sync=in_sync, standbys=standbys,
             sink=sink.state.value if sink is not None else None,
             applied_lsn=sink.log.last_lsn if sink is not None else None)
@@ -406,7 +451,7 @@ class HaNode:
         out: dict[str, Any] = {
             "role": s.role, "election": s.election, "epoch": s.epoch,
             "instance_id": s.instance_id, "eligible": s.eligible, "leader": s.leader,
-            "lsn": s.lsn, "fenced": s.fenced,
+            "lsn": s.lsn, "fenced": s.fenced, "writes_refused": s.writes_refused,
         }
         if s.acked_lsn is not None:
             out["acked_lsn"] = s.acked_lsn

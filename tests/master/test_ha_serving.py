@@ -8,7 +8,9 @@ etcd and three real ``kvpool master --etcd`` instances:
   eviction), hard and soft pins keep protecting their objects from eviction;
 - a leader whose lease is unconfirmed (etcd frozen) refuses writes with
   ``COORDINATION_UNAVAILABLE`` and pauses its mutating timers (client expiry
-  here), which resume once etcd is back.
+  here), which resume once etcd is back;
+- a leader without an in-sync standby refuses writes at once rather than
+  holding them, and writes again once a standby is back in sync.
 """
 
 from __future__ import annotations
@@ -267,3 +269,40 @@ def test_fenced_leader_refuses_writes_and_pauses_expiry(etcd: EtcdProcess,
             return segs.get("seg-t") == "suspect"
 
         _wait(suspect, 20, "the owner to be suspect after etcd returned")
+
+
+def test_no_standby_in_sync_refuses_writes_at_once_until_one_is(etcd: EtcdProcess,
+                                                                tmp_path: Path) -> None:
+    with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path), n=2) as group:
+        leader = group.wait_leader(in_sync=1, streaming=1)
+        standby = next(m for m in group.members if m is not leader)
+        with MasterClient(leader.address, timeout_s=1.5) as c:
+            _mount(c, "seg-s", "owner", 1 << 24)
+            standby.kill()
+            n = [0]
+
+            def refused_at_once() -> float | None:
+                n[0] += 1
+                key = f"k{n[0]}"
+                t0 = time.monotonic()
+                try:  # the first PUT_END is held: it owes the dead standby an ack
+                    c.call(PutStart(client_id="w", key=key, size=OBJ))
+                    t0 = time.monotonic()
+                    c.call(PutEnd(client_id="w", key=key))
+                except MasterRPCError as exc:
+                    if exc.code == ErrorCode.COORDINATION_UNAVAILABLE:
+                        return time.monotonic() - t0
+                    assert exc.code == ErrorCode.RPC_TIMEOUT, exc
+                    return None
+                raise AssertionError("a put acknowledged with no standby in sync")
+
+            took = _wait(refused_at_once, 15, "writes to be refused")
+            assert took < 0.5, took  # not queued behind the held PUT_END
+            h = leader.health() or {}
+            assert h["role"] == "leader" and h["in_sync"] == 0 and h["writes_refused"] is True
+            assert _scrape(leader)[("kvpool_master_ha_writes_refused", ())] == 1
+        standby.start()
+        with MasterClient(group.url, timeout_s=10.0) as c:  # resends until one is in sync
+            _put(c, "after")
+            assert c.call(Exist(key="after")).exists
+        assert (leader.health() or {}).get("writes_refused") is False
