@@ -105,6 +105,7 @@ class HaNode:
         self.ctx = context
         self.elector = Elector(ElectionConfig.for_target(
             target, lease_ttl_s=cfg.ha_lease_ttl_s), self.me)
+        self.elector.member_ready = self._holds_replicated_state
         self.sync_standbys = cfg.sync_standbys
         self.sync_timeout_s = cfg.sync_timeout_s
         self.log = ReplicationLog()
@@ -126,7 +127,8 @@ class HaNode:
         # refusal replies made since the loop last took them: they reveal no
         # state, so they leave at once instead of queueing behind held replies
         self.refusals: list[bytes] = []
-        self._standby_ids: frozenset[str] = frozenset()
+        # each standby's session object as last seen: a new one is a (re)join
+        self._standbys_seen: dict[str, object] = {}
         self._sync_published: tuple[str, ...] | None = None
         self.promotions = 0
         self.demotions = 0
@@ -166,6 +168,17 @@ class HaNode:
                                 make_directory=self.make_directory,
                                 on_record=self._stream_record, log_=self.log, context=self.ctx)
         return self.sink
+
+    def _holds_replicated_state(self) -> bool:
+        """Does this instance hold the state the in-sync set lists it for?
+        (Elector thread.) Not before its sink completed a join in this run (a
+        restarted standby holds nothing the stream gave its earlier run),
+        nor while a snapshot replaces its directory."""
+        sink = self.sink
+        if sink is None:
+            return True  # serving (or closing): the elector does not campaign then
+        return sink.state is not SinkState.SNAPSHOT \
+            and (self.streamed or sink.log.last_lsn > 0)
 
     def _stream_record(self, rec: list[Any]) -> None:
         if len(rec) < 2:
@@ -249,7 +262,7 @@ class HaNode:
         self._released = 0
         self._short_since = time.monotonic()  # the set starts empty: standbys join
         self.sync_short = False
-        self._standby_ids = frozenset()
+        self._standbys_seen = {}
         self._sync_published = None
         self.keys_dirty = True
         self.promotions += 1
@@ -343,15 +356,17 @@ class HaNode:
         src = self.source
         assert src is not None
         src.poll()
-        ids = frozenset(src.standbys)
-        if ids != self._standby_ids:
-            if ids - self._standby_ids:  # joiners need every key and soft pin deadline
+        standbys = src.standbys
+        seen = self._standbys_seen
+        joined = [k for k, v in standbys.items() if seen.get(k) is not v]
+        if joined or len(standbys) != len(seen):
+            if joined:  # joiners (a restarted one too) need every key and soft pin
                 recs = [self._soft_pins(src.dir, list(src.dir.soft_until))] \
                     if src.dir.soft_until else []
                 if self.signer is not None:
                     recs.append([KEYS_RECORD, self.signer.keys()])
                 src.publish(recs)
-            self._standby_ids = ids
+            self._standbys_seen = dict(standbys)
         if now >= self._next_sync_check and st.role is Role.LEADER:
             self._next_sync_check = now + 0.02
             self._maintain_sync(src)

@@ -15,6 +15,8 @@ etcd and three real ``kvpool master --etcd`` instances:
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import urllib.request
 import uuid
@@ -306,3 +308,68 @@ def test_no_standby_in_sync_refuses_writes_at_once_until_one_is(etcd: EtcdProces
             _put(c, "after")
             assert c.call(Exist(key="after")).exists
         assert (leader.health() or {}).get("writes_refused") is False
+
+
+def test_soft_pins_reach_a_standby_that_joined_after_them(etcd: EtcdProcess,
+                                                          tmp_path: Path) -> None:
+    """A standby restarted after the pin gets the deadlines when it joins and
+    keeps them when it is elected."""
+    with _group(etcd, tmp_path) as group:
+        old = group.wait_leader(in_sync=1, streaming=2)
+        a, b = (m for m in group.members if m is not old)
+        with MasterClient(group.url, timeout_s=3.0) as c:
+            _mount(c, "seg-j", "owner", 1 << 24)
+            _put(c, "soft", options=PutOptions(soft_pin=True))
+            _put(c, "plain")
+            assert c.call(Stats()).soft_pinned == 1
+        a.kill()
+        a.start()  # a fresh process: joins from nothing
+        b.kill()
+        _wait(lambda: _caught_up(old, a), 20, "the restarted standby in sync")
+        old.kill()
+        new = group.wait_leader(in_sync=0, exclude=old, timeout_s=15)
+        assert new is a
+        with MasterClient(a.address, timeout_s=3.0) as c:
+            st = c.call(Stats())
+            assert st.objects == 2 and st.soft_pinned == 1
+
+
+def _caught_up(leader: HaMasterProcess, standby: HaMasterProcess) -> bool:
+    """``standby`` (this run of it) streams, holds everything and is in sync."""
+    h, sh = leader.health() or {}, standby.health() or {}
+    return sh.get("sink") == "streaming" and sh.get("applied_lsn") == h.get("lsn") \
+        and any(s["instance_id"] == standby.address and s["in_sync"]
+                for s in h.get("standbys", ()))
+
+
+def test_restarted_standby_is_not_elected_before_it_caught_up(etcd: EtcdProcess,
+                                                              tmp_path: Path) -> None:
+    """The in-sync set names a standby that restarts (its stream state is
+    gone) while the leader is frozen: it must not win with nothing; the old
+    leader, back, is elected again with every acknowledged object."""
+    with _group(etcd, tmp_path) as group:
+        old = group.wait_leader(in_sync=1, streaming=2)
+        a, b = (m for m in group.members if m is not old)
+        b.kill()  # a becomes the in-sync member
+        _wait(lambda: _caught_up(old, a) and all(
+            s["instance_id"] == a.address for s in (old.health() or {}).get("standbys", ())
+            if s["in_sync"]), 20, "a alone in sync")
+        with MasterClient(old.address, timeout_s=3.0) as c:
+            _mount(c, "seg-r", "owner", 1 << 24)
+            for i in range(5):
+                _put(c, f"r{i}")
+        assert old.pid is not None
+        os.kill(old.pid, signal.SIGSTOP)
+        try:
+            a.kill()
+            a.start()  # cannot stream from the frozen leader
+            time.sleep(2 * 2 + 1.0)  # the frozen leader's lease (2 s) lapsed long ago
+            h = a.health() or {}
+            assert h.get("role") == "follower" and h.get("eligible") is False, h
+        finally:
+            os.kill(old.pid, signal.SIGCONT)
+        leader = group.wait_leader(in_sync=0, timeout_s=20)
+        assert leader is old
+        with MasterClient(group.url, timeout_s=5.0) as c:
+            st = c.call(Stats())
+            assert st.objects == 5
