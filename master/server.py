@@ -153,7 +153,6 @@ class MasterServer:
         """A copy of every counter (safe from any thread)."""
         h = self.handlers
         c = h.counters
-
         ha = self.ha
 
         def take() -> MasterStats:
