@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import zmq
+
 from kvpool.core.capability import CapabilitySigner
 from kvpool.core.errors import ErrorCode
 from kvpool.core.etcd import LeaderInfo, MemberInfo, parse_etcd_url
@@ -71,6 +73,7 @@ _WRITES = frozenset(int(o) for o in (
     Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE, Op.BATCH_UPSERT_START, Op.BATCH_REPLICA_CLEAR,
     Op.TIER_TASK_DONE, Op.CREATE_COPY_TASK, Op.CREATE_MOVE_TASK))
 _REC_PUT = int(Rec.PUT)
+_REBIND_S = 2.0  # how long promote waits for the replication port to be free
 _RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hello again
 
 
@@ -257,7 +260,7 @@ class HaNode:
         # which passed before this election)
         d.lease_grace_until = d.clock() + d.lease_s
         self.epoch = st.epoch
-        self.source = ReplicationSource(d, self.repl_bind, st.epoch, self.log, self.ctx)
+        self.source = self._bind_source(d, st.epoch)
         self._pending.clear()
         self._released = 0
         self._short_since = time.monotonic()  # the set starts empty: standbys join
@@ -269,6 +272,19 @@ class HaNode:
         self._publish_sync(())
         self.serving = True
         return d
+
+    def _bind_source(self, d: Directory, epoch: int) -> ReplicationSource:
+        """The replication source on our port. A leader deposed and elected
+        again at once binds the port its last source just closed: ZeroMQ
+        releases it asynchronously, so retry briefly."""
+        deadline = time.monotonic() + _REBIND_S
+        while True:
+            try:
+                return ReplicationSource(d, self.repl_bind, epoch, self.log, self.ctx)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
 
     def guard_writes(self, handle: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
         """``handle`` for the leader: ops that change the directory are refused

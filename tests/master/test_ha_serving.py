@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpool.cluster.processes import find_free_port
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import (
     BatchReplicaClear,
@@ -48,7 +50,9 @@ from kvpool.core.protocol import (
     UpsertStart,
 )
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
-from kvpool.master.ha.node import _WRITES
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import Directory
+from kvpool.master.ha.node import _WRITES, HaNode
 from support.etcd import EtcdProcess, etcd_binary
 from support.ha_master import HaGroup, HaMasterProcess
 
@@ -373,3 +377,29 @@ def test_restarted_standby_is_not_elected_before_it_caught_up(etcd: EtcdProcess,
         with MasterClient(group.url, timeout_s=5.0) as c:
             st = c.call(Stats())
             assert st.objects == 5
+
+
+@pytest.mark.timeout(30)
+def test_a_leader_elected_again_at_once_rebinds_its_replication_port() -> None:
+    """ZeroMQ frees a closed socket's port asynchronously: a leader deposed
+    and re-elected within milliseconds (seen after SIGCONT) must not crash
+    binding its replication port."""
+    port = find_free_port()
+    cfg = MasterConfig(etcd=f"127.0.0.1:{find_free_port()}", cluster_id="rebind",
+                       replication_port=port, host="127.0.0.1", port=0, metrics_port=0)
+    ctx = zmq.Context()
+    node = HaNode(cfg, 1, 0, None, lambda: Directory(cfg), ctx)  # the elector is not started
+    try:
+        for _ in range(30):
+            src = node._bind_source(Directory(cfg), 5)
+            peer = ctx.socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.connect(f"tcp://127.0.0.1:{port}")
+            peer.send(b"x")
+            assert src.sock.poll(2000)
+            src.sock.recv_multipart()
+            src.close()
+            peer.close(0)
+    finally:
+        node.close()
+        ctx.destroy(0)
