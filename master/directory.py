@@ -297,6 +297,9 @@ class Directory:
         self.journaling = True
         self._purge: deque[tuple[Segment, list[str]]] = deque()
         self.lease_s = cfg.lease_ttl_ms / 1000.0
+        # until then (clock()) every object counts as read-leased: set when an
+        # HA standby is promoted, since the old term's leases were not replicated
+        self.lease_grace_until = 0.0
         self.evictions = 0
         self.evicting: set[SegmentKind] = set()  # pools whose eviction continues
         self.evicted_bytes = 0
@@ -980,7 +983,7 @@ class Directory:
         reps = old.replicas
         for i in range(0, len(reps), 2):
             reps[i].keys.discard(key)
-        self.hold_replicas(reps, old.size, old.lease)
+        self.hold_replicas(reps, old.size, max(old.lease, self.lease_grace_until))
         self.replaced += 1
 
     def hold_replicas(self, reps: tuple[Any, ...], size: int, until: float) -> None:
@@ -1131,7 +1134,7 @@ class Directory:
             if key in self.pending:
                 return ErrorCode.REPLICA_IS_NOT_READY
             return ErrorCode.OBJECT_NOT_FOUND
-        if not force and obj.lease > self.clock():
+        if not force and max(obj.lease, self.lease_grace_until) > self.clock():
             self.lease_refusals += 1
             return ErrorCode.OBJECT_HAS_LEASE
         self._remove_obj(key, obj)
@@ -1150,7 +1153,7 @@ class Directory:
             return ErrorCode.OBJECT_NOT_FOUND
         if obj.writer and obj.writer != client_id:
             return ErrorCode.PERMISSION_DENIED
-        if obj.lease > self.clock():
+        if max(obj.lease, self.lease_grace_until) > self.clock():
             self.lease_refusals += 1
             return ErrorCode.OBJECT_HAS_LEASE
         if not segment_id:
@@ -1194,6 +1197,8 @@ class Directory:
 
     def remove_all(self, force: bool = False) -> int:
         now = self.clock()
+        if not force and self.lease_grace_until > now:
+            return 0  # every object counts as leased
         victims = [(k, o) for k, o in self.objects.items() if force or o.lease <= now]
         for k, o in victims:
             self._remove_obj(k, o)
@@ -1206,6 +1211,8 @@ class Directory:
         stripped, satisfies ``match``; leased ones only with ``force``. One
         pass over the directory (as REMOVE_ALL). Return the count removed."""
         now = self.clock()
+        if not force and self.lease_grace_until > now:
+            return 0  # every object counts as leased
         cut = len(prefix)
         victims = [(k, o) for k, o in self.objects.items()
                    if (force or o.lease <= now) and k.startswith(prefix)
@@ -1246,6 +1253,9 @@ class Directory:
         limit = (1 << 62) if need else self.cfg.eviction_batch
         limited = False
         now = self.clock()
+        if self.lease_grace_until > now:  # every object counts as leased
+            self.evicting.discard(kind)
+            return 0
         victims: list[tuple[str, Obj]] = []
         taken: set[str] = set()
         soft: list[tuple[str, Obj]] = []

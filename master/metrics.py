@@ -16,10 +16,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpool.master.stats import MasterStats, copy_retrying
+from kvpool.master.ha.replication import SinkState
+from kvpool.master.stats import HaStats, MasterStats, copy_retrying
 
 __all__ = ["MasterCollector", "StatsSource", "make_handler", "make_registry"]
 
+_HA_ROLES = ("leader", "follower")
 _TIER_GAUGES = ("tier_tasks_inflight", "tier_inflight_bytes", "file_segments_awaiting")
 
 
@@ -161,6 +163,8 @@ class MasterCollector(Collector):
         g = GaugeMetricFamily("kvpool_master_max_loop_seconds", "longest loop iteration")
         g.add_metric([], st.max_loop_ms / 1000)
         yield g
+        if snap.ha is not None:
+            yield from _ha_metrics(snap.ha)
         ev = snap.events  # object events (docs/events.md); absent when off
         if ev:
             c = CounterMetricFamily("kvpool_master_events_batches", "event batches published")
@@ -178,6 +182,78 @@ class MasterCollector(Collector):
             g = GaugeMetricFamily("kvpool_master_events_seq", "seq of the last event batch")
             g.add_metric([], ev["seq"])
             yield g
+
+
+def _ha_metrics(ha: HaStats) -> Iterator[Metric]:
+    """Gauges of an HA instance (docs/ha.md): the same values as ``/health``."""
+    g = GaugeMetricFamily("kvpool_master_ha_role",
+                          "1 for this instance's role in its HA group, 0 for the others",
+                          labels=["role"])
+    for role in _HA_ROLES:
+        g.add_metric([role], 1 if ha.role == role else 0)
+    yield g
+    g = GaugeMetricFamily("kvpool_master_ha_fenced",
+                          "1 while elected but past the fencing deadline (lease unconfirmed: "
+                          "writes refused, mutating timers paused)")
+    g.add_metric([], 1 if ha.fenced else 0)
+    yield g
+    g = GaugeMetricFamily("kvpool_master_ha_writes_refused",
+                          "1 while serving but refusing writes (fenced, or fewer in-sync "
+                          "standbys than sync_standbys for sync_timeout_s)")
+    g.add_metric([], 1 if ha.writes_refused else 0)
+    yield g
+    g = GaugeMetricFamily("kvpool_master_ha_eligible",
+                          "1 if this instance may be elected (in the in-sync set)")
+    g.add_metric([], 1 if ha.eligible else 0)
+    yield g
+    g = GaugeMetricFamily("kvpool_master_ha_epoch", "epoch of the term this instance knows of")
+    g.add_metric([], ha.epoch)
+    yield g
+    g = GaugeMetricFamily("kvpool_master_ha_lsn", "last journal position this instance holds")
+    g.add_metric([], ha.lsn)
+    yield g
+    c = CounterMetricFamily("kvpool_master_ha_promotions", "times this instance became leader")
+    c.add_metric([], ha.promotions)
+    yield c
+    c = CounterMetricFamily("kvpool_master_ha_demotions", "times this instance was deposed")
+    c.add_metric([], ha.demotions)
+    yield c
+    if ha.acked_lsn is not None:  # leader
+        g = GaugeMetricFamily("kvpool_master_ha_acked_lsn",
+                              "leader: last position every in-sync standby holds")
+        g.add_metric([], ha.acked_lsn)
+        yield g
+        g = GaugeMetricFamily("kvpool_master_ha_in_sync_standbys",
+                              "leader: standbys in the in-sync set")
+        g.add_metric([], ha.in_sync or 0)
+        yield g
+        lag = GaugeMetricFamily("kvpool_master_ha_standby_lag",
+                                "leader: records a standby has not acknowledged",
+                                labels=["standby", "state"])
+        acked = GaugeMetricFamily("kvpool_master_ha_standby_acked_lsn",
+                                  "leader: last position a standby acknowledged",
+                                  labels=["standby"])
+        in_sync = GaugeMetricFamily("kvpool_master_ha_standby_in_sync",
+                                    "leader: 1 if the standby is in the in-sync set",
+                                    labels=["standby"])
+        for sb in ha.standbys:
+            lag.add_metric([sb.instance_id, sb.state], sb.lag)
+            acked.add_metric([sb.instance_id], sb.acked_lsn)
+            in_sync.add_metric([sb.instance_id], 1 if sb.in_sync else 0)
+        yield lag
+        yield acked
+        yield in_sync
+    if ha.applied_lsn is not None:  # follower
+        g = GaugeMetricFamily("kvpool_master_ha_applied_lsn",
+                              "follower: last position applied from the leader's stream")
+        g.add_metric([], ha.applied_lsn)
+        yield g
+        g = GaugeMetricFamily("kvpool_master_ha_sink_state",
+                              "follower: 1 for the state of its replication stream",
+                              labels=["state"])
+        for state in SinkState:
+            g.add_metric([state.value], 1 if ha.sink == state.value else 0)
+        yield g
 
 
 def make_registry(server: StatsSource) -> CollectorRegistry:

@@ -153,11 +153,13 @@ class MasterServer:
         """A copy of every counter (safe from any thread)."""
         h = self.handlers
         c = h.counters
+        ha = self.ha
 
         def take() -> MasterStats:
             return MasterStats(h.stats(), h.list_segments().segments, dict(c.ops),
                                dict(c.key_ops), dict(c.errors), self.port,
-                               self.events.stats() if self.events is not None else {})
+                               self.events.stats() if self.events is not None else {},
+                               ha.stats() if ha is not None else None)
 
         return copy_retrying(take)
 
@@ -381,9 +383,15 @@ class MasterServer:
         # (commit number, whether the iteration changed anything, replies, local)
         held: collections.deque[tuple[int, bool, list[list[bytes]], Any]] = collections.deque()
         next_expiry = next_sweep = next_freeze = time.monotonic()
+        # a fenced HA leader acknowledges nothing, so a timer's change (expiry,
+        # purge, eviction, sweep, tier moves) would diverge from what a
+        # successor holds: those timers wait until the lease is confirmed again
+        unfenced: Callable[[], bool] = ha.elector.may_acknowledge if ha is not None \
+            else lambda: True
         while not self._stop:
-            timeout = 0 if (d.purge_pending or d.evicting or durability.busy) else \
-                1 if held else 50
+            timers = unfenced()
+            timeout = 0 if (timers and (d.purge_pending or d.evicting)) or durability.busy \
+                else 1 if held else 50
             events = poller.poll(timeout)
             if events:
                 t_start = time.perf_counter()
@@ -404,6 +412,10 @@ class MasterServer:
                 local_replies = local.serve(events, self._payload,
                                             handlers.too_many, inflight_limit) \
                     if local is not None else None
+                if ha is not None and ha.refusals:  # they reveal nothing: not held
+                    replies, local_replies, now_z, now_l = ha.take_refusals(replies,
+                                                                            local_replies)
+                    self._send(now_z, now_l)
                 commit_no = commit(records)  # group commit before any reply leaves
                 if durability.gated:
                     held.append((commit_no, commit_no != commits_before, replies,
@@ -414,18 +426,19 @@ class MasterServer:
                 if loop_ms > loop_stats.max_loop_ms:
                     loop_stats.max_loop_ms = loop_ms
             now = time.monotonic()
-            if d.purge_pending:
-                d.purge_step(self.cfg.purge_slice)
-            if d.evicting:
-                d.evict_step()
-            if now >= next_expiry:
-                next_expiry = now + 0.1
-                d.expire_step()
-                self.tiering.tick(d)  # tier task deadlines, kept file segments
-            if now >= next_sweep:
-                next_sweep = now + 1.0
-                d.sweep_pending()
-                durability.prune_keys(self.signer, d.segments)
+            if unfenced():
+                if d.purge_pending:
+                    d.purge_step(self.cfg.purge_slice)
+                if d.evicting:
+                    d.evict_step()
+                if now >= next_expiry:
+                    next_expiry = now + 0.1
+                    d.expire_step()
+                    self.tiering.tick(d)  # tier task deadlines, kept file segments
+                if now >= next_sweep:
+                    next_sweep = now + 1.0
+                    d.sweep_pending()
+                    durability.prune_keys(self.signer, d.segments)
             if now >= next_freeze:
                 next_freeze = now + 1.0
                 gc.freeze()  # O(1): moves survivors out of the scanned generations

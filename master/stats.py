@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from kvpool.core.protocol import SegmentInfo, StatsReply
 
-__all__ = ["LoopStats", "MasterStats", "OpCounters", "copy_retrying"]
+__all__ = ["HaStandbyStats", "HaStats", "LoopStats", "MasterStats", "OpCounters", "copy_retrying"]
 
 _T = TypeVar("_T")
 
@@ -51,6 +51,45 @@ class LoopStats:
 
 
 @dataclass(frozen=True, slots=True)
+class HaStandbyStats:
+    """One standby as the leader sees it."""
+
+    instance_id: str
+    state: str  # StandbyState value: "snapshot", "streaming", ...
+    in_sync: bool
+    acked_lsn: int
+    lag: int  # records the leader holds that this standby has not acknowledged
+
+
+@dataclass(frozen=True, slots=True)
+class HaStats:
+    """The HA state of one instance of a group (docs/ha.md), a copy made by
+    ``HaNode.stats()``; ``/health`` and ``/metrics`` both render it.
+
+    ``role`` is ``"leader"`` only while this instance serves a term whose
+    lease is confirmed; a leader past its fencing deadline (``fenced``)
+    reports ``"follower"`` (it acknowledges nothing). Leader-only fields are
+    None / empty on a follower and the follower-only ones on a leader."""
+
+    role: str  # "leader" / "follower"
+    election: str  # Role value of the elector: "leader", "fenced", "follower"
+    epoch: int
+    instance_id: str
+    eligible: bool
+    leader: str | None  # the leader's address as etcd names it
+    lsn: int  # the last log position this instance holds
+    fenced: bool  # serving a term, but the lease is unconfirmed: no acknowledgments
+    writes_refused: bool  # serving, but fenced or short of in-sync standbys: writes refused
+    promotions: int
+    demotions: int
+    acked_lsn: int | None = None  # leader: held by every in-sync standby
+    in_sync: int | None = None  # leader: in-sync standbys
+    standbys: tuple[HaStandbyStats, ...] = ()  # leader
+    sink: str | None = None  # follower: SinkState value
+    applied_lsn: int | None = None  # follower: applied from the stream
+
+
+@dataclass(frozen=True, slots=True)
 class MasterStats:
     """A consistent-enough copy of every counter, for metrics and health."""
 
@@ -61,6 +100,7 @@ class MasterStats:
     errors: dict[tuple[str, str], int]
     port: int
     events: dict[str, int] = field(default_factory=dict)  # EventPublisher.stats(); {} when off
+    ha: HaStats | None = None  # None: not part of an HA group
 
 
 def copy_retrying(fn: Callable[[], _T], tries: int = 10) -> _T:

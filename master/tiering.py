@@ -447,7 +447,7 @@ class TieringPolicy(EvictionPolicy):
         elif t.kind is TaskKind.COPY:
             obj.replicas = (*reps, t.dst, t.dst_off)
             self.counters["copy_ahead_done"] += 1
-        elif t.kind is TaskKind.OFFLOAD and obj.lease > self.clock():
+        elif t.kind is TaskKind.OFFLOAD and max(obj.lease, d.lease_grace_until) > self.clock():
             # read meanwhile (a reader may be copying the memory replica): keep
             # both; the next eviction round frees the memory replica plainly
             obj.replicas = (*reps, t.dst, t.dst_off)
@@ -519,7 +519,7 @@ class TieringPolicy(EvictionPolicy):
                 kept += (reps[i], reps[i + 1])
         obj.replicas = tuple(kept)
         src.keys.discard(key)
-        d.hold_replicas((src, src_off), obj.size, obj.lease)
+        d.hold_replicas((src, src_off), obj.size, max(obj.lease, d.lease_grace_until))
 
     def _job(self, key: str, move: bool, executor: str) -> ReplicaJob:
         now_ms = time.time_ns() // 1_000_000

@@ -199,6 +199,10 @@ class Elector:
         self._thread: threading.Thread | None = None
         self._resolver: LeaderResolver | None = None
         self._logged_ineligible = False
+        #: may this instance campaign as a member of the in-sync set? (False
+        #: while it does not hold the replicated state it was listed for: a
+        #: restarted standby that has not caught up, one mid-snapshot)
+        self.member_ready: Callable[[], bool] = lambda: True
         self.campaigns = 0
         self.renewals = 0
         self.renewal_failures = 0
@@ -414,12 +418,18 @@ class Elector:
         kv = self._etcd.get(self.keys.sync)
         sync = SyncSet.decode(kv.value, kv.mod_revision) if kv is not None else SyncSet()
         eligible = sync.eligible(self.me.instance_id)
+        # listed as a member (by an earlier run of this process, or before a
+        # resync began) yet not holding that state now: the listing is stale
+        stale = eligible and sync.revision != 0 and not sync.any_eligible \
+            and sync.leader != self.me.instance_id and not self.member_ready()
+        eligible = eligible and not stale
         self._publish(eligible=eligible)
         if not eligible:
             if not self._logged_ineligible:
                 self._logged_ineligible = True
-                log.info("election %s: not in the in-sync set %s of epoch %d: not campaigning",
-                         self.me.instance_id, list(sync.members), sync.epoch)
+                log.info("election %s: %s the in-sync set %s of epoch %d: not campaigning",
+                         self.me.instance_id, "not caught up with" if stale else "not in",
+                         list(sync.members), sync.epoch)
             return
         self._logged_ineligible = False
         sync_guard = (Compare(self.keys.sync, CompareTarget.MOD, "=", sync.revision)

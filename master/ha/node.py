@@ -20,7 +20,14 @@ when ``MasterConfig.etcd`` is set. The server's loop then alternates:
 
 Stream-only records (tags >= 100, never journaled): ``[KEYS, {segment id:
 key}]`` carries the capability keys so a new leader signs tokens the node
-daemons accept.
+daemons accept; ``[SOFT_PINS, [[key, deadline ms], ...]]`` the soft pin
+deadlines (the PUT record carries only the flag).
+
+A new leader counts every object as read-leased for one lease TTL (read
+leases are not replicated). While its lease is unconfirmed (``FENCED``) it
+refuses writes and its mutating timers pause (``MasterServer._serve``); it
+refuses writes too while the in-sync set has been short of ``sync_standbys``
+for ``sync_timeout_s``. Refusals leave at once, never held for acks.
 """
 
 from __future__ import annotations
@@ -31,12 +38,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import zmq
+
 from kvpool.core.capability import CapabilitySigner
 from kvpool.core.errors import ErrorCode
 from kvpool.core.etcd import LeaderInfo, MemberInfo, parse_etcd_url
 from kvpool.core.protocol import Op, encode_error, peek_id
 from kvpool.master.config import MasterConfig
-from kvpool.master.directory import Directory
+from kvpool.master.directory import SOFT_PIN, Directory, Rec
 from kvpool.master.durability import StreamPosition
 from kvpool.master.ha.election import ElectionConfig, Elector, Role
 from kvpool.master.ha.replication import (
@@ -47,18 +56,26 @@ from kvpool.master.ha.replication import (
     SinkState,
     promote_directory,
 )
+from kvpool.master.stats import HaStandbyStats, HaStats
 
-__all__ = ["KEYS_RECORD", "HaNode"]
+__all__ = ["KEYS_RECORD", "SOFT_PINS_RECORD", "HaNode"]
 
 log = logging.getLogger(__name__)
 
 #: stream-only record ``[KEYS_RECORD, {segment_id: key}]`` (never journaled)
 KEYS_RECORD = 100
+#: stream-only record ``[SOFT_PINS_RECORD, [[key, deadline], ...]]``: soft pin
+#: deadlines (wall clock, ms since the epoch) of objects whose PUT record says
+#: SOFT_PIN; the journal keeps only the flag
+SOFT_PINS_RECORD = 101
 #: ops that change the directory: refused while the leader is fenced
 _WRITES = frozenset(int(o) for o in (
     Op.MOUNT_SEGMENT, Op.UNMOUNT_SEGMENT, Op.PUT_START, Op.PUT_END, Op.PUT_REVOKE, Op.REMOVE,
-    Op.REMOVE_ALL, Op.REMOVE_BY_REGEX, Op.BATCH_PUT_START, Op.BATCH_PUT_END,
-    Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE, Op.TIER_TASK_DONE))
+    Op.REMOVE_ALL, Op.REMOVE_BY_REGEX, Op.UPSERT_START, Op.BATCH_PUT_START, Op.BATCH_PUT_END,
+    Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE, Op.BATCH_UPSERT_START, Op.BATCH_REPLICA_CLEAR,
+    Op.TIER_TASK_DONE, Op.CREATE_COPY_TASK, Op.CREATE_MOVE_TASK))
+_REC_PUT = int(Rec.PUT)
+_REBIND_S = 2.0  # how long promote waits for the replication port to be free
 _RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hello again
 
 
@@ -93,6 +110,7 @@ class HaNode:
         self.ctx = context
         self.elector = Elector(ElectionConfig.for_target(
             target, lease_ttl_s=cfg.ha_lease_ttl_s), self.me)
+        self.elector.member_ready = self._holds_replicated_state
         self.sync_standbys = cfg.sync_standbys
         self.sync_timeout_s = cfg.sync_timeout_s
         self.log = ReplicationLog()
@@ -111,7 +129,15 @@ class HaNode:
         self._released = 0
         self._next_sync_check = 0.0
         self._next_join_wait = 0.0
-        self._standby_ids: frozenset[str] = frozenset()
+        # leader: since when the in-sync set is short of sync_standbys (0: it is
+        # not); short for sync_timeout_s -> writes are refused, not held
+        self._short_since = 0.0
+        self.sync_short = False
+        # refusal replies made since the loop last took them: they reveal no
+        # state, so they leave at once instead of queueing behind held replies
+        self.refusals: list[bytes] = []
+        # each standby's session object as last seen: a new one is a (re)join
+        self._standbys_seen: dict[str, object] = {}
         self._sync_published: tuple[str, ...] | None = None
         self.promotions = 0
         self.demotions = 0
@@ -162,13 +188,40 @@ class HaNode:
                                 curve=self.cfg.curve, based=based)
         return self.sink
 
+    def _holds_replicated_state(self) -> bool:
+        """Does this instance hold the state the in-sync set lists it for?
+        (Elector thread.) Not before its sink completed a join in this run (a
+        restarted standby holds nothing the stream gave its earlier run),
+        nor while a snapshot replaces its directory."""
+        sink = self.sink
+        if sink is None:
+            return True  # serving (or closing): the elector does not campaign then
+        return sink.state is not SinkState.SNAPSHOT \
+            and (self.streamed or sink.log.last_lsn > 0)
+
     def _stream_record(self, rec: list[Any]) -> None:
-        if rec and rec[0] == KEYS_RECORD and self.signer is not None and len(rec) > 1 \
-                and isinstance(rec[1], dict):
+        if len(rec) < 2:
+            return
+        if rec[0] == KEYS_RECORD and self.signer is not None and isinstance(rec[1], dict):
             self.signer.load_keys({str(k): bytes(v) for k, v in rec[1].items()
                                    if isinstance(v, bytes | bytearray)})
             if self.on_keys is not None:
                 self.on_keys()  # a restarted standby signs with the keys it had
+        elif rec[0] == SOFT_PINS_RECORD and self.sink is not None:
+            d = self.sink.directory
+            # wall-clock deadlines: the record may be replayed later (a tail)
+            base = d.clock() - time.time()
+            soft = d.soft_until
+            for key, deadline_ms in rec[1]:
+                soft[str(key)] = base + deadline_ms / 1000
+
+    @staticmethod
+    def _soft_pins(d: Directory, keys: Any) -> list[Any]:
+        """``[SOFT_PINS_RECORD, ...]`` of those ``keys`` that have a soft pin deadline."""
+        soft = d.soft_until
+        delta_ms = (time.time() - d.clock()) * 1000
+        return [SOFT_PINS_RECORD, [[k, round(soft[k] * 1000 + delta_ms)] for k in keys
+                                   if k in soft]]
 
     def follower_tick(self) -> bool:
         """Follow the leader etcd names; True once this instance is elected."""
@@ -219,12 +272,18 @@ class HaNode:
         if sink is not None:
             sink.close()
             self.sink = None
+        # read leases are not replicated: a reader of the old term may still be
+        # copying any object, so every object counts as leased for one lease TTL
+        # (the old leader granted its last lease before its fencing deadline,
+        # which passed before this election)
+        d.lease_grace_until = d.clock() + d.lease_s
         self.epoch = st.epoch
-        self.source = ReplicationSource(d, self.repl_bind, st.epoch, self.log, self.ctx,
-                                        curve=self.cfg.curve)
+        self.source = self._bind_source(d, st.epoch)
         self._pending.clear()
         self._released = 0
-        self._standby_ids = frozenset()
+        self._short_since = time.monotonic()  # the set starts empty: standbys join
+        self.sync_short = False
+        self._standbys_seen = {}
         self._sync_published = None
         self.keys_dirty = True
         self.promotions += 1
@@ -232,23 +291,62 @@ class HaNode:
         self.serving = True
         return d
 
+    def _bind_source(self, d: Directory, epoch: int) -> ReplicationSource:
+        """The replication source on our port. A leader deposed and elected
+        again at once binds the port its last source just closed: ZeroMQ
+        releases it asynchronously, so retry briefly."""
+        deadline = time.monotonic() + _REBIND_S
+        while True:
+            try:
+                return ReplicationSource(d, self.repl_bind, epoch, self.log, self.ctx,
+                                         curve=self.cfg.curve)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+
     def guard_writes(self, handle: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
-        """``handle`` for the leader: while the fencing deadline has passed
-        (etcd unreachable, or this instance was frozen), ops that change the
-        directory are refused with ``COORDINATION_UNAVAILABLE``; reads go on."""
+        """``handle`` for the leader: ops that change the directory are refused
+        with ``COORDINATION_UNAVAILABLE`` (at once, nothing applied) while the
+        fencing deadline has passed (etcd unreachable, or this instance was
+        frozen) or while the in-sync set has been short of ``sync_standbys``
+        for ``sync_timeout_s`` (their replies could not be released); reads go
+        on. A client of the group (``etcd://``) resends them within its budget.
+        Refusals are collected in :attr:`refusals` for the loop to send at once
+        (:meth:`take_refusals`)."""
         may = self.elector.may_acknowledge
+        node = self
 
         def guarded(payload: bytes) -> bytes:
-            if may():
+            if may() and not node.sync_short:
                 return handle(payload)
             # [op, id, args]: a fixarray of 3 whose first item is a positive fixint
             if len(payload) > 1 and payload[0] == 0x93 and payload[1] in _WRITES:
-                return encode_error(peek_id(payload), ErrorCode.COORDINATION_UNAVAILABLE,
-                                    f"master {self.me.address}: etcd unreachable (lease "
-                                    "unconfirmed): writes refused until it returns")
+                why = ("no standby in sync: writes refused until one is" if may() else
+                       "etcd unreachable (lease unconfirmed): writes refused until it returns")
+                reply = encode_error(peek_id(payload), ErrorCode.COORDINATION_UNAVAILABLE,
+                                     f"master {node.me.address}: {why}")
+                node.refusals.append(reply)
+                return reply
             return handle(payload)
 
         return guarded
+
+    def take_refusals(self, replies: list[list[bytes]],
+                      local_replies: list[Any] | None) -> tuple[list[list[bytes]], list[Any] | None,
+                                                                list[list[bytes]], list[Any]]:
+        """Split this iteration's replies into (held as usual, refusals to send
+        now) for ZeroMQ (frames, payload last) and the direct sockets
+        (``(conn, payload)`` pairs)."""
+        mine = {id(b) for b in self.refusals}
+        self.refusals.clear()
+        zmq_now = [r for r in replies if id(r[-1]) in mine]
+        local_now = [r for r in local_replies or () if id(r[1]) in mine]
+        if zmq_now:
+            replies = [r for r in replies if id(r[-1]) not in mine]
+        if local_now and local_replies is not None:
+            local_replies = [r for r in local_replies if id(r[1]) not in mine]
+        return replies, local_replies, zmq_now, local_now
 
     def set_released(self, commit_no: int) -> None:
         self._released = commit_no
@@ -262,6 +360,9 @@ class HaNode:
         if self.keys_dirty and self.signer is not None:
             self.keys_dirty = False
             recs.append([KEYS_RECORD, self.signer.keys()])
+        pinned = [r[1] for r in recs if r[0] == _REC_PUT and r[3] & SOFT_PIN]
+        if pinned:
+            recs.append(self._soft_pins(src.dir, pinned))
         lsn = src.publish(recs)
         self._pending.append((commit_no, lsn))
 
@@ -310,14 +411,27 @@ class HaNode:
         src = self.source
         assert src is not None
         src.poll()
-        ids = frozenset(src.standbys)
-        if ids != self._standby_ids:
-            if ids - self._standby_ids and self.signer is not None:
-                src.publish([[KEYS_RECORD, self.signer.keys()]])  # joiners need every key
-            self._standby_ids = ids
+        standbys = src.standbys
+        seen = self._standbys_seen
+        joined = [k for k, v in standbys.items() if seen.get(k) is not v]
+        if joined or len(standbys) != len(seen):
+            if joined:  # joiners (a restarted one too) need every key and soft pin
+                recs = [self._soft_pins(src.dir, list(src.dir.soft_until))] \
+                    if src.dir.soft_until else []
+                if self.signer is not None:
+                    recs.append([KEYS_RECORD, self.signer.keys()])
+                src.publish(recs)
+            self._standbys_seen = dict(standbys)
         if now >= self._next_sync_check and st.role is Role.LEADER:
             self._next_sync_check = now + 0.02
             self._maintain_sync(src)
+        if len(src.sync_members) >= self.sync_standbys:
+            self._short_since = 0.0
+            self.sync_short = False
+        elif not self._short_since:
+            self._short_since = now
+        else:
+            self.sync_short = now - self._short_since >= self.sync_timeout_s
         return True
 
     def _maintain_sync(self, src: ReplicationSource) -> None:
@@ -371,25 +485,51 @@ class HaNode:
         return self.begin_follower(directory)
 
     # ================================================================ health
-    def health(self) -> dict[str, Any]:
+    def stats(self) -> HaStats:
+        """A copy of this instance's HA state (any thread; the caller retries
+        if the loop changed a container under it: ``copy_retrying``)."""
         st = self.elector.state()
         leader = st.leader
-        role = "leader" if self.serving and st.role is Role.LEADER else "follower"
-        out: dict[str, Any] = {
-            "role": role, "election": st.role.value, "epoch": st.epoch,
-            "instance_id": self.me.instance_id, "eligible": st.eligible,
-            "leader": leader.address if leader is not None else None,
-            "lsn": self.log.last_lsn,
-        }
+        serving = self.serving
+        role = "leader" if serving and st.role is Role.LEADER else "follower"
         src = self.source
-        if src is not None and self.serving:
-            out["acked_lsn"] = src.acked_lsn()
-            out["standbys"] = [
-                {"instance_id": s.instance_id, "state": s.state.value, "in_sync": s.in_sync,
-                 "acked_lsn": s.acked_lsn, "lag": s.lag(src.last_lsn)}
-                for s in src.status()]
+        acked_lsn = in_sync = None
+        standbys: tuple[HaStandbyStats, ...] = ()
+        if src is not None and serving:
+            last = src.last_lsn
+            acked_lsn = src.acked_lsn()
+            in_sync = len(src.sync_members)
+            standbys = tuple(
+                HaStandbyStats(s.instance_id, s.state.value, s.in_sync, s.acked_lsn, s.lag(last))
+                for s in src.status())
         sink = self.sink
-        if sink is not None:
-            out["sink"] = sink.state.value
-            out["applied_lsn"] = sink.log.last_lsn
+        return HaStats(
+            role=role, election=st.role.value, epoch=st.epoch,
+            instance_id=self.me.instance_id, eligible=st.eligible,
+            leader=leader.address if leader is not None else None, lsn=self.log.last_lsn,
+            fenced=serving and st.role is Role.FENCED,
+            writes_refused=serving and (not self.elector.may_acknowledge() or self.sync_short),
+            promotions=self.promotions,
+            demotions=self.demotions, acked_lsn=acked_lsn, in_sync=in_sync, standbys=standbys,
+            sink=sink.state.value if sink is not None else None,
+            applied_lsn=sink.log.last_lsn if sink is not None else None)
+
+    def health(self) -> dict[str, Any]:
+        """The ``/health`` fields of :meth:`stats` (leader-only and
+        follower-only ones only where they apply)."""
+        s = self.stats()
+        out: dict[str, Any] = {
+            "role": s.role, "election": s.election, "epoch": s.epoch,
+            "instance_id": s.instance_id, "eligible": s.eligible, "leader": s.leader,
+            "lsn": s.lsn, "fenced": s.fenced, "writes_refused": s.writes_refused,
+        }
+        if s.acked_lsn is not None:
+            out["acked_lsn"] = s.acked_lsn
+            out["in_sync"] = s.in_sync
+            out["standbys"] = [
+                {"instance_id": b.instance_id, "state": b.state, "in_sync": b.in_sync,
+                 "acked_lsn": b.acked_lsn, "lag": b.lag} for b in s.standbys]
+        if s.sink is not None:
+            out["sink"] = s.sink
+            out["applied_lsn"] = s.applied_lsn
         return out

