@@ -268,15 +268,23 @@ class BulkServer:
         codes: list[int] = []
         segs: list[Any] = []
         err = ""
+        table = req.caps
+        validate, count = self._validate, self._count
         for it in req.items:
+            cap = it.cap
             try:
-                segs.append(self._validate(op, it.seg, it.off, it.len, it.cap))
+                if type(cap) is int:  # an index into the request's table
+                    if not 0 <= cap < len(table):
+                        raise KVPoolError(f"capability index {cap} outside the request's "
+                                          f"{len(table)}", ErrorCode.MALFORMED_FRAME)
+                    cap = table[cap]
+                segs.append(validate(op, it.seg, it.off, it.len, cap))
                 codes.append(0)
-                self._count(True)
+                count(True)
             except KVPoolError as exc:
                 segs.append(None)
                 codes.append(int(exc.code))
-                self._count(False)
+                count(False)
                 err = err or str(exc)
         return codes, segs, err
 
@@ -355,15 +363,18 @@ class BulkClient:
 
     ``max_header`` is the largest request header the peer takes (its
     :class:`~kvpool.transfer.wire.BulkOffer`); runs of ranges are packed into
-    requests below it.
+    requests below it. ``caps_table``: the peer takes a request's capability
+    table (each distinct token sent once per request, items name it by index).
     """
 
-    def __init__(self, host: str, port: int, timeout: float, max_header: int = 4096) -> None:
+    def __init__(self, host: str, port: int, timeout: float, max_header: int = 4096,
+                 caps_table: bool = False) -> None:
         sock = socket.create_connection((host, port), timeout=max(0.01, timeout))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.stream = _Stream(sock, _REPLY_MAX)
         self.broken = False
         self.max_header = max(256, max_header)
+        self.caps_table = caps_table
         self._ids = itertools.count(1)
 
     def run(self, items: Sequence[Any], deadline: float, report: Callable[..., None],
@@ -380,20 +391,54 @@ class BulkClient:
             self._run_group(group, deadline, report, final_codes, now)
 
     def _pack(self, items: Sequence[Any]) -> list[list[Any]]:
-        """Split one run into requests whose headers stay below ``max_header``."""
+        """Split one run into requests whose headers stay below ``max_header``
+        (with a capability table, a token counts once per request)."""
         out: list[list[Any]] = []
         cur: list[Any] = []
         size = 32
+        table = self.caps_table
+        seen: set[bytes] = set()  # tokens already in the current request's table
         for it in items:
-            est = len(it.segment.segment_id) * 4 + len(it.capability) + 32
+            cap = it.capability
+            base = len(it.segment.segment_id) * 4 + 32
+            if not table:
+                est = base + len(cap)
+            else:
+                est = base + (len(cap) + 8 if cap not in seen else 0)
             if cur and (size + est > self.max_header or len(cur) >= _MAX_ITEMS):
                 out.append(cur)
                 cur, size = [], 32
+                seen.clear()
+                est = base + len(cap) + (8 if table else 0)
             cur.append(it)
+            if table:
+                seen.add(cap)
             size += est
         if cur:
             out.append(cur)
         return out
+
+    def _header(self, rid: int, op: int, part: Sequence[Any]) -> wire.BulkRequest:
+        """The request header of ``part`` (tokens by index when the peer takes a table)."""
+        Item = wire.BulkItem
+        if not self.caps_table:
+            return wire.BulkRequest(rid, op, [
+                Item(it.segment.segment_id, it.offset, it.length, it.capability)
+                for it in part])
+        caps: list[bytes] = []
+        index: dict[bytes, int] = {}
+        items = []
+        for it in part:
+            cap = it.capability
+            if cap:
+                k = index.get(cap)
+                if k is None:
+                    k = index[cap] = len(caps)
+                    caps.append(cap)
+                items.append(Item(it.segment.segment_id, it.offset, it.length, k))
+            else:
+                items.append(Item(it.segment.segment_id, it.offset, it.length))
+        return wire.BulkRequest(rid, op, items, caps=caps)
 
     def _run_group(self, items: Sequence[Any], deadline: float, report: Callable[..., None],
                    final_codes: set[ErrorCode], now: Callable[[], float]) -> None:
@@ -406,10 +451,7 @@ class BulkClient:
             for part in reqs:  # send every request, then read every reply
                 rid = next(self._ids)
                 ids.append(rid)
-                hdr = wire.BulkRequest(rid, int(items[0].op), [
-                    wire.BulkItem(it.segment.segment_id, it.offset, it.length, it.capability)
-                    for it in part])
-                bufs: list[Any] = [_frame(hdr)]
+                bufs: list[Any] = [_frame(self._header(rid, int(items[0].op), part))]
                 if write:
                     bufs += [it.buffer.host_view(it.buffer_offset, it.length) for it in part]
                 stream.write(bufs, deadline)

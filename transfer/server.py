@@ -212,7 +212,7 @@ class TransferServer:
         if req.op == ServerOp.BULK:
             rep = wire.BulkOffer(req.id, 0, bulk=self.bulk.port if self.bulk is not None else 0,
                                  max=int(self.config.max_request_bytes),
-                                 hdr=int(self.config.max_header_bytes))
+                                 hdr=int(self.config.max_header_bytes), caps=True)
         elif req.op == ServerOp.STATS:
             rep = wire.StatsReply(req.id, 0, stats=self.stats())
         else:

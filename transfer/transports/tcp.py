@@ -94,6 +94,7 @@ class _BulkPeer:
     retry_at: float = 0.0  # monotonic time to ask again (port 0 only)
     max_bytes: int = 0  # largest single range
     max_header: int = 4096  # largest request header
+    caps_table: bool = False  # takes a request's capability table
 
 
 class TcpTransport(Transport):
@@ -272,7 +273,7 @@ class TcpTransport(Transport):
                     and 0 < rep.bulk < 65536:
                 with self._lock:
                     self._bulk_peers[endpoint] = _BulkPeer(rep.bulk, 0.0, rep.max,
-                                                           rep.hdr or 4096)
+                                                           rep.hdr or 4096, rep.caps)
         except Exception as exc:  # an old or odd peer, or closing: no bulk path
             log.debug("tcp: bulk port of %s: %s", endpoint, exc)
         finally:
@@ -294,7 +295,7 @@ class TcpTransport(Transport):
         host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
         try:
             bc = BulkClient(host, peer.port, min(2.0, deadline - time.monotonic()),
-                            peer.max_header)
+                            peer.max_header, peer.caps_table)
         except OSError as exc:
             log.debug("tcp: bulk connect %s:%d: %s", host, peer.port, exc)
             with self._lock:
