@@ -60,6 +60,7 @@ _LARGE = 256 << 10  # a piece this large is sent / received on its own (no iovec
 # 39-byte frames here, reproducibly (raw sockets show the same with headers of
 # 19 vs 39+ bytes); 64 bytes measured as fast as the old frames
 _MIN_FRAME = 64
+_UNSET: Any = object()
 
 #: (op, segment id, offset, length, capability) -> the segment (anything with
 #: ``view()``, ``write_from()``, ``read_payload()``); raises KVPoolError to refuse.
@@ -169,6 +170,20 @@ class _Stream:
         """Send every buffer in order: small ones gathered into one ``sendmsg``,
         large ones with ``sendall``."""
         views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        if len(views) <= _IOV_MAX:  # the common case: small pieces, all sent by one sendmsg
+            sizes = [len(v) for v in views]
+            if max(sizes, default=0) < _LARGE:
+                self._arm(deadline)
+                n = self.sock.sendmsg(views)
+                if n == sum(sizes):
+                    return
+                # a partial send (socket buffer full): the general loop sends the rest
+                while n:
+                    if n >= len(views[0]):
+                        n -= len(views.pop(0))
+                    else:
+                        views[0] = views[0][n:]
+                        n = 0
         i = 0
         while i < len(views):
             self._arm(deadline)
@@ -308,12 +323,26 @@ class BulkServer:
                 return False
             stream.write([reply], deadline)
         elif req.op == TransferOp.READ:
-            payloads = [seg.read_payload(it.off, it.len)
-                        for it, seg in zip(req.items, segs, strict=True) if seg is not None]
-            stream.write([reply, *payloads], deadline)
+            stream.write([reply, *self._payloads(req.items, segs)], deadline)
         else:
             stream.write([reply], deadline)
         return True
+
+    @staticmethod
+    def _payloads(items: list[wire.BulkItem], segs: list[Any]) -> list[Any]:
+        """A READ's payloads, accepted ranges only: slices of each segment's
+        mapping (taken once per segment), or ``read_payload`` copies."""
+        out: list[Any] = []
+        mapped: dict[int, Any] = {}
+        for it, seg in zip(items, segs, strict=True):
+            if seg is None:
+                continue
+            view = mapped.get(id(seg), _UNSET)
+            if view is _UNSET:
+                view = mapped[id(seg)] = seg.view()
+            out.append(view[it.off:it.off + it.len] if view is not None
+                       else seg.read_payload(it.off, it.len))
+        return out
 
     def _receive(self, stream: _Stream, items: list[wire.BulkItem], segs: list[Any],
                  scratch: memoryview, deadline: float) -> bool:
@@ -321,6 +350,7 @@ class BulkServer:
         segments, refused ones into scratch (dropped). False on EOF."""
         views: list[memoryview] = []
         staged: list[tuple[Any, int, np.ndarray]] = []  # segments without a mapping
+        mapped: dict[int, Any] = {}  # id(segment) -> its view (one per segment, not per range)
         for it, seg in zip(items, segs, strict=True):
             if seg is None:
                 left = it.len
@@ -329,7 +359,9 @@ class BulkServer:
                     views.append(scratch[:k])
                     left -= k
                 continue
-            view = seg.view()
+            view = mapped.get(id(seg), _UNSET)
+            if view is _UNSET:
+                view = mapped[id(seg)] = seg.view()
             if view is not None:
                 views.append(view[it.off:it.off + it.len])
             else:
@@ -460,17 +492,18 @@ class BulkClient:
                 rep = wire.decode_bulk_reply(raw) if raw is not None else None
                 if rep is None or rep.id != rid or len(rep.codes) != len(part):
                     raise ConnectionError("bulk reply out of step")
-                codes = [self._code(c) for c in rep.codes]
+                codes = rep.codes  # ints; 0 is OK
                 if not write:  # the payloads of the accepted ranges follow, in order
                     dst = [memoryview(it.buffer.host_view(it.buffer_offset, it.length))
-                           for it, c in zip(part, codes, strict=True) if c == ErrorCode.OK]
+                           for it, c in zip(part, codes, strict=True) if not c]
                     if dst and not stream.read_into(dst, deadline):
                         raise ConnectionError("peer closed the bulk connection")
-                for it, code in zip(part, codes, strict=True):
+                for it, c in zip(part, codes, strict=True):
                     done += 1
-                    if code == ErrorCode.OK:
+                    if not c:
                         report(it, None)
                     else:
+                        code = self._code(c)
                         report(it, TransferError(f"peer: {rep.err}", code,
                                                  retryable=code not in final_codes))
         except TimeoutError:

@@ -223,6 +223,7 @@ class TcpTransport(Transport):
         bulk_on = bool(self.settings.options.get("bulk", True))
         by_ep: dict[str, list[WorkItem]] = {}
         rest: list[WorkItem] = []
+        peers: dict[str, _BulkPeer] = {}  # asked once per endpoint per sub-batch
         for it in items:
             ep = it.segment.endpoint
             if not ep:
@@ -230,7 +231,9 @@ class TcpTransport(Transport):
                                          ErrorCode.TRANSPORT_UNAVAILABLE))
                 continue
             if bulk_on and not it.buffer.is_gpu and it.segment.kind == SegmentKind.MEMORY:
-                peer = self._bulk_peer(ep)
+                peer = peers.get(ep)
+                if peer is None:
+                    peer = peers[ep] = self._bulk_peer(ep)
                 if peer.port > 0 and it.length <= peer.max_bytes:
                     by_ep.setdefault(ep, []).append(it)
                     continue
@@ -339,7 +342,7 @@ class TcpTransport(Transport):
         lock = threading.Lock()
 
         def rep(it: WorkItem, err: TransferError | None) -> None:
-            whole = parts.get(id(it))
+            whole = parts.get(id(it)) if parts else None
             if whole is not None:  # a stripe of a larger item: report the item once
                 with lock:
                     state = whole[1]
