@@ -286,13 +286,15 @@ class BulkServer:
         table = req.caps
         validate, count = self._validate, self._count
         for it in req.items:
-            cap = it.cap
+            ref = it.cap
             try:
-                if type(cap) is int:  # an index into the request's table
-                    if not 0 <= cap < len(table):
-                        raise KVPoolError(f"capability index {cap} outside the request's "
+                if isinstance(ref, int):  # an index into the request's table
+                    if not 0 <= ref < len(table):
+                        raise KVPoolError(f"capability index {ref} outside the request's "
                                           f"{len(table)}", ErrorCode.MALFORMED_FRAME)
-                    cap = table[cap]
+                    cap = table[ref]
+                else:
+                    cap = ref
                 segs.append(validate(op, it.seg, it.off, it.len, cap))
                 codes.append(0)
                 count(True)
