@@ -274,3 +274,37 @@ def test_shared_capability_goes_once_per_request(make_engine: Any, make_segment:
     assert r.id == 5 and r.codes == [0, ErrorCode.MALFORMED_FRAME, 0] and "index" in r.err
     assert out[4 + n:] == src[:8].tobytes()
     assert seen == [(0, 4, good), (4, 4, good)]
+
+
+def test_frozen_peer_times_out_on_the_bulk_socket(make_engine: Any, make_peer: Any) -> None:
+    """A connected but silent peer: the bulk socket's kernel timeouts end a read
+    that waits for the reply and a write that fills the socket buffers, at the
+    deadline, as TIMEOUT; the next request after it wakes goes through."""
+    import os
+    import signal
+
+    peer = make_peer(64 * MiB, host_id="far-away")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"timeout_s": 1.0,
+                                                                   "retries": 0}}})
+    e.add_peer_segment(peer.desc)
+    tcp = _bulk_ready(e, peer)
+    small = np.zeros(4096, np.uint8)
+    big = np.zeros(64 * MiB, np.uint8)
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        for req in (TransferRequest(R, small, peer.segment_id, 0, 4096),
+                    TransferRequest(W, big, peer.segment_id, 0, 64 * MiB)):
+            n0 = tcp.stats()["bulk_requests"]
+            t0 = time.monotonic()
+            h = e.submit([req])
+            assert h.wait(5), "hung on a silent peer"
+            # one deadline, not one kernel timeout per partial send
+            assert 0.9 < time.monotonic() - t0 < 2.5
+            st = h.status()[0]
+            assert st.state is RequestState.FAILED and st.code == ErrorCode.TIMEOUT, st
+            assert "deadline" in st.errors[-1]
+            assert tcp.stats()["bulk_requests"] > n0  # it went over the bulk socket
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    st2 = e.transfer([TransferRequest(R, small, peer.segment_id, 0, 4096)], 5)
+    assert st2[0].ok, st2
