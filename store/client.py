@@ -592,13 +592,15 @@ class Client:
             reqs = []
             for j in via_engine:
                 buf, r, size = jobs[j]
-                reqs.append(make(top, buf, r.segment_id, r.offset, size,
-                                 capability=caps[r.cap] if r.cap >= 0 else b""))
+                k = r.cap
+                reqs.append(make(top, buf, r.segment_id, r.offset, size, 0, None,
+                                 caps[k] if k >= 0 else b""))
             statuses = self._transfer(reqs, timeout) if write else self._run(reqs, timeout)
             for j, st in zip(via_engine, statuses, strict=True):
-                results[j] = (bool(st.ok), "" if st.ok else ("; ".join(st.errors)
-                                                              or st.code.name))
-                if codes is not None and not st.ok:
+                if st.ok:
+                    continue  # results[j] is _COPIED already
+                results[j] = (False, "; ".join(st.errors) or st.code.name)
+                if codes is not None:
                     codes[j] = st.code
         return results
 

@@ -544,6 +544,7 @@ class TransferEngine:
         memo: dict[tuple[Any, ...], tuple[str | None, str]] = {}
         independent = copies_independent()
         segs: dict[str, tuple[SegmentDescriptor, LocalSegment | None]] = {}
+        tracks = handle._tracks
         for i, req in enumerate(requests):
             try:
                 item, candidates = self._resolve(i, req, segs)
@@ -558,9 +559,18 @@ class TransferEngine:
             if item.length == 0:
                 handle._finish(i, RequestState.DONE, None)
                 continue
-            track = handle._tracks[i]
+            track = tracks[i]
             track.candidates = candidates
-            self._plan(handle, item, track, groups, memo=memo)
+            found = memo.get((id(candidates), id(item.segment), item.buffer.device))
+            if found is not None and found[0] is not None:  # _plan's answer, already known
+                name = found[0]
+                track.tried.append(name)
+                group = groups.get(name)
+                if group is None:
+                    group = groups[name] = []
+                group.append(item)
+            else:
+                self._plan(handle, item, track, groups, memo=memo)
         self._launch(handle, groups, sync=sync, caller_deadline=caller_deadline)
         return handle
 
@@ -572,7 +582,8 @@ class TransferEngine:
         segment kind, host, device and peer get the same answer)."""
         if memo is not None and not track.tried:
             # kind, host and peer all follow from the descriptor object, which
-            # the items of one submit share per segment (and keep alive)
+            # the items of one submit share per segment (and keep alive); the
+            # same key is looked up in _submit
             key = (id(track.candidates), id(item.segment), item.buffer.device)
             found = memo.get(key)
             if found is None:
@@ -627,14 +638,19 @@ class TransferEngine:
         if caller_deadline is not None:
             deadline = min(deadline, caller_deadline)
 
-        def report(item: WorkItem, err: TransferError | None) -> None:
-            with handle._lock:
-                if item.index in sb._reported:
+        lock, reported, finish, name = handle._lock, sb._reported, handle._finish_locked, \
+            sb.transport
+        done = RequestState.DONE
+
+        def report(item: WorkItem, err: TransferError | None) -> None:  # once per item
+            idx = item.index
+            with lock:
+                if idx in reported:
                     return
-                sb._reported.add(item.index)
+                reported.add(idx)
                 if err is None:
                     sb.done += 1
-                    handle._finish_locked(item.index, RequestState.DONE, sb.transport)
+                    finish(idx, done, name)
                 else:
                     sb.failed += 1
                     sb._failures.append((item, err))
