@@ -190,6 +190,8 @@ class _Stream:
 
     def _write(self, bufs: list[Any], deadline: float) -> None:
         views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        if not views:
+            return
         if len(views) <= _IOV_MAX:  # the common case: small pieces, all sent by one sendmsg
             sizes = [len(v) for v in views]
             if max(sizes, default=0) < _LARGE:
