@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.transfer.buffers import BufferHandle
+
 __all__ = [
     "alloc_bytes",
     "buffer_nbytes",
@@ -48,8 +50,11 @@ def buffer_nbytes(buf: Any) -> int:
     bytes/bytearray/memoryview/numpy/torch/cupy, ``(addr, length)`` tuples and
     transfer ``BufferHandle`` objects (``length``/``nbytes``/``size`` attribute).
     """
-    if type(buf) is _ndarray:  # the hot path's common case
+    tp = type(buf)
+    if tp is _ndarray:  # the hot path's common cases
         return int(buf.nbytes)
+    if tp is BufferHandle:
+        return buf.length
     if isinstance(buf, bytes | bytearray):
         return len(buf)
     length = getattr(buf, "length", None)  # transfer BufferHandle (checked early: hot path)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.transfer.buffers import BufferHandle
 from kvpool.transfer.copy import parallel_copyto
 
 __all__ = ["InlineShm"]
@@ -41,6 +42,11 @@ def host_array(buf: Any) -> np.ndarray | None:
         if type(buf) is np.ndarray and buf.dtype is _U8 and buf.ndim == 1 \
                 and buf.strides[0] == 1:  # the common case: a flat uint8 array
             return buf
+        if type(buf) is BufferHandle:  # a registered buffer (the other common case)
+            arr = buf.array
+            if buf.device == "cuda" or not isinstance(arr, np.ndarray):
+                return None
+            return arr if arr.size == buf.length else buf.host_view(0, buf.length)
         if isinstance(buf, bytes | bytearray):
             return np.frombuffer(buf, dtype=np.uint8)
         if isinstance(buf, np.ndarray):

@@ -547,7 +547,8 @@ class Client:
         """Copy every ``(buffer, replica, size)`` job: same-host shm copies inline
         (see ``_fastpath``), the rest as ONE engine batch (each request with the
         capability token of ``caps`` its replica points at). Returns ``(ok, error)``
-        per job; ``codes``, when given, gets each job's ErrorCode (OK when
+        per job, the shared ``_COPIED`` for every job that succeeded;
+        ``codes``, when given, gets each job's ErrorCode (OK when
         copied). Writes raise StoreTimeout when the batch overruns ``timeout``;
         reads report the overrunning requests as failed (TIMEOUT)."""
         if codes is not None:
@@ -575,10 +576,12 @@ class Client:
                     via_engine.append(j)
                     continue
                 try:
+                    if arr.size != size:
+                        arr = arr[:size]
                     if write:
-                        parallel_copyto(region[off:off + size], arr[:size])
+                        parallel_copyto(region[off:off + size], arr)
                     else:
-                        parallel_copyto(arr[:size], region[off:off + size])
+                        parallel_copyto(arr, region[off:off + size])
                     copied += 1
                 except Exception as exc:  # fall back to the engine's transports
                     log.debug("inline shm %s of %s failed: %s",
@@ -592,13 +595,15 @@ class Client:
             reqs = []
             for j in via_engine:
                 buf, r, size = jobs[j]
-                reqs.append(make(top, buf, r.segment_id, r.offset, size,
-                                 capability=caps[r.cap] if r.cap >= 0 else b""))
+                k = r.cap
+                reqs.append(make(top, buf, r.segment_id, r.offset, size, 0, None,
+                                 caps[k] if k >= 0 else b""))
             statuses = self._transfer(reqs, timeout) if write else self._run(reqs, timeout)
             for j, st in zip(via_engine, statuses, strict=True):
-                results[j] = (bool(st.ok), "" if st.ok else ("; ".join(st.errors)
-                                                              or st.code.name))
-                if codes is not None and not st.ok:
+                if st.ok:
+                    continue  # results[j] is _COPIED already
+                results[j] = (False, "; ".join(st.errors) or st.code.name)
+                if codes is not None:
                     codes[j] = st.code
         return results
 
@@ -693,13 +698,18 @@ class Client:
         except BaseException:
             self._revoke([put_keys[pos] for pos in ok_pos])
             raise
-        for (_b, r, _s), i, (ok, _err) in zip(jobs, owner, results, strict=True):
-            if not ok:
-                codes[i] = ErrorCode.TRANSFER_FAIL
-                self._forget_segment(r.segment_id)
-        done = [pos for pos in ok_pos if codes[idx[pos]] == ErrorCode.OK]
-        self._revoke([put_keys[pos] for pos in ok_pos
-                      if codes[idx[pos]] == ErrorCode.TRANSFER_FAIL])
+        failed = False
+        for j, res_j in enumerate(results):
+            if res_j is not _COPIED:  # _copy_batch's shared success value
+                failed = True
+                codes[owner[j]] = ErrorCode.TRANSFER_FAIL
+                self._forget_segment(jobs[j][1].segment_id)
+        if failed:
+            done = [pos for pos in ok_pos if codes[idx[pos]] == ErrorCode.OK]
+            self._revoke([put_keys[pos] for pos in ok_pos
+                          if codes[idx[pos]] == ErrorCode.TRANSFER_FAIL])
+        else:
+            done = ok_pos
         if done:
             end = self._call(BatchPutEnd(self.client_id, [put_keys[pos] for pos in done]))
             for pos, code in zip(done, end.codes, strict=True):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +61,7 @@ _LARGE = 256 << 10  # a piece this large is sent / received on its own (no iovec
 # 39-byte frames here, reproducibly (raw sockets show the same with headers of
 # 19 vs 39+ bytes); 64 bytes measured as fast as the old frames
 _MIN_FRAME = 64
+_UNSET: Any = object()
 
 #: (op, segment id, offset, length, capability) -> the segment (anything with
 #: ``view()``, ``write_from()``, ``read_payload()``); raises KVPoolError to refuse.
@@ -69,18 +71,22 @@ RangeValidator = Callable[[TransferOp, str, int, int, bytes], Any]
 class _Stream:
     """One TCP connection with a read buffer and deadlines.
 
-    The socket stays in Python's timeout mode (each blocking call polls, then
-    reads or writes in C; ``sendall`` loops in C). Headers are read through a
+    The socket is blocking with kernel timeouts (``SO_RCVTIMEO`` /
+    ``SO_SNDTIMEO``, set to what is left until the deadline): each read or
+    write is one syscall, where Python's timeout mode polls before every one
+    (a blocking ``send`` queues a whole large piece in one call); a kernel
+    timeout (EAGAIN) is raised as TimeoutError. Headers are read through a
     buffer: one ``recv`` usually brings the length, the header and a small
     payload, but at most ``_FILL`` bytes beyond the header, so a large payload
     stays in the socket and is received straight into its destination. Many
     small pieces go out in one ``sendmsg`` and come in with one
-    ``recvmsg_into``; one large piece goes through ``sendall``/``recv_into``.
+    ``recvmsg_into``; one large piece goes through ``send``/``recv_into``.
     (A non-blocking socket with Python-level retry loops cost 2x the system
     time per 1 MiB request here.)
     """
 
     def __init__(self, sock: socket.socket, max_header: int) -> None:
+        sock.settimeout(None)  # blocking: _arm sets the kernel timeouts
         self.sock = sock
         self._timeout = -1.0
         self._buf = bytearray(max(_RBUF, 2 * (max_header + _HDR)))
@@ -90,12 +96,15 @@ class _Stream:
         self._need = _HDR  # bytes the header being read needs in the buffer
 
     def _arm(self, deadline: float) -> None:
-        """Set the socket timeout to what is left until ``deadline``."""
+        """Set the socket's kernel timeouts to what is left until ``deadline``."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
-        if abs(left - self._timeout) > 0.05 * left:  # settimeout costs a syscall
-            self.sock.settimeout(left)
+        if abs(left - self._timeout) > 0.05 * left:  # two syscalls: only when it moved
+            # a zero timeval would mean "no timeout": at least 1 µs
+            tv = struct.pack("ll", int(left), max(1, int((left % 1) * 1e6)))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self._timeout = left
 
     def _fill(self, deadline: float) -> bool:
@@ -108,7 +117,10 @@ class _Stream:
             self._start, self._end = 0, n
         want = max(_FILL, self._need - (self._end - self._start))
         self._arm(deadline)
-        k = self.sock.recv_into(self._view[self._end:self._end + want])
+        try:
+            k = self.sock.recv_into(self._view[self._end:self._end + want])
+        except BlockingIOError:  # SO_RCVTIMEO ran out
+            raise TimeoutError from None
         if k == 0:
             return False
         self._end += k
@@ -150,10 +162,13 @@ class _Stream:
                 views[i] = views[i][k:]
         while i < len(views):
             self._arm(deadline)
-            if len(views[i]) >= _LARGE or i == len(views) - 1:
-                n = self.sock.recv_into(views[i])  # one large piece: no iovec
-            else:
-                n = self.sock.recvmsg_into(views[i:i + _IOV_MAX])[0]
+            try:
+                if len(views[i]) >= _LARGE or i == len(views) - 1:
+                    n = self.sock.recv_into(views[i])  # one large piece: no iovec
+                else:
+                    n = self.sock.recvmsg_into(views[i:i + _IOV_MAX])[0]
+            except BlockingIOError:  # SO_RCVTIMEO ran out
+                raise TimeoutError from None
             if n == 0:
                 return False
             while n:
@@ -167,14 +182,42 @@ class _Stream:
 
     def write(self, bufs: list[Any], deadline: float) -> None:
         """Send every buffer in order: small ones gathered into one ``sendmsg``,
-        large ones with ``sendall``."""
+        large ones with ``send``."""
+        try:
+            self._write(bufs, deadline)
+        except BlockingIOError:  # SO_SNDTIMEO ran out (the peer does not read)
+            raise TimeoutError from None
+
+    def _write(self, bufs: list[Any], deadline: float) -> None:
         views = [memoryview(b).cast("B") for b in bufs if len(b)]
+        if not views:
+            return
+        if len(views) <= _IOV_MAX:  # the common case: small pieces, all sent by one sendmsg
+            sizes = [len(v) for v in views]
+            if max(sizes, default=0) < _LARGE:
+                self._arm(deadline)
+                n = self.sock.sendmsg(views)
+                if n == sum(sizes):
+                    return
+                # a partial send (socket buffer full): the general loop sends the rest
+                while n:
+                    if n >= len(views[0]):
+                        n -= len(views.pop(0))
+                    else:
+                        views[0] = views[0][n:]
+                        n = 0
         i = 0
         while i < len(views):
             self._arm(deadline)
             if len(views[i]) >= _LARGE:
-                self.sock.sendall(views[i])
-                i += 1
+                # one blocking send() queues it all unless the timeout cuts it
+                # short; then the rest goes with a timeout re-armed to the
+                # deadline (sendall would wait the full timeout once more)
+                n = self.sock.send(views[i])
+                if n >= len(views[i]):
+                    i += 1
+                else:
+                    views[i] = views[i][n:]
                 continue
             j = i
             while j < len(views) and j - i < _IOV_MAX and len(views[j]) < _LARGE:
@@ -268,15 +311,25 @@ class BulkServer:
         codes: list[int] = []
         segs: list[Any] = []
         err = ""
+        table = req.caps
+        validate, count = self._validate, self._count
         for it in req.items:
+            ref = it.cap
             try:
-                segs.append(self._validate(op, it.seg, it.off, it.len, it.cap))
+                if isinstance(ref, int):  # an index into the request's table
+                    if not 0 <= ref < len(table):
+                        raise KVPoolError(f"capability index {ref} outside the request's "
+                                          f"{len(table)}", ErrorCode.MALFORMED_FRAME)
+                    cap = table[ref]
+                else:
+                    cap = ref
+                segs.append(validate(op, it.seg, it.off, it.len, cap))
                 codes.append(0)
-                self._count(True)
+                count(True)
             except KVPoolError as exc:
                 segs.append(None)
                 codes.append(int(exc.code))
-                self._count(False)
+                count(False)
                 err = err or str(exc)
         return codes, segs, err
 
@@ -300,12 +353,26 @@ class BulkServer:
                 return False
             stream.write([reply], deadline)
         elif req.op == TransferOp.READ:
-            payloads = [seg.read_payload(it.off, it.len)
-                        for it, seg in zip(req.items, segs, strict=True) if seg is not None]
-            stream.write([reply, *payloads], deadline)
+            stream.write([reply, *self._payloads(req.items, segs)], deadline)
         else:
             stream.write([reply], deadline)
         return True
+
+    @staticmethod
+    def _payloads(items: list[wire.BulkItem], segs: list[Any]) -> list[Any]:
+        """A READ's payloads, accepted ranges only: slices of each segment's
+        mapping (taken once per segment), or ``read_payload`` copies."""
+        out: list[Any] = []
+        mapped: dict[int, Any] = {}
+        for it, seg in zip(items, segs, strict=True):
+            if seg is None:
+                continue
+            view = mapped.get(id(seg), _UNSET)
+            if view is _UNSET:
+                view = mapped[id(seg)] = seg.view()
+            out.append(view[it.off:it.off + it.len] if view is not None
+                       else seg.read_payload(it.off, it.len))
+        return out
 
     def _receive(self, stream: _Stream, items: list[wire.BulkItem], segs: list[Any],
                  scratch: memoryview, deadline: float) -> bool:
@@ -313,6 +380,7 @@ class BulkServer:
         segments, refused ones into scratch (dropped). False on EOF."""
         views: list[memoryview] = []
         staged: list[tuple[Any, int, np.ndarray]] = []  # segments without a mapping
+        mapped: dict[int, Any] = {}  # id(segment) -> its view (one per segment, not per range)
         for it, seg in zip(items, segs, strict=True):
             if seg is None:
                 left = it.len
@@ -321,7 +389,9 @@ class BulkServer:
                     views.append(scratch[:k])
                     left -= k
                 continue
-            view = seg.view()
+            view = mapped.get(id(seg), _UNSET)
+            if view is _UNSET:
+                view = mapped[id(seg)] = seg.view()
             if view is not None:
                 views.append(view[it.off:it.off + it.len])
             else:
@@ -355,15 +425,18 @@ class BulkClient:
 
     ``max_header`` is the largest request header the peer takes (its
     :class:`~kvpool.transfer.wire.BulkOffer`); runs of ranges are packed into
-    requests below it.
+    requests below it. ``caps_table``: the peer takes a request's capability
+    table (each distinct token sent once per request, items name it by index).
     """
 
-    def __init__(self, host: str, port: int, timeout: float, max_header: int = 4096) -> None:
+    def __init__(self, host: str, port: int, timeout: float, max_header: int = 4096,
+                 caps_table: bool = False) -> None:
         sock = socket.create_connection((host, port), timeout=max(0.01, timeout))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.stream = _Stream(sock, _REPLY_MAX)
         self.broken = False
         self.max_header = max(256, max_header)
+        self.caps_table = caps_table
         self._ids = itertools.count(1)
 
     def run(self, items: Sequence[Any], deadline: float, report: Callable[..., None],
@@ -380,20 +453,54 @@ class BulkClient:
             self._run_group(group, deadline, report, final_codes, now)
 
     def _pack(self, items: Sequence[Any]) -> list[list[Any]]:
-        """Split one run into requests whose headers stay below ``max_header``."""
+        """Split one run into requests whose headers stay below ``max_header``
+        (with a capability table, a token counts once per request)."""
         out: list[list[Any]] = []
         cur: list[Any] = []
         size = 32
+        table = self.caps_table
+        seen: set[bytes] = set()  # tokens already in the current request's table
         for it in items:
-            est = len(it.segment.segment_id) * 4 + len(it.capability) + 32
+            cap = it.capability
+            base = len(it.segment.segment_id) * 4 + 32
+            if not table:
+                est = base + len(cap)
+            else:
+                est = base + (len(cap) + 8 if cap not in seen else 0)
             if cur and (size + est > self.max_header or len(cur) >= _MAX_ITEMS):
                 out.append(cur)
                 cur, size = [], 32
+                seen.clear()
+                est = base + len(cap) + (8 if table else 0)
             cur.append(it)
+            if table:
+                seen.add(cap)
             size += est
         if cur:
             out.append(cur)
         return out
+
+    def _header(self, rid: int, op: int, part: Sequence[Any]) -> wire.BulkRequest:
+        """The request header of ``part`` (tokens by index when the peer takes a table)."""
+        Item = wire.BulkItem
+        if not self.caps_table:
+            return wire.BulkRequest(rid, op, [
+                Item(it.segment.segment_id, it.offset, it.length, it.capability)
+                for it in part])
+        caps: list[bytes] = []
+        index: dict[bytes, int] = {}
+        items = []
+        for it in part:
+            cap = it.capability
+            if cap:
+                k = index.get(cap)
+                if k is None:
+                    k = index[cap] = len(caps)
+                    caps.append(cap)
+                items.append(Item(it.segment.segment_id, it.offset, it.length, k))
+            else:
+                items.append(Item(it.segment.segment_id, it.offset, it.length))
+        return wire.BulkRequest(rid, op, items, caps=caps)
 
     def _run_group(self, items: Sequence[Any], deadline: float, report: Callable[..., None],
                    final_codes: set[ErrorCode], now: Callable[[], float]) -> None:
@@ -406,10 +513,7 @@ class BulkClient:
             for part in reqs:  # send every request, then read every reply
                 rid = next(self._ids)
                 ids.append(rid)
-                hdr = wire.BulkRequest(rid, int(items[0].op), [
-                    wire.BulkItem(it.segment.segment_id, it.offset, it.length, it.capability)
-                    for it in part])
-                bufs: list[Any] = [_frame(hdr)]
+                bufs: list[Any] = [_frame(self._header(rid, int(items[0].op), part))]
                 if write:
                     bufs += [it.buffer.host_view(it.buffer_offset, it.length) for it in part]
                 stream.write(bufs, deadline)
@@ -418,17 +522,18 @@ class BulkClient:
                 rep = wire.decode_bulk_reply(raw) if raw is not None else None
                 if rep is None or rep.id != rid or len(rep.codes) != len(part):
                     raise ConnectionError("bulk reply out of step")
-                codes = [self._code(c) for c in rep.codes]
+                codes = rep.codes  # ints; 0 is OK
                 if not write:  # the payloads of the accepted ranges follow, in order
                     dst = [memoryview(it.buffer.host_view(it.buffer_offset, it.length))
-                           for it, c in zip(part, codes, strict=True) if c == ErrorCode.OK]
+                           for it, c in zip(part, codes, strict=True) if not c]
                     if dst and not stream.read_into(dst, deadline):
                         raise ConnectionError("peer closed the bulk connection")
-                for it, code in zip(part, codes, strict=True):
+                for it, c in zip(part, codes, strict=True):
                     done += 1
-                    if code == ErrorCode.OK:
+                    if not c:
                         report(it, None)
                     else:
+                        code = self._code(c)
                         report(it, TransferError(f"peer: {rep.err}", code,
                                                  retryable=code not in final_codes))
         except TimeoutError:

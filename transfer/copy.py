@@ -52,7 +52,7 @@ def parallel_copyto(dst: np.ndarray, src: np.ndarray, threads: int = 0,
     one part itself; returns when every part is done (exceptions propagate)."""
     n = dst.size
     if n < split_min_bytes:  # the common small copy: no thread bookkeeping at all
-        np.copyto(dst, src)
+        dst[...] = src  # np.copyto's Python-level dispatch costs more than a 4 KiB copy
         return
     threads = threads or default_copy_threads()
     if threads <= 1:

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvpool.core.auth import CurveConfig
 from kvpool.core.capability import CapabilityVerifier as CapVerifier
+from kvpool.core.capability import CapOp
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.buffers import BufferHandle, as_buffer
@@ -47,6 +48,7 @@ from kvpool.transfer.types import (
 __all__ = ["BatchHandle", "SubBatch", "SubBatchState", "TransferEngine"]
 
 log = logging.getLogger(__name__)
+_CAP_OPS = {TransferOp.READ: CapOp.READ, TransferOp.WRITE: CapOp.WRITE}
 
 _RULE_CACHE = 4096  # (segment kind, same host, device, size) -> selector rule, remembered
 #: a sub-batch is split across a transport's threads only in slices of at least this
@@ -79,7 +81,7 @@ class SubBatch:
     _reported: set[int] = field(default_factory=set)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Track:
     """Per-request bookkeeping inside a batch."""
 
@@ -95,19 +97,24 @@ class BatchHandle:
     lists every sub-batch attempt (for inspection and tests)."""
 
     def __init__(self, n: int) -> None:
-        self._cond = threading.Condition()
+        # the condition's own lock, entered directly on hot paths (a C-level
+        # context manager; Condition.__enter__ is a Python call per use)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._tracks = [_Track(RequestStatus()) for _ in range(n)]
         self._remaining = n
         self.sub_batches: list[SubBatch] = []
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every request is DONE or FAILED; False on timeout."""
-        with self._cond:
+        with self._lock:
+            if self._remaining == 0:  # an inline batch: finished before anyone waits
+                return True
             return self._cond.wait_for(lambda: self._remaining == 0, timeout)
 
     def status(self) -> list[RequestStatus]:
         """A snapshot (copies) of every request's status, in request order."""
-        with self._cond:
+        with self._lock:
             return [
                 RequestStatus(t.status.state, t.status.transport, t.status.code,
                               list(t.status.errors))
@@ -116,18 +123,18 @@ class BatchHandle:
 
     @property
     def done(self) -> bool:
-        with self._cond:
+        with self._lock:
             return self._remaining == 0
 
     @property
     def ok(self) -> bool:
-        with self._cond:
+        with self._lock:
             return all(t.status.state is RequestState.DONE for t in self._tracks)
 
     # -- engine side ------------------------------------------------------------
     def _finish(self, idx: int, state: RequestState, transport: str | None,
                 code: ErrorCode = ErrorCode.OK, error: str | None = None) -> None:
-        with self._cond:
+        with self._lock:
             self._finish_locked(idx, state, transport, code, error)
 
     def _finish_locked(self, idx: int, state: RequestState, transport: str | None,
@@ -255,7 +262,8 @@ class TransferEngine:
         v = self.capabilities
         if not v.required and not v.has_key(seg.segment_id):
             return None  # auto mode: the master gave this segment no key
-        v.check(cap, seg.segment_id, off, n, op, required=True)
+        # a CapOp spares the verifier's by-name coercion of each range's op
+        v.check(cap, seg.segment_id, off, n, _CAP_OPS.get(op, op), required=True)
         return None
 
     def capability_stats(self) -> dict[str, Any]:
@@ -457,37 +465,55 @@ class TransferEngine:
             return name, ""
         return None, "; ".join(why) or "no transport left"
 
-    def _resolve(self, i: int, req: TransferRequest) -> tuple[WorkItem, list[str]]:
-        if not isinstance(req, TransferRequest):
-            raise TransferError(f"request {i} is not a TransferRequest", ErrorCode.INVALID_PARAMS,
-                                retryable=False)
-        op = req.op if type(req.op) is TransferOp else TransferOp(req.op)
-        buf = req.buffer if type(req.buffer) is BufferHandle else as_buffer(req.buffer)
-        local = self._local.get(req.segment_id)
-        desc = self._peers.get(req.segment_id)
+    def _segment(self, segment_id: str) -> tuple[SegmentDescriptor, LocalSegment | None]:
+        """The descriptor a request for ``segment_id`` goes by, and the segment
+        object when this process owns it; SEGMENT_NOT_FOUND if unknown."""
+        local = self._local.get(segment_id)
+        desc = self._peers.get(segment_id)
         if local is not None:
             if desc is None or desc.client_id != self.client_id or desc.host_id != self._host_id:
                 desc = local.descriptor(self.client_id, self._host_id, self.endpoint)
         elif desc is None:
-            raise TransferError(f"unknown segment {req.segment_id!r} (add_peer_segment first)",
+            raise TransferError(f"unknown segment {segment_id!r} (add_peer_segment first)",
                                 ErrorCode.SEGMENT_NOT_FOUND, retryable=False)
-        if not (type(req.offset) is int and type(req.length) is int
-                and type(req.buffer_offset) is int) and not all(
-                isinstance(x, int) for x in (req.offset, req.length, req.buffer_offset)):
+        return desc, local
+
+    def _resolve(self, i: int, req: TransferRequest,
+                 segs: dict[str, tuple[SegmentDescriptor, LocalSegment | None]] | None = None
+                 ) -> tuple[WorkItem, list[str]]:
+        """One request as a work item, and its candidate transports. ``segs``
+        memoizes :meth:`_segment` within one submit (a batch names few segments)."""
+        if type(req) is not TransferRequest and not isinstance(req, TransferRequest):
+            raise TransferError(f"request {i} is not a TransferRequest", ErrorCode.INVALID_PARAMS,
+                                retryable=False)
+        op = req.op if type(req.op) is TransferOp else TransferOp(req.op)
+        buf = req.buffer if type(req.buffer) is BufferHandle else as_buffer(req.buffer)
+        sid = req.segment_id
+        if segs is None:
+            desc, local = self._segment(sid)
+        else:
+            found = segs.get(sid)
+            if found is None:
+                found = segs[sid] = self._segment(sid)
+            desc, local = found
+        offset, length, boff = req.offset, req.length, req.buffer_offset
+        if not (type(offset) is int and type(length) is int and type(boff) is int) \
+                and not all(isinstance(x, int) for x in (offset, length, boff)):
             raise TransferError("offset/length must be integers", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
-        if req.offset < 0 or req.length < 0 or req.offset + req.length > desc.size:
+        if offset < 0 or length < 0 or offset + length > desc.size:
             raise TransferError(
-                f"range [{req.offset}, {req.offset + req.length}) outside segment "
-                f"{req.segment_id!r} of {desc.size} bytes", ErrorCode.OUT_OF_BOUNDS,
+                f"range [{offset}, {offset + length}) outside segment "
+                f"{sid!r} of {desc.size} bytes", ErrorCode.OUT_OF_BOUNDS,
                 retryable=False)
-        buf.check_range(req.buffer_offset, req.length)
+        if boff < 0 or boff + length > buf.length:  # BufferHandle.check_range, inline
+            buf.check_range(boff, length)
         if op is TransferOp.READ and buf.readonly:
             raise TransferError("READ into a read-only buffer", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
         same_host = desc.host_id == self._host_id
         cap = req.capability
-        item = WorkItem(i, op, buf, req.buffer_offset, req.length, desc, req.offset, same_host,
+        item = WorkItem(i, op, buf, boff, length, desc, offset, same_host,
                         local, cap if type(cap) is bytes else bytes(cap or b""))
         if req.transport:
             if req.transport not in self._slots and req.transport not in self._unavailable \
@@ -495,7 +521,7 @@ class TransferEngine:
                 raise TransferError(f"unknown transport {req.transport!r}",
                                     ErrorCode.INVALID_PARAMS, retryable=False)
             return item, [req.transport]
-        rule = self._rule_for(desc.kind, same_host, buf.device, req.length)
+        rule = self._rule_for(desc.kind, same_host, buf.device, length)
         if rule is None:
             raise TransferError("no selector rule matches this request",
                                 ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
@@ -517,9 +543,11 @@ class TransferEngine:
         groups: dict[str, list[WorkItem]] = {}
         memo: dict[tuple[Any, ...], tuple[str | None, str]] = {}
         independent = copies_independent()
+        segs: dict[str, tuple[SegmentDescriptor, LocalSegment | None]] = {}
+        tracks = handle._tracks
         for i, req in enumerate(requests):
             try:
-                item, candidates = self._resolve(i, req)
+                item, candidates = self._resolve(i, req, segs)
                 item.independent = independent
             except TransferError as exc:
                 handle._finish(i, RequestState.FAILED, None, exc.code, str(exc))
@@ -531,9 +559,18 @@ class TransferEngine:
             if item.length == 0:
                 handle._finish(i, RequestState.DONE, None)
                 continue
-            track = handle._tracks[i]
+            track = tracks[i]
             track.candidates = candidates
-            self._plan(handle, item, track, groups, memo=memo)
+            found = memo.get((id(candidates), id(item.segment), item.buffer.device))
+            if found is not None and found[0] is not None:  # _plan's answer, already known
+                name = found[0]
+                track.tried.append(name)
+                group = groups.get(name)
+                if group is None:
+                    group = groups[name] = []
+                group.append(item)
+            else:
+                self._plan(handle, item, track, groups, memo=memo)
         self._launch(handle, groups, sync=sync, caller_deadline=caller_deadline)
         return handle
 
@@ -544,8 +581,10 @@ class TransferEngine:
         remembers first choices within one submit (requests alike in candidates,
         segment kind, host, device and peer get the same answer)."""
         if memo is not None and not track.tried:
-            key = (id(track.candidates), item.segment.kind, item.same_host, item.buffer.device,
-                   _peer_key(item))
+            # kind, host and peer all follow from the descriptor object, which
+            # the items of one submit share per segment (and keep alive); the
+            # same key is looked up in _submit
+            key = (id(track.candidates), id(item.segment), item.buffer.device)
             found = memo.get(key)
             if found is None:
                 found = memo[key] = self._next_transport(item, track)
@@ -566,7 +605,7 @@ class TransferEngine:
         for name, items in groups.items():
             slot = self._slots[name]
             sb = SubBatch(id=next(self._sb_ids), transport=name, items=items)
-            with handle._cond:
+            with handle._lock:
                 handle.sub_batches.append(sb)
                 for it in items:
                     handle._tracks[it.index].status.state = RequestState.RUNNING
@@ -591,7 +630,7 @@ class TransferEngine:
 
     def _run_slice(self, handle: BatchHandle, sb: SubBatch, slot: _TransportSlot,
                    part: list[WorkItem], caller_deadline: float | None) -> None:
-        with handle._cond:
+        with handle._lock:
             if sb.state is SubBatchState.PENDING:
                 sb.state = SubBatchState.RUNNING
                 sb.started = time.monotonic()
@@ -599,14 +638,19 @@ class TransferEngine:
         if caller_deadline is not None:
             deadline = min(deadline, caller_deadline)
 
-        def report(item: WorkItem, err: TransferError | None) -> None:
-            with handle._cond:
-                if item.index in sb._reported:
+        lock, reported, finish, name = handle._lock, sb._reported, handle._finish_locked, \
+            sb.transport
+        done = RequestState.DONE
+
+        def report(item: WorkItem, err: TransferError | None) -> None:  # once per item
+            idx = item.index
+            with lock:
+                if idx in reported:
                     return
-                sb._reported.add(item.index)
+                reported.add(idx)
                 if err is None:
                     sb.done += 1
-                    handle._finish_locked(item.index, RequestState.DONE, sb.transport)
+                    finish(idx, done, name)
                 else:
                     sb.failed += 1
                     sb._failures.append((item, err))
@@ -623,7 +667,7 @@ class TransferEngine:
 
     def _slice_done(self, handle: BatchHandle, sb: SubBatch, slot: _TransportSlot,
                     part: list[WorkItem], crash: TransferError | None) -> None:
-        with handle._cond:
+        with handle._lock:
             for it in part:  # items the transport never reported
                 if it.index not in sb._reported:
                     sb._reported.add(it.index)
@@ -644,7 +688,7 @@ class TransferEngine:
         for item, err in failures:
             track = handle._tracks[item.index]
             msg = f"{sb.transport}: {err}"
-            with handle._cond:
+            with handle._lock:
                 track.status.errors.append(msg)
                 track.status.code = err.code
                 track.attempts[sb.transport] = track.attempts.get(sb.transport, 0) + 1

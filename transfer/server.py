@@ -212,7 +212,7 @@ class TransferServer:
         if req.op == ServerOp.BULK:
             rep = wire.BulkOffer(req.id, 0, bulk=self.bulk.port if self.bulk is not None else 0,
                                  max=int(self.config.max_request_bytes),
-                                 hdr=int(self.config.max_header_bytes))
+                                 hdr=int(self.config.max_header_bytes), caps=True)
         elif req.op == ServerOp.STATS:
             rep = wire.StatsReply(req.id, 0, stats=self.stats())
         else:
@@ -266,7 +266,11 @@ class TransferServer:
         if off < 0 or n < 0 or off + n > seg.size:
             raise KVPoolError(f"range [{off}, {off + n}) outside segment {sid!r} of "
                               f"{seg.size} bytes", ErrorCode.OUT_OF_BOUNDS)
-        self._check_capability(seg, top, off, n, cap)
+        verifier = self.verify_capability  # _check_capability, inlined: once per range
+        if verifier is not None:
+            code = verifier(seg, top, off, n, cap)
+            if code is not None and code != ErrorCode.OK:
+                raise KVPoolError(f"capability refused for {sid!r}", code)
         return seg
 
     def _check_capability(self, seg: LocalSegment, top: TransferOp, off: int, n: int,

@@ -16,7 +16,10 @@ field name.
 
 **Bulk path** (:mod:`kvpool.transfer.bulk`). A stream of ``[u32 LE header
 length][msgpack array header]`` messages. A :class:`BulkRequest` carries one op
-and up to a header's worth of :class:`BulkItem` ranges; a WRITE is followed by
+and up to a header's worth of :class:`BulkItem` ranges; an item's capability is
+either the token itself or, towards a server whose :class:`BulkOffer` says
+``caps``, the index of a token in the request's ``caps`` table (a per-batch
+token covers every range of a batch: sent once, not once per item); a WRITE is followed by
 the payloads of all its items back to back, a READ by nothing. The answer is a
 :class:`BulkReply` with one code per item, followed (READ) by the payloads of
 the items whose code is OK, back to back. Many small requests thus cost one
@@ -93,6 +96,7 @@ class BulkOffer(ServerReply, gc=False):
     bulk: int = 0
     max: int = 0
     hdr: int = 0
+    caps: bool = False  # takes BulkRequest.caps (items name a token by index)
 
 
 class StatsReply(ServerReply, gc=False):
@@ -102,22 +106,26 @@ class StatsReply(ServerReply, gc=False):
 
 
 class BulkItem(msgspec.Struct, array_like=True, gc=False):
-    """One range of a bulk request: ``len`` bytes at ``off`` of segment ``seg``."""
+    """One range of a bulk request: ``len`` bytes at ``off`` of segment ``seg``;
+    ``cap`` the capability token, or its index in :attr:`BulkRequest.caps`."""
 
     seg: str
     off: int
     len: int
-    cap: bytes = b""
+    cap: bytes | int = b""
 
 
 class BulkRequest(msgspec.Struct, array_like=True, gc=False):
     """``op`` (READ or WRITE) on every item, in order; ``pad`` is ignored (it
-    keeps short frames at a minimum size, see :mod:`kvpool.transfer.bulk`)."""
+    keeps short frames at a minimum size, see :mod:`kvpool.transfer.bulk`);
+    ``caps``: the tokens items name by index (only towards a server that
+    offers it; an index outside the table refuses that item, MALFORMED_FRAME)."""
 
     id: int
     op: int
     items: list[BulkItem]
     pad: bytes = b""
+    caps: list[bytes] = msgspec.field(default_factory=list)
 
 
 class BulkReply(msgspec.Struct, array_like=True, gc=False):

@@ -211,3 +211,100 @@ def test_lone_large_request_goes_over_parallel_stripes(make_engine: Any, make_pe
     assert st[0].ok, st
     assert zlib.crc32(dst[5:]) == zlib.crc32(src[3:])
     assert tcp.stats()["bulk_requests"] == n0 + 4
+
+
+def test_shared_capability_goes_once_per_request(make_engine: Any, make_segment: Any) -> None:
+    """A per-batch token shared by many ranges travels once per bulk request (the
+    request's capability table); the server verifies every range with the
+    token its index names, and refuses an index outside the table."""
+    srv = make_engine("host-srv")
+    seg = make_segment(MiB)
+    desc = srv.add_local_segment(seg)
+    seen: list[tuple[int, int, bytes]] = []
+
+    def verify(sg: Any, op: TransferOp, off: int, n: int, cap: bytes) -> ErrorCode | None:
+        seen.append((off, n, cap))
+        return None if cap.startswith(b"good") else ErrorCode.PERMISSION_DENIED
+
+    assert srv.server is not None and srv.server.bulk is not None
+    srv.server.verify_capability = verify
+    bulk = srv.server.bulk
+    requests: list[wire.BulkRequest] = []
+    check = bulk._check
+
+    def spy(req: wire.BulkRequest) -> Any:
+        requests.append(req)
+        return check(req)
+
+    bulk._check = spy  # type: ignore[method-assign]
+    cli = make_engine("host-cli")
+    cli.add_peer_segment(desc)
+    t0 = time.monotonic()
+    while not cli.transport("tcp")._bulk_peer(desc.endpoint).port:  # asked in the background
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.02)
+    good, bad = b"good" + bytes(600), b"bad" + bytes(600)  # as large as a batch token
+    src = np.random.default_rng(3).integers(0, 256, 32 * 4096, dtype=np.uint8)
+    reqs = [TransferRequest(W, src, desc.segment_id, i * 4096, 4096, buffer_offset=i * 4096,
+                            capability=bad if i == 7 else good) for i in range(32)]
+    requests.clear()
+    seen.clear()
+    st = cli.transfer(reqs, 10)
+    assert [s.ok for s in st] == [i != 7 for i in range(32)], st
+    assert st[7].code == ErrorCode.PERMISSION_DENIED
+    assert len(requests) == 1 and sorted(requests[0].caps) == sorted([good, bad])
+    assert all(type(it.cap) is int for it in requests[0].items)
+    assert sorted(seen) == sorted((i * 4096, 4096, bad if i == 7 else good) for i in range(32))
+    got = seg.array()[:32 * 4096]
+    for i in range(32):
+        if i != 7:
+            assert got[i * 4096:(i + 1) * 4096].tobytes() == src[i * 4096:(i + 1) * 4096].tobytes()
+    # raw: an index outside the table is refused, the others served, the stream in step
+    seen.clear()
+    with socket.create_connection(("127.0.0.1", bulk.port), timeout=5) as c:
+        c.sendall(_frame(wire.BulkRequest(5, int(R), [
+            wire.BulkItem(desc.segment_id, 0, 4, 0), wire.BulkItem(desc.segment_id, 0, 4, 3),
+            wire.BulkItem(desc.segment_id, 4, 4, good)], caps=[good])))
+        c.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := c.recv(65536):
+            out += chunk
+    n = int.from_bytes(out[:4], "little")
+    r = wire.decode_bulk_reply(out[4:4 + n])
+    assert r.id == 5 and r.codes == [0, ErrorCode.MALFORMED_FRAME, 0] and "index" in r.err
+    assert out[4 + n:] == src[:8].tobytes()
+    assert seen == [(0, 4, good), (4, 4, good)]
+
+
+def test_frozen_peer_times_out_on_the_bulk_socket(make_engine: Any, make_peer: Any) -> None:
+    """A connected but silent peer: the bulk socket's kernel timeouts end a read
+    that waits for the reply and a write that fills the socket buffers, at the
+    deadline, as TIMEOUT; the next request after it wakes goes through."""
+    import os
+    import signal
+
+    peer = make_peer(64 * MiB, host_id="far-away")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"timeout_s": 1.0,
+                                                                   "retries": 0}}})
+    e.add_peer_segment(peer.desc)
+    tcp = _bulk_ready(e, peer)
+    small = np.zeros(4096, np.uint8)
+    big = np.zeros(64 * MiB, np.uint8)
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        for req in (TransferRequest(R, small, peer.segment_id, 0, 4096),
+                    TransferRequest(W, big, peer.segment_id, 0, 64 * MiB)):
+            n0 = tcp.stats()["bulk_requests"]
+            t0 = time.monotonic()
+            h = e.submit([req])
+            assert h.wait(5), "hung on a silent peer"
+            # one deadline, not one kernel timeout per partial send
+            assert 0.9 < time.monotonic() - t0 < 2.5
+            st = h.status()[0]
+            assert st.state is RequestState.FAILED and st.code == ErrorCode.TIMEOUT, st
+            assert "deadline" in st.errors[-1]
+            assert tcp.stats()["bulk_requests"] > n0  # it went over the bulk socket
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    st2 = e.transfer([TransferRequest(R, small, peer.segment_id, 0, 4096)], 5)
+    assert st2[0].ok, st2

@@ -94,6 +94,7 @@ class _BulkPeer:
     retry_at: float = 0.0  # monotonic time to ask again (port 0 only)
     max_bytes: int = 0  # largest single range
     max_header: int = 4096  # largest request header
+    caps_table: bool = False  # takes a request's capability table
 
 
 class TcpTransport(Transport):
@@ -222,6 +223,7 @@ class TcpTransport(Transport):
         bulk_on = bool(self.settings.options.get("bulk", True))
         by_ep: dict[str, list[WorkItem]] = {}
         rest: list[WorkItem] = []
+        peers: dict[str, _BulkPeer] = {}  # asked once per endpoint per sub-batch
         for it in items:
             ep = it.segment.endpoint
             if not ep:
@@ -229,7 +231,9 @@ class TcpTransport(Transport):
                                          ErrorCode.TRANSPORT_UNAVAILABLE))
                 continue
             if bulk_on and not it.buffer.is_gpu and it.segment.kind == SegmentKind.MEMORY:
-                peer = self._bulk_peer(ep)
+                peer = peers.get(ep)
+                if peer is None:
+                    peer = peers[ep] = self._bulk_peer(ep)
                 if peer.port > 0 and it.length <= peer.max_bytes:
                     by_ep.setdefault(ep, []).append(it)
                     continue
@@ -272,7 +276,7 @@ class TcpTransport(Transport):
                     and 0 < rep.bulk < 65536:
                 with self._lock:
                     self._bulk_peers[endpoint] = _BulkPeer(rep.bulk, 0.0, rep.max,
-                                                           rep.hdr or 4096)
+                                                           rep.hdr or 4096, rep.caps)
         except Exception as exc:  # an old or odd peer, or closing: no bulk path
             log.debug("tcp: bulk port of %s: %s", endpoint, exc)
         finally:
@@ -294,7 +298,7 @@ class TcpTransport(Transport):
         host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
         try:
             bc = BulkClient(host, peer.port, min(2.0, deadline - time.monotonic()),
-                            peer.max_header)
+                            peer.max_header, peer.caps_table)
         except OSError as exc:
             log.debug("tcp: bulk connect %s:%d: %s", host, peer.port, exc)
             with self._lock:
@@ -338,7 +342,7 @@ class TcpTransport(Transport):
         lock = threading.Lock()
 
         def rep(it: WorkItem, err: TransferError | None) -> None:
-            whole = parts.get(id(it))
+            whole = parts.get(id(it)) if parts else None
             if whole is not None:  # a stripe of a larger item: report the item once
                 with lock:
                     state = whole[1]
