@@ -16,6 +16,7 @@ etcd and three real ``kvpool master --etcd`` instances:
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 import urllib.request
@@ -366,6 +367,10 @@ def test_restarted_standby_is_not_elected_before_it_caught_up(etcd: EtcdProcess,
         os.kill(old.pid, signal.SIGSTOP)
         try:
             a.kill()
+            # its replicated state gone too (a new disk): else it restores it from
+            # its data dir, holds every acknowledged change and may be elected
+            shutil.rmtree(a.data_dir)
+            os.makedirs(a.data_dir)
             a.start()  # cannot stream from the frozen leader
             time.sleep(2 * 2 + 1.0)  # the frozen leader's lease (2 s) lapsed long ago
             h = a.health() or {}
