@@ -370,6 +370,18 @@ class HaNode:
             local_replies = [r for r in local_replies if id(r[1]) not in mine]
         return replies, local_replies, zmq_now, local_now
 
+    def unacknowledgeable(self) -> str | None:
+        """Why replies held for acks cannot be acknowledged soon (None: they
+        can): the fencing deadline passed, or the in-sync set has been short
+        of ``sync_standbys`` for ``sync_timeout_s``."""
+        if not self.serving:
+            return None
+        if not self.elector.may_acknowledge():
+            return "lease unconfirmed: etcd unreachable"
+        if self.sync_short:
+            return "no standby in sync"
+        return None
+
     def set_released(self, commit_no: int) -> None:
         self._released = commit_no
 
