@@ -333,6 +333,32 @@ def test_no_standby_in_sync_refuses_writes_at_once_until_one_is(etcd: EtcdProces
         assert (leader.health() or {}).get("writes_refused") is False
 
 
+def test_group_client_takes_an_unknown_write_outcome_as_a_timeout(etcd: EtcdProcess,
+                                                                 tmp_path: Path) -> None:
+    """A group client whose write is answered WRITE_OUTCOME_UNKNOWN does not
+    resend it to the same leader (it was applied there): as after a timeout
+    it waits for a newer leader within its budget, then raises the code."""
+    with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path), n=2) as group:
+        leader = group.wait_leader(in_sync=1, streaming=1)
+        standby = next(m for m in group.members if m is not leader)
+        epoch = (leader.health() or {})["epoch"]
+        with MasterClient(group.url, timeout_s=3.0, failover_timeout_s=1.0) as c:
+            _mount(c, "seg-u", "owner", 1 << 24)
+            c.call(PutStart(client_id="w", key="u", size=OBJ))
+            standby.kill()
+            t0 = time.monotonic()
+            with pytest.raises(MasterRPCError) as ei:
+                c.call(PutEnd(client_id="w", key="u"))
+            took = time.monotonic() - t0
+        # resent to the same leader it would end refused (COORDINATION_UNAVAILABLE)
+        assert ei.value.code == ErrorCode.WRITE_OUTCOME_UNKNOWN, ei.value
+        # answered after ~1 s (sync_timeout_s twice), then it waited for a newer
+        # leader until the call's budget (3 s + 1 s) ran out: none came
+        assert 3.5 < took < 4.0 + 1.5, took
+        h = leader.health() or {}
+        assert h["role"] == "leader" and h["epoch"] == epoch
+
+
 def test_soft_pins_reach_a_standby_that_joined_after_them(etcd: EtcdProcess,
                                                           tmp_path: Path) -> None:
     """A standby restarted after the pin gets the deadlines when it joins and
