@@ -508,7 +508,8 @@ class HaNode:
         if src is None or not self.sync_writer.submit(self.epoch, members,
                                                       self.sync_standbys <= 0):
             return
-        self._sync_uncertain.append(members)
+        if members not in self._sync_uncertain:  # retries while etcd is away: listed once
+            self._sync_uncertain.append(members)
         self._reconcile_sync(src)
 
     def _sync_written(self, src: ReplicationSource) -> None:

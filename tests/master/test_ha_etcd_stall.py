@@ -116,6 +116,7 @@ def test_in_sync_set_changes_never_stall_the_loop(etcd: EtcdProcess) -> None:
                     worst = max(worst, time.perf_counter() - t0)
                     assert node.acked() == 0, "acknowledged without the in-sync standby"
                     time.sleep(0.002)
+                print(f"longest leader_tick with etcd frozen: {worst * 1000:.1f} ms")
                 assert worst < 0.03, f"the loop waited {worst:.3f}s on etcd"
                 assert SB in src.sync_members  # replies still wait for it
                 assert node.stats().in_sync == 1
@@ -181,6 +182,7 @@ def test_reported_role_is_fenced_at_the_deadline(etcd: EtcdProcess) -> None:
                     fenced_at = t1
                 time.sleep(0.001)
             deadline = el.state().lease_deadline
+            print(f"fenced reported {(fenced_at - deadline) * 1000:+.1f} ms after the deadline")
             assert fenced_at, "never reported fenced"
             assert late_leader < deadline, "reported leader past the fencing deadline"
             assert fenced_at - deadline < 0.05, f"fenced reported {fenced_at - deadline:.3f}s late"
