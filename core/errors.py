@@ -56,6 +56,10 @@ class ErrorCode(IntEnum):
     STALE_EPOCH = -1101  # a request, record or capability of an older leader term
     COORDINATION_UNAVAILABLE = -1102  # etcd unreachable: writes refused until it returns
     NO_LEADER = -1103  # no instance of the group leads right now
+    # a write applied at the leader but never acknowledged (not replicated, and
+    # the leader is fenced or has no standby in sync): it may or may not survive
+    # a failover; retryable exactly like RPC_TIMEOUT
+    WRITE_OUTCOME_UNKNOWN = -1104
 
 
 class KVPoolError(Exception):

@@ -120,8 +120,10 @@ class MasterClient:
     etcd names a new leader) or one sent while no leader serves is sent again
     to the current leader, for at most ``timeout_s + failover_timeout_s`` in
     all; then the last error is raised (``NO_LEADER`` when none appeared). A
-    call that timed out is resent only if etcd names a newer leader within
-    that budget (a dead leader is silent until its lease lapses).
+    call that timed out, or was answered ``WRITE_OUTCOME_UNKNOWN`` (applied
+    at a leader that could not replicate it), is resent only if etcd names a
+    newer leader within that budget (a dead leader is silent until its lease
+    lapses).
     A request resent after its leader died may have taken effect there
     (and, if replicated, at the new leader): a retried put can then answer
     as a conflict, never silently succeed twice.
@@ -405,11 +407,14 @@ class MasterClient:
                 self._follow_leader(deadline)
                 frame = self._roundtrip_once(op, rid, payload,
                                              min(timeout, max(0.05, deadline - time.monotonic())))
+                if frame.code == ErrorCode.WRITE_OUTCOME_UNKNOWN:
+                    # applied at the leader, never acknowledged: as a timeout
+                    raise MasterRPCError(f"{op.name}: {frame.error}", frame.code)
                 if frame.code not in (ErrorCode.NOT_LEADER, ErrorCode.COORDINATION_UNAVAILABLE):
                     return frame
                 err: KVPoolError = MasterRPCError(f"{op.name}: {frame.error}", frame.code)
             except KVPoolError as exc:
-                if exc.code == ErrorCode.RPC_TIMEOUT:
+                if exc.code in (ErrorCode.RPC_TIMEOUT, ErrorCode.WRITE_OUTCOME_UNKNOWN):
                     # a leader that died (or hangs) goes silent until its lease
                     # lapses: resend only once etcd names a newer one
                     try:

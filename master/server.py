@@ -30,7 +30,7 @@ import zmq
 from kvpool.core import __version__
 from kvpool.core.capability import CapabilitySigner
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import encode_error
+from kvpool.core.protocol import decode_reply, encode_error
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
 from kvpool.master.durability import Durability
@@ -457,6 +457,10 @@ class MasterServer:
                     replicated = durability.replicated()
                     if replicated > acked:
                         self._release_unchanged(held, replicated)
+                if held and ha is not None:
+                    why = ha.unacknowledgeable()
+                    if why is not None:
+                        self._fail_unacknowledged(held, why)
             if publisher is not None:  # after the replies: one batch per loop turn
                 publisher.flush(durability.acked(), now)
 
@@ -474,6 +478,41 @@ class MasterServer:
                 self._send(replies, local_replies)
         held.clear()
         held.extend(keep)
+
+    def _fail_unacknowledged(self, held: collections.deque[tuple[int, bool, list[list[bytes]],
+                                                                  Any]], why: str) -> None:
+        """An HA leader that cannot acknowledge (fenced, or no standby in sync
+        for ``sync_timeout_s``): answer the held replies of iterations that
+        changed the directory ``WRITE_OUTCOME_UNKNOWN`` now instead of letting
+        their callers time out. Those changes were applied here but not
+        replicated: a successor may or may not hold them, so the caller must
+        treat the call as timed out. Replies of iterations that changed
+        nothing stay held (they may show such a change; they leave once it is
+        replicated, or their callers time out)."""
+        keep = [h for h in held if not h[1]]
+        if len(keep) == len(held):
+            return
+        msg = (f"write outcome unknown: applied at this leader but not replicated ({why}); "
+               "it may or may not survive a failover")
+        code = ErrorCode.WRITE_OUTCOME_UNKNOWN
+
+        def failed(payload: bytes) -> bytes:
+            try:
+                rid = decode_reply(payload).id
+            except Exception:
+                rid = None
+            return encode_error(rid, code, msg)
+
+        n = 0
+        for _no, wrote, replies, local_replies in held:
+            if wrote:
+                n += len(replies) + len(local_replies or ())
+                self._send([[*r[:-1], failed(r[-1])] for r in replies],
+                           [(conn, failed(p)) for conn, p in local_replies or ()])
+        held.clear()
+        held.extend(keep)
+        log.warning("%d held replies of unreplicated changes answered %s (%s)", n,
+                    code.name, why)
 
     def _send(self, replies: list[list[bytes]], local_replies: Any) -> None:
         send = self.sock.send_multipart

@@ -102,6 +102,7 @@ _BY_CODE: dict[ErrorCode, type[StoreError]] = {
     ErrorCode.TIMEOUT: StoreTimeout,
     ErrorCode.RPC_FAIL: MasterUnreachable,
     ErrorCode.RPC_TIMEOUT: MasterUnreachable,
+    ErrorCode.WRITE_OUTCOME_UNKNOWN: MasterUnreachable,  # as a timeout: may have applied
     ErrorCode.LEASE_EXPIRED: LeaseExpired,
     ErrorCode.CHECKSUM_MISMATCH: ChecksumMismatch,
     ErrorCode.STALE_EPOCH: StaleEpoch,

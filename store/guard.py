@@ -294,7 +294,8 @@ class _GuardProcess:
             try:
                 self.master.call(UnmountSegment(spec.client_id, sid))
             except MasterRPCError as exc:
-                if exc.code in (ErrorCode.RPC_TIMEOUT, ErrorCode.RPC_FAIL):
+                if exc.code in (ErrorCode.RPC_TIMEOUT, ErrorCode.RPC_FAIL,
+                                ErrorCode.WRITE_OUTCOME_UNKNOWN):
                     time.sleep(min(1.0, spec.interval_s))
                     continue  # the master is away: try again
                 # SEGMENT_NOT_FOUND: already gone; PERMISSION_DENIED: someone

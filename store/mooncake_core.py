@@ -68,6 +68,7 @@ _TO_MOONCAKE = {
     ErrorCode.FRAME_TOO_LARGE: ErrorCode.INVALID_PARAMS,
     ErrorCode.CONFIG_ERROR: ErrorCode.INVALID_PARAMS,
     ErrorCode.TIMEOUT: ErrorCode.RPC_TIMEOUT,
+    ErrorCode.WRITE_OUTCOME_UNKNOWN: ErrorCode.RPC_TIMEOUT,  # as a timeout: may have applied
     ErrorCode.SEGMENT_MISMATCH: ErrorCode.INVALID_PARAMS,
     ErrorCode.CLOSED: ErrorCode.INVALID_PARAMS,
     ErrorCode.BUFFER_OVERFLOW: ErrorCode.INVALID_PARAMS,  # Mooncake: buffer too small

@@ -75,6 +75,8 @@ __all__ = [
     "Elector",
     "Role",
     "SyncSet",
+    "SyncWrite",
+    "SyncWriter",
     "fence_clock",
 ]
 
@@ -220,7 +222,14 @@ class Elector:
         self._callbacks.append(callback)
 
     def state(self) -> ElectionState:
-        return self._state
+        """The current state; its role reads ``FENCED`` from the moment the
+        fencing deadline passes (the same clock check as
+        :meth:`may_acknowledge`), even while the elector thread is still
+        waiting on an etcd call and has not recorded it yet."""
+        st = self._state
+        if st.role is Role.LEADER and fence_clock() >= st.lease_deadline:
+            return replace(st, role=Role.FENCED)
+        return st
 
     @property
     def epoch(self) -> int:
@@ -244,17 +253,16 @@ class Elector:
         return SyncSet.decode(kv.value, kv.mod_revision) if kv is not None else None
 
     def set_sync_set(self, members: tuple[str, ...], any_eligible: bool) -> None:
-        """Publish the in-sync set of this term (guarded by our campaign key).
-        Raises KVPoolError: NOT_LEADER when we no longer lead, or
-        COORDINATION_UNAVAILABLE when etcd cannot be reached."""
+        """Publish the in-sync set of this term (guarded by our campaign key),
+        on the caller's thread. Raises KVPoolError: NOT_LEADER when we no
+        longer lead, or COORDINATION_UNAVAILABLE when etcd cannot be reached.
+        (The master publishes through a :class:`SyncWriter` instead: its loop
+        must never wait on etcd.)"""
         st = self._state
         if st.role is Role.FOLLOWER:
             raise KVPoolError("not the leader", ErrorCode.NOT_LEADER)
-        value = SyncSet(self.me.instance_id, st.epoch, tuple(members), any_eligible).encode()
-        r = self._etcd.txn([Compare(self.keys.leader, CompareTarget.CREATE, "=", st.epoch)],
-                           [PutOp(self.keys.sync, value)])
-        if not r.succeeded:
-            raise KVPoolError(f"lost leadership of epoch {st.epoch}", ErrorCode.NOT_LEADER)
+        _write_sync_set(self._etcd, self.keys.leader, self.keys.sync, self.me.instance_id,
+                        st.epoch, members, any_eligible)
 
     def resign(self) -> None:
         """Give up leadership now (the lease is revoked; a successor campaigns)."""
@@ -453,3 +461,101 @@ class Elector:
                 return
             self._publish(leader=leader, epoch=leader.epoch)
         # else the sync set changed under us: the next step reads it again
+
+
+def _write_sync_set(etcd: EtcdClient, leader_key: str, sync_key: str, instance_id: str,
+                    epoch: int, members: tuple[str, ...], any_eligible: bool) -> None:
+    """The txn that changes the in-sync set: applied only while the campaign
+    key is the one of ``epoch`` (NOT_LEADER otherwise)."""
+    value = SyncSet(instance_id, epoch, tuple(members), any_eligible).encode()
+    r = etcd.txn([Compare(leader_key, CompareTarget.CREATE, "=", epoch)],
+                 [PutOp(sync_key, value)])
+    if not r.succeeded:
+        raise KVPoolError(f"lost leadership of epoch {epoch}", ErrorCode.NOT_LEADER)
+
+
+@dataclass(frozen=True)
+class SyncWrite:
+    """The outcome of one write of the in-sync set. A failed write may still
+    have been applied (etcd got it, its answer did not arrive in time)."""
+
+    epoch: int
+    members: frozenset[str]
+    ok: bool
+    error: str = ""
+
+
+class SyncWriter:
+    """Writes the leader's in-sync set to etcd on its own thread, with its own
+    etcd client: an unreachable or slow etcd never stalls the caller (the
+    master's loop) and never waits behind the elector's renewals, nor delays
+    them.
+
+    One write at a time: :meth:`submit` returns False while a write is in
+    flight or its outcome has not been taken with :meth:`result`. Each write
+    is the txn guarded by the campaign key of the epoch it was submitted for,
+    so a write of a term that ended is never applied.
+    """
+
+    def __init__(self, cfg: ElectionConfig, instance_id: str) -> None:
+        self._etcd = EtcdClient(cfg.endpoints, cfg.etcd_timeout_s)
+        self._keys = group_keys(cfg.cluster_id)
+        self._me = instance_id
+        self._cv = threading.Condition()
+        self._job: tuple[int, frozenset[str], bool] | None = None
+        self._result: SyncWrite | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A write is in flight or its outcome was not taken yet."""
+        return self._job is not None or self._result is not None
+
+    def submit(self, epoch: int, members: frozenset[str], any_eligible: bool) -> bool:
+        """Start writing ``members`` as the in-sync set of ``epoch``; False
+        (nothing started) while :attr:`busy` or closed."""
+        with self._cv:
+            if self._closed or self.busy:
+                return False
+            self._job = (epoch, members, any_eligible)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvpool-sync-writer",
+                                                daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return True
+
+    def result(self) -> SyncWrite | None:
+        """The outcome of the last write, once (None while none is new)."""
+        if self._result is None:  # the loop's common case: no lock taken
+            return None
+        with self._cv:
+            res, self._result = self._result, None
+        return res
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._etcd.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._job is None and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                epoch, members, any_eligible = self._job  # type: ignore[misc]
+            try:
+                _write_sync_set(self._etcd, self._keys.leader, self._keys.sync, self._me, epoch,
+                                tuple(sorted(members)), any_eligible)
+                res = SyncWrite(epoch, members, True)
+            except Exception as exc:  # EtcdError, NOT_LEADER, or a bug: reported the same
+                res = SyncWrite(epoch, members, False, str(exc))
+            with self._cv:
+                self._result = res
+                self._job = None

@@ -14,6 +14,8 @@ when ``MasterConfig.etcd`` is set. The server's loop then alternates:
   (:meth:`on_commit`) and the loop's ack gate (:meth:`acked`) releases the
   replies of a commit only once ``sync_standbys`` in-sync standbys hold it
   and the fencing deadline has not passed (``Elector.may_acknowledge``).
+  Changes of the in-sync set are written to etcd by a
+  :class:`~.election.SyncWriter` thread: the loop never waits on etcd.
   A leader that is deposed (its campaign key gone or replaced) drops the
   replies it still holds (never acknowledged) and becomes a follower again,
   keeping its log position so the new leader can send a tail or a snapshot.
@@ -47,7 +49,7 @@ from kvpool.core.protocol import Op, encode_error, peek_id
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import SOFT_PIN, Directory, Rec
 from kvpool.master.durability import StreamPosition
-from kvpool.master.ha.election import ElectionConfig, Elector, Role
+from kvpool.master.ha.election import ElectionConfig, Elector, Role, SyncWriter
 from kvpool.master.ha.replication import (
     ReplicaSink,
     ReplicaStore,
@@ -77,6 +79,7 @@ _WRITES = frozenset(int(o) for o in (
 _REC_PUT = int(Rec.PUT)
 _REBIND_S = 2.0  # how long promote waits for the replication port to be free
 _RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hello again
+_SYNC_RETRY_S = 0.1  # after a failed write of the in-sync set, the next one waits this long
 
 
 def _free_port(host: str) -> int:
@@ -111,6 +114,8 @@ class HaNode:
         self.elector = Elector(ElectionConfig.for_target(
             target, lease_ttl_s=cfg.ha_lease_ttl_s), self.me)
         self.elector.member_ready = self._holds_replicated_state
+        # writes the in-sync set off the loop thread (the loop never waits on etcd)
+        self.sync_writer = SyncWriter(self.elector.cfg, self.me.instance_id)
         self.sync_standbys = cfg.sync_standbys
         self.sync_timeout_s = cfg.sync_timeout_s
         self.log = ReplicationLog()
@@ -138,7 +143,17 @@ class HaNode:
         self.refusals: list[bytes] = []
         # each standby's session object as last seen: a new one is a (re)join
         self._standbys_seen: dict[str, object] = {}
-        self._sync_published: tuple[str, ...] | None = None
+        # leader: the in-sync set as etcd may hold it. ``_sync_confirmed``: the
+        # set of this term's last write that succeeded (None: none yet);
+        # ``_sync_uncertain``: sets written since whose outcome is unknown (the
+        # one in flight, failed ones: a timed-out txn may have been applied).
+        # Replies wait for every standby of any of them (``source.sync_members``,
+        # the union); those of the confirmed set count toward sync_standbys.
+        self._sync_confirmed: frozenset[str] | None = None
+        self._sync_uncertain: list[frozenset[str]] = []
+        self._sync_count = 0
+        self._counted: frozenset[str] = frozenset()
+        self._next_sync_write = 0.0
         self.promotions = 0
         self.demotions = 0
 
@@ -152,6 +167,7 @@ class HaNode:
         if self.source is not None:
             self.source.close()
             self.source = None
+        self.sync_writer.close()
         self.elector.close(resign=True)
 
     # ================================================================ follower
@@ -284,11 +300,17 @@ class HaNode:
         self._short_since = time.monotonic()  # the set starts empty: standbys join
         self.sync_short = False
         self._standbys_seen = {}
-        self._sync_published = None
+        self._sync_confirmed = None
+        self._sync_uncertain = []
+        self._sync_count = 0
+        self._counted = frozenset()
+        self._next_sync_write = 0.0
         self.keys_dirty = True
         self.promotions += 1
-        self._publish_sync(())
         self.serving = True
+        # name this term in the set at once (only this instance eligible until
+        # standbys join); the write goes on in the background
+        self._submit_sync(self.source, frozenset())
         return d
 
     def _bind_source(self, d: Directory, epoch: int) -> ReplicationSource:
@@ -348,6 +370,18 @@ class HaNode:
             local_replies = [r for r in local_replies if id(r[1]) not in mine]
         return replies, local_replies, zmq_now, local_now
 
+    def unacknowledgeable(self) -> str | None:
+        """Why replies held for acks cannot be acknowledged soon (None: they
+        can): the fencing deadline passed, or the in-sync set has been short
+        of ``sync_standbys`` for ``sync_timeout_s``."""
+        if not self.serving:
+            return None
+        if not self.elector.may_acknowledge():
+            return "lease unconfirmed: etcd unreachable"
+        if self.sync_short:
+            return "no standby in sync"
+        return None
+
     def set_released(self, commit_no: int) -> None:
         self._released = commit_no
 
@@ -373,7 +407,7 @@ class HaNode:
             return self._released
         if self.sync_standbys <= 0:
             lsn = src.last_lsn
-        elif len(src.sync_members) < self.sync_standbys:
+        elif self._sync_count < self.sync_standbys:
             return self._released
         else:
             lsn = src.acked_lsn()
@@ -391,7 +425,7 @@ class HaNode:
             return self._released
         if self.sync_standbys <= 0:
             lsn = src.last_lsn
-        elif len(src.sync_members) < self.sync_standbys:
+        elif self._sync_count < self.sync_standbys:
             return self._released
         else:
             lsn = src.acked_lsn()
@@ -422,10 +456,13 @@ class HaNode:
                     recs.append([KEYS_RECORD, self.signer.keys()])
                 src.publish(recs)
             self._standbys_seen = dict(standbys)
+            self._flag_in_sync(src)
+        if self.sync_writer.busy:
+            self._sync_written(src)
         if now >= self._next_sync_check and st.role is Role.LEADER:
             self._next_sync_check = now + 0.02
             self._maintain_sync(src)
-        if len(src.sync_members) >= self.sync_standbys:
+        if self._sync_count >= self.sync_standbys:
             self._short_since = 0.0
             self.sync_short = False
         elif not self._short_since:
@@ -435,18 +472,23 @@ class HaNode:
         return True
 
     def _maintain_sync(self, src: ReplicationSource) -> None:
-        for sid in src.lagging(self.sync_timeout_s):
-            members = tuple(sorted(src.sync_members - {sid}))
-            if self._publish_sync(members):
-                src.remove_sync(sid)
-                log.warning("%s: standby %s dropped from the in-sync set", self.me.instance_id,
-                            sid)
-        if len(src.sync_members) >= self.sync_standbys:
-            return  # the set is full: the others stream asynchronously (not eligible)
-        candidates = [sid for sid, sb in src.standbys.items()
-                      if sid not in src.sync_members and sb.status.state.value == "streaming"]
-        if not candidates:
+        """Start the write of the in-sync set this leader wants, if it differs
+        from what etcd may hold: without the standbys that lag, plus caught-up
+        ones while it is short. Never waits on etcd (:class:`SyncWriter`)."""
+        if self.sync_writer.busy or time.monotonic() < self._next_sync_write:
             return
+        target = set(src.sync_members) - set(src.lagging(self.sync_timeout_s))
+        if len(target) < self.sync_standbys:
+            candidates = [sid for sid, sb in src.standbys.items()
+                          if sid not in src.sync_members
+                          and sb.status.state.value == "streaming"]
+            if candidates:
+                target.update(self._caught_up(src)[:self.sync_standbys - len(target)])
+        want = frozenset(target)
+        if want != self._sync_confirmed or self._sync_uncertain:
+            self._submit_sync(src, want)
+
+    def _caught_up(self, src: ReplicationSource) -> list[str]:
         caught = src.caught_up()
         if not caught and time.monotonic() >= self._next_join_wait:
             self._next_join_wait = time.monotonic() + 0.5  # at most 10 % of the loop
@@ -457,20 +499,63 @@ class HaNode:
                 if src.sock.poll(5):
                     src.poll()
                 caught = src.caught_up()
-        for sid in caught[:self.sync_standbys - len(src.sync_members)]:
-            members = tuple(sorted(src.sync_members | {sid}))
-            if self._publish_sync(members):
-                src.add_sync(sid)
-                log.info("%s: standby %s joined the in-sync set", self.me.instance_id, sid)
+        return caught
 
-    def _publish_sync(self, members: tuple[str, ...]) -> bool:
-        try:
-            self.elector.set_sync_set(members, self.sync_standbys <= 0)
-        except Exception as exc:
-            log.warning("%s: cannot publish the in-sync set: %s", self.me.instance_id, exc)
-            return False
-        self._sync_published = members
-        return True
+    def _submit_sync(self, src: ReplicationSource | None, members: frozenset[str]) -> None:
+        """Write ``members`` as the in-sync set (in the background). From now on
+        until a later write succeeds, replies also wait for the standbys it
+        adds: etcd may list them as soon as the txn reaches it."""
+        if src is None or not self.sync_writer.submit(self.epoch, members,
+                                                      self.sync_standbys <= 0):
+            return
+        if members not in self._sync_uncertain:  # retries while etcd is away: listed once
+            self._sync_uncertain.append(members)
+        self._reconcile_sync(src)
+
+    def _sync_written(self, src: ReplicationSource) -> None:
+        """Take the outcome of the write in flight (if it finished)."""
+        res = self.sync_writer.result()
+        if res is None or res.epoch != self.epoch:
+            return  # still writing, or a write of an earlier term (never applied)
+        if res.ok:
+            before = self._sync_confirmed or frozenset()
+            for sid in sorted(before - res.members):
+                log.warning("%s: standby %s dropped from the in-sync set", self.me.instance_id,
+                            sid)
+            for sid in sorted(res.members - before):
+                log.info("%s: standby %s joined the in-sync set", self.me.instance_id, sid)
+            self._sync_confirmed = res.members
+            self._sync_uncertain = []
+        else:
+            # it may have been applied: its set stays among the possible ones
+            log.warning("%s: cannot publish the in-sync set %s: %s", self.me.instance_id,
+                        sorted(res.members), res.error)
+            self._next_sync_write = time.monotonic() + _SYNC_RETRY_S
+        self._reconcile_sync(src)
+
+    def _reconcile_sync(self, src: ReplicationSource) -> None:
+        """``src.sync_members`` (whose acks replies wait for) := every standby
+        of a set etcd may hold. Those of the last confirmed set count toward
+        sync_standbys: a standby being added counts once etcd took it; one
+        whose removal is pending or failed counts (and is waited for) until
+        a removal succeeded, as it holds everything acknowledged meanwhile."""
+        confirmed = self._sync_confirmed or frozenset()
+        waited = set(confirmed)
+        for members in self._sync_uncertain:
+            waited |= members
+        for sid in waited - src.sync_members:
+            src.add_sync(sid)
+        for sid in src.sync_members - waited:
+            src.remove_sync(sid)
+        self._sync_count = len(confirmed)
+        self._counted = confirmed
+        self._flag_in_sync(src)
+
+    def _flag_in_sync(self, src: ReplicationSource) -> None:
+        """A standby reports ``in_sync`` only once etcd surely lists it."""
+        counted = self._counted
+        for sid, sb in src.standbys.items():
+            sb.status.in_sync = sid in counted
 
     def demote(self, directory: Directory) -> ReplicaSink:
         """Deposed: stop serving, follow whoever leads (keeping our position)."""
@@ -487,7 +572,8 @@ class HaNode:
     # ================================================================ health
     def stats(self) -> HaStats:
         """A copy of this instance's HA state (any thread; the caller retries
-        if the loop changed a container under it: ``copy_retrying``)."""
+        if the loop changed a container under it: ``copy_retrying``). A
+        leader reads ``fenced`` from the moment its fencing deadline passes."""
         st = self.elector.state()
         leader = st.leader
         serving = self.serving
@@ -498,7 +584,7 @@ class HaNode:
         if src is not None and serving:
             last = src.last_lsn
             acked_lsn = src.acked_lsn()
-            in_sync = len(src.sync_members)
+            in_sync = self._sync_count
             standbys = tuple(
                 HaStandbyStats(s.instance_id, s.state.value, s.in_sync, s.acked_lsn, s.lag(last))
                 for s in src.status())
@@ -508,7 +594,9 @@ class HaNode:
             instance_id=self.me.instance_id, eligible=st.eligible,
             leader=leader.address if leader is not None else None, lsn=self.log.last_lsn,
             fenced=serving and st.role is Role.FENCED,
-            writes_refused=serving and (not self.elector.may_acknowledge() or self.sync_short),
+            # role, fenced and writes_refused from one state: past the deadline
+            # state() says FENCED, by the clock check may_acknowledge() makes
+            writes_refused=serving and (st.role is not Role.LEADER or self.sync_short),
             promotions=self.promotions,
             demotions=self.demotions, acked_lsn=acked_lsn, in_sync=in_sync, standbys=standbys,
             sink=sink.state.value if sink is not None else None,

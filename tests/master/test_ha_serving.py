@@ -9,8 +9,10 @@ etcd and three real ``kvpool master --etcd`` instances:
 - a leader whose lease is unconfirmed (etcd frozen) refuses writes with
   ``COORDINATION_UNAVAILABLE`` and pauses its mutating timers (client expiry
   here), which resume once etcd is back;
-- a leader without an in-sync standby refuses writes at once rather than
-  holding them, and writes again once a standby is back in sync.
+- a leader without an in-sync standby answers the write it holds (applied,
+  not replicated) WRITE_OUTCOME_UNKNOWN once the set has been short for
+  sync_timeout_s, refuses new writes at once rather than holding them, and
+  writes again once a standby is back in sync.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from kvpool.core.rpc_client import MasterClient, MasterRPCError
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
 from kvpool.master.ha.node import _WRITES, HaNode
+from kvpool.store.errors import MasterUnreachable, error_for_code
 from support.etcd import EtcdProcess, etcd_binary
 from support.ha_master import HaGroup, HaMasterProcess
 
@@ -283,23 +286,37 @@ def test_no_standby_in_sync_refuses_writes_at_once_until_one_is(etcd: EtcdProces
     with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path), n=2) as group:
         leader = group.wait_leader(in_sync=1, streaming=1)
         standby = next(m for m in group.members if m is not leader)
-        with MasterClient(leader.address, timeout_s=1.5) as c:
+        with MasterClient(leader.address, timeout_s=5.0) as c:
             _mount(c, "seg-s", "owner", 1 << 24)
             standby.kill()
+            c.call(PutStart(client_id="w", key="k0", size=OBJ))
+            t0 = time.monotonic()
+            with pytest.raises(MasterRPCError) as ei:  # held: it owes the dead standby an ack
+                c.call(PutEnd(client_id="w", key="k0"))
+            took = time.monotonic() - t0
+            assert ei.value.code == ErrorCode.WRITE_OUTCOME_UNKNOWN, ei.value
+            assert "outcome unknown" in str(ei.value)
+            # dropped after sync_timeout_s (0.5 s) of silence, failed once the set
+            # was short another 0.5 s: long before the call's 5 s timeout
+            assert took < 2.5, took
+            # the store client takes it as it takes a timeout (retryable)
+            assert isinstance(error_for_code(ei.value.code), MasterUnreachable)
+        with MasterClient(leader.address, timeout_s=1.5) as c:
             n = [0]
 
             def refused_at_once() -> float | None:
                 n[0] += 1
                 key = f"k{n[0]}"
                 t0 = time.monotonic()
-                try:  # the first PUT_END is held: it owes the dead standby an ack
+                try:
                     c.call(PutStart(client_id="w", key=key, size=OBJ))
                     t0 = time.monotonic()
                     c.call(PutEnd(client_id="w", key=key))
                 except MasterRPCError as exc:
                     if exc.code == ErrorCode.COORDINATION_UNAVAILABLE:
                         return time.monotonic() - t0
-                    assert exc.code == ErrorCode.RPC_TIMEOUT, exc
+                    assert exc.code in (ErrorCode.RPC_TIMEOUT,
+                                        ErrorCode.WRITE_OUTCOME_UNKNOWN), exc
                     return None
                 raise AssertionError("a put acknowledged with no standby in sync")
 
@@ -312,7 +329,34 @@ def test_no_standby_in_sync_refuses_writes_at_once_until_one_is(etcd: EtcdProces
         with MasterClient(group.url, timeout_s=10.0) as c:  # resends until one is in sync
             _put(c, "after")
             assert c.call(Exist(key="after")).exists
+            assert c.call(Exist(key="k0")).exists  # the write of unknown outcome was applied
         assert (leader.health() or {}).get("writes_refused") is False
+
+
+def test_group_client_takes_an_unknown_write_outcome_as_a_timeout(etcd: EtcdProcess,
+                                                                 tmp_path: Path) -> None:
+    """A group client whose write is answered WRITE_OUTCOME_UNKNOWN does not
+    resend it to the same leader (it was applied there): as after a timeout
+    it waits for a newer leader within its budget, then raises the code."""
+    with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path), n=2) as group:
+        leader = group.wait_leader(in_sync=1, streaming=1)
+        standby = next(m for m in group.members if m is not leader)
+        epoch = (leader.health() or {})["epoch"]
+        with MasterClient(group.url, timeout_s=3.0, failover_timeout_s=1.0) as c:
+            _mount(c, "seg-u", "owner", 1 << 24)
+            c.call(PutStart(client_id="w", key="u", size=OBJ))
+            standby.kill()
+            t0 = time.monotonic()
+            with pytest.raises(MasterRPCError) as ei:
+                c.call(PutEnd(client_id="w", key="u"))
+            took = time.monotonic() - t0
+        # resent to the same leader it would end refused (COORDINATION_UNAVAILABLE)
+        assert ei.value.code == ErrorCode.WRITE_OUTCOME_UNKNOWN, ei.value
+        # answered after ~1 s (sync_timeout_s twice), then it waited for a newer
+        # leader until the call's budget (3 s + 1 s) ran out: none came
+        assert 3.5 < took < 4.0 + 1.5, took
+        h = leader.health() or {}
+        assert h["role"] == "leader" and h["epoch"] == epoch
 
 
 def test_soft_pins_reach_a_standby_that_joined_after_them(etcd: EtcdProcess,
