@@ -596,8 +596,9 @@ class OpHandlers:
         keys = req.keys
         self._batch(keys)
         n = len(keys)
-        get = self.dir.get_replicas
-        tiering = self.tiering
+        d = self.dir
+        many = d.get_replicas_many
+        on_disk_hit = self.tiering.on_disk_hit
         max_key = self.max_key
         segs: dict[str, SegmentDescriptor] = {}
         grants = self._grants(_CAP_READ)
@@ -606,35 +607,33 @@ class OpHandlers:
         full = 2 * MAX_RANGES
         codes = [0] * n
         sizes = [0] * n
+        objs: list[Any] = [None] * n
+        found: list[Any] = [None] * n  # the active flat replicas of each key served
+        # one directory pass; it pauses after a disk hit for the tiering hook
+        i = many(keys, 0, max_key, codes, objs, found)
+        while i < n:
+            on_disk_hit(d, keys[i], objs[i], found[i])
+            i = many(keys, i + 1, max_key, codes, objs, found)
         out: list[list[ReplicaDescriptor]] = [_NO_REPLICAS] * n
         checksums: list[Any] | None = None
         for i in range(n):
-            key = keys[i]
-            if not key or len(key) > max_key:
-                codes[i] = _INVALID_KEY
+            reps = found[i]
+            if reps is None:
                 continue
-            code, val = get(key)
-            if code:
-                codes[i] = int(code)
-                continue
-            obj, reps = val
-            size = obj.size
-            sizes[i] = size
+            obj = objs[i]
+            size = sizes[i] = obj.size
             if obj.checksum is not None:
                 if checksums is None:
                     checksums = [None] * n
                 checksums[i] = obj.checksum
-            seg = reps[0]
-            if seg.kind is _FILE:
-                tiering.on_disk_hit(self.dir, key, obj, reps)
-            if len(reps) == 2:
+            if len(reps) == 2:  # one replica (the common case), inlined
+                seg = reps[0]
                 sid = seg.id
-                if sid not in segs:
-                    segs[sid] = seg.desc
                 off = reps[1]
                 entry = open_get(sid)
                 if entry is None or len(entry[1]) >= full:
                     cap = slot(sid, off, size)
+                    segs[sid] = seg.desc
                 else:
                     cap = entry[0]
                     entry[1].extend((off, size))
