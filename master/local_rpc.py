@@ -258,12 +258,28 @@ class LocalRpcServer:
     def send_all(self, replies: list[tuple[_Conn, bytes]]) -> None:
         """Queue and send the replies (non-blocking; the rest goes on POLLOUT)."""
         touched: dict[int, _Conn] = {}
+        conns = self._conns
         for c, reply in replies:
             fd = c.sock.fileno()
-            if fd < 0 or self._conns.get(fd) is not c:
+            if fd < 0 or conns.get(fd) is not c:
                 continue  # closed meanwhile
-            c.outbuf += len(reply).to_bytes(HEADER, "little")
-            c.outbuf += reply
+            out = c.outbuf
+            if not out and not c.closing:
+                # nothing queued (the common case): one send, no buffering
+                frame = len(reply).to_bytes(HEADER, "little") + reply
+                try:
+                    sent = c.sock.send(frame)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    self._close_conn(fd)
+                    continue
+                if sent == len(frame):
+                    continue
+                out += memoryview(frame)[sent:]  # the rest goes on POLLOUT (below)
+            else:
+                out += len(reply).to_bytes(HEADER, "little")
+                out += reply
             touched[fd] = c
         for fd, c in touched.items():
             had_out = len(c.outbuf)
