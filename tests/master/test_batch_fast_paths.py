@@ -26,6 +26,10 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import (
     BatchGetReplicaList,
     BatchGetReplicaListReply,
+    GetReplicaList,
+    GetReplicaListReply,
+    PutStart,
+    PutStartReply,
     ReplicaDescriptor,
     ReplicaStatus,
     SegmentDescriptor,
@@ -227,7 +231,7 @@ def test_reserve_in_allocation_order_matches_allocate() -> None:
 MEM, FILE = SegmentKind.MEMORY, SegmentKind.FILE
 
 
-def make_handlers() -> tuple[OpHandlers, Clock]:
+def make_handlers(caps: bool = True) -> tuple[OpHandlers, Clock]:
     """A handler over a directory with memory and file segments (promotion on
     the first disk hit, small memory: promotions place and evict)."""
     clock = Clock()
@@ -244,7 +248,7 @@ def make_handlers() -> tuple[OpHandlers, Clock]:
             extra={"generation": 1} if kind == FILE else {}))
         signer.rotate(sid)
     d.records.clear()
-    return OpHandlers(cfg, d, policy, signer), clock
+    return OpHandlers(cfg, d, policy, signer if caps else None), clock
 
 
 def per_key_get(h: OpHandlers, keys: list[str]) -> BatchGetReplicaListReply:
@@ -275,12 +279,12 @@ def per_key_get(h: OpHandlers, keys: list[str]) -> BatchGetReplicaListReply:
         checksums if any(c is not None for c in checksums) else [], segs, grants.sign())
 
 
-def reply_view(r: BatchGetReplicaListReply) -> dict[str, Any]:
-    """The reply with each token as what it grants (nonce and expiry differ)."""
-    caps = [(c.segment_id, c.ranges, c.op) for c in map(cap_decode, r.caps)]
-    return {"codes": r.codes, "sizes": r.sizes, "lease": r.lease_ttl_ms,
-            "replicas": msgspec.to_builtins(r.replicas), "checksums": r.checksums,
-            "segments": list(r.segments), "caps": caps}
+def reply_view(r: Any) -> dict[str, Any]:
+    """A reply with each token as what it grants (nonce and expiry differ)."""
+    out = {k: msgspec.to_builtins(v) for k, v in msgspec.structs.asdict(r).items()}
+    out["segments"] = list(r.segments)  # their order too
+    out["caps"] = [(c.segment_id, c.ranges, c.op) for c in map(cap_decode, r.caps)]
+    return out
 
 
 def read_state(h: OpHandlers) -> dict[str, Any]:
@@ -377,3 +381,46 @@ def test_get_replicas_many_stops_at_each_disk_hit() -> None:
     assert d.objects["g2"].lease == lease == d.objects["g1"].lease == d.objects["m"].lease
     ticks = {k: d.objects[k].tick for k in ("m", "g1", "f")}
     assert ticks["m"] < ticks["g1"] < ticks["f"]  # use order: the LRU is exact
+
+
+@pytest.mark.parametrize("caps", [True, False])
+def test_single_key_replies_match_the_general_grant_path(caps: bool) -> None:
+    """PUT_START and GET_REPLICA_LIST of one key sign their one replica
+    directly: the reply is what _replicas and _Grants.sign make."""
+    a, _ = make_handlers(caps)
+    b, _ = make_handlers(caps)
+    names = [f"key-{i:03d}" for i in range(60)]
+    for h in (a, b):
+        populate(h, random.Random(5), names)
+    for key in [*names, "fresh-1", "fresh-2"]:
+        if key in a.dir.pending:  # a put in flight
+            assert key in b.dir.pending
+            continue
+        if key.startswith("key"):
+            code_a, val_a = a.dir.get_replicas(key)
+            try:
+                got_b: Any = b.get_replica_list(GetReplicaList(key))
+            except KVPoolError as exc:
+                assert exc.code == code_a != 0
+                continue
+            assert code_a == 0
+            obj, reps = val_a
+            if reps[0].kind is FILE:
+                a.tiering.on_disk_hit(a.dir, key, obj, reps)
+            segs: dict[str, SegmentDescriptor] = {}
+            grants = a._grants(int(CapOp.READ))
+            want: Any = GetReplicaListReply(
+                obj.size, a.cfg.lease_ttl_ms,
+                a._replicas(reps, obj.size, ReplicaStatus.COMPLETE, segs, grants),
+                obj.checksum, segs, grants.sign())
+        else:
+            code, p = a.dir.put_start("c1", key, 4096)
+            assert code == 0
+            segs = {}
+            grants = a._grants(int(CapOp.WRITE))
+            want = PutStartReply(a._replicas(p.replicas, 4096, ReplicaStatus.PROCESSING,
+                                             segs, grants), segs, grants.sign())
+            got_b = b.put_start(PutStart(client_id="c1", key=key, size=4096))
+        assert reply_view(got_b) == reply_view(want), key
+        assert bool(want.caps) == caps
+    assert read_state(a) == read_state(b)
