@@ -97,6 +97,7 @@ _DEAD = SegState.DEAD
 _ACTIVE = SegState.ACTIVE
 _SUSPECT = SegState.SUSPECT
 _REC_PUT = int(Rec.PUT)
+_INVALID_KEY = int(ErrorCode.INVALID_KEY)
 
 
 class Segment:
@@ -1052,6 +1053,54 @@ class Directory:
         del shard[key]
         shard[key] = obj  # LRU: most recent at the end of its shard
         return OK, (obj, reps)
+
+    def get_replicas_many(self, keys: list[str], start: int, max_key: int, codes: list[int],
+                          objs: list[Any], reps_out: list[Any]) -> int:
+        """:meth:`get_replicas` of ``keys[start:]`` in one pass, into ``codes``,
+        ``objs`` and ``reps_out`` (the active flat replicas) at each key's index;
+        code INVALID_KEY for an empty or too long key. Returns the index of the
+        first key served from a disk replica, which ends the pass (``len(keys)``
+        when none): the caller runs its disk-hit hook (a promotion may place and
+        evict) and resumes after it, so the hook sees what the per-key path
+        does. One lease stamp for the pass; keys whose replicas are not one
+        active memory segment (several replicas, a disk, suspect or dead
+        segment) and missing keys take :meth:`get_replicas` itself."""
+        objects = self.objects
+        shards, mask = objects.shards, objects.mask
+        grouped = self.group_of
+        tick = _TICKS.__next__
+        n = len(keys)
+        # one C-speed length check of the batch spares a per-key one
+        check = start > 0 or (n > 0 and (min(map(len, keys)) == 0
+                                         or max(map(len, keys)) > max_key))
+        lease = self.clock() + self.lease_s
+        for i in range(start, n):
+            key = keys[i]
+            if check and (not key or len(key) > max_key):
+                codes[i] = _INVALID_KEY
+                continue
+            shard = shards[hash(key) & mask]
+            obj = shard.get(key)
+            if obj is None or len(reps := obj.replicas) != 2 \
+                    or (seg := reps[0]).state is not _ACTIVE or seg.kind is _FILE:
+                code, val = self.get_replicas(key)
+                if code:
+                    codes[i] = int(code)
+                    continue
+                objs[i], reps = val
+                reps_out[i] = reps
+                if reps[0].kind is _FILE:
+                    return i
+                continue
+            if grouped and key in grouped:
+                self._lease_group(key, obj, lease)
+            obj.lease = lease
+            obj.tick = tick()
+            del shard[key]
+            shard[key] = obj  # LRU: most recent at the end of its shard
+            objs[i] = obj
+            reps_out[i] = reps
+        return n
 
     def exist(self, key: str) -> bool:
         objects = self.objects

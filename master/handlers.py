@@ -453,6 +453,26 @@ class OpHandlers:
             out.append(ReplicaDescriptor(sid, off, size, status, slot(sid, off, size)))
         return out
 
+    def _granted(self, reps: tuple[Any, ...], size: int, status: ReplicaStatus, op: int
+                 ) -> tuple[list[ReplicaDescriptor], dict[str, SegmentDescriptor], list[bytes]]:
+        """(replicas, segments, caps) of one key's reply: what :meth:`_replicas`
+        and :meth:`_Grants.sign` give, with one replica (the common case) signed
+        directly."""
+        segs: dict[str, SegmentDescriptor] = {}
+        if len(reps) != 2:
+            grants = self._grants(op)
+            return self._replicas(reps, size, status, segs, grants), segs, grants.sign()
+        seg = reps[0]
+        sid = seg.id
+        off = reps[1]
+        segs[sid] = seg.desc
+        signer = self.signer
+        if signer is None:
+            return [ReplicaDescriptor(sid, off, size, status, -1)], segs, []
+        ttl = self._write_ttl_ms if op == _CAP_WRITE else self._read_ttl_ms
+        cap = signer.grant_ranges(sid, (off, size), op, _time_ns() // 1_000_000 + ttl)
+        return [ReplicaDescriptor(sid, off, size, status, 0)], segs, [cap]
+
     def put_start(self, req: PutStart, replace: bool = False) -> PutStartReply:
         client_id = self._client(req.client_id)
         key = self._key(req.key)
@@ -467,10 +487,7 @@ class OpHandlers:
                                      replace=replace, group=req.group,
                                      **self._pin_args(req.options))
         self._raise(code, "put_start failed")
-        segs: dict[str, SegmentDescriptor] = {}
-        grants = self._grants(_CAP_WRITE)
-        reps = self._replicas(p.replicas, size, _PROCESSING, segs, grants)
-        return PutStartReply(reps, segs, grants.sign())
+        return PutStartReply(*self._granted(p.replicas, size, _PROCESSING, _CAP_WRITE))
 
     def upsert_start(self, req: UpsertStart) -> PutStartReply:
         return self.put_start(req, replace=True)
@@ -586,18 +603,17 @@ class OpHandlers:
         obj, reps = val
         if reps[0].kind is _FILE:  # served from disk: maybe promote (SSD tier)
             self.tiering.on_disk_hit(self.dir, key, obj, reps)
-        segs: dict[str, SegmentDescriptor] = {}
-        grants = self._grants(_CAP_READ)
-        replicas = self._replicas(reps, obj.size, _COMPLETE, segs, grants)
+        replicas, segs, caps = self._granted(reps, obj.size, _COMPLETE, _CAP_READ)
         return GetReplicaListReply(obj.size, self.cfg.lease_ttl_ms, replicas, obj.checksum,
-                                   segs, grants.sign())
+                                   segs, caps)
 
     def batch_get_replica_list(self, req: BatchGetReplicaList) -> BatchGetReplicaListReply:
         keys = req.keys
         self._batch(keys)
         n = len(keys)
-        get = self.dir.get_replicas
-        tiering = self.tiering
+        d = self.dir
+        many = d.get_replicas_many
+        on_disk_hit = self.tiering.on_disk_hit
         max_key = self.max_key
         segs: dict[str, SegmentDescriptor] = {}
         grants = self._grants(_CAP_READ)
@@ -606,35 +622,33 @@ class OpHandlers:
         full = 2 * MAX_RANGES
         codes = [0] * n
         sizes = [0] * n
+        objs: list[Any] = [None] * n
+        found: list[Any] = [None] * n  # the active flat replicas of each key served
+        # one directory pass; it pauses after a disk hit for the tiering hook
+        i = many(keys, 0, max_key, codes, objs, found)
+        while i < n:
+            on_disk_hit(d, keys[i], objs[i], found[i])
+            i = many(keys, i + 1, max_key, codes, objs, found)
         out: list[list[ReplicaDescriptor]] = [_NO_REPLICAS] * n
         checksums: list[Any] | None = None
         for i in range(n):
-            key = keys[i]
-            if not key or len(key) > max_key:
-                codes[i] = _INVALID_KEY
+            reps = found[i]
+            if reps is None:
                 continue
-            code, val = get(key)
-            if code:
-                codes[i] = int(code)
-                continue
-            obj, reps = val
-            size = obj.size
-            sizes[i] = size
+            obj = objs[i]
+            size = sizes[i] = obj.size
             if obj.checksum is not None:
                 if checksums is None:
                     checksums = [None] * n
                 checksums[i] = obj.checksum
-            seg = reps[0]
-            if seg.kind is _FILE:
-                tiering.on_disk_hit(self.dir, key, obj, reps)
-            if len(reps) == 2:
+            if len(reps) == 2:  # one replica (the common case), inlined
+                seg = reps[0]
                 sid = seg.id
-                if sid not in segs:
-                    segs[sid] = seg.desc
                 off = reps[1]
                 entry = open_get(sid)
                 if entry is None or len(entry[1]) >= full:
                     cap = slot(sid, off, size)
+                    segs[sid] = seg.desc
                 else:
                     cap = entry[0]
                     entry[1].extend((off, size))

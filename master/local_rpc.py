@@ -218,6 +218,13 @@ class LocalRpcServer:
                     continue
                 if c.closing:
                     continue
+                if not c.inbuf and got > HEADER and limit > 0 \
+                        and HEADER + int.from_bytes(self._rview[:HEADER], "little") == got \
+                        and got - HEADER <= self.max_frame:
+                    # exactly one whole frame (the common case): no buffering
+                    self.requests += 1
+                    out.append((c, handle(bytes(self._rview[HEADER:got]))))
+                    continue
                 c.inbuf += self._rview[:got]
                 n = 0
                 buf = c.inbuf
@@ -258,12 +265,28 @@ class LocalRpcServer:
     def send_all(self, replies: list[tuple[_Conn, bytes]]) -> None:
         """Queue and send the replies (non-blocking; the rest goes on POLLOUT)."""
         touched: dict[int, _Conn] = {}
+        conns = self._conns
         for c, reply in replies:
             fd = c.sock.fileno()
-            if fd < 0 or self._conns.get(fd) is not c:
+            if fd < 0 or conns.get(fd) is not c:
                 continue  # closed meanwhile
-            c.outbuf += len(reply).to_bytes(HEADER, "little")
-            c.outbuf += reply
+            out = c.outbuf
+            if not out and not c.closing:
+                # nothing queued (the common case): one send, no buffering
+                frame = len(reply).to_bytes(HEADER, "little") + reply
+                try:
+                    sent = c.sock.send(frame)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    self._close_conn(fd)
+                    continue
+                if sent == len(frame):
+                    continue
+                out += memoryview(frame)[sent:]  # the rest goes on POLLOUT (below)
+            else:
+                out += len(reply).to_bytes(HEADER, "little")
+                out += reply
             touched[fd] = c
         for fd, c in touched.items():
             had_out = len(c.outbuf)

@@ -1,5 +1,6 @@
 """Unit: the one-pass batch paths of the directory (put_start_many,
-put_end_many, exist_many) give exactly what the per-key methods give, and
+put_end_many, exist_many, get_replicas_many and the batch_get_replica_list
+handler over it) give exactly what the per-key methods give, and
 the journal's batch frames read back as the records they hold; the
 allocator's in-place reserve matches allocate.
 
@@ -19,12 +20,27 @@ from typing import Any
 import msgspec
 import pytest
 
+from kvpool.core.capability import CapabilitySigner, CapOp
+from kvpool.core.capability import decode as cap_decode
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.protocol import (
+    BatchGetReplicaList,
+    BatchGetReplicaListReply,
+    GetReplicaList,
+    GetReplicaListReply,
+    PutStart,
+    PutStartReply,
+    ReplicaDescriptor,
+    ReplicaStatus,
+    SegmentDescriptor,
+    SegmentKind,
+)
 from kvpool.master.allocator import Allocator
 from kvpool.master.config import FsyncPolicy, MasterConfig
 from kvpool.master.directory import Directory, Obj, Pending
+from kvpool.master.handlers import OpHandlers
 from kvpool.master.journal import Journal, frame, read_journal
+from kvpool.master.tiering import TieringConfig, TieringPolicy
 
 MAX_KEY = 64
 MAX_SIZE = 1 << 20
@@ -209,3 +225,202 @@ def test_reserve_in_allocation_order_matches_allocate() -> None:
     b.check()
     with pytest.raises(KVPoolError):
         b.reserve(live[0][0], live[0][1])  # not free
+
+
+# ---------------------------------------------------------------- batched reads
+MEM, FILE = SegmentKind.MEMORY, SegmentKind.FILE
+
+
+def make_handlers(caps: bool = True) -> tuple[OpHandlers, Clock]:
+    """A handler over a directory with memory and file segments (promotion on
+    the first disk hit, small memory: promotions place and evict)."""
+    clock = Clock()
+    cfg = MasterConfig(eviction_high_watermark=0.9, eviction_ratio=0.2,
+                       put_start_discard_timeout_s=5.0, max_key_length=MAX_KEY)
+    policy = TieringPolicy(TieringConfig(promote_after_hits=1), clock=clock)
+    d = Directory(cfg, clock=clock, policy=policy)
+    signer = CapabilitySigner(cfg.lease_ttl_ms)
+    for sid, kind, size in (("m0", MEM, 1 << 20), ("m1", MEM, 1 << 20), ("m2", MEM, 1 << 20),
+                            ("f0", FILE, 8 << 20)):
+        d.mount("c1", SegmentDescriptor(
+            sid, "c1", "h", kind, size, f"/disk/{sid}" if kind == FILE else f"kvpool-{sid}",
+            base_offset=4096 if kind == FILE else 0,
+            extra={"generation": 1} if kind == FILE else {}))
+        signer.rotate(sid)
+    d.records.clear()
+    return OpHandlers(cfg, d, policy, signer if caps else None), clock
+
+
+def per_key_get(h: OpHandlers, keys: list[str]) -> BatchGetReplicaListReply:
+    """What batch_get_replica_list did before get_replicas_many: get_replicas,
+    the disk-hit hook and the reply of each key in turn."""
+    d = h.dir
+    segs: dict[str, SegmentDescriptor] = {}
+    grants = h._grants(int(CapOp.READ))
+    codes, sizes = [0] * len(keys), [0] * len(keys)
+    out: list[list[ReplicaDescriptor]] = [[] for _ in keys]
+    checksums: list[Any] = [None] * len(keys)
+    for i, key in enumerate(keys):
+        if not key or len(key) > MAX_KEY:
+            codes[i] = int(ErrorCode.INVALID_KEY)
+            continue
+        code, val = d.get_replicas(key)
+        if code:
+            codes[i] = int(code)
+            continue
+        obj, reps = val
+        sizes[i] = obj.size
+        checksums[i] = obj.checksum
+        if reps[0].kind is FILE:
+            h.tiering.on_disk_hit(d, key, obj, reps)
+        out[i] = h._replicas(reps, obj.size, ReplicaStatus.COMPLETE, segs, grants)
+    return BatchGetReplicaListReply(
+        codes, sizes, out, h.cfg.lease_ttl_ms,
+        checksums if any(c is not None for c in checksums) else [], segs, grants.sign())
+
+
+def reply_view(r: Any) -> dict[str, Any]:
+    """A reply with each token as what it grants (nonce and expiry differ)."""
+    out = {k: msgspec.to_builtins(v) for k, v in msgspec.structs.asdict(r).items()}
+    out["segments"] = list(r.segments)  # their order too
+    out["caps"] = [(c.segment_id, c.ranges, c.op) for c in map(cap_decode, r.caps)]
+    return out
+
+
+def read_state(h: OpHandlers) -> dict[str, Any]:
+    d = h.dir
+    out = state(d)
+    out["leases"] = {k: o.lease for k, o in d.objects.items()}
+    out["groups"] = dict(d.group_of)
+    out["tasks"] = [(t.id, t.key, t.kind, t.src.id, t.src_off, t.dst.id, t.dst_off)
+                    for t in h.tiering.tasks.values()]
+    out["tier"] = dict(h.tiering.counters)
+    out["records"] = list(d.records)
+    return out
+
+
+def populate(h: OpHandlers, rng: random.Random, names: list[str]) -> None:
+    """The same random objects on every call with an equal ``rng``: one or two
+    memory replicas, disk replicas, groups, checksums, puts left in flight."""
+    d = h.dir
+    for name in names:
+        shape = rng.random()
+        kw: dict[str, Any] = {}
+        if shape < 0.2:
+            kw = {"replica_num": 0, "disk_replica_num": 1}  # on disk only
+        elif shape < 0.35:
+            kw = {"replica_num": 2}
+        elif shape < 0.45:
+            kw = {"disk_replica_num": 1}  # memory + disk
+        if rng.random() < 0.3:
+            kw["group"] = f"g{rng.randrange(4)}"
+        checksum = rng.choice([None, None, None, 12345])
+        code, _ = d.put_start("c1", name, rng.choice([4096, 8192, 30_000]),
+                              checksum=checksum, **kw)
+        if not code and rng.random() < 0.85:
+            assert d.put_end("c1", name) == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_batch_get_replica_list_matches_per_key_path(seed: int) -> None:
+    a, ca = make_handlers()
+    b, cb = make_handlers()
+    names = [f"key-{i:03d}" for i in range(120)]
+    populate(a, random.Random(seed), names)
+    populate(b, random.Random(seed), names)
+    assert read_state(a) == read_state(b)
+    rng = random.Random(seed * 7)
+    for step in range(80):
+        if step == 30:  # a segment's owner goes silent: its replicas are suspect
+            for h in (a, b):
+                h.dir._suspend(h.dir.segments["m1"])
+        if step == 50:  # a segment is dropped: its replicas are dead until purged
+            for h in (a, b):
+                h.dir.drop_segment(h.dir.segments["m2"], "test")
+        keys = [rng.choice(names) for _ in range(rng.randint(0, 40))]
+        if keys and rng.random() < 0.2:
+            keys[0] = ""
+        if rng.random() < 0.2:
+            keys.append("y" * (MAX_KEY + 1))
+        if rng.random() < 0.2:
+            keys.append("never-put")
+        got_a = reply_view(per_key_get(a, keys))
+        got_b = reply_view(b.batch_get_replica_list(BatchGetReplicaList(keys)))
+        assert got_a == got_b, step
+        assert read_state(a) == read_state(b), step
+        ca.t += rng.choice([0.0, 0.5, 3.0, 40.0])  # leases run out, groups renew
+        cb.t = ca.t
+        if rng.random() < 0.3:
+            for h in (a, b):
+                h.dir.evict_step()
+    # the unusual paths were exercised
+    st = read_state(b)
+    assert st["tier"].get("promote_started", 0) > 0
+    assert b.dir.groups and b.dir.pending
+    assert b.counters.key_ops["get_replica_list"] > 0
+
+
+def test_get_replicas_many_stops_at_each_disk_hit() -> None:
+    h, clock = make_handlers()
+    d = h.dir
+    for key, kw in (("m", {}), ("f", {"replica_num": 0, "disk_replica_num": 1}),
+                    ("g1", {"group": "g"}), ("g2", {"group": "g"})):
+        assert d.put_start("c1", key, 4096, **kw)[0] == 0 and d.put_end("c1", key) == 0
+    keys = ["m", "f", "", "missing", "g1", "f"]
+    n = len(keys)
+    codes, objs, reps = [0] * n, [None] * n, [None] * n
+    assert d.get_replicas_many(keys, 0, MAX_KEY, codes, objs, reps) == 1
+    assert d.get_replicas_many(keys, 2, MAX_KEY, codes, objs, reps) == 5
+    assert d.get_replicas_many(keys, 6, MAX_KEY, codes, objs, reps) == n
+    assert codes == [0, 0, int(ErrorCode.INVALID_KEY), int(ErrorCode.OBJECT_NOT_FOUND), 0, 0]
+    assert objs[2] is None and objs[3] is None and reps[2] is None and reps[3] is None
+    assert all(objs[i] is d.objects[keys[i]] for i in (0, 1, 4, 5))
+    assert reps[1] == reps[5] == d.objects["f"].replicas and reps[1][0].kind == FILE
+    lease = clock() + d.lease_s
+    # a read of one member of a group leases every member
+    assert d.objects["g2"].lease == lease == d.objects["g1"].lease == d.objects["m"].lease
+    ticks = {k: d.objects[k].tick for k in ("m", "g1", "f")}
+    assert ticks["m"] < ticks["g1"] < ticks["f"]  # use order: the LRU is exact
+
+
+@pytest.mark.parametrize("caps", [True, False])
+def test_single_key_replies_match_the_general_grant_path(caps: bool) -> None:
+    """PUT_START and GET_REPLICA_LIST of one key sign their one replica
+    directly: the reply is what _replicas and _Grants.sign make."""
+    a, _ = make_handlers(caps)
+    b, _ = make_handlers(caps)
+    names = [f"key-{i:03d}" for i in range(60)]
+    for h in (a, b):
+        populate(h, random.Random(5), names)
+    for key in [*names, "fresh-1", "fresh-2"]:
+        if key in a.dir.pending:  # a put in flight
+            assert key in b.dir.pending
+            continue
+        if key.startswith("key"):
+            code_a, val_a = a.dir.get_replicas(key)
+            try:
+                got_b: Any = b.get_replica_list(GetReplicaList(key))
+            except KVPoolError as exc:
+                assert exc.code == code_a != 0
+                continue
+            assert code_a == 0
+            obj, reps = val_a
+            if reps[0].kind is FILE:
+                a.tiering.on_disk_hit(a.dir, key, obj, reps)
+            segs: dict[str, SegmentDescriptor] = {}
+            grants = a._grants(int(CapOp.READ))
+            want: Any = GetReplicaListReply(
+                obj.size, a.cfg.lease_ttl_ms,
+                a._replicas(reps, obj.size, ReplicaStatus.COMPLETE, segs, grants),
+                obj.checksum, segs, grants.sign())
+        else:
+            code, p = a.dir.put_start("c1", key, 4096)
+            assert code == 0
+            segs = {}
+            grants = a._grants(int(CapOp.WRITE))
+            want = PutStartReply(a._replicas(p.replicas, 4096, ReplicaStatus.PROCESSING,
+                                             segs, grants), segs, grants.sign())
+            got_b = b.put_start(PutStart(client_id="c1", key=key, size=4096))
+        assert reply_view(got_b) == reply_view(want), key
+        assert bool(want.caps) == caps
+    assert read_state(a) == read_state(b)

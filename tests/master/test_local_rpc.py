@@ -12,12 +12,17 @@ from kvpool.cluster.processes import MasterProcess
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
 from kvpool.core.protocol import (
+    OPS,
+    BatchGetReplicaList,
+    BatchPutEnd,
+    BatchPutStart,
     Exist,
     ExistReply,
     GetSize,
     LocalEndpoint,
     LocalEndpointReply,
     MountSegment,
+    Op,
     Ping,
     PingReply,
     PutEnd,
@@ -205,3 +210,46 @@ def test_no_tcp_port_beside_curve(tmp_path: Path) -> None:
         assert c.call(LocalEndpoint()) == LocalEndpointReply()
         c.call(Exist(key="x"))
         assert not c.local
+
+
+def test_pipelined_replies_beyond_the_socket_buffer_arrive_whole_in_order(
+        master_proc: MasterProcess) -> None:
+    """Replies are sent at once when nothing is queued; what the socket does
+    not take is queued and sent on POLLOUT, after which direct sends resume."""
+    with master_proc.client(timeout_s=10) as c:
+        path = c.call(LocalEndpoint()).path
+        c.call(MountSegment(client_id="c1", segment=segment_desc("s1", "c1")))
+        keys = [f"pipelined-{i:06d}" for i in range(1000)]
+        c.call(BatchPutStart("c1", keys, [64] * len(keys)))
+        c.call(BatchPutEnd(client_id="c1", keys=keys))
+        n = 100  # ~30 KiB per reply: far more than a socket buffer holds
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(path)
+            s.sendall(b"".join(len(p).to_bytes(HEADER, "little") + p
+                               for p in (encode_request(i, BatchGetReplicaList(keys))
+                                         for i in range(n))))
+            buf = bytearray()
+            got: list[ReplyFrame] = []
+            while len(got) < n:
+                chunk = s.recv(1 << 16)
+                assert chunk, "master closed the socket"
+                buf += chunk
+                while len(buf) >= HEADER:
+                    size = int.from_bytes(buf[:HEADER], "little")
+                    if len(buf) < HEADER + size:
+                        break
+                    got.append(decode_reply(bytes(buf[HEADER:HEADER + size])))
+                    del buf[:HEADER + size]
+            assert [(r.id, r.code) for r in got] == [(i, 0) for i in range(n)]
+            assert sum(len(r.result) for r in got) > 2 << 20
+            first = OPS[Op.BATCH_GET_REPLICA_LIST].reply_decoder.decode(got[0].result)
+            assert first.codes == [0] * len(keys) and len(first.replicas) == len(keys)
+            # the same connection keeps answering afterwards
+            p = encode_request(n, Ping(client_id="x"))
+            s.sendall(len(p).to_bytes(HEADER, "little") + p)
+            data = b""
+            while len(data) < HEADER or len(data) < HEADER + int.from_bytes(data[:HEADER],
+                                                                              "little"):
+                data += s.recv(1 << 16)
+            assert decode_reply(data[HEADER:]).id == n
