@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -32,6 +33,9 @@ from typing import Self
 from kvpool.cluster.processes import ManagedProcess, find_free_port
 
 __all__ = ["EtcdCluster", "EtcdProcess", "etcd_binary"]
+
+
+log = logging.getLogger(__name__)
 
 
 def etcd_binary() -> str | None:
@@ -81,6 +85,10 @@ class EtcdProcess(ManagedProcess):
         self.binary = binary
         self.name = name
         self.host = host
+        # ports we picked may be taken between the pick and etcd's bind (another
+        # process's outgoing connection can land on a free ephemeral port): then
+        # start() picks again
+        self._own_ports = not client_port and not peer_port and initial_cluster is None
         self.client_port = client_port or find_free_port(host)
         self.peer_port = peer_port or find_free_port(host)
         self.initial_cluster = initial_cluster or f"{name}={self.peer_url}"
@@ -119,9 +127,22 @@ class EtcdProcess(ManagedProcess):
     def start(self, wait: bool = True, timeout_s: float = 20.0) -> Self:
         """Spawn; with ``wait``, return once ``/health`` answers (a member of a
         cluster is healthy only once a quorum of members runs)."""
-        self._spawn(self.command())
-        if wait:
-            self.wait_healthy(timeout_s)
+        for attempt in range(3):
+            self._spawn(self.command())
+            if not wait:
+                return self
+            try:
+                self.wait_healthy(timeout_s)
+                return self
+            except RuntimeError as exc:
+                if not (self._own_ports and attempt < 2 and "address already in use" in str(exc)):
+                    raise
+                log.warning("etcd: a picked port was taken (%s); picking others", self.endpoint)
+                self.stop()
+                shutil.rmtree(self.member_dir, ignore_errors=True)
+                self.client_port = find_free_port(self.host)
+                self.peer_port = find_free_port(self.host)
+                self.initial_cluster = f"{self.name}={self.peer_url}"
         return self
 
     def wait_healthy(self, timeout_s: float = 20.0) -> None:
