@@ -17,6 +17,13 @@ without sleeping for up to ``spin_s`` (default 50 µs,
 env ``KVPOOL_RPC_SPIN_US``; 0 = block at once): the master usually answers in
 ~15 µs, and waking a sleeping thread on a loaded host costs more than that
 (EXIST round trip 83 -> 33 µs, 4 KiB put p50 ~200-275 -> ~105-125 µs here).
+A small request that is not a batch op (PUT_START, PUT_END,
+GET_REPLICA_LIST, ... of one key) spins for up to ``spin_small_s`` instead
+(default 150 µs, env ``KVPOOL_RPC_SPIN_SMALL_US``; no spin at all when
+``spin_s`` is 0): on a busy host its reply often comes after 50 µs, and the
+wake-up then added 20-50 µs to each of a put's two master legs. A batch op
+keeps the short window: its reply takes 200+ µs across hosts, and a longer
+spin would only take ~100 µs more CPU per call from the master and the node.
 """
 
 from __future__ import annotations
@@ -83,6 +90,11 @@ _FOLLOW = frozenset({ErrorCode.NOT_LEADER, ErrorCode.NO_LEADER, ErrorCode.RPC_FA
                      ErrorCode.COORDINATION_UNAVAILABLE})
 _LEADER_CHANGED = "the master group's leader changed while waiting for the reply"
 _SPIN_S = float(os.environ.get("KVPOOL_RPC_SPIN_US", "50")) / 1e6
+_SPIN_SMALL_S = float(os.environ.get("KVPOOL_RPC_SPIN_SMALL_US", "150")) / 1e6
+#: a request at most this large that is not a batch op names one key
+_SMALL_REQUEST = 256
+#: ops whose master work grows with the keys they carry (the short spin)
+_BATCH_OPS = frozenset(o for o in Op if o.name.startswith("BATCH_"))
 
 
 class MasterRPCError(KVPoolError):
@@ -173,6 +185,8 @@ class MasterClient:
         self._utimeout = -1.0  # the kernel send/recv timeout set on the Unix socket
         #: seconds to poll the local socket for a reply before blocking (see _call_local)
         self.spin_s = _SPIN_S
+        #: the same for a small one-key request (see the module doc)
+        self.spin_small_s = _SPIN_SMALL_S
 
     @property
     def local(self) -> bool:
@@ -279,9 +293,13 @@ class MasterClient:
             # most replies fit the reusable buffer in one recv_into (no allocation).
             # Poll without sleeping for a few µs first: the master usually answers
             # within one handling time, and a sleeping thread's wake-up costs more
+            # (longer for a one-key op, whose reply is near; see the module doc)
             got = -1
-            if self.spin_s:
-                spin_end = time.perf_counter() + self.spin_s
+            spin = self.spin_s
+            if spin and len(payload) <= _SMALL_REQUEST and op not in _BATCH_OPS:
+                spin = max(spin, self.spin_small_s)
+            if spin:
+                spin_end = time.perf_counter() + spin
                 while True:
                     try:
                         got = us.recv_into(rbuf, 0, _DONTWAIT)

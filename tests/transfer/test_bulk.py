@@ -308,3 +308,45 @@ def test_frozen_peer_times_out_on_the_bulk_socket(make_engine: Any, make_peer: A
         os.kill(peer.proc.pid, signal.SIGCONT)
     st2 = e.transfer([TransferRequest(R, small, peer.segment_id, 0, 4096)], 5)
     assert st2[0].ok, st2
+
+
+def test_stream_spin_then_block_reads_every_frame() -> None:
+    """A reply that comes within the spin window is read by the poll; one that
+    comes later by the blocking read; the window is used once, then cleared."""
+    import threading
+
+    from kvpool.transfer.bulk import _frame, _Stream
+
+    a, b = socket.socketpair()
+    try:
+        stream = _Stream(a, 1 << 16)
+        deadline = time.monotonic() + 5.0
+        frames = [_frame(wire.BulkReply(k, [0, 0], "")) for k in (1, 2)]
+
+        def send_after(delay: float, data: bytes) -> threading.Thread:
+            t = threading.Thread(target=lambda: (time.sleep(delay), b.sendall(data)))
+            t.start()
+            return t
+
+        # within the window: the poll gets it
+        t = send_after(0.01, frames[0])
+        stream.spin_until = time.perf_counter() + 2.0
+        raw = stream.read_frame(1 << 16, deadline)
+        t.join()
+        assert raw is not None and wire.decode_bulk_reply(raw).id == 1
+        assert stream.spin_until == 0.0
+        # after a 1 ms window: the blocking read gets it
+        t = send_after(0.05, frames[1])
+        stream.spin_until = time.perf_counter() + 0.001
+        t0 = time.monotonic()
+        raw = stream.read_frame(1 << 16, deadline)
+        t.join()
+        assert raw is not None and wire.decode_bulk_reply(raw).id == 2
+        assert time.monotonic() - t0 >= 0.04
+        # a peer that closes during the window: a clean EOF, not an error
+        b.shutdown(socket.SHUT_WR)
+        stream.spin_until = time.perf_counter() + 1.0
+        assert stream.read_frame(1 << 16, deadline) is None
+    finally:
+        a.close()
+        b.close()
