@@ -68,6 +68,10 @@ def value_for(key: str) -> bytes:
     return np.random.default_rng(seed).bytes(size)
 
 
+def _block_sigterm() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
 def worker_main(args: argparse.Namespace) -> int:
     """One client: mixed ops for ``--seconds``, then a clean exit; JSON stats on stdout."""
     from kvpool.core.errors import ErrorCode, KVPoolError
@@ -75,6 +79,9 @@ def worker_main(args: argparse.Namespace) -> int:
 
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    # spawned with SIGTERM blocked (see spawn_worker): a SIGTERM that came while
+    # the interpreter was still starting is delivered now, to the handler
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     rng = random.Random(args.seed)
     stats: dict[str, Any] = {"ops": Counter(), "errors": Counter(), "wrong": 0,
                              "unexpected": []}
@@ -161,8 +168,11 @@ class Soak:
                "--run", self.run_id, "--keyspace", str(a.keyspace), "--host-id", host_id,
                "--worker-memory", str(16 << 20 if contributes else 0)]
         errlog = open(self.workdir / f"worker-{self._n}.log", "ab")
+        # SIGTERM stays blocked in the child until its handler is installed: the
+        # drain's SIGTERM to a worker still importing must stop it cleanly, not kill it
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errlog, text=True,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL,
+                                preexec_fn=_block_sigterm)
         errlog.close()  # the child holds its own copy
         now = time.monotonic()
         kill_at = None
