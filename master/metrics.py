@@ -40,15 +40,12 @@ class MasterCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.source.stats_snapshot()
         st = snap.stats
-        g = GaugeMetricFamily("kvpool_master_objects", "complete objects in the directory")
-        g.add_metric([], st.objects)
-        yield g
-        g = GaugeMetricFamily("kvpool_master_pending_puts", "in-flight puts")
-        g.add_metric([], st.pending)
-        yield g
-        g = GaugeMetricFamily("kvpool_master_clients", "live clients")
-        g.add_metric([], st.clients)
-        yield g
+        yield GaugeMetricFamily("kvpool_master_objects", "complete objects in the directory",
+                                value=st.objects)
+        yield GaugeMetricFamily("kvpool_master_pending_puts", "in-flight puts",
+                                value=st.pending)
+        yield GaugeMetricFamily("kvpool_master_clients", "live clients",
+                                value=st.clients)
         used = GaugeMetricFamily("kvpool_master_segment_used_bytes", "bytes allocated per segment",
                                  labels=["segment", "kind", "state"])
         cap = GaugeMetricFamily("kvpool_master_segment_capacity_bytes", "capacity per segment",
@@ -88,45 +85,34 @@ class MasterCollector(Collector):
         for (op, code), n in snap.errors.items():
             c.add_metric([op.lower(), code], n)
         yield c
-        c = CounterMetricFamily("kvpool_master_evictions", "objects evicted")
-        c.add_metric([], st.evictions)
-        yield c
-        c = CounterMetricFamily("kvpool_master_evicted_bytes", "bytes freed by eviction")
-        c.add_metric([], st.evicted_bytes)
-        yield c
-        c = CounterMetricFamily("kvpool_master_lease_refusals", "removes refused: object leased")
-        c.add_metric([], st.lease_refusals)
-        yield c
-        c = CounterMetricFamily("kvpool_master_expired_clients", "clients dropped for silence")
-        c.add_metric([], st.expired_clients)
-        yield c
-        g = GaugeMetricFamily("kvpool_master_suspect_clients",
-                              "clients silent past client_ttl, kept for the grace period")
-        g.add_metric([], st.suspect_clients)
-        yield g
-        g = GaugeMetricFamily("kvpool_master_suspect_segments",
-                              "segments of suspect clients: objects kept, no new placements")
-        g.add_metric([], st.suspect_segments)
-        yield g
-        c = CounterMetricFamily("kvpool_master_suspected_clients",
-                                "times a client became suspect")
-        c.add_metric([], st.suspected_clients)
-        yield c
-        c = CounterMetricFamily("kvpool_master_revived_clients",
-                                "times a suspect client came back with its segments")
-        c.add_metric([], st.revived_clients)
-        yield c
-        c = CounterMetricFamily("kvpool_master_replaced_objects",
-                                "objects replaced by an upsert")
-        c.add_metric([], st.replaced)
-        yield c
-        g = GaugeMetricFamily("kvpool_master_soft_pinned_objects",
-                              "objects with a soft pin deadline (some may have passed it)")
-        g.add_metric([], st.soft_pinned)
-        yield g
-        g = GaugeMetricFamily("kvpool_master_object_groups", "object groups with members")
-        g.add_metric([], st.groups)
-        yield g
+        yield CounterMetricFamily("kvpool_master_evictions", "objects evicted",
+                                  value=st.evictions)
+        yield CounterMetricFamily("kvpool_master_evicted_bytes", "bytes freed by eviction",
+                                  value=st.evicted_bytes)
+        yield CounterMetricFamily("kvpool_master_lease_refusals", "removes refused: object leased",
+                                  value=st.lease_refusals)
+        yield CounterMetricFamily("kvpool_master_expired_clients", "clients dropped for silence",
+                                  value=st.expired_clients)
+        yield GaugeMetricFamily("kvpool_master_suspect_clients",
+                                "clients silent past client_ttl, kept for the grace period",
+                                value=st.suspect_clients)
+        yield GaugeMetricFamily("kvpool_master_suspect_segments",
+                                "segments of suspect clients: objects kept, no new placements",
+                                value=st.suspect_segments)
+        yield CounterMetricFamily("kvpool_master_suspected_clients",
+                                  "times a client became suspect",
+                                  value=st.suspected_clients)
+        yield CounterMetricFamily("kvpool_master_revived_clients",
+                                  "times a suspect client came back with its segments",
+                                  value=st.revived_clients)
+        yield CounterMetricFamily("kvpool_master_replaced_objects",
+                                  "objects replaced by an upsert",
+                                  value=st.replaced)
+        yield GaugeMetricFamily("kvpool_master_soft_pinned_objects",
+                                "objects with a soft pin deadline (some may have passed it)",
+                                value=st.soft_pinned)
+        yield GaugeMetricFamily("kvpool_master_object_groups", "object groups with members",
+                                value=st.groups)
         tier = st.tiering  # SSD tier
         c = CounterMetricFamily("kvpool_master_tier_events",
                                 "SSD tier: copy tasks and file segments, by event",
@@ -135,53 +121,42 @@ class MasterCollector(Collector):
             if name not in _TIER_GAUGES:
                 c.add_metric([name], n)
         yield c
-        g = GaugeMetricFamily("kvpool_master_tier_tasks_inflight", "tier copy tasks in flight")
-        g.add_metric([], tier.get("tier_tasks_inflight", 0))
-        yield g
-        g = GaugeMetricFamily("kvpool_master_tier_inflight_bytes", "bytes of tier tasks in flight")
-        g.add_metric([], tier.get("tier_inflight_bytes", 0))
-        yield g
-        g = GaugeMetricFamily("kvpool_master_file_segments_awaiting",
-                              "file segments kept for an owner that left (warm restart)")
-        g.add_metric([], tier.get("file_segments_awaiting", 0))
-        yield g
-        c = CounterMetricFamily("kvpool_master_curve_denied",
-                                "CURVE handshakes refused by the ZAP allow-list")
-        c.add_metric([], st.curve_denied)
-        yield c
-        c = CounterMetricFamily("kvpool_master_snapshots", "snapshots written")
-        c.add_metric([], st.snapshots)
-        yield c
-        g = GaugeMetricFamily("kvpool_master_snapshot_duration_seconds",
-                              "duration of the last snapshot (child, wall)")
-        g.add_metric([], st.last_snapshot_duration_s)
-        yield g
-        g = GaugeMetricFamily("kvpool_master_snapshot_pause_seconds",
-                              "loop pause to start the last snapshot")
-        g.add_metric([], st.last_snapshot_pause_ms / 1000)
-        yield g
-        g = GaugeMetricFamily("kvpool_master_max_loop_seconds", "longest loop iteration")
-        g.add_metric([], st.max_loop_ms / 1000)
-        yield g
+        yield GaugeMetricFamily("kvpool_master_tier_tasks_inflight", "tier copy tasks in flight",
+                                value=tier.get("tier_tasks_inflight", 0))
+        yield GaugeMetricFamily("kvpool_master_tier_inflight_bytes",
+                                "bytes of tier tasks in flight",
+                                value=tier.get("tier_inflight_bytes", 0))
+        yield GaugeMetricFamily("kvpool_master_file_segments_awaiting",
+                                "file segments kept for an owner that left (warm restart)",
+                                value=tier.get("file_segments_awaiting", 0))
+        yield CounterMetricFamily("kvpool_master_curve_denied",
+                                  "CURVE handshakes refused by the ZAP allow-list",
+                                  value=st.curve_denied)
+        yield CounterMetricFamily("kvpool_master_snapshots", "snapshots written",
+                                  value=st.snapshots)
+        yield GaugeMetricFamily("kvpool_master_snapshot_duration_seconds",
+                                "duration of the last snapshot (child, wall)",
+                                value=st.last_snapshot_duration_s)
+        yield GaugeMetricFamily("kvpool_master_snapshot_pause_seconds",
+                                "loop pause to start the last snapshot",
+                                value=st.last_snapshot_pause_ms / 1000)
+        yield GaugeMetricFamily("kvpool_master_max_loop_seconds", "longest loop iteration",
+                                value=st.max_loop_ms / 1000)
         if snap.ha is not None:
             yield from _ha_metrics(snap.ha)
         ev = snap.events  # object events (docs/events.md); absent when off
         if ev:
-            c = CounterMetricFamily("kvpool_master_events_batches", "event batches published")
-            c.add_metric([], ev["batches"])
-            yield c
-            c = CounterMetricFamily("kvpool_master_events", "object and segment events published")
-            c.add_metric([], ev["events"])
-            yield c
-            c = CounterMetricFamily(
+            yield CounterMetricFamily("kvpool_master_events_batches", "event batches published",
+                                      value=ev["batches"])
+            yield CounterMetricFamily("kvpool_master_events", "object and segment events published",
+                                      value=ev["events"])
+            yield CounterMetricFamily(
                 "kvpool_master_events_dropped",
                 "event batches a subscriber's full queue refused (each starts a run of "
-                "messages that subscriber misses; it sees the seq gap and resyncs)")
-            c.add_metric([], ev["overflows"])
-            yield c
-            g = GaugeMetricFamily("kvpool_master_events_seq", "seq of the last event batch")
-            g.add_metric([], ev["seq"])
-            yield g
+                "messages that subscriber misses; it sees the seq gap and resyncs)",
+                value=ev["overflows"])
+            yield GaugeMetricFamily("kvpool_master_events_seq", "seq of the last event batch",
+                                    value=ev["seq"])
 
 
 def _ha_metrics(ha: HaStats) -> Iterator[Metric]:
@@ -192,41 +167,32 @@ def _ha_metrics(ha: HaStats) -> Iterator[Metric]:
     for role in _HA_ROLES:
         g.add_metric([role], 1 if ha.role == role else 0)
     yield g
-    g = GaugeMetricFamily("kvpool_master_ha_fenced",
-                          "1 while elected but past the fencing deadline (lease unconfirmed: "
-                          "writes refused, mutating timers paused)")
-    g.add_metric([], 1 if ha.fenced else 0)
-    yield g
-    g = GaugeMetricFamily("kvpool_master_ha_writes_refused",
-                          "1 while serving but refusing writes (fenced, or fewer in-sync "
-                          "standbys than sync_standbys for sync_timeout_s)")
-    g.add_metric([], 1 if ha.writes_refused else 0)
-    yield g
-    g = GaugeMetricFamily("kvpool_master_ha_eligible",
-                          "1 if this instance may be elected (in the in-sync set)")
-    g.add_metric([], 1 if ha.eligible else 0)
-    yield g
-    g = GaugeMetricFamily("kvpool_master_ha_epoch", "epoch of the term this instance knows of")
-    g.add_metric([], ha.epoch)
-    yield g
-    g = GaugeMetricFamily("kvpool_master_ha_lsn", "last journal position this instance holds")
-    g.add_metric([], ha.lsn)
-    yield g
-    c = CounterMetricFamily("kvpool_master_ha_promotions", "times this instance became leader")
-    c.add_metric([], ha.promotions)
-    yield c
-    c = CounterMetricFamily("kvpool_master_ha_demotions", "times this instance was deposed")
-    c.add_metric([], ha.demotions)
-    yield c
+    yield GaugeMetricFamily("kvpool_master_ha_fenced",
+                            "1 while elected but past the fencing deadline (lease unconfirmed: "
+                            "writes refused, mutating timers paused)",
+                            value=1 if ha.fenced else 0)
+    yield GaugeMetricFamily("kvpool_master_ha_writes_refused",
+                            "1 while serving but refusing writes (fenced, or fewer in-sync "
+                            "standbys than sync_standbys for sync_timeout_s)",
+                            value=1 if ha.writes_refused else 0)
+    yield GaugeMetricFamily("kvpool_master_ha_eligible",
+                            "1 if this instance may be elected (in the in-sync set)",
+                            value=1 if ha.eligible else 0)
+    yield GaugeMetricFamily("kvpool_master_ha_epoch", "epoch of the term this instance knows of",
+                            value=ha.epoch)
+    yield GaugeMetricFamily("kvpool_master_ha_lsn", "last journal position this instance holds",
+                            value=ha.lsn)
+    yield CounterMetricFamily("kvpool_master_ha_promotions", "times this instance became leader",
+                              value=ha.promotions)
+    yield CounterMetricFamily("kvpool_master_ha_demotions", "times this instance was deposed",
+                              value=ha.demotions)
     if ha.acked_lsn is not None:  # leader
-        g = GaugeMetricFamily("kvpool_master_ha_acked_lsn",
-                              "leader: last position every in-sync standby holds")
-        g.add_metric([], ha.acked_lsn)
-        yield g
-        g = GaugeMetricFamily("kvpool_master_ha_in_sync_standbys",
-                              "leader: standbys in the in-sync set")
-        g.add_metric([], ha.in_sync or 0)
-        yield g
+        yield GaugeMetricFamily("kvpool_master_ha_acked_lsn",
+                                "leader: last position every in-sync standby holds",
+                                value=ha.acked_lsn)
+        yield GaugeMetricFamily("kvpool_master_ha_in_sync_standbys",
+                                "leader: standbys in the in-sync set",
+                                value=ha.in_sync or 0)
         lag = GaugeMetricFamily("kvpool_master_ha_standby_lag",
                                 "leader: records a standby has not acknowledged",
                                 labels=["standby", "state"])
@@ -244,10 +210,9 @@ def _ha_metrics(ha: HaStats) -> Iterator[Metric]:
         yield acked
         yield in_sync
     if ha.applied_lsn is not None:  # follower
-        g = GaugeMetricFamily("kvpool_master_ha_applied_lsn",
-                              "follower: last position applied from the leader's stream")
-        g.add_metric([], ha.applied_lsn)
-        yield g
+        yield GaugeMetricFamily("kvpool_master_ha_applied_lsn",
+                                "follower: last position applied from the leader's stream",
+                                value=ha.applied_lsn)
         g = GaugeMetricFamily("kvpool_master_ha_sink_state",
                               "follower: 1 for the state of its replication stream",
                               labels=["state"])
