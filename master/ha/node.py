@@ -402,33 +402,34 @@ class HaNode:
 
     def acked(self) -> int:
         """The ack gate: the highest commit number whose replies may leave."""
-        src = self.source
-        if src is None or not self.elector.may_acknowledge():
+        lsn = self._replicated_lsn() if self.elector.may_acknowledge() else None
+        if lsn is None:
             return self._released
-        if self.sync_standbys <= 0:
-            lsn = src.last_lsn
-        elif self._sync_count < self.sync_standbys:
-            return self._released
-        else:
-            lsn = src.acked_lsn()
         pending = self._pending
         while pending and pending[0][1] <= lsn:
             self._released = pending.popleft()[0]
         return self._released
 
+    def _replicated_lsn(self) -> int | None:
+        """The last position held by every in-sync member, of which there are at
+        least ``sync_standbys`` (any position we wrote with 0); None when that
+        many are not in sync (or there is no source)."""
+        src = self.source
+        if src is None:
+            return None
+        if self.sync_standbys <= 0:
+            return src.last_lsn
+        if self._sync_count < self.sync_standbys:
+            return None
+        return src.acked_lsn()
+
     def replicated(self) -> int:
         """The highest commit number every in-sync member holds (at least
         ``sync_standbys`` of them), the fencing deadline aside: replies that
         acknowledge no change (reads, refusals) may leave up to it."""
-        src = self.source
-        if src is None:
+        lsn = self._replicated_lsn()
+        if lsn is None:
             return self._released
-        if self.sync_standbys <= 0:
-            lsn = src.last_lsn
-        elif self._sync_count < self.sync_standbys:
-            return self._released
-        else:
-            lsn = src.acked_lsn()
         out = self._released
         for commit_no, last in self._pending:
             if last > lsn:
