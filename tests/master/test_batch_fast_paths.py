@@ -41,17 +41,10 @@ from kvpool.master.directory import Directory, Obj, Pending
 from kvpool.master.handlers import OpHandlers
 from kvpool.master.journal import Journal, frame, read_journal
 from kvpool.master.tiering import TieringConfig, TieringPolicy
+from support.clock import Clock
 
 MAX_KEY = 64
 MAX_SIZE = 1 << 20
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(segments: int, seg_size: int) -> tuple[Directory, Clock]:

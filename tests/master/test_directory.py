@@ -14,17 +14,10 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, EvictionPolicy, Obj, SegState
+from support.clock import Clock
 
 MEM = SegmentKind.MEMORY
 FILE = SegmentKind.FILE
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(shard_bits: int = 8, **cfg: Any) -> tuple[Directory, Clock]:

@@ -15,17 +15,10 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory, SegState
+from support.clock import Clock
 
 MEM = SegmentKind.MEMORY
 OBJ = 1024
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(**cfg: Any) -> tuple[Directory, Clock]:

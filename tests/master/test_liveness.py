@@ -38,18 +38,11 @@ from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory, SegState
 from kvpool.master.tiering import TieringPolicy
 from kvpool.master.tiering_config import TieringConfig
+from support.clock import Clock
 from support.factories import segment_desc
 
 MEM = SegmentKind.MEMORY
 FILE = SegmentKind.FILE
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(**cfg: Any) -> tuple[Directory, Clock]:

@@ -11,16 +11,9 @@ from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory
 from kvpool.master.tiering import JobStatus, TaskKind, TieringConfig, TieringPolicy
+from support.clock import Clock
 
 MEM = SegmentKind.MEMORY
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(**cfg: Any) -> tuple[Directory, Clock, TieringPolicy]:
