@@ -15,7 +15,10 @@ First calls and steady state are reported apart: ``<t>_first_put_from_ms`` /
 may still wait for one-time preparation: page-locking the holder's mapping,
 the staging pool), ``<t>_put_from_gbps`` etc. are ITERS calls after it, and
 ``<t>_single_vs_batch_put_from`` is single put_from GB/s over batch_put_from
-GB/s (target >= 0.7 on shm).
+GB/s (target >= 0.7 on shm): the median over ROUNDS rounds, each timing BATCH
+single puts and then one batch put of the same buffers (so the host's drift
+between the two cancels out). ``<t>_put_from_breakdown_us``: a single put's
+median time in master calls, in the copy, and in total.
 
 Standalone: ``python scripts/gpu_check_store.py [--json OUT]``.
 """
@@ -31,12 +34,42 @@ from typing import Any
 SIZE = 16 << 20
 BATCH = 8
 ITERS = 16
-ROUNDS = 3  # batch calls measured (median)
+ROUNDS = 7  # rounds of BATCH single puts + one batch put (median)
 FORCE_TCP = {"rules": [{"name": "gpu-check-force-tcp", "transports": ["tcp"]}]}
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+
+
+def _put_breakdown(c: Any, transport: str, hs: list[Any]) -> dict[str, float]:
+    """Median microseconds per single put_from spent in master calls and in the
+    copy (the client's own methods wrapped with timers), and in total."""
+    phases: dict[str, list[float]] = {"master": [], "copy": [], "total": []}
+    orig_call, orig_copy = c._call, c._copy_batch
+
+    def timed(name: str, fn: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[name].append(time.perf_counter() - t0)
+        return run
+
+    c._call, c._copy_batch = timed("master", orig_call), timed("copy", orig_copy)
+    try:
+        for i in range(ITERS):
+            t = time.perf_counter()
+            c.put_from(f"{transport}/timed/{i}", hs[i % BATCH])
+            phases["total"].append(time.perf_counter() - t)
+    finally:
+        c._call, c._copy_batch = orig_call, orig_copy
+    calls = len(phases["master"]) / ITERS
+    out = {k: round(1e6 * statistics.median(v), 1) for k, v in phases.items() if v}
+    out["master_calls_per_put"] = calls
+    out["master"] = round(out.get("master", 0.0) * calls, 1)
+    return out
 
 
 def _client_checks(torch: Any, master: str, transport: str, out: dict[str, Any]) -> None:
@@ -73,16 +106,24 @@ def _client_checks(torch: Any, master: str, transport: str, out: dict[str, Any])
             assert torch.equal(srcs[i], dsts[i]), f"{transport} get_into mismatch at {i}"
         out[f"{transport}_put_from_gbps"] = _gbps(ITERS * SIZE, put_s)
         out[f"{transport}_get_into_gbps"] = _gbps(ITERS * SIZE, get_s)
+        out[f"{transport}_put_from_breakdown_us"] = _put_breakdown(c, transport, hs)
         c.remove_all(force=True)
-        # batch forms (median of ROUNDS)
-        bput, bget = [], []
+        # batch forms (median of ROUNDS); each round also times BATCH single
+        # put_from calls of the same buffers right before its batch, so single
+        # and batch are compared round by round (drift of the host cancels out)
+        bput, bget, ratios = [], [], []
         for r in range(ROUNDS):
             for d in dsts:
                 d.zero_()
+            t = time.perf_counter()
+            for i in range(BATCH):
+                c.put_from(f"{transport}/round/{r}/{i}", hs[i])
+            single_s = time.perf_counter() - t
             keys = [f"{transport}/batch/{r}/{i}" for i in range(BATCH)]
             t = time.perf_counter()
             codes = c.batch_put_from(keys, hs)
             bput.append(time.perf_counter() - t)
+            ratios.append(bput[-1] / single_s)
             assert all(int(x) == 0 for x in codes), codes
             t = time.perf_counter()
             res = c.batch_get_into(keys, hd)
@@ -95,9 +136,9 @@ def _client_checks(torch: Any, master: str, transport: str, out: dict[str, Any])
             c.remove_all(force=True)
         out[f"{transport}_batch_put_from_gbps"] = _gbps(BATCH * SIZE, statistics.median(bput))
         out[f"{transport}_batch_get_into_gbps"] = _gbps(BATCH * SIZE, statistics.median(bget))
-        batch = out[f"{transport}_batch_put_from_gbps"]
-        out[f"{transport}_single_vs_batch_put_from"] = round(
-            out[f"{transport}_put_from_gbps"] / batch, 3) if batch else 0.0
+        # single put_from GB/s over batch_put_from GB/s: the median of the rounds
+        out[f"{transport}_single_vs_batch_put_from"] = round(statistics.median(ratios), 3)
+        out[f"{transport}_single_vs_batch_put_from_rounds"] = [round(x, 3) for x in ratios]
         for h in hs + hd:
             c.unregister_buffer(h)
 

@@ -31,7 +31,7 @@ import time
 import uuid
 import weakref
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -133,6 +133,7 @@ _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
 _COMPLETE = ReplicaStatus.COMPLETE
 _COPIED = (True, "")
 _STALE = int(ErrorCode.STALE_EPOCH)
+_UNREAD = int(ErrorCode.INTERNAL_ERROR)  # a batch read's result before the key is decided
 _UNSET: Any = object()
 _BIG_COPY = 1 << 20  # InlineShm decides per segment and size bucket (below / from 1 MiB)
 _NO_CAPS: list[bytes] = []
@@ -589,6 +590,8 @@ class Client:
                     via_engine.append(j)
             inline.copies += copied
         if via_engine:
+            via_engine = self._copy_gpu_direct(write, jobs, via_engine)
+        if via_engine:
             t = self._transfer_mod
             top = t.TransferOp.WRITE if write else t.TransferOp.READ
             make = t.TransferRequest
@@ -606,6 +609,29 @@ class Client:
                 if codes is not None:
                     codes[j] = st.code
         return results
+
+    def _copy_gpu_direct(self, write: bool, jobs: list[tuple[Any, ReplicaDescriptor, int]],
+                         todo: list[int]) -> list[int]:
+        """Copy the jobs of ``todo`` that are registered GPU buffers and same-host
+        memory segments straight through the engine's shm transport (one
+        stream, one wait: no per-request work items); the rest, or all of them
+        when that path does not apply or fails, are returned for the engine."""
+        gpu = [j for j in todo if type(jobs[j][0]) is BufferHandle and jobs[j][0].device == "cuda"]
+        if not gpu:
+            return todo
+        try:
+            done = self._engine.copy_gpu_shm(
+                [(jobs[j][0], jobs[j][1].segment_id, jobs[j][1].offset, jobs[j][2]) for j in gpu],
+                write)
+        except KVPoolError as exc:  # the engine path retries and reports per request
+            log.debug("direct GPU shm %s failed: %s", "write" if write else "read", exc)
+            return todo
+        if not done:
+            return todo
+        if len(gpu) == len(todo):
+            return []
+        moved = set(gpu)
+        return [j for j in todo if j not in moved]
 
     def _revoke(self, keys: list[str]) -> None:
         if not keys:
@@ -889,7 +915,7 @@ class Client:
         located and read once more (not with ``parts``: their results went out)."""
         self._check_open()
         n = len(keys)
-        results: list[int] = [int(ErrorCode.INTERNAL_ERROR)] * n
+        results: list[int] = [_UNREAD] * n
         if n == 0:
             return results
         valid: list[int] = []
@@ -912,22 +938,47 @@ class Client:
         nearest = self._nearest_first
         plans: dict[int, _ReadPlan] = {}
         bufs: dict[int, Any] = {}
-        for pos, i in enumerate(valid):
-            code = res.codes[pos]
-            if code:
-                results[i] = int(self._code(code))
-                continue
-            plan = _ReadPlan(res.sizes[pos], checksums[pos] if checksums else None, deadline,
-                             nearest(res.replicas[pos]), caps)
-            if not plan.replicas:
-                results[i] = int(ErrorCode.OBJECT_NOT_FOUND)
-                continue
-            buf = target(i, plan.size)
-            if buf is None:
-                results[i] = int(ErrorCode.BUFFER_OVERFLOW)
-                continue
-            plans[i] = plan
-            bufs[i] = buf
+        codes, sizes, replicas = res.codes, res.sizes, res.replicas
+
+        def plan_reads(pairs: Iterable[tuple[int, int]]) -> None:
+            # (reply position, key index) -> a plan and a buffer, or a result code
+            for pos, i in pairs:
+                code = codes[pos]
+                if code:
+                    results[i] = int(self._code(code))
+                    continue
+                plan = _ReadPlan(sizes[pos], checksums[pos] if checksums else None, deadline,
+                                 nearest(replicas[pos]), caps)
+                if not plan.replicas:
+                    results[i] = int(ErrorCode.OBJECT_NOT_FOUND)
+                    continue
+                buf = target(i, plan.size)
+                if buf is None:
+                    results[i] = int(ErrorCode.BUFFER_OVERFLOW)
+                    continue
+                plans[i] = plan
+                bufs[i] = buf
+
+        if parts is not None:
+            # planned part by part: part 0's copies start before the later
+            # parts' keys are planned (a pipelined consumer waits for part 0)
+            pos_of = None if len(valid) == n else {i: pos for pos, i in enumerate(valid)}
+            planned: set[int] = set()
+            for p, part in enumerate(parts):
+                todo = [i for i in part if i not in planned and results[i] == _UNREAD]
+                planned.update(todo)
+                plan_reads([(i if pos_of is None else pos_of[i], i) for i in todo])
+                self._read_plans(keys, plans, bufs, outs, results, [i for i in part if i in plans])
+                if on_part is not None:
+                    on_part(p, [results[i] for i in part])
+            rest = [i for i in valid if i not in planned]
+            if rest:  # keys in no part are located (their codes set), not read
+                plan_reads([(i if pos_of is None else pos_of[i], i) for i in rest])
+                for i in rest:
+                    if i in plans:
+                        results[i] = _UNREAD
+            return results
+        plan_reads(enumerate(valid))
         if parts is None:
             self._read_plans(keys, plans, bufs, outs, results, list(plans))
             stale = [i for i in plans if results[i] == _STALE] if reask_stale else []
@@ -945,10 +996,6 @@ class Client:
                         if sub_outs is not None and j in sub_outs:
                             outs[i] = sub_outs[j]
             return results
-        for p, part in enumerate(parts):
-            self._read_plans(keys, plans, bufs, outs, results, [i for i in part if i in plans])
-            if on_part is not None:
-                on_part(p, [results[i] for i in part])
         return results
 
     def _read_plans(self, keys: Sequence[str], plans: dict[int, _ReadPlan],

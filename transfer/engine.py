@@ -735,6 +735,44 @@ class TransferEngine:
                     log.warning("transport %s paused for %.1fs towards %s after repeated "
                                 "failures", sb.transport, slot.settings.cooldown_s, peer)
 
+    def copy_gpu_shm(self, jobs: Sequence[tuple[BufferHandle, str, int, int]], write: bool) -> bool:
+        """Copy ``(GPU buffer, segment id, segment offset, bytes)`` jobs (from byte
+        0 of each buffer) through the ``shm`` transport directly, without work
+        items or sub-batches: one stream, one wait (see ``ShmTransport.copy_gpu``).
+        Returns False, having copied nothing, unless every job is a GPU
+        :class:`BufferHandle` and a same-host memory segment that the selector
+        sends GPU buffers of that size to ``shm`` first (the caller then submits
+        the jobs as a batch). Raises TransferError when a copy failed."""
+        slot = self._slots.get("shm")
+        copy = getattr(slot.transport, "copy_gpu", None) if slot is not None else None
+        if copy is None or self._closed:
+            return False
+        segs: dict[str, tuple[SegmentDescriptor, LocalSegment | None]] = {}
+        by_device: dict[int, list[tuple[SegmentDescriptor, LocalSegment | None, int, int,
+                                        int]]] = {}
+        memory = SegmentKind.MEMORY
+        for buf, sid, off, n in jobs:
+            if type(buf) is not BufferHandle or buf.device != "cuda" or n > buf.length \
+                    or (not write and buf.readonly):
+                return False
+            found = segs.get(sid)
+            if found is None:
+                try:
+                    found = segs[sid] = self._segment(sid)
+                except TransferError:
+                    return False
+                if found[0].kind != memory or found[0].host_id != self._host_id:
+                    return False
+            rule = self._rule_for(memory, True, "cuda", n)
+            if rule is None or not rule.transports or rule.transports[0] != "shm":
+                return False
+            desc, local = found
+            by_device.setdefault(buf.device_index, []).append((desc, local, off, buf.ptr, n))
+        independent = copies_independent()
+        for device, items in by_device.items():
+            copy(items, write, device, independent)
+        return True
+
     def run(self, requests: Sequence[TransferRequest], timeout: float) -> list[RequestStatus]:
         """Run a batch, in the calling thread where one transport serves it, and
         wait at most ``timeout`` seconds. Never raises for a slow batch: a

@@ -13,6 +13,7 @@ import pytest
 from kvpool.transfer import MemorySegment, TransferEngine, load_transfer_config
 from kvpool.transfer.peer import PeerProcess
 from support.factories import closing_factory
+from support.fake_cuda import fake_cuda  # noqa: F401 (a fixture of the GPU-path tests)
 
 
 class Peer(PeerProcess):

@@ -73,3 +73,28 @@ def test_selector_picks_shm_for_same_host_gpu(make_engine: Any, make_peer: Any) 
     e.add_peer_segment(peer.desc)
     shm = e.transport("shm")
     assert shm is not None and shm.supports(peer.desc.kind, True, "cuda")
+
+
+def test_direct_gpu_shm_copies(make_engine: Any, make_peer: Any) -> None:
+    """copy_gpu_shm on a real GPU: adjacent ranges merged, others apart, both ways."""
+    if "torch" not in _libs():
+        pytest.skip("torch with CUDA is not importable")
+    import torch
+
+    peer = make_peer(8 << 20, host_id="host-test")
+    e = make_engine("host-test")
+    e.add_peer_segment(peer.desc)
+    n = 1 << 20
+    data = np.random.default_rng(9).integers(0, 256, 3 * n, dtype=np.uint8)
+    src = torch.from_numpy(data).cuda()
+    hs = [as_buffer(src[k * n:(k + 1) * n]) for k in range(3)]
+    offs = [0, n, 5 * n]  # objects 0 and 1 adjacent in the segment
+    assert e.copy_gpu_shm([(h, peer.segment_id, o, n) for h, o in zip(hs, offs, strict=True)],
+                          write=True)
+    for k, o in enumerate(offs):
+        assert peer.crc(o, n) == zlib.crc32(data[k * n:(k + 1) * n].tobytes())
+    dst = torch.zeros(3 * n, dtype=torch.uint8, device="cuda")
+    hd = [as_buffer(dst[k * n:(k + 1) * n]) for k in range(3)]
+    assert e.copy_gpu_shm([(h, peer.segment_id, o, n) for h, o in zip(hd, offs, strict=True)],
+                          write=False)
+    assert torch.equal(dst, src)

@@ -242,6 +242,62 @@ class ShmTransport(Transport):
             raise TransferError(f"CUDA copy failed: {exc}", ErrorCode.TRANSFER_FAIL) from exc
         return (device, stream), region
 
+    def copy_gpu(self, jobs: Sequence[tuple[SegmentDescriptor, LocalSegment | None, int, int, int]],
+                 write: bool, device: int, independent: bool) -> None:
+        """Copy every job ``(segment, owned segment or None, segment offset, GPU
+        address, bytes)`` between GPU memory on ``device`` and same-host memory
+        segments (``write``: GPU -> segment), with no work items: the engine's
+        per-request bookkeeping costs more than queueing a DMA, and a batch's
+        copies are its hot path (a pipelined KV load, a GPU put). The copies are
+        queued back to back on one stream (ranges adjacent on both sides merged
+        into one copy) and waited for once. Raises TransferError (ranges are
+        checked before anything is queued; a CUDA error fails the whole call)."""
+        rt, reason = cuda_runtime()
+        if rt is None:
+            raise TransferError(reason, ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
+        if self.closed:
+            raise TransferError("shm transport closed", ErrorCode.CLOSED)
+        bases: dict[str, tuple[int, int]] = {}
+        keep: list[np.ndarray] = []  # mappings stay referenced until the copies are done
+        runs: list[list[int]] = []  # [segment address, GPU address, bytes]
+        total = 0
+        for seg, local, off, gpu_ptr, n in jobs:
+            found = bases.get(seg.segment_id)
+            if found is None:
+                m = self._mapping(seg, local)
+                self._ensure_registered(m, rt, local if isinstance(local, MemorySegment) else None)
+                keep.append(m.array)
+                found = bases[seg.segment_id] = (m.address, m.array.size)
+            base, size = found
+            if off < 0 or n < 0 or off + n > size:
+                raise TransferError("range outside mapped segment", ErrorCode.OUT_OF_BOUNDS,
+                                    retryable=False)
+            addr = base + off
+            if runs:
+                last = runs[-1]
+                if last[0] + last[2] == addr and last[1] + last[2] == gpu_ptr:
+                    last[2] += n
+                    total += n
+                    continue
+            runs.append([addr, gpu_ptr, n])
+            total += n
+        try:
+            stream = rt.side_stream(device) if independent else LEGACY_STREAM
+            rt.set_device(device)
+            if write:
+                for addr, gpu_ptr, n in runs:
+                    rt.memcpy_async(addr, gpu_ptr, n, stream)
+            else:
+                for addr, gpu_ptr, n in runs:
+                    rt.memcpy_async(gpu_ptr, addr, n, stream)
+            rt.stream_synchronize(stream)
+        except TransferError:
+            raise
+        except Exception as exc:  # a backend's own error type
+            raise TransferError(f"CUDA copy failed: {exc}", ErrorCode.TRANSFER_FAIL) from exc
+        self.bytes_copied += total
+        del keep
+
     def stats(self) -> dict[str, int]:
         return {"mapped_segments": len(self._maps), "bytes_copied": self.bytes_copied}
 
