@@ -26,6 +26,7 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -129,7 +130,7 @@ class KeySpace:
     def blocks_per_chunk(self) -> int:
         return self.chunk_size // self.block_size
 
-    @property
+    @cached_property  # built once: a load names hundreds of object keys
     def prefix(self) -> str:
         model = _SAFE.sub("_", self.model).strip("_") or "model"
         dtype = _SAFE.sub("_", self.kv_dtype.replace("torch.", ""))

@@ -203,10 +203,14 @@ class ObjectLayout:
         self._tstep = torch.tensor([lay.token_stride // rb for lay in layers], device=dev)
         self._tok = torch.arange(first.tokens, device=dev)
         self._L = L
-        # layer selections on the device, made once: building one per call
-        # (torch.tensor(..., device=cuda)) syncs the host with the stream, i.e.
-        # waits for the forward's queued kernels in the middle of a layer-wise load
-        self._sels: dict[tuple[int, ...], Any] = {}
+        # per (layer selection, head range): the rows of block 0 and the block
+        # step, on the device, made once (building them per call costs kernels,
+        # and torch.tensor(..., device=cuda) syncs the host with the stream, i.e.
+        # waits for the forward's queued kernels in the middle of a layer-wise load)
+        self._bases: dict[tuple[tuple[int, ...], int, int], tuple[Any, Any]] = {}
+        # the last block ids moved to the device (a load's layer groups share
+        # them) and the rows made for them per (layer selection, head range)
+        self._last_ids: tuple[tuple[int, ...], Any, dict[Any, Any]] | None = None
 
     def _w(self, t: Any) -> Any:
         """``t`` (uint8, last dim contiguous) as 8-byte words when allowed."""
@@ -228,24 +232,47 @@ class ObjectLayout:
         """Row numbers ``[chunks, heads, layers, blocks, tokens]`` (object order)."""
         import torch
 
-        for ids in block_ids:
-            if len(ids) != self.bpc:
-                raise ConfigError(f"chunk has {len(ids)} blocks, expected {self.bpc}")
+        for chunk in block_ids:
+            if len(chunk) != self.bpc:
+                raise ConfigError(f"chunk has {len(chunk)} blocks, expected {self.bpc}")
         if not 0 <= h0 < h1 <= self.heads:
             raise ConfigError(f"head range {h0}:{h1} outside 0..{self.heads}")
         dev = self.device
-        b = torch.tensor(block_ids, dtype=torch.long).to(dev, non_blocking=True)
-        key = tuple(layer_sel)
-        sel = self._sels.get(key)
-        if sel is None:
-            sel = self._sels[key] = torch.tensor(key, dtype=torch.long, device=dev)
-        h = torch.arange(h0, h1, device=dev)
-        C, nl = len(block_ids), len(layer_sel)
-        rows = (self._off[sel].view(1, 1, nl, 1, 1)
-                + b.view(C, 1, 1, self.bpc, 1) * self._bstep[sel].view(1, 1, nl, 1, 1)
-                + h.view(1, -1, 1, 1, 1) * self._hstep[sel].view(1, 1, nl, 1, 1)
-                + self._tok.view(1, 1, 1, 1, -1) * self._tstep[sel].view(1, 1, nl, 1, 1))
+        ids = tuple(x for chunk in block_ids for x in chunk)
+        key = (tuple(layer_sel), h0, h1)
+        last = self._last_ids  # one read: async loads scatter from another thread
+        if last is not None and last[0] == ids:
+            b, made = last[1], last[2]  # the next layer group of the same chunks
+            rows = made.get(key)
+            if rows is not None:
+                return rows
+        else:
+            b = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+            made = {}
+            self._last_ids = (ids, b, made)
+        found = self._bases.get(key)
+        if found is None:
+            sel = torch.tensor(key[0], dtype=torch.long, device=dev)
+            nl = len(layer_sel)
+            h = torch.arange(h0, h1, device=dev)
+            base = (self._off[sel].view(1, 1, nl, 1, 1)
+                    + h.view(1, -1, 1, 1, 1) * self._hstep[sel].view(1, 1, nl, 1, 1)
+                    + self._tok.view(1, 1, 1, 1, -1) * self._tstep[sel].view(1, 1, nl, 1, 1))
+            found = self._bases[key] = (base, self._bstep[sel].view(1, 1, nl, 1, 1))
+        base, bstep = found
+        # rows of chunk c, block j: base + block id * block step (two kernels)
+        rows = made[key] = base + b.view(len(block_ids), 1, 1, self.bpc, 1) * bstep
         return rows
+
+    def prepare_scatter(self, block_ids: list[list[int]], layer_sels: Sequence[Sequence[int]],
+                        h0: int, h1: int) -> None:
+        """Make the rows :meth:`scatter` of chunks ``block_ids`` writes for each
+        of ``layer_sels`` now (queued on the device, no host sync), ahead of the
+        data: a layer-wise load does this before its first group arrives, so a
+        scatter right after an arrival only launches its copy."""
+        safe = [[x if x >= 0 else 0 for x in ids] for ids in block_ids]
+        for sel in layer_sels:
+            self._index(safe, sel, h0, h1)
 
     def warm_up(self, scratch: Any) -> None:
         """Run the kernels :meth:`gather` and :meth:`scatter` use once (GPUs load

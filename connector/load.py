@@ -24,11 +24,13 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
-from typing import Any
+from itertools import accumulate
+from typing import Any, overload
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.geometry import CacheGeometry
@@ -45,6 +47,8 @@ from kvpool.transfer.gpu import independent_copies
 __all__ = ["LoadJob", "LoadPipeline", "LoadResult", "Started"]
 
 log = logging.getLogger("kvpool.connector")
+
+_HANDOFF_S = 0.0002  # the fetch thread's pause after a load's first group arrived
 
 
 @dataclass
@@ -79,6 +83,35 @@ class _Chunk:
     failed: bool = False
 
 
+class _StagingViews(Sequence[BufferHandle]):
+    """One GPU :class:`BufferHandle` per object of a load, into consecutive
+    ranges of one staging tensor, each made when the store asks for it (the
+    read plans a part at a time: later parts' handles are made while earlier
+    parts move)."""
+
+    def __init__(self, buf: Any, sizes: list[int]) -> None:
+        self._buf = buf
+        self._base = int(buf.data_ptr())
+        self._dev = buf.device.index or 0
+        self._sizes = sizes
+        self._offsets = list(accumulate(sizes, initial=0))
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    @overload
+    def __getitem__(self, i: int) -> BufferHandle: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[BufferHandle]: ...
+
+    def __getitem__(self, i: int | slice) -> BufferHandle | Sequence[BufferHandle]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return BufferHandle(ptr=self._base + self._offsets[i], length=self._sizes[i],
+                            device="cuda", device_index=self._dev, owner=self._buf)
+
+
 @dataclass
 class LoadJob:
     """The reads of some requests' chunks: keys per layer group, staging
@@ -88,7 +121,7 @@ class LoadJob:
     chunks: list[_Chunk]
     deadline: float  # monotonic
     keys: list[str] = field(default_factory=list)
-    bufs: list[Any] = field(default_factory=list)
+    bufs: Sequence[Any] = field(default_factory=list)
     parts: list[list[int]] = field(default_factory=list)  # per group: key indices
     key_chunk: list[int] = field(default_factory=list)  # key index -> chunk index
     key_size: list[int] = field(default_factory=list)
@@ -202,22 +235,24 @@ class LoadPipeline:
                 ev.set()
             return
         job.buf, job.token = taken
-        pos = 0
-        if self._geo().cuda:  # handles made directly: no tensor slice per object
-            base, dev = job.buf.data_ptr(), job.buf.device.index or 0
-            for size in job.key_size:
-                job.bufs.append(BufferHandle(ptr=base + pos, length=size, device="cuda",
-                                             device_index=dev, owner=job.buf))
-                pos += size
+        if self._geo().cuda:  # handles made when read: no tensor slice per object
+            job.bufs = _StagingViews(job.buf, job.key_size)
         else:
+            pos = 0
+            bufs = []
             for size in job.key_size:
-                job.bufs.append(job.buf[pos : pos + size])
+                bufs.append(job.buf[pos : pos + size])
                 pos += size
+            job.bufs = bufs
 
         def on_part(p: int, results: list[int]) -> None:
             job.results[p] = results
             job.part_s[p] = time.perf_counter() - job.started
             job.arrived[p].set()
+            if p == 0:
+                # hand the GIL to the forward, which waits for this part:
+                # planning the next part here would otherwise keep it waiting
+                time.sleep(_HANDOFF_S)
 
         def run() -> None:
             try:
@@ -407,6 +442,7 @@ class LoadPipeline:
                 job = self.plan(batches[0])
                 self.fetch(job)
                 self._active = job
+                self._prepare_scatter(job)
                 return Started.LAYERWISE
             except Exception as exc:  # never fail the step: recompute instead
                 log.exception("kvpool: load planning crashed: %s", exc)
@@ -422,6 +458,20 @@ class LoadPipeline:
             with self._lock:
                 self._errors |= failed
         return Started.RAN
+
+    def _prepare_scatter(self, job: LoadJob) -> None:
+        """Queue the scatter indices of every group of ``job`` while its first
+        group is still on the way (the common case of finish_group: every
+        chunk whole and of this rank's heads)."""
+        geo = self._geo()
+        own = (geo.heads.first, geo.heads.end)
+        if not job.chunks or not all((ch.lo, ch.hi) == own for ch in job.chunks):
+            return
+        try:
+            geo.objects.prepare_scatter([ch.ref.block_ids for ch in job.chunks], geo.groups, 0,
+                                        geo.heads.count)
+        except Exception as exc:  # only an optimisation: the scatters make their own
+            log.debug("preparing scatter indices failed: %s", exc)
 
     def _fail_specs(self, specs: list[LoadSpec]) -> None:
         with self._lock:
