@@ -2,11 +2,12 @@
 layer group, never failing a request.
 
 One :class:`LoadJob` per step's sync loads: :meth:`LoadPipeline.start` plans
-the reads and issues ONE ``batch_get_into_parts`` (one master RPC, then one
-transfer batch per layer group, in layer order) on a fetch thread and
-returns; :meth:`LoadPipeline.wait_for_layer` waits only for that layer's
-group and scatters it into the blocks on the caller's (forward's) thread, so
-loading layer group ``g + 1`` overlaps computing group ``g``. The fetch's
+the reads and issues ONE ``batch_get_into_parts`` (two master RPCs, the
+first layer group's keys then the rest's, and one transfer batch per layer
+group, in layer order) on a fetch thread and returns;
+:meth:`LoadPipeline.wait_for_layer` waits only for that layer's group and
+scatters it into the blocks on the caller's (forward's) thread, so loading
+layer group ``g + 1`` overlaps computing group ``g``. The fetch's
 GPU copies run on a stream of their own
 (:func:`kvpool.transfer.gpu.independent_copies`): on the legacy default
 stream each would wait for the forward's queued kernels, and every load
@@ -460,16 +461,18 @@ class LoadPipeline:
         return Started.RAN
 
     def _prepare_scatter(self, job: LoadJob) -> None:
-        """Queue the scatter indices of every group of ``job`` while its first
-        group is still on the way (the common case of finish_group: every
-        chunk whole and of this rank's heads)."""
+        """Queue the first group's scatter indices while its data is still on
+        the way (the common case of finish_group: every chunk whole and of
+        this rank's heads). Only the first: later groups' indices are made
+        while the forward computes, and this thread holds the GIL the fetch
+        thread needs to send its RPC."""
         geo = self._geo()
         own = (geo.heads.first, geo.heads.end)
         if not job.chunks or not all((ch.lo, ch.hi) == own for ch in job.chunks):
             return
         try:
-            geo.objects.prepare_scatter([ch.ref.block_ids for ch in job.chunks], geo.groups, 0,
-                                        geo.heads.count)
+            geo.objects.prepare_scatter([ch.ref.block_ids for ch in job.chunks], geo.groups[:1],
+                                        0, geo.heads.count)
         except Exception as exc:  # only an optimisation: the scatters make their own
             log.debug("preparing scatter indices failed: %s", exc)
 

@@ -927,75 +927,138 @@ class Client:
                 results[i] = int(ErrorCode.INVALID_KEY)
         if not valid:
             return results
-        t0 = time.monotonic()
-        res = self._call(BatchGetReplicaList([keys[i] for i in valid] if len(valid) < n
-                                             else list(keys)))
-        self._learn_segments(res.segments)
-        ttl_ms = res.lease_ttl_ms
-        deadline = t0 + ttl_ms / 1000.0 if ttl_ms else float("inf")
-        caps = res.caps
-        checksums = res.checksums
-        nearest = self._nearest_first
+        if parts is not None:
+            return self._read_parts(keys, target, outs, parts, on_part, results, valid)
+        res, deadline = self._locate_many([keys[i] for i in valid] if len(valid) < n
+                                          else list(keys))
         plans: dict[int, _ReadPlan] = {}
         bufs: dict[int, Any] = {}
-        codes, sizes, replicas = res.codes, res.sizes, res.replicas
+        self._plan_reads(res, deadline, enumerate(valid), target, plans, bufs, results)
+        self._read_plans(keys, plans, bufs, outs, results, list(plans))
+        stale = [i for i in plans if results[i] == _STALE] if reask_stale else []
+        if stale:  # a failover: the current leader grants afresh
+            log.info("%d key(s) refused as of an older master term; asking again", len(stale))
+            sub_outs: dict[int, bytes] | None = {} if outs is not None else None
+            again = self._batch_read([keys[i] for i in stale],
+                                     lambda j, size: target(stale[j], size), sub_outs,
+                                     reask_stale=False)
+            for j, i in enumerate(stale):
+                results[i] = again[j]
+                if outs is not None:
+                    outs.pop(i, None)
+                    if sub_outs is not None and j in sub_outs:
+                        outs[i] = sub_outs[j]
+        return results
 
-        def plan_reads(pairs: Iterable[tuple[int, int]]) -> None:
-            # (reply position, key index) -> a plan and a buffer, or a result code
-            for pos, i in pairs:
-                code = codes[pos]
-                if code:
-                    results[i] = int(self._code(code))
-                    continue
-                plan = _ReadPlan(sizes[pos], checksums[pos] if checksums else None, deadline,
-                                 nearest(replicas[pos]), caps)
-                if not plan.replicas:
-                    results[i] = int(ErrorCode.OBJECT_NOT_FOUND)
-                    continue
-                buf = target(i, plan.size)
-                if buf is None:
-                    results[i] = int(ErrorCode.BUFFER_OVERFLOW)
-                    continue
-                plans[i] = plan
-                bufs[i] = buf
+    def _locate_many(self, keys: list[str]) -> tuple[Any, float]:
+        """One BATCH_GET_REPLICA_LIST: the reply and its read lease's deadline."""
+        t0 = time.monotonic()
+        res = self._call(BatchGetReplicaList(keys))
+        self._learn_segments(res.segments)
+        ttl_ms = res.lease_ttl_ms
+        return res, (t0 + ttl_ms / 1000.0 if ttl_ms else float("inf"))
 
-        if parts is not None:
-            # planned part by part: part 0's copies start before the later
-            # parts' keys are planned (a pipelined consumer waits for part 0)
-            pos_of = None if len(valid) == n else {i: pos for pos, i in enumerate(valid)}
-            planned: set[int] = set()
-            for p, part in enumerate(parts):
-                todo = [i for i in part if i not in planned and results[i] == _UNREAD]
-                planned.update(todo)
-                plan_reads([(i if pos_of is None else pos_of[i], i) for i in todo])
-                self._read_plans(keys, plans, bufs, outs, results, [i for i in part if i in plans])
-                if on_part is not None:
-                    on_part(p, [results[i] for i in part])
-            rest = [i for i in valid if i not in planned]
-            if rest:  # keys in no part are located (their codes set), not read
-                plan_reads([(i if pos_of is None else pos_of[i], i) for i in rest])
-                for i in rest:
-                    if i in plans:
-                        results[i] = _UNREAD
-            return results
-        plan_reads(enumerate(valid))
-        if parts is None:
-            self._read_plans(keys, plans, bufs, outs, results, list(plans))
-            stale = [i for i in plans if results[i] == _STALE] if reask_stale else []
-            if stale:  # a failover: the current leader grants afresh
-                log.info("%d key(s) refused as of an older master term; asking again",
-                         len(stale))
-                sub_outs: dict[int, bytes] | None = {} if outs is not None else None
-                again = self._batch_read([keys[i] for i in stale],
-                                         lambda j, size: target(stale[j], size), sub_outs,
-                                         reask_stale=False)
-                for j, i in enumerate(stale):
-                    results[i] = again[j]
-                    if outs is not None:
-                        outs.pop(i, None)
-                        if sub_outs is not None and j in sub_outs:
-                            outs[i] = sub_outs[j]
-            return results
+    def _plan_reads(self, res: Any, deadline: float, pairs: Iterable[tuple[int, int]],
+                    target: Callable[[int, int], Any], plans: dict[int, _ReadPlan],
+                    bufs: dict[int, Any], results: list[int]) -> None:
+        """For each ``(reply position, key index)`` of ``pairs``: a read plan and
+        the key's buffer, or its result code (not found, buffer too small...)."""
+        codes, sizes, replicas, checksums, caps = (res.codes, res.sizes, res.replicas,
+                                                   res.checksums, res.caps)
+        nearest = self._nearest_first
+        for pos, i in pairs:
+            code = codes[pos]
+            if code:
+                results[i] = int(self._code(code))
+                continue
+            plan = _ReadPlan(sizes[pos], checksums[pos] if checksums else None, deadline,
+                             nearest(replicas[pos]), caps)
+            if not plan.replicas:
+                results[i] = int(ErrorCode.OBJECT_NOT_FOUND)
+                continue
+            buf = target(i, plan.size)
+            if buf is None:
+                results[i] = int(ErrorCode.BUFFER_OVERFLOW)
+                continue
+            plans[i] = plan
+            bufs[i] = buf
+
+    def _read_parts(self, keys: Sequence[str], target: Callable[[int, int], Any],
+                    outs: dict[int, bytes] | None, parts: Sequence[Sequence[int]],
+                    on_part: Callable[[int, list[int]], None] | None, results: list[int],
+                    valid: list[int]) -> list[int]:
+        """The ``parts`` form of :meth:`_batch_read`. A pipelined consumer waits
+        for part 0 first, so its keys are located first, by a small RPC; the
+        other keys by a second RPC sent from a helper thread as soon as the
+        first is answered, so the master answers it while part 0 moves. Keys
+        are planned part by part (their buffers asked for when their part is
+        read). A failed second RPC fails the later parts' keys with its code."""
+        ok = set(valid)
+        first = list(dict.fromkeys(i for i in parts[0] if i in ok))
+        in_first = set(first)
+        rest = list(dict.fromkeys(i for part in parts[1:] for i in part
+                                  if i in ok and i not in in_first))
+        placed = in_first.union(rest)
+        rest += [i for i in valid if i not in placed]  # located (codes set), not read
+        where: dict[int, tuple[int, int]] = {}  # key index -> (reply 0 or 1, position)
+        for pos, i in enumerate(first):
+            where[i] = (0, pos)
+        for pos, i in enumerate(rest):
+            where[i] = (1, pos)
+        replies: list[tuple[Any, float] | None] = [None, None]
+        ahead: list[Any] = []  # the helper thread's (reply, deadline) or exception
+        helper: threading.Thread | None = None
+
+        def locate_rest() -> None:
+            try:
+                ahead.append(self._locate_many([keys[i] for i in rest]))
+            except BaseException as exc:
+                ahead.append(exc)
+
+        if first:
+            replies[0] = self._locate_many([keys[i] for i in first])
+        if rest:
+            helper = threading.Thread(target=locate_rest, name="kvpool-locate", daemon=True)
+            helper.start()
+        plans: dict[int, _ReadPlan] = {}
+        bufs: dict[int, Any] = {}
+        rest_code = 0
+        for p, part in enumerate(parts):
+            if p >= 1 and helper is not None:
+                helper.join()
+                helper = None
+                got = ahead[0]
+                if isinstance(got, BaseException):
+                    if not isinstance(got, KVPoolError):
+                        raise got
+                    rest_code = int(self._code(got.code))
+                    log.warning("locating %d key(s) for later parts failed: %s", len(rest), got)
+                else:
+                    replies[1] = got
+            todo = [i for i in part if i in where and results[i] == _UNREAD
+                    and (p == 0 or where[i][0] == 1)]
+            for r in (0, 1):
+                mine = [(where[i][1], i) for i in todo if where[i][0] == r]
+                reply = replies[r]
+                if not mine:
+                    continue
+                if reply is None:  # the second RPC failed
+                    for _pos, i in mine:
+                        results[i] = rest_code or int(ErrorCode.INTERNAL_ERROR)
+                    continue
+                self._plan_reads(reply[0], reply[1], mine, target, plans, bufs, results)
+            self._read_plans(keys, plans, bufs, outs, results, [i for i in todo if i in plans])
+            if on_part is not None:
+                on_part(p, [results[i] for i in part])
+        if helper is not None:  # one part only: the rest are just located
+            helper.join()
+            got = ahead[0]
+            if isinstance(got, tuple):
+                self._plan_reads(got[0], got[1], [(where[i][1], i) for i in rest], target,
+                                 plans, bufs, results)
+        for i in rest:
+            if i in plans and i not in placed:
+                results[i] = _UNREAD  # located, not read: as before any read
         return results
 
     def _read_plans(self, keys: Sequence[str], plans: dict[int, _ReadPlan],
@@ -1168,13 +1231,17 @@ class Client:
     def batch_get_into_parts(self, keys: Sequence[str], buffers: Sequence[Any],
                              parts: Sequence[Sequence[int]],
                              on_part: Callable[[int, list[int]], None]) -> list[int]:
-        """:meth:`batch_get_into` for pipelined consumers: ONE master RPC locates
-        every key, then the keys of ``parts`` (lists of indices into ``keys``)
-        are read part after part, one transfer batch each, and ``on_part(p,
-        results)`` runs after part ``p`` (results as in batch_get_into, in the
-        part's order) so the caller can use it while later parts still move.
-        Indices in no part are not read. All parts share the read lease of the
-        one RPC: parts still unread when it ends fail with LEASE_EXPIRED."""
+        """:meth:`batch_get_into` for pipelined consumers: the keys of ``parts``
+        (lists of indices into ``keys``) are read part after part, one transfer
+        batch each, and ``on_part(p, results)`` runs after part ``p`` (results
+        as in batch_get_into, in the part's order) so the caller can use it
+        while later parts still move. Two master RPCs locate the keys: one for
+        part 0's, answered first, and one for the others, sent at once from a
+        helper thread so that it is answered while part 0 moves (the caller
+        waits only for part 0's lookup and copies). Indices in no part are
+        located, not read. Each RPC's read lease covers its keys: parts still
+        unread when it ends fail with LEASE_EXPIRED; a failed second RPC fails
+        the later parts' keys with its code (part 0's results stand)."""
         self._check_open()
         if len(keys) != len(buffers):
             raise StoreError(f"{len(keys)} keys but {len(buffers)} buffers",
