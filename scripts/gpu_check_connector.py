@@ -26,6 +26,10 @@ client`` node daemon on this machine. Two parts:
    - ``hidden_fraction = (ttft_serial - ttft_pipelined) / load_s``: the part
      of the load time hidden behind compute (goal >= 0.8; at most
      ``1 - 1/groups``: the first group's load has nothing to hide behind).
+   - ``hidden_vs_arrived = 1 - (ttft_pipelined - forward_after_arrival) /
+     load_s``: the same against a forward whose data had all arrived before
+     it started (same scatters on its path): what remains is the wait for
+     the first group and the forward's slowdown while DMAs run beside it.
    Loaded bytes are verified after the pipelined run; ``group_arrival_ms``:
    when each layer group of the last pipelined run had arrived (ms after
    ``start_load_kv``); ``forward_after_arrival_s``: a layer-wise forward
@@ -298,7 +302,11 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                  "hidden_fraction": (serial_s - pipe_s) / load_s if load_s else None,
                  "hidden_bound": 1 - 1 / groups, "bytes_equal": ok,
                  "group_arrival_ms": part_ms,
-                 "forward_after_arrival_s": after_s}
+                 "forward_after_arrival_s": after_s,
+                 # the load's time that still shows in the pipelined forward,
+                 # against one whose data had all arrived (same scatters)
+                 "exposed_vs_arrived_s": pipe_s - after_s,
+                 "hidden_vs_arrived": 1 - (pipe_s - after_s) / load_s if load_s else None}
             out.append(r)
             print(f"pipeline groups={groups} hit={n_chunks * ct} compute={tokens} tok "
                   f"({per_layer_ms:.2f} ms/layer): load {1000 * load_s:.1f} ms, compute "
