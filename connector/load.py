@@ -30,19 +30,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
-from itertools import accumulate
-from typing import Any, overload
+from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.geometry import CacheGeometry
 from kvpool.connector.keys import head_ranges
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec
 from kvpool.connector.report import StepReport
-from kvpool.connector.staging import MAX_LOAD_BUFFERS, StagingBuffers, release
+from kvpool.connector.staging import MAX_LOAD_BUFFERS, StagingBuffers, StagingViews, release
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess
 from kvpool.core.config import ConfigError
-from kvpool.transfer.buffers import BufferHandle
 from kvpool.transfer.gpu import independent_copies
 
 __all__ = ["LoadJob", "LoadPipeline", "LoadResult", "Started"]
@@ -82,35 +80,6 @@ class _Chunk:
     hi: int
     ranges: list[tuple[int, int]]  # head ranges of the objects read
     failed: bool = False
-
-
-class _StagingViews(Sequence[BufferHandle]):
-    """One GPU :class:`BufferHandle` per object of a load, into consecutive
-    ranges of one staging tensor, each made when the store asks for it (the
-    read plans a part at a time: later parts' handles are made while earlier
-    parts move)."""
-
-    def __init__(self, buf: Any, sizes: list[int]) -> None:
-        self._buf = buf
-        self._base = int(buf.data_ptr())
-        self._dev = buf.device.index or 0
-        self._sizes = sizes
-        self._offsets = list(accumulate(sizes, initial=0))
-
-    def __len__(self) -> int:
-        return len(self._sizes)
-
-    @overload
-    def __getitem__(self, i: int) -> BufferHandle: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[BufferHandle]: ...
-
-    def __getitem__(self, i: int | slice) -> BufferHandle | Sequence[BufferHandle]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        return BufferHandle(ptr=self._base + self._offsets[i], length=self._sizes[i],
-                            device="cuda", device_index=self._dev, owner=self._buf)
 
 
 @dataclass
@@ -237,7 +206,7 @@ class LoadPipeline:
             return
         job.buf, job.token = taken
         if self._geo().cuda:  # handles made when read: no tensor slice per object
-            job.bufs = _StagingViews(job.buf, job.key_size)
+            job.bufs = StagingViews(job.buf, job.key_size)
         else:
             pos = 0
             bufs = []

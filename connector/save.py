@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,7 +26,7 @@ from typing import Any
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.geometry import CacheGeometry
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, SaveSpec
-from kvpool.connector.staging import StagingBuffers
+from kvpool.connector.staging import StagingBuffers, StagingViews
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess
 from kvpool.core.config import ConfigError
@@ -40,7 +40,7 @@ log = logging.getLogger("kvpool.connector")
 _SAVE_WAIT_S = 120.0  # a save job waits this long for its forward's layers
 
 
-def _batch_put_from(client: Any, keys: list[str], bufs: list[Any], config: Any) -> list[Any]:
+def _batch_put_from(client: Any, keys: list[str], bufs: Sequence[Any], config: Any) -> list[Any]:
     # the buffer was gathered on the save stream and synchronised: the copies
     # need not queue behind the forward's kernels on the default stream
     with independent_copies():
@@ -209,7 +209,8 @@ class SaveQueue:
                 buf = self.staging.save_buffer(len(batch) * ob)
                 self._gather(job.events[g], batch, g, buf)
                 keys = [geo.object_key(c.hash, g, heads) for c in batch]
-                bufs = [buf[i * ob : (i + 1) * ob] for i in range(len(batch))]
+                bufs: Sequence[Any] = (StagingViews(buf, [ob] * len(batch)) if geo.cuda
+                                       else [buf[i * ob : (i + 1) * ob] for i in range(len(batch))])
                 batches += 1
                 staged += len(batch)
                 try:

@@ -20,13 +20,16 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from itertools import accumulate
+from typing import Any, overload
 
 from kvpool.connector.geometry import CacheGeometry
 from kvpool.core.errors import KVPoolError
+from kvpool.transfer.buffers import BufferHandle
 
-__all__ = ["MAX_LOAD_BUFFERS", "StagingBuffers", "release"]
+__all__ = ["MAX_LOAD_BUFFERS", "StagingBuffers", "StagingViews", "release"]
 
 log = logging.getLogger("kvpool.connector")
 
@@ -148,3 +151,33 @@ class StagingBuffers:
             except Exception as exc:
                 log.debug("kvpool: unregister: %s", exc)
         self._handles.clear()
+
+
+class StagingViews(Sequence[BufferHandle]):
+    """One GPU :class:`BufferHandle` per object, into consecutive ranges of one
+    CUDA staging tensor, each made when the store asks for it (a pipelined
+    read plans a part at a time: later parts' handles are made while earlier
+    parts move). Handles take the store's direct GPU path (no tensor per
+    object, DMAs of adjacent objects merged)."""
+
+    def __init__(self, buf: Any, sizes: list[int]) -> None:
+        self._buf = buf
+        self._base = int(buf.data_ptr())
+        self._dev = buf.device.index or 0
+        self._sizes = sizes
+        self._offsets = list(accumulate(sizes, initial=0))
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    @overload
+    def __getitem__(self, i: int) -> BufferHandle: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[BufferHandle]: ...
+
+    def __getitem__(self, i: int | slice) -> BufferHandle | Sequence[BufferHandle]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return BufferHandle(ptr=self._base + self._offsets[i], length=self._sizes[i],
+                            device="cuda", device_index=self._dev, owner=self._buf)
