@@ -1,0 +1,95 @@
+"""``Client.batch_get_into_parts``: part 0's keys located by their own RPC,
+the others' by a second RPC from a helper thread while part 0 moves; edge
+cases of that split, against a real master and node daemon."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import BatchGetReplicaList
+from kvpool.store import Client
+from kvpool.store.errors import MasterUnreachable, StoreError
+
+
+def _stored(c: Client, key: Callable[[str], str], n: int) -> tuple[list[str], list[bytes]]:
+    keys = [key(f"p{i}") for i in range(n)]
+    vals = [bytes([i + 1]) * (3000 + i) for i in range(n)]
+    for k, v in zip(keys, vals, strict=True):
+        c.put(k, v)
+    return keys, vals
+
+
+def test_two_lookups_first_part_first(daemons: Any, make_client: Callable[..., Client],
+                                      key: Callable[[str], str]) -> None:
+    c = make_client()
+    keys, vals = _stored(c, key, 6)
+    asked: list[list[str]] = []
+    real_call = c._call
+
+    def recording(req: Any) -> Any:
+        if isinstance(req, BatchGetReplicaList):
+            asked.append(list(req.keys))
+        return real_call(req)
+
+    c._call = recording  # type: ignore[method-assign]
+    bufs = [np.zeros(4000, np.uint8) for _ in keys]
+    seen: list[tuple[int, list[int]]] = []
+    # key 1 is in parts 0 and 1 (read once, reported twice); key 5 in no part
+    res = c.batch_get_into_parts(keys, bufs, [[2, 1], [1, 0], [3, 4]],
+                                 lambda p, r: seen.append((p, r)))
+    assert asked[0] == [keys[2], keys[1]]  # part 0's keys alone, first
+    assert sorted(asked[1]) == sorted([keys[0], keys[3], keys[4], keys[5]])
+    assert len(asked) == 2
+    assert seen == [(0, [3002, 3001]), (1, [3001, 3000]), (2, [3003, 3004])]
+    assert res[:5] == [3000, 3001, 3002, 3003, 3004]
+    assert res[5] == int(ErrorCode.INTERNAL_ERROR)  # located, not read
+    for i in range(5):
+        assert bytes(bufs[i][: 3000 + i]) == vals[i]
+    assert not bufs[5].any()
+
+
+def test_failed_second_lookup_fails_only_later_parts(daemons: Any,
+                                                     make_client: Callable[..., Client],
+                                                     key: Callable[[str], str]) -> None:
+    c = make_client()
+    keys, vals = _stored(c, key, 4)
+    real_locate = c._locate_many
+    calls: list[int] = []
+
+    def second_fails(ks: list[str]) -> Any:
+        calls.append(len(ks))
+        if len(calls) == 2:  # fault injection: the master unreachable for the second RPC
+            raise MasterUnreachable("injected: master unreachable", ErrorCode.RPC_FAIL)
+        return real_locate(ks)
+
+    c._locate_many = second_fails  # type: ignore[method-assign]
+    bufs = [np.zeros(4000, np.uint8) for _ in keys]
+    seen: list[tuple[int, list[int]]] = []
+    res = c.batch_get_into_parts(keys, bufs, [[0, 1], [2, 3]],
+                                 lambda p, r: seen.append((p, r)))
+    assert seen[0] == (0, [3000, 3001])
+    assert seen[1][0] == 1 and all(r < 0 for r in seen[1][1])
+    assert res[:2] == [3000, 3001] and res[2] < 0 and res[3] < 0
+    assert bytes(bufs[0][:3000]) == vals[0] and bytes(bufs[1][:3001]) == vals[1]
+    assert not bufs[2].any() and not bufs[3].any()
+
+
+def test_one_part_and_bad_keys(daemons: Any, make_client: Callable[..., Client],
+                               key: Callable[[str], str]) -> None:
+    c = make_client()
+    keys, _vals = _stored(c, key, 2)
+    bufs = [np.zeros(4000, np.uint8) for _ in range(4)]
+    all_keys = [keys[0], "", keys[1], key("absent")]
+    res = c.batch_get_into_parts(all_keys, bufs, [[0, 1, 3]], lambda p, r: None)
+    assert res[0] == 3000 and res[1] == int(ErrorCode.INVALID_KEY)
+    assert res[2] == int(ErrorCode.INTERNAL_ERROR)  # in no part: located, not read
+    assert res[3] == int(ErrorCode.OBJECT_NOT_FOUND)
+    assert not bufs[2].any()
+    with pytest.raises(StoreError) as info:
+        c.batch_get_into_parts(all_keys, bufs[:2], [[0]], lambda p, r: None)
+    assert info.value.code == ErrorCode.INVALID_PARAMS
