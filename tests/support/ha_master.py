@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any, Self
 
-from kvpool.cluster.processes import ManagedProcess, find_free_port
+from kvpool.cluster.processes import ManagedProcess, find_free_port, unlink_master_socket
 
 __all__ = ["HaGroup", "HaMasterProcess", "health"]
 
@@ -92,6 +92,9 @@ class HaMasterProcess(ManagedProcess):
     def health(self) -> dict[str, Any] | None:
         return health(self.metrics_port) if self.running else None
 
+    def _cleanup(self) -> None:
+        unlink_master_socket(self.port)  # left behind when it was killed
+
 
 class HaGroup:
     """``n`` instances of one cluster id sharing an etcd."""
@@ -137,7 +140,7 @@ class HaGroup:
     def close(self) -> None:
         for m in self.members:
             with contextlib.suppress(Exception):
-                m.stop()
+                m.close()
 
     def __enter__(self) -> Self:
         try:
