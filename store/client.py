@@ -753,12 +753,26 @@ class Client:
         return term != 0 and self._term() != term \
             and not getattr(self._rpc_local, "redoing", False)
 
+    def _send_commit(self, request: Request[R]) -> R:
+        """Send a commit (PUT_END, BATCH_PUT_END). One answered
+        WRITE_OUTCOME_UNKNOWN (applied at a leader that could not replicate
+        it in time, and no successor named since) is sent once more: a
+        committed key's PUT_END answers OK, which the leader holds back until
+        what it shows is replicated (or a successor answers it, as above)."""
+        try:
+            return self._call(request)
+        except MasterUnreachable as exc:
+            if exc.code != ErrorCode.WRITE_OUTCOME_UNKNOWN:
+                raise
+            log.info("%s: %s; sending it again", request.OP.name, exc)
+            return self._call(request)
+
     def _commit_one(self, key: str, term: int) -> None:
         """PUT_END of ``key``, reserved in master term ``term``. Raises
         _ReservationLost when a failover lost the reservation (the caller puts
         again), else what PUT_END raises."""
         try:
-            self._call(PutEnd(self.client_id, key))
+            self._send_commit(PutEnd(self.client_id, key))
         except ObjectNotFound as exc:
             if not self._term_changed(term):
                 raise
@@ -772,7 +786,7 @@ class Client:
         answered OBJECT_NOT_FOUND (every committed key of an upsert) are put
         again by ``redo(positions in keys)``, which returns their codes; a
         redo's own commit does not redo again."""
-        end = self._call(BatchPutEnd(self.client_id, keys))
+        end = self._send_commit(BatchPutEnd(self.client_id, keys))
         codes = [self._code(c) for c in end.codes]
         bad = ErrorCode.OBJECT_NOT_FOUND
         lost = [p for p, c in enumerate(codes) if c == bad or (upsert and c == ErrorCode.OK)]

@@ -10,9 +10,12 @@ bytes, and leave nothing reserved there."""
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +51,14 @@ def group(etcd: EtcdProcess, tmp_path: Path) -> Iterator[HaGroup]:
         yield g
 
 
-class _FailoverAfterCopy:
+class _AfterCopy:
     """Wraps a client's write step (``_copy_batch``, or ``write_ranges``
     for multi-part puts, whose small parts are gathered straight into the
-    segment before it): after the first one has copied its bytes, kill -9 the
-    leader and wait until a successor serves with an in-sync standby, so the
-    put's commit goes to the new leader."""
+    segment before it): once the first one has copied its bytes, runs
+    ``action`` before the put goes on to its commit."""
 
-    def __init__(self, client: Client, method: str, group: HaGroup,
-                 leader: HaMasterProcess) -> None:
-        self.group = group
-        self.leader = leader
+    def __init__(self, client: Client, method: str, action: Callable[[], None]) -> None:
+        self.action = action
         self.fired = False
         self.writes = 0
         self._write_arg = method == "_copy_batch"
@@ -72,10 +72,20 @@ class _FailoverAfterCopy:
             self.writes += 1
         if write and not self.fired:
             self.fired = True
-            assert all(ok for ok, _err in out), out  # the bytes are in the old grant's space
-            self.leader.kill()
-            self.group.wait_leader(in_sync=1, exclude=self.leader, timeout_s=20)
+            assert all(ok for ok, _err in out), out  # the bytes are in the grant's space
+            self.action()
         return out
+
+
+def _failover(group: HaGroup, leader: HaMasterProcess) -> Callable[[], None]:
+    """kill -9 the leader and wait until a successor serves with an in-sync
+    standby, so the put's commit goes to the new leader."""
+
+    def action() -> None:
+        leader.kill()
+        group.wait_leader(in_sync=1, exclude=leader, timeout_s=20)
+
+    return action
 
 
 @pytest.mark.parametrize("path", ["put", "batch_put_from", "batch_put_parts", "upsert"])
@@ -96,9 +106,8 @@ def test_put_whose_leader_died_before_its_commit_succeeds_at_the_new_leader(
             assert codes == [ErrorCode.OK] * len(keys)
             salt = b"new"
         values = [_value(k, n, salt) for k, n in zip(keys, sizes, strict=True)]
-        hook = _FailoverAfterCopy(
-            client, "write_ranges" if path == "batch_put_parts" else "_copy_batch",
-            group, leader)
+        hook = _AfterCopy(client, "write_ranges" if path == "batch_put_parts" else "_copy_batch",
+                          _failover(group, leader))
         t0 = time.monotonic()
         if path == "put":
             client.put(keys[0], values[0])
@@ -130,3 +139,43 @@ def test_put_whose_leader_died_before_its_commit_succeeds_at_the_new_leader(
                 while (used := mc.call(Stats()).memory_used) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 assert used == 0
+
+
+def test_put_whose_commit_outcome_was_unknown_is_committed_again(
+        etcd: EtcdProcess, tmp_path: Path) -> None:
+    """The only standby freezes between a put's copy and its commit: the
+    leader applies the PUT_END, cannot replicate it and answers
+    WRITE_OUTCOME_UNKNOWN (no successor comes). The standby back in sync,
+    the client's second PUT_END is answered OK once the object is replicated:
+    the put succeeds, with no new reservation."""
+    with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path), n=2) as group:
+        leader = group.wait_leader(in_sync=1, streaming=1)
+        standby = next(m for m in group.members if m is not leader)
+        assert standby.pid is not None
+        pid = standby.pid
+        with NodeDaemonProcess(group.url, memory="64MiB"), \
+                Client(ClientConfig(master_address=group.url, memory_size=0,
+                                    rpc_timeout_s=2.0)) as client:
+            thaw = threading.Timer(2.0, os.kill, (pid, signal.SIGCONT))
+
+            def freeze() -> None:
+                os.kill(pid, signal.SIGSTOP)
+                thaw.start()  # after the leader gave up on it (sync_timeout_s 0.5 s, twice)
+
+            hook = _AfterCopy(client, "_copy_batch", lambda: freeze())
+            value = _value("unknown", 10000)
+            try:
+                t0 = time.monotonic()
+                client.put("unknown", value)
+                took = time.monotonic() - t0
+            finally:
+                thaw.cancel()
+                os.kill(pid, signal.SIGCONT)
+            print(f"put committed {took:.2f}s after a commit of unknown outcome")
+            assert hook.fired and hook.writes == 1  # committed again, not put again
+            assert took > 2.0  # it did wait for the standby
+            assert client.get("unknown") == value
+            assert group.wait_leader(in_sync=1) is leader
+            with MasterClient(group.url, timeout_s=3.0) as mc:
+                st = mc.call(Stats())
+                assert st.pending == 0 and st.objects == 1, st
