@@ -26,10 +26,12 @@ from typing import IO, Any, Self
 
 from kvpool.core.config import parse_size
 from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.local_socket import default_socket_path, remove_stale_socket
 from kvpool.core.protocol import ListSegments, Stats
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
 
-__all__ = ["ManagedProcess", "MasterProcess", "NodeDaemonProcess", "find_free_port"]
+__all__ = ["ManagedProcess", "MasterProcess", "NodeDaemonProcess", "find_free_port",
+           "unlink_master_socket"]
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +48,8 @@ class ManagedProcess:
     """The subprocess lifecycle shared by the test helpers (MasterProcess here,
     NodeDaemonProcess): spawn with output to ``log_path``,
     ``stop()`` (SIGTERM, then SIGKILL after a timeout), ``kill()`` (SIGKILL),
-    ``restart()``, ``log_tail()`` and the context manager (start on enter,
-    stop and ``_cleanup()`` on exit). Subclasses define ``start()`` (spawn via
+    ``restart()``, ``log_tail()``, ``close()`` (stop and ``_cleanup()``) and
+    the context manager (start on enter, close on exit). Subclasses define ``start()`` (spawn via
     ``_spawn()`` and wait until ready), ``log_path`` and ``_what`` (the name
     in log messages).
     """
@@ -127,17 +129,20 @@ class ManagedProcess:
     def _cleanup(self) -> None:
         """Remove what this helper created (run on context exit, after ``stop()``)."""
 
+    def close(self) -> None:
+        """``stop()``, then remove what this helper created (the context exit)."""
+        self.stop()
+        self._cleanup()
+
     def __enter__(self) -> Self:
         try:
             return self.start()
         except BaseException:  # __exit__ will not run: do its work here
-            self.stop()
-            self._cleanup()
+            self.close()
             raise
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
-        self._cleanup()
+        self.close()
 
 
 def _unlink_quietly(path: str) -> None:
@@ -145,6 +150,17 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def unlink_master_socket(port: int) -> None:
+    """Remove the local-RPC socket file a master on ``port`` left when it was
+    killed (kill -9 skips its own unlink); one a live process listens on stays."""
+    path = default_socket_path(port)
+    try:
+        if not remove_stale_socket(path):
+            log.debug("%s is served by a live process: kept", path)
+    except OSError as exc:
+        log.warning("could not check %s: %s", path, exc)
 
 
 class MasterProcess(ManagedProcess):
@@ -251,6 +267,7 @@ class MasterProcess(ManagedProcess):
     def _cleanup(self) -> None:
         if not self.data_dir:
             _unlink_quietly(self.log_path)
+        unlink_master_socket(self.port)
 
 
 class NodeDaemonProcess(ManagedProcess):

@@ -189,6 +189,12 @@ class MasterClient:
         self.spin_small_s = _SPIN_SMALL_S
 
     @property
+    def epoch(self) -> int:
+        """The leader term (election epoch) this stub's calls go to: that of
+        the leader which answered the last call; 0 for a single master."""
+        return self._epoch
+
+    @property
     def local(self) -> bool:
         """Whether calls currently go over a direct socket (Unix or TCP)."""
         return self._usock is not None

@@ -34,7 +34,6 @@ import errno
 import logging
 import os
 import socket
-import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from typing import Any
 import zmq
 
 from kvpool.core.errors import ErrorCode
+from kvpool.core.local_socket import default_socket_path, remove_stale_socket
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
 from kvpool.core.protocol import encode_error
 
@@ -55,11 +55,6 @@ _MAX_OUT = 256 << 20  # a client that does not read its replies is dropped
 _MAX_CONNS = 4096
 # plain ints: enum arithmetic costs ~1 µs per operation on the hot path
 _POLLIN, _POLLOUT, _POLLERR = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.POLLERR)
-
-
-def default_socket_path(port: int) -> str:
-    """``$TMPDIR/kvpool-master-<uid>-<port>.sock``."""
-    return os.path.join(tempfile.gettempdir(), f"kvpool-master-{os.getuid()}-{port}.sock")
 
 
 @dataclass(eq=False)
@@ -141,20 +136,8 @@ class LocalRpcServer:
     @staticmethod
     def _claim_path(path: str) -> None:
         """Remove a stale socket file; refuse to take a live master's."""
-        if not os.path.lexists(path):
-            return
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(0.5)
-            probe.connect(path)
-        except OSError as exc:
-            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK):
-                os.unlink(path)  # left behind by a master that died
-                return
-            raise
-        finally:
-            probe.close()
-        raise OSError(errno.EADDRINUSE, f"another master serves {path}")
+        if not remove_stale_socket(path):
+            raise OSError(errno.EADDRINUSE, f"another master serves {path}")
 
     def register(self, poller: zmq.Poller) -> None:
         self._poller = poller

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import logging
 import os
 import statistics
 import sys
@@ -270,6 +271,25 @@ def _await_leader(cands: list[Any], not_this: Any, timeout_s: float) -> Any:
     raise RuntimeError("no leader elected")
 
 
+class _RedoCounter(logging.Handler):
+    """Counts the store client's log lines of a put done again (its reservation
+    lost to the failover, or a stale grant) and of a commit sent again."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.puts = self.commits = 0
+        log = logging.getLogger("kvpool.store.client")
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.endswith("asking the master again") or msg.endswith("putting them again"):
+            self.puts += 1
+        elif msg.endswith("sending it again"):
+            self.commits += 1
+
+
 def _value(key: str, size: int) -> bytes:
     import hashlib
 
@@ -290,6 +310,7 @@ def cmd_failover(args: argparse.Namespace) -> dict[str, Any]:
     times: list[float] = []
     failed_puts = 0
     acked: dict[str, int] = {}
+    redone = _RedoCounter()
     lost = corrupt = 0
     with EtcdProcess() as etcd, tempfile.TemporaryDirectory() as tmp, \
             HaGroup(etcd.endpoint, f"bench-{uuid.uuid4().hex[:6]}", tmp) as group, \
@@ -323,8 +344,10 @@ def cmd_failover(args: argparse.Namespace) -> dict[str, Any]:
         th.start()
         try:
             for _ in range(args.kills):
-                leader = group.wait_leader(in_sync=1, streaming=2, timeout_s=30)
+                group.wait_leader(in_sync=1, streaming=2, timeout_s=30)
                 time.sleep(1.0)  # load on the settled group
+                # the leader now (on a loaded box a lease can lapse during the sleep)
+                leader = group.wait_leader(in_sync=1, streaming=2, timeout_s=30)
                 first_ok.clear()
                 t_kill[0] = time.monotonic()
                 leader.kill()
@@ -351,6 +374,7 @@ def cmd_failover(args: argparse.Namespace) -> dict[str, Any]:
             "put_again_min_s": round(times[0], 3) if times else None,
             "put_again_s": [round(t, 3) for t in times],
             "acknowledged_puts": len(acked), "failed_puts": failed_puts,
+            "puts_done_again": redone.puts, "commits_sent_again": redone.commits,
             "lost": lost, "corrupt": corrupt, "errors_sample": errors[-3:],
             "loadavg_1m": os.getloadavg()[0]}
 

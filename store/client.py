@@ -32,7 +32,7 @@ import uuid
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -502,7 +502,9 @@ class Client:
         """Store the bytes of ``buffer`` (host or GPU, raw or a registered BufferHandle)
         under ``key`` without an intermediate copy. Errors as :meth:`put`; a
         write refused for a grant of an older master term (HA failover) is
-        revoked and the put asked of the master once more (then StaleEpoch)."""
+        revoked and the put asked of the master once more (then StaleEpoch), and
+        a put whose reservation a master failover lost before its commit is
+        done again at the new leader, once (see :meth:`_commit_batch`)."""
         self._check_open()
         self._valid_key(key)
         size = buffer_nbytes(buffer)
@@ -512,7 +514,7 @@ class Client:
         groups = self._groups(config, 1)
         try:
             self._put_once(key, buffer, size, config, checksum, groups)
-        except StaleEpoch as exc:
+        except (StaleEpoch, _ReservationLost) as exc:
             log.info("put %r: %s; asking the master again", key, exc)
             self._put_once(key, buffer, size, config, checksum, groups)
 
@@ -520,6 +522,7 @@ class Client:
                   checksum: Any, groups: list[str] | None) -> None:
         res = self._call(PutStart(self.client_id, key, size, self._put_options(config),
                                   checksum, None if groups is None else groups[0]))
+        term = self._term()
         self._learn_segments(res.segments)
         replicas = res.replicas
         try:
@@ -540,7 +543,7 @@ class Client:
         except BaseException:
             self._revoke([key])
             raise
-        self._call(PutEnd(self.client_id, key))
+        self._commit_one(key, term)
 
     def _copy_batch(self, write: bool, jobs: list[tuple[Any, ReplicaDescriptor, int]],
                     timeout: float, caps: list[bytes],
@@ -704,6 +707,7 @@ class Client:
         start = BatchUpsertStart if upsert else BatchPutStart
         res = self._call(start(self.client_id, put_keys, put_sizes, self._put_options(config),
                                checksums, None if groups is None else [groups[i] for i in idx]))
+        term = self._term()
         self._learn_segments(res.segments)
         jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
         owner: list[int] = []  # job -> key index
@@ -737,10 +741,14 @@ class Client:
         else:
             done = ok_pos
         if done:
-            end = self._call(BatchPutEnd(self.client_id, [put_keys[pos] for pos in done]))
-            for pos, code in zip(done, end.codes, strict=True):
-                if code:
-                    codes[idx[pos]] = self._code(code)
+            at = [idx[pos] for pos in done]
+            ends = self._commit_batch(
+                [put_keys[pos] for pos in done], term, upsert,
+                lambda lost: self.batch_put_from(
+                    [keys[at[p]] for p in lost], [buffers[at[p]] for p in lost],
+                    _config_for(config, [at[p] for p in lost]), upsert))
+            for i, code in zip(at, ends, strict=True):
+                codes[i] = code
         return codes
 
     @staticmethod
@@ -749,6 +757,77 @@ class Client:
             return ErrorCode(int(code))
         except ValueError:
             return ErrorCode.INTERNAL_ERROR
+
+    # ------------------------------------------------------------------ a put across a failover
+    # In-flight reservations are not in the HA replication stream: a master
+    # failover between a put's PUT_START (granted by the old leader) and its
+    # PUT_END loses the reservation, and the new leader answers the commit
+    # OBJECT_NOT_FOUND (or, for an upsert of a key it holds, OK for the old
+    # value). Such a put is done again at the current leader, once. The old
+    # reservation is not revoked: its space belonged to the old term, and the
+    # new leader never counted it as taken.
+
+    def _term(self) -> int:
+        """The master term (leader epoch) of this thread's last call; 0 for a
+        single master, whose reservations no failover loses."""
+        master = getattr(self._rpc_local, "master", None)
+        return (master if master is not None else self._thread_master()).epoch
+
+    def _term_changed(self, term: int) -> bool:
+        """Whether a commit of a key reserved in master term ``term`` went to
+        another term's leader, and is not itself a redo's (done once)."""
+        return term != 0 and self._term() != term \
+            and not getattr(self._rpc_local, "redoing", False)
+
+    def _send_commit(self, request: Request[R]) -> R:
+        """Send a commit (PUT_END, BATCH_PUT_END). One answered
+        WRITE_OUTCOME_UNKNOWN (applied at a leader that could not replicate
+        it in time, and no successor named since) is sent once more: a
+        committed key's PUT_END answers OK, which the leader holds back until
+        what it shows is replicated (or a successor answers it, as above)."""
+        try:
+            return self._call(request)
+        except MasterUnreachable as exc:
+            if exc.code != ErrorCode.WRITE_OUTCOME_UNKNOWN:
+                raise
+            log.info("%s: %s; sending it again", request.OP.name, exc)
+            return self._call(request)
+
+    def _commit_one(self, key: str, term: int) -> None:
+        """PUT_END of ``key``, reserved in master term ``term``. Raises
+        _ReservationLost when a failover lost the reservation (the caller puts
+        again), else what PUT_END raises."""
+        try:
+            self._send_commit(PutEnd(self.client_id, key))
+        except ObjectNotFound as exc:
+            if not self._term_changed(term):
+                raise
+            raise _ReservationLost(f"put {key!r}: the reservation of master term {term} "
+                                   f"was lost to a failover: {exc}") from exc
+
+    def _commit_batch(self, keys: list[str], term: int, upsert: bool,
+                      redo: Callable[[list[int]], list[ErrorCode]]) -> list[ErrorCode]:
+        """BATCH_PUT_END of ``keys``, reserved in master term ``term``; per key
+        OK or why not. When the commit went to another term's leader, the keys
+        answered OBJECT_NOT_FOUND (every committed key of an upsert) are put
+        again by ``redo(positions in keys)``, which returns their codes; a
+        redo's own commit does not redo again."""
+        end = self._send_commit(BatchPutEnd(self.client_id, keys))
+        codes = [self._code(c) for c in end.codes]
+        bad = ErrorCode.OBJECT_NOT_FOUND
+        lost = [p for p, c in enumerate(codes) if c == bad or (upsert and c == ErrorCode.OK)]
+        if not lost or not self._term_changed(term):
+            return codes
+        log.info("%d of %d puts reserved in master term %d committed in term %d: "
+                 "putting them again", len(lost), len(keys), term, self._term())
+        self._rpc_local.redoing = True
+        try:
+            again = redo(lost)
+        finally:
+            self._rpc_local.redoing = False
+        for p, code in zip(lost, again, strict=True):
+            codes[p] = code
+        return codes
 
     # ------------------------------------------------------------------ get
 
@@ -1420,6 +1499,7 @@ class Client:
         if self._checksum_algo is not None:
             checksums = [parts_checksum(self._checksum_algo, ps) for ps in parts]
         held = self.batch_put_reserve(keys, sizes, config, checksums, upsert)
+        term = self._term()
         codes = [rv.code for rv in held]
         reserved = [i for i, c in enumerate(codes) if c == ErrorCode.OK]
         give_back: Callable[[], None] | None = None
@@ -1449,8 +1529,14 @@ class Client:
                 codes[i] = ErrorCode.TRANSFER_FAIL
         self.batch_put_abort([keys[i] for i in reserved if codes[i] != ErrorCode.OK])
         good = [i for i in reserved if codes[i] == ErrorCode.OK]
-        for i, code in zip(good, self.batch_put_commit([keys[i] for i in good]), strict=True):
-            codes[i] = code
+        if good:
+            ends = self._commit_batch(
+                [keys[i] for i in good], term, upsert,
+                lambda lost: self.batch_put_parts(
+                    [keys[good[p]] for p in lost], [parts[good[p]] for p in lost],
+                    _config_for(config, [good[p] for p in lost]), upsert))
+            for i, code in zip(good, ends, strict=True):
+                codes[i] = code
         return codes
 
     def _device_staging(self, device: int, nbytes: int
@@ -1945,6 +2031,18 @@ def _flat_u8(buf: Any) -> np.ndarray | None:
             and buf.flags.c_contiguous:
         return buf
     return host_array(buf)
+
+
+class _ReservationLost(ObjectNotFound):
+    """A put's commit reached a new master leader that never heard of its
+    reservation (granted by the old one): the put is done again."""
+
+
+def _config_for(config: ReplicateConfig | None, idx: Sequence[int]) -> ReplicateConfig | None:
+    """``config`` for the keys at ``idx`` of a batch (``group_ids`` picked)."""
+    if config is None or config.group_ids is None:
+        return config
+    return replace(config, group_ids=[config.group_ids[i] for i in idx])
 
 
 @dataclass(slots=True)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -82,12 +83,28 @@ _RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hell
 _SYNC_RETRY_S = 0.1  # after a failed write of the in-sync set, the next one waits this long
 
 
-def _free_port(host: str) -> int:
-    import socket
+_HOLD_RETRY_S = 0.1  # a deposed leader takes its port back this often until it can
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+
+def _hold_port(host: str, port: int) -> socket.socket:
+    """Take ``host:port`` (0: a free port) for as long as the socket is open: a
+    TCP listener nothing accepts on. While an instance does not lead, this
+    keeps the replication port it advertises: no other process can listen
+    there and the kernel gives it to no outgoing connection, so the port is
+    still free when the instance is elected. (SO_REUSEADDR, as ZeroMQ: the
+    connections a killed earlier run left in TIME_WAIT do not block it.)"""
+    name = None if host in ("", "*") else host.strip("[]")
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    s = socket.socket(family, kind, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(addr)
+        s.listen(1)  # a listener: with SO_REUSEADDR, a bound socket alone blocks no one
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 class HaNode:
@@ -102,7 +119,14 @@ class HaNode:
         target = parse_etcd_url(cfg.etcd, cfg.cluster_id or None)
         advertise = cfg.advertise or f"{cfg.host}:{rpc_port}"
         adv_host = advertise.rsplit(":", 1)[0]
-        self.repl_port = cfg.replication_port or _free_port(cfg.host)
+        # the replication port, held from now on whenever no source is bound to it
+        try:
+            self._hold: socket.socket | None = _hold_port(cfg.host, cfg.replication_port)
+        except OSError as exc:
+            raise OSError(exc.errno, f"replication port {cfg.host}:{cfg.replication_port}: "
+                          f"{exc.strerror}") from exc
+        self._next_hold = 0.0
+        self.repl_port = int(self._hold.getsockname()[1])
         self.repl_bind = f"tcp://{cfg.host}:{self.repl_port}"
         self.me = MemberInfo(
             instance_id=advertise, address=advertise,
@@ -167,6 +191,7 @@ class HaNode:
         if self.source is not None:
             self.source.close()
             self.source = None
+        self._release_port()
         self.sync_writer.close()
         self.elector.close(resign=True)
 
@@ -239,6 +264,23 @@ class HaNode:
         return [SOFT_PINS_RECORD, [[k, round(soft[k] * 1000 + delta_ms)] for k in keys
                                    if k in soft]]
 
+    def _release_port(self) -> None:
+        if self._hold is not None:
+            self._hold.close()
+            self._hold = None
+
+    def _retake_port(self) -> None:
+        """Hold the replication port again after a source let it go (ZeroMQ
+        closes its listener asynchronously: retried until it is free)."""
+        now = time.monotonic()
+        if self._hold is not None or self.source is not None or now < self._next_hold:
+            return
+        try:
+            self._hold = _hold_port(self.cfg.host, self.repl_port)
+        except OSError as exc:
+            self._next_hold = now + _HOLD_RETRY_S
+            log.debug("replication port %d not held yet: %s", self.repl_port, exc)
+
     def follower_tick(self) -> bool:
         """Follow the leader etcd names; True once this instance is elected."""
         st = self.elector.state()
@@ -246,6 +288,7 @@ class HaNode:
         assert sink is not None
         if st.role is Role.LEADER:
             return True
+        self._retake_port()
         if st.epoch:
             sink.observe_epoch(st.epoch)
         leader = st.leader
@@ -317,6 +360,7 @@ class HaNode:
         """The replication source on our port. A leader deposed and elected
         again at once binds the port its last source just closed: ZeroMQ
         releases it asynchronously, so retry briefly."""
+        self._release_port()
         deadline = time.monotonic() + _REBIND_S
         while True:
             try:

