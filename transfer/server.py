@@ -280,7 +280,7 @@ class TransferServer:
         codes: list[int] = []
         segs: list[LocalSegment | None] = []
         err = ""
-        known: dict[str, LocalSegment | KVPoolError] = {}
+        known: dict[str, LocalSegment | tuple[ErrorCode, str]] = {}
         max_n = self._max_request
         verifier = self.verify_capability
         ntable = len(table)
@@ -288,15 +288,6 @@ class TransferServer:
         for it in items:
             sid, off, n, ref = it.seg, it.off, it.len, it.cap
             try:
-                seg = known.get(sid)
-                if seg is None:
-                    try:
-                        seg = self._segment_for(top, sid)
-                    except KVPoolError as exc:
-                        seg = exc
-                    known[sid] = seg
-                if isinstance(seg, KVPoolError):
-                    raise seg
                 if type(ref) is int:  # an index into the request's table
                     if not 0 <= ref < ntable:
                         raise KVPoolError(f"capability index {ref} outside the request's "
@@ -304,6 +295,16 @@ class TransferServer:
                     cap = table[ref]
                 else:
                     cap = cast(bytes, ref)
+                seg = known.get(sid)
+                if seg is None:
+                    try:
+                        seg = self._segment_for(top, sid)
+                    except KVPoolError as exc:  # kept as (code, text): no traceback cycle
+                        seg = (exc.code, _msg(exc))
+                    known[sid] = seg
+                if type(seg) is tuple:
+                    raise KVPoolError(seg[1], seg[0])
+                seg = cast(LocalSegment, seg)
                 if n > max_n:
                     raise KVPoolError(f"request of {n} bytes exceeds {max_n}",
                                       ErrorCode.FRAME_TOO_LARGE)
