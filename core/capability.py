@@ -324,8 +324,8 @@ def verify(
 class _Grant:
     """A verified token, ready for cheap range checks.
 
-    ``exact`` maps each granted offset to its longest length: a request for
-    a granted range (the common case) is one dictionary lookup; anything
+    ``exact`` maps each granted offset to a length granted there: a request
+    for a granted range (the common case) is one dictionary lookup; anything
     else falls back to a binary search over the sorted ranges (built on
     first need)."""
 
@@ -340,12 +340,9 @@ class _Grant:
         self.nonce = nonce
         self.epoch = epoch
         self.flat = flat
-        exact: dict[int, int] = {}
-        get = exact.get
-        for o, n in zip(flat[::2], flat[1::2], strict=True):
-            if n >= get(o, -1):
-                exact[o] = n
-        self.exact = exact
+        # a repeated offset keeps one of its lengths: a shorter one only sends
+        # the check to the binary search, which sees every range
+        self.exact = dict(zip(flat[::2], flat[1::2], strict=True))
         self._starts: list[int] | None = None
         self._reach: list[int] = []
 
@@ -384,7 +381,7 @@ class _Grant:
     def _covers(self, lo: int, hi: int) -> bool:
         # every range starting at or before lo is a candidate; one covers
         # [lo, hi) iff the furthest end among them reaches hi
-        if self._starts is None:
+        if self._starts is None:  # _reach first: a reader that sees _starts sees it
             f = self.flat
             spans = sorted(zip(f[::2], f[1::2], strict=True))
             self._reach = list(itertools.accumulate((o + n for o, n in spans), max))

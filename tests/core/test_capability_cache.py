@@ -41,7 +41,7 @@ def _pair(leeway_ms: int = 0, cache_size: int = 1024) -> tuple[CapabilitySigner,
 
 def test_exact_offset_fast_path_never_widens_a_grant() -> None:
     signer, v = _pair()
-    # duplicate offset with two lengths, adjacent ranges, one far range
+    # a repeated offset with two lengths (the shorter last), adjacent ranges, one far range
     flat = [0, 4096, 0, 100, 4096, 4096, 1 << 20, 10]
     tok = signer.grant_ranges(SEG, flat, int(CapOp.WRITE), signer.expiry())
     for off, n in [(0, 4096), (0, 100), (0, 0), (4096, 4096), (1 << 20, 10), (1 << 20, 3),
