@@ -344,8 +344,8 @@ class BulkServer:
         codes, segs, err = self._check(req)
         reply = _frame(wire.BulkReply(req.id, codes, err))
         if req.op == TransferOp.WRITE:
-            if any(s is None and not 0 <= it.len <= self._max_req
-                   for it, s in zip(req.items, segs, strict=True)):
+            if None in segs and any(s is None and not 0 <= it.len <= self._max_req
+                                    for it, s in zip(req.items, segs, strict=True)):
                 # a refused range whose payload length cannot be trusted: the
                 # stream cannot be kept in step; answer, then close
                 stream.write([reply], deadline)
