@@ -213,7 +213,7 @@ class Journal:
                 self._syncing = False
 
     def wait_fsync(self, timeout_s: float = 10.0) -> bool:
-        """Wait until no background fsync is in flight (tests, shutdown); False on timeout."""
+        """Wait until no background fsync is in flight (for tests); False on timeout."""
         deadline = time.monotonic() + timeout_s
         while self._syncing:
             if time.monotonic() >= deadline:
