@@ -13,9 +13,12 @@ One token covers every range a reply grants on one segment (up to
 ``MAX_RANGES``; a larger batch gets several tokens), so the master signs once
 per batch and segment instead of once per key (packing the ranges is one
 ``struct.pack``; the MAC runs in C over them), and a verifier that has seen a
-token checks the next request presenting the same token with one dictionary
-lookup and a binary search, no MAC (:class:`CapabilityVerifier` keeps the
-verified tokens of each segment until they expire or the key changes).
+token checks the next request presenting the same token with two dictionary
+lookups (the token, then the request's offset among the granted ones; a
+binary search for a range inside a granted one), no MAC
+(:class:`CapabilityVerifier` keeps the last ``cache_size`` verified tokens of
+each segment, until the key changes; each use still checks the epoch, op,
+expiry and range).
 What a token authorizes is unchanged by batching: the exact ranges, the op,
 the expiry, under the segment's key.
 
@@ -62,6 +65,7 @@ import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
@@ -112,6 +116,17 @@ def _ranges_pack(k: int) -> Callable[..., bytes]:
     return p
 
 
+# unpackers of k ranges (``(buffer, offset) -> flat tuple``), made on first use
+_RANGES_UNPACK: dict[int, Callable[[bytes, int], tuple[int, ...]]] = {}
+
+
+def _ranges_unpack(k: int) -> Callable[[bytes, int], tuple[int, ...]]:
+    u = _RANGES_UNPACK.get(k)
+    if u is None:
+        u = _RANGES_UNPACK[k] = struct.Struct(f">{2 * k}Q").unpack_from
+    return u
+
+
 class CapOp(IntEnum):
     """What a capability allows. A READ capability never allows a WRITE and vice versa."""
 
@@ -133,6 +148,9 @@ class CapOp(IntEnum):
             except ValueError:
                 pass
         raise KVPoolError(f"not a capability op: {op!r}", ErrorCode.INVALID_PARAMS)
+
+
+_OPS = {int(op): op for op in CapOp}
 
 
 class DenyReason(StrEnum):
@@ -161,6 +179,9 @@ class CapabilityError(KVPoolError):
         super().__init__(f"capability refused ({reason.value}): {message}",
                          ErrorCode.STALE_EPOCH if reason is DenyReason.STALE_EPOCH
                          else ErrorCode.PERMISSION_DENIED)
+
+
+_time_ns = time.time_ns
 
 
 def wall_clock_ms() -> int:
@@ -244,6 +265,15 @@ def _parse(token: Any) -> tuple[Capability, bytes, bytes]:
     if not isinstance(token, bytes | bytearray | memoryview):
         raise CapabilityError(DenyReason.MALFORMED, f"token is a {type(token).__name__}")
     raw = bytes(token)
+    seg, op, expiry, nonce, epoch, flat, body_end = _fields(raw)
+    ranges = tuple(zip(flat[::2], flat[1::2], strict=True))
+    return (Capability(seg, ranges, op, expiry, nonce, epoch), raw[:body_end],
+            raw[body_end:])
+
+
+def _fields(raw: bytes) -> tuple[str, CapOp, int, int, int, tuple[int, ...], int]:
+    """(segment id, op, expiry, nonce, epoch, flat ranges, body length) of a
+    well-formed token; CapabilityError (MISSING / MALFORMED) otherwise."""
     if not raw:
         raise CapabilityError(DenyReason.MISSING, "no capability presented")
     if len(raw) < _MIN_LENGTH:
@@ -257,14 +287,12 @@ def _parse(token: Any) -> tuple[Capability, bytes, bytes]:
     if len(raw) != body_end + TAG_LENGTH:
         raise CapabilityError(DenyReason.MALFORMED, "token length does not match its header")
     try:
-        cap_op = CapOp(op)
+        cap_op = _OPS[op]
         seg = raw[_HEADER.size:_HEADER.size + seg_len].decode()
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CapabilityError(DenyReason.MALFORMED, f"bad token field: {exc}") from None
-    flat = struct.unpack_from(f">{2 * count}Q", raw, _HEADER.size + seg_len)
-    ranges = tuple(zip(flat[::2], flat[1::2], strict=True))
-    return (Capability(seg, ranges, cap_op, expiry, nonce, epoch), raw[:body_end],
-            raw[body_end:])
+    except (KeyError, UnicodeDecodeError) as exc:
+        raise CapabilityError(DenyReason.MALFORMED, f"bad token field: {exc!r}") from None
+    flat = _ranges_unpack(count)(raw, _HEADER.size + seg_len)
+    return seg, cap_op, expiry, nonce, epoch, flat, body_end
 
 
 def verify(
@@ -294,18 +322,35 @@ def verify(
 
 
 class _Grant:
-    """A verified token, ready for cheap range checks."""
+    """A verified token, ready for cheap range checks.
 
-    __slots__ = ("cap", "epoch", "expiry_ms", "op", "reach", "starts")
+    ``exact`` maps each granted offset to a length granted there: a request
+    for a granted range (the common case) is one dictionary lookup; anything
+    else falls back to a binary search over the sorted ranges (built on
+    first need)."""
 
-    def __init__(self, cap: Capability) -> None:
-        self.cap = cap
-        self.op = cap.op
-        self.expiry_ms = cap.expiry_ms
-        self.epoch = cap.epoch
-        spans = sorted(cap.ranges)
-        self.starts = [o for o, _ in spans]
-        self.reach = list(itertools.accumulate((o + n for o, n in spans), max))
+    __slots__ = ("_reach", "_starts", "epoch", "exact", "expiry_ms", "flat", "nonce", "op",
+                 "segment_id")
+
+    def __init__(self, segment_id: str, op: CapOp, expiry_ms: int, nonce: int, epoch: int,
+                 flat: tuple[int, ...]) -> None:
+        self.segment_id = segment_id
+        self.op = op
+        self.expiry_ms = expiry_ms
+        self.nonce = nonce
+        self.epoch = epoch
+        self.flat = flat
+        # a repeated offset keeps one of its lengths: a shorter one only sends
+        # the check to the binary search, which sees every range
+        self.exact = dict(zip(flat[::2], flat[1::2], strict=True))
+        self._starts: list[int] | None = None
+        self._reach: list[int] = []
+
+    @property
+    def cap(self) -> Capability:
+        f = self.flat
+        return Capability(self.segment_id, tuple(zip(f[::2], f[1::2], strict=True)), self.op,
+                          self.expiry_ms, self.nonce, self.epoch)
 
     def check_epoch(self, min_epoch: int) -> None:
         if self.epoch < min_epoch:
@@ -316,12 +361,18 @@ class _Grant:
 
     def check(self, offset: int, length: int, op: CapOp, now_ms: int | None,
               leeway_ms: int) -> None:
-        if self.op != op:
+        if self.op is not op:
             raise CapabilityError(DenyReason.WRONG_OP,
                                   f"token allows {self.op.name}, not {op.name}")
-        now = wall_clock_ms() if now_ms is None else now_ms
+        now = _time_ns() // 1_000_000 if now_ms is None else now_ms
         if now > self.expiry_ms + leeway_ms:
             raise CapabilityError(DenyReason.EXPIRED, f"expired {now - self.expiry_ms} ms ago")
+        n = self.exact.get(offset)
+        if n is None or not 0 <= length <= n:
+            self.check_range(offset, length)
+
+    def check_range(self, offset: int, length: int) -> None:
+        """OUT_OF_RANGE unless ``[offset, offset + length)`` lies inside one granted range."""
         if length < 0 or not self._covers(offset, offset + length):
             raise CapabilityError(
                 DenyReason.OUT_OF_RANGE,
@@ -330,22 +381,32 @@ class _Grant:
     def _covers(self, lo: int, hi: int) -> bool:
         # every range starting at or before lo is a candidate; one covers
         # [lo, hi) iff the furthest end among them reaches hi
-        i = bisect.bisect_right(self.starts, lo)
-        return i > 0 and self.reach[i - 1] >= hi
+        if self._starts is None:  # _reach first: a reader that sees _starts sees it
+            f = self.flat
+            spans = sorted(zip(f[::2], f[1::2], strict=True))
+            self._reach = list(itertools.accumulate((o + n for o, n in spans), max))
+            self._starts = [o for o, _ in spans]
+        i = bisect.bisect_right(self._starts, lo)
+        return i > 0 and self._reach[i - 1] >= hi
 
 
 def _authentic(token: Any, state: Any, segment_id: str) -> _Grant:
-    cap, body, tag = _parse(token)
-    if cap.segment_id != segment_id:
+    """The grant of ``token`` if it is well formed, for ``segment_id`` and its
+    tag verifies under ``state`` (the segment's keyed MAC state)."""
+    if not isinstance(token, bytes | bytearray | memoryview):
+        raise CapabilityError(DenyReason.MALFORMED, f"token is a {type(token).__name__}")
+    raw = token if type(token) is bytes else bytes(token)
+    seg, op, expiry, nonce, epoch, flat, body_end = _fields(raw)
+    if seg != segment_id:
         raise CapabilityError(
             DenyReason.WRONG_SEGMENT,
-            f"token is for segment {cap.segment_id!r}, request is for {segment_id!r}",
+            f"token is for segment {seg!r}, request is for {segment_id!r}",
         )
     h = state.copy()
-    h.update(body)
-    if not hmac.compare_digest(tag, h.digest()):
+    h.update(memoryview(raw)[:body_end])
+    if not hmac.compare_digest(raw[body_end:], h.digest()):
         raise CapabilityError(DenyReason.FORGED, f"bad signature for segment {segment_id!r}")
-    return _Grant(cap)
+    return _Grant(seg, op, expiry, nonce, epoch, flat)
 
 
 class CapabilitySigner:
@@ -472,9 +533,10 @@ class CapabilityVerifier:
     a Prometheus counter. With ``required=False`` a request without a token
     passes (migration/loopback mode); a token that is present is always checked.
 
-    Verified tokens are kept per segment (up to ``cache_size``, keyed by the
-    whole token, dropped when the segment's key changes), so the requests of
-    one batch pay for one MAC: the rest is a lookup and a range check.
+    Verified tokens are kept per segment (the newest ``cache_size``, keyed
+    by the whole token, the oldest dropped first in O(1), all dropped when
+    the segment's key changes), so the requests of one batch pay for one
+    MAC: the rest is a lookup and the epoch, op, expiry and range checks.
 
     Fencing: ``epoch`` is the highest leader epoch seen, one per verifier
     (a node daemon serves one master group). Authentic tokens and the
@@ -497,7 +559,7 @@ class CapabilityVerifier:
         self._keys: dict[str, tuple[bytes, Any]] = {}
         # segment id -> {token: verified grant}; replaced, never mutated in
         # place, when the key changes (so a reader never sees a stale grant)
-        self._verified: dict[str, dict[bytes, _Grant]] = {}
+        self._verified: dict[str, OrderedDict[bytes, _Grant]] = {}
         self._lock = threading.Lock()
         self.refusals: dict[DenyReason, int] = dict.fromkeys(DenyReason, 0)
         self.accepted = 0
@@ -523,7 +585,7 @@ class CapabilityVerifier:
         key = bytes(key)
         with self._lock:
             self._keys[segment_id] = (key, _mac_state(key))
-            self._verified[segment_id] = {}
+            self._verified[segment_id] = OrderedDict()
 
     def remove_key(self, segment_id: str) -> None:
         with self._lock:
@@ -565,11 +627,24 @@ class CapabilityVerifier:
                 if cache is not None and self._keys.get(segment_id) is entry \
                         and grant.epoch >= self.epoch:
                     if len(cache) >= self.cache_size:
-                        cache.pop(next(iter(cache), b""), None)  # the oldest
+                        try:
+                            cache.popitem(last=False)  # the oldest, O(1)
+                        except KeyError:  # emptied by another thread
+                            pass
                     cache[tok] = grant
             if grant.epoch < self.epoch:
                 grant.check_epoch(self.epoch)
-            grant.check(offset, length, want, None, self.leeway_ms)
+            # Grant.check, inlined: this runs once per range of every transfer
+            if grant.op is not want:
+                raise CapabilityError(DenyReason.WRONG_OP,
+                                      f"token allows {grant.op.name}, not {want.name}")
+            now = _time_ns() // 1_000_000
+            if now > grant.expiry_ms + self.leeway_ms:
+                raise CapabilityError(DenyReason.EXPIRED,
+                                      f"expired {now - grant.expiry_ms} ms ago")
+            n = grant.exact.get(offset)
+            if n is None or not 0 <= length <= n:
+                grant.check_range(offset, length)
         except CapabilityError as exc:
             raise self._refuse(exc) from None
         self.accepted += 1  # approximate under threads; informational only

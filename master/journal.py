@@ -111,7 +111,8 @@ class Journal:
 
     ``append(record)`` buffers; ``commit()`` writes everything buffered with
     one ``write`` and fsyncs per the policy (``always``: now; ``interval``:
-    when ``interval_s`` passed since the last fsync, see ``maybe_fsync``).
+    when ``interval_s`` passed since the last fsync, see ``maybe_fsync``,
+    on a background thread so the master's loop never waits for the disk).
     """
 
     def __init__(self, data_dir: str, seq: int, policy: FsyncPolicy,
@@ -126,6 +127,13 @@ class Journal:
         self._dirty = False
         self._last_fsync = time.monotonic()
         self._fd = self._open(seq)
+        # interval policy: a thread fsyncs a duplicate of the descriptor
+        # (rotation and close need not wait for it); at most one in flight
+        self._syncs: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._syncer: threading.Thread | None = None
+        self._syncing = False
+        self.background_fsyncs = 0  # interval fsyncs done off the loop
+        self.fsync_errors = 0
 
     def _open(self, seq: int) -> int:
         fd = os.open(journal_path(self.data_dir, seq), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
@@ -170,10 +178,48 @@ class Journal:
             self.fsync()
 
     def maybe_fsync(self) -> None:
-        """Interval policy: fsync when due (called from the loop's timer)."""
-        if (self._dirty and self.policy == FsyncPolicy.INTERVAL
+        """Interval policy: when due (called from the loop's timer), start an
+        fsync of everything written so far on the background thread and
+        return at once. One whose predecessor still runs (a slow disk) waits
+        for a later call: written data is fsync'ed no later than the disk
+        allows, and the loop never blocks on it (an fsync took ~10 ms here
+        under load, 10% of the loop's time at the 100 ms default)."""
+        if (self._dirty and not self._syncing and self.policy == FsyncPolicy.INTERVAL
                 and time.monotonic() - self._last_fsync >= self.interval_s):
-            self.fsync()
+            fd = os.dup(self._fd)  # synced and closed by the thread
+            self._dirty = False
+            self._last_fsync = time.monotonic()
+            self._syncing = True
+            if self._syncer is None:
+                self._syncer = threading.Thread(target=self._sync_loop, daemon=True,
+                                                name="kvpool-journal-fsync")
+                self._syncer.start()
+            self._syncs.put(fd)
+
+    def _sync_loop(self) -> None:
+        while True:
+            fd = self._syncs.get()
+            if fd < 0:
+                return
+            try:
+                os.fsync(fd)
+                self.background_fsyncs += 1
+            except OSError as exc:
+                self.fsync_errors += 1
+                self._dirty = True  # try again at the next interval
+                log.error("journal fsync failed: %s", exc)
+            finally:
+                os.close(fd)
+                self._syncing = False
+
+    def wait_fsync(self, timeout_s: float = 10.0) -> bool:
+        """Wait until no background fsync is in flight (for tests); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._syncing:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def fsync(self) -> None:
         os.fsync(self._fd)
@@ -209,6 +255,10 @@ class Journal:
         self.fsync()
         os.close(self._fd)
         self._fd = -1
+        if self._syncer is not None:
+            self._syncs.put(-1)
+            self._syncer.join(timeout=10.0)
+            self._syncer = None
 
 
 def read_journal(path: str, truncate: bool = True) -> tuple[list[Any], bool]:

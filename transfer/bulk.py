@@ -71,9 +71,11 @@ _DONTWAIT = socket.MSG_DONTWAIT
 _MIN_FRAME = 64
 _UNSET: Any = object()
 
-#: (op, segment id, offset, length, capability) -> the segment (anything with
-#: ``view()``, ``write_from()``, ``read_payload()``); raises KVPoolError to refuse.
-RangeValidator = Callable[[TransferOp, str, int, int, bytes], Any]
+#: (op, items, capability table) -> (codes, segments, first error): validates
+#: and counts every range of one request; a segment (anything with ``view()``,
+#: ``write_from()``, ``read_payload()``) where code is 0, None where refused.
+RangeValidator = Callable[[TransferOp, list[wire.BulkItem], list[bytes]],
+                          tuple[list[int], list[Any], str]]
 
 
 class _Stream:
@@ -269,12 +271,13 @@ def _frame(msg: wire.BulkRequest | wire.BulkReply) -> bytes:
 class BulkServer:
     """Listening socket + one thread per peer connection (at most 64).
 
-    ``validate`` checks one range (:data:`RangeValidator`); ``count(ok)``
-    records a served / refused range. ``close()`` stops it.
+    ``validate`` checks (and counts) the ranges of one request
+    (:data:`RangeValidator`); ``count(False, n)`` records ``n`` ranges
+    refused without validation (unknown op). ``close()`` stops it.
     """
 
     def __init__(self, bind_host: str, validate: RangeValidator,
-                 count: Callable[[bool], None], max_header_bytes: int,
+                 count: Callable[[bool, int], None], max_header_bytes: int,
                  max_request_bytes: int) -> None:
         self._validate = validate
         self._count = count
@@ -326,33 +329,10 @@ class BulkServer:
         """Validate every range: (codes, segments (None where refused), first error)."""
         n = len(req.items)
         if req.op not in (TransferOp.READ, TransferOp.WRITE):
+            self._count(False, n)
             return ([int(ErrorCode.UNKNOWN_OP)] * n, [None] * n,
                     f"unknown op {req.op!r} on the bulk path")
-        op = TransferOp(req.op)
-        codes: list[int] = []
-        segs: list[Any] = []
-        err = ""
-        table = req.caps
-        validate, count = self._validate, self._count
-        for it in req.items:
-            ref = it.cap
-            try:
-                if isinstance(ref, int):  # an index into the request's table
-                    if not 0 <= ref < len(table):
-                        raise KVPoolError(f"capability index {ref} outside the request's "
-                                          f"{len(table)}", ErrorCode.MALFORMED_FRAME)
-                    cap = table[ref]
-                else:
-                    cap = ref
-                segs.append(validate(op, it.seg, it.off, it.len, cap))
-                codes.append(0)
-                count(True)
-            except KVPoolError as exc:
-                segs.append(None)
-                codes.append(int(exc.code))
-                count(False)
-                err = err or str(exc)
-        return codes, segs, err
+        return self._validate(TransferOp(req.op), req.items, req.caps)
 
     def _serve_one(self, stream: _Stream, scratch: memoryview) -> bool:
         """One request; False when the connection is done (EOF, or out of step)."""
@@ -364,8 +344,8 @@ class BulkServer:
         codes, segs, err = self._check(req)
         reply = _frame(wire.BulkReply(req.id, codes, err))
         if req.op == TransferOp.WRITE:
-            if any(s is None and not 0 <= it.len <= self._max_req
-                   for it, s in zip(req.items, segs, strict=True)):
+            if None in segs and any(s is None and not 0 <= it.len <= self._max_req
+                                    for it, s in zip(req.items, segs, strict=True)):
                 # a refused range whose payload length cannot be trusted: the
                 # stream cannot be kept in step; answer, then close
                 stream.write([reply], deadline)

@@ -74,6 +74,7 @@ class TransferServer:
         curve: CurveConfig | None = None,
     ) -> None:
         self.config = config or ServerConfig()
+        self._max_request = int(self.config.max_request_bytes)
         #: extra counters for STATS replies (e.g. the engine's capability refusals)
         self.stats_hook: Callable[[], dict[str, Any]] | None = None
         self._lookup = lookup
@@ -109,7 +110,7 @@ class TransferServer:
         # payloads straight into place over plain TCP (never beside CURVE)
         self.bulk: BulkServer | None = None
         if self.config.bulk and not self.curve:
-            self.bulk = BulkServer(bind_host, self._validate_range, self._count,
+            self.bulk = BulkServer(bind_host, self._validate_many, self._count,
                                    int(self.config.max_header_bytes),
                                    int(self.config.max_request_bytes))
         self._thread = threading.Thread(target=self._run, name=f"kvpool-xfer-server:{port}",
@@ -144,11 +145,11 @@ class TransferServer:
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv(copy=False)
 
-    def _count(self, ok: bool) -> None:
+    def _count(self, ok: bool, n: int = 1) -> None:
         if ok:
-            self.requests_served += 1
+            self.requests_served += n
         else:
-            self.requests_refused += 1
+            self.requests_refused += n
 
     def _reply(self, sock: zmq.Socket, ident: Any, rid: int | None, code: ErrorCode,
                err: str = "", payload: Any = None) -> None:
@@ -254,13 +255,8 @@ class TransferServer:
         """One READ/WRITE range (both the ZeroMQ and the bulk path): the segment,
         or KVPoolError (SEGMENT_NOT_FOUND, PERMISSION_DENIED, FRAME_TOO_LARGE,
         OUT_OF_BOUNDS, or the capability check's code)."""
-        seg = self._lookup(sid)
-        if seg is None:
-            raise KVPoolError(f"segment {sid!r} is not owned here", ErrorCode.SEGMENT_NOT_FOUND)
-        if top not in seg.allowed_ops:
-            raise KVPoolError(f"{top.name} not allowed on segment {sid!r}",
-                              ErrorCode.PERMISSION_DENIED)
-        if n > int(self.config.max_request_bytes):
+        seg = self._segment_for(top, sid)
+        if n > self._max_request:
             raise KVPoolError(f"request of {n} bytes exceeds {self.config.max_request_bytes}",
                               ErrorCode.FRAME_TOO_LARGE)
         if off < 0 or n < 0 or off + n > seg.size:
@@ -271,6 +267,73 @@ class TransferServer:
             code = verifier(seg, top, off, n, cap)
             if code is not None and code != ErrorCode.OK:
                 raise KVPoolError(f"capability refused for {sid!r}", code)
+        return seg
+
+    def _validate_many(self, top: TransferOp, items: list[wire.BulkItem], table: list[bytes]
+                       ) -> tuple[list[int], list[LocalSegment | None], str]:
+        """Every range of one bulk request, with the checks of
+        :meth:`_validate_range` each: (codes, segments (None where refused),
+        the first refusal's message). What depends only on the segment (owned
+        here, op allowed) is looked up once per segment and request; bounds,
+        size and the capability are checked per range. ``item.cap`` is a token
+        or an index into ``table``."""
+        codes: list[int] = []
+        segs: list[LocalSegment | None] = []
+        err = ""
+        known: dict[str, LocalSegment | tuple[ErrorCode, str]] = {}
+        max_n = self._max_request
+        verifier = self.verify_capability
+        ntable = len(table)
+        ok = 0
+        for it in items:
+            sid, off, n, ref = it.seg, it.off, it.len, it.cap
+            try:
+                if type(ref) is int:  # an index into the request's table
+                    if not 0 <= ref < ntable:
+                        raise KVPoolError(f"capability index {ref} outside the request's "
+                                          f"{ntable}", ErrorCode.MALFORMED_FRAME)
+                    cap = table[ref]
+                else:
+                    cap = cast(bytes, ref)
+                seg = known.get(sid)
+                if seg is None:
+                    try:
+                        seg = self._segment_for(top, sid)
+                    except KVPoolError as exc:  # kept as (code, text): no traceback cycle
+                        seg = (exc.code, _msg(exc))
+                    known[sid] = seg
+                if type(seg) is tuple:
+                    raise KVPoolError(seg[1], seg[0])
+                seg = cast(LocalSegment, seg)
+                if n > max_n:
+                    raise KVPoolError(f"request of {n} bytes exceeds {max_n}",
+                                      ErrorCode.FRAME_TOO_LARGE)
+                if off < 0 or n < 0 or off + n > seg.size:
+                    raise KVPoolError(f"range [{off}, {off + n}) outside segment {sid!r} of "
+                                      f"{seg.size} bytes", ErrorCode.OUT_OF_BOUNDS)
+                if verifier is not None:
+                    code = verifier(seg, top, off, n, cap)
+                    if code is not None and code != ErrorCode.OK:
+                        raise KVPoolError(f"capability refused for {sid!r}", code)
+                segs.append(seg)
+                codes.append(0)
+                ok += 1
+            except KVPoolError as exc:
+                segs.append(None)
+                codes.append(int(exc.code))
+                err = err or str(exc)
+        self.requests_served += ok
+        self.requests_refused += len(items) - ok
+        return codes, segs, err
+
+    def _segment_for(self, top: TransferOp, sid: str) -> LocalSegment:
+        """The segment ``sid`` if it is owned here and allows ``top``."""
+        seg = self._lookup(sid)
+        if seg is None:
+            raise KVPoolError(f"segment {sid!r} is not owned here", ErrorCode.SEGMENT_NOT_FOUND)
+        if top not in seg.allowed_ops:
+            raise KVPoolError(f"{top.name} not allowed on segment {sid!r}",
+                              ErrorCode.PERMISSION_DENIED)
         return seg
 
     def _check_capability(self, seg: LocalSegment, top: TransferOp, off: int, n: int,
