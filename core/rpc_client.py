@@ -90,6 +90,8 @@ _FOLLOW = frozenset({ErrorCode.NOT_LEADER, ErrorCode.NO_LEADER, ErrorCode.RPC_FA
                      ErrorCode.COORDINATION_UNAVAILABLE})
 _LEADER_CHANGED = "the master group's leader changed while waiting for the reply"
 _SPIN_S = float(os.environ.get("KVPOOL_RPC_SPIN_US", "50")) / 1e6
+_YIELD = os.environ.get("KVPOOL_RPC_YIELD", "1") == "1"
+_sched_yield = os.sched_yield
 _SPIN_SMALL_S = float(os.environ.get("KVPOOL_RPC_SPIN_SMALL_US", "150")) / 1e6
 #: a request at most this large that is not a batch op names one key
 _SMALL_REQUEST = 256
@@ -307,6 +309,8 @@ class MasterClient:
                     except BlockingIOError:
                         if time.perf_counter() >= spin_end:
                             break
+                        if _YIELD:
+                            _sched_yield()
             if got < 0:
                 if self.resolver is not None:
                     self._await_local_reply(us, op, deadline)

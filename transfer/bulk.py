@@ -63,6 +63,7 @@ _LARGE = 256 << 10  # a piece this large is sent / received on its own (no iovec
 # waking a sleeping thread added tens of µs to that
 _SPIN_S = float(os.environ.get("KVPOOL_BULK_SPIN_US", "150")) / 1e6
 _SPIN_BYTES = 64 << 10
+_sched_yield = os.sched_yield
 _DONTWAIT = socket.MSG_DONTWAIT
 # every frame is padded to at least this many bytes: with ~23-byte frames in
 # front of each payload, 1 MiB requests over loopback ran at 0.6x of the old
@@ -135,6 +136,7 @@ class _Stream:
                 except BlockingIOError:
                     if time.perf_counter() >= self.spin_until:
                         break
+                    _sched_yield()  # the peer may be waiting for this CPU
             self.spin_until = 0.0
         if k < 0:
             self._arm(deadline)
