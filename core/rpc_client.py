@@ -27,7 +27,8 @@ spin would only take ~100 µs more CPU per call from the master and the node.
 The poll yields the CPU between tries (``sched_yield``: on a loaded host the
 master or a node may be waiting for this very CPU), and a stub polls only
 while its replies of that kind (one-key / other) have of late come within
-the window (a moving average of the reply wait): when they come later the
+the window (a moving average of the reply waits, each capped at twice the
+window so that one stall does not stop the polls): when they come later the
 poll would only burn CPU before the thread sleeps anyway.
 """
 
@@ -326,8 +327,10 @@ class MasterClient:
                 if self.resolver is not None:
                     self._await_local_reply(us, op, deadline)
                 got = us.recv_into(rbuf)
-            if spin:  # how long replies take, of late (a moving average)
-                waits[small] += (time.perf_counter() - sent - waits[small]) * 0.125
+            if spin:  # how long replies take, of late: a moving average of waits
+                # capped at twice the window, so one stall does not stop the polls
+                wait = min(time.perf_counter() - sent, 2 * spin)
+                waits[small] += (wait - waits[small]) * 0.125
             buf: bytearray | memoryview = memoryview(rbuf)[:got]
             need = HEADER + int.from_bytes(rbuf[:HEADER], "little") if got >= HEADER else HEADER
             if got < need:

@@ -550,8 +550,10 @@ class BulkClient:
                     stream.spin_until = sent + _SPIN_S
             for part, rid in zip(reqs, ids, strict=True):
                 raw = stream.read_frame(_REPLY_MAX, deadline)
-                if sent:  # how long small replies take, of late (a moving average)
-                    self._reply_wait += (time.perf_counter() - sent - self._reply_wait) * 0.125
+                if sent:  # how long small replies take, of late: a moving average
+                    # of waits capped at twice the window (one stall does not stop polls)
+                    wait = min(time.perf_counter() - sent, 2 * _SPIN_S)
+                    self._reply_wait += (wait - self._reply_wait) * 0.125
                 rep = wire.decode_bulk_reply(raw) if raw is not None else None
                 if rep is None or rep.id != rid or len(rep.codes) != len(part):
                     raise ConnectionError("bulk reply out of step")
