@@ -943,13 +943,17 @@ class Client:
         results: list[int] = [int(ErrorCode.INTERNAL_ERROR)] * n
         if n == 0:
             return results
-        valid: list[int] = []
-        for i in range(n):
-            key = keys[i]
-            if type(key) is str and key and len(key) <= MAX_KEY_LENGTH:
-                valid.append(i)
-            else:
-                results[i] = int(ErrorCode.INVALID_KEY)
+        valid: Sequence[int]
+        if all(type(k) is str and 0 < len(k) <= MAX_KEY_LENGTH for k in keys):
+            valid = range(n)  # the common case
+        else:
+            valid = []
+            for i in range(n):
+                key = keys[i]
+                if type(key) is str and key and len(key) <= MAX_KEY_LENGTH:
+                    valid.append(i)
+                else:
+                    results[i] = int(ErrorCode.INVALID_KEY)
         if not valid:
             return results
         t0 = time.monotonic()
@@ -1028,12 +1032,19 @@ class Client:
                 for i in pending:
                     results[i] = int(ErrorCode.LEASE_EXPIRED)
                 break
+            left = 1  # the most replicas a key has left to try, this one included
+            checked = False  # some key has a checksum to verify
             for i in pending:
                 plan = plans[i]
                 reps = plan.replicas
-                if attempt >= len(reps):
+                n_reps = len(reps)
+                if attempt >= n_reps:
                     results[i] = _STALE if i in stale else int(ErrorCode.TRANSFER_FAIL)
                     continue
+                if n_reps - attempt > left:
+                    left = n_reps - attempt
+                if plan.checksum is not None:
+                    checked = True
                 r = reps[attempt]
                 buf = bufs[i]
                 if buf is _LAZY_BYTES:
@@ -1053,14 +1064,12 @@ class Client:
             if not jobs:
                 break
             # every key of the call shares one lease deadline (one master reply)
-            left = max(len(plans[i].replicas) - attempt for i in owners)
             timeout = max(0.001, min(self.config.transfer_timeout_s, (deadline - now) / left))
             copied = self._copy_batch(False, jobs, timeout, caps, codes)
             pending = []
             late = time.monotonic() > deadline  # the reads ended after the lease
             verify = self.config.verify_checksum
-            if not late and copied.count(_COPIED) == len(copied) and (
-                    not verify or all(plans[i].checksum is None for i in owners)):
+            if not late and not (verify and checked) and copied.count(_COPIED) == len(copied):
                 for i in owners:  # every read copied, nothing to verify (the common case)
                     results[i] = plans[i].size
                 break
