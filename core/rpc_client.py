@@ -24,6 +24,12 @@ GET_REPLICA_LIST, ... of one key) spins for up to ``spin_small_s`` instead
 wake-up then added 20-50 µs to each of a put's two master legs. A batch op
 keeps the short window: its reply takes 200+ µs across hosts, and a longer
 spin would only take ~100 µs more CPU per call from the master and the node.
+The poll yields the CPU between tries (``sched_yield``: on a loaded host the
+master or a node may be waiting for this very CPU), and a stub polls only
+while its replies of that kind (one-key / other) have of late come within
+the window (a moving average of the reply waits, each capped at twice the
+window so that one stall does not stop the polls): when they come later the
+poll would only burn CPU before the thread sleeps anyway.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ _FOLLOW = frozenset({ErrorCode.NOT_LEADER, ErrorCode.NO_LEADER, ErrorCode.RPC_FA
                      ErrorCode.COORDINATION_UNAVAILABLE})
 _LEADER_CHANGED = "the master group's leader changed while waiting for the reply"
 _SPIN_S = float(os.environ.get("KVPOOL_RPC_SPIN_US", "50")) / 1e6
+_sched_yield = os.sched_yield
 _SPIN_SMALL_S = float(os.environ.get("KVPOOL_RPC_SPIN_SMALL_US", "150")) / 1e6
 #: a request at most this large that is not a batch op names one key
 _SMALL_REQUEST = 256
@@ -187,6 +194,8 @@ class MasterClient:
         self.spin_s = _SPIN_S
         #: the same for a small one-key request (see the module doc)
         self.spin_small_s = _SPIN_SMALL_S
+        #: moving average of the reply wait, [batch-or-large, small one-key] (seconds)
+        self._reply_wait = [0.0, 0.0]
 
     @property
     def epoch(self) -> int:
@@ -286,15 +295,17 @@ class MasterClient:
                 self._utimeout = timeout
             # a peer that closed since the last call (master restarted): over TCP
             # the send below would still succeed and only the read would tell,
-            # too late to know whether the request ran; a peek tells it now
-            try:
-                stale = us.recv(1, _PEEK_NOWAIT)
-            except BlockingIOError:
-                stale = None  # alive, nothing pending: the normal case
-            except ConnectionResetError as exc:
-                raise BrokenPipeError("the master closed the direct socket") from exc
-            if stale is not None:
-                raise BrokenPipeError("the master closed the direct socket")
+            # too late to know whether the request ran; a peek tells it now. A
+            # Unix socket's send fails at once (EPIPE) then: no peek needed
+            if us.family != socket.AF_UNIX:
+                try:
+                    stale = us.recv(1, _PEEK_NOWAIT)
+                except BlockingIOError:
+                    stale = None  # alive, nothing pending: the normal case
+                except ConnectionResetError as exc:
+                    raise BrokenPipeError("the master closed the direct socket") from exc
+                if stale is not None:
+                    raise BrokenPipeError("the master closed the direct socket")
             us.sendall(len(payload).to_bytes(HEADER, "little") + payload)
             # most replies fit the reusable buffer in one recv_into (no allocation).
             # Poll without sleeping for a few µs first: the master usually answers
@@ -302,21 +313,30 @@ class MasterClient:
             # (longer for a one-key op, whose reply is near; see the module doc)
             got = -1
             spin = self.spin_s
-            if spin and len(payload) <= _SMALL_REQUEST and op not in _BATCH_OPS:
+            small = len(payload) <= _SMALL_REQUEST and op not in _BATCH_OPS
+            if spin and small:
                 spin = max(spin, self.spin_small_s)
             if spin:
-                spin_end = time.perf_counter() + spin
-                while True:
-                    try:
-                        got = us.recv_into(rbuf, 0, _DONTWAIT)
-                        break
-                    except BlockingIOError:
-                        if time.perf_counter() >= spin_end:
+                sent = time.perf_counter()
+                waits = self._reply_wait
+                if waits[small] < spin:  # replies come within the window of late
+                    spin_end = sent + spin
+                    while True:
+                        try:
+                            got = us.recv_into(rbuf, 0, _DONTWAIT)
                             break
+                        except BlockingIOError:
+                            if time.perf_counter() >= spin_end:
+                                break
+                            _sched_yield()  # the master may be waiting for this CPU
             if got < 0:
                 if self.resolver is not None:
                     self._await_local_reply(us, op, deadline)
                 got = us.recv_into(rbuf)
+            if spin:  # how long replies take, of late: a moving average of waits
+                # capped at twice the window, so one stall does not stop the polls
+                wait = min(time.perf_counter() - sent, 2 * spin)
+                waits[small] += (wait - waits[small]) * 0.125
             buf: bytearray | memoryview = memoryview(rbuf)[:got]
             need = HEADER + int.from_bytes(rbuf[:HEADER], "little") if got >= HEADER else HEADER
             if got < need:

@@ -119,6 +119,7 @@ def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> 
             arrs, handles = buffers(c, size, batch)
             values = [a.tobytes() for a in arrs] if op in ("put", "put_batch") else []
             lat: list[float] = []
+            cpu0 = time.process_time()  # every thread of this client process
             t0 = time.perf_counter()
             for i in range(n):
                 keys = [f"{tag}/{i}/{j}" for j in range(batch)]
@@ -145,7 +146,11 @@ def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> 
                     assert all(r == size for r in res), res
                 lat.append(time.perf_counter() - t)
             total = time.perf_counter() - t0
-            conn.send(_record(transport, op, size, batch, lat, total))
+            rec = _record(transport, op, size, batch, lat, total)
+            # client CPU per key (all threads; includes building the key strings)
+            rec["client_cpu_us_per_key"] = round(
+                (time.process_time() - cpu0) / (n * batch) * 1e6, 2)
+            conn.send(rec)
     except Exception as exc:  # report to the driver instead of hanging it
         conn.send({"error": repr(exc)})
     finally:
@@ -448,7 +453,9 @@ def run_multi_buffer(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _show(rec: dict[str, Any]) -> None:
     print(f"  {rec['transport']:6} {rec['op']:15} {rec['size']:>9} x{rec['batch']:<3} "
           f"{rec['gbps']:7.3f} GB/s {rec['ops_per_s']:10.0f} keys/s "
-          f"p50 {rec['p50_us']:9.1f} us p99 {rec['p99_us']:9.1f} us", file=sys.stderr)
+          f"p50 {rec['p50_us']:9.1f} us p99 {rec['p99_us']:9.1f} us"
+          + (f" cpu {rec['client_cpu_us_per_key']:.1f} us/key"
+             if "client_cpu_us_per_key" in rec else ""), file=sys.stderr)
 
 
 def _find(records: list[dict[str, Any]], transport: str, op: str, size: int,

@@ -109,6 +109,7 @@ from kvpool.store.errors import (
 from kvpool.store.guard import master_stub
 from kvpool.store.segment_host import SegmentHost
 from kvpool.transfer.buffers import BufferHandle
+from kvpool.transfer.copy import DEFAULT_SPLIT_MIN_BYTES as _SPLIT_MIN
 from kvpool.transfer.copy import parallel_copyto
 from kvpool.transfer.gpu import cuda_runtime
 
@@ -564,25 +565,53 @@ class Client:
             via_engine = list(range(len(jobs)))
         else:
             known = self._known
-            # the mapped region per (segment, size bucket): None = not inline
+            # the mapped region per (segment, size bucket): None = not inline;
+            # the last one is kept at hand (a batch mostly names one segment)
             regions: dict[tuple[str, bool], Any] = {}
+            last_sid: str | None = None
+            last_big = False
+            region: Any = None
+            rsize = 0
             copied = 0
             for j, (buf, r, size) in enumerate(jobs):
                 sid = r.segment_id
-                rkey = (sid, size >= _BIG_COPY)
-                region = regions.get(rkey, _UNSET)
-                if region is _UNSET:
-                    region = regions[rkey] = inline.target(known.get(sid), size)
-                arr = host_array(buf) if region is not None else None
+                big = size >= _BIG_COPY
+                if sid != last_sid or big != last_big:
+                    rkey = (sid, big)
+                    region = regions.get(rkey, _UNSET)
+                    if region is _UNSET:
+                        region = regions[rkey] = inline.target(known.get(sid), size)
+                    last_sid, last_big = sid, big
+                    rsize = 0 if region is None else region.size
+                if region is None:
+                    via_engine.append(j)
+                    continue
+                if type(buf) is BufferHandle and buf.device != "cuda" \
+                        and type(buf.array) is np.ndarray and buf.array.size == buf.length:
+                    # a registered host buffer (the common case): host_array, inline
+                    arr: np.ndarray | None = buf.array
+                    if not write and buf.readonly:  # (a stale flag: the copy raises)
+                        via_engine.append(j)
+                        continue
+                else:
+                    arr = host_array(buf)
+                    if arr is None or not (write or arr.flags.writeable):
+                        via_engine.append(j)
+                        continue
                 off = r.offset
-                if arr is None or arr.size < size or off < 0 or off + size > region.size \
-                        or not (write or arr.flags.writeable):
+                assert arr is not None
+                if arr.size < size or off < 0 or off + size > rsize:
                     via_engine.append(j)
                     continue
                 try:
                     if arr.size != size:
                         arr = arr[:size]
-                    if write:
+                    if size < _SPLIT_MIN:  # parallel_copyto's own small-copy path, inline
+                        if write:
+                            region[off:off + size] = arr
+                        else:
+                            arr[...] = region[off:off + size]
+                    elif write:
                         parallel_copyto(region[off:off + size], arr)
                     else:
                         parallel_copyto(arr, region[off:off + size])
@@ -680,28 +709,20 @@ class Client:
         groups = self._groups(config, n)
         put_keys: list[str] = []
         put_sizes: list[int] = []
-        idx: list[int] = []  # position in the request -> key index
-        seen: set[str] = set()
+        idx: Sequence[int] = []  # position in the request -> key index
         checksums: list[Checksum] | None = [] if self._checksum_algo is not None else None
-        for i in range(n):
-            key = keys[i]
-            if type(key) is not str or not key or len(key) > MAX_KEY_LENGTH:
-                codes[i] = ErrorCode.INVALID_KEY
-                continue
-            if key in seen:  # a second put of the same key in one batch
-                codes[i] = ErrorCode.OBJECT_ALREADY_EXISTS
-                continue
-            buf = buffers[i]
-            size = buffer_nbytes(buf)
-            if size <= 0:
-                codes[i] = ErrorCode.INVALID_PARAMS
-                continue
-            seen.add(key)
-            put_keys.append(key)
-            put_sizes.append(size)
-            if checksums is not None:
-                checksums.append(self._checksum(buf))
-            idx.append(i)
+        sizes: list[int] | None = None
+        if checksums is None \
+                and all(type(k) is str and 0 < len(k) <= MAX_KEY_LENGTH for k in keys) \
+                and len(set(keys)) == n:
+            nbytes = buffer_nbytes
+            sizes = [nbytes(b) for b in buffers]
+        if sizes is not None and min(sizes) > 0:
+            # every key valid and distinct, every buffer non-empty (the common case)
+            put_keys, put_sizes, idx = list(keys), sizes, range(n)
+        else:
+            idx = self._put_positions(keys, buffers, sizes, codes, put_keys, put_sizes,
+                                      checksums)
         if not idx:
             return codes
         start = BatchUpsertStart if upsert else BatchPutStart
@@ -728,12 +749,12 @@ class Client:
         except BaseException:
             self._revoke([put_keys[pos] for pos in ok_pos])
             raise
-        failed = False
-        for j, res_j in enumerate(results):
-            if res_j is not _COPIED:  # _copy_batch's shared success value
-                failed = True
-                codes[owner[j]] = ErrorCode.TRANSFER_FAIL
-                self._forget_segment(jobs[j][1].segment_id)
+        failed = results.count(_COPIED) != len(results)  # the shared success value
+        if failed:
+            for j, res_j in enumerate(results):
+                if res_j is not _COPIED:
+                    codes[owner[j]] = ErrorCode.TRANSFER_FAIL
+                    self._forget_segment(jobs[j][1].segment_id)
         if failed:
             done = [pos for pos in ok_pos if codes[idx[pos]] == ErrorCode.OK]
             self._revoke([put_keys[pos] for pos in ok_pos
@@ -750,6 +771,35 @@ class Client:
             for i, code in zip(at, ends, strict=True):
                 codes[i] = code
         return codes
+
+    def _put_positions(self, keys: Sequence[str], buffers: Sequence[Any],
+                       sizes: list[int] | None,
+                       codes: list[ErrorCode], put_keys: list[str], put_sizes: list[int],
+                       checksums: list[Checksum] | None) -> list[int]:
+        """The keys of a batch put that go to the master, checked one by one:
+        fills ``put_keys``/``put_sizes`` (and ``checksums``), sets ``codes`` of
+        the others (INVALID_KEY, OBJECT_ALREADY_EXISTS for a repeat in the
+        batch, INVALID_PARAMS for an empty buffer); returns their positions."""
+        idx: list[int] = []
+        seen: set[str] = set()
+        for i, key in enumerate(keys):
+            if type(key) is not str or not key or len(key) > MAX_KEY_LENGTH:
+                codes[i] = ErrorCode.INVALID_KEY
+                continue
+            if key in seen:  # a second put of the same key in one batch
+                codes[i] = ErrorCode.OBJECT_ALREADY_EXISTS
+                continue
+            size = buffer_nbytes(buffers[i]) if sizes is None else sizes[i]
+            if size <= 0:
+                codes[i] = ErrorCode.INVALID_PARAMS
+                continue
+            seen.add(key)
+            put_keys.append(key)
+            put_sizes.append(size)
+            if checksums is not None:
+                checksums.append(self._checksum(buffers[i]))
+            idx.append(i)
+        return idx
 
     @staticmethod
     def _code(code: Any) -> ErrorCode:
@@ -974,9 +1024,10 @@ class Client:
                              ErrorCode.INVALID_PARAMS)
 
         def target(i: int, size: int) -> Any:
-            if buffer_nbytes(buffers[i]) < size:
+            buf = buffers[i]
+            if (buf.length if type(buf) is BufferHandle else buffer_nbytes(buf)) < size:
                 return None
-            return buffers[i]
+            return buf
 
         return self._batch_read(keys, target)
 
@@ -997,13 +1048,17 @@ class Client:
         results: list[int] = [_UNREAD] * n
         if n == 0:
             return results
-        valid: list[int] = []
-        for i in range(n):
-            key = keys[i]
-            if type(key) is str and key and len(key) <= MAX_KEY_LENGTH:
-                valid.append(i)
-            else:
-                results[i] = int(ErrorCode.INVALID_KEY)
+        valid: Sequence[int]
+        if all(type(k) is str and 0 < len(k) <= MAX_KEY_LENGTH for k in keys):
+            valid = range(n)  # the common case
+        else:
+            valid = []
+            for i in range(n):
+                key = keys[i]
+                if type(key) is str and key and len(key) <= MAX_KEY_LENGTH:
+                    valid.append(i)
+                else:
+                    results[i] = int(ErrorCode.INVALID_KEY)
         if not valid:
             return results
         if parts is not None:
@@ -1050,11 +1105,14 @@ class Client:
             if code:
                 results[i] = int(self._code(code))
                 continue
+            reps = replicas[pos]
+            if len(reps) != 1 or reps[0].status is not _COMPLETE:  # else: nearest() as is
+                reps = nearest(reps)
+                if not reps:
+                    results[i] = int(ErrorCode.OBJECT_NOT_FOUND)
+                    continue
             plan = _ReadPlan(sizes[pos], checksums[pos] if checksums else None, deadline,
-                             nearest(replicas[pos]), caps)
-            if not plan.replicas:
-                results[i] = int(ErrorCode.OBJECT_NOT_FOUND)
-                continue
+                             reps, caps)
             buf = target(i, plan.size)
             if buf is None:
                 results[i] = int(ErrorCode.BUFFER_OVERFLOW)
@@ -1065,7 +1123,7 @@ class Client:
     def _read_parts(self, keys: Sequence[str], target: Callable[[int, int], Any],
                     outs: dict[int, bytes] | None, parts: Sequence[Sequence[int]],
                     on_part: Callable[[int, list[int]], None] | None, results: list[int],
-                    valid: list[int]) -> list[int]:
+                    valid: Sequence[int]) -> list[int]:
         """The ``parts`` form of :meth:`_batch_read`. A pipelined consumer waits
         for part 0 first, so its keys are located first, by a small RPC; the
         other keys by a second RPC sent from a helper thread as soon as the
@@ -1158,16 +1216,26 @@ class Client:
             now = time.monotonic()
             jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
             owners: list[int] = []
+            if deadline <= now:  # one lease deadline for every plan (see above)
+                for i in pending:
+                    results[i] = int(ErrorCode.LEASE_EXPIRED)
+                break
+            left = 1  # the most replicas a key has left to try, this one included
+            checked = False  # some key has a checksum to verify
             for i in pending:
                 plan = plans[i]
-                if plan.deadline <= now:
-                    results[i] = int(ErrorCode.LEASE_EXPIRED)
-                    continue
-                if attempt >= len(plan.replicas):
+                reps = plan.replicas
+                n_reps = len(reps)
+                if attempt >= n_reps:
                     results[i] = _STALE if i in stale else int(ErrorCode.TRANSFER_FAIL)
                     continue
-                r = plan.replicas[attempt]
-                if bufs[i] is _LAZY_BYTES:
+                if n_reps - attempt > left:
+                    left = n_reps - attempt
+                if plan.checksum is not None:
+                    checked = True
+                r = reps[attempt]
+                buf = bufs[i]
+                if buf is _LAZY_BYTES:
                     assert outs is not None
                     fast = self._read_inline_bytes(_ReadPlan(plan.size, None, plan.deadline,
                                                              [r], caps))
@@ -1176,19 +1244,23 @@ class Client:
                         bufs[i] = fast
                         results[i] = self._finish_read(keys[i], plan, fast)
                         continue
-                    out, bufs[i] = alloc_bytes(plan.size)
+                    out, buf = alloc_bytes(plan.size)
+                    bufs[i] = buf
                     outs[i] = out
-                jobs.append((bufs[i], r, plan.size))
+                jobs.append((buf, r, plan.size))
                 owners.append(i)
             if not jobs:
                 break
             # every key of the call shares one lease deadline (one master reply)
-            left = max(len(plans[i].replicas) - attempt for i in owners)
             timeout = max(0.001, min(self.config.transfer_timeout_s, (deadline - now) / left))
             copied = self._copy_batch(False, jobs, timeout, caps, codes)
             pending = []
             late = time.monotonic() > deadline  # the reads ended after the lease
             verify = self.config.verify_checksum
+            if not late and not (verify and checked) and copied.count(_COPIED) == len(copied):
+                for i in owners:  # every read copied, nothing to verify (the common case)
+                    results[i] = plans[i].size
+                break
             for (buf, r, _s), i, (ok, _err), code in zip(jobs, owners, copied, codes,
                                                          strict=True):
                 if not ok:

@@ -60,9 +60,12 @@ _LARGE = 256 << 10  # a piece this large is sent / received on its own (no iovec
 # a client polls for the reply to a small request (one request of at most
 # _SPIN_BYTES of payload) for up to _SPIN_S before it sleeps in recv: the reply
 # to a 4 KiB put or get comes ~100 µs after the request, and on a busy host
-# waking a sleeping thread added tens of µs to that
+# waking a sleeping thread added tens of µs to that. The poll yields the CPU
+# between tries, and a connection polls only while its small replies have of
+# late come within the window (a moving average): later ones would only burn CPU
 _SPIN_S = float(os.environ.get("KVPOOL_BULK_SPIN_US", "150")) / 1e6
 _SPIN_BYTES = 64 << 10
+_sched_yield = os.sched_yield
 _DONTWAIT = socket.MSG_DONTWAIT
 # every frame is padded to at least this many bytes: with ~23-byte frames in
 # front of each payload, 1 MiB requests over loopback ran at 0.6x of the old
@@ -137,6 +140,7 @@ class _Stream:
                 except BlockingIOError:
                     if time.perf_counter() >= self.spin_until:
                         break
+                    _sched_yield()  # the peer may be waiting for this CPU
             self.spin_until = 0.0
         if k < 0:
             self._arm(deadline)
@@ -439,6 +443,7 @@ class BulkClient:
         self.max_header = max(256, max_header)
         self.caps_table = caps_table
         self._ids = itertools.count(1)
+        self._reply_wait = 0.0  # seconds: see _run_group
 
     def run(self, items: Sequence[Any], deadline: float, report: Callable[..., None],
             final_codes: set[ErrorCode], now: Callable[[], float]) -> None:
@@ -518,10 +523,17 @@ class BulkClient:
                 if write:
                     bufs += [it.buffer.host_view(it.buffer_offset, it.length) for it in part]
                 stream.write(bufs, deadline)
+            sent = 0.0
             if len(reqs) == 1 and _SPIN_S and sum(it.length for it in items) <= _SPIN_BYTES:
-                stream.spin_until = time.perf_counter() + _SPIN_S
+                sent = time.perf_counter()
+                if self._reply_wait < _SPIN_S:  # replies come within the window of late
+                    stream.spin_until = sent + _SPIN_S
             for part, rid in zip(reqs, ids, strict=True):
                 raw = stream.read_frame(_REPLY_MAX, deadline)
+                if sent:  # how long small replies take, of late: a moving average
+                    # of waits capped at twice the window (one stall does not stop polls)
+                    wait = min(time.perf_counter() - sent, 2 * _SPIN_S)
+                    self._reply_wait += (wait - self._reply_wait) * 0.125
                 rep = wire.decode_bulk_reply(raw) if raw is not None else None
                 if rep is None or rep.id != rid or len(rep.codes) != len(part):
                     raise ConnectionError("bulk reply out of step")

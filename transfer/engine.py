@@ -49,6 +49,9 @@ __all__ = ["BatchHandle", "SubBatch", "SubBatchState", "TransferEngine"]
 
 log = logging.getLogger(__name__)
 _CAP_OPS = {TransferOp.READ: CapOp.READ, TransferOp.WRITE: CapOp.WRITE}
+_PENDING, _RUNNING = RequestState.PENDING, RequestState.RUNNING
+_DONE, _FAILED = RequestState.DONE, RequestState.FAILED
+_OK = ErrorCode.OK
 
 _RULE_CACHE = 4096  # (segment kind, same host, device, size) -> selector rule, remembered
 #: a sub-batch is split across a transport's threads only in slices of at least this
@@ -81,15 +84,18 @@ class SubBatch:
     _reported: set[int] = field(default_factory=set)
 
 
-@dataclass(eq=False, slots=True)
 class _Track:
-    """Per-request bookkeeping inside a batch."""
+    """Per-request bookkeeping inside a batch. ``candidates`` is shared with the
+    selector rule (read only); ``attempts`` is made on the first failure."""
 
-    status: RequestStatus
-    candidates: list[str] = field(default_factory=list)
-    tried: list[str] = field(default_factory=list)
-    attempts: dict[str, int] = field(default_factory=dict)
-    failovers: int = 0
+    __slots__ = ("attempts", "candidates", "failovers", "status", "tried")
+
+    def __init__(self) -> None:
+        self.status = RequestStatus(_PENDING, None, _OK, [])
+        self.candidates: Sequence[str] = ()
+        self.tried: list[str] = []
+        self.attempts: dict[str, int] | None = None
+        self.failovers = 0
 
 
 class BatchHandle:
@@ -101,7 +107,7 @@ class BatchHandle:
         # context manager; Condition.__enter__ is a Python call per use)
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._tracks = [_Track(RequestStatus()) for _ in range(n)]
+        self._tracks = [_Track() for _ in range(n)]
         self._remaining = n
         self.sub_batches: list[SubBatch] = []
 
@@ -140,7 +146,7 @@ class BatchHandle:
     def _finish_locked(self, idx: int, state: RequestState, transport: str | None,
                        code: ErrorCode = ErrorCode.OK, error: str | None = None) -> None:
         st = self._tracks[idx].status
-        if st.state is RequestState.DONE or st.state is RequestState.FAILED:
+        if st.state is _DONE or st.state is _FAILED:
             return
         st.state = state
         st.transport = transport
@@ -545,7 +551,31 @@ class TransferEngine:
         independent = copies_independent()
         segs: dict[str, tuple[SegmentDescriptor, LocalSegment | None]] = {}
         tracks = handle._tracks
+        # (segment id, device, length) -> what the first such request resolved
+        # to: later ones alike skip _resolve and _plan (the same checks, inline)
+        alike: dict[tuple[str, str, int], tuple[SegmentDescriptor, LocalSegment | None, bool,
+                                                Sequence[str], str, list[WorkItem]]] = {}
+        read = TransferOp.READ
         for i, req in enumerate(requests):
+            buf = req.buffer
+            if type(req) is TransferRequest and type(buf) is BufferHandle and not req.transport:
+                length = req.length
+                known = alike.get((req.segment_id, buf.device, length))
+                if known is not None:
+                    desc, local, same_host, candidates, name, group = known
+                    op, offset, boff = req.op, req.offset, req.buffer_offset
+                    if type(offset) is int and type(boff) is int and type(op) is TransferOp \
+                            and 0 <= offset and offset + length <= desc.size \
+                            and 0 <= boff and boff + length <= buf.length \
+                            and (op is not read or not buf.readonly):
+                        cap = req.capability
+                        group.append(WorkItem(i, op, buf, boff, length, desc, offset, same_host,
+                                              local, cap if type(cap) is bytes
+                                              else bytes(cap or b""), independent))
+                        track = tracks[i]
+                        track.candidates = candidates
+                        track.tried.append(name)
+                        continue
             try:
                 item, candidates = self._resolve(i, req, segs)
                 item.independent = independent
@@ -565,12 +595,17 @@ class TransferEngine:
             if found is not None and found[0] is not None:  # _plan's answer, already known
                 name = found[0]
                 track.tried.append(name)
-                group = groups.get(name)
-                if group is None:
-                    group = groups[name] = []
+                group = groups.setdefault(name, [])
                 group.append(item)
             else:
                 self._plan(handle, item, track, groups, memo=memo)
+                if not track.tried:
+                    continue  # failed: no usable transport
+                name = track.tried[0]
+                group = groups[name]
+            if item.length > 0 and type(item.buffer) is BufferHandle and not req.transport:
+                alike[(item.segment.segment_id, item.buffer.device, item.length)] = (
+                    item.segment, item.local, item.same_host, candidates, name, group)
         self._launch(handle, groups, sync=sync, caller_deadline=caller_deadline)
         return handle
 
@@ -605,12 +640,15 @@ class TransferEngine:
         for name, items in groups.items():
             slot = self._slots[name]
             sb = SubBatch(id=next(self._sb_ids), transport=name, items=items)
+            tracks = handle._tracks
+            total = 0
             with handle._lock:
                 handle.sub_batches.append(sb)
                 for it in items:
-                    handle._tracks[it.index].status.state = RequestState.RUNNING
-                    handle._tracks[it.index].status.transport = name
-            total = sum(it.length for it in items)
+                    st = tracks[it.index].status
+                    st.state = _RUNNING
+                    st.transport = name
+                    total += it.length
             # a second slice costs a thread hop: only a large sub-batch gains from it
             n = max(1, min(slot.settings.threads, len(items), total // _MIN_SLICE_BYTES))
             step = (len(items) + n - 1) // n
@@ -638,9 +676,7 @@ class TransferEngine:
         if caller_deadline is not None:
             deadline = min(deadline, caller_deadline)
 
-        lock, reported, finish, name = handle._lock, sb._reported, handle._finish_locked, \
-            sb.transport
-        done = RequestState.DONE
+        lock, reported, name, tracks = handle._lock, sb._reported, sb.transport, handle._tracks
 
         def report(item: WorkItem, err: TransferError | None) -> None:  # once per item
             idx = item.index
@@ -650,7 +686,15 @@ class TransferEngine:
                 reported.add(idx)
                 if err is None:
                     sb.done += 1
-                    finish(idx, done, name)
+                    st = tracks[idx].status  # BatchHandle._finish_locked(DONE), inline
+                    if st.state is _DONE or st.state is _FAILED:
+                        return
+                    st.state = _DONE
+                    st.transport = name
+                    st.code = _OK
+                    handle._remaining -= 1
+                    if handle._remaining == 0:
+                        handle._cond.notify_all()
                 else:
                     sb.failed += 1
                     sb._failures.append((item, err))
@@ -691,10 +735,13 @@ class TransferEngine:
             with handle._lock:
                 track.status.errors.append(msg)
                 track.status.code = err.code
+                if track.attempts is None:
+                    track.attempts = {}
                 track.attempts[sb.transport] = track.attempts.get(sb.transport, 0) + 1
             if not err.retryable or self._closed:
                 handle._finish(item.index, RequestState.FAILED, sb.transport, err.code)
                 continue
+            assert track.attempts is not None
             if track.attempts[sb.transport] <= slot.settings.retries \
                     and not slot.paused(_peer_key(item)):
                 groups.setdefault(sb.transport, []).append(item)
@@ -782,11 +829,13 @@ class TransferEngine:
         handle = self._submit(requests, sync=True, caller_deadline=deadline)
         handle.wait(max(0.0, deadline - time.monotonic()))
         out = []
-        for st in handle.status():
-            if not st.state.terminal:
-                st = RequestStatus(RequestState.FAILED, st.transport, ErrorCode.TIMEOUT,
-                                   [*st.errors, f"no answer within {timeout:.2f}s"])
-            out.append(st)
+        with handle._lock:
+            for t in handle._tracks:
+                st = t.status
+                if st.state is not _DONE and st.state is not _FAILED:
+                    st = RequestStatus(RequestState.FAILED, st.transport, ErrorCode.TIMEOUT,
+                                       [*st.errors, f"no answer within {timeout:.2f}s"])
+                out.append(st)  # a terminal status is never changed again: no copy
         return out
 
     def transfer(self, requests: Sequence[TransferRequest],
@@ -802,7 +851,8 @@ class TransferEngine:
         if not finished:
             raise TransferError(f"batch of {len(requests)} not finished within {timeout}s",
                                 ErrorCode.TIMEOUT)
-        return handle.status()
+        with handle._lock:  # all terminal, never changed again: no copies
+            return [t.status for t in handle._tracks]
 
     def close(self) -> None:
         """Stop the server, the worker pools and every transport. Idempotent."""

@@ -350,3 +350,30 @@ def test_stream_spin_then_block_reads_every_frame() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_small_request_poll_follows_the_reply_wait(make_engine: Any, make_peer: Any) -> None:
+    """A bulk connection polls for a small request's reply only while such
+    replies have of late come within the window; polling or not, the bytes
+    are the same, and the wait is measured either way."""
+    peer = make_peer(MiB, host_id="far-away")
+    peer.cmd("fill 5")
+    pattern = fill_pattern(5, MiB)
+    e = make_engine("host-test")
+    e.add_peer_segment(peer.desc)
+    tcp = _bulk_ready(e, peer)
+    dst = np.zeros(4096, np.uint8)
+    for k in range(8):
+        st = e.transfer([TransferRequest(R, dst, peer.segment_id, k * 4096, 4096)], 10)
+        assert st[0].ok and np.array_equal(dst, pattern[k * 4096:(k + 1) * 4096])
+    (bc,) = [c for cs in tcp._bulk_idle.values() for c in cs]
+    assert 0.0 < bc._reply_wait < 1.0
+    bc._reply_wait = 1.0  # "replies came late": block at once
+    st = e.transfer([TransferRequest(R, dst, peer.segment_id, 8192, 4096)], 10)
+    assert st[0].ok and np.array_equal(dst, pattern[8192:12288])
+    assert bc._reply_wait < 1.0  # measured anyway
+    # a large request neither polls nor counts
+    before = bc._reply_wait
+    big = np.zeros(MiB, np.uint8)
+    assert e.transfer([TransferRequest(R, big, peer.segment_id, 0, MiB)], 10)[0].ok
+    assert np.array_equal(big, pattern) and bc._reply_wait == before

@@ -165,6 +165,48 @@ def test_validation_failures_are_immediate_and_typed(make_engine: Any,
     assert all(s.errors for s in st[:7])
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_alike_requests_checked_one_by_one(make_engine: Any, make_segment: Any,
+                                           transport: str) -> None:
+    """Requests alike in segment, device and length are resolved once in a
+    submit; each one's own range, buffer and op are still checked, with the
+    codes the first request of its kind would get."""
+    e = make_engine(overrides={"rules": [{"name": "t", "transports": [transport]}]})
+    seg = make_segment(1 << 16)
+    e.add_local_segment(seg)
+    src = [e.register_buffer(_pattern(4096, i)) for i in range(4)]
+    frozen = _pattern(4096, 9)
+    frozen.flags.writeable = False
+    ro = e.register_buffer(frozen)
+    assert ro.readonly
+    reqs = [TransferRequest(W, src[0], seg.segment_id, 0, 4096),
+            TransferRequest(W, src[1], seg.segment_id, 4096, 4096),
+            TransferRequest(W, src[2], seg.segment_id, (1 << 16) - 100, 4096),  # past the end
+            TransferRequest(W, src[2], seg.segment_id, -4096, 4096),            # negative
+            TransferRequest(W, src[2], seg.segment_id, 8192, 4096, buffer_offset=1),  # overflow
+            TransferRequest(W, ro, seg.segment_id, 12288, 4096),                # read-only source
+            TransferRequest(W, src[3], seg.segment_id, 16384, 4096)]
+    st = e.transfer(reqs, timeout=5)
+    assert [s.code for s in st] == [ErrorCode.OK, ErrorCode.OK, ErrorCode.OUT_OF_BOUNDS,
+                                    ErrorCode.OUT_OF_BOUNDS, ErrorCode.BUFFER_OVERFLOW,
+                                    ErrorCode.OK, ErrorCode.OK]
+    assert all(s.transport == transport for i, s in enumerate(st) if i not in (2, 3, 4))
+    arr = seg.array()
+    for off, want in ((0, src[0]), (4096, src[1]), (12288, frozen), (16384, src[3])):
+        assert np.array_equal(arr[off:off + 4096], want.array if hasattr(want, "array")
+                              else want)
+    assert not arr[8192:12288].any()  # the refused write left nothing behind
+    # READs alike: into the read-only buffer is refused, the others land
+    dst = [e.register_buffer(np.zeros(4096, np.uint8)) for _ in range(2)]
+    st = e.run([TransferRequest(R, dst[0], seg.segment_id, 0, 4096),
+                TransferRequest(R, ro, seg.segment_id, 4096, 4096),
+                TransferRequest(R, dst[1], seg.segment_id, 16384, 4096)], 5.0)
+    assert [s.code for s in st] == [ErrorCode.OK, ErrorCode.INVALID_PARAMS, ErrorCode.OK]
+    assert st[1].state is RequestState.FAILED and st[1].errors
+    assert np.array_equal(dst[0].array, src[0].array)
+    assert np.array_equal(dst[1].array, src[3].array)
+
+
 def test_unavailable_transport_hint_fails_cleanly(make_engine: Any, make_segment: Any) -> None:
     e = make_engine()
     seg = make_segment(4096)

@@ -224,21 +224,32 @@ class TcpTransport(Transport):
         by_ep: dict[str, list[WorkItem]] = {}
         rest: list[WorkItem] = []
         peers: dict[str, _BulkPeer] = {}  # asked once per endpoint per sub-batch
+        # the items of a sub-batch mostly share one segment (descriptor object):
+        # what its endpoint gets is worked out once per run of it
+        last_seg: SegmentDescriptor | None = None
+        ep = ""
+        peer: _BulkPeer | None = None
+        bulk_list: list[WorkItem] | None = None
         for it in items:
-            ep = it.segment.endpoint
+            seg = it.segment
+            if seg is not last_seg:
+                last_seg, ep, peer, bulk_list = seg, seg.endpoint, None, None
+                if ep and bulk_on and seg.kind == SegmentKind.MEMORY:
+                    peer = peers.get(ep)
+                    if peer is None:
+                        peer = peers[ep] = self._bulk_peer(ep)
+                    if peer.port > 0:
+                        bulk_list = by_ep.setdefault(ep, [])
             if not ep:
-                report(it, TransferError(f"segment {it.segment.segment_id} has no endpoint",
+                report(it, TransferError(f"segment {seg.segment_id} has no endpoint",
                                          ErrorCode.TRANSPORT_UNAVAILABLE))
                 continue
-            if bulk_on and not it.buffer.is_gpu and it.segment.kind == SegmentKind.MEMORY:
-                peer = peers.get(ep)
-                if peer is None:
-                    peer = peers[ep] = self._bulk_peer(ep)
-                if peer.port > 0 and it.length <= peer.max_bytes:
-                    by_ep.setdefault(ep, []).append(it)
-                    continue
+            if bulk_list is not None and peer is not None and it.length <= peer.max_bytes \
+                    and it.buffer.device != "cuda":
+                bulk_list.append(it)
+                continue
             rest.append(it)
-        return by_ep, rest
+        return {k: v for k, v in by_ep.items() if v}, rest
 
     def _bulk_peer(self, endpoint: str) -> _BulkPeer:
         """What is known of the peer's bulk socket (port 0: none, not known yet, or
@@ -341,6 +352,14 @@ class TcpTransport(Transport):
                      if bc is not None]
         lock = threading.Lock()
 
+        def rep_whole(it: WorkItem, err: TransferError | None) -> None:
+            if err is None:  # no stripes: each item is whole
+                if it.op is TransferOp.READ:
+                    self.bytes_received += it.length
+                else:
+                    self.bytes_sent += it.length
+            report(it, err)
+
         def rep(it: WorkItem, err: TransferError | None) -> None:
             whole = parts.get(id(it)) if parts else None
             if whole is not None:  # a stripe of a larger item: report the item once
@@ -362,7 +381,8 @@ class TcpTransport(Transport):
 
         def run(ep: str, its: list[WorkItem], bc: BulkClient) -> None:
             try:
-                bc.run(its, deadline, rep, _FINAL_CODES, time.monotonic)
+                bc.run(its, deadline, rep if parts else rep_whole, _FINAL_CODES,
+                       time.monotonic)
             finally:
                 self.bulk_requests += len(its)
                 self._bulk_checkin(ep, bc)
