@@ -11,8 +11,8 @@ import pytest
 
 from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 from kvpool.store import Client
+from support.cuda_double import cuda_double  # noqa: F401 (a fixture of the GPU-path tests)
 from support.factories import client_factory
-from support.fake_cuda import fake_cuda  # noqa: F401 (a fixture of the GPU-path tests)
 
 LEASE_TTL_MS = 1000
 

@@ -1,6 +1,6 @@
 """GPU buffers through the store's direct shm path (``Client._copy_gpu_direct``).
 
-No GPU here: :class:`support.fake_cuda.FakeCudaRuntime` stands in for the
+No GPU here: :class:`support.cuda_double.HostCudaDouble` stands in for the
 CUDA runtime (hardware this machine lacks; copies are memmoves), so these
 check the store's side for real (real master, node daemons and their shm
 segments): single and batch puts of "GPU" buffers, reads back, a pipelined
@@ -17,7 +17,7 @@ import numpy as np
 from kvpool.core.errors import ErrorCode
 from kvpool.store import Client
 from kvpool.transfer.buffers import BufferHandle
-from support.fake_cuda import FakeCudaRuntime
+from support.cuda_double import HostCudaDouble
 
 
 def _dev(arr: np.ndarray, off: int = 0, n: int | None = None) -> BufferHandle:
@@ -25,7 +25,7 @@ def _dev(arr: np.ndarray, off: int = 0, n: int | None = None) -> BufferHandle:
     return BufferHandle(ptr=int(arr.ctypes.data) + off, length=n, device="cuda", owner=arr)
 
 
-def test_gpu_puts_and_reads_go_direct(fake_cuda: FakeCudaRuntime, daemons: Any,
+def test_gpu_puts_and_reads_go_direct(cuda_double: HostCudaDouble, daemons: Any,
                                       make_client: Callable[..., Client],
                                       key: Callable[[str], str]) -> None:
     c = make_client()
@@ -43,7 +43,7 @@ def test_gpu_puts_and_reads_go_direct(fake_cuda: FakeCudaRuntime, daemons: Any,
     c.put_from(key("single"), _dev(vals[0]))
     keys = [key(f"b{i}") for i in range(4)]
     assert c.batch_put_from(keys, [_dev(v) for v in vals[1:]]) == [ErrorCode.OK] * 4
-    assert fake_cuda.copies and fake_cuda.syncs  # the direct path ran
+    assert cuda_double.async_copies and cuda_double.syncs  # the direct path ran
     out = np.zeros(n, np.uint8)
     assert c.get_into(key("single"), _dev(out)) == n
     assert np.array_equal(out, vals[0])
@@ -64,4 +64,4 @@ def test_gpu_puts_and_reads_go_direct(fake_cuda: FakeCudaRuntime, daemons: Any,
         int(ErrorCode.BUFFER_OVERFLOW), n]
     assert np.array_equal(out, vals[2])
     assert submitted == []
-    assert len(fake_cuda.syncs) >= 5
+    assert len(cuda_double.syncs) >= 5

@@ -12,8 +12,8 @@ import pytest
 
 from kvpool.transfer import MemorySegment, TransferEngine, load_transfer_config
 from kvpool.transfer.peer import PeerProcess
+from support.cuda_double import cuda_double  # noqa: F401 (a fixture of the GPU-path tests)
 from support.factories import closing_factory
-from support.fake_cuda import fake_cuda  # noqa: F401 (a fixture of the GPU-path tests)
 
 
 class Peer(PeerProcess):

@@ -1,9 +1,9 @@
 """The engine's direct GPU <-> same-host shm copies (``copy_gpu_shm``) and the
 store's use of them.
 
-This machine has no GPU: :class:`FakeCudaRuntime` stands in for the CUDA
-runtime (hardware this machine lacks). Its "device memory" is host memory
-and a cudaMemcpyAsync is a memmove, so what is tested here for real is
+This machine has no GPU: :class:`support.cuda_double.HostCudaDouble` stands
+in for the CUDA runtime (hardware this machine lacks). Its "device memory" is
+host memory and a cudaMemcpyAsync is a memmove, so what is tested here for real is
 everything around the DMA: a real peer process's shm segment mapped and
 registered once, range checks, adjacent ranges merged into one copy, one
 wait per call, the selector's say, and the store's fallback to the engine.
@@ -21,7 +21,7 @@ import pytest
 from kvpool.core.errors import ErrorCode
 from kvpool.transfer.buffers import BufferHandle
 from kvpool.transfer.types import TransferError
-from support.fake_cuda import FakeCudaRuntime
+from support.cuda_double import HostCudaDouble
 
 
 def _device_buffer(data: np.ndarray) -> BufferHandle:
@@ -34,7 +34,7 @@ def _rand(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
-def test_adjacent_ranges_are_one_copy_and_read_back(fake_cuda: FakeCudaRuntime,
+def test_adjacent_ranges_are_one_copy_and_read_back(cuda_double: HostCudaDouble,
                                                     make_engine: Any, make_peer: Any) -> None:
     peer = make_peer(1 << 20)
     e = make_engine("host-test")
@@ -46,24 +46,24 @@ def test_adjacent_ranges_are_one_copy_and_read_back(fake_cuda: FakeCudaRuntime,
     jobs = [(parts[0], peer.segment_id, 8192, 4096), (parts[1], peer.segment_id, 12288, 4096),
             (parts[2], peer.segment_id, 65536, 4096)]
     assert e.copy_gpu_shm(jobs, write=True)
-    assert [c[2] for c in fake_cuda.copies] == [8192, 4096]  # 0+1 merged
-    assert len(fake_cuda.syncs) == 1
-    assert len(fake_cuda.registered) == 1  # the mapping, page-locked once
+    assert cuda_double.async_sizes == [8192, 4096]  # 0+1 merged
+    assert len(cuda_double.syncs) == 1
+    assert len(cuda_double.registered) == 1  # the mapping, page-locked once
     assert peer.crc(8192, 8192) == zlib.crc32(staging[:8192].tobytes())
     assert peer.crc(65536, 4096) == zlib.crc32(staging[8192:].tobytes())
     back = np.zeros(3 * 4096, np.uint8)
     outs = [BufferHandle(ptr=int(back.ctypes.data) + k * 4096, length=4096, device="cuda",
                          owner=back) for k in range(3)]
-    fake_cuda.copies.clear()
+    cuda_double.async_sizes.clear()
     assert e.copy_gpu_shm([(o, sid, off, n) for o, (_p, sid, off, n) in zip(outs, jobs,
                                                                               strict=True)],
                           write=False)
-    assert len(fake_cuda.copies) == 2
+    assert cuda_double.async_sizes == [8192, 4096]
     assert np.array_equal(back, staging)
-    assert len(fake_cuda.registered) == 1
+    assert len(cuda_double.registered) == 1
 
 
-def test_out_of_range_raises_before_any_copy(fake_cuda: FakeCudaRuntime, make_engine: Any,
+def test_out_of_range_raises_before_any_copy(cuda_double: HostCudaDouble, make_engine: Any,
                                              make_peer: Any) -> None:
     peer = make_peer(1 << 20)
     e = make_engine("host-test")
@@ -74,11 +74,11 @@ def test_out_of_range_raises_before_any_copy(fake_cuda: FakeCudaRuntime, make_en
         e.copy_gpu_shm([(src, peer.segment_id, 0, 4096),
                         (src, peer.segment_id, (1 << 20) - 4096, 8192)], write=True)
     assert info.value.code == ErrorCode.OUT_OF_BOUNDS
-    assert fake_cuda.copies == []
+    assert cuda_double.async_copies == []
     assert peer.crc(0, 1 << 20) == before
 
 
-def test_not_taken_when_it_does_not_apply(fake_cuda: FakeCudaRuntime, make_engine: Any,
+def test_not_taken_when_it_does_not_apply(cuda_double: HostCudaDouble, make_engine: Any,
                                           make_peer: Any) -> None:
     peer = make_peer(1 << 20)
     e = make_engine("host-test")
@@ -95,4 +95,4 @@ def test_not_taken_when_it_does_not_apply(fake_cuda: FakeCudaRuntime, make_engin
     tcp_first.add_peer_segment(peer.desc)
     assert not tcp_first.copy_gpu_shm([(_device_buffer(data), peer.segment_id, 0, 4096)],
                                       write=True)
-    assert fake_cuda.copies == []
+    assert cuda_double.async_copies == []
