@@ -7,7 +7,7 @@ import ctypes
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,6 +62,18 @@ class HangingTransport(FlakyTransport):
     def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
         self.calls += 1
         time.sleep(max(0.0, deadline - time.monotonic()))
+
+
+@pytest.fixture(autouse=True)
+def _transport_classes_restored() -> Iterator[None]:
+    """Fake transports registered by a test are gone after it (the table is
+    global: tests/core/test_config_docs.py checks it against the YAML)."""
+    from kvpool.transfer.transports import TRANSPORT_CLASSES
+
+    saved = dict(TRANSPORT_CLASSES)
+    yield
+    TRANSPORT_CLASSES.clear()
+    TRANSPORT_CLASSES.update(saved)
 
 
 def _register_fake(cls_name: str) -> None:
