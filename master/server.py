@@ -183,7 +183,7 @@ class MasterServer:
         cfg = self.cfg
         self.ha = ha = HaNode(cfg, self.port, self.metrics_port, self.signer,
                               lambda: Directory(cfg, policy=self.tiering), self.ctx)
-        self.durability.add_listener(ha.on_commit)
+        self.durability.add_frame_listener(ha.on_commit)
         save = self.info.save_keys
 
         def save_keys() -> None:

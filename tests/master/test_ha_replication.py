@@ -398,3 +398,151 @@ def test_standby_journal_restores_the_replicated_state_and_its_position(
             sink2.close()
         leader.src.close()
 
+
+
+def test_pipelined_batches_are_written_and_acked_together_in_order(
+        ctx: zmq.Context, tmp_path: Path) -> None:
+    """The leader sends batch after batch without waiting for acks; a standby
+    that finds several waiting writes them in one write, acks them with one
+    cumulative ACK (never past what it holds), and applies them in order."""
+    cfg = MasterConfig(data_dir=str(tmp_path), capabilities=False)
+    leader = Leader(ctx, epoch=9)
+    store, _restored = _restart(cfg)
+    sink = ReplicaSink(Directory(CFG), "s1", store=store, context=ctx)
+    try:
+        sink.connect(leader.src.endpoint, 9)
+        leader.mount("seg-a")
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"] and sink.based)
+        leader.src.add_sync("s1")
+        base = leader.src.acked_lsn()
+        assert base == leader.src.last_lsn
+        assert store.journal is not None
+        written = store.journal.records_written
+        lasts = []
+        keys: list[str] = []
+        for _ in range(5):  # in flight together: the standby does not poll meanwhile
+            keys += leader.put(20)
+            lasts.append(leader.src.last_lsn)
+        keys_removed = keys[:7]
+        leader.remove(keys_removed)  # a later batch undoes part of an earlier one
+        lasts.append(leader.src.last_lsn)
+        assert leader.src.acked_lsn() == base  # nothing acknowledged yet
+        time.sleep(0.05)  # every batch has arrived
+        assert sink.poll(1.0) == 6
+        assert sink.log.last_lsn == lasts[-1]
+        assert store.journal.records_written == written + 100 + 7 + 1  # one write, + position
+        deadline = time.monotonic() + 5
+        acks = 0
+        while leader.src.acked_lsn() < lasts[-1]:
+            assert time.monotonic() < deadline
+            leader.src.sock.poll(50)
+            acks += leader.src.poll()
+        assert acks == 1  # one cumulative ack for the six batches
+        assert state(sink.directory) == state(leader.d)
+        assert not any(k in sink.directory.objects for k in keys_removed)
+    finally:
+        sink.close()
+        store.close([])
+        leader.src.close()
+
+
+def test_standby_killed_with_batches_in_flight_holds_only_what_it_acked(
+        ctx: zmq.Context, tmp_path: Path) -> None:
+    """Batches in flight when an in-sync standby dies are never acknowledged
+    (their replies stay held); restarted from its data dir, the standby holds
+    exactly what it acked and rejoins with the tail of the rest."""
+    cfg = MasterConfig(data_dir=str(tmp_path), capabilities=False)
+    leader = Leader(ctx, epoch=4)
+    store, _restored = _restart(cfg)
+    sink = ReplicaSink(Directory(CFG), "s1", store=store, context=ctx)
+    sink2: ReplicaSink | None = None
+    try:
+        sink.connect(leader.src.endpoint, 4)
+        leader.mount("seg-a")
+        leader.put(50)
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"] and sink.based)
+        leader.src.add_sync("s1")
+        acked_state, acked_lsn = state(leader.d), leader.src.last_lsn
+        assert leader.src.acked_lsn() == acked_lsn
+        leader.put(30)  # in flight: sent, never taken by the standby
+        leader.put(30)
+        time.sleep(0.05)
+        sink.close()  # killed: what it had not taken is gone with it (no clean close)
+        for _ in range(5):
+            leader.src.poll()
+            time.sleep(0.01)
+        assert leader.src.acked_lsn() == acked_lsn < leader.src.last_lsn
+
+        store2, restored = _restart(cfg)
+        assert store2.position is not None and store2.position.lsn == acked_lsn
+        assert state(restored) == acked_state
+        log_ = ReplicationLog()
+        log_.reset(store2.position.epoch, store2.position.lsn, store2.position.history)
+        sink2 = ReplicaSink(restored, "s1", store=store2, log_=log_, context=ctx, based=True)
+        sink2.connect(leader.src.endpoint, 4)
+        pump(leader, [sink2], lambda: leader.src.acked_lsn() == leader.src.last_lsn)
+        assert sink2.stats.snapshots == 0  # the tail after what it held
+        assert state(sink2.directory) == state(leader.d)
+        sink2.close()
+        store2.close([])
+        store3, restored = _restart(cfg)
+        assert state(restored) == state(leader.d)
+        store3.close([])
+    finally:
+        sink.close()
+        if sink2 is not None:
+            sink2.close()
+        store.close([])
+        leader.src.close()
+
+
+def test_corrupt_batch_frames_are_refused_and_the_standby_resyncs(ctx: zmq.Context) -> None:
+    """A batch whose journal frames do not check (checksum, record count) is
+    neither journaled nor acked: the standby says hello again and gets it
+    whole."""
+    leader = Leader(ctx, epoch=3)
+    sink = sink_for(ctx, "s1")
+    try:
+        sink.connect(leader.src.endpoint, 3)
+        leader.mount("seg-a")
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        leader.src.add_sync("s1")
+        before = leader.src.last_lsn
+        leader.put(10)
+        b = leader.src.log.ring[-1]
+        bad = bytearray(b.frames)
+        bad[-1] ^= 0xFF  # a flipped byte in the last record
+        ident = leader.src.standbys["s1"].ident
+        sink.poll(1.0)  # the good copy: applied
+        leader.src.log.ring.pop()  # resend it corrupted, as if it were new
+        leader.src.log.last_lsn = before
+        leader.d.records.clear()
+        leader.src.sock.send_multipart([ident, b.header(3), bytes(bad)])
+        sink.log.last_lsn = before  # the standby takes it as the next batch
+        sink.poll(1.0)
+        assert sink.state is SinkState.CONNECTING  # refused it: hello again
+        assert sink.log.last_lsn == before
+    finally:
+        sink.close()
+        leader.src.close()
+
+
+def test_tail_starting_inside_a_batch() -> None:
+    """A tail from a position inside a logged batch re-encodes its rest."""
+    from kvpool.master.ha.replication import Batch, decode_frames
+    from kvpool.master.journal import check_frames, encode_frames
+
+    recs = [[4, f"k{i}"] for i in range(10)]
+    lg = ReplicationLog()
+    lg.append(Batch(2, 1, 12, encode_frames(recs), [[100, {}], [101, []]]))
+    lg.append(Batch(2, 13, 3, encode_frames(recs[:3]), []))
+    tail = list(lg.tail_from(4) or ())
+    assert [(b.first, b.length) for b in tail] == [(5, 8), (13, 3)]
+    assert decode_frames(tail[0].frames) == recs[4:] and tail[0].extras == [[100, {}], [101, []]]
+    assert check_frames(tail[0].frames) == 6
+    only_extras = list(lg.tail_from(11) or ())
+    assert [(b.first, b.length, b.frames, b.extras) for b in only_extras][0] == (
+        12, 1, b"", [[101, []]])
+    assert lg.tail_from(0) is not None and ReplicationLog().tail_from(0) is not None
+    big = encode_frames([[4, "x"]] * 5000)  # two frames
+    assert check_frames(big) == 5000 and check_frames(big[:-1]) == -1
