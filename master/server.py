@@ -388,6 +388,8 @@ class MasterServer:
         # successor holds: those timers wait until the lease is confirmed again
         unfenced: Callable[[], bool] = ha.elector.may_acknowledge if ha is not None \
             else lambda: True
+        # acks are read only when the poll saw them (a zmq_poll per look otherwise)
+        repl_sock = ha.source.sock if ha is not None and ha.source is not None else None
         while not self._stop:
             timers = unfenced()
             timeout = 0 if (timers and (d.purge_pending or d.evicting)) or durability.busy \
@@ -447,7 +449,8 @@ class MasterServer:
                 gc.freeze()  # O(1): moves survivors out of the scanned generations
             commit(records)  # expiry/sweep changes
             durability.tick(d, now)
-            if ha is not None and not ha.leader_tick(now):
+            if ha is not None and not ha.leader_tick(
+                    now, bool(events) and any(e[0] is repl_sock for e in events)):
                 log.warning("no longer the leader: %d held replies dropped (never "
                             "acknowledged)", len(held))
                 return

@@ -440,15 +440,17 @@ class HaNode:
             out = commit_no
         return out
 
-    def leader_tick(self, now: float) -> bool:
+    def leader_tick(self, now: float, readable: bool = True) -> bool:
         """Between loop iterations: acks, snapshots, the in-sync set. False
-        when this instance no longer leads (the caller becomes a follower)."""
+        when this instance no longer leads (the caller becomes a follower).
+        ``readable``: the loop's poll saw the replication socket readable
+        (False: skip reading it; what arrives since wakes the next poll)."""
         st = self.elector.state()
         if st.role is Role.FOLLOWER or st.epoch != self.epoch:
             return False
         src = self.source
         assert src is not None
-        src.poll()
+        src.poll(readable)
         standbys = src.standbys
         seen = self._standbys_seen
         joined = [k for k, v in standbys.items() if seen.get(k) is not v]

@@ -77,8 +77,9 @@ log = logging.getLogger(__name__)
 
 class MsgType(IntEnum):
     HELLO = 1  # standby -> leader: [1, instance_id, known_epoch, last_epoch, last_lsn]
-    # leader -> standby: [2, epoch, first_lsn, count, records' epoch, [stream record, ...]]
-    # + a second frame: the directory records (count - stream records) as journal frames
+    # leader -> standby: [2, epoch, first_lsn, count, records' epoch, [stream record, ...],
+    # urgent] + a second frame: the directory records (count - stream records) as
+    # journal frames; urgent: replies wait for this standby's ack (ack at once)
     BATCH = 2
     ACK = 3  # standby -> leader: [3, epoch, last_lsn]
     SNAP_BEGIN = 4  # leader -> standby: [4, epoch, lsn, [segment wire, ...], history]
@@ -102,7 +103,10 @@ _SINK_DRAIN = 256
 #: records a standby applies between two looks for new batches (which it then
 #: writes and acks before it applies on): a batch's ack never waits for the
 #: whole apply of the one before
-_APPLY_SLICE = 64
+_APPLY_SLICE = 128
+#: a standby whose acks hold no reply (not in the in-sync set) acks at most
+#: this often: the leader wakes for the acks that release replies
+_LAZY_ACK_S = 0.01
 # plain ints: IntFlag arithmetic costs ~1 us per operation on the leader's loop
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
@@ -151,8 +155,9 @@ class Batch(NamedTuple):
                          encode_frames(decode_frames(self.frames)[skip:]), self.extras)
         return Batch(self.epoch, lsn + 1, self.length - skip, b"", self.extras[skip - n_dir:])
 
-    def header(self, leader_epoch: int) -> bytes:
-        return _pack([_BATCH, leader_epoch, self.first, self.length, self.epoch, self.extras])
+    def header(self, leader_epoch: int, urgent: bool = True) -> bytes:
+        return _pack([_BATCH, leader_epoch, self.first, self.length, self.epoch, self.extras,
+                      urgent])
 
 
 # ================================================================ the log
@@ -316,12 +321,18 @@ class ReplicationSource:
         b = Batch(self.epoch, self.log.last_lsn + 1, count, frames, extras or [])
         self.log.append(b)
         if self.standbys:
-            header = b.header(self.epoch)
+            # in-sync members ack at once (replies wait for them), others lazily
+            urgent = lazy = b""
+            sync = self.sync_members
             now = time.monotonic()
             send = self.sock.send_multipart
-            for sb in self.standbys.values():
+            for sid, sb in self.standbys.items():
                 if sb.status.acked_lsn >= b.first - 1:
                     sb.owed_since = now
+                if sid in sync:
+                    header = urgent = urgent or b.header(self.epoch, True)
+                else:
+                    header = lazy = lazy or b.header(self.epoch, False)
                 try:
                     send([sb.ident, header, frames], _NOBLOCK)
                 except zmq.ZMQError:
@@ -387,11 +398,13 @@ class ReplicationSource:
         return [sb.status for sb in self.standbys.values()]
 
     # ---------------------------------------------------------------- poll
-    def poll(self) -> int:
-        """Handle what arrived (non-blocking) and advance snapshots; return messages handled."""
+    def poll(self, readable: bool = True) -> int:
+        """Handle what arrived (non-blocking; not looked for when ``readable``
+        is False: the caller's poll saw nothing) and advance snapshots; return
+        messages handled."""
         n = 0
         sock = self.sock
-        while sock.get(_EVENTS) & _POLLIN:
+        while readable and sock.get(_EVENTS) & _POLLIN:
             frames = sock.recv_multipart(_NOBLOCK)
             n += 1
             if len(frames) != 2:
@@ -577,6 +590,8 @@ class ReplicaSink:
         # batches received (written and acked by _settle) and not yet applied
         self._unapplied: collections.deque[Batch] = collections.deque()
         self._ack_due = False
+        self._lazy_ack = False  # an ack the leader waits not for: sent within _LAZY_ACK_S
+        self._last_ack = 0.0
         self._deferred: list[Any] | None = None  # a message after batches not yet applied
         self._taken = 0  # messages taken in this poll
         self._resync_due = False  # a gap or a malformed batch: hello again
@@ -646,10 +661,12 @@ class ReplicaSink:
 
     def _flush_and_ack(self) -> None:
         self._flush()
-        if self._ack_due:
-            self._ack_due = False
+        if self._ack_due or (self._lazy_ack
+                             and time.monotonic() - self._last_ack >= _LAZY_ACK_S):
+            self._ack_due = self._lazy_ack = False
             if self.sock is not None and self.state is SinkState.STREAMING:
                 self.sock.send(_pack([_ACK, self.leader_epoch, self.log.last_lsn]))
+                self._last_ack = time.monotonic()
 
     def _intake(self, sock: zmq.Socket) -> int:
         """Take the batches waiting on ``sock`` (up to the first other message,
@@ -676,7 +693,7 @@ class ReplicaSink:
         self.known_epoch = max(self.known_epoch, epoch)
         self.leader_epoch = epoch
         self._unapplied.clear()  # never left queued past poll(); emptied for a resync
-        self._ack_due = False
+        self._ack_due = self._lazy_ack = False
         self._deferred = None
         if self.state is SinkState.SNAPSHOT:
             # an interrupted snapshot: the directory is partial, and the position
@@ -710,6 +727,8 @@ class ReplicaSink:
             time.sleep(timeout_s)
             return 0
         if not sock.poll(int(timeout_s * 1000)):
+            if self._lazy_ack:
+                self._flush_and_ack()  # when due
             return 0
         self._taken = 0
         while True:
@@ -806,11 +825,11 @@ class ReplicaSink:
         if epoch < self.known_epoch:
             self._refuse(f"batch of epoch {epoch} after epoch {self.known_epoch}")
             return
-        if len(msg) != 6 or len(parts) != 2 or type(msg[2]) is not int \
+        if len(msg) != 7 or len(parts) != 2 or type(msg[2]) is not int \
                 or type(msg[3]) is not int or type(msg[4]) is not int \
                 or type(msg[5]) is not list:
             return
-        _t, _e, first, count, rec_epoch, extras = msg
+        _t, _e, first, count, rec_epoch, extras, urgent = msg
         if self.state is SinkState.CONNECTING or self.state is SinkState.REFUSED \
                 or self._resync_due:
             return
@@ -838,7 +857,10 @@ class ReplicaSink:
         self._dirty = True
         self._unapplied.append(b)
         if self.state is SinkState.STREAMING:
-            self._ack_due = True
+            if urgent:
+                self._ack_due = True
+            else:
+                self._lazy_ack = True
 
     def _resync(self) -> None:
         """Say hello again from what we hold, once what was received before is

@@ -546,3 +546,48 @@ def test_tail_starting_inside_a_batch() -> None:
     assert list(lg.tail_from(15) or [None]) == []  # holds everything
     big = encode_frames([[4, "x"]] * 5000)  # two frames
     assert check_frames(big) == 5000 and check_frames(big[:-1]) == -1
+
+
+def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
+    """Replies wait only for in-sync members: they ack every batch at once;
+    a standby outside the set acks at most every ``_LAZY_ACK_S`` (the
+    leader wakes less), yet is seen holding everything soon after."""
+    from kvpool.master.ha.replication import _LAZY_ACK_S
+
+    leader = Leader(ctx, epoch=8)
+    s1, s2 = sink_for(ctx, "s1"), sink_for(ctx, "s2")
+    try:
+        for s in (s1, s2):
+            s.connect(leader.src.endpoint, 8)
+        leader.mount("seg-a")
+        pump(leader, [s1, s2], lambda: sorted(leader.src.caught_up()) == ["s1", "s2"])
+        leader.src.add_sync("s1")
+        acks = {"s1": 0, "s2": 0}
+        idents = {leader.src.standbys[n].ident: n for n in acks}
+        handle = leader.src._handle
+
+        def counting(ident: bytes, msg: list[Any]) -> None:
+            if msg[0] == 3:
+                acks[idents[ident]] += 1
+            handle(ident, msg)
+
+        leader.src._handle = counting  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        for _ in range(40):
+            leader.put(5)
+            last = leader.src.last_lsn
+            deadline = time.monotonic() + 5
+            while leader.src.acked_lsn() < last:  # the in-sync member: each batch
+                assert time.monotonic() < deadline
+                s1.poll(0.001)
+                s2.poll(0)
+                leader.src.poll()
+        elapsed = time.monotonic() - t0
+        assert acks["s1"] == 40
+        assert 0 < acks["s2"] <= elapsed / _LAZY_ACK_S + 2, (acks, elapsed)
+        pump(leader, [s1, s2], lambda: leader.src.caught_up() == ["s2"])
+        assert state(s2.directory) == state(leader.d)
+    finally:
+        for s in (s1, s2):
+            s.close()
+        leader.src.close()
