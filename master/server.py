@@ -395,7 +395,8 @@ class MasterServer:
             timeout = 0 if (timers and (d.purge_pending or d.evicting)) or durability.busy \
                 else 1 if held else 50
             events = poller.poll(timeout)
-            if events:
+            # acks alone (the replication socket the only one readable): no request
+            if events and (events[0][0] is not repl_sock or len(events) > 1):
                 t_start = time.perf_counter()
                 commits_before = durability.commits
                 replies: list[list[bytes]] = []
