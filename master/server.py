@@ -254,6 +254,7 @@ class MasterServer:
         limit = self.cfg.max_inflight_per_client
         refuse = ha.not_leader_reply
         sink_sock: Any = None
+        next_freeze = time.monotonic()
         try:
             while not self._stop:
                 if ha.follower_tick():
@@ -268,7 +269,8 @@ class MasterServer:
                         poller.register(sink_sock, zmq.POLLIN)
                 events = poller.poll(20)
                 if events:
-                    for _ in range(_DRAIN):
+                    # the ROUTER socket, registered first, is first when it has messages
+                    for _ in range(_DRAIN if events[0][0] is sock else 0):
                         if not cast(int, sock.get(_EVENTS)) & _POLLIN:
                             break
                         frames = recv(_NOBLOCK, copy=True)
@@ -281,8 +283,12 @@ class MasterServer:
                         if out:
                             local.send_all(out)
                 sink.poll(0)
+                now = time.monotonic()
                 if sink.based:  # fsync per policy, snapshots of the journaled stream
-                    self.durability.tick(sink.directory, time.monotonic(), sink.position())
+                    self.durability.tick(sink.directory, now, sink.position())
+                if now >= next_freeze:  # as the leader: the replicated objects are not rescanned
+                    next_freeze = now + 1.0
+                    gc.freeze()
             return False
         finally:
             if sink_sock is not None:

@@ -24,14 +24,19 @@ the time from the kill to the first successful put started after it
 its bytes after the last failover (``lost``, ``corrupt``).
 
 ``throughput``: batched put (BatchPutStart + BatchPutEnd of ``--batch``
-keys, MasterClient over loopback TCP, journal on) against a single master
-and against the leader of a three-instance group with ``sync_standbys`` 0
-and 1; key-ops/s and the ratio to the single master.
+keys, one synchronous MasterClient on the same host, journal on) against a
+single master and against the leader of a three-instance group with
+``sync_standbys`` 0 and 1; key-ops/s (wall and per master CPU-second), the
+ratios to the single master, and the CPU seconds per million key-ops of
+every process (master, standbys, etcd, load generator), ``--rounds`` times
+(medians and ranges). ``--profile PREFIX``: py-spy raw profiles of each
+process while it runs.
 
 Usage: scripts/bench_ha.py clients --json OUT [--n 300]
        scripts/bench_ha.py election --json OUT [--kills 10]
        scripts/bench_ha.py failover --json OUT [--kills 5]
        scripts/bench_ha.py throughput --json OUT [--seconds 3] [--batch 128]
+                                      [--rounds N] [--profile PREFIX]
 """
 
 from __future__ import annotations
@@ -436,8 +441,8 @@ def _put_rate(address: str, pid: int, seconds: float, batch: int,
             "cpu_share_of_wall": {name: round(v / wall, 3) for name, v in used.items()}}
 
 
-def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    """Batched puts: single master vs the leader of a group with 0/1 sync standbys."""
+def _throughput_round(args: argparse.Namespace, round_no: int) -> dict[str, Any]:
+    """One round: a single master, then a group per ``--sync-standbys`` value."""
     import tempfile
     import uuid
 
@@ -445,9 +450,8 @@ def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
     from support.ha_master import HaGroup
 
     common = ["--client-ttl-s", "3600", "--snapshot-interval-s", "0"]
-    res: dict[str, Any] = {"batch": args.batch, "seconds": args.seconds,
-                           "loadavg_1m_before": os.getloadavg()[0]}
-    prof = args.profile
+    res: dict[str, Any] = {"loadavg_1m_before": os.getloadavg()[0]}
+    prof = args.profile and f"{args.profile}-r{round_no}"
     with tempfile.TemporaryDirectory() as tmp:
         with MasterProcess(data_dir=os.path.join(tmp, "single"), client_ttl_s=3600,
                            extra_args=common[2:]) as m:
@@ -477,6 +481,37 @@ def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """Batched puts: single master vs the leader of a group with 0/1 sync
+    standbys, ``--rounds`` times; each configuration's medians over the
+    rounds (ratios taken within a round, where the load was alike), their
+    ranges, and every round."""
+    rounds = [_throughput_round(args, i) for i in range(args.rounds)]
+    res: dict[str, Any] = {"batch": args.batch, "seconds": args.seconds,
+                           "rounds": len(rounds)}
+    for name in rounds[0]:
+        if not isinstance(rounds[0][name], dict):
+            continue
+        runs = [r[name] for r in rounds]
+        out: dict[str, Any] = {}
+        for field in runs[0]:
+            vals = [run[field] for run in runs]
+            if isinstance(vals[0], dict):  # per process
+                out[field] = {k: round(statistics.median(v[k] for v in vals), 3)
+                              for k in vals[0]}
+            elif all(isinstance(v, int | float) for v in vals):
+                med = statistics.median(vals)
+                out[field] = round(med) if all(isinstance(v, int) for v in vals) \
+                    else round(med, 3)
+                if field in ("key_ops_per_s", "ratio_to_single",
+                             "master_cpu_ratio_to_single", "master_cpu_key_ops_per_s"):
+                    out[f"{field}_range"] = [min(vals), max(vals)]
+        res[name] = out
+    res["loadavg_1m"] = [round(r["loadavg_1m"], 2) for r in rounds]
+    res["runs"] = rounds
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -493,6 +528,8 @@ def main() -> None:
     t = sub.add_parser("throughput")
     t.add_argument("--seconds", type=float, default=3.0)
     t.add_argument("--batch", type=int, default=128)
+    t.add_argument("--rounds", type=int, default=1,
+                   help="repeat the whole comparison; medians over the rounds")
     t.add_argument("--sync-standbys", type=int, nargs="+", default=[0, 1],
                    help="the HA configurations to measure")
     t.add_argument("--profile", default=None,
