@@ -16,10 +16,11 @@ Without a ``data_dir`` nothing is written, but listeners still see every
 batch.
 
 An HA standby journals the replicated stream here too
-(:meth:`commit_stream`: the leader's journal frames of the batch's
+(:meth:`commit_stream`: the leader's journal frames of the batches'
 directory records, as received, plus a position record ``[STREAM_POS,
-epoch, lsn, history | None]`` in one write, before its ack) and replaces the data dir's state at
-once by a snapshot of a directory it received whole (:meth:`rebase`). So a
+epoch, lsn, history | None]`` in one write, before its ack) and replaces
+the data dir's state at once by a snapshot of a directory it received
+whole (:meth:`rebase`). So a
 standby, promoted or not, that crashes restarts with the replicated state
 and, through :attr:`position`, its place in the leader's log.
 

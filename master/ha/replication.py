@@ -3,15 +3,16 @@
 Every record the leader's directory emits gets a **log position** (``lsn``:
 one per record, continuing across terms). The leader publishes each group
 commit as one batch to every connected standby: a small header ``[BATCH,
-epoch, first_lsn, count, records' epoch, [stream record, ...]]`` and, as a
-second ZeroMQ frame, the directory records exactly as the leader's journal
+epoch, first_lsn, count, records' epoch, [stream record, ...], urgent]``
+and, as a second ZeroMQ frame, the directory records exactly as the leader's journal
 wrote them (its batch frames, :func:`~kvpool.master.journal.encode_frames`:
 encoded once per group commit, never per standby). A standby checks the
 frames (lengths, checksums, record count; nothing decoded), writes them to
 its data dir as they are with its position (see :class:`ReplicaSink`),
 answers ``[ACK, epoch, last_lsn]`` (cumulative: one ack for every batch that
-arrived together) and only then decodes and applies them to its own
-directory. The leader never waits for an ack before sending the next batch
+arrived together; at once when ``urgent``, i.e. it is in the in-sync set,
+else within ``_LAZY_ACK_S``) and only then decodes and applies them to its
+own directory. The leader never waits for an ack before sending the next batch
 (any number are in flight); it releases the replies of a batch once every
 member of its **in-sync set** acknowledged it
 (:meth:`ReplicationSource.acked_lsn`); the set is published in etcd
