@@ -747,8 +747,11 @@ class ReplicaSink:
                 self._settle(sock)
             elif not taken:
                 break
-            if self.sock is not sock or self._taken >= _SINK_DRAIN:
+            if self.sock is not sock:
                 break
+            if self._taken >= _SINK_DRAIN and self._deferred is None \
+                    and not self._resync_due:
+                break  # the rest next time (nothing taken is left unhandled)
         return self._taken
 
     def _refuse(self, message: str) -> None:

@@ -591,3 +591,29 @@ def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
         for s in (s1, s2):
             s.close()
         leader.src.close()
+
+
+def test_standby_takes_a_bounded_number_of_messages_per_poll(ctx: zmq.Context) -> None:
+    """A standby far behind takes at most ``_SINK_DRAIN`` messages per poll,
+    and everything it took is applied when poll returns (so the loop's other
+    work runs between polls); the next poll goes on from there."""
+    from kvpool.master.ha.replication import _SINK_DRAIN
+
+    leader = Leader(ctx, epoch=5)
+    sink = sink_for(ctx, "s1")
+    try:
+        sink.connect(leader.src.endpoint, 5)
+        leader.mount("seg-a")
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        base = sink.log.last_lsn
+        for _ in range(_SINK_DRAIN + 40):
+            leader.put(1)
+        time.sleep(0.3)  # every batch has arrived at the standby's socket (loopback)
+        assert sink.poll(1.0) == _SINK_DRAIN
+        assert sink.log.last_lsn == base + _SINK_DRAIN
+        assert len(sink.directory.objects) == _SINK_DRAIN
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        assert state(sink.directory) == state(leader.d)
+    finally:
+        sink.close()
+        leader.src.close()
