@@ -63,6 +63,7 @@ from kvpool.master.durability import StreamPosition
 from kvpool.master.journal import check_frames, encode_frames, iter_frame_payloads
 
 __all__ = [
+    "REPLICATION_PROTOCOL",
     "Batch",
     "MsgType",
     "ReplicaSink",
@@ -77,7 +78,8 @@ log = logging.getLogger(__name__)
 
 
 class MsgType(IntEnum):
-    HELLO = 1  # standby -> leader: [1, instance_id, known_epoch, last_epoch, last_lsn]
+    # standby -> leader: [1, instance_id, known_epoch, last_epoch, last_lsn, protocol]
+    HELLO = 1
     # leader -> standby: [2, epoch, first_lsn, count, records' epoch, [stream record, ...],
     # urgent] + a second frame: the directory records (count - stream records) as
     # journal frames; urgent: replies wait for this standby's ack (ack at once)
@@ -90,6 +92,10 @@ class MsgType(IntEnum):
     REFUSE = 8  # either way: [8, code, message, epoch]
     TAIL = 9  # leader -> standby: [9, epoch, from_lsn, history] (no snapshot needed)
 
+
+#: the stream's format, in every HELLO: a leader refuses a standby of another
+#: (1: batches of decoded records, before the journal frames were shipped as written)
+REPLICATION_PROTOCOL = 2
 
 # msgspec writes the same bytes as msgpack.packb(use_bin_type=True), ~4x faster
 # (a batch of 128 PUT records: ~4 us instead of ~18 us per group commit), and
@@ -436,10 +442,19 @@ class ReplicationSource:
             if sb.chunks is None and lsn > sb.status.acked_lsn:
                 sb.status.acked_lsn = min(lsn, self.log.last_lsn)
                 sb.status.last_ack = time.monotonic()
-        elif kind == MsgType.HELLO and len(msg) == 5:
-            _t, instance_id, known_epoch, last_epoch, last_lsn = msg
+        elif kind == MsgType.HELLO and len(msg) in (5, 6):
+            _t, instance_id, known_epoch, last_epoch, last_lsn = msg[:5]
             if type(instance_id) is not str or not all(
                     type(v) is int for v in (known_epoch, last_epoch, last_lsn)):
+                return
+            protocol = msg[5] if len(msg) == 6 else 1
+            if protocol != REPLICATION_PROTOCOL:
+                log.warning("standby %s speaks replication protocol %r, this leader %d: "
+                            "refused (run one kvpool version in a group)", instance_id,
+                            protocol, REPLICATION_PROTOCOL)
+                self._refuse(ident, ErrorCode.INVALID_VERSION,
+                             f"replication protocol {protocol!r}, the leader speaks "
+                             f"{REPLICATION_PROTOCOL}")
                 return
             if known_epoch > self.epoch:
                 # the standby has seen a newer term: we are deposed
@@ -715,7 +730,7 @@ class ReplicaSink:
         self.state = SinkState.CONNECTING
         self.stats.last_message = time.monotonic()
         sock.send(_pack([MsgType.HELLO, self.instance_id, self.known_epoch,
-                         self.log.last_epoch, self.log.last_lsn]))
+                         self.log.last_epoch, self.log.last_lsn, REPLICATION_PROTOCOL]))
 
     def observe_epoch(self, epoch: int) -> None:
         """etcd told us of term ``epoch``: refuse anything older from now on."""

@@ -617,3 +617,27 @@ def test_standby_takes_a_bounded_number_of_messages_per_poll(ctx: zmq.Context) -
     finally:
         sink.close()
         leader.src.close()
+
+
+def test_leader_refuses_a_standby_of_another_replication_protocol(ctx: zmq.Context) -> None:
+    """A standby of an older kvpool (a HELLO without the protocol, batches
+    of decoded records) is refused with INVALID_VERSION instead of being
+    streamed a format it cannot read (and never acking)."""
+    import msgspec
+
+    leader = Leader(ctx, epoch=3)
+    old = ctx.socket(zmq.DEALER)
+    old.setsockopt(zmq.LINGER, 0)
+    try:
+        old.connect(leader.src.endpoint)
+        old.send(msgspec.msgpack.encode([1, "old-standby", 0, 0, 0]))
+        deadline = time.monotonic() + 5
+        while not old.poll(10):
+            assert time.monotonic() < deadline
+            leader.src.poll()
+        reply = msgspec.msgpack.decode(old.recv())
+        assert reply[0] == 8 and reply[1] == int(ErrorCode.INVALID_VERSION), reply
+        assert "old-standby" not in leader.src.standbys
+    finally:
+        old.close(0)
+        leader.src.close()
