@@ -487,8 +487,13 @@ def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
     rounds (ratios taken within a round, where the load was alike), their
     ranges, and every round."""
     rounds = [_throughput_round(args, i) for i in range(args.rounds)]
-    res: dict[str, Any] = {"batch": args.batch, "seconds": args.seconds,
-                           "rounds": len(rounds)}
+    return summarize_throughput(rounds, args.batch, args.seconds)
+
+
+def summarize_throughput(rounds: list[dict[str, Any]], batch: int,
+                         seconds: float) -> dict[str, Any]:
+    """Medians (and ranges) over throughput rounds, and the rounds themselves."""
+    res: dict[str, Any] = {"batch": batch, "seconds": seconds, "rounds": len(rounds)}
     for name in rounds[0]:
         if not isinstance(rounds[0][name], dict):
             continue
