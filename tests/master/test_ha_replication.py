@@ -497,31 +497,39 @@ def test_standby_killed_with_batches_in_flight_holds_only_what_it_acked(
 
 
 def test_corrupt_batch_frames_are_refused_and_the_standby_resyncs(ctx: zmq.Context) -> None:
-    """A batch whose journal frames do not check (checksum, record count) is
-    neither journaled nor acked: the standby says hello again and gets it
-    whole."""
+    """A batch whose journal frames do not check (a checksum, the record
+    count its header states) is neither applied nor acked: the standby says
+    hello again from what it holds and goes on with the leader's stream."""
+    from kvpool.master.ha.replication import Batch
+    from kvpool.master.journal import encode_frames
+
     leader = Leader(ctx, epoch=3)
     sink = sink_for(ctx, "s1")
     try:
         sink.connect(leader.src.endpoint, 3)
         leader.mount("seg-a")
-        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
-        leader.src.add_sync("s1")
-        before = leader.src.last_lsn
         leader.put(10)
-        b = leader.src.log.ring[-1]
-        bad = bytearray(b.frames)
-        bad[-1] ^= 0xFF  # a flipped byte in the last record
-        ident = leader.src.standbys["s1"].ident
-        sink.poll(1.0)  # the good copy: applied
-        leader.src.log.ring.pop()  # resend it corrupted, as if it were new
-        leader.src.log.last_lsn = before
-        leader.d.records.clear()
-        leader.src.sock.send_multipart([ident, b.header(3), bytes(bad)])
-        sink.log.last_lsn = before  # the standby takes it as the next batch
-        sink.poll(1.0)
-        assert sink.state is SinkState.CONNECTING  # refused it: hello again
-        assert sink.log.last_lsn == before
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        held = leader.src.last_lsn
+        good = encode_frames([[4, f"k{i:06d}"] for i in range(10)])
+        flipped = bytearray(good)
+        flipped[-1] ^= 0xFF  # a flipped byte in the last record
+        for frames, count in ((bytes(flipped), 10), (good, 11)):
+            # sent as the next batch, bypassing the leader's log
+            fake = Batch(3, held + 1, count, frames, [])
+            ident = leader.src.standbys["s1"].ident  # a new one after each hello
+            leader.src.sock.send_multipart([ident, fake.header(3), frames])
+            deadline = time.monotonic() + 5
+            while sink.state is not SinkState.CONNECTING:
+                assert time.monotonic() < deadline
+                sink.poll(0.01)
+            assert sink.log.last_lsn == held and sink.stats.records == held
+            assert len(sink.directory.objects) == 10  # the removes were not applied
+            pump(leader, [sink], lambda: sink.state is SinkState.STREAMING)
+        leader.put(5)
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        assert state(sink.directory) == state(leader.d)
+        assert sink.stats.snapshots == 0  # its own position was good: a tail
     finally:
         sink.close()
         leader.src.close()
