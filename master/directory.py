@@ -1543,6 +1543,41 @@ class Directory:
         else:
             raise ValueError(f"unknown journal record tag {tag!r}")
 
+    def apply_records(self, records: list[list[Any]]) -> list[tuple[Any, Exception]]:
+        """Replay ``records`` as :meth:`apply_record` one by one (an HA standby
+        applies a group commit's at once); the PUT of a new key with one
+        replica, the common record, in one pass without a call per record.
+        Return the records that failed with their errors (the rest applied)."""
+        shards, mask = self.objects.shards, self.objects.mask
+        segments = self.segments
+        intern = self._intern_size
+        fast = not self.journaling  # the fast path builds no record
+        failed: list[tuple[Any, Exception]] = []
+        for rec in records:
+            try:
+                if rec[0] == _REC_PUT and fast:
+                    key = rec[1]
+                    wire = rec[5]
+                    shard = shards[hash(key) & mask]
+                    if len(wire) == 2 and key not in shard:
+                        seg = segments.get(wire[0])
+                        if seg is None:
+                            continue  # as restore_object: replicas on unknown segments go
+                        off = wire[1]
+                        size = int(rec[2])
+                        try:
+                            seg.alloc.reserve(off, size)
+                        except KVPoolError as exc:
+                            log.debug("restore: %s: %s", key, exc)  # as restore_object
+                            continue
+                        shard[key] = Obj(intern(size), (seg, off), int(rec[3]), rec[4])
+                        seg.keys.add(key)
+                        continue
+                self.apply_record(rec)
+            except Exception as exc:
+                failed.append((rec, exc))
+        return failed
+
     def finish_restore(self) -> None:
         """After replay: every segment awaits its owner (``client_ttl_s +
         client_grace_s``; a live owner pings within a second)."""

@@ -16,18 +16,22 @@ Without a ``data_dir`` nothing is written, but listeners still see every
 batch.
 
 An HA standby journals the replicated stream here too
-(:meth:`commit_stream`: the batch's directory records plus a position
-record ``[STREAM_POS, epoch, lsn, history | None]`` in one write, before
-its ack) and replaces the data dir's state at
-once by a snapshot of a directory it received whole (:meth:`rebase`). So a
+(:meth:`commit_stream`: the leader's journal frames of the batches'
+directory records, as received, plus a position record ``[STREAM_POS,
+epoch, lsn, history | None]`` in one write, before its ack) and replaces
+the data dir's state at once by a snapshot of a directory it received
+whole (:meth:`rebase`). So a
 standby, promoted or not, that crashes restarts with the replicated state
 and, through :attr:`position`, its place in the leader's log.
 
 The commit seam is where replication hooks in:
 
 - :meth:`add_listener`: ``listener(records, commit_no)`` runs on the loop
-  thread after the local commit, before any reply of that iteration leaves
-  (e.g. ship the batch to standbys). It must not raise.
+  thread after the local commit, before any reply of that iteration leaves.
+  It must not raise. :meth:`add_frame_listener`: the same with the bytes the
+  journal wrote for them (``listener(records, frames, commit_no)``; encoded
+  even without a journal): the HA leader ships these bytes to its standbys
+  as they are, which journal them as they are.
 - :meth:`set_ack_gate`: ``acked() -> commit_no`` says up to which commit
   replies may leave. With a gate set, the loop holds every reply of an
   iteration (reads too: they may show that iteration's changes) until
@@ -59,6 +63,7 @@ from kvpool.master.directory import Directory, Segment
 from kvpool.master.journal import (
     Journal,
     SnapshotWriter,
+    encode_frames,
     iter_snapshot,
     list_journals,
     list_snapshots,
@@ -66,7 +71,7 @@ from kvpool.master.journal import (
 )
 from kvpool.master.stats import LoopStats
 
-__all__ = ["STREAM_POS", "CommitListener", "Durability", "StreamPosition"]
+__all__ = ["STREAM_POS", "CommitListener", "Durability", "FrameListener", "StreamPosition"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +102,9 @@ def _history(raw: Any) -> list[tuple[int, int]]:
 #: ``listener(records, batch)``: the directory records of one group commit, in
 #: order, and the commit's sequence number (1, 2, ... per process).
 CommitListener = Callable[[Sequence[list[Any]], int], None]
+#: ``listener(records, frames, batch)``: as :data:`CommitListener`, with the
+#: journal's encoding of the records (batch frames, ``journal.encode_frames``)
+FrameListener = Callable[[list[list[Any]], bytes, int], None]
 
 
 class Durability:
@@ -108,6 +116,7 @@ class Durability:
         self.stats = loop_stats or LoopStats()
         self.journal: Journal | None = None
         self._listeners: list[CommitListener] = []
+        self._frame_listeners: list[FrameListener] = []
         self._gate: Callable[[], int] | None = None
         self._replicated: Callable[[], int] | None = None
         self.commits = 0  # group commits with records so far (their commit numbers)
@@ -127,6 +136,12 @@ class Durability:
     def add_listener(self, listener: CommitListener) -> None:
         """Call ``listener(records, batch)`` after every group commit (loop thread)."""
         self._listeners.append(listener)
+
+    def add_frame_listener(self, listener: FrameListener) -> None:
+        """Call ``listener(records, frames, batch)`` after every group commit
+        (loop thread, after the plain listeners); ``records`` is the
+        listener's own copy, ``frames`` the bytes the journal wrote."""
+        self._frame_listeners.append(listener)
 
     def set_ack_gate(self, acked: Callable[[], int] | None,
                      replicated: Callable[[], int] | None = None) -> None:
@@ -156,15 +171,20 @@ class Durability:
         if not records:
             return self.commits
         journal = self.journal
+        frame_listeners = self._frame_listeners
+        # encoded once: the journal and the standbys get the same bytes
+        frames = encode_frames(records) if journal is not None or frame_listeners else b""
         if journal is not None:
-            journal.append_many(records)
+            journal.append_frames(frames, len(records))
             journal.commit()
             self._journaled_history = None  # a position journaled later restates it
         self.commits += 1
-        if self._listeners:
+        if self._listeners or frame_listeners:
             batch = list(records)
             for listener in self._listeners:
                 listener(batch, self.commits)
+            for frame_listener in frame_listeners:
+                frame_listener(batch, frames, self.commits)
         records.clear()
         return self.commits
 
@@ -268,13 +288,16 @@ class Durability:
         return d
 
     # ================================================================ a standby's stream
-    def commit_stream(self, records: Sequence[list[Any]], position: StreamPosition) -> None:
-        """Journal a standby's replicated directory ``records`` and the position
-        after them: one write (fsync per policy)."""
+    def commit_stream(self, frames: Sequence[bytes], records: int,
+                      position: StreamPosition) -> None:
+        """Journal a standby's replicated directory records (``frames``: the
+        leader's journal frames as received, ``records`` records in all) and
+        the position after them: one write (fsync per policy)."""
         journal = self.journal
         if journal is None:
             return
-        journal.append_many(records)
+        for i, data in enumerate(frames):
+            journal.append_frames(data, records if i == 0 else 0)
         history = position.history
         changed = history != self._journaled_history
         journal.append([STREAM_POS, position.epoch, position.lsn,

@@ -183,7 +183,7 @@ class MasterServer:
         cfg = self.cfg
         self.ha = ha = HaNode(cfg, self.port, self.metrics_port, self.signer,
                               lambda: Directory(cfg, policy=self.tiering), self.ctx)
-        self.durability.add_listener(ha.on_commit)
+        self.durability.add_frame_listener(ha.on_commit)
         save = self.info.save_keys
 
         def save_keys() -> None:
@@ -254,6 +254,7 @@ class MasterServer:
         limit = self.cfg.max_inflight_per_client
         refuse = ha.not_leader_reply
         sink_sock: Any = None
+        next_freeze = time.monotonic()
         try:
             while not self._stop:
                 if ha.follower_tick():
@@ -268,7 +269,8 @@ class MasterServer:
                         poller.register(sink_sock, zmq.POLLIN)
                 events = poller.poll(20)
                 if events:
-                    for _ in range(_DRAIN):
+                    # the ROUTER socket, registered first, is first when it has messages
+                    for _ in range(_DRAIN if events[0][0] is sock else 0):
                         if not cast(int, sock.get(_EVENTS)) & _POLLIN:
                             break
                         frames = recv(_NOBLOCK, copy=True)
@@ -281,8 +283,12 @@ class MasterServer:
                         if out:
                             local.send_all(out)
                 sink.poll(0)
+                now = time.monotonic()
                 if sink.based:  # fsync per policy, snapshots of the journaled stream
-                    self.durability.tick(sink.directory, time.monotonic(), sink.position())
+                    self.durability.tick(sink.directory, now, sink.position())
+                if now >= next_freeze:  # as the leader: the replicated objects are not rescanned
+                    next_freeze = now + 1.0
+                    gc.freeze()
             return False
         finally:
             if sink_sock is not None:
@@ -388,12 +394,15 @@ class MasterServer:
         # successor holds: those timers wait until the lease is confirmed again
         unfenced: Callable[[], bool] = ha.elector.may_acknowledge if ha is not None \
             else lambda: True
+        # acks are read only when the poll saw them (a zmq_poll per look otherwise)
+        repl_sock = ha.source.sock if ha is not None and ha.source is not None else None
         while not self._stop:
             timers = unfenced()
             timeout = 0 if (timers and (d.purge_pending or d.evicting)) or durability.busy \
                 else 1 if held else 50
             events = poller.poll(timeout)
-            if events:
+            # acks alone (the replication socket the only one readable): no request
+            if events and (events[0][0] is not repl_sock or len(events) > 1):
                 t_start = time.perf_counter()
                 commits_before = durability.commits
                 replies: list[list[bytes]] = []
@@ -447,7 +456,8 @@ class MasterServer:
                 gc.freeze()  # O(1): moves survivors out of the scanned generations
             commit(records)  # expiry/sweep changes
             durability.tick(d, now)
-            if ha is not None and not ha.leader_tick(now):
+            if ha is not None and not ha.leader_tick(
+                    now, bool(events) and any(e[0] is repl_sock for e in events)):
                 log.warning("no longer the leader: %d held replies dropped (never "
                             "acknowledged)", len(held))
                 return

@@ -24,14 +24,19 @@ the time from the kill to the first successful put started after it
 its bytes after the last failover (``lost``, ``corrupt``).
 
 ``throughput``: batched put (BatchPutStart + BatchPutEnd of ``--batch``
-keys, MasterClient over loopback TCP, journal on) against a single master
-and against the leader of a three-instance group with ``sync_standbys`` 0
-and 1; key-ops/s and the ratio to the single master.
+keys, one synchronous MasterClient on the same host, journal on) against a
+single master and against the leader of a three-instance group with
+``sync_standbys`` 0 and 1; key-ops/s (wall and per master CPU-second), the
+ratios to the single master, and the CPU seconds per million key-ops of
+every process (master, standbys, etcd, load generator), ``--rounds`` times
+(medians and ranges). ``--profile PREFIX``: py-spy raw profiles of each
+process while it runs.
 
 Usage: scripts/bench_ha.py clients --json OUT [--n 300]
        scripts/bench_ha.py election --json OUT [--kills 10]
        scripts/bench_ha.py failover --json OUT [--kills 5]
        scripts/bench_ha.py throughput --json OUT [--seconds 3] [--batch 128]
+                                      [--rounds N] [--profile PREFIX]
 """
 
 from __future__ import annotations
@@ -379,7 +384,16 @@ def cmd_failover(args: argparse.Namespace) -> dict[str, Any]:
             "loadavg_1m": os.getloadavg()[0]}
 
 
-def _put_rate(address: str, pid: int, seconds: float, batch: int) -> dict[str, Any]:
+def _put_rate(address: str, pid: int, seconds: float, batch: int,
+              others: dict[str, int] | None = None,
+              profile: str | None = None) -> dict[str, Any]:
+    """Batched puts for ``seconds`` by one synchronous client; key-ops/s,
+    and CPU seconds per million key-ops of the master ``pid``, of each of
+    ``others`` (name -> pid: standbys, etcd) and of this load generator.
+    ``profile``: a path prefix; py-spy records the master and ``others``
+    (raw collapsed stacks, ``<prefix>-<name>.txt``) while it runs."""
+    import subprocess
+
     import psutil
 
     from kvpool.core.protocol import (
@@ -391,7 +405,20 @@ def _put_rate(address: str, pid: int, seconds: float, batch: int) -> dict[str, A
     )
     from kvpool.core.rpc_client import MasterClient
 
-    proc = psutil.Process(pid)
+    procs = {"master": psutil.Process(pid)}
+    procs.update((name, psutil.Process(p)) for name, p in (others or {}).items())
+    me = psutil.Process()
+
+    def cpu() -> dict[str, float]:
+        out = {}
+        for name, p in procs.items():
+            try:
+                out[name] = sum(p.cpu_times()[:2])
+            except psutil.Error:
+                out[name] = 0.0
+        out["load_generator"] = sum(me.cpu_times()[:2])
+        return out
+
     with MasterClient(address, timeout_s=30) as c:
         c.call(MountSegment(client_id="bench", segment=SegmentDescriptor(
             "bench-seg", "bench", "host-bench", SegmentKind.MEMORY, 64 << 40, "kvpool-bench")))
@@ -410,21 +437,36 @@ def _put_rate(address: str, pid: int, seconds: float, batch: int) -> dict[str, A
         for _ in range(20):
             one()
         lat.clear()
+        spies = []
+        if profile:
+            for name, p in procs.items():
+                spies.append(subprocess.Popen(
+                    ["py-spy", "record", "-r", "500", "--format", "raw", "-d",
+                     str(int(seconds) + 1), "-p", str(p.pid), "-o", f"{profile}-{name}.txt"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            time.sleep(0.5)
         n0 = n
-        cpu0 = sum(proc.cpu_times()[:2])
+        cpu0 = cpu()
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             one()
         wall = time.perf_counter() - t0
-        cpu = sum(proc.cpu_times()[:2]) - cpu0
+        cpu1 = cpu()
+        for spy in spies:
+            spy.wait(30)
     key_ops = 2 * (n - n0)
+    used = {name: cpu1[name] - cpu0[name] for name in cpu1}
+    mcpu = used["master"]
     return {"key_ops_per_s": round(key_ops / wall), "wall_s": round(wall, 3),
-            "master_cpu_key_ops_per_s": round(key_ops / cpu) if cpu > 0 else None,
-            "batch_p50_ms": round(statistics.median(lat) * 1000, 3)}
+            "master_cpu_key_ops_per_s": round(key_ops / mcpu) if mcpu > 0 else None,
+            "batch_p50_ms": round(statistics.median(lat) * 1000, 3),
+            # CPU seconds per million key-ops of each process (lower is cheaper)
+            "cpu_s_per_mkeyop": {name: round(v / key_ops * 1e6, 3) for name, v in used.items()},
+            "cpu_share_of_wall": {name: round(v / wall, 3) for name, v in used.items()}}
 
 
-def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    """Batched puts: single master vs the leader of a group with 0/1 sync standbys."""
+def _throughput_round(args: argparse.Namespace, round_no: int) -> dict[str, Any]:
+    """One round: a single master, then a group per ``--sync-standbys`` value."""
     import tempfile
     import uuid
 
@@ -432,24 +474,70 @@ def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
     from support.ha_master import HaGroup
 
     common = ["--client-ttl-s", "3600", "--snapshot-interval-s", "0"]
-    res: dict[str, Any] = {"batch": args.batch, "seconds": args.seconds}
+    res: dict[str, Any] = {"loadavg_1m_before": os.getloadavg()[0]}
+    prof = args.profile and f"{args.profile}-r{round_no}"
     with tempfile.TemporaryDirectory() as tmp:
         with MasterProcess(data_dir=os.path.join(tmp, "single"), client_ttl_s=3600,
                            extra_args=common[2:]) as m:
             assert m.pid is not None
-            res["single"] = _put_rate(m.address, m.pid, args.seconds, args.batch)
+            res["single"] = _put_rate(m.address, m.pid, args.seconds, args.batch,
+                                      profile=prof and f"{prof}-single")
         with EtcdProcess() as etcd:
-            for sync in (0, 1):
+            for sync in args.sync_standbys:
                 with HaGroup(etcd.endpoint, f"tp-{uuid.uuid4().hex[:6]}",
                              os.path.join(tmp, f"ha{sync}"),
                              extra_args=[*common, "--sync-standbys", str(sync)]) as g:
                     leader = g.wait_leader(in_sync=min(sync, 1), streaming=2, timeout_s=30)
                     assert leader.pid is not None
-                    r = _put_rate(g.url, leader.pid, args.seconds, args.batch)
+                    others = {f"standby{i}": m.pid for i, m in enumerate(
+                        (m for m in g.members if m is not leader and m.pid is not None), 1)}
+                    if etcd._proc is not None:
+                        others["etcd"] = etcd._proc.pid
+                    r = _put_rate(g.url, leader.pid, args.seconds, args.batch, others,
+                                  profile=prof and f"{prof}-ha{sync}")
                     r["ratio_to_single"] = round(
                         r["key_ops_per_s"] / res["single"]["key_ops_per_s"], 3)
+                    r["master_cpu_ratio_to_single"] = round(
+                        r["master_cpu_key_ops_per_s"]
+                        / res["single"]["master_cpu_key_ops_per_s"], 3)
                     res[f"ha_sync_standbys_{sync}"] = r
     res["loadavg_1m"] = os.getloadavg()[0]
+    return res
+
+
+def cmd_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """Batched puts: single master vs the leader of a group with 0/1 sync
+    standbys, ``--rounds`` times; each configuration's medians over the
+    rounds (ratios taken within a round, where the load was alike), their
+    ranges, and every round."""
+    rounds = [_throughput_round(args, i) for i in range(args.rounds)]
+    return summarize_throughput(rounds, args.batch, args.seconds)
+
+
+def summarize_throughput(rounds: list[dict[str, Any]], batch: int,
+                         seconds: float) -> dict[str, Any]:
+    """Medians (and ranges) over throughput rounds, and the rounds themselves."""
+    res: dict[str, Any] = {"batch": batch, "seconds": seconds, "rounds": len(rounds)}
+    for name in rounds[0]:
+        if not isinstance(rounds[0][name], dict):
+            continue
+        runs = [r[name] for r in rounds]
+        out: dict[str, Any] = {}
+        for field in runs[0]:
+            vals = [run[field] for run in runs]
+            if isinstance(vals[0], dict):  # per process
+                out[field] = {k: round(statistics.median(v[k] for v in vals), 3)
+                              for k in vals[0]}
+            elif all(isinstance(v, int | float) for v in vals):
+                med = statistics.median(vals)
+                out[field] = round(med) if all(isinstance(v, int) for v in vals) \
+                    else round(med, 3)
+                if field in ("key_ops_per_s", "ratio_to_single",
+                             "master_cpu_ratio_to_single", "master_cpu_key_ops_per_s"):
+                    out[f"{field}_range"] = [min(vals), max(vals)]
+        res[name] = out
+    res["loadavg_1m"] = [round(r["loadavg_1m"], 2) for r in rounds]
+    res["runs"] = rounds
     return res
 
 
@@ -469,6 +557,12 @@ def main() -> None:
     t = sub.add_parser("throughput")
     t.add_argument("--seconds", type=float, default=3.0)
     t.add_argument("--batch", type=int, default=128)
+    t.add_argument("--rounds", type=int, default=1,
+                   help="repeat the whole comparison; medians over the rounds")
+    t.add_argument("--sync-standbys", type=int, nargs="+", default=[0, 1],
+                   help="the HA configurations to measure")
+    t.add_argument("--profile", default=None,
+                   help="path prefix: py-spy raw profiles of the master and standbys")
     t.add_argument("--json", default="-")
     args = ap.parse_args()
     cmds = {"clients": cmd_clients, "election": cmd_election, "failover": cmd_failover,

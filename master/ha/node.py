@@ -429,19 +429,22 @@ class HaNode:
     def set_released(self, commit_no: int) -> None:
         self._released = commit_no
 
-    def on_commit(self, records: Any, commit_no: int) -> None:
-        """Commit listener: ship the group commit to the standbys."""
+    def on_commit(self, records: list[list[Any]], frames: bytes, commit_no: int) -> None:
+        """Frame listener: ship the group commit (``frames``: the bytes the
+        journal wrote for ``records``, sent as they are) to the standbys."""
         src = self.source
         if src is None or not self.serving:
             return
-        recs = list(records)
+        extras: list[Any] = []
         if self.keys_dirty and self.signer is not None:
             self.keys_dirty = False
-            recs.append([KEYS_RECORD, self.signer.keys()])
-        pinned = [r[1] for r in recs if r[0] == _REC_PUT and r[3] & SOFT_PIN]
-        if pinned:
-            recs.append(self._soft_pins(src.dir, pinned))
-        lsn = src.publish(recs)
+            extras.append([KEYS_RECORD, self.signer.keys()])
+        d = src.dir
+        if d.soft_until:  # none soft-pinned: no PUT record can carry the flag
+            pinned = [r[1] for r in records if r[0] == _REC_PUT and r[3] & SOFT_PIN]
+            if pinned:
+                extras.append(self._soft_pins(d, pinned))
+        lsn = src.publish(records, extras, frames)
         self._pending.append((commit_no, lsn))
 
     def acked(self) -> int:
@@ -481,15 +484,17 @@ class HaNode:
             out = commit_no
         return out
 
-    def leader_tick(self, now: float) -> bool:
+    def leader_tick(self, now: float, readable: bool = True) -> bool:
         """Between loop iterations: acks, snapshots, the in-sync set. False
-        when this instance no longer leads (the caller becomes a follower)."""
+        when this instance no longer leads (the caller becomes a follower).
+        ``readable``: the loop's poll saw the replication socket readable
+        (False: skip reading it; what arrives since wakes the next poll)."""
         st = self.elector.state()
         if st.role is Role.FOLLOWER or st.epoch != self.epoch:
             return False
         src = self.source
         assert src is not None
-        src.poll()
+        src.poll(readable)
         standbys = src.standbys
         seen = self._standbys_seen
         joined = [k for k, v in standbys.items() if seen.get(k) is not v]
@@ -499,7 +504,7 @@ class HaNode:
                     if src.dir.soft_until else []
                 if self.signer is not None:
                     recs.append([KEYS_RECORD, self.signer.keys()])
-                src.publish(recs)
+                src.publish([], recs)
             self._standbys_seen = dict(standbys)
             self._flag_in_sync(src)
         if self.sync_writer.busy:

@@ -2,13 +2,21 @@
 
 Every record the leader's directory emits gets a **log position** (``lsn``:
 one per record, continuing across terms). The leader publishes each group
-commit as one batch ``[BATCH, epoch, first_lsn, records]`` to every
-connected standby; a standby writes the batch to its data dir (with its
-position, see :class:`ReplicaSink`), answers ``[ACK, epoch, last_lsn]``
-(cumulative) and applies it to its own directory. The leader
-releases the replies of a batch once every member of its **in-sync set**
-acknowledged it (:meth:`ReplicationSource.acked_lsn`); the set is published
-in etcd (:mod:`.election`), so whoever wins the next election holds every
+commit as one batch to every connected standby: a small header ``[BATCH,
+epoch, first_lsn, count, records' epoch, [stream record, ...], urgent]``
+and, as a second ZeroMQ frame, the directory records exactly as the leader's journal
+wrote them (its batch frames, :func:`~kvpool.master.journal.encode_frames`:
+encoded once per group commit, never per standby). A standby checks the
+frames (lengths, checksums, record count; nothing decoded), writes them to
+its data dir as they are with its position (see :class:`ReplicaSink`),
+answers ``[ACK, epoch, last_lsn]`` (cumulative: one ack for every batch that
+arrived together; at once when ``urgent``, i.e. it is in the in-sync set,
+else within ``_LAZY_ACK_S``) and only then decodes and applies them to its
+own directory. The leader never waits for an ack before sending the next batch
+(any number are in flight); it releases the replies of a batch once every
+member of its **in-sync set** acknowledged it
+(:meth:`ReplicationSource.acked_lsn`); the set is published in etcd
+(:mod:`.election`), so whoever wins the next election holds every
 acknowledged change.
 
 A standby says hello with the epoch and lsn of the last record it applied.
@@ -31,7 +39,8 @@ only the configured client keys, and a standby's DEALER authenticates with
 its own keypair, so a standby without the group's keys cannot join (nor
 read the stream).
 
-Wire: msgpack arrays, one frame per message (``MsgType`` first).
+Wire: msgpack arrays, one frame per message (``MsgType`` first), except a
+batch's second frame (its journal frames).
 """
 
 from __future__ import annotations
@@ -42,18 +51,20 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
-import msgpack
 import msgspec
 import zmq
 
 from kvpool.core.auth import CurveAuthenticator, CurveConfig
 from kvpool.core.errors import ErrorCode
-from kvpool.master.directory import Directory, Rec, SegState
+from kvpool.master.directory import Directory, SegState
 from kvpool.master.durability import StreamPosition
+from kvpool.master.journal import check_frames, encode_frames, iter_frame_payloads
 
 __all__ = [
+    "REPLICATION_PROTOCOL",
+    "Batch",
     "MsgType",
     "ReplicaSink",
     "ReplicationLog",
@@ -65,12 +76,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_DIRECTORY_TAGS = frozenset(int(t) for t in Rec)
-
 
 class MsgType(IntEnum):
-    HELLO = 1  # standby -> leader: [1, instance_id, known_epoch, last_epoch, last_lsn]
-    BATCH = 2  # leader -> standby: [2, epoch, first_lsn, [record, ...], records' epoch]
+    # standby -> leader: [1, instance_id, known_epoch, last_epoch, last_lsn, protocol]
+    HELLO = 1
+    # leader -> standby: [2, epoch, first_lsn, count, records' epoch, [stream record, ...],
+    # urgent] + a second frame: the directory records (count - stream records) as
+    # journal frames; urgent: replies wait for this standby's ack (ack at once)
+    BATCH = 2
     ACK = 3  # standby -> leader: [3, epoch, last_lsn]
     SNAP_BEGIN = 4  # leader -> standby: [4, epoch, lsn, [segment wire, ...], history]
     SNAP_CHUNK = 5  # leader -> standby: [5, epoch, [snapshot record, ...]]
@@ -80,9 +93,27 @@ class MsgType(IntEnum):
     TAIL = 9  # leader -> standby: [9, epoch, from_lsn, history] (no snapshot needed)
 
 
+#: the stream's format, in every HELLO: a leader refuses a standby of another
+#: (1: batches of decoded records, before the journal frames were shipped as written)
+REPLICATION_PROTOCOL = 2
+
 # msgspec writes the same bytes as msgpack.packb(use_bin_type=True), ~4x faster
-# (a batch of 128 PUT records: ~4 us instead of ~18 us per group commit)
+# (a batch of 128 PUT records: ~4 us instead of ~18 us per group commit), and
+# reads them ~2x faster than msgpack.unpackb
 _pack = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+_BATCH = int(MsgType.BATCH)
+_ACK = int(MsgType.ACK)
+#: messages a standby takes in one go (one write and one ack for the batches
+#: among them) before it writes, acks and applies what it has
+_SINK_DRAIN = 256
+#: records a standby applies between two looks for new batches (which it then
+#: writes and acks before it applies on): a batch's ack never waits for the
+#: whole apply of the one before
+_APPLY_SLICE = 128
+#: a standby whose acks hold no reply (not in the in-sync set) acks at most
+#: this often: the leader wakes for the acks that release replies
+_LAZY_ACK_S = 0.01
 # plain ints: IntFlag arithmetic costs ~1 us per operation on the leader's loop
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
@@ -91,12 +122,49 @@ _NOBLOCK = int(zmq.NOBLOCK)
 
 def _unpack(data: bytes) -> list[Any] | None:
     try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        msg = _decode(data)
     except Exception:
         return None
     if type(msg) is not list or not msg or type(msg[0]) is not int:
         return None
     return msg
+
+
+def decode_frames(frames: bytes) -> list[Any]:
+    """The records of journal frames (``encode_frames``'s inverse)."""
+    out: list[Any] = []
+    for payload in iter_frame_payloads(frames):
+        out += _decode(payload)
+    return out
+
+
+class Batch(NamedTuple):
+    """One group commit in the log: ``length`` records from lsn ``first`` of
+    term ``epoch``: the directory records, as journal ``frames``, then the
+    stream-only ``extras``."""
+
+    epoch: int
+    first: int
+    length: int
+    frames: bytes
+    extras: list[Any]
+
+    @property
+    def last(self) -> int:
+        return self.first + self.length - 1
+
+    def after(self, lsn: int) -> Batch:
+        """The part of this batch after ``lsn`` (inside it)."""
+        skip = lsn + 1 - self.first
+        n_dir = self.length - len(self.extras)
+        if skip < n_dir:  # re-encoded: a tail that starts inside a batch is rare
+            return Batch(self.epoch, lsn + 1, self.length - skip,
+                         encode_frames(decode_frames(self.frames)[skip:]), self.extras)
+        return Batch(self.epoch, lsn + 1, self.length - skip, b"", self.extras[skip - n_dir:])
+
+    def header(self, leader_epoch: int, urgent: bool = True) -> bytes:
+        return _pack([_BATCH, leader_epoch, self.first, self.length, self.epoch, self.extras,
+                      urgent])
 
 
 # ================================================================ the log
@@ -109,20 +177,22 @@ class ReplicationLog:
         self.last_lsn = 0
         self.last_epoch = 0
         self.history: list[tuple[int, int]] = []  # (epoch, first lsn of that epoch)
-        self.ring: collections.deque[tuple[int, int, list[Any]]] = collections.deque()
+        # batches as encoded bytes: compact, and nothing for the collector to scan
+        self.ring: collections.deque[Batch] = collections.deque()
         self._ring_records = 0
         self.ring_limit = ring_records
 
-    def append(self, epoch: int, first_lsn: int, records: list[Any]) -> None:
+    def append(self, batch: Batch) -> None:
+        epoch = batch.epoch
         if not self.history or self.history[-1][0] != epoch:
-            self.history.append((epoch, first_lsn))
+            self.history.append((epoch, batch.first))
         self.last_epoch = epoch
-        self.last_lsn = first_lsn + len(records) - 1
-        self.ring.append((epoch, first_lsn, records))
-        self._ring_records += len(records)
-        while self._ring_records > self.ring_limit and len(self.ring) > 1:
-            _e, _f, old = self.ring.popleft()
-            self._ring_records -= len(old)
+        self.last_lsn = batch.first + batch.length - 1
+        ring = self.ring
+        ring.append(batch)
+        self._ring_records += batch.length
+        while self._ring_records > self.ring_limit and len(ring) > 1:
+            self._ring_records -= ring.popleft().length
 
     def start_epoch(self, epoch: int) -> None:
         """A new term begins at the next position (the leader's history)."""
@@ -151,22 +221,18 @@ class ReplicationLog:
                 return self.last_lsn
         return None
 
-    def tail_from(self, lsn: int) -> Iterator[tuple[int, int, list[Any]]] | None:
+    def tail_from(self, lsn: int) -> Iterator[Batch] | None:
         """Batches covering every position after ``lsn`` (None: not held anymore)."""
         if lsn >= self.last_lsn:
             return iter(())
-        if not self.ring or self.ring[0][1] > lsn + 1:
+        if not self.ring or self.ring[0].first > lsn + 1:
             return None
 
-        def gen() -> Iterator[tuple[int, int, list[Any]]]:
-            for epoch, first, recs in list(self.ring):
-                last = first + len(recs) - 1
-                if last <= lsn:
+        def gen() -> Iterator[Batch]:
+            for b in list(self.ring):
+                if b.last <= lsn:
                     continue
-                if first <= lsn:
-                    recs = recs[lsn + 1 - first:]
-                    first = lsn + 1
-                yield epoch, first, recs
+                yield b.after(lsn) if b.first <= lsn else b
         return gen()
 
 
@@ -248,25 +314,43 @@ class ReplicationSource:
     def last_lsn(self) -> int:
         return self.log.last_lsn
 
-    def publish(self, records: list[Any]) -> int:
-        """Give the committed ``records`` positions and send them; return the last lsn."""
-        if not records:
+    def publish(self, records: list[Any], extras: list[Any] | None = None,
+                frames: bytes | None = None) -> int:
+        """Give the committed directory ``records`` and then the stream-only
+        ``extras`` positions and send them; return the last lsn. ``frames``:
+        the records as the journal wrote them (``encode_frames(records)``),
+        sent as they are; encoded here when not given."""
+        count = len(records) + (len(extras) if extras else 0)
+        if not count:
             return self.log.last_lsn
-        first = self.log.last_lsn + 1
-        self.log.append(self.epoch, first, records)
+        if frames is None:
+            frames = encode_frames(records)
+        b = Batch(self.epoch, self.log.last_lsn + 1, count, frames, extras or [])
+        self.log.append(b)
         if self.standbys:
-            frame = _pack([MsgType.BATCH, self.epoch, first, records, self.epoch])
+            # in-sync members ack at once (replies wait for them), others lazily
+            urgent = lazy = b""
+            sync = self.sync_members
             now = time.monotonic()
-            for sb in self.standbys.values():
-                if sb.status.acked_lsn >= first - 1:
+            send = self.sock.send_multipart
+            for sid, sb in self.standbys.items():
+                if sb.status.acked_lsn >= b.first - 1:
                     sb.owed_since = now
-                self._send(sb.ident, frame)
+                if sid in sync:
+                    header = urgent = urgent or b.header(self.epoch, True)
+                else:
+                    header = lazy = lazy or b.header(self.epoch, False)
+                try:
+                    send([sb.ident, header, frames], _NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # gone: it will say hello again
+            self._last_send = now
             self.batches_sent += 1
         return self.log.last_lsn
 
-    def _send(self, ident: bytes, frame: bytes) -> None:
+    def _send(self, ident: bytes, *frames: bytes) -> None:
         try:
-            self.sock.send_multipart([ident, frame], _NOBLOCK)
+            self.sock.send_multipart([ident, *frames], _NOBLOCK)
         except zmq.ZMQError:
             pass  # gone: it will say hello again
         self._last_send = time.monotonic()
@@ -321,11 +405,13 @@ class ReplicationSource:
         return [sb.status for sb in self.standbys.values()]
 
     # ---------------------------------------------------------------- poll
-    def poll(self) -> int:
-        """Handle what arrived (non-blocking) and advance snapshots; return messages handled."""
+    def poll(self, readable: bool = True) -> int:
+        """Handle what arrived (non-blocking; not looked for when ``readable``
+        is False: the caller's poll saw nothing) and advance snapshots; return
+        messages handled."""
         n = 0
         sock = self.sock
-        while sock.get(_EVENTS) & _POLLIN:
+        while readable and sock.get(_EVENTS) & _POLLIN:
             frames = sock.recv_multipart(_NOBLOCK)
             n += 1
             if len(frames) != 2:
@@ -348,18 +434,7 @@ class ReplicationSource:
 
     def _handle(self, ident: bytes, msg: list[Any]) -> None:
         kind = msg[0]
-        if kind == MsgType.HELLO and len(msg) == 5:
-            _t, instance_id, known_epoch, last_epoch, last_lsn = msg
-            if type(instance_id) is not str or not all(
-                    type(v) is int for v in (known_epoch, last_epoch, last_lsn)):
-                return
-            if known_epoch > self.epoch:
-                # the standby has seen a newer term: we are deposed
-                self._refuse(ident, ErrorCode.STALE_EPOCH,
-                             f"epoch {self.epoch} is older than {known_epoch}")
-                return
-            self._hello(ident, instance_id, last_epoch, last_lsn)
-        elif kind == MsgType.ACK and len(msg) == 3:
+        if kind == _ACK and len(msg) == 3:  # the common message first
             _t, epoch, lsn = msg
             sb = self._by_ident(ident)
             if sb is None or epoch != self.epoch or type(lsn) is not int:
@@ -367,6 +442,26 @@ class ReplicationSource:
             if sb.chunks is None and lsn > sb.status.acked_lsn:
                 sb.status.acked_lsn = min(lsn, self.log.last_lsn)
                 sb.status.last_ack = time.monotonic()
+        elif kind == MsgType.HELLO and len(msg) in (5, 6):
+            _t, instance_id, known_epoch, last_epoch, last_lsn = msg[:5]
+            if type(instance_id) is not str or not all(
+                    type(v) is int for v in (known_epoch, last_epoch, last_lsn)):
+                return
+            protocol = msg[5] if len(msg) == 6 else 1
+            if protocol != REPLICATION_PROTOCOL:
+                log.warning("standby %s speaks replication protocol %r, this leader %d: "
+                            "refused (run one kvpool version in a group)", instance_id,
+                            protocol, REPLICATION_PROTOCOL)
+                self._refuse(ident, ErrorCode.INVALID_VERSION,
+                             f"replication protocol {protocol!r}, the leader speaks "
+                             f"{REPLICATION_PROTOCOL}")
+                return
+            if known_epoch > self.epoch:
+                # the standby has seen a newer term: we are deposed
+                self._refuse(ident, ErrorCode.STALE_EPOCH,
+                             f"epoch {self.epoch} is older than {known_epoch}")
+                return
+            self._hello(ident, instance_id, last_epoch, last_lsn)
         elif kind == MsgType.REFUSE and len(msg) == 4:
             sb = self._by_ident(ident)
             log.warning("standby %s refused the stream: %s",
@@ -394,8 +489,8 @@ class ReplicationSource:
             sb = _Standby(ident, status)
             self.standbys[instance_id] = sb
             self._send(ident, _pack([MsgType.TAIL, self.epoch, last_lsn + 1, self.log.history]))
-            for epoch, first, recs in tail:
-                self._send(ident, _pack([MsgType.BATCH, self.epoch, first, recs, epoch]))
+            for b in tail:
+                self._send(ident, b.header(self.epoch), b.frames)
             log.info("standby %s: streaming from lsn %d", instance_id, last_lsn + 1)
             return
         # a snapshot, interleaved in order with the live batches
@@ -460,7 +555,8 @@ class SinkStats:
 class ReplicaStore(Protocol):
     """Where a standby keeps the stream (``kvpool.master.durability.Durability``)."""
 
-    def commit_stream(self, records: list[list[Any]], position: StreamPosition) -> None: ...
+    def commit_stream(self, frames: list[bytes], records: int,
+                      position: StreamPosition) -> None: ...
 
     def rebase(self, directory: Directory, position: StreamPosition) -> bool: ...
 
@@ -471,15 +567,22 @@ class ReplicaSink:
     """A standby's end: follows one leader, applies what it sends.
 
     ``connect(endpoint, epoch)`` (re)targets the leader of ``epoch``;
-    ``poll(timeout_s)`` applies what arrived. Records go to the directory
-    (``journaling`` off: they are the leader's records, journaled here as
-    they are) and, with a ``store``, to the data dir: the batch's records
-    and the position after them in one write, before its ACK. ``based``:
-    the store holds exactly this directory's state (restored from it, or
-    written by ``rebase``); until then nothing is journaled, and a directory
-    received whole (a snapshot, or a tail onto a fresh directory) is written
-    with ``store.rebase`` before the stream is journaled on top of it.
-    Stream-only records (tags outside :class:`Rec`) go to ``on_record``.
+    ``poll(timeout_s)`` applies what arrived. Every batch that arrived
+    together (up to ``_SINK_DRAIN`` messages) is checked, then, with a
+    ``store``, written to the data dir in one write (the leader's journal
+    frames as they are, and the position after them), then acknowledged with
+    one ACK, then decoded and applied to the directory (``journaling`` off:
+    they are the leader's records) ``_APPLY_SLICE`` records at a time
+    (:meth:`Directory.apply_records`); batches arriving meanwhile are
+    written and acked between two slices, so an ack never waits for the
+    apply of earlier batches. Messages other than batches are handled once
+    every batch before them is applied; when :meth:`poll` returns,
+    everything received is applied. ``based``: the store holds exactly
+    this directory's state (restored from it, or written by ``rebase``);
+    until then nothing is journaled, and a directory received whole (a
+    snapshot, or a tail onto a fresh directory) is written with
+    ``store.rebase`` before the stream is journaled on top of it.
+    Stream-only records (the batch's extras) go to ``on_record``.
     ``directory`` may be replaced by a snapshot: read it from the sink.
     """
 
@@ -496,8 +599,18 @@ class ReplicaSink:
         self.instance_id = instance_id
         self.store = store
         self.based = based and store is not None
-        self._unwritten: list[list[Any]] = []
-        self._dirty = False  # records applied (or a position changed) since the last write
+        # journal frames received and not yet written, and their record count
+        self._unwritten: list[bytes] = []
+        self._unwritten_records = 0
+        self._dirty = False  # records received (or a position changed) since the last write
+        # batches received (written and acked by _settle) and not yet applied
+        self._unapplied: collections.deque[Batch] = collections.deque()
+        self._ack_due = False
+        self._lazy_ack = False  # an ack the leader waits not for: sent within _LAZY_ACK_S
+        self._last_ack = 0.0
+        self._deferred: list[Any] | None = None  # a message after batches not yet applied
+        self._taken = 0  # messages taken in this poll
+        self._resync_due = False  # a gap or a malformed batch: hello again
         self.make_directory = make_directory or (lambda: Directory(directory.cfg))
         self.on_record = on_record
         self.log = log_ or ReplicationLog()
@@ -509,12 +622,10 @@ class ReplicaSink:
         self._ctx = context or zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.endpoint = ""
-        #: ack a batch when it arrives (and is written, with a store), before
-        #: applying it
-        self.ack_on_receipt = True
 
     def position(self) -> StreamPosition:
-        """The applied position (the last record's epoch and lsn, the history)."""
+        """The received position (the last record's epoch and lsn, the history);
+        after :meth:`poll` returns, also the applied one."""
         lg = self.log
         return StreamPosition(lg.last_epoch, lg.last_lsn, list(lg.history))
 
@@ -523,20 +634,83 @@ class ReplicaSink:
         if store is not None:
             self.based = store.rebase(self.directory, self.position())
             self._unwritten.clear()
+            self._unwritten_records = 0
             self._dirty = False
 
     def _flush(self) -> None:
-        """Write the records applied since the last write and the position after them."""
+        """Write the records received since the last write and the position after them."""
         store = self.store
         if store is not None and self.based and self._dirty:
-            store.commit_stream(self._unwritten, self.position())
+            store.commit_stream(self._unwritten, self._unwritten_records, self.position())
         self._unwritten.clear()
+        self._unwritten_records = 0
         self._dirty = False
+
+    def _settle(self, sock: zmq.Socket | None = None) -> None:
+        """Write what was received (one write), acknowledge it (one ACK), then
+        apply it: a batch is acked once the data dir holds it (once received
+        without one), before it is applied, off the leader's critical path
+        (applying follows at once, in this thread, before any promotion).
+        With ``sock``: between slices of ``_APPLY_SLICE`` records, batches
+        that arrived meanwhile are taken, written and acked first."""
+        self._flush_and_ack()
+        d = self.directory
+        on_record = self.on_record
+        while self._unapplied:
+            b = self._unapplied.popleft()
+            if b.frames:
+                for payload in iter_frame_payloads(b.frames):
+                    recs = _decode(payload)
+                    for i in range(0, len(recs), _APPLY_SLICE):
+                        for rec, exc in d.apply_records(recs[i:i + _APPLY_SLICE]
+                                                        if len(recs) > _APPLY_SLICE else recs):
+                            log.error("standby %s: bad record %r: %s", self.instance_id,
+                                      rec[:2] if type(rec) is list else rec, exc)
+                        if sock is not None and self._intake(sock):
+                            self._flush_and_ack()
+            if on_record is not None:
+                for rec in b.extras:
+                    if type(rec) is list and rec:
+                        on_record(rec)
+            self.stats.batches += 1
+            self.stats.records += b.length
+
+    def _flush_and_ack(self) -> None:
+        self._flush()
+        if self._ack_due or (self._lazy_ack
+                             and time.monotonic() - self._last_ack >= _LAZY_ACK_S):
+            self._ack_due = self._lazy_ack = False
+            if self.sock is not None and self.state is SinkState.STREAMING:
+                self.sock.send(_pack([_ACK, self.leader_epoch, self.log.last_lsn]))
+                self._last_ack = time.monotonic()
+
+    def _intake(self, sock: zmq.Socket) -> int:
+        """Take the batches waiting on ``sock`` (up to the first other message,
+        kept in ``_deferred`` to be handled once every batch before it is
+        applied); return messages taken."""
+        n = 0
+        while self._deferred is None and not self._resync_due and self.sock is sock \
+                and self._taken < _SINK_DRAIN \
+                and cast(int, sock.get(_EVENTS)) & _POLLIN:
+            parts = sock.recv_multipart(_NOBLOCK)
+            n += 1
+            self._taken += 1
+            msg = _unpack(parts[0])
+            if msg is None:
+                continue
+            if msg[0] == _BATCH:
+                self._batch(msg, parts)
+            else:
+                self._deferred = msg
+        return n
 
     def connect(self, endpoint: str, epoch: int) -> None:
         """Follow the leader of ``epoch`` at ``endpoint`` (a ZeroMQ address)."""
         self.known_epoch = max(self.known_epoch, epoch)
         self.leader_epoch = epoch
+        self._unapplied.clear()  # never left queued past poll(); emptied for a resync
+        self._ack_due = self._lazy_ack = False
+        self._deferred = None
         if self.state is SinkState.SNAPSHOT:
             # an interrupted snapshot: the directory is partial, and the position
             # it was sent at is not ours; start from nothing (the data dir keeps
@@ -556,7 +730,7 @@ class ReplicaSink:
         self.state = SinkState.CONNECTING
         self.stats.last_message = time.monotonic()
         sock.send(_pack([MsgType.HELLO, self.instance_id, self.known_epoch,
-                         self.log.last_epoch, self.log.last_lsn]))
+                         self.log.last_epoch, self.log.last_lsn, REPLICATION_PROTOCOL]))
 
     def observe_epoch(self, epoch: int) -> None:
         """etcd told us of term ``epoch``: refuse anything older from now on."""
@@ -568,21 +742,32 @@ class ReplicaSink:
         if sock is None:
             time.sleep(timeout_s)
             return 0
-        n = 0
         if not sock.poll(int(timeout_s * 1000)):
+            if self._lazy_ack:
+                self._flush_and_ack()  # when due
             return 0
-        acks = False
-        while cast(int, sock.get(_EVENTS)) & _POLLIN:
-            msg = _unpack(sock.recv(_NOBLOCK))
-            n += 1
-            if msg is not None:
-                acks |= self._handle(msg)
-            if self.sock is None:
+        self._taken = 0
+        while True:
+            taken = self._intake(sock)
+            self._settle(sock)
+            if self._resync_due:
+                self._resync_due = False
+                self.state = SinkState.CONNECTING
+                self.connect(self.endpoint, self.leader_epoch)
                 break
-        self._flush()
-        if acks and self.sock is not None and self.state is SinkState.STREAMING:
-            self.sock.send(_pack([MsgType.ACK, self.leader_epoch, self.log.last_lsn]))
-        return n
+            msg = self._deferred
+            if msg is not None:  # every batch before it is applied
+                self._deferred = None
+                self._handle(msg)
+                self._settle(sock)
+            elif not taken:
+                break
+            if self.sock is not sock:
+                break
+            if self._taken >= _SINK_DRAIN and self._deferred is None \
+                    and not self._resync_due:
+                break  # the rest next time (nothing taken is left unhandled)
+        return self._taken
 
     def _refuse(self, message: str) -> None:
         self.stats.refused += 1
@@ -593,8 +778,8 @@ class ReplicaSink:
                                   self.known_epoch]))
         self.state = SinkState.REFUSED
 
-    def _handle(self, msg: list[Any]) -> bool:
-        """Apply one message; True when an ACK is due."""
+    def _handle(self, msg: list[Any]) -> None:
+        """Apply one message other than a batch (after every batch before it)."""
         kind = msg[0]
         epoch = msg[1] if len(msg) > 1 else None
         self.stats.last_message = time.monotonic()
@@ -603,16 +788,14 @@ class ReplicaSink:
             self.state = SinkState.REFUSED
             if len(msg) > 3 and type(msg[3]) is int:
                 self.known_epoch = max(self.known_epoch, msg[3])
-            return False
+            return
         if type(epoch) is not int:
-            return False
-        if epoch < self.known_epoch and kind != MsgType.BATCH:
+            return
+        if epoch < self.known_epoch:
             self._refuse(f"message of epoch {epoch} after epoch {self.known_epoch}")
-            return False
-        if kind == MsgType.BATCH:
-            return self._batch(epoch, msg)
+            return
         if kind == MsgType.HEARTBEAT:
-            return False
+            return
         if kind == MsgType.TAIL:
             self.known_epoch = max(self.known_epoch, epoch)
             self.log.adopt_history(msg[3])
@@ -620,7 +803,8 @@ class ReplicaSink:
             if self.store is not None and not self.based:
                 self._rebase()  # a fresh directory: the data dir's old state goes
             self._dirty = True  # the history may have changed
-            return True
+            self._ack_due = True
+            return
         if kind == MsgType.SNAP_BEGIN:
             self.known_epoch = max(self.known_epoch, epoch)
             if self.store is not None:
@@ -628,6 +812,7 @@ class ReplicaSink:
                 self.store.discard_snapshot()
                 self.based = False
                 self._unwritten.clear()
+                self._unwritten_records = 0
             d = self.make_directory()
             d.journaling = False
             for wire in msg[3]:
@@ -635,68 +820,71 @@ class ReplicaSink:
             self.directory = d
             self.log.reset(epoch, int(msg[2]), msg[4])
             self.state = SinkState.SNAPSHOT
-            return False
+            return
         if kind == MsgType.SNAP_CHUNK and self.state is SinkState.SNAPSHOT:
             restore = self.directory.restore_object
             for key, size, flags, checksum, wire in msg[2]:
                 restore(key, int(size), int(flags), checksum, list(wire))
-            return False
+            return
         if kind == MsgType.SNAP_END and self.state is SinkState.SNAPSHOT:
             self.stats.snapshots += 1
             self.state = SinkState.STREAMING
             log.info("standby %s: snapshot applied (%d objects, lsn %d)", self.instance_id,
                      len(self.directory.objects), self.log.last_lsn)
             self._rebase()
-            return True
-        return False
+            self._ack_due = True
 
-    def _batch(self, epoch: int, msg: list[Any]) -> bool:
+    def _batch(self, msg: list[Any], parts: list[bytes]) -> None:
+        """Take one batch: checked and logged now; written, acked and applied
+        by :meth:`_settle`."""
+        self.stats.last_message = time.monotonic()
+        epoch = msg[1] if len(msg) > 1 else None
+        if type(epoch) is not int:
+            return
         if epoch < self.known_epoch:
             self._refuse(f"batch of epoch {epoch} after epoch {self.known_epoch}")
-            return False
-        if len(msg) != 5 or type(msg[2]) is not int or type(msg[3]) is not list \
-                or type(msg[4]) is not int:
-            return False
-        first, records, rec_epoch = msg[2], msg[3], msg[4]
-        if self.state is SinkState.CONNECTING or self.state is SinkState.REFUSED:
-            return False
-        if first != self.log.last_lsn + 1:
-            if first + len(records) - 1 <= self.log.last_lsn:
-                return False  # a repeat of what we hold
+            return
+        if len(msg) != 7 or len(parts) != 2 or type(msg[2]) is not int \
+                or type(msg[3]) is not int or type(msg[4]) is not int \
+                or type(msg[5]) is not list:
+            return
+        _t, _e, first, count, rec_epoch, extras, urgent = msg
+        if self.state is SinkState.CONNECTING or self.state is SinkState.REFUSED \
+                or self._resync_due:
+            return
+        last = self.log.last_lsn
+        if first != last + 1:
+            if first + count - 1 <= last:
+                return  # a repeat of what we hold
             log.warning("standby %s: gap (have %d, got %d): resyncing", self.instance_id,
-                        self.log.last_lsn, first)
-            self.state = SinkState.CONNECTING
-            if self.sock is not None:
-                self.connect(self.endpoint, self.leader_epoch)
-            return False
+                        last, first)
+            self._resync()
+            return
+        frames = parts[1]
+        n_dir = check_frames(frames) if frames else 0
+        if n_dir < 0 or n_dir + len(extras) != count:
+            log.error("standby %s: malformed batch at lsn %d (%d records said, %d held): "
+                      "resyncing", self.instance_id, first, count, n_dir + len(extras))
+            self._resync()
+            return
         self.known_epoch = max(self.known_epoch, epoch)
-        self.log.append(rec_epoch, first, records)
-        if self.based:
-            self._unwritten.extend(r for r in records if r and r[0] in _DIRECTORY_TAGS)
+        b = Batch(rec_epoch, first, count, frames, extras)
+        self.log.append(b)
+        if self.based and frames:
+            self._unwritten.append(frames)
+            self._unwritten_records += n_dir
         self._dirty = True
-        early = self.state is SinkState.STREAMING and self.sock is not None \
-            and self.ack_on_receipt
-        if early:
-            # the batch is held (in this process) once received, and written to
-            # the data dir (one write: encoding is cheap, applying is not): ack
-            # before applying it, off the leader's critical path (applying
-            # follows at once, in this thread, before any promotion)
-            self._flush()
-            assert self.sock is not None
-            self.sock.send(_pack([MsgType.ACK, self.leader_epoch, first + len(records) - 1]))
-        d = self.directory
-        on_record = self.on_record
-        for rec in records:
-            if rec and rec[0] in _DIRECTORY_TAGS:
-                try:
-                    d.apply_record(rec)
-                except Exception as exc:
-                    log.error("standby %s: bad record %r: %s", self.instance_id, rec[:2], exc)
-            elif on_record is not None:
-                on_record(rec)
-        self.stats.batches += 1
-        self.stats.records += len(records)
-        return self.state is SinkState.STREAMING and not early
+        self._unapplied.append(b)
+        if self.state is SinkState.STREAMING:
+            if urgent:
+                self._ack_due = True
+            else:
+                self._lazy_ack = True
+
+    def _resync(self) -> None:
+        """Say hello again from what we hold, once what was received before is
+        applied (:meth:`poll`); nothing more is taken from this socket."""
+        self._resync_due = True
 
     def close(self) -> None:
         if self.sock is not None:

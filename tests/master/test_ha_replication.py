@@ -398,3 +398,254 @@ def test_standby_journal_restores_the_replicated_state_and_its_position(
             sink2.close()
         leader.src.close()
 
+
+
+def test_pipelined_batches_are_written_and_acked_together_in_order(
+        ctx: zmq.Context, tmp_path: Path) -> None:
+    """The leader sends batch after batch without waiting for acks; a standby
+    that finds several waiting writes them in one write, acks them with one
+    cumulative ACK (never past what it holds), and applies them in order."""
+    cfg = MasterConfig(data_dir=str(tmp_path), capabilities=False)
+    leader = Leader(ctx, epoch=9)
+    store, _restored = _restart(cfg)
+    sink = ReplicaSink(Directory(CFG), "s1", store=store, context=ctx)
+    try:
+        sink.connect(leader.src.endpoint, 9)
+        leader.mount("seg-a")
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"] and sink.based)
+        leader.src.add_sync("s1")
+        base = leader.src.acked_lsn()
+        assert base == leader.src.last_lsn
+        assert store.journal is not None
+        written = store.journal.records_written
+        lasts = []
+        keys: list[str] = []
+        for _ in range(5):  # in flight together: the standby does not poll meanwhile
+            keys += leader.put(20)
+            lasts.append(leader.src.last_lsn)
+        keys_removed = keys[:7]
+        leader.remove(keys_removed)  # a later batch undoes part of an earlier one
+        lasts.append(leader.src.last_lsn)
+        assert leader.src.acked_lsn() == base  # nothing acknowledged yet
+        time.sleep(0.05)  # every batch has arrived
+        assert sink.poll(1.0) == 6
+        assert sink.log.last_lsn == lasts[-1]
+        assert store.journal.records_written == written + 100 + 7 + 1  # one write, + position
+        deadline = time.monotonic() + 5
+        acks = 0
+        while leader.src.acked_lsn() < lasts[-1]:
+            assert time.monotonic() < deadline
+            leader.src.sock.poll(50)
+            acks += leader.src.poll()
+        assert acks == 1  # one cumulative ack for the six batches
+        assert state(sink.directory) == state(leader.d)
+        assert not any(k in sink.directory.objects for k in keys_removed)
+    finally:
+        sink.close()
+        store.close([])
+        leader.src.close()
+
+
+def test_standby_killed_with_batches_in_flight_holds_only_what_it_acked(
+        ctx: zmq.Context, tmp_path: Path) -> None:
+    """Batches in flight when an in-sync standby dies are never acknowledged
+    (their replies stay held); restarted from its data dir, the standby holds
+    exactly what it acked and rejoins with the tail of the rest."""
+    cfg = MasterConfig(data_dir=str(tmp_path), capabilities=False)
+    leader = Leader(ctx, epoch=4)
+    store, _restored = _restart(cfg)
+    sink = ReplicaSink(Directory(CFG), "s1", store=store, context=ctx)
+    sink2: ReplicaSink | None = None
+    try:
+        sink.connect(leader.src.endpoint, 4)
+        leader.mount("seg-a")
+        leader.put(50)
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"] and sink.based)
+        leader.src.add_sync("s1")
+        acked_state, acked_lsn = state(leader.d), leader.src.last_lsn
+        assert leader.src.acked_lsn() == acked_lsn
+        leader.put(30)  # in flight: sent, never taken by the standby
+        leader.put(30)
+        time.sleep(0.05)
+        sink.close()  # killed: what it had not taken is gone with it (no clean close)
+        for _ in range(5):
+            leader.src.poll()
+            time.sleep(0.01)
+        assert leader.src.acked_lsn() == acked_lsn < leader.src.last_lsn
+
+        store2, restored = _restart(cfg)
+        assert store2.position is not None and store2.position.lsn == acked_lsn
+        assert state(restored) == acked_state
+        log_ = ReplicationLog()
+        log_.reset(store2.position.epoch, store2.position.lsn, store2.position.history)
+        sink2 = ReplicaSink(restored, "s1", store=store2, log_=log_, context=ctx, based=True)
+        sink2.connect(leader.src.endpoint, 4)
+        pump(leader, [sink2], lambda: leader.src.acked_lsn() == leader.src.last_lsn)
+        assert sink2.stats.snapshots == 0  # the tail after what it held
+        assert state(sink2.directory) == state(leader.d)
+        sink2.close()
+        store2.close([])
+        store3, restored = _restart(cfg)
+        assert state(restored) == state(leader.d)
+        store3.close([])
+    finally:
+        sink.close()
+        if sink2 is not None:
+            sink2.close()
+        store.close([])
+        leader.src.close()
+
+
+def test_corrupt_batch_frames_are_refused_and_the_standby_resyncs(ctx: zmq.Context) -> None:
+    """A batch whose journal frames do not check (a checksum, the record
+    count its header states) is neither applied nor acked: the standby says
+    hello again from what it holds and goes on with the leader's stream."""
+    from kvpool.master.ha.replication import Batch
+    from kvpool.master.journal import encode_frames
+
+    leader = Leader(ctx, epoch=3)
+    sink = sink_for(ctx, "s1")
+    try:
+        sink.connect(leader.src.endpoint, 3)
+        leader.mount("seg-a")
+        leader.put(10)
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        held = leader.src.last_lsn
+        good = encode_frames([[4, f"k{i:06d}"] for i in range(10)])
+        flipped = bytearray(good)
+        flipped[-1] ^= 0xFF  # a flipped byte in the last record
+        for frames, count in ((bytes(flipped), 10), (good, 11)):
+            # sent as the next batch, bypassing the leader's log
+            fake = Batch(3, held + 1, count, frames, [])
+            ident = leader.src.standbys["s1"].ident  # a new one after each hello
+            leader.src.sock.send_multipart([ident, fake.header(3), frames])
+            deadline = time.monotonic() + 5
+            while sink.state is not SinkState.CONNECTING:
+                assert time.monotonic() < deadline
+                sink.poll(0.01)
+            assert sink.log.last_lsn == held and sink.stats.records == held
+            assert len(sink.directory.objects) == 10  # the removes were not applied
+            pump(leader, [sink], lambda: sink.state is SinkState.STREAMING)
+        leader.put(5)
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        assert state(sink.directory) == state(leader.d)
+        assert sink.stats.snapshots == 0  # its own position was good: a tail
+    finally:
+        sink.close()
+        leader.src.close()
+
+
+def test_tail_starting_inside_a_batch() -> None:
+    """A tail from a position inside a logged batch re-encodes its rest."""
+    from kvpool.master.ha.replication import Batch, decode_frames
+    from kvpool.master.journal import check_frames, encode_frames
+
+    recs = [[4, f"k{i}"] for i in range(10)]
+    lg = ReplicationLog()
+    lg.append(Batch(2, 1, 12, encode_frames(recs), [[100, {}], [101, []]]))
+    lg.append(Batch(2, 13, 3, encode_frames(recs[:3]), []))
+    tail = list(lg.tail_from(4) or ())
+    assert [(b.first, b.length) for b in tail] == [(5, 8), (13, 3)]
+    assert decode_frames(tail[0].frames) == recs[4:] and tail[0].extras == [[100, {}], [101, []]]
+    assert check_frames(tail[0].frames) == 6
+    only_extras = list(lg.tail_from(11) or ())
+    assert [(b.first, b.length, b.frames, b.extras) for b in only_extras] == [
+        (12, 1, b"", [[101, []]]), (13, 3, lg.ring[1].frames, [])]
+    assert list(lg.tail_from(15) or [None]) == []  # holds everything
+    big = encode_frames([[4, "x"]] * 5000)  # two frames
+    assert check_frames(big) == 5000 and check_frames(big[:-1]) == -1
+
+
+def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
+    """Replies wait only for in-sync members: they ack every batch at once;
+    a standby outside the set acks at most every ``_LAZY_ACK_S`` (the
+    leader wakes less), yet is seen holding everything soon after."""
+    from kvpool.master.ha.replication import _LAZY_ACK_S
+
+    leader = Leader(ctx, epoch=8)
+    s1, s2 = sink_for(ctx, "s1"), sink_for(ctx, "s2")
+    try:
+        for s in (s1, s2):
+            s.connect(leader.src.endpoint, 8)
+        leader.mount("seg-a")
+        pump(leader, [s1, s2], lambda: sorted(leader.src.caught_up()) == ["s1", "s2"])
+        leader.src.add_sync("s1")
+        acks = {"s1": 0, "s2": 0}
+        idents = {leader.src.standbys[n].ident: n for n in acks}
+        handle = leader.src._handle
+
+        def counting(ident: bytes, msg: list[Any]) -> None:
+            if msg[0] == 3:
+                acks[idents[ident]] += 1
+            handle(ident, msg)
+
+        leader.src._handle = counting  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        for _ in range(40):
+            leader.put(5)
+            last = leader.src.last_lsn
+            deadline = time.monotonic() + 5
+            while leader.src.acked_lsn() < last:  # the in-sync member: each batch
+                assert time.monotonic() < deadline
+                s1.poll(0.001)
+                s2.poll(0)
+                leader.src.poll()
+        elapsed = time.monotonic() - t0
+        assert acks["s1"] == 40
+        assert 0 < acks["s2"] <= elapsed / _LAZY_ACK_S + 2, (acks, elapsed)
+        pump(leader, [s1, s2], lambda: leader.src.caught_up() == ["s2"])
+        assert state(s2.directory) == state(leader.d)
+    finally:
+        for s in (s1, s2):
+            s.close()
+        leader.src.close()
+
+
+def test_standby_takes_a_bounded_number_of_messages_per_poll(ctx: zmq.Context) -> None:
+    """A standby far behind takes at most ``_SINK_DRAIN`` messages per poll,
+    and everything it took is applied when poll returns (so the loop's other
+    work runs between polls); the next poll goes on from there."""
+    from kvpool.master.ha.replication import _SINK_DRAIN
+
+    leader = Leader(ctx, epoch=5)
+    sink = sink_for(ctx, "s1")
+    try:
+        sink.connect(leader.src.endpoint, 5)
+        leader.mount("seg-a")
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        base = sink.log.last_lsn
+        for _ in range(_SINK_DRAIN + 40):
+            leader.put(1)
+        time.sleep(0.3)  # every batch has arrived at the standby's socket (loopback)
+        assert sink.poll(1.0) == _SINK_DRAIN
+        assert sink.log.last_lsn == base + _SINK_DRAIN
+        assert len(sink.directory.objects) == _SINK_DRAIN
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        assert state(sink.directory) == state(leader.d)
+    finally:
+        sink.close()
+        leader.src.close()
+
+
+def test_leader_refuses_a_standby_of_another_replication_protocol(ctx: zmq.Context) -> None:
+    """A standby of an older kvpool (a HELLO without the protocol, batches
+    of decoded records) is refused with INVALID_VERSION instead of being
+    streamed a format it cannot read (and never acking)."""
+    import msgspec
+
+    leader = Leader(ctx, epoch=3)
+    old = ctx.socket(zmq.DEALER)
+    old.setsockopt(zmq.LINGER, 0)
+    try:
+        old.connect(leader.src.endpoint)
+        old.send(msgspec.msgpack.encode([1, "old-standby", 0, 0, 0]))
+        deadline = time.monotonic() + 5
+        while not old.poll(10):
+            assert time.monotonic() < deadline
+            leader.src.poll()
+        reply = msgspec.msgpack.decode(old.recv())
+        assert reply[0] == 8 and reply[1] == int(ErrorCode.INVALID_VERSION), reply
+        assert "old-standby" not in leader.src.standbys
+    finally:
+        old.close(0)
+        leader.src.close()
