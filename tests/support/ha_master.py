@@ -27,6 +27,9 @@ from kvpool.cluster.processes import ManagedProcess, find_free_port, unlink_mast
 __all__ = ["HaGroup", "HaMasterProcess", "health"]
 
 
+_handed_out: set[int] = set()  # ports _stable_port gave in this process
+
+
 def _stable_port() -> int:
     """A free loopback port below the kernel's ephemeral range: an instance
     keeps its ports across restarts, and in the gap after a kill -9 no
@@ -40,11 +43,14 @@ def _stable_port() -> int:
         return find_free_port()
     for _ in range(100):
         port = random.randrange(10000, low)
+        if port in _handed_out:  # free now, but an instance of this run holds it
+            continue  # for its life (one stopped or killed, waiting to restart)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        _handed_out.add(port)
         return port
     return find_free_port()
 
