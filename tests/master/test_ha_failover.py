@@ -16,8 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,18 +49,6 @@ PUT_AGAIN_BOUND_S = 4.5
 def _value(key: str, size: int) -> bytes:
     seed = hashlib.sha256(key.encode()).digest()
     return (seed * (size // len(seed) + 1))[:size]
-
-
-@pytest.fixture
-def etcd() -> Iterator[EtcdProcess]:
-    with EtcdProcess() as e:
-        yield e
-
-
-@pytest.fixture
-def group(etcd: EtcdProcess, tmp_path: Path) -> Iterator[HaGroup]:
-    with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path)) as g:
-        yield g
 
 
 def test_followers_refuse_with_not_leader_and_health_reports_roles(group: HaGroup) -> None:

@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +37,6 @@ pytestmark = [pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (
 def _value(key: str, size: int, salt: bytes = b"") -> bytes:
     seed = hashlib.sha256(salt + key.encode()).digest()
     return (seed * (size // len(seed) + 1))[:size]
-
-
-@pytest.fixture
-def etcd() -> Iterator[EtcdProcess]:
-    with EtcdProcess() as e:
-        yield e
-
-
-@pytest.fixture
-def group(etcd: EtcdProcess, tmp_path: Path) -> Iterator[HaGroup]:
-    with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path)) as g:
-        yield g
 
 
 class _AfterCopy:

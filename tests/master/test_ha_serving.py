@@ -24,7 +24,6 @@ import socket
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +67,6 @@ pytestmark = [pytest.mark.skipif(etcd_binary() is None, reason="no etcd binary (
 KIB = 1024
 OBJ = 64 * KIB
 LEASE_S = 4.0  # the read lease TTL of the lease test's group
-
-
-@pytest.fixture
-def etcd() -> Iterator[EtcdProcess]:
-    with EtcdProcess() as e:
-        yield e
 
 
 def _group(etcd: EtcdProcess, tmp_path: Path, *args: str) -> HaGroup:
