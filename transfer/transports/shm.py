@@ -123,7 +123,10 @@ class ShmTransport(Transport):
         if m is not None:
             self._drop(m)
 
-    def _ensure_registered(self, m: _Mapping, rt: CudaRuntime, owner: MemorySegment | None) -> None:
+    def _ensure_registered(self, m: _Mapping, rt: CudaRuntime, local: LocalSegment | None) -> None:
+        """Page-lock mapping ``m`` with CUDA, once (``local``: the segment when
+        this process owns it, which then unregisters it when it closes)."""
+        owner = local if isinstance(local, MemorySegment) else None
         with m.lock:
             if m.cuda_registered:
                 return
@@ -139,6 +142,13 @@ class ShmTransport(Transport):
                             m.name, exc)
                 m.cuda_registered = True  # do not retry on every request
 
+    @staticmethod
+    def _runtime() -> CudaRuntime:
+        rt, reason = cuda_runtime()
+        if rt is None:
+            raise TransferError(reason, ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
+        return rt
+
     def warm_gpu(self, segment: SegmentDescriptor, local: LocalSegment | None,
                  same_host: bool) -> None:
         """Map and page-lock a same-host memory segment now, so the first GPU copy
@@ -149,8 +159,7 @@ class ShmTransport(Transport):
         rt = cuda_runtime()[0]
         if rt is None:
             return
-        m = self._mapping(segment, local)
-        self._ensure_registered(m, rt, local if isinstance(local, MemorySegment) else None)
+        self._ensure_registered(self._mapping(segment, local), rt, local)
 
     # -- execute ----------------------------------------------------------------
     def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
@@ -217,14 +226,11 @@ class ShmTransport(Transport):
     def _queue_gpu(self, item: WorkItem) -> tuple[tuple[int, int], np.ndarray]:
         """Queue a GPU item's copy; returns the ``(device, stream)`` it is on and
         the mapped region it copies from or to."""
-        rt, reason = cuda_runtime()
-        if rt is None:
-            raise TransferError(reason, ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
+        rt = self._runtime()
         m = self._checked_region(item)
         off, n = item.offset, item.length
         buf = item.buffer
-        owner = item.local if isinstance(item.local, MemorySegment) else None
-        self._ensure_registered(m, rt, owner)
+        self._ensure_registered(m, rt, item.local)
         device = buf.device_index
         stream = rt.side_stream(device) if item.independent else LEGACY_STREAM
         rt.set_device(device)
@@ -252,9 +258,7 @@ class ShmTransport(Transport):
         queued back to back on one stream (ranges adjacent on both sides merged
         into one copy) and waited for once. Raises TransferError (ranges are
         checked before anything is queued; a CUDA error fails the whole call)."""
-        rt, reason = cuda_runtime()
-        if rt is None:
-            raise TransferError(reason, ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
+        rt = self._runtime()
         if self.closed:
             raise TransferError("shm transport closed", ErrorCode.CLOSED)
         bases: dict[str, tuple[int, int]] = {}
@@ -265,7 +269,7 @@ class ShmTransport(Transport):
             found = bases.get(seg.segment_id)
             if found is None:
                 m = self._mapping(seg, local)
-                self._ensure_registered(m, rt, local if isinstance(local, MemorySegment) else None)
+                self._ensure_registered(m, rt, local)
                 keep.append(m.array)
                 found = bases[seg.segment_id] = (m.address, m.array.size)
             base, size = found
@@ -273,14 +277,13 @@ class ShmTransport(Transport):
                 raise TransferError("range outside mapped segment", ErrorCode.OUT_OF_BOUNDS,
                                     retryable=False)
             addr = base + off
+            total += n
             if runs:
                 last = runs[-1]
                 if last[0] + last[2] == addr and last[1] + last[2] == gpu_ptr:
                     last[2] += n
-                    total += n
                     continue
             runs.append([addr, gpu_ptr, n])
-            total += n
         try:
             stream = rt.side_stream(device) if independent else LEGACY_STREAM
             rt.set_device(device)
