@@ -238,7 +238,8 @@ class ObjectLayout:
         if not 0 <= h0 < h1 <= self.heads:
             raise ConfigError(f"head range {h0}:{h1} outside 0..{self.heads}")
         dev = self.device
-        ids = tuple(x for chunk in block_ids for x in chunk)
+        # a block id < 0 (a block the caller does not write) reads as block 0
+        ids = tuple(x if x >= 0 else 0 for chunk in block_ids for x in chunk)
         key = (tuple(layer_sel), h0, h1)
         last = self._last_ids  # one read: async loads scatter from another thread
         if last is not None and last[0] == ids:
@@ -270,9 +271,8 @@ class ObjectLayout:
         of ``layer_sels`` now (queued on the device, no host sync), ahead of the
         data: a layer-wise load does this before its first group arrives, so a
         scatter right after an arrival only launches its copy."""
-        safe = [[x if x >= 0 else 0 for x in ids] for ids in block_ids]
         for sel in layer_sels:
-            self._index(safe, sel, h0, h1)
+            self._index(block_ids, sel, h0, h1)
 
     def warm_up(self, scratch: Any) -> None:
         """Run the kernels :meth:`gather` and :meth:`scatter` use once (GPUs load
@@ -322,8 +322,7 @@ class ObjectLayout:
         if not block_ids:
             return
         C = len(block_ids)
-        safe = [[x if x >= 0 else 0 for x in ids] for ids in block_ids]
-        rows = self._index(safe, layer_sel, h0, h1)
+        rows = self._index(block_ids, layer_sel, h0, h1)
         n = C * self.object_bytes(layer_sel, h1 - h0)
         data = self._w(src[:n]).view(*rows.shape, -1)
         mask = None
