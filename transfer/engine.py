@@ -676,7 +676,8 @@ class TransferEngine:
         if caller_deadline is not None:
             deadline = min(deadline, caller_deadline)
 
-        lock, reported, name, tracks = handle._lock, sb._reported, sb.transport, handle._tracks
+        lock, reported, finish, name = handle._lock, sb._reported, handle._finish_locked, \
+            sb.transport
 
         def report(item: WorkItem, err: TransferError | None) -> None:  # once per item
             idx = item.index
@@ -686,15 +687,7 @@ class TransferEngine:
                 reported.add(idx)
                 if err is None:
                     sb.done += 1
-                    st = tracks[idx].status  # BatchHandle._finish_locked(DONE), inline
-                    if st.state is _DONE or st.state is _FAILED:
-                        return
-                    st.state = _DONE
-                    st.transport = name
-                    st.code = _OK
-                    handle._remaining -= 1
-                    if handle._remaining == 0:
-                        handle._cond.notify_all()
+                    finish(idx, _DONE, name)
                 else:
                     sb.failed += 1
                     sb._failures.append((item, err))
