@@ -54,6 +54,7 @@ class CacheGeometry:
             self.group_of[name] = self.group_of[target]
         self.device: Any = layers[0].device
         self.cuda = self.device.type == "cuda"
+        self.objects.prepare_bases(self.groups, 0, heads.count)
 
     @classmethod
     def from_caches(cls, kv_caches: dict[str, Any], heads: HeadSpec, keys: KeySpace,

@@ -11,8 +11,9 @@ heads (head-major, see :mod:`kvpool.connector.layout`)::
 
     kvpool/v3/<model>/<dtype>/b<block>/c<chunk>/l<first>-<end>/h<first>-<end>of<heads>/<hash>
 
-Layer groups split the model's layers into ``layer_groups`` equal runs (a
-load waits only for the group of the layer about to run). Head ranges are
+Layer groups split the model's layers into ``layer_groups`` runs, the first
+one short and the others equal (see :func:`layer_ranges`): a load waits
+only for the group of the layer about to run. Head ranges are
 global KV-head indices: a TP=2 engine writes ``h0-4of8`` and ``h4-8of8``, a
 TP=1 engine ``h0-8of8``, and either reads the other's (see
 :func:`head_ranges`); MLA caches have one latent per token, the same on every
@@ -85,9 +86,24 @@ def head_granularities(num_kv_heads: int, own: int) -> list[int]:
 
 
 def layer_ranges(num_layers: int, groups: int) -> list[tuple[int, int]]:
-    """``groups`` runs of layers ``[first, end)`` covering ``0 .. num_layers``."""
+    """``groups`` runs of layers ``[first, end)`` covering ``0 .. num_layers``,
+    short ones first: 1 layer, then 2, 4, ... while below an even share and
+    while the runs left stay within 1.5 even shares; then equal runs (32
+    layers in 8 groups: 1, 2, 4, 5, 5, 5, 5, 5; in 4: 1, 10, 10, 11). A
+    layer-wise load waits for the first group with nothing to compute beside
+    it, and for each later one only as long as its load outlasts the compute
+    of the groups before it: short first groups are what keeps both small."""
     g = max(1, min(groups, num_layers))
-    return [(i * num_layers // g, (i + 1) * num_layers // g) for i in range(g)]
+    even = num_layers / g
+    out: list[tuple[int, int]] = []
+    start, size = 0, 1
+    while len(out) < g - 1 and size < even and \
+            num_layers - start - size <= 1.5 * even * (g - len(out) - 1):
+        out.append((start, start + size))
+        start, size = start + size, size * 2
+    left, n = num_layers - start, g - len(out)
+    out += [(start + i * left // n, start + (i + 1) * left // n) for i in range(n)]
+    return out
 
 
 def chain_hashes(

@@ -210,7 +210,7 @@ class ObjectLayout:
         self._bases: dict[tuple[tuple[int, ...], int, int], tuple[Any, Any]] = {}
         # the last block ids moved to the device (a load's layer groups share
         # them) and the rows made for them per (layer selection, head range)
-        self._last_ids: tuple[tuple[int, ...], Any, dict[Any, Any]] | None = None
+        self._last_ids: tuple[tuple[int, tuple[int, ...]], Any, dict[Any, Any]] | None = None
 
     def _w(self, t: Any) -> Any:
         """``t`` (uint8, last dim contiguous) as 8-byte words when allowed."""
@@ -241,8 +241,11 @@ class ObjectLayout:
         # a block id < 0 (a block the caller does not write) reads as block 0
         ids = tuple(x if x >= 0 else 0 for chunk in block_ids for x in chunk)
         key = (tuple(layer_sel), h0, h1)
+        # tensors made on one CUDA stream are reused on that stream only (the
+        # save thread, the load's scatters and the forward use their own)
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
         last = self._last_ids  # one read: async loads scatter from another thread
-        if last is not None and last[0] == ids:
+        if last is not None and last[0] == (stream, ids):
             b, made = last[1], last[2]  # the next layer group of the same chunks
             rows = made.get(key)
             if rows is not None:
@@ -250,20 +253,44 @@ class ObjectLayout:
         else:
             b = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
             made = {}
-            self._last_ids = (ids, b, made)
+            self._last_ids = ((stream, ids), b, made)
         found = self._bases.get(key)
         if found is None:
-            sel = torch.tensor(key[0], dtype=torch.long, device=dev)
-            nl = len(layer_sel)
-            h = torch.arange(h0, h1, device=dev)
-            base = (self._off[sel].view(1, 1, nl, 1, 1)
-                    + h.view(1, -1, 1, 1, 1) * self._hstep[sel].view(1, 1, nl, 1, 1)
-                    + self._tok.view(1, 1, 1, 1, -1) * self._tstep[sel].view(1, 1, nl, 1, 1))
-            found = self._bases[key] = (base, self._bstep[sel].view(1, 1, nl, 1, 1))
+            found = self._make_base(layer_sel, h0, h1)
+            if dev.type == "cuda":  # complete before another stream uses it (rare)
+                torch.cuda.current_stream(dev).synchronize()
         base, bstep = found
         # rows of chunk c, block j: base + block id * block step (two kernels)
         rows = made[key] = base + b.view(len(block_ids), 1, 1, self.bpc, 1) * bstep
         return rows
+
+    def _make_base(self, layer_sel: Sequence[int], h0: int, h1: int) -> tuple[Any, Any]:
+        """Rows of block 0 of objects over ``layer_sel`` and heads ``[h0, h1)``
+        (``[1, heads, layers, 1, tokens]``) and the block step, cached."""
+        import torch
+
+        dev = self.device
+        sel = torch.tensor(list(layer_sel), dtype=torch.long, device=dev)
+        nl = len(layer_sel)
+        h = torch.arange(h0, h1, device=dev)
+        base = (self._off[sel].view(1, 1, nl, 1, 1)
+                + h.view(1, -1, 1, 1, 1) * self._hstep[sel].view(1, 1, nl, 1, 1)
+                + self._tok.view(1, 1, 1, 1, -1) * self._tstep[sel].view(1, 1, nl, 1, 1))
+        found = self._bases[(tuple(layer_sel), h0, h1)] = (base,
+                                                           self._bstep[sel].view(1, 1, nl, 1, 1))
+        return found
+
+    def prepare_bases(self, layer_sels: Sequence[Sequence[int]], h0: int, h1: int) -> None:
+        """Make the cached rows of block 0 for each of ``layer_sels`` now and
+        wait for them (at registration: a base made later is waited for on
+        its stream, in the middle of a load or save)."""
+        import torch
+
+        for sel in layer_sels:
+            if (tuple(sel), h0, h1) not in self._bases:
+                self._make_base(sel, h0, h1)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def prepare_scatter(self, block_ids: list[list[int]], layer_sels: Sequence[Sequence[int]],
                         h0: int, h1: int) -> None:
@@ -334,7 +361,7 @@ class ObjectLayout:
         nb = self.layers[0].num_blocks
         for c, ids in enumerate(block_ids):
             a, b = ranges[c] if ranges is not None else (0, self.bpc)
-            if any(not 0 <= x < nb for x in ids[a:b]):
+            if a < b and (min(ids[a:b]) < 0 or max(ids[a:b]) >= nb):
                 raise ConfigError(f"block id outside 0..{nb - 1}")
         if self._shared:
             if mask is None:

@@ -6,8 +6,10 @@ the reads and issues ONE ``batch_get_into_parts`` (two master RPCs, the
 first layer group's keys then the rest's, and one transfer batch per layer
 group, in layer order) on a fetch thread and returns;
 :meth:`LoadPipeline.wait_for_layer` waits only for that layer's group and
-scatters it into the blocks on the caller's (forward's) thread, so loading
-layer group ``g + 1`` overlaps computing group ``g``. The fetch's
+scatters it into the blocks on the caller's (forward's) thread and stream, so
+loading layer group ``g + 1`` overlaps computing group ``g``; the first
+groups are short (:func:`kvpool.connector.keys.layer_ranges`), since nothing
+hides the first one's load. The fetch's
 GPU copies run on a stream of their own
 (:func:`kvpool.transfer.gpu.independent_copies`): on the legacy default
 stream each would wait for the forward's queued kernels, and every load
@@ -159,6 +161,7 @@ class LoadPipeline:
         heads = geo.heads
         bpc = geo.keys.blocks_per_chunk
         chunks: list[_Chunk] = []
+        ranges: dict[int, list[tuple[int, int]]] = {}  # objects per chunk -> head ranges read
         budget = self.cfg.load_timeout_s if timeout_s is None else timeout_s
         for si, spec in enumerate(specs):
             if timeout_s is None and spec.deadline_s > 0:
@@ -171,21 +174,27 @@ class LoadPipeline:
                     raise ConfigError(f"chunk {c.index}: {len(c.block_ids)} blocks "
                                       f"(expected {bpc}), write range {a}:{b}")
                 k = c.head_objects or heads.total // heads.count
-                if heads.total % k:
-                    raise ConfigError(f"{heads.total} heads do not split into {k} objects")
-                rs = [r for r in head_ranges(heads.total, k)
-                      if r[0] < heads.end and r[1] > heads.first]
+                rs = ranges.get(k)
+                if rs is None:
+                    if heads.total % k:
+                        raise ConfigError(f"{heads.total} heads do not split into {k} objects")
+                    rs = ranges[k] = [r for r in head_ranges(heads.total, k)
+                                      if r[0] < heads.end and r[1] > heads.first]
                 chunks.append(_Chunk(si, c, (a, b), rs[0][0], rs[-1][1], rs))
         job = LoadJob(specs, chunks, time.monotonic() + budget)
         off = 0
         for g in range(len(geo.groups)):
             hb = geo.head_bytes(g)
             part, offs = [], []
+            key_start: dict[tuple[int, int], str] = {}  # a key is its start + the chunk hash
             for ci, ch in enumerate(chunks):
                 offs.append(off)
                 for r in ch.ranges:
                     part.append(len(job.keys))
-                    job.keys.append(geo.object_key(ch.ref.hash, g, r))
+                    start = key_start.get(r)
+                    if start is None:
+                        start = key_start[r] = geo.object_key("", g, r)
+                    job.keys.append(start + ch.ref.hash)
                     job.key_chunk.append(ci)
                     job.key_size.append((r[1] - r[0]) * hb)
                     off += (r[1] - r[0]) * hb
@@ -252,9 +261,10 @@ class LoadPipeline:
         res = job.results.get(g) if job.arrived[g].is_set() else None
         if res is None:
             if not job.problem:
+                late = not job.arrived[g].is_set()
                 job.problem = (f"did not finish within {job.deadline - job.started:.2f}s"
-                               if not job.arrived[g].is_set() else "lost a layer group")
-                if not job.arrived[g].is_set():
+                               if late else "lost a layer group")
+                if late:
                     self.stats.add(load_timeouts=1)
             for ch in job.chunks:
                 ch.failed = True
@@ -263,8 +273,6 @@ class LoadPipeline:
         for ki, r in zip(job.parts[g], res, strict=True):
             if r != job.key_size[ki]:
                 ok_chunks.discard(job.key_chunk[ki])
-        geo = self._geo()
-        hb = geo.head_bytes(g)
         todo = [ci for ci, ch in enumerate(job.chunks) if not ch.failed and ci in ok_chunks]
         for ci, ch in enumerate(job.chunks):
             if ci not in ok_chunks and not ch.failed:
@@ -272,6 +280,13 @@ class LoadPipeline:
                 if not job.problem:
                     codes = sorted({r for r in res if r < 0})
                     job.problem = f"missed objects (codes {codes})"
+        self._scatter(job, g, todo)
+
+    def _scatter(self, job: LoadJob, g: int, todo: list[int]) -> None:
+        """Copy group ``g`` of chunks ``todo`` from the staging buffer into the
+        blocks (on the current stream)."""
+        geo = self._geo()
+        hb = geo.head_bytes(g)
         own = (geo.heads.first, geo.heads.end)
         h0, h1 = 0, geo.heads.count
         sel = geo.groups[g]

@@ -59,12 +59,65 @@ DEFAULTS: dict[str, Any] = dict(layers=32, blocks=2048, block=16, heads=8, head=
                                 chunk_tokens=(256, 1024), stored_gib=1.0, device="cuda",
                                 staging_mib=(512,), repeat=2, layer_groups=(1, 4, 8, 16),
                                 hit_tokens=4096, compute_tokens=(2048, 256), q_heads=32,
-                                hidden=4096, mlp=14336, pipeline_groups=(4, 8, 16))
+                                hidden=4096, mlp=14336, pipeline_groups=(4, 8, 16),
+                                pipeline_layouts=("short-first", "even"),
+                                pipeline_locate=("split", "one"))
 
 
 def _sync(torch: Any, device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+class _Trace:
+    """Timeline of one load: (what, thread, start ms, end ms) of the load
+    pipeline's and the store's steps, from ``start_load_kv``. Wraps methods
+    of the classes while on (this check's instrumentation, not the product's)."""
+
+    STEPS = (("kvpool.connector.load", "LoadPipeline",
+              ("start", "plan", "fetch", "_prepare_scatter", "finish_group", "_scatter")),
+             ("kvpool.store.client", "Client",
+              ("batch_get_into_parts", "_locate_many", "_plan_reads", "_read_plans")),
+             ("kvpool.core.rpc_client", "MasterClient", ("call",)),
+             ("kvpool.transfer.engine", "TransferEngine", ("copy_gpu_shm",)))
+
+    def __init__(self) -> None:
+        import importlib
+        import threading
+
+        self.on = False
+        self.t0 = 0.0
+        self.rows: list[list[Any]] = []
+        for mod, cls_name, names in self.STEPS:
+            cls = getattr(importlib.import_module(mod), cls_name)
+            for name in names:
+                setattr(cls, name, self._wrap(getattr(cls, name), f"{cls_name}.{name}",
+                                              threading.current_thread))
+
+    def _wrap(self, fn: Any, label: str, current: Any) -> Any:
+        def traced(*args: Any, **kw: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kw)
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.rows.append([label, current().name, round(1000 * (t - self.t0), 3),
+                                  round(1000 * (time.perf_counter() - self.t0), 3)])
+        return traced
+
+    def begin(self, t0: float) -> None:
+        self.rows, self.t0, self.on = [], t0, True
+
+    def end(self) -> list[list[Any]]:
+        self.on = False
+        return sorted(self.rows, key=lambda r: r[2])
+
+
+def _even_layer_ranges(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """Layer groups of equal size (the layout before the short first group)."""
+    g = max(1, min(groups, num_layers))
+    return [(i * num_layers // g, (i + 1) * num_layers // g) for i in range(g)]
 
 
 def _pinned(torch: Any, nbytes: int, piece: int, iters: int = 3,
@@ -208,7 +261,7 @@ class _LayerStandIn:
 
 def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv: Any,
              dst_ids: list[int], names: list[str], layerwise: bool, compute: bool,
-             load: bool, arrived_first: bool = False) -> float:
+             load: bool, arrived_first: bool = False, trace: _Trace | None = None) -> float:
     """One harness forward: start_load_kv, per layer wait_for_layer_load then the
     layer's compute, wait_for_save; seconds until the GPU is done
     (``arrived_first``: timed from when every layer group had arrived)."""
@@ -216,6 +269,8 @@ def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv
     kv[:, dst_ids].zero_()
     _sync(torch, device)
     t0 = time.perf_counter()
+    if trace is not None:
+        trace.begin(t0)
     if load:
         w.start_load(meta)
         job = w.loads._active
@@ -232,6 +287,8 @@ def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv
         w.end_step(None)
     _sync(torch, device)
     dt = time.perf_counter() - t0
+    if trace is not None:
+        trace.rows = trace.end()
     if load and w.take_load_errors():
         raise RuntimeError("pipelined load failed")
     return dt
@@ -251,8 +308,21 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
     dst_ids = list(range(nb - n_chunks * bpc, nb))
     names = list(caches)
     out = []
-    for groups in p["pipeline_groups"]:
-        ks = KeySpace(f"gpu-pipe-g{groups}", "bfloat16", N, ct)
+    trace = _Trace() if device == "cuda" else None
+    import kvpool.connector.geometry as geometry
+
+    ramped = geometry.layer_ranges
+    import kvpool.store.client as store_client
+
+    split = store_client.SPLIT_PART_LOCATE
+    for groups, layout, locate in [(g, lay, loc) for g in p["pipeline_groups"]
+                                   for lay in p["pipeline_layouts"]
+                                   for loc in p["pipeline_locate"]]:
+        # "even": the same run with equal layer groups, for comparison
+        geometry.layer_ranges = ramped if layout == "short-first" else _even_layer_ranges
+        # "split": part 0's keys located first, the rest's while it moves; "one": one RPC
+        store_client.SPLIT_PART_LOCATE = locate == "split"
+        ks = KeySpace(f"gpu-pipe-g{groups}-{layout}-{locate}", "bfloat16", N, ct)
         cfg = ConnectorConfig(master_address=address, chunk_size=ct, layer_groups=groups,
                               load_or_recompute=False, load_timeout_s=30.0)
         w = KVPoolWorker(cfg, ks, StoreAccess(cfg), heads=HeadSpec(0, H, H, True))
@@ -281,34 +351,40 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
             run_ = partial(_forward, torch, device, w, meta, layer, kv, dst_ids, names)
 
             def best(layerwise: bool, compute: bool = True, load: bool = True,
-                     run: Any = run_, arrived_first: bool = False) -> float:
-                return min(run(layerwise, compute, load, arrived_first)
+                     run: Any = run_, arrived_first: bool = False,
+                     traced: _Trace | None = None) -> float:
+                return min(run(layerwise, compute, load, arrived_first, traced)
                            for _ in range(p["repeat"] + 1))
 
             compute_s = best(False, load=False)
             load_s = best(False, compute=False)
             serial_s = best(False)
-            pipe_s = best(True)
+            pipe_s = best(True, traced=trace)
+            timeline = trace.rows if trace is not None else []
             after_s = best(True, arrived_first=True)
             part_ms = arrivals.get("ms", [])  # the last pipelined run's groups
             ok = bool(torch.equal(kv[:, src_ids], kv[:, dst_ids]))
             per_layer_ms = 1000 * compute_s / L
-            r = {"layer_groups": groups, "hit_tokens": n_chunks * ct, "compute_tokens": tokens,
+            sizes = [b - a for a, b in w.geo.group_keys] if w.geo else []
+            r = {"layer_groups": groups, "group_layers": sizes, "layout": layout,
+                 "locate": locate,
+                 "hit_tokens": n_chunks * ct, "compute_tokens": tokens,
                  "stand_in": "Llama-3.1-8B decoder layer (hidden 4096, 32 q / 8 kv heads of "
                              "128, MLP 14336, bf16)",
                  "stand_in_ms_per_layer": per_layer_ms, "loaded_bytes": n_chunks * w.chunk_bytes,
                  "load_s": load_s, "compute_s": compute_s, "ttft_serial_s": serial_s,
                  "ttft_pipelined_s": pipe_s,
                  "hidden_fraction": (serial_s - pipe_s) / load_s if load_s else None,
-                 "hidden_bound": 1 - 1 / groups, "bytes_equal": ok,
-                 "group_arrival_ms": part_ms,
+                 "hidden_bound": 1 - sizes[0] / L if sizes else None, "bytes_equal": ok,
+                 "group_arrival_ms": part_ms, "timeline_ms": timeline,
                  "forward_after_arrival_s": after_s,
                  # the load's time that still shows in the pipelined forward,
                  # against one whose data had all arrived (same scatters)
                  "exposed_vs_arrived_s": pipe_s - after_s,
                  "hidden_vs_arrived": 1 - (pipe_s - after_s) / load_s if load_s else None}
             out.append(r)
-            print(f"pipeline groups={groups} hit={n_chunks * ct} compute={tokens} tok "
+            print(f"pipeline groups={groups} ({layout} {sizes}, locate {locate}) "
+                  f"hit={n_chunks * ct} compute={tokens} tok "
                   f"({per_layer_ms:.2f} ms/layer): load {1000 * load_s:.1f} ms, compute "
                   f"{1000 * compute_s:.1f} ms, TTFT serial {1000 * serial_s:.1f} ms, pipelined "
                   f"{1000 * pipe_s:.1f} ms (after arrival {1000 * after_s:.1f} ms), hidden "
@@ -317,6 +393,8 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
         w.store.call(lambda c: c.remove_all(force=True))
         w.close()
         w.store.close()
+    geometry.layer_ranges = ramped
+    store_client.SPLIT_PART_LOCATE = split
     return out
 
 
@@ -429,6 +507,14 @@ def main() -> None:
     ap.add_argument("--pipeline-groups", type=int, nargs="*",
                     default=DEFAULTS["pipeline_groups"],
                     help="layer groups of the pipelining part (none: skip it)")
+    ap.add_argument("--pipeline-layouts", nargs="+", default=DEFAULTS["pipeline_layouts"],
+                    choices=("short-first", "even"),
+                    help="layer groups of the pipelining part: the product's (a short "
+                         "first group) and/or equal groups, for comparison")
+    ap.add_argument("--pipeline-locate", nargs="+", default=DEFAULTS["pipeline_locate"],
+                    choices=("split", "one"),
+                    help="how a pipelined read locates its keys: part 0's first and the "
+                         "rest's while it moves (split), or one RPC (one)")
     ap.add_argument("--hit-tokens", type=int, default=DEFAULTS["hit_tokens"])
     ap.add_argument("--compute-tokens", type=int, nargs="+", default=DEFAULTS["compute_tokens"])
     ap.add_argument("--repeat", type=int, default=DEFAULTS["repeat"])
@@ -438,7 +524,8 @@ def main() -> None:
         layers=a.layers, blocks=a.blocks, stored_gib=a.stored_gib, device=a.device,
         staging_mib=a.staging_mib, repeat=a.repeat, chunk_tokens=tuple(a.chunk_tokens),
         layer_groups=tuple(a.layer_groups), pipeline_groups=tuple(a.pipeline_groups),
-        hit_tokens=a.hit_tokens, compute_tokens=tuple(a.compute_tokens))
+        hit_tokens=a.hit_tokens, compute_tokens=tuple(a.compute_tokens),
+        pipeline_layouts=tuple(a.pipeline_layouts), pipeline_locate=tuple(a.pipeline_locate))
     if a.device == "cpu":  # a dry run: small model, small sizes
         over.update(hidden=256, mlp=512, q_heads=8, layers=8, blocks=512, stored_gib=0.03,
                     hit_tokens=1024, chunk_tokens=(256,), compute_tokens=(256,),

@@ -32,6 +32,7 @@ import uuid
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -131,6 +132,9 @@ log = logging.getLogger(__name__)
 _LAZY_BYTES = object()  # batch-read target: "allocate a bytes result when needed"
 _SUSPECT_S = 10.0  # how long a segment that failed a read is tried last
 _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
+# batch_get_into_parts: locate part 0's keys by an RPC of their own, and the
+# rest's from a helper thread while part 0 moves (False: one RPC for all)
+SPLIT_PART_LOCATE = True
 _COMPLETE = ReplicaStatus.COMPLETE
 _COPIED = (True, "")
 _STALE = int(ErrorCode.STALE_EPOCH)
@@ -223,6 +227,7 @@ class Client:
         self._rpc_local = threading.local()
         self._rpc_all: list[MasterClient] = []
         self._rpc_lock = threading.Lock()
+        self._locate_pool: ThreadPoolExecutor | None = None
         self._engine: Any = None
         # the segments this client owns, their mount and liveness (segment_host.py)
         self._host = SegmentHost(
@@ -348,6 +353,8 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        if self._locate_pool is not None:
+            self._locate_pool.shutdown(wait=False)
         self._finalizer()
 
     def __enter__(self) -> Client:
@@ -1084,6 +1091,15 @@ class Client:
                         outs[i] = sub_outs[j]
         return results
 
+    def _locator(self) -> ThreadPoolExecutor:
+        """The threads that send pipelined reads' second locate RPC (kept, so
+        each keeps its RPC socket: a thread per read paid a start-up and a
+        socket each time)."""
+        with self._rpc_lock:
+            if self._locate_pool is None:
+                self._locate_pool = ThreadPoolExecutor(2, thread_name_prefix="kvpool-locate")
+            return self._locate_pool
+
     def _locate_many(self, keys: list[str]) -> tuple[Any, float]:
         """One BATCH_GET_REPLICA_LIST: the reply and its read lease's deadline."""
         t0 = time.monotonic()
@@ -1138,42 +1154,31 @@ class Client:
         placed = in_first.union(rest)
         rest += [i for i in valid if i not in placed]  # located (codes set), not read
         where: dict[int, tuple[int, int]] = {}  # key index -> (reply 0 or 1, position)
+        replies: list[tuple[Any, float] | None] = [None, None]
+        helper: Future[tuple[Any, float]] | None = None  # the second RPC
+        if not SPLIT_PART_LOCATE:
+            first, rest = first + rest, []
         for pos, i in enumerate(first):
             where[i] = (0, pos)
         for pos, i in enumerate(rest):
             where[i] = (1, pos)
-        replies: list[tuple[Any, float] | None] = [None, None]
-        ahead: list[Any] = []  # the helper thread's (reply, deadline) or exception
-        helper: threading.Thread | None = None
-
-        def locate_rest() -> None:
-            try:
-                ahead.append(self._locate_many([keys[i] for i in rest]))
-            except BaseException as exc:
-                ahead.append(exc)
-
         if first:
             replies[0] = self._locate_many([keys[i] for i in first])
         if rest:
-            helper = threading.Thread(target=locate_rest, name="kvpool-locate", daemon=True)
-            helper.start()
+            helper = self._locator().submit(self._locate_many, [keys[i] for i in rest])
         plans: dict[int, _ReadPlan] = {}
         bufs: dict[int, Any] = {}
         rest_code = 0
         for p, part in enumerate(parts):
             if p >= 1 and helper is not None:
-                helper.join()
-                helper = None
-                got = ahead[0]
-                if isinstance(got, BaseException):
-                    if not isinstance(got, KVPoolError):
-                        raise got
+                try:
+                    replies[1] = helper.result()
+                except KVPoolError as got:
                     rest_code = int(self._code(got.code))
                     log.warning("locating %d key(s) for later parts failed: %s", len(rest), got)
-                else:
-                    replies[1] = got
+                helper = None
             todo = [i for i in part if i in where and results[i] == _UNREAD
-                    and (p == 0 or where[i][0] == 1)]
+                    and (p == 0 or i not in in_first)]
             for r in (0, 1):
                 mine = [(where[i][1], i) for i in todo if where[i][0] == r]
                 reply = replies[r]
@@ -1188,11 +1193,13 @@ class Client:
             if on_part is not None:
                 on_part(p, [results[i] for i in part])
         if helper is not None:  # one part only: the rest are just located
-            helper.join()
-            got = ahead[0]
-            if isinstance(got, tuple):
-                self._plan_reads(got[0], got[1], [(where[i][1], i) for i in rest], target,
-                                 plans, bufs, results)
+            try:
+                located = helper.result()
+            except KVPoolError:
+                pass
+            else:
+                self._plan_reads(located[0], located[1], [(where[i][1], i) for i in rest],
+                                 target, plans, bufs, results)
         for i in rest:
             if i in plans and i not in placed:
                 results[i] = _UNREAD  # located, not read: as before any read

@@ -58,8 +58,8 @@ def test_key_names_namespace() -> None:
     assert other.chunk_hashes(list(range(64)))[0] != h  # dtype is part of the chain seed
     # 32 layers in 4 groups, 8 heads in 2 shards: 8 objects per chunk
     keys = KS.chunk_keys(h, 32, 4, 8, 2)
-    assert len(set(keys)) == 8 and keys[0].endswith(f"/l0-8/h0-4of8/{h}")
-    assert keys[-1].endswith(f"/l24-32/h4-8of8/{h}")
+    assert len(set(keys)) == 8 and keys[0].endswith(f"/l0-1/h0-4of8/{h}")
+    assert keys[-1].endswith(f"/l21-32/h4-8of8/{h}")
 
 
 def test_head_and_layer_splits() -> None:
@@ -71,8 +71,20 @@ def test_head_and_layer_splits() -> None:
     assert rank_heads(1, 2, 1) == (0, 1, False)  # MLA: one latent, rank 0 writes
     assert head_ranges(8, 2) == [(0, 4), (4, 8)]
     assert head_granularities(8, 2) == [2, 1, 4, 8]
-    assert layer_ranges(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    # short groups first (nothing computes beside the first's load), then equal
+    assert layer_ranges(10, 4) == [(0, 1), (1, 3), (3, 6), (6, 10)]
+    assert layer_ranges(32, 8) == [(0, 1), (1, 3), (3, 7), (7, 12), (12, 17), (17, 22),
+                                   (22, 27), (27, 32)]
+    assert layer_ranges(32, 4) == [(0, 1), (1, 11), (11, 21), (21, 32)]  # runs left <= 1.5x
+    assert layer_ranges(32, 2) == [(0, 16), (16, 32)]
     assert layer_ranges(2, 4) == [(0, 1), (1, 2)]
+    assert layer_ranges(7, 1) == [(0, 7)]
+    for n in range(1, 70):
+        for g in range(1, 20):
+            r = layer_ranges(n, g)
+            assert len(r) == min(n, g) and r[0][0] == 0 and r[-1][1] == n
+            assert all(a < b for a, b in r) and all(r[i][1] == r[i + 1][0]
+                                                    for i in range(len(r) - 1))
 
 
 def test_chain_hashes_seeded() -> None:

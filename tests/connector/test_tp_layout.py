@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvpool.connector.config import ConnectorConfig
-from kvpool.connector.keys import KeySpace, rank_heads
+from kvpool.connector.keys import KeySpace, layer_ranges, rank_heads
 from kvpool.connector.metadata import ChunkRef, LoadSpec, SaveSpec
 from kvpool.connector.store_access import StoreAccess
 from kvpool.connector.worker import HeadSpec, KVPoolWorker
@@ -125,7 +125,7 @@ def test_mla_latent_written_once_read_by_every_rank(pool: str) -> None:
         w.close()
     assert written == [1, 0]  # rank 0 stores it, rank 1 does not
     keys = [KS.object_key(_chunks(seed, [[0, 1]])[0].hash, lr, (0, 1), 1)
-            for lr in ((0, 2), (2, 4))]
+            for lr in layer_ranges(L, 2)]
     store = StoreAccess(ConnectorConfig(master_address=pool))
     assert store.batch_exists(keys) == [True, True]
     store.close()
