@@ -133,6 +133,70 @@ def test_object_layout_gather_scatter_all_layouts() -> None:
     assert objs["LBHNC"].equal(objs["separate"])
 
 
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC"])
+def test_consecutive_blocks_take_one_strided_copy(layout: str) -> None:
+    """Chunks whose blocks are one run of consecutive ids (and layers of one
+    allocation) are gathered and scattered by one strided copy; the bytes are
+    those of the indexed copy, for layer and head subsets; any other block
+    order takes the indexed copy."""
+    import random
+
+    import torch
+
+    from kvpool.connector.layout import ObjectLayout
+
+    def views(seed: int) -> list[Any]:
+        g = torch.Generator().manual_seed(seed)
+        if layout == "LBHNC":
+            buf = torch.randn(LAYERS, NB, HEADS, BLOCK, 2 * HEAD, generator=g)
+            return list(buf.to(torch.bfloat16))
+        if layout == "LBNHC":  # CUDA's default: tokens outside heads
+            buf = torch.randn(LAYERS, NB, BLOCK, HEADS, 2 * HEAD, generator=g)
+            return [t.permute(0, 2, 1, 3) for t in buf.to(torch.bfloat16)]
+        buf = torch.randn(NB, LAYERS, HEADS, BLOCK, 2 * HEAD, generator=g).to(torch.bfloat16)
+        return [buf[:, i] for i in range(LAYERS)]
+
+    def layout_of(vs: list[Any]) -> ObjectLayout:
+        return ObjectLayout([LayerLayout.from_tensor(f"l{i}", i, t, heads=HEADS)
+                             for i, t in enumerate(vs)], 2)
+
+    def as_bytes(vs: list[Any]) -> list[Any]:
+        return [v.contiguous().view(torch.uint8) for v in vs]
+
+    rnd = random.Random(5)
+    strided = 0
+    for trial in range(24):
+        fast_views, ref_views = views(trial), views(trial)
+        fast, ref = layout_of(fast_views), layout_of(ref_views)
+        ref._run_view = lambda *a: None  # type: ignore[method-assign]  # the indexed copy
+        l0 = rnd.randrange(LAYERS)
+        sel = list(range(l0, rnd.randrange(l0 + 1, LAYERS + 1)))
+        h0 = rnd.randrange(HEADS)
+        h1 = rnd.randrange(h0 + 1, HEADS + 1)
+        n = rnd.randrange(1, 4)
+        b0 = rnd.randrange(0, NB - 2 * n + 1)
+        ids = [[b0 + 2 * c, b0 + 2 * c + 1] for c in range(n)]
+        if trial % 4 == 0:
+            ids = ids[::-1]  # one chunk: still a run; more: indexed
+        flat = [b for chunk in ids for b in chunk]
+        is_run = flat == list(range(flat[0], flat[0] + len(flat)))
+        assert (fast._run_view(ids, sel, h0, h1) is not None) == is_run
+        strided += is_run
+        nbytes = n * fast.object_bytes(sel, h1 - h0)
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(trial))
+        fast.scatter(ids, sel, h0, h1, src)
+        ref.scatter(ids, sel, h0, h1, src)
+        assert all(a.equal(b) for a, b in zip(as_bytes(fast_views), as_bytes(ref_views),
+                                              strict=True)), (trial, ids, sel, h0, h1)
+        out, out_ref = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes,
+                                                                          dtype=torch.uint8)
+        fast.gather(ids, sel, h0, h1, out)
+        ref.gather(ids, sel, h0, h1, out_ref)
+        assert out.equal(src) and out_ref.equal(src)
+    assert 12 <= strided < 24  # both paths were taken
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "separate"])
 def test_save_then_load_into_other_blocks(pool: str, layout: str) -> None:
     src = _caches(layout, seed=1)
