@@ -602,6 +602,55 @@ class CapabilityVerifier:
             self.on_refusal(exc.reason)
         return exc
 
+    def check_many(self, token: bytes | bytearray | memoryview | None, segment_id: str,
+                   offsets: Sequence[int], lengths: Sequence[int], op: CapOp) -> bool:
+        """True when ``token`` allows ``op`` on every range ``(offsets[i],
+        lengths[i])`` of ``segment_id``: the token is looked up (or verified)
+        once, epoch, op and expiry checked once, then one dictionary lookup per
+        range. False when any of that fails or a range is not a granted one
+        exactly: the caller then checks each range with :meth:`check`, which
+        refuses with the reason and counts it (nothing is counted here)."""
+        if not token or type(op) is not CapOp:
+            return False
+        entry = self._keys.get(segment_id)
+        if entry is None:
+            return False
+        tok = token if type(token) is bytes else bytes(token)
+        cache = self._verified.get(segment_id)
+        grant = cache.get(tok) if cache is not None else None
+        if grant is None:
+            try:
+                grant = self._verify_new(tok, entry, segment_id, cache)
+            except CapabilityError:
+                return False
+        if grant.epoch < self.epoch or grant.op is not op \
+                or _time_ns() // 1_000_000 > grant.expiry_ms + self.leeway_ms:
+            return False
+        exact = grant.exact.get
+        for off, n in zip(offsets, lengths, strict=True):
+            m = exact(off)
+            if m is None or not 0 <= n <= m:
+                return False
+        self.accepted += len(offsets)  # approximate under threads; informational only
+        return True
+
+    def _verify_new(self, tok: bytes, entry: tuple[bytes, Any], segment_id: str,
+                    cache: OrderedDict[bytes, _Grant] | None) -> _Grant:
+        """A token not in the cache: MAC-verified, its epoch observed, cached."""
+        grant = _authentic(tok, entry[1], segment_id)
+        self.macs += 1
+        if grant.epoch > self.epoch:
+            self.observe_epoch(grant.epoch)  # authentic: a term the master vouches for
+        if cache is not None and self._keys.get(segment_id) is entry \
+                and grant.epoch >= self.epoch:
+            if len(cache) >= self.cache_size:
+                try:
+                    cache.popitem(last=False)  # the oldest, O(1)
+                except KeyError:  # emptied by another thread
+                    pass
+            cache[tok] = grant
+        return grant
+
     def check(self, token: bytes | bytearray | memoryview | None, segment_id: str,
               offset: int, length: int, op: CapOp | Any, required: bool | None = None) -> None:
         """Allow or refuse one request (see :func:`verify` for the rules).
@@ -620,18 +669,7 @@ class CapabilityVerifier:
             cache = self._verified.get(segment_id)
             grant = cache.get(tok) if cache is not None else None
             if grant is None:
-                grant = _authentic(tok, entry[1], segment_id)
-                self.macs += 1
-                if grant.epoch > self.epoch:
-                    self.observe_epoch(grant.epoch)  # authentic: a term the master vouches for
-                if cache is not None and self._keys.get(segment_id) is entry \
-                        and grant.epoch >= self.epoch:
-                    if len(cache) >= self.cache_size:
-                        try:
-                            cache.popitem(last=False)  # the oldest, O(1)
-                        except KeyError:  # emptied by another thread
-                            pass
-                    cache[tok] = grant
+                grant = self._verify_new(tok, entry, segment_id, cache)
             if grant.epoch < self.epoch:
                 grant.check_epoch(self.epoch)
             # Grant.check, inlined: this runs once per range of every transfer

@@ -455,7 +455,9 @@ def _show(rec: dict[str, Any]) -> None:
           f"{rec['gbps']:7.3f} GB/s {rec['ops_per_s']:10.0f} keys/s "
           f"p50 {rec['p50_us']:9.1f} us p99 {rec['p99_us']:9.1f} us"
           + (f" cpu {rec['client_cpu_us_per_key']:.1f} us/key"
-             if "client_cpu_us_per_key" in rec else ""), file=sys.stderr)
+             if "client_cpu_us_per_key" in rec else "")
+          + "".join(f" {r} {rec[f'{r}_cpu_us_per_key']:.1f}" for r in ("master", "holder")
+                    if f"{r}_cpu_us_per_key" in rec), file=sys.stderr)
 
 
 def _find(records: list[dict[str, Any]], transport: str, op: str, size: int,
@@ -920,7 +922,7 @@ def run_cross_host(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if not args.no_limits:
                         records += _xhost_limits(topo, kv, size, args)
                     records += _xhost_ops(topo, args, "tcp", kv.workers, kv.remove_all,
-                                          kv.holder_bytes, size)
+                                          kv.holder_bytes, size, kv.cpu_pids())
                     if mc is not None:
                         records += _xhost_ops(topo, args, "mooncake", mc.workers,
                                               mc.remove_all, kv.holder_bytes, size)
@@ -1034,6 +1036,13 @@ class _KvpoolSide:
     def remove_all(self) -> None:
         self.prober.ask("remove_all")
 
+    def cpu_pids(self) -> dict[str, int]:
+        """The master's and the holder daemon's pids (none under --profile:
+        py-spy is the process there)."""
+        if self.args.profile or self.daemon is None:
+            return {}
+        return {"master": self.started[0].pid, "holder": self.daemon.pid}
+
     def stop(self) -> None:
         """Stop everything it started (a clean SIGTERM first for the holder)."""
         import signal
@@ -1098,12 +1107,25 @@ class _MooncakeSide:
             self.topo.kill(p)
 
 
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of a process so far; 0 if gone.
+    Processes in other network namespaces share this one's /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _xhost_ops(topo: Any, args: argparse.Namespace, transport: str,
                workers: dict[str, _NsProc], remove_all: Any, holder_bytes: int,
-               size: int) -> list[dict[str, Any]]:
+               size: int, cpu_pids: dict[str, int] | None = None) -> list[dict[str, Any]]:
     """Every op at ``size`` through ``workers`` ("putter" writes, "getter" reads
-    back what its write form stored), with the hosts' TCP counters."""
+    back what its write form stored), with the hosts' TCP counters and the CPU
+    per key of each process in ``cpu_pids`` (role -> pid: ``ROLE_cpu_us_per_key``)."""
     hosts = [topo.host("holder"), topo.host("client")]
+    cpu_pids = cpu_pids or {}
     records = []
     for batch, ops in ((1, SINGLE_OPS), (args.batch, BATCH_OPS)):
         n = _iters(size * batch, args.bytes_per_op, 3, args.max_iters)
@@ -1120,6 +1142,7 @@ def _xhost_ops(topo: Any, args: argparse.Namespace, transport: str,
                 tag = f"x/{op}/{size}/{batch}"
                 role = "putter"
             ctr = _Counters(hosts)
+            cpu0 = {r: _proc_cpu(pid) for r, pid in cpu_pids.items()}
             try:
                 rec = workers[role].ask("run", transport, op, size, batch, n, tag,
                                         timeout=args.op_timeout)
@@ -1130,6 +1153,9 @@ def _xhost_ops(topo: Any, args: argparse.Namespace, transport: str,
                                 "p50_us": 0.0, "p99_us": 0.0, "mode": "cross-host",
                                 "error": str(exc)})
                 continue
+            for r, pid in cpu_pids.items():  # includes the worker's own setup calls
+                rec[f"{r}_cpu_us_per_key"] = round((_proc_cpu(pid) - cpu0[r]) / (n * batch)
+                                                   * 1e6, 2)
             rec["tcp"] = ctr.delta()
             rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
             rec["bytes"] = n * batch * size

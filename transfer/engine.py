@@ -215,7 +215,8 @@ class TransferEngine:
                                           curve=curve)
             self._server.stats_hook = self.capability_stats
             if scfg.capabilities == "on":
-                self._server.verify_capability = self._verify_capability
+                self._server.set_capability_check(self._verify_capability,
+                                                   self._verify_capability_many)
         try:
             self._load_transports()
         except BaseException:
@@ -251,7 +252,8 @@ class TransferEngine:
             return
         self.capabilities.set_key(segment_id, key)
         if self._server is not None:
-            self._server.verify_capability = self._verify_capability
+            self._server.set_capability_check(self._verify_capability,
+                                               self._verify_capability_many)
 
     def remove_capability_key(self, segment_id: str) -> None:
         self.capabilities.remove_key(segment_id)
@@ -271,6 +273,17 @@ class TransferEngine:
         # a CapOp spares the verifier's by-name coercion of each range's op
         v.check(cap, seg.segment_id, off, n, _CAP_OPS.get(op, op), required=True)
         return None
+
+    def _verify_capability_many(self, seg: LocalSegment, op: TransferOp, offsets: list[int],
+                                lengths: list[int], cap: bytes) -> bool:
+        """The server's batch hook: True when ``cap`` allows every range (one
+        token lookup for all of them); False sends the caller to the per-range
+        hook, which refuses with the reason."""
+        v = self.capabilities
+        if not v.required and not v.has_key(seg.segment_id):
+            return True  # auto mode: the master gave this segment no key
+        want = _CAP_OPS.get(op)
+        return want is not None and v.check_many(cap, seg.segment_id, offsets, lengths, want)
 
     def capability_stats(self) -> dict[str, Any]:
         """``capability_refusals`` by reason and ``capability_accepted``."""
@@ -692,6 +705,17 @@ class TransferEngine:
                     sb.failed += 1
                     sb._failures.append((item, err))
 
+        def report_many(items: Sequence[WorkItem]) -> None:  # successes, one lock for all
+            with lock:
+                for item in items:
+                    idx = item.index
+                    if idx in reported:
+                        continue
+                    reported.add(idx)
+                    sb.done += 1
+                    finish(idx, _DONE, name)
+
+        report.many = report_many  # type: ignore[attr-defined]  # see base.report_done
         crash: TransferError | None = None
         try:
             slot.transport.execute(part, deadline, report)

@@ -46,7 +46,15 @@ HOST_REGISTER_PORTABLE = 1
 STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit sync with the legacy stream
 LEGACY_STREAM = 0
 
-_order = threading.local()
+
+class _Order(threading.local):
+    # a class default: reading it on a thread that never set it is a plain
+    # attribute read (getattr with a default raised and caught AttributeError
+    # on every submit of such a thread)
+    independent = False
+
+
+_order = _Order()
 
 
 @contextmanager
@@ -56,7 +64,7 @@ def independent_copies() -> Iterator[None]:
     nor delay kernels on the legacy default stream. The caller guarantees
     that GPU data it writes is complete before the transfer is submitted and
     that nothing reads a transfer's destination before the call returned."""
-    before = getattr(_order, "independent", False)
+    before = _order.independent
     _order.independent = True
     try:
         yield
@@ -66,7 +74,7 @@ def independent_copies() -> Iterator[None]:
 
 def copies_independent() -> bool:
     """True inside :func:`independent_copies` (on this thread)."""
-    return bool(getattr(_order, "independent", False))
+    return _order.independent
 
 
 class CudaRuntime:

@@ -54,6 +54,9 @@ _MIN_ZERO_COPY = 64 << 10  # below this, copying the frame is cheaper than track
 
 #: (segment, op, offset, length, capability) -> None to allow, or an ErrorCode to refuse.
 CapabilityVerifier = Callable[[LocalSegment, TransferOp, int, int, bytes], ErrorCode | None]
+#: (segment, op, offsets, lengths, capability) -> True when the capability allows
+#: every range; False sends each range to the CapabilityVerifier (which refuses).
+CapabilityBatchVerifier = Callable[[LocalSegment, TransferOp, list[int], list[int], bytes], bool]
 
 
 def _msg(exc: KVPoolError) -> str:
@@ -80,6 +83,10 @@ class TransferServer:
         self._lookup = lookup
         #: capability check: verify TransferRequest.capability per request (None = allow all)
         self.verify_capability: CapabilityVerifier | None = None
+        #: the same check for all ranges of a bulk request under one token
+        #: (see set_capability_check; used only beside the hook it was set with)
+        self.verify_capability_many: CapabilityBatchVerifier | None = None
+        self._many_of: CapabilityVerifier | None = None
         self._ctx = zmq.Context(io_threads=self.config.io_threads)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -277,6 +284,9 @@ class TransferServer:
         here, op allowed) is looked up once per segment and request; bounds,
         size and the capability are checked per range. ``item.cap`` is a token
         or an index into ``table``."""
+        fast = self._validate_fast(top, items, table)
+        if fast is not None:
+            return fast
         codes: list[int] = []
         segs: list[LocalSegment | None] = []
         err = ""
@@ -325,6 +335,55 @@ class TransferServer:
         self.requests_served += ok
         self.requests_refused += len(items) - ok
         return codes, segs, err
+
+    def set_capability_check(self, one: CapabilityVerifier,
+                             many: CapabilityBatchVerifier | None = None) -> None:
+        """Install the capability check: ``one`` per range, ``many`` (optional)
+        for all ranges of a bulk request under one token at once. ``many`` is
+        used only while ``verify_capability`` is still ``one``: a hook set
+        directly later is asked range by range."""
+        self.verify_capability = one
+        self.verify_capability_many = many
+        self._many_of = one
+
+    def _validate_fast(self, top: TransferOp, items: list[wire.BulkItem], table: list[bytes]
+                       ) -> tuple[list[int], list[LocalSegment | None], str] | None:
+        """:meth:`_validate_many` of the common request: every range on one
+        segment under one token, all of them allowed. The segment is looked up
+        once, bounds and size checked per range, the capability once for all
+        ranges (``verify_capability_many``). None when any of that does not
+        hold: the caller then checks range by range (and refuses with codes)."""
+        if not items:
+            return None
+        first = items[0]
+        sid, ref = first.seg, first.cap
+        verifier = self.verify_capability
+        if type(ref) is int:
+            if not 0 <= ref < len(table):
+                return None
+            cap = table[ref]
+        else:
+            cap = cast(bytes, ref)
+        seg = self._lookup(sid)
+        if seg is None or top not in seg.allowed_ops:
+            return None
+        size, max_n = seg.size, self._max_request
+        offs: list[int] = []
+        lens: list[int] = []
+        for it in items:
+            off, n = it.off, it.len
+            if it.seg != sid or it.cap != ref or off < 0 or n < 0 or n > max_n \
+                    or off + n > size:
+                return None
+            offs.append(off)
+            lens.append(n)
+        if verifier is not None:
+            many = self.verify_capability_many
+            if many is None or self._many_of != verifier \
+                    or not many(seg, top, offs, lens, cap):
+                return None
+        self.requests_served += len(items)
+        return [0] * len(items), [seg] * len(items), ""
 
     def _segment_for(self, top: TransferOp, sid: str) -> LocalSegment:
         """The segment ``sid`` if it is owned here and allows ``top``."""

@@ -127,3 +127,40 @@ def test_cache_is_bounded_and_evicts_the_oldest() -> None:
     v.set_key(SEG, signer.rotate(SEG))
     assert len(v._verified[SEG]) == 0
     assert _refused(v, toks[19], SEG, 19 * 4096, 4096, CapOp.READ) is DenyReason.FORGED
+
+
+def test_check_many_allows_granted_ranges_only_and_counts_no_refusal() -> None:
+    """The batch check: True only when every range is a granted one under an
+    authentic, current token of the right op; any doubt answers False (the
+    caller then checks range by range) and counts nothing."""
+    signer, v = _pair()
+    flat = [x for off in range(0, 32 * 4096, 4096) for x in (off, 4096)]
+    tok = signer.grant_ranges(SEG, flat, int(CapOp.WRITE), signer.expiry())
+    offs, lens = flat[::2], flat[1::2]
+    assert v.check_many(tok, SEG, offs, lens, CapOp.WRITE)
+    assert v.macs == 1 and v.accepted == 32
+    assert v.check_many(tok, SEG, offs[:3], [4096, 100, 0], CapOp.WRITE)  # shorter: inside
+    assert v.macs == 1  # the cached grant
+    refused_before = dict(v.refusals)
+    for t, seg, o, n, op in [
+        (tok, SEG, offs, [*lens[:-1], 4097], CapOp.WRITE),  # one range longer than granted
+        (tok, SEG, [*offs[:-1], 17], lens, CapOp.WRITE),  # an inner range: per-range path
+        (tok, SEG, offs, [*lens[:-1], -1], CapOp.WRITE),  # a negative length
+        (tok, SEG, offs, lens, CapOp.READ),  # wrong op
+        (tok, "other:1", offs, lens, CapOp.WRITE),  # no key for that segment
+        (tok[:-1] + bytes([tok[-1] ^ 1]), SEG, offs, lens, CapOp.WRITE),  # forged
+        (b"", SEG, offs, lens, CapOp.WRITE),  # none
+    ]:
+        assert not v.check_many(t, seg, o, n, op)
+    assert v.refusals == refused_before and v.accepted == 35
+    # the inner range passes the per-range check the caller falls back to
+    v.check(tok, SEG, 17, 4000, CapOp.WRITE)
+    expired = signer.grant_ranges(SEG, flat, int(CapOp.WRITE), wall_clock_ms() - 10)
+    assert not v.check_many(expired, SEG, offs, lens, CapOp.WRITE)
+    assert _refused(v, expired, SEG, offs[0], lens[0]) is DenyReason.EXPIRED
+    # a token of an older epoch than seen: stale for the batch check too
+    v.observe_epoch(5)
+    assert not v.check_many(tok, SEG, offs, lens, CapOp.WRITE)
+    signer.epoch = 5
+    fresh = signer.grant_ranges(SEG, flat, int(CapOp.WRITE), signer.expiry())
+    assert v.check_many(fresh, SEG, offs, lens, CapOp.WRITE)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import zlib
 from typing import Any
 
 import numpy as np
+import pytest
 import zmq
 
+from kvpool.core.capability import CapabilitySigner, CapOp, DenyReason
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import decode_frame, encode_frame
 from kvpool.transfer import RequestState, TransferOp, TransferRequest, wire
@@ -259,6 +262,12 @@ def test_shared_capability_goes_once_per_request(make_engine: Any, make_segment:
     for i in range(32):
         if i != 7:
             assert got[i * 4096:(i + 1) * 4096].tobytes() == src[i * 4096:(i + 1) * 4096].tobytes()
+    # a hook set directly is asked for every range, also when all share one token
+    seen.clear()
+    st = cli.transfer([TransferRequest(W, src, desc.segment_id, i * 4096, 4096,
+                                       buffer_offset=i * 4096, capability=good)
+                       for i in range(32)], 10)
+    assert all(s.ok for s in st) and len(seen) == 32
     # raw: an index outside the table is refused, the others served, the stream in step
     seen.clear()
     with socket.create_connection(("127.0.0.1", bulk.port), timeout=5) as c:
@@ -274,6 +283,58 @@ def test_shared_capability_goes_once_per_request(make_engine: Any, make_segment:
     assert r.id == 5 and r.codes == [0, ErrorCode.MALFORMED_FRAME, 0] and "index" in r.err
     assert out[4 + n:] == src[:8].tobytes()
     assert seen == [(0, 4, good), (4, 4, good)]
+
+
+def test_batch_token_is_checked_once_and_range_by_range_on_doubt(make_engine: Any,
+                                                                 make_segment: Any) -> None:
+    """A bulk request whose ranges all share one real batch token: one MAC and
+    one check for the request, every byte lands; a range outside its grant
+    sends the request to the per-range checks, which refuse that range only
+    (with its reason counted) and serve the others; a token of the wrong op
+    refuses every range."""
+    srv = make_engine("host-srv")
+    seg = make_segment(MiB)
+    desc = srv.add_local_segment(seg)
+    sid = desc.segment_id
+    signer = CapabilitySigner()
+    srv.set_capability_key(sid, signer.key_for(sid))
+    cli = make_engine("host-cli")
+    cli.add_peer_segment(desc)
+    t0 = time.monotonic()
+    while not cli.transport("tcp")._bulk_peer(desc.endpoint).port:  # asked in the background
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.02)
+    flat = [x for i in range(32) for x in (i * 4096, 4096)]
+    wtok = signer.grant_ranges(sid, flat, int(CapOp.WRITE), signer.expiry())
+    rtok = signer.grant_ranges(sid, flat, int(CapOp.READ), signer.expiry())
+    src = np.random.default_rng(5).integers(0, 256, 32 * 4096, dtype=np.uint8)
+    v = srv.capabilities
+    macs, accepted = v.macs, v.accepted
+
+    def reqs(op: TransferOp, buf: Any, tok: bytes, shift: int = -1) -> list[TransferRequest]:
+        return [TransferRequest(op, buf, sid, i * 4096 + (8 if i == shift else 0), 4096,
+                                buffer_offset=i * 4096, capability=tok) for i in range(32)]
+
+    st = cli.transfer(reqs(W, src, wtok), 10)
+    assert all(s.ok and s.transport == "tcp" for s in st), st
+    assert seg.array()[:32 * 4096].tobytes() == src.tobytes()
+    assert v.macs == macs + 1 and v.accepted == accepted + 32
+    assert sum(v.refusals.values()) == 0
+    src2 = src[::-1].copy()
+    st = cli.transfer(reqs(W, src2, wtok, shift=5), 10)
+    assert [s.ok for s in st] == [i != 5 for i in range(32)], st
+    assert st[5].code == ErrorCode.PERMISSION_DENIED
+    assert v.refusals[DenyReason.OUT_OF_RANGE] == 1 and v.macs == macs + 1
+    want = src2.copy()
+    want[5 * 4096:6 * 4096] = src[5 * 4096:6 * 4096]  # the refused range left as it was
+    assert seg.array()[:32 * 4096].tobytes() == want.tobytes()
+    dst = np.zeros(32 * 4096, np.uint8)
+    st = cli.transfer(reqs(R, dst, rtok), 10)
+    assert all(s.ok for s in st) and dst.tobytes() == want.tobytes()
+    dst[:] = 0
+    st = cli.transfer(reqs(R, dst, wtok), 10)
+    assert all(s.code == ErrorCode.PERMISSION_DENIED for s in st), st
+    assert v.refusals[DenyReason.WRONG_OP] == 32 and not dst.any()
 
 
 def test_frozen_peer_times_out_on_the_bulk_socket(make_engine: Any, make_peer: Any) -> None:
@@ -310,10 +371,54 @@ def test_frozen_peer_times_out_on_the_bulk_socket(make_engine: Any, make_peer: A
     assert st2[0].ok, st2
 
 
+def test_stream_read_into_waits_for_pieces_and_sees_eof_and_timeouts() -> None:
+    """``_Stream.read_into`` of many small views (one ``MSG_WAITALL`` syscall for
+    what the buffer does not hold): a payload that trickles in as pieces of odd
+    sizes lands whole and in order; a peer that stops sending runs into the
+    deadline (TimeoutError); one that closes mid-payload gives False."""
+    from kvpool.transfer.bulk import _Stream
+
+    payload = np.random.default_rng(11).integers(0, 256, 32 * 4096, dtype=np.uint8).tobytes()
+    frame = (3).to_bytes(4, "little") + b"hdr"
+    for cut, close in ((len(payload), False), (50_000, False), (50_000, True)):
+        a, b = socket.socketpair()
+        try:
+            stream = _Stream(b, 1 << 16)
+
+            def send(a: socket.socket = a, cut: int = cut, close: bool = close) -> None:
+                a.sendall(frame + payload[:1000])
+                for lo in range(1000, cut, 7777):  # odd pieces, each a separate arrival
+                    time.sleep(0.002)
+                    a.sendall(payload[lo:min(cut, lo + 7777)])
+                if close:
+                    a.close()
+
+            t = threading.Thread(target=send)
+            t.start()
+            assert stream.read_frame(1 << 16, time.monotonic() + 5) == b"hdr"
+            dst = bytearray(len(payload))
+            views = [memoryview(dst)[i * 4096:(i + 1) * 4096] for i in range(32)]
+            t0 = time.monotonic()
+            if cut == len(payload):
+                assert stream.read_into(views, time.monotonic() + 5)
+                assert bytes(dst) == payload
+            elif close:
+                t.join()
+                assert not stream.read_into(views, time.monotonic() + 5)
+            else:
+                with pytest.raises(TimeoutError):
+                    stream.read_into(views, time.monotonic() + 0.5)
+                assert 0.4 < time.monotonic() - t0 < 3
+                assert bytes(dst[:cut]) == payload[:cut]
+            t.join()
+        finally:
+            a.close()
+            b.close()
+
+
 def test_stream_spin_then_block_reads_every_frame() -> None:
     """A reply that comes within the spin window is read by the poll; one that
     comes later by the blocking read; the window is used once, then cleared."""
-    import threading
 
     from kvpool.transfer.bulk import _frame, _Stream
 

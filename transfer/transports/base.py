@@ -5,11 +5,12 @@ caller buffers and segments. The engine picks a transport per request (the
 selector), groups requests into sub-batches and calls :meth:`Transport.execute`
 on a worker thread, possibly several times in parallel for one sub-batch
 (``settings.threads``). ``execute`` must call ``report(item, error)`` exactly
-once per item (``error`` None on success) and return by ``deadline``
-(``time.monotonic()`` seconds): a dead peer must become a retryable
-``TransferError``, never a hang. Items it does not report are failed by the
-engine. ``TransferError.retryable=False`` means "no other transport can do
-better" (bounds, ownership, bad parameters): the engine does not fail over.
+once per item (``error`` None on success; :func:`report_done` reports many
+successes in one call) and return by ``deadline`` (``time.monotonic()``
+seconds): a dead peer must become a retryable ``TransferError``, never a hang.
+Items it does not report are failed by the engine.
+``TransferError.retryable=False`` means "no other transport can do better"
+(bounds, ownership, bad parameters): the engine does not fail over.
 
 To add a transport: subclass, set ``name``, register ``"name":
 "module:Class"`` in :mod:`kvpool.transfer.transports` (lazy import) and give it
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from kvpool.transfer.config import TransportSettings
     from kvpool.transfer.segment import LocalSegment
 
-__all__ = ["EngineContext", "PeerFiles", "ReportFn", "Transport", "WorkItem"]
+__all__ = ["EngineContext", "PeerFiles", "ReportFn", "Transport", "WorkItem", "report_done"]
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +67,18 @@ class WorkItem:
 
 
 ReportFn = Callable[[WorkItem, TransferError | None], None]
+
+
+def report_done(report: ReportFn, items: Sequence[WorkItem]) -> None:
+    """``report(item, None)`` for every item of ``items``: in one call through
+    the report's ``many`` attribute where it has one (the engine's takes its
+    lock once for all of them), else item by item."""
+    many = getattr(report, "many", None)
+    if many is not None:
+        many(items)
+        return
+    for it in items:
+        report(it, None)
 
 _H = TypeVar("_H")
 

@@ -41,7 +41,7 @@ from kvpool.transfer import wire
 from kvpool.transfer.bulk import BulkClient
 from kvpool.transfer.gpu import CudaRuntime, PinnedPool, cuda_runtime
 from kvpool.transfer.segment import LocalSegment
-from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
+from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem, report_done
 from kvpool.transfer.types import TransferError, TransferOp
 
 __all__ = ["TcpTransport"]
@@ -359,6 +359,16 @@ class TcpTransport(Transport):
                 else:
                     self.bytes_sent += it.length
             report(it, err)
+
+        def rep_whole_many(its: Sequence[WorkItem]) -> None:  # successes of one op
+            n = sum(it.length for it in its)
+            if its and its[0].op is TransferOp.READ:
+                self.bytes_received += n
+            else:
+                self.bytes_sent += n
+            report_done(report, its)
+
+        rep_whole.many = rep_whole_many  # type: ignore[attr-defined]  # see base.report_done
 
         def rep(it: WorkItem, err: TransferError | None) -> None:
             whole = parts.get(id(it)) if parts else None
