@@ -266,6 +266,9 @@ class _Standby:
     # when it last went from holding everything to owing a batch: an idle
     # standby's last ack is old, but it owes the next batch only from its send
     owed_since: float = 0.0
+    # batches (header, frames) held back for a standby outside the in-sync set
+    # (``lazy_send_s``): sent together, before anything else sent to it
+    queued: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
 class ReplicationSource:
@@ -276,12 +279,22 @@ class ReplicationSource:
     acks, snapshot slices of ``snapshot_slice_s``), ``acked_lsn()`` to know
     which replies may go. The in-sync set is changed only by the caller
     (after it published the change in etcd): ``add_sync`` / ``remove_sync``.
+
+    ``lazy_send_s`` > 0: batches for a standby outside the in-sync set (no
+    reply waits for its ack) are held back and sent together, the first of
+    them at most that long after its publish (by :meth:`poll`, also by
+    :meth:`flush_lazy`, and before anything else sent to that standby, so
+    the wire order is kept): it then takes, writes and acks several batches
+    per wake-up instead of one, and the leader's I/O thread wakes once for
+    them. Such a standby lags by up to that much more (it is not elected
+    unless it joins the in-sync set; with ``sync_standbys: 0`` this adds to
+    what a failover may lose). Batches for in-sync members leave at once.
     """
 
     def __init__(self, directory: Directory, bind: str, epoch: int,
                  log_: ReplicationLog | None = None, context: zmq.Context | None = None,
                  snapshot_slice_s: float = 0.004, heartbeat_s: float = 0.1,
-                 curve: CurveConfig | None = None) -> None:
+                 curve: CurveConfig | None = None, lazy_send_s: float = 0.0) -> None:
         self.dir = directory
         self.epoch = epoch
         self.log = log_ or ReplicationLog()
@@ -305,6 +318,13 @@ class ReplicationSource:
             self.endpoint = bind
         self.standbys: dict[str, _Standby] = {}
         self.sync_members: set[str] = set()
+        self.lazy_send_s = lazy_send_s
+        #: when the oldest held-back batch is due (0.0: none held back)
+        self.lazy_due = 0.0
+        self._snapshots = 0  # standbys being sent a snapshot (see _count_snapshots)
+        #: changes of :attr:`standbys` (a hello, a standby forgotten): the
+        #: caller looks for joiners only when this moved
+        self.sessions = 0
         self._last_send = time.monotonic()
         self.batches_sent = 0
         self.snapshots_sent = 0
@@ -333,6 +353,7 @@ class ReplicationSource:
             sync = self.sync_members
             now = time.monotonic()
             send = self.sock.send_multipart
+            hold = self.lazy_send_s > 0
             for sid, sb in self.standbys.items():
                 if sb.status.acked_lsn >= b.first - 1:
                     sb.owed_since = now
@@ -340,6 +361,13 @@ class ReplicationSource:
                     header = urgent = urgent or b.header(self.epoch, True)
                 else:
                     header = lazy = lazy or b.header(self.epoch, False)
+                    if hold:
+                        if not self.lazy_due:
+                            self.lazy_due = now + self.lazy_send_s
+                        sb.queued.append((header, frames))
+                        continue
+                if sb.queued:
+                    self._flush_queued(sb)
                 try:
                     send([sb.ident, header, frames], _NOBLOCK)
                 except zmq.ZMQError:
@@ -348,7 +376,28 @@ class ReplicationSource:
             self.batches_sent += 1
         return self.log.last_lsn
 
+    def flush_lazy(self) -> None:
+        """Send every held-back batch now (``lazy_send_s``)."""
+        self.lazy_due = 0.0
+        for sb in self.standbys.values():
+            if sb.queued:
+                self._flush_queued(sb)
+
+    def _flush_queued(self, sb: _Standby) -> None:
+        send = self.sock.send_multipart
+        ident = sb.ident
+        for header, frames in sb.queued:
+            try:
+                send([ident, header, frames], _NOBLOCK)
+            except zmq.ZMQError:
+                pass  # gone: it will say hello again
+        sb.queued.clear()
+
     def _send(self, ident: bytes, *frames: bytes) -> None:
+        if self.lazy_due:  # what was held back for it goes first (wire order)
+            sb = self._by_ident(ident)
+            if sb is not None and sb.queued:
+                self._flush_queued(sb)
         try:
             self.sock.send_multipart([ident, *frames], _NOBLOCK)
         except zmq.ZMQError:
@@ -394,6 +443,8 @@ class ReplicationSource:
         sb = self.standbys.get(instance_id)
         if sb is not None:
             sb.status.in_sync = True
+            if sb.queued:  # its acks count from now: nothing may wait behind the timer
+                self._flush_queued(sb)
 
     def remove_sync(self, instance_id: str) -> None:
         self.sync_members.discard(instance_id)
@@ -420,10 +471,14 @@ class ReplicationSource:
             if msg is None:
                 continue
             self._handle(frames[0], msg)
-        for sb in list(self.standbys.values()):
-            if sb.chunks is not None:
-                self._snapshot_step(sb)
-        if time.monotonic() - self._last_send > self.heartbeat_s and self.standbys:
+        if self._snapshots:
+            for sb in list(self.standbys.values()):
+                if sb.chunks is not None:
+                    self._snapshot_step(sb)
+        now = time.monotonic()
+        if self.lazy_due and now >= self.lazy_due:
+            self.flush_lazy()
+        if now - self._last_send > self.heartbeat_s and self.standbys:
             frame = _pack([MsgType.HEARTBEAT, self.epoch, self.log.last_lsn])
             for sb in self.standbys.values():
                 self._send(sb.ident, frame)
@@ -477,6 +532,11 @@ class ReplicationSource:
 
     def _forget(self, instance_id: str) -> None:
         self.standbys.pop(instance_id, None)
+        self._count_snapshots()
+
+    def _count_snapshots(self) -> None:
+        self.sessions += 1
+        self._snapshots = sum(1 for sb in self.standbys.values() if sb.chunks is not None)
 
     def _hello(self, ident: bytes, instance_id: str, last_epoch: int, last_lsn: int) -> None:
         now = time.monotonic()
@@ -488,6 +548,7 @@ class ReplicationSource:
         if tail is not None:
             sb = _Standby(ident, status)
             self.standbys[instance_id] = sb
+            self._count_snapshots()
             self._send(ident, _pack([MsgType.TAIL, self.epoch, last_lsn + 1, self.log.history]))
             for b in tail:
                 self._send(ident, b.header(self.epoch), b.frames)
@@ -499,6 +560,7 @@ class ReplicationSource:
         d = self.dir
         sb = _Standby(ident, status, chunks=d.objects.key_chunks())
         self.standbys[instance_id] = sb
+        self._count_snapshots()
         self._send(ident, _pack([MsgType.SNAP_BEGIN, self.epoch, self.log.last_lsn,
                                  d.segment_wires(), self.log.history]))
         self.snapshots_sent += 1
@@ -515,6 +577,7 @@ class ReplicationSource:
                 self._send(sb.ident, _pack([MsgType.SNAP_END, self.epoch, self.log.last_lsn,
                                             sb.snap_count]))
                 sb.chunks = None
+                self._count_snapshots()
                 sb.status.state = StandbyState.STREAMING
                 sb.status.last_ack = time.monotonic()
                 return
@@ -736,13 +799,16 @@ class ReplicaSink:
         """etcd told us of term ``epoch``: refuse anything older from now on."""
         self.known_epoch = max(self.known_epoch, epoch)
 
-    def poll(self, timeout_s: float = 0.0) -> int:
-        """Apply what arrived within ``timeout_s``; return messages handled."""
+    def poll(self, timeout_s: float = 0.0, ready: bool | None = None) -> int:
+        """Apply what arrived within ``timeout_s``; return messages handled.
+        ``ready``: the caller's poll just said whether :attr:`sock` has
+        messages (no look of its own then, ``timeout_s`` unused)."""
         sock = self.sock
         if sock is None:
-            time.sleep(timeout_s)
+            if ready is None:
+                time.sleep(timeout_s)
             return 0
-        if not sock.poll(int(timeout_s * 1000)):
+        if not (ready if ready is not None else sock.poll(int(timeout_s * 1000))):
             if self._lazy_ack:
                 self._flush_and_ack()  # when due
             return 0
