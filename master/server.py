@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 _DRAIN = 256
 _HELD_POLL_MS = 5  # poll timeout while replies wait for acks
 _LAZY_POLL_MS = 10  # ... while batches for lazy standbys are held back (lazy_send_s)
+_FULL_TURN_S = 0.002  # a turn woken by acks alone within this of a full one only reads them
 _EMPTY = b""
 # plain ints: IntFlag arithmetic costs ~1 µs per operation on the hot path
 _POLLIN = int(zmq.POLLIN)
@@ -401,6 +402,10 @@ class MasterServer:
         # acks are read only when the poll saw them (a zmq_poll per look otherwise)
         source = ha.source if ha is not None else None
         repl_sock = source.sock if source is not None else None
+        # a turn woken by acks alone, shortly after a full turn, only reads them
+        # and releases replies: timers and the HA upkeep wait (at most
+        # _FULL_TURN_S; nothing is acknowledged past what acked() allows)
+        next_full = 0.0
         while not self._stop:
             timers = unfenced()
             # held replies wait for acks, which wake the poll; the timeout only
@@ -411,7 +416,8 @@ class MasterServer:
                 else _LAZY_POLL_MS if source is not None and source.lazy_due else 50
             events = poller.poll(timeout)
             # acks alone (the replication socket the only one readable): no request
-            if events and (events[0][0] is not repl_sock or len(events) > 1):
+            requests = bool(events) and (events[0][0] is not repl_sock or len(events) > 1)
+            if requests:
                 t_start = time.perf_counter()
                 commits_before = durability.commits
                 replies: list[list[bytes]] = []
@@ -447,6 +453,17 @@ class MasterServer:
                 if loop_ms > loop_stats.max_loop_ms:
                     loop_stats.max_loop_ms = loop_ms
             now = time.monotonic()
+            if source is not None and events and not requests and now < next_full:
+                source.poll()
+                if held:
+                    acked = durability.acked()
+                    while held and held[0][0] <= acked:
+                        _no, _wrote, replies, local_replies = held.popleft()
+                        self._send(replies, local_replies)
+                if publisher is not None:
+                    publisher.flush(durability.acked(), now)
+                continue
+            next_full = now + _FULL_TURN_S
             if unfenced():
                 if d.purge_pending:
                     d.purge_step(self.cfg.purge_slice)

@@ -266,9 +266,9 @@ class _Standby:
     # when it last went from holding everything to owing a batch: an idle
     # standby's last ack is old, but it owes the next batch only from its send
     owed_since: float = 0.0
-    # batches (header, frames) held back for a standby outside the in-sync set
-    # (``lazy_send_s``): sent together, before anything else sent to it
-    queued: list[tuple[bytes, bytes]] = field(default_factory=list)
+    # batches held back for a standby outside the in-sync set (``lazy_send_s``):
+    # sent together, before anything else sent to it
+    queued: list[Batch] = field(default_factory=list)
 
 
 class ReplicationSource:
@@ -364,7 +364,7 @@ class ReplicationSource:
                     if hold:
                         if not self.lazy_due:
                             self.lazy_due = now + self.lazy_send_s
-                        sb.queued.append((header, frames))
+                        sb.queued.append(b)
                         continue
                 if sb.queued:
                     self._flush_queued(sb)
@@ -379,19 +379,61 @@ class ReplicationSource:
     def flush_lazy(self) -> None:
         """Send every held-back batch now (``lazy_send_s``)."""
         self.lazy_due = 0.0
+        merged: dict[tuple[int, int], list[tuple[bytes, bytes]]] = {}
         for sb in self.standbys.values():
             if sb.queued:
-                self._flush_queued(sb)
+                self._flush_queued(sb, merged)
 
-    def _flush_queued(self, sb: _Standby) -> None:
+    def _flush_queued(self, sb: _Standby,
+                      merged: dict[tuple[int, int], list[tuple[bytes, bytes]]] | None = None
+                      ) -> None:
+        """Send ``sb``'s held-back batches as few messages (``_merge``; built
+        once per flush for standbys that wait for the same batches)."""
+        q = sb.queued
+        key = (q[0].first, q[-1].last)
+        msgs = merged.get(key) if merged is not None else None
+        if msgs is None:
+            msgs = self._merge(q)
+            if merged is not None:
+                merged[key] = msgs
         send = self.sock.send_multipart
         ident = sb.ident
-        for header, frames in sb.queued:
+        for header, frames in msgs:
             try:
                 send([ident, header, frames], _NOBLOCK)
             except zmq.ZMQError:
                 pass  # gone: it will say hello again
-        sb.queued.clear()
+        q.clear()
+
+    def _merge(self, batches: list[Batch]) -> list[tuple[bytes, bytes]]:
+        """Consecutive batches as (header, frames) messages, each covering as
+        many as can be one batch: of one records' epoch, stream-only records
+        only in the last (a batch's are positioned after its directory
+        records), their journal frames concatenated (a standby writes them as
+        they are)."""
+        out: list[tuple[bytes, bytes]] = []
+        group: list[Batch] = []
+
+        def close() -> None:
+            if len(group) == 1:
+                out.append((group[0].header(self.epoch, False), group[0].frames))
+            else:
+                last = group[-1]
+                first = group[0].first
+                out.append((_pack([_BATCH, self.epoch, first, last.last - first + 1,
+                                   last.epoch, last.extras, False]),
+                            b"".join(g.frames for g in group)))
+            group.clear()
+
+        for b in batches:
+            if group and b.epoch != group[-1].epoch:
+                close()
+            group.append(b)
+            if b.extras:
+                close()
+        if group:
+            close()
+        return out
 
     def _send(self, ident: bytes, *frames: bytes) -> None:
         if self.lazy_due:  # what was held back for it goes first (wire order)

@@ -605,10 +605,11 @@ def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
 def test_batches_for_a_standby_outside_the_in_sync_set_are_sent_together(
         ctx: zmq.Context) -> None:
     """With ``lazy_send_s``, batches for a standby outside the in-sync set
-    wait (at most that long) and leave together: it writes and acks them
-    with one write and one ack; the in-sync member gets each at once. What
-    waits goes before anything else sent to that standby, and all of it
-    once the standby joins the set."""
+    wait (at most that long) and leave together, merged into as few batches
+    as their stream-only records allow (those close a batch): it writes and
+    acks them with one write and one ack; the in-sync member gets each at
+    once. What waits goes before anything else sent to that standby, and
+    all of it once the standby joins the set."""
     leader = Leader(ctx, epoch=9, lazy_send_s=1.0)
     s1, s2 = sink_for(ctx, "s1"), sink_for(ctx, "s2")
     try:
@@ -617,9 +618,11 @@ def test_batches_for_a_standby_outside_the_in_sync_set_are_sent_together(
         leader.mount("seg-a")
         pump(leader, [s1, s2], lambda: sorted(leader.src.caught_up()) == ["s1", "s2"])
         leader.src.add_sync("s1")
-        before = s2.stats.batches
-        for _ in range(5):
+        before, records = s2.stats.batches, s2.stats.records
+        for i in range(5):
             leader.put(3)
+            if i == 1:
+                leader.src.publish([], [[101, []]])  # stream-only: ends a merged batch
             last = leader.src.last_lsn
             deadline = time.monotonic() + 5
             while leader.src.acked_lsn() < last:  # the in-sync member: at once
@@ -634,7 +637,7 @@ def test_batches_for_a_standby_outside_the_in_sync_set_are_sent_together(
             assert time.monotonic() < deadline
             leader.src.poll()
             s2.poll(0.01)
-        assert s2.stats.batches == before + 5
+        assert s2.stats.batches == before + 2 and s2.stats.records == records + 16
         pump(leader, [s1, s2], lambda: leader.src.caught_up() == ["s2"])
         assert state(s2.directory) == state(leader.d)
         leader.put(2)  # held back again; joining the set sends it at once
