@@ -764,14 +764,18 @@ class ReplicaSink:
         while self._unapplied:
             b = self._unapplied.popleft()
             if b.frames:
-                for payload in iter_frame_payloads(b.frames):
+                payloads = list(iter_frame_payloads(b.frames))
+                for pi, payload in enumerate(payloads):
                     recs = _decode(payload)
                     for i in range(0, len(recs), _APPLY_SLICE):
                         for rec, exc in d.apply_records(recs[i:i + _APPLY_SLICE]
                                                         if len(recs) > _APPLY_SLICE else recs):
                             log.error("standby %s: bad record %r: %s", self.instance_id,
                                       rec[:2] if type(rec) is list else rec, exc)
-                        if sock is not None and self._intake(sock):
+                        # not after the last slice: the caller looks for batches next
+                        if sock is not None and (self._unapplied or pi + 1 < len(payloads)
+                                                 or i + _APPLY_SLICE < len(recs)) \
+                                and self._intake(sock):
                             self._flush_and_ack()
             if on_record is not None:
                 for rec in b.extras:
