@@ -453,8 +453,8 @@ class MasterServer:
                 if loop_ms > loop_stats.max_loop_ms:
                     loop_stats.max_loop_ms = loop_ms
             now = time.monotonic()
-            if source is not None and events and not requests and now < next_full:
-                source.poll()
+            if ha is not None and source is not None and events and not requests \
+                    and now < next_full and ha.read_acks():
                 if held:
                     acked = durability.acked()
                     while held and held[0][0] <= acked:

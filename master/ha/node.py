@@ -490,6 +490,17 @@ class HaNode:
             out = commit_no
         return out
 
+    def read_acks(self) -> bool:
+        """Between two :meth:`leader_tick` calls: take what the replication
+        socket holds (acks, hellos). False when the standbys changed (one
+        joined or left): the caller must run :meth:`leader_tick` now, so a
+        joiner is sent every key and soft pin before it can be seen holding
+        everything."""
+        src = self.source
+        assert src is not None
+        src.poll()
+        return src.sessions == self._sessions_seen
+
     def leader_tick(self, now: float, readable: bool = True) -> bool:
         """Between loop iterations: acks, snapshots, the in-sync set. False
         when this instance no longer leads (the caller becomes a follower).

@@ -12,7 +12,9 @@ its data dir as they are with its position (see :class:`ReplicaSink`),
 answers ``[ACK, epoch, last_lsn]`` (cumulative: one ack for every batch that
 arrived together; at once when ``urgent``, i.e. it is in the in-sync set,
 else within ``_LAZY_ACK_S``) and only then decodes and applies them to its
-own directory. The leader never waits for an ack before sending the next batch
+own directory. Batches for a standby outside the in-sync set may be held
+back briefly and sent merged (``ReplicationSource.lazy_send_s``), so it
+takes several per wake-up. The leader never waits for an ack before sending the next batch
 (any number are in flight); it releases the replies of a batch once every
 member of its **in-sync set** acknowledged it
 (:meth:`ReplicationSource.acked_lsn`); the set is published in etcd
