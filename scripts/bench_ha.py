@@ -26,17 +26,20 @@ its bytes after the last failover (``lost``, ``corrupt``).
 ``throughput``: batched put (BatchPutStart + BatchPutEnd of ``--batch``
 keys, one synchronous MasterClient on the same host, journal on) against a
 single master and against the leader of a three-instance group with
-``sync_standbys`` 0 and 1; key-ops/s (wall and per master CPU-second), the
-ratios to the single master, and the CPU seconds per million key-ops of
-every process (master, standbys, etcd, load generator), ``--rounds`` times
-(medians and ranges). ``--profile PREFIX``: py-spy raw profiles of each
-process while it runs.
+``sync_standbys`` 0 and 1, all running at once and taking turns
+(``--slices`` slices each, ``--seconds`` per configuration in all, so the
+box's other load falls alike on all of them); key-ops/s (wall and per
+master CPU-second), the ratios to the single master within the round, the
+CPU seconds per million key-ops of every process (master, standbys, etcd,
+load generator) and of the master's threads, ``--rounds`` times (medians
+and ranges). ``--profile PREFIX``: py-spy raw profiles of each process
+while it runs.
 
 Usage: scripts/bench_ha.py clients --json OUT [--n 300]
        scripts/bench_ha.py election --json OUT [--kills 10]
        scripts/bench_ha.py failover --json OUT [--kills 5]
        scripts/bench_ha.py throughput --json OUT [--seconds 3] [--batch 128]
-                                      [--rounds N] [--profile PREFIX]
+                                      [--slices 6] [--rounds N] [--profile PREFIX]
 """
 
 from __future__ import annotations
