@@ -1546,13 +1546,20 @@ class Directory:
     def apply_records(self, records: list[list[Any]]) -> list[tuple[Any, Exception]]:
         """Replay ``records`` as :meth:`apply_record` one by one (an HA standby
         applies a group commit's at once); the PUT of a new key with one
-        replica, the common record, in one pass without a call per record.
-        Return the records that failed with their errors (the rest applied)."""
+        replica, the common record, in one pass without a call per record,
+        and a run of them placed back to back in one segment (a leader
+        allocates in order) reserved with one allocator call. Return the
+        records that failed with their errors (the rest applied)."""
         shards, mask = self.objects.shards, self.objects.mask
         segments = self.segments
         intern = self._intern_size
         fast = not self.journaling  # the fast path builds no record
         failed: list[tuple[Any, Exception]] = []
+        # the run: (record, shard) of the new objects placed in ``run_seg`` at
+        # ``[run_start, run_end)`` whose space is not reserved yet
+        run: list[tuple[list[Any], dict[str, Obj]]] = []
+        run_seg: Segment | None = None
+        run_start = run_end = 0
         for rec in records:
             try:
                 if rec[0] == _REC_PUT and fast:
@@ -1564,19 +1571,47 @@ class Directory:
                         if seg is None:
                             continue  # as restore_object: replicas on unknown segments go
                         off = wire[1]
-                        size = int(rec[2])
-                        try:
-                            seg.alloc.reserve(off, size)
-                        except KVPoolError as exc:
-                            log.debug("restore: %s: %s", key, exc)  # as restore_object
+                        size = rec[2]
+                        if type(off) is int and type(size) is int:
+                            a = seg.alloc.alignment
+                            if seg is not run_seg or off != run_end:
+                                if run:
+                                    self._reserve_run(run_seg, run_start, run_end, run)
+                                run_seg = seg
+                                run_start = off
+                            shard[key] = Obj(intern(size), (seg, off), int(rec[3]), rec[4])
+                            seg.keys.add(key)
+                            run.append((rec, shard))
+                            run_end = off + ((size + a - 1) & -a if size > 0 else a)
                             continue
-                        shard[key] = Obj(intern(size), (seg, off), int(rec[3]), rec[4])
-                        seg.keys.add(key)
-                        continue
+                if run:  # before anything that may depend on the allocator
+                    self._reserve_run(run_seg, run_start, run_end, run)
                 self.apply_record(rec)
             except Exception as exc:
                 failed.append((rec, exc))
+        if run:
+            self._reserve_run(run_seg, run_start, run_end, run)
         return failed
+
+    def _reserve_run(self, seg: Segment | None, start: int, end: int,
+                     run: list[tuple[list[Any], dict[str, Obj]]]) -> None:
+        """Reserve the space of ``run`` (new objects placed back to back at
+        ``[start, end)`` in ``seg``) and empty it. One call for all of them;
+        if that range is not wholly free, object by object, dropping those
+        whose space is not free (as :meth:`restore_object`)."""
+        assert seg is not None
+        try:
+            seg.alloc.reserve(start, end - start)
+        except KVPoolError:
+            for rec, shard in run:
+                key = rec[1]
+                try:
+                    seg.alloc.reserve(rec[5][1], rec[2])
+                except KVPoolError as exc:
+                    log.debug("restore: %s: %s", key, exc)
+                    del shard[key]
+                    seg.keys.discard(key)
+        run.clear()
 
     def finish_restore(self) -> None:
         """After replay: every segment awaits its owner (``client_ttl_s +

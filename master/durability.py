@@ -194,10 +194,11 @@ class Durability:
         return self._snapshot is not None
 
     def tick(self, directory: Directory, now: float,
-             position: StreamPosition | None = None) -> None:
+             position: StreamPosition | Callable[[], StreamPosition] | None = None) -> None:
         """Timer work between loop iterations: fsync per policy, one snapshot
         slice, start a snapshot when due or requested (``position``: a
-        standby's, for the snapshot's header)."""
+        standby's, for the snapshot's header, or what gives it: asked only
+        when a snapshot starts)."""
         journal = self.journal
         if journal is None:
             self._snap_requested = False
@@ -210,7 +211,7 @@ class Durability:
                 and now - self._last_snapshot >= cfg.snapshot_interval_s
                 and journal.records_written >= cfg.snapshot_min_journal_records):
             self._snap_requested = False
-            self._start_snapshot(directory, position)
+            self._start_snapshot(directory, position() if callable(position) else position)
 
     def request_snapshot(self) -> None:
         """Take a snapshot at the next tick."""

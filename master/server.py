@@ -46,6 +46,9 @@ __all__ = ["MasterServer"]
 log = logging.getLogger(__name__)
 
 _DRAIN = 256
+_HELD_POLL_MS = 5  # poll timeout while replies wait for acks
+_LAZY_POLL_MS = 10  # ... while batches for lazy standbys are held back (lazy_send_s)
+_FULL_TURN_S = 0.002  # a turn woken by acks alone within this of a full one only reads them
 _EMPTY = b""
 # plain ints: IntFlag arithmetic costs ~1 µs per operation on the hot path
 _POLLIN = int(zmq.POLLIN)
@@ -282,10 +285,12 @@ class MasterServer:
                         out = local.serve(events, refuse, refuse, limit)
                         if out:
                             local.send_all(out)
-                sink.poll(0)
+                # the poll above looked at the stream already: no second look
+                sink.poll(0, ready=bool(events) and sink_sock is not None
+                          and any(e[0] is sink_sock for e in events))
                 now = time.monotonic()
                 if sink.based:  # fsync per policy, snapshots of the journaled stream
-                    self.durability.tick(sink.directory, now, sink.position())
+                    self.durability.tick(sink.directory, now, sink.position)
                 if now >= next_freeze:  # as the leader: the replicated objects are not rescanned
                     next_freeze = now + 1.0
                     gc.freeze()
@@ -395,14 +400,24 @@ class MasterServer:
         unfenced: Callable[[], bool] = ha.elector.may_acknowledge if ha is not None \
             else lambda: True
         # acks are read only when the poll saw them (a zmq_poll per look otherwise)
-        repl_sock = ha.source.sock if ha is not None and ha.source is not None else None
+        source = ha.source if ha is not None else None
+        repl_sock = source.sock if source is not None else None
+        # a turn woken by acks alone, shortly after a full turn, only reads them
+        # and releases replies: timers and the HA upkeep wait (at most
+        # _FULL_TURN_S; nothing is acknowledged past what acked() allows)
+        next_full = 0.0
         while not self._stop:
             timers = unfenced()
+            # held replies wait for acks, which wake the poll; the timeout only
+            # bounds how late a fencing deadline or a change of the in-sync set
+            # is seen while they wait
             timeout = 0 if (timers and (d.purge_pending or d.evicting)) or durability.busy \
-                else 1 if held else 50
+                else _HELD_POLL_MS if held \
+                else _LAZY_POLL_MS if source is not None and source.lazy_due else 50
             events = poller.poll(timeout)
             # acks alone (the replication socket the only one readable): no request
-            if events and (events[0][0] is not repl_sock or len(events) > 1):
+            requests = bool(events) and (events[0][0] is not repl_sock or len(events) > 1)
+            if requests:
                 t_start = time.perf_counter()
                 commits_before = durability.commits
                 replies: list[list[bytes]] = []
@@ -438,6 +453,17 @@ class MasterServer:
                 if loop_ms > loop_stats.max_loop_ms:
                     loop_stats.max_loop_ms = loop_ms
             now = time.monotonic()
+            if ha is not None and source is not None and events and not requests \
+                    and now < next_full and ha.read_acks():
+                if held:
+                    acked = durability.acked()
+                    while held and held[0][0] <= acked:
+                        _no, _wrote, replies, local_replies = held.popleft()
+                        self._send(replies, local_replies)
+                if publisher is not None:
+                    publisher.flush(durability.acked(), now)
+                continue
+            next_full = now + _FULL_TURN_S
             if unfenced():
                 if d.purge_pending:
                     d.purge_step(self.cfg.purge_slice)
@@ -467,11 +493,13 @@ class MasterServer:
                     _no, _wrote, replies, local_replies = held.popleft()
                     self._send(replies, local_replies)
                 if held:
-                    replicated = durability.replicated()
-                    if replicated > acked:
-                        self._release_unchanged(held, replicated)
-                if held and ha is not None:
-                    why = ha.unacknowledgeable()
+                    # an HA leader's replicated() passes acked() only while it may
+                    # not acknowledge (fenced): looked at only then, not per ack wait
+                    why = ha.unacknowledgeable() if ha is not None else None
+                    if ha is None or why is not None:
+                        replicated = durability.replicated()
+                        if replicated > acked:
+                            self._release_unchanged(held, replicated)
                     if why is not None:
                         self._fail_unacknowledged(held, why)
             if publisher is not None:  # after the replies: one batch per loop turn

@@ -26,17 +26,20 @@ its bytes after the last failover (``lost``, ``corrupt``).
 ``throughput``: batched put (BatchPutStart + BatchPutEnd of ``--batch``
 keys, one synchronous MasterClient on the same host, journal on) against a
 single master and against the leader of a three-instance group with
-``sync_standbys`` 0 and 1; key-ops/s (wall and per master CPU-second), the
-ratios to the single master, and the CPU seconds per million key-ops of
-every process (master, standbys, etcd, load generator), ``--rounds`` times
-(medians and ranges). ``--profile PREFIX``: py-spy raw profiles of each
-process while it runs.
+``sync_standbys`` 0 and 1, all running at once and taking turns
+(``--slices`` slices each, ``--seconds`` per configuration in all, so the
+box's other load falls alike on all of them); key-ops/s (wall and per
+master CPU-second), the ratios to the single master within the round, the
+CPU seconds per million key-ops of every process (master, standbys, etcd,
+load generator) and of the master's threads, ``--rounds`` times (medians
+and ranges). ``--profile PREFIX``: py-spy raw profiles of each process
+while it runs.
 
 Usage: scripts/bench_ha.py clients --json OUT [--n 300]
        scripts/bench_ha.py election --json OUT [--kills 10]
        scripts/bench_ha.py failover --json OUT [--kills 5]
        scripts/bench_ha.py throughput --json OUT [--seconds 3] [--batch 128]
-                                      [--rounds N] [--profile PREFIX]
+                                      [--slices 6] [--rounds N] [--profile PREFIX]
 """
 
 from __future__ import annotations
@@ -384,89 +387,135 @@ def cmd_failover(args: argparse.Namespace) -> dict[str, Any]:
             "loadavg_1m": os.getloadavg()[0]}
 
 
-def _put_rate(address: str, pid: int, seconds: float, batch: int,
-              others: dict[str, int] | None = None,
-              profile: str | None = None) -> dict[str, Any]:
-    """Batched puts for ``seconds`` by one synchronous client; key-ops/s,
-    and CPU seconds per million key-ops of the master ``pid``, of each of
-    ``others`` (name -> pid: standbys, etcd) and of this load generator.
-    ``profile``: a path prefix; py-spy records the master and ``others``
-    (raw collapsed stacks, ``<prefix>-<name>.txt``) while it runs."""
-    import subprocess
+class _PutLoad:
+    """Batched puts by one synchronous client against one master (or group
+    leader) ``pid``, run in slices (:meth:`run`): key-ops/s, and CPU seconds
+    per million key-ops of the master, of each of ``others`` (name -> pid:
+    standbys, etcd), of this load generator and of the master's threads,
+    summed over the slices. ``profile``: a path prefix; py-spy records the
+    master and ``others`` (raw collapsed stacks, ``<prefix>-<name>.txt``)
+    for ``profile_s`` from :meth:`start_profile`."""
 
-    import psutil
+    def __init__(self, address: str, pid: int, batch: int,
+                 others: dict[str, int] | None = None) -> None:
+        import psutil
 
-    from kvpool.core.protocol import (
-        BatchPutEnd,
-        BatchPutStart,
-        MountSegment,
-        SegmentDescriptor,
-        SegmentKind,
-    )
-    from kvpool.core.rpc_client import MasterClient
+        from kvpool.core.protocol import MountSegment, SegmentDescriptor, SegmentKind
+        from kvpool.core.rpc_client import MasterClient
 
-    procs = {"master": psutil.Process(pid)}
-    procs.update((name, psutil.Process(p)) for name, p in (others or {}).items())
-    me = psutil.Process()
+        self.batch = batch
+        self.procs = {"master": psutil.Process(pid)}
+        self.procs.update((name, psutil.Process(p)) for name, p in (others or {}).items())
+        self.me = psutil.Process()
+        self.client = MasterClient(address, timeout_s=30)
+        self.client.call(MountSegment(client_id="bench", segment=SegmentDescriptor(
+            "bench-seg", "bench", "host-bench", SegmentKind.MEMORY, 64 << 40, "kvpool-bench")))
+        self.n = 0
+        self.key_ops = 0
+        self.wall = 0.0
+        self.used: dict[str, float] = {}
+        self.thread_used: dict[str, float] = {}
+        self.lat: list[float] = []
+        self.spies: list[Any] = []
+        for _ in range(20):  # warm up
+            self._one()
+        self.lat.clear()
 
-    def cpu() -> dict[str, float]:
+    def close(self) -> None:
+        for spy in self.spies:
+            spy.wait(60)
+        self.client.close()
+
+    def _one(self) -> None:
+        from kvpool.core.protocol import BatchPutEnd, BatchPutStart
+
+        batch = self.batch
+        keys = [f"bench-{self.n + j:012d}" for j in range(batch)]
+        self.n += batch
+        t = time.perf_counter()
+        self.client.call(BatchPutStart("bench", keys, [4096] * batch))
+        self.client.call(BatchPutEnd(client_id="bench", keys=keys))
+        self.lat.append(time.perf_counter() - t)
+
+    def _threads(self) -> dict[str, float]:
+        """CPU seconds of the master's threads by name (its main thread: "main")."""
+        import psutil
+
+        p = self.procs["master"]
+        out: dict[str, float] = {}
+        try:
+            threads = p.threads()
+        except psutil.Error:
+            return out
+        for t in threads:
+            try:
+                with open(f"/proc/{p.pid}/task/{t.id}/comm") as f:
+                    name = "main" if t.id == p.pid else f.read().strip()
+            except OSError:
+                continue
+            out[name] = out.get(name, 0.0) + t.user_time + t.system_time
+        return out
+
+    def _cpu(self) -> dict[str, float]:
+        import psutil
+
         out = {}
-        for name, p in procs.items():
+        for name, p in self.procs.items():
             try:
                 out[name] = sum(p.cpu_times()[:2])
             except psutil.Error:
                 out[name] = 0.0
-        out["load_generator"] = sum(me.cpu_times()[:2])
+        out["load_generator"] = sum(self.me.cpu_times()[:2])
         return out
 
-    with MasterClient(address, timeout_s=30) as c:
-        c.call(MountSegment(client_id="bench", segment=SegmentDescriptor(
-            "bench-seg", "bench", "host-bench", SegmentKind.MEMORY, 64 << 40, "kvpool-bench")))
-        n = 0
-        lat: list[float] = []
+    def start_profile(self, prefix: str, seconds: float) -> None:
+        import subprocess
 
-        def one() -> None:
-            nonlocal n
-            keys = [f"bench-{n + j:012d}" for j in range(batch)]
-            n += batch
-            t = time.perf_counter()
-            c.call(BatchPutStart("bench", keys, [4096] * batch))
-            c.call(BatchPutEnd(client_id="bench", keys=keys))
-            lat.append(time.perf_counter() - t)
+        for name, p in self.procs.items():
+            self.spies.append(subprocess.Popen(
+                ["py-spy", "record", "-r", "500", "--format", "raw", "-d",
+                 str(int(seconds) + 1), "-p", str(p.pid), "-o", f"{prefix}-{name}.txt"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
-        for _ in range(20):
-            one()
-        lat.clear()
-        spies = []
-        if profile:
-            for name, p in procs.items():
-                spies.append(subprocess.Popen(
-                    ["py-spy", "record", "-r", "500", "--format", "raw", "-d",
-                     str(int(seconds) + 1), "-p", str(p.pid), "-o", f"{profile}-{name}.txt"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            time.sleep(0.5)
-        n0 = n
-        cpu0 = cpu()
+    def run(self, seconds: float) -> None:
+        """Put for ``seconds`` more; add the work and the CPU used to the totals."""
+        n0 = self.n
+        cpu0 = self._cpu()
+        th0 = self._threads()
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            one()
-        wall = time.perf_counter() - t0
-        cpu1 = cpu()
-        for spy in spies:
-            spy.wait(30)
-    key_ops = 2 * (n - n0)
-    used = {name: cpu1[name] - cpu0[name] for name in cpu1}
-    mcpu = used["master"]
-    return {"key_ops_per_s": round(key_ops / wall), "wall_s": round(wall, 3),
-            "master_cpu_key_ops_per_s": round(key_ops / mcpu) if mcpu > 0 else None,
-            "batch_p50_ms": round(statistics.median(lat) * 1000, 3),
-            # CPU seconds per million key-ops of each process (lower is cheaper)
-            "cpu_s_per_mkeyop": {name: round(v / key_ops * 1e6, 3) for name, v in used.items()},
-            "cpu_share_of_wall": {name: round(v / wall, 3) for name, v in used.items()}}
+            self._one()
+        self.wall += time.perf_counter() - t0
+        cpu1 = self._cpu()
+        th1 = self._threads()
+        self.key_ops += 2 * (self.n - n0)
+        for name, v in cpu1.items():
+            self.used[name] = self.used.get(name, 0.0) + v - cpu0[name]
+        for name, v in th1.items():
+            self.thread_used[name] = self.thread_used.get(name, 0.0) + v - th0.get(name, 0.0)
+
+    def result(self) -> dict[str, Any]:
+        key_ops, wall, used = self.key_ops, self.wall, self.used
+        mcpu = used["master"]
+        return {"key_ops_per_s": round(key_ops / wall), "wall_s": round(wall, 3),
+                "master_cpu_key_ops_per_s": round(key_ops / mcpu) if mcpu > 0 else None,
+                "batch_p50_ms": round(statistics.median(self.lat) * 1000, 3),
+                # CPU seconds per million key-ops of each process (lower is cheaper)
+                "cpu_s_per_mkeyop": {name: round(v / key_ops * 1e6, 3)
+                                     for name, v in used.items()},
+                "cpu_share_of_wall": {name: round(v / wall, 3) for name, v in used.items()},
+                # the master's CPU by thread (main: its loop; ZMQbg/IO/0: ZeroMQ's I/O)
+                "master_threads_cpu_s_per_mkeyop": {
+                    name: round(v / key_ops * 1e6, 3)
+                    for name, v in sorted(self.thread_used.items()) if v > 0}}
 
 
 def _throughput_round(args: argparse.Namespace, round_no: int) -> dict[str, Any]:
-    """One round: a single master, then a group per ``--sync-standbys`` value."""
+    """One round: a single master and a group per ``--sync-standbys`` value, all
+    running at once; the load goes to each in turn, ``--slices`` slices of
+    ``--seconds / --slices`` each, so every configuration sees the same
+    background load (the box is shared) and the ratios compare like with like."""
+    import contextlib
     import tempfile
     import uuid
 
@@ -476,31 +525,44 @@ def _throughput_round(args: argparse.Namespace, round_no: int) -> dict[str, Any]
     common = ["--client-ttl-s", "3600", "--snapshot-interval-s", "0"]
     res: dict[str, Any] = {"loadavg_1m_before": os.getloadavg()[0]}
     prof = args.profile and f"{args.profile}-r{round_no}"
-    with tempfile.TemporaryDirectory() as tmp:
-        with MasterProcess(data_dir=os.path.join(tmp, "single"), client_ttl_s=3600,
-                           extra_args=common[2:]) as m:
-            assert m.pid is not None
-            res["single"] = _put_rate(m.address, m.pid, args.seconds, args.batch,
-                                      profile=prof and f"{prof}-single")
-        with EtcdProcess() as etcd:
-            for sync in args.sync_standbys:
-                with HaGroup(etcd.endpoint, f"tp-{uuid.uuid4().hex[:6]}",
-                             os.path.join(tmp, f"ha{sync}"),
-                             extra_args=[*common, "--sync-standbys", str(sync)]) as g:
-                    leader = g.wait_leader(in_sync=min(sync, 1), streaming=2, timeout_s=30)
-                    assert leader.pid is not None
-                    others = {f"standby{i}": m.pid for i, m in enumerate(
-                        (m for m in g.members if m is not leader and m.pid is not None), 1)}
-                    if etcd._proc is not None:
-                        others["etcd"] = etcd._proc.pid
-                    r = _put_rate(g.url, leader.pid, args.seconds, args.batch, others,
-                                  profile=prof and f"{prof}-ha{sync}")
-                    r["ratio_to_single"] = round(
-                        r["key_ops_per_s"] / res["single"]["key_ops_per_s"], 3)
-                    r["master_cpu_ratio_to_single"] = round(
-                        r["master_cpu_key_ops_per_s"]
-                        / res["single"]["master_cpu_key_ops_per_s"], 3)
-                    res[f"ha_sync_standbys_{sync}"] = r
+    loads: dict[str, _PutLoad] = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        m = stack.enter_context(MasterProcess(
+            data_dir=os.path.join(tmp, "single"), client_ttl_s=3600, extra_args=common[2:]))
+        assert m.pid is not None
+        loads["single"] = _PutLoad(m.address, m.pid, args.batch)
+        stack.callback(loads["single"].close)
+        etcd = stack.enter_context(EtcdProcess())
+        for sync in args.sync_standbys:
+            g = stack.enter_context(HaGroup(
+                etcd.endpoint, f"tp-{uuid.uuid4().hex[:6]}", os.path.join(tmp, f"ha{sync}"),
+                extra_args=[*common, "--sync-standbys", str(sync)]))
+            leader = g.wait_leader(in_sync=min(sync, 1), streaming=2, timeout_s=30)
+            assert leader.pid is not None
+            others = {f"standby{i}": s.pid for i, s in enumerate(
+                (s for s in g.members if s is not leader and s.pid is not None), 1)}
+            if etcd._proc is not None:
+                others["etcd"] = etcd._proc.pid
+            load = _PutLoad(g.url, leader.pid, args.batch, others)
+            stack.callback(load.close)
+            loads[f"ha_sync_standbys_{sync}"] = load
+        if prof:
+            for name, load in loads.items():
+                load.start_profile(f"{prof}-{name}", args.seconds * len(loads) + 1)
+            time.sleep(0.5)
+        slice_s = args.seconds / args.slices
+        for _ in range(args.slices):
+            for load in loads.values():
+                load.run(slice_s)
+        for name, load in loads.items():
+            res[name] = load.result()
+    single = res["single"]
+    for name in loads:
+        if name != "single":
+            r = res[name]
+            r["ratio_to_single"] = round(r["key_ops_per_s"] / single["key_ops_per_s"], 3)
+            r["master_cpu_ratio_to_single"] = round(
+                r["master_cpu_key_ops_per_s"] / single["master_cpu_key_ops_per_s"], 3)
     res["loadavg_1m"] = os.getloadavg()[0]
     return res
 
@@ -527,7 +589,7 @@ def summarize_throughput(rounds: list[dict[str, Any]], batch: int,
             vals = [run[field] for run in runs]
             if isinstance(vals[0], dict):  # per process
                 out[field] = {k: round(statistics.median(v[k] for v in vals), 3)
-                              for k in vals[0]}
+                              for k in vals[0] if all(k in v for v in vals)}
             elif all(isinstance(v, int | float) for v in vals):
                 med = statistics.median(vals)
                 out[field] = round(med) if all(isinstance(v, int) for v in vals) \
@@ -557,6 +619,8 @@ def main() -> None:
     t = sub.add_parser("throughput")
     t.add_argument("--seconds", type=float, default=3.0)
     t.add_argument("--batch", type=int, default=128)
+    t.add_argument("--slices", type=int, default=6,
+                   help="the configurations take turns, this many slices each")
     t.add_argument("--rounds", type=int, default=1,
                    help="repeat the whole comparison; medians over the rounds")
     t.add_argument("--sync-standbys", type=int, nargs="+", default=[0, 1],

@@ -81,6 +81,10 @@ _REC_PUT = int(Rec.PUT)
 _REBIND_S = 2.0  # how long promote waits for the replication port to be free
 _RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hello again
 _SYNC_RETRY_S = 0.1  # after a failed write of the in-sync set, the next one waits this long
+#: batches for a standby outside the in-sync set are sent together, at most this
+#: long after the first (ReplicationSource.lazy_send_s): such a standby wakes
+#: once for several; it acks lazily within as long (replication._LAZY_ACK_S)
+LAZY_SEND_S = 0.01
 
 
 _HOLD_RETRY_S = 0.1  # a deposed leader takes its port back this often until it can
@@ -167,6 +171,7 @@ class HaNode:
         self.refusals: list[bytes] = []
         # each standby's session object as last seen: a new one is a (re)join
         self._standbys_seen: dict[str, object] = {}
+        self._sessions_seen = -1  # ReplicationSource.sessions when last looked at
         # leader: the in-sync set as etcd may hold it. ``_sync_confirmed``: the
         # set of this term's last write that succeeded (None: none yet);
         # ``_sync_uncertain``: sets written since whose outcome is unknown (the
@@ -343,6 +348,7 @@ class HaNode:
         self._short_since = time.monotonic()  # the set starts empty: standbys join
         self.sync_short = False
         self._standbys_seen = {}
+        self._sessions_seen = -1
         self._sync_confirmed = None
         self._sync_uncertain = []
         self._sync_count = 0
@@ -365,7 +371,7 @@ class HaNode:
         while True:
             try:
                 return ReplicationSource(d, self.repl_bind, epoch, self.log, self.ctx,
-                                         curve=self.cfg.curve)
+                                         curve=self.cfg.curve, lazy_send_s=LAZY_SEND_S)
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
                     raise
@@ -484,6 +490,17 @@ class HaNode:
             out = commit_no
         return out
 
+    def read_acks(self) -> bool:
+        """Between two :meth:`leader_tick` calls: take what the replication
+        socket holds (acks, hellos). False when the standbys changed (one
+        joined or left): the caller must run :meth:`leader_tick` now, so a
+        joiner is sent every key and soft pin before it can be seen holding
+        everything."""
+        src = self.source
+        assert src is not None
+        src.poll()
+        return src.sessions == self._sessions_seen
+
     def leader_tick(self, now: float, readable: bool = True) -> bool:
         """Between loop iterations: acks, snapshots, the in-sync set. False
         when this instance no longer leads (the caller becomes a follower).
@@ -495,18 +512,9 @@ class HaNode:
         src = self.source
         assert src is not None
         src.poll(readable)
-        standbys = src.standbys
-        seen = self._standbys_seen
-        joined = [k for k, v in standbys.items() if seen.get(k) is not v]
-        if joined or len(standbys) != len(seen):
-            if joined:  # joiners (a restarted one too) need every key and soft pin
-                recs = [self._soft_pins(src.dir, list(src.dir.soft_until))] \
-                    if src.dir.soft_until else []
-                if self.signer is not None:
-                    recs.append([KEYS_RECORD, self.signer.keys()])
-                src.publish([], recs)
-            self._standbys_seen = dict(standbys)
-            self._flag_in_sync(src)
+        if src.sessions != self._sessions_seen:
+            self._sessions_seen = src.sessions
+            self._check_joined(src)
         if self.sync_writer.busy:
             self._sync_written(src)
         if now >= self._next_sync_check and st.role is Role.LEADER:
@@ -520,6 +528,22 @@ class HaNode:
         else:
             self.sync_short = now - self._short_since >= self.sync_timeout_s
         return True
+
+    def _check_joined(self, src: ReplicationSource) -> None:
+        """The standbys changed (a hello, one forgotten): joiners get every
+        capability key and soft pin; in-sync flags are set again."""
+        standbys = src.standbys
+        seen = self._standbys_seen
+        joined = [k for k, v in standbys.items() if seen.get(k) is not v]
+        if joined or len(standbys) != len(seen):
+            if joined:  # joiners (a restarted one too) need every key and soft pin
+                recs = [self._soft_pins(src.dir, list(src.dir.soft_until))] \
+                    if src.dir.soft_until else []
+                if self.signer is not None:
+                    recs.append([KEYS_RECORD, self.signer.keys()])
+                src.publish([], recs)
+            self._standbys_seen = dict(standbys)
+            self._flag_in_sync(src)
 
     def _maintain_sync(self, src: ReplicationSource) -> None:
         """Start the write of the in-sync set this leader wants, if it differs
@@ -542,6 +566,7 @@ class HaNode:
         caught = src.caught_up()
         if not caught and time.monotonic() >= self._next_join_wait:
             self._next_join_wait = time.monotonic() + 0.5  # at most 10 % of the loop
+            src.flush_lazy()  # what it was not sent yet, it cannot ack
             # under load a standby is always one batch behind: give it a moment
             # with no new batches (bounded) so it can be seen holding everything
             deadline = time.monotonic() + 0.05

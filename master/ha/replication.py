@@ -12,7 +12,9 @@ its data dir as they are with its position (see :class:`ReplicaSink`),
 answers ``[ACK, epoch, last_lsn]`` (cumulative: one ack for every batch that
 arrived together; at once when ``urgent``, i.e. it is in the in-sync set,
 else within ``_LAZY_ACK_S``) and only then decodes and applies them to its
-own directory. The leader never waits for an ack before sending the next batch
+own directory. Batches for a standby outside the in-sync set may be held
+back briefly and sent merged (``ReplicationSource.lazy_send_s``), so it
+takes several per wake-up. The leader never waits for an ack before sending the next batch
 (any number are in flight); it releases the replies of a batch once every
 member of its **in-sync set** acknowledged it
 (:meth:`ReplicationSource.acked_lsn`); the set is published in etcd
@@ -266,6 +268,9 @@ class _Standby:
     # when it last went from holding everything to owing a batch: an idle
     # standby's last ack is old, but it owes the next batch only from its send
     owed_since: float = 0.0
+    # batches held back for a standby outside the in-sync set (``lazy_send_s``):
+    # sent together, before anything else sent to it
+    queued: list[Batch] = field(default_factory=list)
 
 
 class ReplicationSource:
@@ -276,12 +281,22 @@ class ReplicationSource:
     acks, snapshot slices of ``snapshot_slice_s``), ``acked_lsn()`` to know
     which replies may go. The in-sync set is changed only by the caller
     (after it published the change in etcd): ``add_sync`` / ``remove_sync``.
+
+    ``lazy_send_s`` > 0: batches for a standby outside the in-sync set (no
+    reply waits for its ack) are held back and sent together, the first of
+    them at most that long after its publish (by :meth:`poll`, also by
+    :meth:`flush_lazy`, and before anything else sent to that standby, so
+    the wire order is kept): it then takes, writes and acks several batches
+    per wake-up instead of one, and the leader's I/O thread wakes once for
+    them. Such a standby lags by up to that much more (it is not elected
+    unless it joins the in-sync set; with ``sync_standbys: 0`` this adds to
+    what a failover may lose). Batches for in-sync members leave at once.
     """
 
     def __init__(self, directory: Directory, bind: str, epoch: int,
                  log_: ReplicationLog | None = None, context: zmq.Context | None = None,
                  snapshot_slice_s: float = 0.004, heartbeat_s: float = 0.1,
-                 curve: CurveConfig | None = None) -> None:
+                 curve: CurveConfig | None = None, lazy_send_s: float = 0.0) -> None:
         self.dir = directory
         self.epoch = epoch
         self.log = log_ or ReplicationLog()
@@ -305,6 +320,13 @@ class ReplicationSource:
             self.endpoint = bind
         self.standbys: dict[str, _Standby] = {}
         self.sync_members: set[str] = set()
+        self.lazy_send_s = lazy_send_s
+        #: when the oldest held-back batch is due (0.0: none held back)
+        self.lazy_due = 0.0
+        self._snapshots = 0  # standbys being sent a snapshot (see _count_snapshots)
+        #: changes of :attr:`standbys` (a hello, a standby forgotten): the
+        #: caller looks for joiners only when this moved
+        self.sessions = 0
         self._last_send = time.monotonic()
         self.batches_sent = 0
         self.snapshots_sent = 0
@@ -333,6 +355,7 @@ class ReplicationSource:
             sync = self.sync_members
             now = time.monotonic()
             send = self.sock.send_multipart
+            hold = self.lazy_send_s > 0
             for sid, sb in self.standbys.items():
                 if sb.status.acked_lsn >= b.first - 1:
                     sb.owed_since = now
@@ -340,6 +363,13 @@ class ReplicationSource:
                     header = urgent = urgent or b.header(self.epoch, True)
                 else:
                     header = lazy = lazy or b.header(self.epoch, False)
+                    if hold:
+                        if not self.lazy_due:
+                            self.lazy_due = now + self.lazy_send_s
+                        sb.queued.append(b)
+                        continue
+                if sb.queued:
+                    self._flush_queued(sb)
                 try:
                     send([sb.ident, header, frames], _NOBLOCK)
                 except zmq.ZMQError:
@@ -348,7 +378,70 @@ class ReplicationSource:
             self.batches_sent += 1
         return self.log.last_lsn
 
+    def flush_lazy(self) -> None:
+        """Send every held-back batch now (``lazy_send_s``)."""
+        self.lazy_due = 0.0
+        merged: dict[tuple[int, int], list[tuple[bytes, bytes]]] = {}
+        for sb in self.standbys.values():
+            if sb.queued:
+                self._flush_queued(sb, merged)
+
+    def _flush_queued(self, sb: _Standby,
+                      merged: dict[tuple[int, int], list[tuple[bytes, bytes]]] | None = None
+                      ) -> None:
+        """Send ``sb``'s held-back batches as few messages (``_merge``; built
+        once per flush for standbys that wait for the same batches)."""
+        q = sb.queued
+        key = (q[0].first, q[-1].last)
+        msgs = merged.get(key) if merged is not None else None
+        if msgs is None:
+            msgs = self._merge(q)
+            if merged is not None:
+                merged[key] = msgs
+        send = self.sock.send_multipart
+        ident = sb.ident
+        for header, frames in msgs:
+            try:
+                send([ident, header, frames], _NOBLOCK)
+            except zmq.ZMQError:
+                pass  # gone: it will say hello again
+        q.clear()
+
+    def _merge(self, batches: list[Batch]) -> list[tuple[bytes, bytes]]:
+        """Consecutive batches as (header, frames) messages, each covering as
+        many as can be one batch: of one records' epoch, stream-only records
+        only in the last (a batch's are positioned after its directory
+        records), their journal frames concatenated (a standby writes them as
+        they are)."""
+        out: list[tuple[bytes, bytes]] = []
+        group: list[Batch] = []
+
+        def close() -> None:
+            if len(group) == 1:
+                out.append((group[0].header(self.epoch, False), group[0].frames))
+            else:
+                last = group[-1]
+                first = group[0].first
+                out.append((_pack([_BATCH, self.epoch, first, last.last - first + 1,
+                                   last.epoch, last.extras, False]),
+                            b"".join(g.frames for g in group)))
+            group.clear()
+
+        for b in batches:
+            if group and b.epoch != group[-1].epoch:
+                close()
+            group.append(b)
+            if b.extras:
+                close()
+        if group:
+            close()
+        return out
+
     def _send(self, ident: bytes, *frames: bytes) -> None:
+        if self.lazy_due:  # what was held back for it goes first (wire order)
+            sb = self._by_ident(ident)
+            if sb is not None and sb.queued:
+                self._flush_queued(sb)
         try:
             self.sock.send_multipart([ident, *frames], _NOBLOCK)
         except zmq.ZMQError:
@@ -394,6 +487,8 @@ class ReplicationSource:
         sb = self.standbys.get(instance_id)
         if sb is not None:
             sb.status.in_sync = True
+            if sb.queued:  # its acks count from now: nothing may wait behind the timer
+                self._flush_queued(sb)
 
     def remove_sync(self, instance_id: str) -> None:
         self.sync_members.discard(instance_id)
@@ -420,10 +515,14 @@ class ReplicationSource:
             if msg is None:
                 continue
             self._handle(frames[0], msg)
-        for sb in list(self.standbys.values()):
-            if sb.chunks is not None:
-                self._snapshot_step(sb)
-        if time.monotonic() - self._last_send > self.heartbeat_s and self.standbys:
+        if self._snapshots:
+            for sb in list(self.standbys.values()):
+                if sb.chunks is not None:
+                    self._snapshot_step(sb)
+        now = time.monotonic()
+        if self.lazy_due and now >= self.lazy_due:
+            self.flush_lazy()
+        if now - self._last_send > self.heartbeat_s and self.standbys:
             frame = _pack([MsgType.HEARTBEAT, self.epoch, self.log.last_lsn])
             for sb in self.standbys.values():
                 self._send(sb.ident, frame)
@@ -477,6 +576,11 @@ class ReplicationSource:
 
     def _forget(self, instance_id: str) -> None:
         self.standbys.pop(instance_id, None)
+        self._count_snapshots()
+
+    def _count_snapshots(self) -> None:
+        self.sessions += 1
+        self._snapshots = sum(1 for sb in self.standbys.values() if sb.chunks is not None)
 
     def _hello(self, ident: bytes, instance_id: str, last_epoch: int, last_lsn: int) -> None:
         now = time.monotonic()
@@ -488,6 +592,7 @@ class ReplicationSource:
         if tail is not None:
             sb = _Standby(ident, status)
             self.standbys[instance_id] = sb
+            self._count_snapshots()
             self._send(ident, _pack([MsgType.TAIL, self.epoch, last_lsn + 1, self.log.history]))
             for b in tail:
                 self._send(ident, b.header(self.epoch), b.frames)
@@ -499,6 +604,7 @@ class ReplicationSource:
         d = self.dir
         sb = _Standby(ident, status, chunks=d.objects.key_chunks())
         self.standbys[instance_id] = sb
+        self._count_snapshots()
         self._send(ident, _pack([MsgType.SNAP_BEGIN, self.epoch, self.log.last_lsn,
                                  d.segment_wires(), self.log.history]))
         self.snapshots_sent += 1
@@ -515,6 +621,7 @@ class ReplicationSource:
                 self._send(sb.ident, _pack([MsgType.SNAP_END, self.epoch, self.log.last_lsn,
                                             sb.snap_count]))
                 sb.chunks = None
+                self._count_snapshots()
                 sb.status.state = StandbyState.STREAMING
                 sb.status.last_ack = time.monotonic()
                 return
@@ -659,14 +766,18 @@ class ReplicaSink:
         while self._unapplied:
             b = self._unapplied.popleft()
             if b.frames:
-                for payload in iter_frame_payloads(b.frames):
+                payloads = list(iter_frame_payloads(b.frames))
+                for pi, payload in enumerate(payloads):
                     recs = _decode(payload)
                     for i in range(0, len(recs), _APPLY_SLICE):
                         for rec, exc in d.apply_records(recs[i:i + _APPLY_SLICE]
                                                         if len(recs) > _APPLY_SLICE else recs):
                             log.error("standby %s: bad record %r: %s", self.instance_id,
                                       rec[:2] if type(rec) is list else rec, exc)
-                        if sock is not None and self._intake(sock):
+                        # not after the last slice: the caller looks for batches next
+                        if sock is not None and (self._unapplied or pi + 1 < len(payloads)
+                                                 or i + _APPLY_SLICE < len(recs)) \
+                                and self._intake(sock):
                             self._flush_and_ack()
             if on_record is not None:
                 for rec in b.extras:
@@ -736,13 +847,16 @@ class ReplicaSink:
         """etcd told us of term ``epoch``: refuse anything older from now on."""
         self.known_epoch = max(self.known_epoch, epoch)
 
-    def poll(self, timeout_s: float = 0.0) -> int:
-        """Apply what arrived within ``timeout_s``; return messages handled."""
+    def poll(self, timeout_s: float = 0.0, ready: bool | None = None) -> int:
+        """Apply what arrived within ``timeout_s``; return messages handled.
+        ``ready``: the caller's poll just said whether :attr:`sock` has
+        messages (no look of its own then, ``timeout_s`` unused)."""
         sock = self.sock
         if sock is None:
-            time.sleep(timeout_s)
+            if ready is None:
+                time.sleep(timeout_s)
             return 0
-        if not sock.poll(int(timeout_s * 1000)):
+        if not (ready if ready is not None else sock.poll(int(timeout_s * 1000))):
             if self._lazy_ack:
                 self._flush_and_ack()  # when due
             return 0

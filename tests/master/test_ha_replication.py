@@ -41,9 +41,10 @@ class Leader:
     """A directory driven like the master's loop: ops, then publish the records."""
 
     def __init__(self, ctx: zmq.Context, epoch: int, d: Directory | None = None,
-                 src_log: Any = None) -> None:
+                 src_log: Any = None, lazy_send_s: float = 0.0) -> None:
         self.d = d or Directory(CFG)
-        self.src = ReplicationSource(self.d, "tcp://127.0.0.1:0", epoch, src_log, ctx)
+        self.src = ReplicationSource(self.d, "tcp://127.0.0.1:0", epoch, src_log, ctx,
+                                     lazy_send_s=lazy_send_s)
         self.rng = random.Random(epoch)
         self.n = 0
 
@@ -599,6 +600,94 @@ def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
         for s in (s1, s2):
             s.close()
         leader.src.close()
+
+
+def test_batches_for_a_standby_outside_the_in_sync_set_are_sent_together(
+        ctx: zmq.Context) -> None:
+    """With ``lazy_send_s``, batches for a standby outside the in-sync set
+    wait (at most that long) and leave together, merged into as few batches
+    as their stream-only records allow (those close a batch): it writes and
+    acks them with one write and one ack; the in-sync member gets each at
+    once. What waits goes before anything else sent to that standby, and
+    all of it once the standby joins the set."""
+    leader = Leader(ctx, epoch=9, lazy_send_s=1.0)
+    s1, s2 = sink_for(ctx, "s1"), sink_for(ctx, "s2")
+    try:
+        for s in (s1, s2):
+            s.connect(leader.src.endpoint, 9)
+        leader.mount("seg-a")
+        pump(leader, [s1, s2], lambda: sorted(leader.src.caught_up()) == ["s1", "s2"])
+        leader.src.add_sync("s1")
+        before, records = s2.stats.batches, s2.stats.records
+        for i in range(5):
+            leader.put(3)
+            if i == 1:
+                leader.src.publish([], [[101, []]])  # stream-only: ends a merged batch
+            last = leader.src.last_lsn
+            deadline = time.monotonic() + 5
+            while leader.src.acked_lsn() < last:  # the in-sync member: at once
+                assert time.monotonic() < deadline
+                s1.poll(0.001)
+                s2.poll(0)
+                leader.src.poll()
+        assert s2.stats.batches == before and s2.log.last_lsn < last  # held back
+        assert leader.src.lazy_due
+        deadline = time.monotonic() + 5
+        while s2.log.last_lsn < last:  # sent when due, by poll
+            assert time.monotonic() < deadline
+            leader.src.poll()
+            s2.poll(0.01)
+        assert s2.stats.batches == before + 2 and s2.stats.records == records + 16
+        pump(leader, [s1, s2], lambda: leader.src.caught_up() == ["s2"])
+        assert state(s2.directory) == state(leader.d)
+        leader.put(2)  # held back again; joining the set sends it at once
+        assert s2.log.last_lsn < leader.src.last_lsn
+        leader.src.add_sync("s2")
+        pump(leader, [s1, s2], lambda: leader.src.acked_lsn() == leader.src.last_lsn)
+        assert state(s2.directory) == state(leader.d)
+    finally:
+        for s in (s1, s2):
+            s.close()
+        leader.src.close()
+
+
+def test_apply_records_reserves_a_run_at_once_and_drops_what_is_not_free() -> None:
+    """A standby reserves the space of new objects placed back to back with
+    one allocator call; where part of that range is taken, object by object
+    (those whose space is taken are dropped), as record-by-record replay."""
+    src = Leader.__new__(Leader)  # only the directory part
+    src.d, src.n = Directory(CFG), 0
+    desc = SegmentDescriptor("seg-a", "client-a", "host", SegmentKind.MEMORY, 1 << 20, "shm-a")
+    src.d.mount("client-a", desc)
+    for size in (4096, 100, 4096, 1, 8192) * 4:
+        code, _p = src.d.put_start("writer", f"k{src.n:03d}", size)
+        assert code == 0 and src.d.put_end("writer", f"k{src.n:03d}") == 0
+        src.n += 1
+    recs = list(src.d.records)
+    assert sum(1 for r in recs if r[0] == 3) == 20
+
+    def replay(batched: bool, taken: tuple[int, int] | None) -> Directory:
+        d = Directory(CFG)
+        d.journaling = False
+        d.apply_records(recs[:1])  # the mount
+        if taken is not None:
+            d.segments["seg-a"].alloc.reserve(*taken)
+        if batched:
+            assert d.apply_records(recs[1:]) == []
+        else:
+            for r in recs[1:]:
+                d.apply_record(r)
+        return d
+
+    whole = replay(True, None)
+    assert state(whole) == state(replay(False, None)) == state(src.d)
+    a = whole.segments["seg-a"].alloc
+    b = src.d.segments["seg-a"].alloc
+    assert (a._starts, a._lens, a._by_size) == (b._starts, b._lens, b._by_size)
+    # a range in the middle of the run already taken: those objects are dropped
+    partial = replay(True, (8192, 64))
+    assert state(partial) == state(replay(False, (8192, 64)))
+    assert 0 < len(partial.objects) < 20
 
 
 def test_standby_takes_a_bounded_number_of_messages_per_poll(ctx: zmq.Context) -> None:
