@@ -45,6 +45,7 @@ from kvpool.core.protocol import (
     BatchPutEnd,
     BatchPutRevoke,
     BatchPutStart,
+    BatchPutStartReply,
     BatchRemove,
     BatchReplicaClear,
     BatchUpsertStart,
@@ -133,6 +134,7 @@ _SUSPECT_S = 10.0  # how long a segment that failed a read is tried last
 _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
 _COMPLETE = ReplicaStatus.COMPLETE
 _COPIED = (True, "")
+_OK = ErrorCode.OK
 _STALE = int(ErrorCode.STALE_EPOCH)
 _UNREAD = int(ErrorCode.INTERNAL_ERROR)  # a batch read's result before the key is decided
 _UNSET: Any = object()
@@ -730,20 +732,19 @@ class Client:
                                checksums, None if groups is None else [groups[i] for i in idx]))
         term = self._term()
         self._learn_segments(res.segments)
-        jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
-        owner: list[int] = []  # job -> key index
-        ok_pos: list[int] = []  # request positions whose PUT_START succeeded
-        for pos, (code, reps) in enumerate(zip(res.codes, res.replicas, strict=True)):
-            i = idx[pos]
-            if code:
-                codes[i] = self._code(code)
-                continue
-            ok_pos.append(pos)
-            buf = buffers[i]
-            size = put_sizes[pos]
-            for r in reps:
-                jobs.append((buf, r, size))
-                owner.append(i)
+        jobs: list[tuple[Any, ReplicaDescriptor, int]]
+        owner: Sequence[int]  # job -> key index
+        ok_pos: Sequence[int]  # request positions whose PUT_START succeeded
+        replicas = res.replicas
+        if not any(res.codes) and len(replicas) == len(idx) \
+                and all(len(reps) == 1 for reps in replicas):
+            # every key reserved, one replica each (the common case): one job per key
+            jobs = [(buffers[i], reps[0], size)
+                    for i, reps, size in zip(idx, replicas, put_sizes)]
+            owner = idx
+            ok_pos = range(len(idx))
+        else:
+            jobs, owner, ok_pos = self._put_jobs(res, idx, buffers, put_sizes, codes)
         try:
             results = self._copy_batch(True, jobs, self.config.transfer_timeout_s, res.caps)
         except BaseException:
@@ -762,15 +763,38 @@ class Client:
         else:
             done = ok_pos
         if done:
-            at = [idx[pos] for pos in done]
+            every = len(done) == len(put_keys)  # (the common case: no per-key lists)
+            at = idx if every else [idx[pos] for pos in done]
             ends = self._commit_batch(
-                [put_keys[pos] for pos in done], term, upsert,
+                put_keys if every else [put_keys[pos] for pos in done], term, upsert,
                 lambda lost: self.batch_put_from(
                     [keys[at[p]] for p in lost], [buffers[at[p]] for p in lost],
                     _config_for(config, [at[p] for p in lost]), upsert))
             for i, code in zip(at, ends, strict=True):
                 codes[i] = code
         return codes
+
+    def _put_jobs(self, res: BatchPutStartReply, idx: Sequence[int], buffers: Sequence[Any],
+                  put_sizes: list[int], codes: list[ErrorCode]
+                  ) -> tuple[list[tuple[Any, ReplicaDescriptor, int]], list[int], list[int]]:
+        """The copy jobs of a BATCH_PUT_START reply: ``(jobs, owner, ok_pos)``
+        with a job per replica of each reserved key, the key index of each job
+        and the request positions reserved; sets ``codes`` of the keys refused."""
+        jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
+        owner: list[int] = []
+        ok_pos: list[int] = []
+        for pos, (code, reps) in enumerate(zip(res.codes, res.replicas, strict=True)):
+            i = idx[pos]
+            if code:
+                codes[i] = self._code(code)
+                continue
+            ok_pos.append(pos)
+            buf = buffers[i]
+            size = put_sizes[pos]
+            for r in reps:
+                jobs.append((buf, r, size))
+                owner.append(i)
+        return jobs, owner, ok_pos
 
     def _put_positions(self, keys: Sequence[str], buffers: Sequence[Any],
                        sizes: list[int] | None,
@@ -863,7 +887,8 @@ class Client:
         again by ``redo(positions in keys)``, which returns their codes; a
         redo's own commit does not redo again."""
         end = self._send_commit(BatchPutEnd(self.client_id, keys))
-        codes = [self._code(c) for c in end.codes]
+        codes = [_OK] * len(end.codes) if not any(end.codes) \
+            else [self._code(c) for c in end.codes]
         bad = ErrorCode.OBJECT_NOT_FOUND
         lost = [p for p, c in enumerate(codes) if c == bad or (upsert and c == ErrorCode.OK)]
         if not lost or not self._term_changed(term):
