@@ -740,7 +740,7 @@ class Client:
                 and all(len(reps) == 1 for reps in replicas):
             # every key reserved, one replica each (the common case): one job per key
             jobs = [(buffers[i], reps[0], size)
-                    for i, reps, size in zip(idx, replicas, put_sizes)]
+                    for i, reps, size in zip(idx, replicas, put_sizes, strict=True)]
             owner = idx
             ok_pos = range(len(idx))
         else:
@@ -756,6 +756,7 @@ class Client:
                 if res_j is not _COPIED:
                     codes[owner[j]] = ErrorCode.TRANSFER_FAIL
                     self._forget_segment(jobs[j][1].segment_id)
+        done: Sequence[int]
         if failed:
             done = [pos for pos in ok_pos if codes[idx[pos]] == ErrorCode.OK]
             self._revoke([put_keys[pos] for pos in ok_pos
@@ -764,7 +765,7 @@ class Client:
             done = ok_pos
         if done:
             every = len(done) == len(put_keys)  # (the common case: no per-key lists)
-            at = idx if every else [idx[pos] for pos in done]
+            at: Sequence[int] = idx if every else [idx[pos] for pos in done]
             ends = self._commit_batch(
                 put_keys if every else [put_keys[pos] for pos in done], term, upsert,
                 lambda lost: self.batch_put_from(
