@@ -117,11 +117,12 @@ class MasterConfig:
         "ephemeral TCP port of host (announced through Op.LOCAL_ENDPOINT; ~2x shorter master "
         "round trips than ZeroMQ across hosts); never opened when CURVE is on")
     rpc_spin_us: int = setting(
-        50, help="after answering, the loop polls without sleeping for up to this long while "
+        0, help="after answering, the loop polls without sleeping for up to this long while "
         "the next request has of late come that soon (a client's next leg: a put's PUT_END "
-        "after its copy, the next batch): a sleeping loop's wake-up costs more than that on a "
-        "loaded host (4 KiB put p50 ~95 -> ~60 us here). It yields the CPU between polls; 0 = "
-        "always sleep in poll")
+        "after its copy), yielding the CPU between polls; 0 = always sleep in poll. For hosts "
+        "with a core to spare for the master: 50 took a 4 KiB put p50 from ~67 to ~38 us on an "
+        "idle 2-core host, but on a loaded one the polling loop competes with its own clients "
+        "for the CPU (single puts and gets slower)")
     curve: CurveConfig = setting(
         default_factory=CurveConfig,
         help="authentication (ZeroMQ CURVE on the RPC socket; see docs/security.md)")

@@ -391,7 +391,7 @@ class MasterServer:
         # (commit number, whether the iteration changed anything, replies, local)
         held: collections.deque[tuple[int, bool, list[list[bytes]], Any]] = collections.deque()
         next_expiry = next_sweep = next_freeze = time.monotonic()
-        # polling without sleeping after an answer (cfg.rpc_spin_us): only while
+        # polling without sleeping after an answer (cfg.rpc_spin_us, off by default): only while
         # the next request has of late come soon (a moving average of the gaps
         # below twice the window: a gap measured after sleeping includes the
         # wake-up; each gap capped at four windows so one pause does not stop
