@@ -896,7 +896,7 @@ class Directory:
         """PUT_END of many keys, as :meth:`put_end` key by key (INVALID_KEY for
         an empty or too long key), in one pass; the per-key codes."""
         pending = self.pending
-        pop = pending.pop
+        get = pending.get
         objects = self.objects
         shards, mask = objects.shards, objects.mask
         records = self.records if self.journaling else None
@@ -910,21 +910,19 @@ class Directory:
             if not key or len(key) > max_key:
                 code_append(bad_key)
                 continue
-            p = pop(key, None)
+            p = get(key)
             # a new, unpinned, ungrouped object with one live replica: put_end's fast path
-            if p is None or p.client_id != client_id or p.pin or p.group \
-                    or len(p.replicas) != 2 or p.replicas[0].state == _DEAD:
-                if p is not None:
-                    pending[key] = p  # (its place in the dict's order does not matter)
+            if p is None or p.client_id != client_id or p.pin or p.group:
                 code_append(put_end(client_id, key))
                 continue
             reps = p.replicas
-            obj = Obj(p.size, reps, p.flags, p.checksum, writer)
-            if shards[hash(key) & mask].setdefault(key, obj) is not obj:  # an upsert
-                pending[key] = p
+            shard = shards[hash(key) & mask]
+            if len(reps) != 2 or key in shard or reps[0].state == _DEAD:
                 code_append(put_end(client_id, key))
                 continue
+            del pending[key]
             seg = reps[0]
+            shard[key] = Obj(p.size, reps, p.flags, p.checksum, writer)
             seg.keys.add(key)
             if append is not None:
                 append([_REC_PUT, key, p.size, p.flags, p.checksum, [seg.id, reps[1]]])
