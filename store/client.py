@@ -135,6 +135,8 @@ _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
 _COMPLETE = ReplicaStatus.COMPLETE
 _COPIED = (True, "")
 _OK = ErrorCode.OK
+_STR_ONLY = {str}
+_ONE_ONLY = {1}
 _STALE = int(ErrorCode.STALE_EPOCH)
 _UNREAD = int(ErrorCode.INTERNAL_ERROR)  # a batch read's result before the key is decided
 _UNSET: Any = object()
@@ -714,11 +716,11 @@ class Client:
         idx: Sequence[int] = []  # position in the request -> key index
         checksums: list[Checksum] | None = [] if self._checksum_algo is not None else None
         sizes: list[int] | None = None
-        if checksums is None \
-                and all(type(k) is str and 0 < len(k) <= MAX_KEY_LENGTH for k in keys) \
+        # (the key checks map C callables: no Python frame per key)
+        if checksums is None and set(map(type, keys)) == _STR_ONLY \
+                and 0 < min(map(len, keys)) and max(map(len, keys)) <= MAX_KEY_LENGTH \
                 and len(set(keys)) == n:
-            nbytes = buffer_nbytes
-            sizes = [nbytes(b) for b in buffers]
+            sizes = list(map(buffer_nbytes, buffers))
         if sizes is not None and min(sizes) > 0:
             # every key valid and distinct, every buffer non-empty (the common case)
             put_keys, put_sizes, idx = list(keys), sizes, range(n)
@@ -737,7 +739,7 @@ class Client:
         ok_pos: Sequence[int]  # request positions whose PUT_START succeeded
         replicas = res.replicas
         if not any(res.codes) and len(replicas) == len(idx) \
-                and all(len(reps) == 1 for reps in replicas):
+                and set(map(len, replicas)) == _ONE_ONLY:
             # every key reserved, one replica each (the common case): one job per key
             jobs = [(buffers[i], reps[0], size)
                     for i, reps, size in zip(idx, replicas, put_sizes, strict=True)]
@@ -888,8 +890,12 @@ class Client:
         again by ``redo(positions in keys)``, which returns their codes; a
         redo's own commit does not redo again."""
         end = self._send_commit(BatchPutEnd(self.client_id, keys))
-        codes = [_OK] * len(end.codes) if not any(end.codes) \
-            else [self._code(c) for c in end.codes]
+        if not any(end.codes):  # every key committed (the common case)
+            codes = [_OK] * len(end.codes)
+            if not upsert:
+                return codes  # nothing lost to a failover
+        else:
+            codes = [self._code(c) for c in end.codes]
         bad = ErrorCode.OBJECT_NOT_FOUND
         lost = [p for p, c in enumerate(codes) if c == bad or (upsert and c == ErrorCode.OK)]
         if not lost or not self._term_changed(term):
