@@ -21,14 +21,9 @@ A small request that is not a batch op (PUT_START, PUT_END,
 GET_REPLICA_LIST, ... of one key) spins for up to ``spin_small_s`` instead
 (default 150 µs, env ``KVPOOL_RPC_SPIN_SMALL_US``; no spin at all when
 ``spin_s`` is 0): on a busy host its reply often comes after 50 µs, and the
-wake-up then added 20-50 µs to each of a put's two master legs. Over the TCP
-socket (another host) a batch op keeps the short window: its reply takes 200+
-µs across hosts, and a longer spin would only take ~100 µs more CPU per call
-from the master and the node. Over the Unix socket (same host) every request
-gets the longer window: a 32-key BATCH_PUT_START is answered in ~90-130 µs
-there, and a thread woken after it adds its wake-up to each of a batch put's
-two legs (4 KiB batch_put_from ~102k -> ~128k keys/s here, medians of four;
-~60 µs more client CPU per batch).
+wake-up then added 20-50 µs to each of a put's two master legs. A batch op
+keeps the short window: its reply takes 200+ µs across hosts, and a longer
+spin would only take ~100 µs more CPU per call from the master and the node.
 The poll yields the CPU between tries (``sched_yield``: on a loaded host the
 master or a node may be waiting for this very CPU), and a stub polls only
 while its replies of that kind (one-key / other) have of late come within
@@ -189,7 +184,6 @@ class MasterClient:
         self._local_on = local == "auto" and curve_server_key is None
         self._local_wanted = self._local_on
         self._usock: socket.socket | None = None
-        self._unix = False  # the direct socket is the same-host Unix socket
         self._same_host: bool | None = None  # the master's address is one of ours
         self._zmq_ok = 0  # successful ZeroMQ calls since the last lookup
         self._next_lookup = 0.0
@@ -260,7 +254,6 @@ class MasterClient:
                 us.settimeout(None)  # blocking; _call_local sets kernel timeouts
                 self._utimeout = -1.0
                 self._usock = us
-                self._unix = us.family == socket.AF_UNIX
                 rid = next(self._ids)
                 check = self._call_local(Op.LOCAL_ENDPOINT, rid,
                                          encode_request(rid, LocalEndpoint()), 1.0)
@@ -304,7 +297,7 @@ class MasterClient:
             # the send below would still succeed and only the read would tell,
             # too late to know whether the request ran; a peek tells it now. A
             # Unix socket's send fails at once (EPIPE) then: no peek needed
-            if not self._unix:
+            if us.family != socket.AF_UNIX:
                 try:
                     stale = us.recv(1, _PEEK_NOWAIT)
                 except BlockingIOError:
@@ -321,7 +314,7 @@ class MasterClient:
             got = -1
             spin = self.spin_s
             small = len(payload) <= _SMALL_REQUEST and op not in _BATCH_OPS
-            if spin and (small or self._unix):
+            if spin and small:
                 spin = max(spin, self.spin_small_s)
             if spin:
                 sent = time.perf_counter()
