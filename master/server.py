@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import gc
 import logging
+import os
 import signal
 import threading
 import time
@@ -54,6 +55,7 @@ _EMPTY = b""
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
+_sched_yield = os.sched_yield
 
 
 class MasterServer:
@@ -394,6 +396,16 @@ class MasterServer:
         # (commit number, whether the iteration changed anything, replies, local)
         held: collections.deque[tuple[int, bool, list[list[bytes]], Any]] = collections.deque()
         next_expiry = next_sweep = next_freeze = time.monotonic()
+        # polling without sleeping after an answer (cfg.rpc_spin_us, off by default): only while
+        # the next request has of late come soon (a moving average of the gaps
+        # below twice the window: a gap measured after sleeping includes the
+        # wake-up; each gap capped at four windows so one pause does not stop
+        # the polls for long); otherwise the poll would only burn CPU
+        spin = self.cfg.rpc_spin_us / 1e6
+        spin_end = 0.0  # poll without sleeping until then (0: sleep at once)
+        answered = 0.0  # when the last round of requests was answered
+        gap = 0.0  # moving average of the gaps between an answer and the next request
+        clock = time.perf_counter
         # a fenced HA leader acknowledges nothing, so a timer's change (expiry,
         # purge, eviction, sweep, tier moves) would diverge from what a
         # successor holds: those timers wait until the lease is confirmed again
@@ -414,11 +426,22 @@ class MasterServer:
             timeout = 0 if (timers and (d.purge_pending or d.evicting)) or durability.busy \
                 else _HELD_POLL_MS if held \
                 else _LAZY_POLL_MS if source is not None and source.lazy_due else 50
-            events = poller.poll(timeout)
+            events = None
+            if spin_end and timeout:
+                while True:
+                    events = poller.poll(0)
+                    if events or clock() >= spin_end:
+                        break
+                    _sched_yield()  # a client or a node may be waiting for this CPU
+                spin_end = 0.0
+            if not events:
+                events = poller.poll(timeout)
             # acks alone (the replication socket the only one readable): no request
             requests = bool(events) and (events[0][0] is not repl_sock or len(events) > 1)
             if requests:
-                t_start = time.perf_counter()
+                t_start = clock()
+                if spin:
+                    gap += (min(t_start - answered, 4 * spin) - gap) * 0.125
                 commits_before = durability.commits
                 replies: list[list[bytes]] = []
                 per_peer: dict[bytes, int] = {}
@@ -449,7 +472,10 @@ class MasterServer:
                                  local_replies))
                 else:
                     self._send(replies, local_replies)
-                loop_ms = (time.perf_counter() - t_start) * 1000
+                answered = clock()
+                if gap < 2 * spin:
+                    spin_end = answered + spin
+                loop_ms = (answered - t_start) * 1000
                 if loop_ms > loop_stats.max_loop_ms:
                     loop_stats.max_loop_ms = loop_ms
             now = time.monotonic()

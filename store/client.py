@@ -46,6 +46,7 @@ from kvpool.core.protocol import (
     BatchPutEnd,
     BatchPutRevoke,
     BatchPutStart,
+    BatchPutStartReply,
     BatchRemove,
     BatchReplicaClear,
     BatchUpsertStart,
@@ -137,6 +138,9 @@ _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
 SPLIT_PART_LOCATE = True
 _COMPLETE = ReplicaStatus.COMPLETE
 _COPIED = (True, "")
+_OK = ErrorCode.OK
+_STR_ONLY = {str}
+_ONE_ONLY = {1}
 _STALE = int(ErrorCode.STALE_EPOCH)
 _UNREAD = int(ErrorCode.INTERNAL_ERROR)  # a batch read's result before the key is decided
 _UNSET: Any = object()
@@ -719,11 +723,11 @@ class Client:
         idx: Sequence[int] = []  # position in the request -> key index
         checksums: list[Checksum] | None = [] if self._checksum_algo is not None else None
         sizes: list[int] | None = None
-        if checksums is None \
-                and all(type(k) is str and 0 < len(k) <= MAX_KEY_LENGTH for k in keys) \
+        # (the key checks map C callables: no Python frame per key)
+        if checksums is None and set(map(type, keys)) == _STR_ONLY \
+                and 0 < min(map(len, keys)) and max(map(len, keys)) <= MAX_KEY_LENGTH \
                 and len(set(keys)) == n:
-            nbytes = buffer_nbytes
-            sizes = [nbytes(b) for b in buffers]
+            sizes = list(map(buffer_nbytes, buffers))
         if sizes is not None and min(sizes) > 0:
             # every key valid and distinct, every buffer non-empty (the common case)
             put_keys, put_sizes, idx = list(keys), sizes, range(n)
@@ -737,20 +741,19 @@ class Client:
                                checksums, None if groups is None else [groups[i] for i in idx]))
         term = self._term()
         self._learn_segments(res.segments)
-        jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
-        owner: list[int] = []  # job -> key index
-        ok_pos: list[int] = []  # request positions whose PUT_START succeeded
-        for pos, (code, reps) in enumerate(zip(res.codes, res.replicas, strict=True)):
-            i = idx[pos]
-            if code:
-                codes[i] = self._code(code)
-                continue
-            ok_pos.append(pos)
-            buf = buffers[i]
-            size = put_sizes[pos]
-            for r in reps:
-                jobs.append((buf, r, size))
-                owner.append(i)
+        jobs: list[tuple[Any, ReplicaDescriptor, int]]
+        owner: Sequence[int]  # job -> key index
+        ok_pos: Sequence[int]  # request positions whose PUT_START succeeded
+        replicas = res.replicas
+        if not any(res.codes) and len(replicas) == len(idx) \
+                and set(map(len, replicas)) == _ONE_ONLY:
+            # every key reserved, one replica each (the common case): one job per key
+            jobs = [(buffers[i], reps[0], size)
+                    for i, reps, size in zip(idx, replicas, put_sizes, strict=True)]
+            owner = idx
+            ok_pos = range(len(idx))
+        else:
+            jobs, owner, ok_pos = self._put_jobs(res, idx, buffers, put_sizes, codes)
         try:
             results = self._copy_batch(True, jobs, self.config.transfer_timeout_s, res.caps)
         except BaseException:
@@ -762,6 +765,7 @@ class Client:
                 if res_j is not _COPIED:
                     codes[owner[j]] = ErrorCode.TRANSFER_FAIL
                     self._forget_segment(jobs[j][1].segment_id)
+        done: Sequence[int]
         if failed:
             done = [pos for pos in ok_pos if codes[idx[pos]] == ErrorCode.OK]
             self._revoke([put_keys[pos] for pos in ok_pos
@@ -769,15 +773,38 @@ class Client:
         else:
             done = ok_pos
         if done:
-            at = [idx[pos] for pos in done]
+            every = len(done) == len(put_keys)  # (the common case: no per-key lists)
+            at: Sequence[int] = idx if every else [idx[pos] for pos in done]
             ends = self._commit_batch(
-                [put_keys[pos] for pos in done], term, upsert,
+                put_keys if every else [put_keys[pos] for pos in done], term, upsert,
                 lambda lost: self.batch_put_from(
                     [keys[at[p]] for p in lost], [buffers[at[p]] for p in lost],
                     _config_for(config, [at[p] for p in lost]), upsert))
             for i, code in zip(at, ends, strict=True):
                 codes[i] = code
         return codes
+
+    def _put_jobs(self, res: BatchPutStartReply, idx: Sequence[int], buffers: Sequence[Any],
+                  put_sizes: list[int], codes: list[ErrorCode]
+                  ) -> tuple[list[tuple[Any, ReplicaDescriptor, int]], list[int], list[int]]:
+        """The copy jobs of a BATCH_PUT_START reply: ``(jobs, owner, ok_pos)``
+        with a job per replica of each reserved key, the key index of each job
+        and the request positions reserved; sets ``codes`` of the keys refused."""
+        jobs: list[tuple[Any, ReplicaDescriptor, int]] = []
+        owner: list[int] = []
+        ok_pos: list[int] = []
+        for pos, (code, reps) in enumerate(zip(res.codes, res.replicas, strict=True)):
+            i = idx[pos]
+            if code:
+                codes[i] = self._code(code)
+                continue
+            ok_pos.append(pos)
+            buf = buffers[i]
+            size = put_sizes[pos]
+            for r in reps:
+                jobs.append((buf, r, size))
+                owner.append(i)
+        return jobs, owner, ok_pos
 
     def _put_positions(self, keys: Sequence[str], buffers: Sequence[Any],
                        sizes: list[int] | None,
@@ -870,7 +897,12 @@ class Client:
         again by ``redo(positions in keys)``, which returns their codes; a
         redo's own commit does not redo again."""
         end = self._send_commit(BatchPutEnd(self.client_id, keys))
-        codes = [self._code(c) for c in end.codes]
+        if not any(end.codes):  # every key committed (the common case)
+            codes = [_OK] * len(end.codes)
+            if not upsert:
+                return codes  # nothing lost to a failover
+        else:
+            codes = [self._code(c) for c in end.codes]
         bad = ErrorCode.OBJECT_NOT_FOUND
         lost = [p for p, c in enumerate(codes) if c == bad or (upsert and c == ErrorCode.OK)]
         if not lost or not self._term_changed(term):

@@ -128,8 +128,14 @@ def test_batch_paths_match_per_key_paths(seed: int) -> None:
         got_b = batch_start(b, client, keys, sizes)
         assert got_a[0] == got_b[0], step
         assert placement(got_a[1]) == placement(got_b[1]), step
+        # upserts of stored keys (the end's general path: a replaced object)
+        upserts = [k for k in dict.fromkeys(rng.choice(names) for _ in range(3))
+                   if k in a.objects and k not in a.pending] if rng.random() < 0.3 else []
+        for d in (a, b):
+            for k in upserts:
+                d.put_start(client, k, 4096, replace=True)
         # end most of them (some by another client, some twice), leave some in flight
-        ends = [k for k in keys if rng.random() < 0.8] + [rng.choice(names)]
+        ends = [k for k in keys if rng.random() < 0.8] + [rng.choice(names)] + upserts
         end_client = client if rng.random() < 0.85 else "c3"
         assert per_key_end(a, end_client, ends) == b.put_end_many(end_client, ends, MAX_KEY)
         assert a.records == b.records, step

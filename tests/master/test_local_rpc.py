@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from kvpool.cluster.processes import MasterProcess, unlink_master_socket
+from kvpool.core.config import ConfigError
 from kvpool.core.errors import ErrorCode
 from kvpool.core.local_socket import default_socket_path
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
@@ -38,6 +40,7 @@ from kvpool.core.protocol import (
     encode_request,
 )
 from kvpool.core.rpc_client import MasterClient
+from kvpool.master.config import MasterConfig
 from support.etcd import EtcdProcess, etcd_binary
 from support.factories import segment_desc
 from support.ha_master import HaGroup
@@ -297,3 +300,32 @@ def test_ha_fixture_removes_the_socket_files_of_killed_masters(tmp_path: Path) -
                 m.kill()
             assert all(os.path.exists(p) for p in paths)  # left behind
         assert not any(os.path.exists(p) for p in paths)
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("spin_us", [0, 50])
+def test_loop_polls_only_after_answers(tmp_path: Path, spin_us: int) -> None:
+    """rpc_spin_us: back-to-back calls are answered (the loop polls after
+    each answer while the next request has come soon), and once the calls
+    stop the loop sleeps again: an idle master takes (almost) no CPU."""
+    with MasterProcess(extra_args=["--rpc-spin-us", str(spin_us)]) as m, \
+            m.client(timeout_s=5) as c:
+        assert m.pid is not None
+        for i in range(2000):  # over the direct socket after the first call
+            assert c.call(Exist(f"k{i}")).exists is False
+        assert c.local
+        time.sleep(0.2)
+        before = _cpu_s(m.pid)
+        time.sleep(1.0)
+        assert _cpu_s(m.pid) - before < 0.2  # its timers only (a spinning loop: ~1 s)
+        assert isinstance(c.call(Ping("c1")), PingReply)
+
+
+def test_negative_spin_is_refused() -> None:
+    with pytest.raises(ConfigError, match="rpc_spin_us"):
+        MasterConfig(rpc_spin_us=-1).validate()

@@ -131,6 +131,17 @@ def test_batches(client: Client, key: Key) -> None:
     assert client.get_batch([]) == []
 
 
+def test_batch_put_of_valid_keys_one_stored(client: Client, key: Key) -> None:
+    """Distinct valid keys (the batch put's fast key checks), one of them
+    stored already: the master refuses that one, the others are committed."""
+    client.put(key("s1"), b"old")
+    keys = [key("s0"), key("s1"), key("s2")]
+    bufs = [np.full(4096, i, np.uint8) for i in range(3)]
+    assert client.batch_put_from(keys, bufs) == [
+        ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.OK]
+    assert client.get_batch(keys) == [bufs[0].tobytes(), b"old", bufs[2].tobytes()]
+
+
 def test_batch_put_from_get_into(client: Client, key: Key) -> None:
     rng = np.random.default_rng(2)
     srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (4096, 65536, 1 << 20)]
