@@ -60,8 +60,8 @@ DEFAULTS: dict[str, Any] = dict(layers=32, blocks=2048, block=16, heads=8, head=
                                 staging_mib=(512,), repeat=2, layer_groups=(1, 4, 8, 16),
                                 hit_tokens=4096, compute_tokens=(2048, 256), q_heads=32,
                                 hidden=4096, mlp=14336, pipeline_groups=(4, 8, 16),
-                                pipeline_layouts=("short-first", "even"),
-                                pipeline_locate=("split", "one"))
+                                pipeline_layouts=("short-first",),
+                                pipeline_locate=("split",))
 
 
 def _sync(torch: Any, device: str) -> None:
