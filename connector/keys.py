@@ -88,8 +88,8 @@ def head_granularities(num_kv_heads: int, own: int) -> list[int]:
 def layer_ranges(num_layers: int, groups: int) -> list[tuple[int, int]]:
     """``groups`` runs of layers ``[first, end)`` covering ``0 .. num_layers``,
     short ones first: 1 layer, then 2, 4, ... while below an even share and
-    while the runs left stay within 1.5 even shares; then equal runs (32
-    layers in 8 groups: 1, 2, 4, 5, 5, 5, 5, 5; in 4: 1, 10, 10, 11). A
+    while the runs left stay within 1.25 even shares; then equal runs (32
+    layers in 8 groups: 1, 2, 4, 5, 5, 5, 5, 5; in 4: 8, 8, 8, 8). A
     layer-wise load waits for the first group with nothing to compute beside
     it, and for each later one only as long as its load outlasts the compute
     of the groups before it: short first groups are what keeps both small."""
@@ -98,7 +98,7 @@ def layer_ranges(num_layers: int, groups: int) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     start, size = 0, 1
     while len(out) < g - 1 and size < even and \
-            num_layers - start - size <= 1.5 * even * (g - len(out) - 1):
+            num_layers - start - size <= 1.25 * even * (g - len(out) - 1):
         out.append((start, start + size))
         start, size = start + size, size * 2
     left, n = num_layers - start, g - len(out)

@@ -58,8 +58,8 @@ def test_key_names_namespace() -> None:
     assert other.chunk_hashes(list(range(64)))[0] != h  # dtype is part of the chain seed
     # 32 layers in 4 groups, 8 heads in 2 shards: 8 objects per chunk
     keys = KS.chunk_keys(h, 32, 4, 8, 2)
-    assert len(set(keys)) == 8 and keys[0].endswith(f"/l0-1/h0-4of8/{h}")
-    assert keys[-1].endswith(f"/l21-32/h4-8of8/{h}")
+    assert len(set(keys)) == 8 and keys[0].endswith(f"/l0-8/h0-4of8/{h}")
+    assert keys[-1].endswith(f"/l24-32/h4-8of8/{h}")
 
 
 def test_head_and_layer_splits() -> None:
@@ -72,10 +72,12 @@ def test_head_and_layer_splits() -> None:
     assert head_ranges(8, 2) == [(0, 4), (4, 8)]
     assert head_granularities(8, 2) == [2, 1, 4, 8]
     # short groups first (nothing computes beside the first's load), then equal
-    assert layer_ranges(10, 4) == [(0, 1), (1, 3), (3, 6), (6, 10)]
+    assert layer_ranges(10, 4) == [(0, 1), (1, 4), (4, 7), (7, 10)]
     assert layer_ranges(32, 8) == [(0, 1), (1, 3), (3, 7), (7, 12), (12, 17), (17, 22),
                                    (22, 27), (27, 32)]
-    assert layer_ranges(32, 4) == [(0, 1), (1, 11), (11, 21), (21, 32)]  # runs left <= 1.5x
+    # the rest would exceed 1.25 even shares: equal runs
+    assert layer_ranges(32, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert layer_ranges(32, 16)[:3] == [(0, 1), (1, 3), (3, 5)]
     assert layer_ranges(32, 2) == [(0, 16), (16, 32)]
     assert layer_ranges(2, 4) == [(0, 1), (1, 2)]
     assert layer_ranges(7, 1) == [(0, 7)]
