@@ -84,6 +84,19 @@ RangeValidator = Callable[[TransferOp, list[wire.BulkItem], list[bytes]],
                           tuple[list[int], list[Any], str]]
 
 
+
+def _consume(views: list[memoryview], i: int, n: int) -> int:
+    """Drop ``n`` received bytes from ``views[i:]`` (trimming a view received in
+    part); returns the index of the first view not yet complete."""
+    while n:
+        if n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    return i
+
 class _Stream:
     """One TCP connection with a read buffer and deadlines.
 
@@ -204,13 +217,7 @@ class _Stream:
                     return True
                 if n == 0:
                     return False
-                while n:  # cut short by the timeout or a signal: skip what arrived
-                    if n >= len(views[i]):
-                        n -= len(views[i])
-                        i += 1
-                    else:
-                        views[i] = views[i][n:]
-                        n = 0
+                i = _consume(views, i, n)  # cut short by the timeout or a signal
         while i < len(views):
             self._arm(deadline)
             try:
@@ -225,13 +232,7 @@ class _Stream:
                 raise TimeoutError from None
             if n == 0:
                 return False
-            while n:
-                if n >= len(views[i]):
-                    n -= len(views[i])
-                    i += 1
-                else:
-                    views[i] = views[i][n:]
-                    n = 0
+            i = _consume(views, i, n)
         return True
 
     def write(self, bufs: list[Any], deadline: float) -> None:
