@@ -84,10 +84,9 @@ RangeValidator = Callable[[TransferOp, list[wire.BulkItem], list[bytes]],
                           tuple[list[int], list[Any], str]]
 
 
-
-def _consume(views: list[memoryview], i: int, n: int) -> int:
-    """Drop ``n`` received bytes from ``views[i:]`` (trimming a view received in
-    part); returns the index of the first view not yet complete."""
+def _consume(views: list[Any], i: int, n: int) -> int:
+    """Drop ``n`` bytes received or sent from ``views[i:]`` (trimming a view
+    done in part); returns the index of the first view not yet complete."""
     while n:
         if n >= len(views[i]):
             n -= len(views[i])
@@ -96,6 +95,7 @@ def _consume(views: list[memoryview], i: int, n: int) -> int:
             views[i] = views[i][n:]
             n = 0
     return i
+
 
 class _Stream:
     """One TCP connection with a read buffer and deadlines.
@@ -281,15 +281,7 @@ class _Stream:
             j = i
             while j < len(views) and j - i < _IOV_MAX and len(views[j]) < _LARGE:
                 j += 1
-            part = views[i:j]
-            n = self.sock.sendmsg(part)
-            while n:
-                if n >= len(views[i]):
-                    n -= len(views[i])
-                    i += 1
-                else:
-                    views[i] = views[i][n:]
-                    n = 0
+            i = _consume(views, i, self.sock.sendmsg(views[i:j]))
 
     def close(self) -> None:
         self.sock.close()

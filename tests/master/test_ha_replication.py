@@ -99,6 +99,14 @@ def sink_for(ctx: zmq.Context, name: str) -> ReplicaSink:
     return ReplicaSink(Directory(CFG), name, context=ctx)
 
 
+def join(leader: Leader, sink: ReplicaSink, epoch: int) -> None:
+    """``sink`` (named "s1") follows ``leader`` in ``epoch``, a segment is
+    mounted, and the leader sees the standby caught up."""
+    sink.connect(leader.src.endpoint, epoch)
+    leader.mount("seg-a")
+    pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+
+
 def test_live_stream_acks_and_in_sync_set(ctx: zmq.Context) -> None:
     leader = Leader(ctx, epoch=7)
     sink = sink_for(ctx, "s1")
@@ -128,9 +136,7 @@ def test_in_sync_member_that_stops_acking_holds_replies_then_is_lagging(
     leader = Leader(ctx, epoch=3)
     sink = sink_for(ctx, "s1")
     try:
-        sink.connect(leader.src.endpoint, 3)
-        leader.mount("seg-a")
-        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        join(leader, sink, 3)
         leader.src.add_sync("s1")
         leader.put(10)
         last = leader.src.last_lsn
@@ -159,9 +165,7 @@ def test_idle_in_sync_member_is_not_lagging_when_a_change_follows(ctx: zmq.Conte
     leader = Leader(ctx, epoch=4)
     sink = sink_for(ctx, "s1")
     try:
-        sink.connect(leader.src.endpoint, 4)
-        leader.mount("seg-a")
-        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        join(leader, sink, 4)
         leader.src.add_sync("s1")
         time.sleep(0.3)  # idle: nothing to ack
         assert leader.src.lagging(0.2) == []
@@ -234,9 +238,7 @@ def test_standby_refuses_an_older_epoch(ctx: zmq.Context) -> None:
     old = Leader(ctx, epoch=10)
     sink = sink_for(ctx, "s1")
     try:
-        sink.connect(old.src.endpoint, 10)
-        old.mount("seg-a")
-        pump(old, [sink], lambda: old.src.caught_up() == ["s1"])
+        join(old, sink, 10)
         old.src.add_sync("s1")
         sink.observe_epoch(12)  # etcd told the standby of a newer term
         old.put(3)
@@ -699,9 +701,7 @@ def test_standby_takes_a_bounded_number_of_messages_per_poll(ctx: zmq.Context) -
     leader = Leader(ctx, epoch=5)
     sink = sink_for(ctx, "s1")
     try:
-        sink.connect(leader.src.endpoint, 5)
-        leader.mount("seg-a")
-        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        join(leader, sink, 5)
         base = sink.log.last_lsn
         for _ in range(_SINK_DRAIN + 40):
             leader.put(1)
