@@ -18,6 +18,7 @@ from kvpool.core.protocol import decode_frame, encode_frame
 from kvpool.transfer import RequestState, TransferOp, TransferRequest, wire
 from kvpool.transfer.peer import fill_pattern
 from kvpool.transfer.server import OP_BULK
+from support.wait import wait_until
 
 MiB = 1 << 20
 R, W = TransferOp.READ, TransferOp.WRITE
@@ -35,6 +36,13 @@ def _bulk_ready(e: Any, peer: Any) -> Any:
             return tcp
         time.sleep(0.02)
     raise AssertionError("the bulk path was never used")
+
+
+def _bulk_port_known(e: Any, endpoint: str) -> None:
+    """Wait (5 s at most) until the engine learned the bulk port of ``endpoint``
+    (asked in the background)."""
+    wait_until(lambda: e.transport("tcp")._bulk_peer(endpoint).port, 5, "the peer's bulk port",
+               interval_s=0.02)
 
 
 def test_bulk_data_checksums_and_refusals(make_engine: Any, make_peer: Any) -> None:
@@ -242,10 +250,7 @@ def test_shared_capability_goes_once_per_request(make_engine: Any, make_segment:
     bulk._check = spy  # type: ignore[method-assign]
     cli = make_engine("host-cli")
     cli.add_peer_segment(desc)
-    t0 = time.monotonic()
-    while not cli.transport("tcp")._bulk_peer(desc.endpoint).port:  # asked in the background
-        assert time.monotonic() - t0 < 5
-        time.sleep(0.02)
+    _bulk_port_known(cli, desc.endpoint)
     good, bad = b"good" + bytes(600), b"bad" + bytes(600)  # as large as a batch token
     src = np.random.default_rng(3).integers(0, 256, 32 * 4096, dtype=np.uint8)
     reqs = [TransferRequest(W, src, desc.segment_id, i * 4096, 4096, buffer_offset=i * 4096,
@@ -300,10 +305,7 @@ def test_batch_token_is_checked_once_and_range_by_range_on_doubt(make_engine: An
     srv.set_capability_key(sid, signer.key_for(sid))
     cli = make_engine("host-cli")
     cli.add_peer_segment(desc)
-    t0 = time.monotonic()
-    while not cli.transport("tcp")._bulk_peer(desc.endpoint).port:  # asked in the background
-        assert time.monotonic() - t0 < 5
-        time.sleep(0.02)
+    _bulk_port_known(cli, desc.endpoint)
     flat = [x for i in range(32) for x in (i * 4096, 4096)]
     wtok = signer.grant_ranges(sid, flat, int(CapOp.WRITE), signer.expiry())
     rtok = signer.grant_ranges(sid, flat, int(CapOp.READ), signer.expiry())
