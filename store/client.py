@@ -357,8 +357,10 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        if self._locate_pool is not None:
-            self._locate_pool.shutdown(wait=False)
+        with self._rpc_lock:  # a _locator() call either made its pool already or refuses
+            pool = self._locate_pool
+        if pool is not None:
+            pool.shutdown(wait=False)
         self._finalizer()
 
     def __enter__(self) -> Client:
@@ -1128,6 +1130,8 @@ class Client:
         each keeps its RPC socket: a thread per read paid a start-up and a
         socket each time)."""
         with self._rpc_lock:
+            if self._closed:  # shut down by close(): the typed error, not the pool's
+                raise StoreError("client is closed", ErrorCode.CLOSED)
             if self._locate_pool is None:
                 self._locate_pool = ThreadPoolExecutor(2, thread_name_prefix="kvpool-locate")
             return self._locate_pool

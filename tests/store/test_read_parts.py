@@ -93,3 +93,29 @@ def test_one_part_and_bad_keys(daemons: Any, make_client: Callable[..., Client],
     with pytest.raises(StoreError) as info:
         c.batch_get_into_parts(all_keys, bufs[:2], [[0]], lambda p, r: None)
     assert info.value.code == ErrorCode.INVALID_PARAMS
+
+
+def test_second_lookups_reuse_their_threads_and_stop_at_close(
+        daemons: Any, make_client: Callable[..., Client], key: Callable[[str], str]) -> None:
+    """The second RPC of every pipelined read runs on the same kept threads
+    (not a new thread per read); once the client is closed they are shut
+    down and a late read is refused with CLOSED."""
+    import threading
+
+    c = make_client()
+    keys, vals = _stored(c, key, 4)
+    before = {t.name for t in threading.enumerate()}
+    for _ in range(6):
+        bufs = [np.zeros(4000, np.uint8) for _ in keys]
+        got = c.batch_get_into_parts(keys, bufs, [[0], [1, 2, 3]], lambda p, r: None)
+        assert got == [len(v) for v in vals]
+        assert all(b[:len(v)].tobytes() == v for b, v in zip(bufs, vals, strict=True))
+    locators = {t.name for t in threading.enumerate()} - before
+    assert locators and all(n.startswith("kvpool-locate") for n in locators)
+    assert len(locators) <= 2
+    pool = c._locate_pool
+    c.close()
+    assert pool is not None and pool._shutdown
+    with pytest.raises(StoreError) as ei:
+        c._locator()
+    assert ei.value.code == ErrorCode.CLOSED
