@@ -316,7 +316,7 @@ class ObjectLayout:
         steps = [self._steps[li] for li in sel]
         off0, bstep, hstep, tstep = steps[0]
         lstep = steps[1][0] - off0 if len(sel) > 1 else 0
-        if sel != list(range(sel[0], sel[0] + len(sel))) or any(
+        if (len(sel) > 1 and lstep <= 0) or sel != list(range(sel[0], sel[0] + len(sel))) or any(
                 st != (off0 + j * lstep, bstep, hstep, tstep) for j, st in enumerate(steps)):
             return None
         rows = self._rows

@@ -133,12 +133,13 @@ def test_object_layout_gather_scatter_all_layouts() -> None:
     assert objs["LBHNC"].equal(objs["separate"])
 
 
-@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC"])
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "reversed"])
 def test_consecutive_blocks_take_one_strided_copy(layout: str) -> None:
     """Chunks whose blocks are one run of consecutive ids (and layers of one
-    allocation) are gathered and scattered by one strided copy; the bytes are
-    those of the indexed copy, for layer and head subsets; any other block
-    order takes the indexed copy."""
+    allocation, in memory order) are gathered and scattered by one strided
+    copy; the bytes are those of the indexed copy, for layer and head subsets;
+    any other block order, and layers stored last to first, take the indexed
+    copy."""
     import random
 
     import torch
@@ -153,6 +154,9 @@ def test_consecutive_blocks_take_one_strided_copy(layout: str) -> None:
         if layout == "LBNHC":  # CUDA's default: tokens outside heads
             buf = torch.randn(LAYERS, NB, BLOCK, HEADS, 2 * HEAD, generator=g)
             return [t.permute(0, 2, 1, 3) for t in buf.to(torch.bfloat16)]
+        if layout == "reversed":  # layer i at the i-th slot from the end
+            buf = torch.randn(LAYERS, NB, HEADS, BLOCK, 2 * HEAD, generator=g)
+            return list(buf.to(torch.bfloat16))[::-1]
         buf = torch.randn(NB, LAYERS, HEADS, BLOCK, 2 * HEAD, generator=g).to(torch.bfloat16)
         return [buf[:, i] for i in range(LAYERS)]
 
@@ -179,7 +183,8 @@ def test_consecutive_blocks_take_one_strided_copy(layout: str) -> None:
         if trial % 4 == 0:
             ids = ids[::-1]  # one chunk: still a run; more: indexed
         flat = [b for chunk in ids for b in chunk]
-        is_run = flat == list(range(flat[0], flat[0] + len(flat)))
+        is_run = flat == list(range(flat[0], flat[0] + len(flat))) \
+            and (layout != "reversed" or len(sel) == 1)
         assert (fast._run_view(ids, sel, h0, h1) is not None) == is_run
         strided += is_run
         nbytes = n * fast.object_bytes(sel, h1 - h0)
@@ -194,7 +199,8 @@ def test_consecutive_blocks_take_one_strided_copy(layout: str) -> None:
         fast.gather(ids, sel, h0, h1, out)
         ref.gather(ids, sel, h0, h1, out_ref)
         assert out.equal(src) and out_ref.equal(src)
-    assert 12 <= strided < 24  # both paths were taken
+    # both paths were taken (stored last to first: single layers only)
+    assert (1 if layout == "reversed" else 12) <= strided < 24
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "separate"])
