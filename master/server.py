@@ -482,10 +482,7 @@ class MasterServer:
             if ha is not None and source is not None and events and not requests \
                     and now < next_full and ha.read_acks():
                 if held:
-                    acked = durability.acked()
-                    while held and held[0][0] <= acked:
-                        _no, _wrote, replies, local_replies = held.popleft()
-                        self._send(replies, local_replies)
+                    self._release_acked(held, durability.acked())
                 if publisher is not None:
                     publisher.flush(durability.acked(), now)
                 continue
@@ -515,9 +512,7 @@ class MasterServer:
                 return
             if held:
                 acked = durability.acked()
-                while held and held[0][0] <= acked:
-                    _no, _wrote, replies, local_replies = held.popleft()
-                    self._send(replies, local_replies)
+                self._release_acked(held, acked)
                 if held:
                     # an HA leader's replicated() passes acked() only while it may
                     # not acknowledge (fenced): looked at only then, not per ack wait
@@ -530,6 +525,14 @@ class MasterServer:
                         self._fail_unacknowledged(held, why)
             if publisher is not None:  # after the replies: one batch per loop turn
                 publisher.flush(durability.acked(), now)
+
+    def _release_acked(self, held: collections.deque[tuple[int, bool, list[list[bytes]], Any]],
+                       acked: int) -> None:
+        """Send the held replies, oldest first, of every iteration up to commit
+        ``acked`` (the ack gate's position)."""
+        while held and held[0][0] <= acked:
+            _no, _wrote, replies, local_replies = held.popleft()
+            self._send(replies, local_replies)
 
     def _release_unchanged(self, held: collections.deque[tuple[int, bool, list[list[bytes]],
                                                                Any]], replicated: int) -> None:
