@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -49,7 +49,15 @@ __all__ = ["LoadJob", "LoadPipeline", "LoadResult", "Started"]
 
 log = logging.getLogger("kvpool.connector")
 
-_HANDOFF_S = 0.0002  # the fetch thread's pause after a load's first group arrived
+# After a load's first group arrived, the fetch thread pauses until the forward
+# has launched that group's scatter (at most this long): every thread shares one
+# interpreter lock, and planning the next part meanwhile would hold up the
+# scatter that the first layer waits for. 0 = the fixed pause below.
+HANDOFF_MAX_S = 0.001
+_HANDOFF_S = 0.0002  # the fixed pause (HANDOFF_MAX_S = 0)
+# Make the first group's strided copy before its data arrives (False: only its
+# indices, and the copy when it arrived); a comparison knob for the GPU check.
+FIRST_COPY_AHEAD = True
 
 
 @dataclass
@@ -103,6 +111,8 @@ class LoadJob:
     results: dict[int, list[int]] = field(default_factory=dict)
     part_s: dict[int, float] = field(default_factory=dict)  # seconds since start, per part
     done: set[int] = field(default_factory=set)  # groups scattered (or failed)
+    first_done: threading.Event = field(default_factory=threading.Event)  # group 0's
+    first_copy: Callable[[], None] | None = None  # group 0's scatter, made ahead
     buf: Any = None
     token: Future[None] | None = None
     fut: Future[Any] | None = None
@@ -183,8 +193,24 @@ class LoadPipeline:
                 chunks.append(_Chunk(si, c, (a, b), rs[0][0], rs[-1][1], rs))
         job = LoadJob(specs, chunks, time.monotonic() + budget)
         off = 0
+        # the common case: one object per chunk and group, the same heads for all
+        one = bool(chunks) and len(chunks[0].ranges) == 1 and all(
+            ch.ranges is chunks[0].ranges for ch in chunks)
+        n = len(chunks)
         for g in range(len(geo.groups)):
             hb = geo.head_bytes(g)
+            if one:
+                r = chunks[0].ranges[0]
+                size = (r[1] - r[0]) * hb
+                prefix = geo.object_key("", g, r)
+                k0 = len(job.keys)
+                job.keys.extend([prefix + ch.ref.hash for ch in chunks])
+                job.key_chunk.extend(range(n))
+                job.key_size.extend([size] * n)
+                job.parts.append(list(range(k0, k0 + n)))
+                job.region.append(list(range(off, off + n * size, size)))
+                off += n * size
+                continue
             part, offs = [], []
             key_start: dict[tuple[int, int], str] = {}  # a key is its start + the chunk hash
             for ci, ch in enumerate(chunks):
@@ -231,7 +257,10 @@ class LoadPipeline:
             if p == 0:
                 # hand the GIL to the forward, which waits for this part:
                 # planning the next part here would otherwise keep it waiting
-                time.sleep(_HANDOFF_S)
+                if HANDOFF_MAX_S > 0:
+                    job.first_done.wait(HANDOFF_MAX_S)
+                else:
+                    time.sleep(_HANDOFF_S)
 
         def run() -> None:
             try:
@@ -256,6 +285,13 @@ class LoadPipeline:
         if g in job.done:
             return
         job.done.add(g)
+        try:
+            self._finish_group(job, g, wait)
+        finally:
+            if g == 0:
+                job.first_done.set()
+
+    def _finish_group(self, job: LoadJob, g: int, wait: bool) -> None:
         if wait and not job.arrived[g].is_set():
             job.arrived[g].wait(max(0.0, job.deadline - time.monotonic()))
         res = job.results.get(g) if job.arrived[g].is_set() else None
@@ -290,6 +326,9 @@ class LoadPipeline:
         own = (geo.heads.first, geo.heads.end)
         h0, h1 = 0, geo.heads.count
         sel = geo.groups[g]
+        if g == 0 and job.first_copy is not None and len(todo) == len(job.chunks):
+            job.first_copy()  # every chunk: the copy made ahead by _prepare_scatter
+            return
         if todo and all((job.chunks[ci].lo, job.chunks[ci].hi) == own for ci in todo) and \
                 todo == list(range(todo[0], todo[0] + len(todo))):
             start = job.region[g][todo[0]]
@@ -447,16 +486,24 @@ class LoadPipeline:
     def _prepare_scatter(self, job: LoadJob) -> None:
         """Queue the first group's scatter indices while its data is still on
         the way (the common case of finish_group: every chunk whole and of
-        this rank's heads). Only the first: later groups' indices are made
-        while the forward computes, and this thread holds the GIL the fetch
-        thread needs to send its RPC."""
+        this rank's heads), so that the scatter after its arrival only
+        launches a copy. Right after the fetch is handed over, while that
+        thread wakes up (measured on the H200: before it, this delayed the
+        first RPC by its whole length). Only the first: later groups' indices
+        are made while the forward computes."""
         geo = self._geo()
         own = (geo.heads.first, geo.heads.end)
         if not job.chunks or not all((ch.lo, ch.hi) == own for ch in job.chunks):
             return
+        ids = [ch.ref.block_ids for ch in job.chunks]
         try:
-            geo.objects.prepare_scatter([ch.ref.block_ids for ch in job.chunks], geo.groups[:1],
-                                        0, geo.heads.count)
+            if FIRST_COPY_AHEAD and job.buf is not None and all(
+                    ch.rng == (0, len(ch.ref.block_ids))
+                                           for ch in job.chunks):
+                job.first_copy = geo.objects.prepared_scatter(
+                    ids, geo.groups[0], 0, geo.heads.count, job.buf[job.region[0][0]:])
+            if job.first_copy is None:
+                geo.objects.prepare_scatter(ids, geo.groups[:1], 0, geo.heads.count)
         except Exception as exc:  # only an optimisation: the scatters make their own
             log.debug("preparing scatter indices failed: %s", exc)
 

@@ -47,6 +47,7 @@ import argparse
 import json
 import time
 from functools import partial
+from itertools import pairwise
 from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
@@ -61,7 +62,9 @@ DEFAULTS: dict[str, Any] = dict(layers=32, blocks=2048, block=16, heads=8, head=
                                 hit_tokens=4096, compute_tokens=(2048, 256), q_heads=32,
                                 hidden=4096, mlp=14336, pipeline_groups=(4, 8, 16),
                                 pipeline_layouts=("short-first",),
-                                pipeline_locate=("split",))
+                                pipeline_locate=("split",), pipeline_words=(16,),
+                                pipeline_handoff=("scatter",), pipeline_first_copy=("ahead",),
+                                idle_ms=100.0)
 
 
 def _sync(torch: Any, device: str) -> None:
@@ -79,6 +82,8 @@ class _Trace:
              ("kvpool.store.client", "Client",
               ("batch_get_into_parts", "_locate_many", "_plan_reads", "_read_plans")),
              ("kvpool.core.rpc_client", "MasterClient", ("call",)),
+             ("kvpool.connector.layout", "ObjectLayout",
+              ("scatter", "prepare_scatter", "_run_view", "_index")),
              ("kvpool.transfer.engine", "TransferEngine", ("copy_gpu_shm",)))
 
     def __init__(self) -> None:
@@ -261,13 +266,20 @@ class _LayerStandIn:
 
 def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv: Any,
              dst_ids: list[int], names: list[str], layerwise: bool, compute: bool,
-             load: bool, arrived_first: bool = False, trace: _Trace | None = None) -> float:
+             load: bool, arrived_first: bool = False, trace: _Trace | None = None,
+             layer_ms: list[float] | None = None, idle_s: float = 0.0) -> float:
     """One harness forward: start_load_kv, per layer wait_for_layer_load then the
     layer's compute, wait_for_save; seconds until the GPU is done
-    (``arrived_first``: timed from when every layer group had arrived)."""
+    (``arrived_first``: timed from when every layer group had arrived).
+    ``layer_ms``: filled with each layer's GPU milliseconds (CUDA events; the
+    first from the forward's start); ``idle_s``: the GPU left idle this long
+    before the forward starts."""
     w.layerwise = layerwise
     kv[:, dst_ids].zero_()
     _sync(torch, device)
+    if idle_s:
+        time.sleep(idle_s)
+    events = [] if layer_ms is not None and device == "cuda" else None
     t0 = time.perf_counter()
     if trace is not None:
         trace.begin(t0)
@@ -278,20 +290,56 @@ def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv
             for ev in job.arrived:
                 ev.wait(30.0)
             t0 = time.perf_counter()
+    if events is not None:
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
     for name in names:
         if load:
             w.wait_for_layer(name)
         if compute:
             layer()
+        if events is not None:
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
     if load:
         w.end_step(None)
     _sync(torch, device)
     dt = time.perf_counter() - t0
+    if events is not None and layer_ms is not None:
+        layer_ms[:] = [round(a.elapsed_time(b), 3) for a, b in pairwise(events)]
     if trace is not None:
         trace.rows = trace.end()
     if load and w.take_load_errors():
         raise RuntimeError("pipelined load failed")
     return dt
+
+
+def _scatter_probe(torch: Any, w: KVPoolWorker, dst_ids: list[int], bpc: int,
+                   n_chunks: int, iters: int = 10) -> dict[str, float]:
+    """GPU ms of one scatter of every chunk for the largest layer group, from
+    a staging tensor into consecutive blocks (strided copy) and into the same
+    blocks in shuffled order (indexed copy), at the layout's copy word."""
+    geo = w.geo
+    assert geo is not None and geo.objects is not None
+    ol = geo.objects
+    g = max(range(len(geo.groups)), key=lambda i: len(geo.groups[i]))
+    sel, heads = geo.groups[g], geo.heads.count
+    nbytes = n_chunks * ol.object_bytes(sel, heads)
+    staging = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    run = [dst_ids[i * bpc : (i + 1) * bpc] for i in range(n_chunks)]
+    mixed = [list(reversed(c)) for c in reversed(run)]
+    out: dict[str, float] = {"layers": len(sel), "mib": nbytes / (1 << 20)}
+    for name, ids in (("strided_ms", run), ("indexed_ms", mixed)):
+        ol.scatter(ids, sel, 0, heads, staging)  # warm
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(iters):
+            ol.scatter(ids, sel, 0, heads, staging)
+        b.record()
+        b.synchronize()
+        out[name] = round(a.elapsed_time(b) / iters, 4)
+    return out
 
 
 def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict[str, Any],
@@ -315,18 +363,32 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
     import kvpool.store.client as store_client
 
     split = store_client.SPLIT_PART_LOCATE
-    for groups, layout, locate in [(g, lay, loc) for g in p["pipeline_groups"]
-                                   for lay in p["pipeline_layouts"]
-                                   for loc in p["pipeline_locate"]]:
+    import kvpool.connector.load as load_mod
+
+    handoff_max = load_mod.HANDOFF_MAX_S
+    for groups, layout, locate, word, handoff, first_copy in [
+            (g, lay, loc, wd, ho, fc) for g in p["pipeline_groups"]
+            for lay in p["pipeline_layouts"] for loc in p["pipeline_locate"]
+            for wd in p["pipeline_words"] for ho in p["pipeline_handoff"]
+            for fc in p["pipeline_first_copy"]]:
+        # "ahead": the first group's copy made before its data arrives
+        load_mod.FIRST_COPY_AHEAD = first_copy == "ahead"
+        # "scatter": after the first group arrived the fetch thread waits until the
+        # forward launched its scatter; "fixed": a fixed pause instead
+        load_mod.HANDOFF_MAX_S = handoff_max if handoff == "scatter" else 0.0
         # "even": the same run with equal layer groups, for comparison
         geometry.layer_ranges = ramped if layout == "short-first" else _even_layer_ranges
         # "split": part 0's keys located first, the rest's while it moves; "one": one RPC
         store_client.SPLIT_PART_LOCATE = locate == "split"
-        ks = KeySpace(f"gpu-pipe-g{groups}-{layout}-{locate}", "bfloat16", N, ct)
+        ks = KeySpace(f"gpu-pipe-g{groups}-{layout}-{locate}-w{word}-{handoff}-{first_copy}",
+                      "bfloat16", N, ct)
         cfg = ConnectorConfig(master_address=address, chunk_size=ct, layer_groups=groups,
                               load_or_recompute=False, load_timeout_s=30.0)
         w = KVPoolWorker(cfg, ks, StoreAccess(cfg), heads=HeadSpec(0, H, H, True))
         w.register_kv_caches(caches)
+        objects = w.geo.objects if w.geo else None
+        if objects is not None:  # "words": the copy word of gathers and scatters, compared
+            objects._word = min(word, objects._word)
         arrivals: dict[str, list[float]] = {}
         close_job = w.loads.close_job
 
@@ -342,6 +404,8 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                                   for i, h in enumerate(hashes)])])
         meta = ConnectorMeta(loads=[LoadSpec("pipe", [
             ChunkRef(i, h, dst_ids[i * bpc : (i + 1) * bpc]) for i, h in enumerate(hashes)])])
+        scatter_probe = _scatter_probe(torch, w, dst_ids, bpc, n_chunks) if device == "cuda" \
+            else {}
         for tokens in p["compute_tokens"]:
             layer = _LayerStandIn(torch, device, tokens, n_chunks * ct + tokens, p)
             for _ in range(3):  # warm the kernels
@@ -350,24 +414,48 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
 
             run_ = partial(_forward, torch, device, w, meta, layer, kv, dst_ids, names)
 
-            def best(layerwise: bool, compute: bool = True, load: bool = True,
-                     run: Any = run_, arrived_first: bool = False,
-                     traced: _Trace | None = None) -> float:
-                return min(run(layerwise, compute, load, arrived_first, traced)
-                           for _ in range(p["repeat"] + 1))
-
-            compute_s = best(False, load=False)
-            load_s = best(False, compute=False)
-            serial_s = best(False)
-            pipe_s = best(True, traced=trace)
+            # rounds of every mode back to back: the GPU's speed drifts by several
+            # per cent between runs (clocks), so modes are compared within a round
+            modes = {"compute": dict(layerwise=False, load=False),
+                     "load": dict(layerwise=False, compute=False),
+                     "serial": dict(layerwise=False),
+                     "pipelined": dict(layerwise=True, trace=trace),
+                     "after": dict(layerwise=True, arrived_first=True)}
+            rounds: dict[str, list[float]] = {m: [] for m in modes}
+            # and every run starts after the GPU idled ``idle_ms``: it clocks down
+            # under back-to-back forwards (on the H200 a forward right after
+            # another took ~10% longer), and a serial run's load leaves it idle
+            # for its whole duration, which would favour that mode
+            idle = p["idle_ms"] / 1000
+            for _ in range(p["repeat"] + 1):
+                for m, kw in modes.items():
+                    rounds[m].append(run_(**{"compute": True, "load": True, "idle_s": idle,
+                                             **kw}))
+            compute_s, load_s, serial_s, pipe_s, after_s = (
+                min(rounds[m]) for m in ("compute", "load", "serial", "pipelined", "after"))
             timeline = trace.rows if trace is not None else []
-            after_s = best(True, arrived_first=True)
+            per_round = sorted((s_ - p_) / ld for s_, p_, ld in
+                               zip(rounds["serial"], rounds["pipelined"], rounds["load"],
+                                   strict=True) if ld)
+            # one more run of each, GPU ms per layer (where a forward is slower)
+            layer_ms: dict[str, list[float]] = {}
+            for label, kw in (("compute", dict(layerwise=False, compute=True, load=False)),
+                              ("compute_back_to_back", dict(layerwise=False, compute=True,
+                                                            load=False, idle_s=0.0)),
+                              ("pipelined", dict(layerwise=True, compute=True, load=True)),
+                              ("after_arrival", dict(layerwise=True, compute=True, load=True,
+                                                     arrived_first=True))):
+                got: list[float] = []
+                run_(**{"idle_s": idle, **kw}, layer_ms=got)
+                layer_ms[label] = got
             part_ms = arrivals.get("ms", [])  # the last pipelined run's groups
             ok = bool(torch.equal(kv[:, src_ids], kv[:, dst_ids]))
             per_layer_ms = 1000 * compute_s / L
             sizes = [b - a for a, b in w.geo.group_keys] if w.geo else []
             r = {"layer_groups": groups, "group_layers": sizes, "layout": layout,
-                 "locate": locate,
+                 "locate": locate, "handoff": handoff, "first_copy": first_copy,
+                 "copy_word": objects._word if objects else None,
+                 "scatter_probe": scatter_probe,
                  "hit_tokens": n_chunks * ct, "compute_tokens": tokens,
                  "stand_in": "Llama-3.1-8B decoder layer (hidden 4096, 32 q / 8 kv heads of "
                              "128, MLP 14336, bf16)",
@@ -375,26 +463,41 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                  "load_s": load_s, "compute_s": compute_s, "ttft_serial_s": serial_s,
                  "ttft_pipelined_s": pipe_s,
                  "hidden_fraction": (serial_s - pipe_s) / load_s if load_s else None,
+                 # the same within each round (serial, pipelined and load of one round)
+                 "hidden_fraction_rounds": {
+                     "median": per_round[len(per_round) // 2] if per_round else None,
+                     "min": per_round[0] if per_round else None,
+                     "max": per_round[-1] if per_round else None, "n": len(per_round)},
+                 "rounds_s": rounds, "idle_ms_before_each_run": p["idle_ms"],
                  "hidden_bound": 1 - sizes[0] / L if sizes else None, "bytes_equal": ok,
                  "group_arrival_ms": part_ms, "timeline_ms": timeline,
+                 "layer_gpu_ms": layer_ms,
+                 "layer_gpu_ms_sum": {k: round(sum(v), 3) for k, v in layer_ms.items()},
                  "forward_after_arrival_s": after_s,
                  # the load's time that still shows in the pipelined forward,
                  # against one whose data had all arrived (same scatters)
                  "exposed_vs_arrived_s": pipe_s - after_s,
                  "hidden_vs_arrived": 1 - (pipe_s - after_s) / load_s if load_s else None}
             out.append(r)
-            print(f"pipeline groups={groups} ({layout} {sizes}, locate {locate}) "
+            print(f"pipeline groups={groups} ({layout} {sizes}, locate {locate}, handoff "
+                  f"{handoff}, first copy {first_copy}, word "
+                  f"{r['copy_word']}, scatter {scatter_probe}) "
                   f"hit={n_chunks * ct} compute={tokens} tok "
                   f"({per_layer_ms:.2f} ms/layer): load {1000 * load_s:.1f} ms, compute "
                   f"{1000 * compute_s:.1f} ms, TTFT serial {1000 * serial_s:.1f} ms, pipelined "
                   f"{1000 * pipe_s:.1f} ms (after arrival {1000 * after_s:.1f} ms), hidden "
-                  f"{r['hidden_fraction']:.2f} "
+                  f"{r['hidden_fraction']:.2f} (per round: median "
+                  f"{r['hidden_fraction_rounds']['median']:.2f}, "
+                  f"{r['hidden_fraction_rounds']['min']:.2f}-"
+                  f"{r['hidden_fraction_rounds']['max']:.2f}) "
                   f"(bound {r['hidden_bound']:.2f}), bytes_equal={ok}")
         w.store.call(lambda c: c.remove_all(force=True))
         w.close()
         w.store.close()
     geometry.layer_ranges = ramped
     store_client.SPLIT_PART_LOCATE = split
+    load_mod.HANDOFF_MAX_S = handoff_max
+    load_mod.FIRST_COPY_AHEAD = True
     return out
 
 
@@ -515,6 +618,21 @@ def main() -> None:
                     choices=("split", "one"),
                     help="how a pipelined read locates its keys: part 0's first and the "
                          "rest's while it moves (split), or one RPC (one)")
+    ap.add_argument("--pipeline-words", type=int, nargs="+", default=DEFAULTS["pipeline_words"],
+                    choices=(16, 8, 1),
+                    help="widest word (bytes) gathers and scatters copy rows in: the "
+                         "product's (16) and/or narrower ones, for comparison")
+    ap.add_argument("--pipeline-handoff", nargs="+", default=DEFAULTS["pipeline_handoff"],
+                    choices=("scatter", "fixed"),
+                    help="after the first group arrived, the fetch thread waits for its "
+                         "scatter (scatter) or pauses a fixed 0.2 ms (fixed), for comparison")
+    ap.add_argument("--pipeline-first-copy", nargs="+",
+                    default=DEFAULTS["pipeline_first_copy"], choices=("ahead", "late"),
+                    help="the first group's copy made before its data arrives (ahead) or "
+                         "when it arrived (late), for comparison")
+    ap.add_argument("--idle-ms", type=float, default=DEFAULTS["idle_ms"],
+                    help="pipelining part: the GPU idles this long before every run, so "
+                         "that every mode starts at the same clocks")
     ap.add_argument("--hit-tokens", type=int, default=DEFAULTS["hit_tokens"])
     ap.add_argument("--compute-tokens", type=int, nargs="+", default=DEFAULTS["compute_tokens"])
     ap.add_argument("--repeat", type=int, default=DEFAULTS["repeat"])
@@ -525,7 +643,9 @@ def main() -> None:
         staging_mib=a.staging_mib, repeat=a.repeat, chunk_tokens=tuple(a.chunk_tokens),
         layer_groups=tuple(a.layer_groups), pipeline_groups=tuple(a.pipeline_groups),
         hit_tokens=a.hit_tokens, compute_tokens=tuple(a.compute_tokens),
-        pipeline_layouts=tuple(a.pipeline_layouts), pipeline_locate=tuple(a.pipeline_locate))
+        pipeline_layouts=tuple(a.pipeline_layouts), pipeline_locate=tuple(a.pipeline_locate),
+        pipeline_words=tuple(a.pipeline_words), pipeline_handoff=tuple(a.pipeline_handoff),
+        pipeline_first_copy=tuple(a.pipeline_first_copy), idle_ms=a.idle_ms)
     if a.device == "cpu":  # a dry run: small model, small sizes
         over.update(hidden=256, mlp=512, q_heads=8, layers=8, blocks=512, stored_gib=0.03,
                     hit_tokens=1024, chunk_tokens=(256,), compute_tokens=(256,),

@@ -203,6 +203,53 @@ def test_consecutive_blocks_take_one_strided_copy(layout: str) -> None:
     assert (1 if layout == "reversed" else 12) <= strided < 24
 
 
+@pytest.mark.parametrize("layout", ["LBNHC", "separate"])
+def test_staging_alignment_picks_the_copy_word(layout: str) -> None:
+    """Rows move as 16-byte words when the staging buffer allows, else 8 or 1:
+    the same bytes whatever the buffer's alignment, strided and indexed paths."""
+    import torch
+
+    from kvpool.connector.layout import ObjectLayout
+
+    def views(seed: int) -> list[Any]:
+        g = torch.Generator().manual_seed(seed)
+        if layout == "separate":
+            return [torch.randn(NB, HEADS, BLOCK, 2 * HEAD, generator=g).to(torch.bfloat16)
+                    for _ in range(LAYERS)]
+        buf = torch.randn(LAYERS, NB, BLOCK, HEADS, 2 * HEAD, generator=g)
+        return [t.permute(0, 2, 1, 3) for t in buf.to(torch.bfloat16)]
+
+    def layout_of(vs: list[Any]) -> ObjectLayout:
+        return ObjectLayout([LayerLayout.from_tensor(f"l{i}", i, t, heads=HEADS)
+                             for i, t in enumerate(vs)], 2)
+
+    for ids in ([[4, 5], [6, 7]], [[9, 1], [3, 12]]):  # a run (strided), then indexed
+        ref_views = views(3)
+        ref = layout_of(ref_views)
+        assert ref._word == 16
+        nbytes = 2 * ref.object_bytes(range(LAYERS), HEADS)
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(1))
+        ref.scatter(ids, range(LAYERS), 0, HEADS, src)
+        want = torch.empty(nbytes, dtype=torch.uint8)
+        ref.gather(ids, range(LAYERS), 0, HEADS, want)
+        assert want.equal(src)
+        for shift, word in ((16, 16), (8, 8), (4, 1), (1, 1)):
+            vs = views(3)
+            ol = layout_of(vs)
+            raw = torch.zeros(nbytes + 64, dtype=torch.uint8)
+            pad = (-raw.data_ptr()) % 16 + shift  # exactly ``shift`` past a 16-byte boundary
+            staged = raw[pad : pad + nbytes]
+            assert ol._word_for(staged) == word, (shift, ol._word_for(staged))
+            staged.copy_(src)
+            ol.scatter(ids, range(LAYERS), 0, HEADS, staged)
+            assert all(a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
+                       for a, b in zip(vs, ref_views, strict=True)), (ids, shift)
+            staged.zero_()
+            ol.gather(ids, range(LAYERS), 0, HEADS, staged)
+            assert staged.equal(src), (ids, shift)
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "separate"])
 def test_save_then_load_into_other_blocks(pool: str, layout: str) -> None:
     src = _caches(layout, seed=1)
@@ -323,5 +370,40 @@ def test_groups_smaller_than_request_and_partial_group_failure(pool: str, layout
     untouched = _caches(layout, seed=12)
     for t, u in zip(dst.values(), untouched.values(), strict=True):
         assert t[[15, 1]].equal(u[[15, 1]])  # skipped first / not-loaded last blocks
+    w.close()
+    w2.close()
+
+
+@pytest.mark.parametrize("blocks", [[[6, 7], [8, 9]], [[9, 6], [13, 2]]])
+def test_layerwise_first_group_scatter_made_ahead(pool: str, blocks: list[list[int]]) -> None:
+    """A layer-wise load into one run of blocks makes its first group's copy
+    before the data arrives (one call when the first layer waits); into other
+    blocks it makes none and scatters as usual. Every byte lands either way."""
+    from kvpool.connector.layout import ObjectLayout
+
+    src = _caches("LBHNC", seed=21)
+    w = _worker(pool, src)
+    chunks = _chunks([[0, 1], [2, 3]], seed=31 + blocks[0][0])  # own keys per case
+    assert w.save([SaveSpec("r", chunks)]) == 2
+    dst = _caches("LBHNC", seed=22)
+    w2 = _worker(pool, dst)
+    made: list[Any] = []
+    real = ObjectLayout.prepared_scatter
+
+    def spy(self: ObjectLayout, *a: Any, **kw: Any) -> Any:
+        made.append(real(self, *a, **kw))
+        return made[-1]
+
+    ObjectLayout.prepared_scatter = spy  # type: ignore[method-assign]
+    try:
+        load = [ChunkRef(c.index, c.hash, b) for c, b in zip(chunks, blocks, strict=True)]
+        assert drive_step(w2, ConnectorMeta(loads=[LoadSpec("q", load)])) == set()
+    finally:
+        ObjectLayout.prepared_scatter = real  # type: ignore[method-assign]
+    run = blocks[0] == [6, 7]
+    assert len(made) == 1 and (made[0] is not None) == run, made
+    flat = [b for ids in blocks for b in ids]
+    assert all(a.equal(b) for a, b in zip(_blocks(src, [0, 1, 2, 3]), _blocks(dst, flat),
+                                          strict=True))
     w.close()
     w2.close()
