@@ -11,6 +11,9 @@ re-planned onto the next transport its rule allows (up to ``max_failover``);
 a transport whose attempts keep failing is paused for ``cooldown_s``. Health
 is kept per (transport, peer): a dead peer pauses tcp towards that peer only,
 while a transport that is broken everywhere gets paused for every peer.
+``run``/``transfer`` of a lone request make its first attempt on the caller's
+thread without building the batch (handle, sub-batch, reports); a failed
+attempt is handed to the batch path, which goes on from there as above.
 """
 
 from __future__ import annotations

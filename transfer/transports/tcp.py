@@ -6,7 +6,9 @@ sorts a sub-batch into what the peers' bulk sockets can take and the rest;
 plain TCP, in place, many ranges per round trip; one thread per extra peer so
 a silent peer does not hold up a live one); :class:`_ZmqRun` moves the rest
 over ZeroMQ (GPU buffers, peers with CURVE or without a bulk socket, the first
-requests to a peer while its bulk port is being asked).
+requests to a peer while its bulk port is being asked). A lone request below
+the striping size to a peer whose bulk port is known skips the steps and
+goes straight over one idle bulk connection (:meth:`~TcpTransport._execute_one`).
 
 ZeroMQ path: each worker thread keeps one DEALER socket per peer endpoint. A
 request is split into ``chunk_size`` chunks; up to ``window`` chunks per
