@@ -11,6 +11,9 @@ re-planned onto the next transport its rule allows (up to ``max_failover``);
 a transport whose attempts keep failing is paused for ``cooldown_s``. Health
 is kept per (transport, peer): a dead peer pauses tcp towards that peer only,
 while a transport that is broken everywhere gets paused for every peer.
+``run``/``transfer`` of a lone request make its first attempt on the caller's
+thread without building the batch (handle, sub-batch, reports); a failed
+attempt is handed to the batch path, which goes on from there as above.
 """
 
 from __future__ import annotations
@@ -622,6 +625,75 @@ class TransferEngine:
         self._launch(handle, groups, sync=sync, caller_deadline=caller_deadline)
         return handle
 
+    def _run_one(self, requests: Sequence[TransferRequest], caller_deadline: float | None
+                 ) -> RequestStatus | BatchHandle | None:
+        """A lone request's first attempt, on the calling thread, without the
+        batch bookkeeping (the general path runs it inline too, see
+        :meth:`_launch`; this one skips the handle, sub-batch and report
+        machinery while the attempt succeeds). Returns its DONE status; after a
+        failed attempt, a handle that the general path has taken over from
+        there (the same retries, failover and health accounting as if it had
+        made the attempt); None where it does not apply (an invalid or pinned
+        request, no usable transport: the general path reports those)."""
+        if self._closed:
+            raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
+        req = requests[0]
+        if type(req) is not TransferRequest or req.transport:
+            return None
+        try:
+            item, candidates = self._resolve(0, req)
+        except Exception:  # the general path fails it with the same code and message
+            return None
+        if item.length == 0:
+            return None
+        track = _Track()
+        track.candidates = candidates
+        name, _ = self._next_transport(item, track)
+        if name is None:
+            return None
+        slot = self._slots[name]
+        item.independent = copies_independent()
+        deadline = time.monotonic() + slot.settings.timeout_s
+        if caller_deadline is not None:
+            deadline = min(deadline, caller_deadline)
+        got: list[TransferError | None] = []
+
+        def report(it: WorkItem, err: TransferError | None) -> None:  # the first one counts
+            if not got:
+                got.append(err)
+
+        report.many = lambda its: report(its[0], None)  # type: ignore[attr-defined]
+        crash: TransferError | None = None
+        try:
+            slot.transport.execute([item], deadline, report)
+        except TransferError as exc:
+            crash = exc
+        except Exception as exc:
+            log.exception("transport %s crashed on a request", name)
+            crash = TransferError(f"{type(exc).__name__}: {exc}", ErrorCode.TRANSFER_FAIL)
+        if got and got[0] is None:
+            if slot.health:  # a success towards a peer clears its failure count
+                self._update_health(slot, SubBatch(next(self._sb_ids), name, [item]), [])
+            return RequestStatus(_DONE, name, _OK, [])
+        # failed: hand the attempt to the general path as a one-request batch
+        handle = BatchHandle(1)
+        handle._tracks[0] = track
+        track.tried.append(name)
+        track.status.state = _RUNNING
+        track.status.transport = name
+        sb = SubBatch(next(self._sb_ids), name, [item], SubBatchState.RUNNING,
+                      started=time.monotonic())
+        sb._slices_left = 1
+        handle.sub_batches.append(sb)
+        if got:
+            err = got[0]
+            assert err is not None
+            sb._reported.add(0)
+            sb.failed += 1
+            sb._failures.append((item, err))
+        self._slice_done(handle, sb, slot, [item], crash)
+        return handle
+
     def _plan(self, handle: BatchHandle, item: WorkItem, track: _Track,
               groups: dict[str, list[WorkItem]], last_error: TransferError | None = None,
               memo: dict[tuple[Any, ...], tuple[str | None, str]] | None = None) -> None:
@@ -843,7 +915,12 @@ class TransferEngine:
         request still unfinished then is reported FAILED with TIMEOUT (a reader
         moves on to another replica instead of waiting on a dead peer)."""
         deadline = time.monotonic() + timeout
-        handle = self._submit(requests, sync=True, caller_deadline=deadline)
+        one = self._run_one(requests, deadline) if len(requests) == 1 else None
+        if type(one) is RequestStatus:
+            return [one]
+        handle = one if one is not None else self._submit(requests, sync=True,
+                                                          caller_deadline=deadline)
+        assert isinstance(handle, BatchHandle)
         handle.wait(max(0.0, deadline - time.monotonic()))
         out = []
         with handle._lock:
@@ -860,7 +937,12 @@ class TransferEngine:
         """submit + wait. Raises ``TransferError(TIMEOUT)`` if not all requests
         are terminal within ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        handle = self._submit(requests, sync=True, caller_deadline=deadline)
+        one = self._run_one(requests, deadline) if len(requests) == 1 else None
+        if type(one) is RequestStatus:
+            return [one]
+        handle = one if one is not None else self._submit(requests, sync=True,
+                                                          caller_deadline=deadline)
+        assert isinstance(handle, BatchHandle)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         finished = handle.wait(left)
         if deadline is not None and time.monotonic() >= deadline and not handle.ok:

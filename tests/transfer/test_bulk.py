@@ -224,6 +224,132 @@ def test_lone_large_request_goes_over_parallel_stripes(make_engine: Any, make_pe
     assert tcp.stats()["bulk_requests"] == n0 + 4
 
 
+def test_lone_small_request_takes_one_idle_connection(make_engine: Any,
+                                                      make_segment: Any) -> None:
+    """A lone request to a peer whose bulk port is known goes straight over one
+    idle bulk connection: bytes intact at any offset, a refusal keeps its code
+    (final: tried once) and the connection stays in step; before the port is
+    known the request goes over ZeroMQ, and after the peer closed it fails
+    (TRANSFER_FAIL), soon."""
+    srv = make_engine("host-srv")
+    seg = make_segment(4 * MiB)
+    desc = srv.add_local_segment(seg)
+
+    def verify(sg: Any, op: TransferOp, off: int, n: int, cap: bytes) -> ErrorCode | None:
+        return None if off < 3 * MiB else ErrorCode.PERMISSION_DENIED
+
+    assert srv.server is not None and srv.server.bulk is not None
+    srv.server.verify_capability = verify
+    cli = make_engine("host-cli", overrides={"transports": {"tcp": {"retries": 1}}})
+    cli.add_peer_segment(desc)
+    tcp = cli.transport("tcp")
+    src = np.random.default_rng(21).integers(0, 256, 2 * MiB, dtype=np.uint8)
+    st = cli.transfer([TransferRequest(W, src, desc.segment_id, 0, 4096)], 10)
+    assert st[0].ok and tcp.stats()["bulk_requests"] == 0  # port not known yet: ZeroMQ
+    _bulk_port_known(cli, desc.endpoint)
+    routed: list[int] = []  # sub-batch routing: the lone requests below skip it
+    route = tcp._route
+
+    def spy(items: Any, report: Any) -> Any:
+        routed.append(len(items))
+        return route(items, report)
+
+    tcp._route = spy
+    for n, off, boff in ((1, 7, 3), (4096, 4096, 0), (MiB + 3, 2 * 4096 + 1, 5)):
+        n0 = tcp.stats()["bulk_requests"]
+        st = cli.transfer([TransferRequest(W, src, desc.segment_id, off, n, buffer_offset=boff)],
+                          10)
+        assert st[0].ok and st[0].errors == [], st
+        assert seg.array()[off:off + n].tobytes() == src[boff:boff + n].tobytes()
+        dst = np.zeros(n + 9, np.uint8)
+        st = cli.run([TransferRequest(R, dst, desc.segment_id, off, n, buffer_offset=9)], 10)
+        assert st[0].ok, st
+        assert dst[9:].tobytes() == src[boff:boff + n].tobytes()
+        assert tcp.stats()["bulk_requests"] == n0 + 2
+    assert len(tcp._bulk_all) == 1 and routed == []  # one connection, straight
+    n0 = tcp.stats()["bulk_requests"]
+    st = cli.transfer([TransferRequest(W, src, desc.segment_id, 3 * MiB, 4096)], 10)
+    assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.PERMISSION_DENIED
+    assert len(st[0].errors) == 1 and tcp.stats()["bulk_requests"] == n0 + 1, st
+    dst = np.zeros(4096, np.uint8)
+    assert cli.run([TransferRequest(R, dst, desc.segment_id, 4096, 4096)], 10)[0].ok
+    assert dst.tobytes() == src[:4096].tobytes()
+    # the peer goes away: a retryable failure, tried again (retries: 1), then FAILED
+    srv.close()
+    t0 = time.monotonic()
+    st = cli.transfer([TransferRequest(W, src, desc.segment_id, 0, 4096)], 10)
+    assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.TRANSFER_FAIL, st
+    assert len(st[0].errors) == 2 and st[0].transport == "tcp", st
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_lone_large_request_stripes_keep_codes_and_bytes(make_engine: Any,
+                                                        make_segment: Any) -> None:
+    """Every stripe of a lone large request is checked on its own range, and
+    one refused stripe fails the whole request once, with the refusal's code
+    (final: not retried); the connections stay in step for the next one."""
+    srv = make_engine("host-srv")
+    seg = make_segment(32 * MiB)
+    desc = srv.add_local_segment(seg)
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def verify(sg: Any, op: TransferOp, off: int, n: int, cap: bytes) -> ErrorCode | None:
+        with lock:
+            seen.append((off, n))
+        return None if off + n <= 16 * MiB else ErrorCode.PERMISSION_DENIED
+
+    assert srv.server is not None and srv.server.bulk is not None
+    srv.server.verify_capability = verify
+    cli = make_engine("host-cli", overrides={"transports": {"tcp": {"threads": 2,
+                                                                    "retries": 1}}})
+    cli.add_peer_segment(desc)
+    _bulk_port_known(cli, desc.endpoint)
+    src = np.random.default_rng(11).integers(0, 256, 24 * MiB, dtype=np.uint8)
+    st = cli.transfer([TransferRequest(W, src, desc.segment_id, 0, 16 * MiB)], 30)
+    assert st[0].ok and st[0].transport == "tcp", st
+    assert sorted(seen) == [(0, 8 * MiB), (8 * MiB, 8 * MiB)]
+    assert seg.array()[:16 * MiB].tobytes() == src[:16 * MiB].tobytes()
+    dst = np.zeros(16 * MiB + 1, np.uint8)
+    st = cli.transfer([TransferRequest(R, dst, desc.segment_id, 0, 16 * MiB,
+                                       buffer_offset=1)], 30)
+    assert st[0].ok, st
+    assert dst[1:].tobytes() == src[:16 * MiB].tobytes()
+    # the stripe past 16 MiB is refused: the request fails once, PERMISSION_DENIED
+    seen.clear()
+    st = cli.transfer([TransferRequest(W, src, desc.segment_id, 0, 24 * MiB)], 30)
+    assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.PERMISSION_DENIED, st
+    assert len(st[0].errors) == 1, st  # reported once, and not tried again
+    assert any(off + n > 16 * MiB for off, n in seen)
+    # the connections stayed in step: the next request goes through
+    st = cli.transfer([TransferRequest(R, dst, desc.segment_id, 0, 16 * MiB,
+                                       buffer_offset=1)], 30)
+    assert st[0].ok and dst[1:].tobytes() == src[:16 * MiB].tobytes()
+
+
+def test_lone_large_request_peer_killed_mid_stripes(make_engine: Any, make_peer: Any) -> None:
+    """A peer killed while a lone large request moves in stripes over two
+    connections: the request fails once, retryably (TRANSFER_FAIL, or TIMEOUT),
+    soon after the kill, not at the deadline."""
+    peer = make_peer(256 * MiB, host_id="far-away")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"timeout_s": 10.0,
+                                                                   "retries": 0,
+                                                                   "threads": 2}}})
+    e.add_peer_segment(peer.desc)
+    _bulk_ready(e, peer)
+    dst = np.zeros(256 * MiB, np.uint8)
+    t0 = time.monotonic()
+    h = e.submit([TransferRequest(R, dst, peer.segment_id, 0, 256 * MiB)])
+    time.sleep(0.01)
+    peer.kill()
+    assert h.wait(8.0), "request hung after the peer was killed"
+    assert time.monotonic() - t0 < 5.0  # EOF/reset, not the 10 s deadline
+    st = h.status()[0]
+    assert st.state is RequestState.FAILED, st
+    assert st.code in (ErrorCode.TRANSFER_FAIL, ErrorCode.TIMEOUT), st
+    assert len(st.errors) == 1 and st.transport == "tcp", st
+
+
 def test_shared_capability_goes_once_per_request(make_engine: Any, make_segment: Any) -> None:
     """A per-batch token shared by many ranges travels once per bulk request (the
     request's capability table); the server verifies every range with the

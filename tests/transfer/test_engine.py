@@ -319,6 +319,88 @@ def test_retries_on_same_transport(make_engine: Any, make_segment: Any) -> None:
     assert flaky.calls == 3 and len(st[0].errors) == 3
 
 
+class ScriptedTransport(FlakyTransport):
+    """Test-only transport: each call does the next step of ``plan`` ("ok":
+    copies the bytes; "fail": a retryable failure; "crash": raises), "ok"
+    once the plan is used up; records the thread of each call."""
+
+    name = "scripted"
+
+    def __init__(self, plan: list[str]) -> None:
+        super().__init__()
+        self.plan = plan
+        self.threads: list[threading.Thread] = []
+
+    def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
+        self.calls += 1
+        self.threads.append(threading.current_thread())
+        step = self.plan.pop(0) if self.plan else "ok"
+        if step == "crash":
+            raise RuntimeError("scripted crash")
+        for it in items:
+            if step == "fail":
+                report(it, TransferError("scripted failure", ErrorCode.TRANSFER_FAIL))
+                continue
+            assert it.local is not None and it.op is W
+            it.local.array()[it.offset:it.offset + it.length] = \
+                it.buffer.host_view(it.buffer_offset, it.length)
+            report(it, None)
+
+
+def test_lone_request_runs_on_the_caller_thread_with_batch_semantics(
+        make_engine: Any, make_segment: Any) -> None:
+    """A lone request runs on the caller's thread; a failed or crashed first
+    attempt goes on as in a batch (retries, failover, error list, codes), and a
+    success clears the peer's failure count as a batch's does."""
+    _register_fake("scripted")
+    from kvpool.transfer.config import TransportSettings
+
+    e = make_engine(overrides={"rules": [{"name": "all", "transports": ["scripted", "shm"]}]})
+    s = TransportSettings(retries=1, pause_after_failures=3, cooldown_s=30)
+    s.validate()
+    t = ScriptedTransport([])
+    e.register_transport(t, s)
+    seg = make_segment(1 << 20)
+    e.add_local_segment(seg)
+    src = _pattern(1 << 20, seed=5)
+
+    def put(off: int, n: int) -> Any:
+        return e.transfer([TransferRequest(W, src, seg.segment_id, off, n, buffer_offset=off)],
+                          5)[0]
+
+    st = put(0, 4096)
+    assert st.ok and st.transport == "scripted" and st.errors == [] and st.code == ErrorCode.OK
+    assert t.threads == [threading.current_thread()]
+    assert seg.array()[:4096].tobytes() == src[:4096].tobytes()
+    st = e.run([TransferRequest(W, src, seg.segment_id, 4096, 4096, buffer_offset=4096)], 5)[0]
+    assert st.ok and st.transport == "scripted" and t.threads[-1] is threading.current_thread()
+    # a failed first attempt is retried on the same transport (retries: 1)
+    t.plan[:] = ["fail"]
+    t.calls = 0
+    st = put(8192, 8192)
+    assert st.ok and st.transport == "scripted" and t.calls == 2, st
+    assert len(st.errors) == 1 and st.errors[0] == "scripted: [TRANSFER_FAIL] scripted failure"
+    assert seg.array()[8192:16384].tobytes() == src[8192:16384].tobytes()
+    # a crash, twice: counted as failures, then failover to shm
+    t.plan[:] = ["crash", "crash"]
+    st = put(65536, 4096)
+    assert st.ok and st.transport == "shm", st
+    assert len(st.errors) == 2 and all("RuntimeError: scripted crash" in x for x in st.errors)
+    assert seg.array()[65536:69632].tobytes() == src[65536:69632].tobytes()
+    # two failed attempts towards the pause (3 needed); a success clears them
+    t.plan[:] = ["ok"]
+    assert put(0, 4096).transport == "scripted"
+    t.plan[:] = ["fail", "fail"]
+    st = put(0, 4096)
+    assert st.ok and st.transport == "shm" and len(st.errors) == 2
+    # two failed attempts since the success (four without it): not paused
+    t.plan[:] = []
+    assert put(0, 4096).transport == "scripted"
+    # a final refusal is not retried: an out-of-bounds request fails at once
+    st = e.transfer([TransferRequest(W, src, seg.segment_id, (1 << 20) - 8, 16)], 5)[0]
+    assert st.state is RequestState.FAILED and st.code == ErrorCode.OUT_OF_BOUNDS, st
+
+
 def test_hanging_transport_fails_by_deadline(make_engine: Any, make_segment: Any) -> None:
     _register_fake("hang")
     e = make_engine(overrides={"rules": [{"name": "all", "transports": ["hang", "shm"]}]})
