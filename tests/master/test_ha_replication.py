@@ -1,16 +1,21 @@
 """Journal replication between a leader's directory and standbys, over real
-ZeroMQ sockets on loopback: live batches, acks and the in-sync set,
+sockets on loopback, each test over both transports (the plain socket served
+on the loop, and ZeroMQ): live batches, acks and the in-sync set,
 snapshots interleaved with live changes, tails after a leader change,
 divergent standbys, stale epochs, promotion."""
 
 from __future__ import annotations
 
 import random
+import socket
+import struct
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 
@@ -26,12 +31,18 @@ from kvpool.master.ha.replication import (
     SinkState,
     promote_directory,
 )
+from kvpool.master.ha.transport import SOCKET_SCHEME
 
 CFG = MasterConfig(data_dir=None, capabilities=False)
+#: where a test's leaders bind (set per test by ``ctx``: one transport or the other)
+BIND = f"{SOCKET_SCHEME}127.0.0.1:0"
 
 
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
+@pytest.fixture(params=["socket", "zmq"])
+def ctx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[zmq.Context]:
+    """The ZeroMQ context of the test; its leaders bind the transport of the param."""
+    monkeypatch.setattr(sys.modules[__name__], "BIND", f"{SOCKET_SCHEME}127.0.0.1:0"
+                        if request.param == "socket" else "tcp://127.0.0.1:0")
     c = zmq.Context()
     yield c
     c.destroy(linger=0)  # closes any socket a failed test left open
@@ -43,7 +54,7 @@ class Leader:
     def __init__(self, ctx: zmq.Context, epoch: int, d: Directory | None = None,
                  src_log: Any = None, lazy_send_s: float = 0.0) -> None:
         self.d = d or Directory(CFG)
-        self.src = ReplicationSource(self.d, "tcp://127.0.0.1:0", epoch, src_log, ctx,
+        self.src = ReplicationSource(self.d, BIND, epoch, src_log, ctx,
                                      lazy_send_s=lazy_send_s)
         self.rng = random.Random(epoch)
         self.n = 0
@@ -438,7 +449,7 @@ def test_pipelined_batches_are_written_and_acked_together_in_order(
         acks = 0
         while leader.src.acked_lsn() < lasts[-1]:
             assert time.monotonic() < deadline
-            leader.src.sock.poll(50)
+            leader.src.wait(50)
             acks += leader.src.poll()
         assert acks == 1  # one cumulative ack for the six batches
         assert state(sink.directory) == state(leader.d)
@@ -521,7 +532,7 @@ def test_corrupt_batch_frames_are_refused_and_the_standby_resyncs(ctx: zmq.Conte
             # sent as the next batch, bypassing the leader's log
             fake = Batch(3, held + 1, count, frames, [])
             ident = leader.src.standbys["s1"].ident  # a new one after each hello
-            leader.src.sock.send_multipart([ident, fake.header(3), frames])
+            leader.src.transport.send(ident, fake.header(3), frames)
             deadline = time.monotonic() + 5
             while sink.state is not SinkState.CONNECTING:
                 assert time.monotonic() < deadline
@@ -584,8 +595,11 @@ def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
 
         leader.src._handle = counting  # type: ignore[method-assign]
         t0 = time.monotonic()
-        for _ in range(40):
+        n = 0
+        # at least 40 batches, over several lazy ack periods (a round trip can take ~0.1 ms)
+        while n < 40 or time.monotonic() - t0 < 5 * _LAZY_ACK_S:
             leader.put(5)
+            n += 1
             last = leader.src.last_lsn
             deadline = time.monotonic() + 5
             while leader.src.acked_lsn() < last:  # the in-sync member: each batch
@@ -594,7 +608,7 @@ def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
                 s2.poll(0)
                 leader.src.poll()
         elapsed = time.monotonic() - t0
-        assert acks["s1"] == 40
+        assert acks["s1"] == n
         assert 0 < acks["s2"] <= elapsed / _LAZY_ACK_S + 2, (acks, elapsed)
         pump(leader, [s1, s2], lambda: leader.src.caught_up() == ["s2"])
         assert state(s2.directory) == state(leader.d)
@@ -720,21 +734,41 @@ def test_leader_refuses_a_standby_of_another_replication_protocol(ctx: zmq.Conte
     """A standby of an older kvpool (a HELLO without the protocol, batches
     of decoded records) is refused with INVALID_VERSION instead of being
     streamed a format it cannot read (and never acking)."""
-    import msgspec
 
     leader = Leader(ctx, epoch=3)
-    old = ctx.socket(zmq.DEALER)
-    old.setsockopt(zmq.LINGER, 0)
-    try:
-        old.connect(leader.src.endpoint)
-        old.send(msgspec.msgpack.encode([1, "old-standby", 0, 0, 0]))
-        deadline = time.monotonic() + 5
-        while not old.poll(10):
-            assert time.monotonic() < deadline
-            leader.src.poll()
-        reply = msgspec.msgpack.decode(old.recv())
-        assert reply[0] == 8 and reply[1] == int(ErrorCode.INVALID_VERSION), reply
-        assert "old-standby" not in leader.src.standbys
-    finally:
-        old.close(0)
-        leader.src.close()
+    hello = msgspec.msgpack.encode([1, "old-standby", 0, 0, 0])
+    if leader.src.endpoint.startswith(SOCKET_SCHEME):
+        host, port = leader.src.endpoint[len(SOCKET_SCHEME):].rsplit(":", 1)
+        raw = socket.create_connection((host, int(port)), timeout=5)
+        try:
+            raw.sendall(struct.pack("<II", len(hello), 0) + hello)
+            deadline = time.monotonic() + 5
+            got = b""
+            raw.setblocking(False)
+            while len(got) < 8 or len(got) < 8 + struct.unpack_from("<I", got)[0]:
+                assert time.monotonic() < deadline
+                leader.src.poll()
+                try:
+                    got += raw.recv(65536)
+                except BlockingIOError:
+                    time.sleep(0.01)
+            reply = msgspec.msgpack.decode(got[8:8 + struct.unpack_from("<I", got)[0]])
+        finally:
+            raw.close()
+            leader.src.close()
+    else:
+        old = ctx.socket(zmq.DEALER)
+        old.setsockopt(zmq.LINGER, 0)
+        try:
+            old.connect(leader.src.endpoint)
+            old.send(hello)
+            deadline = time.monotonic() + 5
+            while not old.poll(10):
+                assert time.monotonic() < deadline
+                leader.src.poll()
+            reply = msgspec.msgpack.decode(old.recv())
+        finally:
+            old.close(0)
+            leader.src.close()
+    assert reply[0] == 8 and reply[1] == int(ErrorCode.INVALID_VERSION), reply
+    assert "old-standby" not in leader.src.standbys
