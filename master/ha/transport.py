@@ -462,7 +462,9 @@ class SocketStandby:
 
     @property
     def pollable(self) -> Any:
-        return self._fd  # zmq.Poller reports a plain fd as the int
+        # zmq.Poller reports a plain fd as the int; None once dropped (the
+        # socket is closed: the caller stops polling it)
+        return None if self.dropped else self._fd
 
     @property
     def buffered(self) -> bool:
@@ -471,6 +473,7 @@ class SocketStandby:
     def _drop(self) -> None:
         if not self.dropped:
             self.dropped = True
+            self.sock.close()  # else its EOF would keep the caller's poll awake
             if self._on_drop is not None:
                 self._on_drop()
 
