@@ -772,3 +772,52 @@ def test_leader_refuses_a_standby_of_another_replication_protocol(ctx: zmq.Conte
             leader.src.close()
     assert reply[0] == 8 and reply[1] == int(ErrorCode.INVALID_VERSION), reply
     assert "old-standby" not in leader.src.standbys
+
+
+def test_socket_stream_standby_dials_again_after_its_connection_breaks() -> None:
+    """Socket transport: a broken connection (here closed by the leader, as
+    when it replaces or forgets a standby) is seen by the standby at once: it
+    stops polling the socket and records when (its loop dials again after
+    ``_REDIAL_S``). Nothing sent meanwhile is acked; the new connection gets
+    the tail, and its acks release the rest."""
+    leader = Leader(None, epoch=4)  # type: ignore[arg-type]  # the socket transport: no ZeroMQ
+    assert leader.src.endpoint.startswith(SOCKET_SCHEME)
+    sink = ReplicaSink(Directory(CFG), "s1")
+    try:
+        join(leader, sink, 4)
+        leader.src.add_sync("s1")
+        assert sink.pollable is not None and not sink.dropped_at
+        leader.src.transport.drop(leader.src.standbys["s1"].ident)
+        leader.put(10)  # sent to the closed connection: lost
+        deadline = time.monotonic() + 5
+        while not sink.dropped_at:
+            assert time.monotonic() < deadline
+            leader.src.poll()
+            sink.poll(0.01)
+        assert sink.pollable is None  # its loop no longer polls the dead socket
+        assert leader.src.acked_lsn() < leader.src.last_lsn
+        sink.connect(leader.src.endpoint, 4)  # what follower_tick does after _REDIAL_S
+        pump(leader, [sink], lambda: leader.src.acked_lsn() == leader.src.last_lsn)
+        assert state(sink.directory) == state(leader.d)
+        assert sink.stats.snapshots == 0  # the tail after what it held
+        assert leader.src.transport.accepted == 2  # type: ignore[attr-defined]
+    finally:
+        sink.close()
+        leader.src.close()
+
+
+def test_socket_stream_is_never_used_where_curve_applies() -> None:
+    """CURVE needs ZeroMQ: a socket stream where the policy wants CURVE is a
+    configuration error at the leader and refused by a standby (no hello,
+    nothing read)."""
+    from kvpool.core.auth import CurveConfig
+    from kvpool.core.config import ConfigError
+    from kvpool.master.config import ReplicationTransport
+
+    with pytest.raises(ConfigError, match="CURVE"):
+        MasterConfig(replication_transport=ReplicationTransport.SOCKET,
+                     curve=CurveConfig(enabled=True)).validate()
+    sink = ReplicaSink(Directory(CFG), "s1", curve=CurveConfig(enabled=True))
+    sink.connect(f"{SOCKET_SCHEME}127.0.0.1:9", 3)
+    assert sink.state is SinkState.REFUSED and sink.conn is None
+    assert "CURVE" in sink.refusal
