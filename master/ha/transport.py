@@ -268,6 +268,7 @@ class _Peer:
     fd: int
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
+    outpos: int = 0  # what the kernel took of outbuf (compacted now and then, not per send)
     closed: bool = False
 
 
@@ -330,6 +331,7 @@ class SocketLeader:
                 pass
         p.sock.close()
         p.outbuf = bytearray()
+        p.outpos = 0
 
     def send(self, peer: Any, header: bytes, body: bytes = b"") -> None:
         p = cast(_Peer, peer)
@@ -356,25 +358,38 @@ class SocketLeader:
         out += prefix
         out += header
         out += body
-        if len(out) > _MAX_BACKLOG:
+        if len(out) - p.outpos > _MAX_BACKLOG:
             log.warning("replication: a standby left %d bytes unread; dropped (it resyncs)",
                         len(out))
             self.drop(p)
 
     def _flush(self, p: _Peer) -> None:
+        out = p.outbuf
+        view = memoryview(out)[p.outpos:]
         try:
-            sent = p.sock.send(p.outbuf)
+            sent = p.sock.send(view)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
+            sent = -1
+        finally:
+            view.release()  # the bytearray may be resized again
+        if sent < 0:
             self.drop(p)
             return
-        del p.outbuf[:sent]
-        if not p.outbuf:
+        p.outpos += sent
+        if p.outpos == len(out):
+            out.clear()
+            p.outpos = 0
             self._ep.modify(p.fd, _EPOLLIN)
+        elif p.outpos > (4 << 20) and p.outpos > len(out) // 2:
+            # compacted once half is sent: a large backlog is not moved per send
+            del out[:p.outpos]
+            p.outpos = 0
 
     def backlog(self, peer: Any) -> int:
-        return len(cast(_Peer, peer).outbuf)
+        p = cast(_Peer, peer)
+        return len(p.outbuf) - p.outpos
 
     def recv_all(self) -> list[tuple[Any, bytes]]:
         out: list[tuple[Any, bytes]] = []

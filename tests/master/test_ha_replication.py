@@ -821,3 +821,28 @@ def test_socket_stream_is_never_used_where_curve_applies() -> None:
     sink.connect(f"{SOCKET_SCHEME}127.0.0.1:9", 3)
     assert sink.state is SinkState.REFUSED and sink.conn is None
     assert "CURVE" in sink.refusal
+
+
+def test_socket_stream_queues_what_the_kernel_does_not_take() -> None:
+    """Socket transport: batches the kernel does not take (a standby that does
+    not read) wait in the leader's buffer, never blocking its loop, and leave
+    in order once the standby reads again."""
+    leader = Leader(None, epoch=6)  # type: ignore[arg-type]  # the socket transport: no ZeroMQ
+    sink = ReplicaSink(Directory(CFG), "s1")
+    try:
+        join(leader, sink, 6)
+        peer = leader.src.standbys["s1"].ident
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        assert sink.conn is not None
+        sink.conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # type: ignore[attr-defined]
+        t0 = time.monotonic()
+        for _ in range(20):  # the standby does not read meanwhile
+            leader.put(200)
+        assert time.monotonic() - t0 < 5
+        assert leader.src.transport.backlog(peer) > 0
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        assert leader.src.transport.backlog(peer) == 0
+        assert state(sink.directory) == state(leader.d)
+    finally:
+        sink.close()
+        leader.src.close()
