@@ -157,7 +157,7 @@ class LeaderInfo:
 
     instance_id: str
     address: str  # RPC, HOST:PORT
-    replication: str = ""  # ZeroMQ endpoint standbys connect to
+    replication: str = ""  # the journal stream standbys connect to (socket:// or ZeroMQ tcp://)
     metrics: str = ""  # HOST:PORT of GET /health, /metrics
     epoch: int = 0
 

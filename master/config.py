@@ -8,11 +8,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from kvpool.core.auth import CurveConfig
+from kvpool.core.auth import CurveConfig, curve_required
 from kvpool.core.config import ConfigError, load_dataclass, setting
 from kvpool.master.tiering_config import TieringConfig
 
-__all__ = ["FsyncPolicy", "MasterConfig", "load_master_config"]
+__all__ = ["FsyncPolicy", "MasterConfig", "ReplicationTransport", "load_master_config"]
 
 
 class FsyncPolicy(StrEnum):
@@ -27,6 +27,20 @@ class FsyncPolicy(StrEnum):
     ALWAYS = "always"
     INTERVAL = "interval"
     NEVER = "never"
+
+
+class ReplicationTransport(StrEnum):
+    """How the journal stream travels to the standbys (docs/ha.md).
+
+    ``socket``: a plain TCP connection per standby, served on the leader's
+    loop (two thread wake-ups per round trip). ``zmq``: ZeroMQ (six; the
+    only one that can carry CURVE). ``auto``: ``socket`` unless CURVE is
+    active for ``host``, then ``zmq``.
+    """
+
+    AUTO = "auto"
+    SOCKET = "socket"
+    ZMQ = "zmq"
 
 
 @dataclass
@@ -153,6 +167,10 @@ class MasterConfig:
         2, help="etcd lease TTL of the leader key: bounds failover and fencing time")
     replication_port: int = setting(
         0, help="port of the journal stream to the standbys (0: a free port)")
+    replication_transport: ReplicationTransport = setting(
+        ReplicationTransport.AUTO, help="journal stream to the standbys: socket (a plain TCP "
+        "connection served on the leader's loop), zmq (ZeroMQ, needed for CURVE), auto (socket "
+        "unless CURVE is active for host)")
 
     def validate(self) -> None:
         """Raise ConfigError on values that cannot work."""
@@ -194,6 +212,10 @@ class MasterConfig:
             raise ConfigError("ha_lease_ttl_s must be >= 1")
         if not 0 <= self.replication_port < 65536:
             raise ConfigError("replication_port must be in [0, 65535]")
+        if self.replication_transport is ReplicationTransport.SOCKET and curve_required(
+                self.host, self.curve.enabled, self.curve.has_keys):
+            raise ConfigError("replication_transport socket cannot carry CURVE, which is on "
+                              f"for {self.host}: use auto or zmq")
         if self.etcd:
             from kvpool.core.etcd import parse_etcd_url
 

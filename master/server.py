@@ -266,13 +266,14 @@ class MasterServer:
                     return True
                 sink = ha.sink
                 assert sink is not None
-                if sink.sock is not sink_sock:
+                if sink.pollable != sink_sock:  # a socket, or a file descriptor
                     if sink_sock is not None:
                         poller.unregister(sink_sock)
-                    sink_sock = sink.sock
+                    sink_sock = sink.pollable
                     if sink_sock is not None:
                         poller.register(sink_sock, zmq.POLLIN)
-                events = poller.poll(20)
+                # messages read and not taken yet: no poll reports them
+                events = poller.poll(0 if sink.backlogged else 20)
                 if events:
                     # the ROUTER socket, registered first, is first when it has messages
                     for _ in range(_DRAIN if events[0][0] is sock else 0):
@@ -289,7 +290,7 @@ class MasterServer:
                             local.send_all(out)
                 # the poll above looked at the stream already: no second look
                 sink.poll(0, ready=bool(events) and sink_sock is not None
-                          and any(e[0] is sink_sock for e in events))
+                          and any(e[0] == sink_sock for e in events))
                 now = time.monotonic()
                 if sink.based:  # fsync per policy, snapshots of the journaled stream
                     self.durability.tick(sink.directory, now, sink.position)
@@ -367,11 +368,12 @@ class MasterServer:
                 return
             self._promote()
             assert ha.source is not None
-            poller.register(ha.source.sock, zmq.POLLIN)
+            repl = ha.source.pollable
+            poller.register(repl, zmq.POLLIN)
             try:
                 self._serve(poller)
             finally:
-                poller.unregister(ha.source.sock)
+                poller.unregister(repl)
             if self._stop:
                 return
             self.durability.set_ack_gate(None)
@@ -411,9 +413,10 @@ class MasterServer:
         # successor holds: those timers wait until the lease is confirmed again
         unfenced: Callable[[], bool] = ha.elector.may_acknowledge if ha is not None \
             else lambda: True
-        # acks are read only when the poll saw them (a zmq_poll per look otherwise)
+        # acks are read only when the poll saw them (a zmq_poll per look otherwise);
+        # a ZeroMQ socket or a file descriptor (the poller reports an fd as an int)
         source = ha.source if ha is not None else None
-        repl_sock = source.sock if source is not None else None
+        repl_sock = source.pollable if source is not None else None
         # a turn woken by acks alone, shortly after a full turn, only reads them
         # and releases replies: timers and the HA upkeep wait (at most
         # _FULL_TURN_S; nothing is acknowledged past what acked() allows)
@@ -437,7 +440,7 @@ class MasterServer:
             if not events:
                 events = poller.poll(timeout)
             # acks alone (the replication socket the only one readable): no request
-            requests = bool(events) and (events[0][0] is not repl_sock or len(events) > 1)
+            requests = bool(events) and (events[0][0] != repl_sock or len(events) > 1)
             if requests:
                 t_start = clock()
                 if spin:
@@ -506,7 +509,7 @@ class MasterServer:
             commit(records)  # expiry/sweep changes
             durability.tick(d, now)
             if ha is not None and not ha.leader_tick(
-                    now, bool(events) and any(e[0] is repl_sock for e in events)):
+                    now, bool(events) and any(e[0] == repl_sock for e in events)):
                 log.warning("no longer the leader: %d held replies dropped (never "
                             "acknowledged)", len(held))
                 return

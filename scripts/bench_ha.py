@@ -26,7 +26,8 @@ its bytes after the last failover (``lost``, ``corrupt``).
 ``throughput``: batched put (BatchPutStart + BatchPutEnd of ``--batch``
 keys, one synchronous MasterClient on the same host, journal on) against a
 single master and against the leader of a three-instance group with
-``sync_standbys`` 0 and 1, all running at once and taking turns
+``sync_standbys`` 0 and 1 (``--transports socket zmq``: each also with the
+journal stream over ZeroMQ), all running at once and taking turns
 (``--slices`` slices each, ``--seconds`` per configuration in all, so the
 box's other load falls alike on all of them); key-ops/s (wall and per
 master CPU-second), the ratios to the single master within the round, the
@@ -40,6 +41,7 @@ Usage: scripts/bench_ha.py clients --json OUT [--n 300]
        scripts/bench_ha.py failover --json OUT [--kills 5]
        scripts/bench_ha.py throughput --json OUT [--seconds 3] [--batch 128]
                                       [--slices 6] [--rounds N] [--profile PREFIX]
+                                      [--transports socket zmq]
 """
 
 from __future__ import annotations
@@ -533,10 +535,12 @@ def _throughput_round(args: argparse.Namespace, round_no: int) -> dict[str, Any]
         loads["single"] = _PutLoad(m.address, m.pid, args.batch)
         stack.callback(loads["single"].close)
         etcd = stack.enter_context(EtcdProcess())
-        for sync in args.sync_standbys:
+        for sync, transport in ((s, t) for s in args.sync_standbys for t in args.transports):
             g = stack.enter_context(HaGroup(
-                etcd.endpoint, f"tp-{uuid.uuid4().hex[:6]}", os.path.join(tmp, f"ha{sync}"),
-                extra_args=[*common, "--sync-standbys", str(sync)]))
+                etcd.endpoint, f"tp-{uuid.uuid4().hex[:6]}",
+                os.path.join(tmp, f"ha{sync}-{transport}"),
+                extra_args=[*common, "--sync-standbys", str(sync),
+                            "--replication-transport", transport]))
             leader = g.wait_leader(in_sync=min(sync, 1), streaming=2, timeout_s=30)
             assert leader.pid is not None
             others = {f"standby{i}": s.pid for i, s in enumerate(
@@ -545,7 +549,9 @@ def _throughput_round(args: argparse.Namespace, round_no: int) -> dict[str, Any]
                 others["etcd"] = etcd._proc.pid
             load = _PutLoad(g.url, leader.pid, args.batch, others)
             stack.callback(load.close)
-            loads[f"ha_sync_standbys_{sync}"] = load
+            # the default transport (socket) keeps the plain name
+            loads[f"ha_sync_standbys_{sync}" + ("" if transport == args.transports[0]
+                                                else f"_{transport}")] = load
         if prof:
             for name, load in loads.items():
                 load.start_profile(f"{prof}-{name}", args.seconds * len(loads) + 1)
@@ -625,6 +631,10 @@ def main() -> None:
                    help="repeat the whole comparison; medians over the rounds")
     t.add_argument("--sync-standbys", type=int, nargs="+", default=[0, 1],
                    help="the HA configurations to measure")
+    t.add_argument("--transports", nargs="+", default=["socket"], choices=["socket", "zmq"],
+                   help="replication transports of the HA groups (each with every "
+                   "--sync-standbys value; results of a transport after the first are "
+                   "suffixed _<transport>)")
     t.add_argument("--profile", default=None,
                    help="path prefix: py-spy raw profiles of the master and standbys")
     t.add_argument("--json", default="-")

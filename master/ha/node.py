@@ -47,7 +47,7 @@ from kvpool.core.capability import CapabilitySigner
 from kvpool.core.errors import ErrorCode
 from kvpool.core.etcd import LeaderInfo, MemberInfo, parse_etcd_url
 from kvpool.core.protocol import Op, encode_error, peek_id
-from kvpool.master.config import MasterConfig
+from kvpool.master.config import MasterConfig, ReplicationTransport
 from kvpool.master.directory import SOFT_PIN, Directory, Rec
 from kvpool.master.durability import StreamPosition
 from kvpool.master.ha.election import ElectionConfig, Elector, Role, SyncWriter
@@ -59,6 +59,7 @@ from kvpool.master.ha.replication import (
     SinkState,
     promote_directory,
 )
+from kvpool.master.ha.transport import SOCKET_SCHEME, listen_tcp
 from kvpool.master.stats import HaStandbyStats, HaStats
 
 __all__ = ["KEYS_RECORD", "SOFT_PINS_RECORD", "HaNode"]
@@ -88,27 +89,20 @@ LAZY_SEND_S = 0.01
 
 
 _HOLD_RETRY_S = 0.1  # a deposed leader takes its port back this often until it can
+#: a standby whose socket-transport connection broke dials again after this
+#: long (as ZeroMQ's reconnect interval), unless the leader refused it
+_REDIAL_S = 0.1
 
 
 def _hold_port(host: str, port: int) -> socket.socket:
     """Take ``host:port`` (0: a free port) for as long as the socket is open: a
-    TCP listener nothing accepts on. While an instance does not lead, this
-    keeps the replication port it advertises: no other process can listen
-    there and the kernel gives it to no outgoing connection, so the port is
-    still free when the instance is elected. (SO_REUSEADDR, as ZeroMQ: the
-    connections a killed earlier run left in TIME_WAIT do not block it.)"""
-    name = None if host in ("", "*") else host.strip("[]")
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    s = socket.socket(family, kind, proto)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(addr)
-        s.listen(1)  # a listener: with SO_REUSEADDR, a bound socket alone blocks no one
-    except BaseException:
-        s.close()
-        raise
-    return s
+    TCP listener. While an instance does not lead, nothing accepts on it: it
+    keeps the replication port it advertises, so no other process can listen
+    there and the kernel gives it to no outgoing connection, and the port is
+    still free when the instance is elected. The socket transport serves this
+    listener itself once elected (standbys that dialed early wait in its
+    backlog); ZeroMQ binds the port anew."""
+    return listen_tcp(host, port)
 
 
 class HaNode:
@@ -131,11 +125,18 @@ class HaNode:
                           f"{exc.strerror}") from exc
         self._next_hold = 0.0
         self.repl_port = int(self._hold.getsockname()[1])
-        self.repl_bind = f"tcp://{cfg.host}:{self.repl_port}"
+        # the socket transport unless CURVE applies to the stream (config.validate
+        # refuses the socket transport forced where it does)
+        mode = cfg.replication_transport
+        #: the stream is served on the loop (socket://), not by ZeroMQ
+        self.plain = mode is ReplicationTransport.SOCKET or (
+            mode is ReplicationTransport.AUTO and not cfg.curve.active(cfg.host))
+        scheme = SOCKET_SCHEME if self.plain else "tcp://"
+        self.repl_bind = f"{scheme}{cfg.host}:{self.repl_port}"
         self.me = MemberInfo(
             instance_id=advertise, address=advertise,
             metrics=f"{adv_host}:{metrics_port}" if metrics_port else "",
-            replication=f"tcp://{adv_host}:{self.repl_port}")
+            replication=f"{scheme}{adv_host}:{self.repl_port}")
         self.signer = signer
         self.make_directory = make_directory
         self.ctx = context
@@ -305,6 +306,9 @@ class HaNode:
             log.info("%s: following %s (epoch %d) from lsn %d", self.me.instance_id,
                      leader.address, leader.epoch, sink.log.last_lsn)
             sink.connect(leader.replication, leader.epoch)
+        elif sink.dropped_at and sink.state is not SinkState.REFUSED \
+                and now - sink.dropped_at > _REDIAL_S:
+            sink.connect(leader.replication, leader.epoch)  # the connection broke
         elif sink.state in (SinkState.CONNECTING, SinkState.REFUSED) \
                 and now - sink.stats.last_message > _RECONNECT_S:
             sink.connect(leader.replication, leader.epoch)
@@ -363,9 +367,13 @@ class HaNode:
         return d
 
     def _bind_source(self, d: Directory, epoch: int) -> ReplicationSource:
-        """The replication source on our port. A leader deposed and elected
+        """The replication source on our port: the socket transport serves the
+        held listener; ZeroMQ binds it anew. A leader deposed and elected
         again at once binds the port its last source just closed: ZeroMQ
         releases it asynchronously, so retry briefly."""
+        if self.plain and self._hold is not None:
+            return ReplicationSource(d, self.repl_bind, epoch, self.log,
+                                     lazy_send_s=LAZY_SEND_S, listener=self._hold)
         self._release_port()
         deadline = time.monotonic() + _REBIND_S
         while True:
@@ -571,7 +579,7 @@ class HaNode:
             # with no new batches (bounded) so it can be seen holding everything
             deadline = time.monotonic() + 0.05
             while not caught and time.monotonic() < deadline:
-                if src.sock.poll(5):
+                if src.wait(5):
                     src.poll()
                 caught = src.caught_up()
         return caught

@@ -1,10 +1,10 @@
-"""Journal replication from the leader to hot standbys over ZeroMQ.
+"""Journal replication from the leader to hot standbys.
 
 Every record the leader's directory emits gets a **log position** (``lsn``:
 one per record, continuing across terms). The leader publishes each group
 commit as one batch to every connected standby: a small header ``[BATCH,
 epoch, first_lsn, count, records' epoch, [stream record, ...], urgent]``
-and, as a second ZeroMQ frame, the directory records exactly as the leader's journal
+and, as a second part, the directory records exactly as the leader's journal
 wrote them (its batch frames, :func:`~kvpool.master.journal.encode_frames`:
 encoded once per group commit, never per standby). A standby checks the
 frames (lengths, checksums, record count; nothing decoded), writes them to
@@ -34,34 +34,49 @@ the moment it is sent, which includes every batch sent before it.
 Standbys refuse batches of an epoch older than the newest they know (from
 etcd or an earlier batch), so a deposed leader cannot collect acks.
 
-CURVE (``curve``: the master's :class:`~kvpool.core.auth.CurveConfig`, the
-same policy and keys as its client socket): when it is active for the
-address, the leader's ROUTER is a CURVE server whose ZAP allow-list admits
-only the configured client keys, and a standby's DEALER authenticates with
-its own keypair, so a standby without the group's keys cannot join (nor
-read the stream).
+Transport (:mod:`.transport`): the leader's bind address says which. A
+``socket://HOST:PORT`` stream is a plain TCP connection per standby, served
+on the leader's loop and read on the standby's (two thread wake-ups per
+round trip); any other address is ZeroMQ, ROUTER -> DEALER, used where CURVE
+applies (``curve``: the master's :class:`~kvpool.core.auth.CurveConfig`, the
+same policy and keys as its client socket): the leader's ROUTER is then a
+CURVE server whose ZAP allow-list admits only the configured client keys,
+and a standby's DEALER authenticates with its own keypair, so a standby
+without the group's keys cannot join (nor read the stream). A standby whose
+CURVE policy applies to the leader's host refuses a ``socket://`` stream.
 
-Wire: msgpack arrays, one frame per message (``MsgType`` first), except a
-batch's second frame (its journal frames).
+Wire: msgpack arrays, one part per message (``MsgType`` first), except a
+batch's second part (its journal frames); the transport delimits them.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 import zmq
 
-from kvpool.core.auth import CurveAuthenticator, CurveConfig
+from kvpool.core.auth import CurveConfig
 from kvpool.core.errors import ErrorCode
 from kvpool.master.directory import Directory, SegState
 from kvpool.master.durability import StreamPosition
+from kvpool.master.ha.transport import (
+    SOCKET_SCHEME,
+    LeaderTransport,
+    SocketLeader,
+    SocketStandby,
+    StandbyTransport,
+    ZmqLeader,
+    ZmqStandby,
+    host_of,
+)
 from kvpool.master.journal import check_frames, encode_frames, iter_frame_payloads
 
 __all__ = [
@@ -116,10 +131,9 @@ _APPLY_SLICE = 128
 #: a standby whose acks hold no reply (not in the in-sync set) acks at most
 #: this often: the leader wakes for the acks that release replies
 _LAZY_ACK_S = 0.01
-# plain ints: IntFlag arithmetic costs ~1 us per operation on the leader's loop
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
+#: a standby being sent a snapshot gets its next slice only once the kernel
+#: took all but this much of what it was sent (the socket transport's buffer)
+_SNAPSHOT_BACKLOG = 8 << 20
 
 
 def _unpack(data: bytes) -> list[Any] | None:
@@ -261,7 +275,7 @@ class StandbyStatus:
 
 @dataclass
 class _Standby:
-    ident: bytes
+    ident: Any  # the transport's peer handle (ZeroMQ: the routing id)
     status: StandbyStatus
     snap_count: int = 0
     chunks: Iterator[list[str]] | None = None  # set while a snapshot is being sent
@@ -274,7 +288,9 @@ class _Standby:
 
 
 class ReplicationSource:
-    """The leader's end: a ROUTER socket standbys connect to.
+    """The leader's end: the socket standbys connect to (``bind``:
+    ``socket://HOST:PORT`` for the plain transport, served from ``listener``
+    when given; else a ZeroMQ ROUTER).
 
     Driven by the master's loop: ``publish(records)`` after each group commit
     (returns the batch's last lsn), ``poll()`` between iterations (hellos,
@@ -296,28 +312,21 @@ class ReplicationSource:
     def __init__(self, directory: Directory, bind: str, epoch: int,
                  log_: ReplicationLog | None = None, context: zmq.Context | None = None,
                  snapshot_slice_s: float = 0.004, heartbeat_s: float = 0.1,
-                 curve: CurveConfig | None = None, lazy_send_s: float = 0.0) -> None:
+                 curve: CurveConfig | None = None, lazy_send_s: float = 0.0,
+                 listener: socket.socket | None = None) -> None:
         self.dir = directory
         self.epoch = epoch
         self.log = log_ or ReplicationLog()
         self.log.start_epoch(epoch)
         self.snapshot_slice_s = snapshot_slice_s
         self.heartbeat_s = heartbeat_s
-        self._ctx = context or zmq.Context.instance()
-        self.sock = self._ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)  # a slow standby is dropped from sync, not blocked
-        # CURVE server + ZAP allow-list before bind (None: off for this address)
-        self._auth: CurveAuthenticator | None = None
-        if curve is not None:
-            self._auth = curve.setup_server(self.sock, _host_of(bind))
-        if bind.endswith(":0"):
-            port = self.sock.bind_to_random_port(bind.rsplit(":", 1)[0])
-            self.endpoint = f"{bind.rsplit(':', 1)[0]}:{port}"
+        # ``socket://``: served on the caller's loop; else ZeroMQ (CURVE where active)
+        self.transport: LeaderTransport
+        if bind.startswith(SOCKET_SCHEME):
+            self.transport = SocketLeader(bind, listener)
         else:
-            self.sock.bind(bind)
-            self.endpoint = bind
+            self.transport = ZmqLeader(context or zmq.Context.instance(), bind, curve)
+        self.endpoint = self.transport.endpoint
         self.standbys: dict[str, _Standby] = {}
         self.sync_members: set[str] = set()
         self.lazy_send_s = lazy_send_s
@@ -354,7 +363,7 @@ class ReplicationSource:
             urgent = lazy = b""
             sync = self.sync_members
             now = time.monotonic()
-            send = self.sock.send_multipart
+            send = self.transport.send
             hold = self.lazy_send_s > 0
             for sid, sb in self.standbys.items():
                 if sb.status.acked_lsn >= b.first - 1:
@@ -370,10 +379,7 @@ class ReplicationSource:
                         continue
                 if sb.queued:
                     self._flush_queued(sb)
-                try:
-                    send([sb.ident, header, frames], _NOBLOCK)
-                except zmq.ZMQError:
-                    pass  # gone: it will say hello again
+                send(sb.ident, header, frames)
             self._last_send = now
             self.batches_sent += 1
         return self.log.last_lsn
@@ -398,13 +404,10 @@ class ReplicationSource:
             msgs = self._merge(q)
             if merged is not None:
                 merged[key] = msgs
-        send = self.sock.send_multipart
+        send = self.transport.send
         ident = sb.ident
         for header, frames in msgs:
-            try:
-                send([ident, header, frames], _NOBLOCK)
-            except zmq.ZMQError:
-                pass  # gone: it will say hello again
+            send(ident, header, frames)
         q.clear()
 
     def _merge(self, batches: list[Batch]) -> list[tuple[bytes, bytes]]:
@@ -437,15 +440,12 @@ class ReplicationSource:
             close()
         return out
 
-    def _send(self, ident: bytes, *frames: bytes) -> None:
+    def _send(self, ident: Any, header: bytes, body: bytes = b"") -> None:
         if self.lazy_due:  # what was held back for it goes first (wire order)
             sb = self._by_ident(ident)
             if sb is not None and sb.queued:
                 self._flush_queued(sb)
-        try:
-            self.sock.send_multipart([ident, *frames], _NOBLOCK)
-        except zmq.ZMQError:
-            pass  # gone: it will say hello again
+        self.transport.send(ident, header, body)
         self._last_send = time.monotonic()
 
     # ---------------------------------------------------------------- acks
@@ -505,19 +505,18 @@ class ReplicationSource:
         is False: the caller's poll saw nothing) and advance snapshots; return
         messages handled."""
         n = 0
-        sock = self.sock
-        while readable and sock.get(_EVENTS) & _POLLIN:
-            frames = sock.recv_multipart(_NOBLOCK)
-            n += 1
-            if len(frames) != 2:
-                continue
-            msg = _unpack(frames[1])
-            if msg is None:
-                continue
-            self._handle(frames[0], msg)
+        if readable:
+            handle = self._handle
+            for ident, data in self.transport.recv_all():
+                n += 1
+                msg = _unpack(data)
+                if msg is not None:
+                    handle(ident, msg)
         if self._snapshots:
+            backlog = self.transport.backlog
             for sb in list(self.standbys.values()):
-                if sb.chunks is not None:
+                # a standby that does not keep up gets no more slices until it does
+                if sb.chunks is not None and backlog(sb.ident) < _SNAPSHOT_BACKLOG:
                     self._snapshot_step(sb)
         now = time.monotonic()
         if self.lazy_due and now >= self.lazy_due:
@@ -528,10 +527,10 @@ class ReplicationSource:
                 self._send(sb.ident, frame)
         return n
 
-    def _refuse(self, ident: bytes, code: ErrorCode, message: str) -> None:
+    def _refuse(self, ident: Any, code: ErrorCode, message: str) -> None:
         self._send(ident, _pack([MsgType.REFUSE, int(code), message, self.epoch]))
 
-    def _handle(self, ident: bytes, msg: list[Any]) -> None:
+    def _handle(self, ident: Any, msg: list[Any]) -> None:
         kind = msg[0]
         if kind == _ACK and len(msg) == 3:  # the common message first
             _t, epoch, lsn = msg
@@ -568,22 +567,27 @@ class ReplicationSource:
             if sb is not None:
                 self._forget(sb.status.instance_id)
 
-    def _by_ident(self, ident: bytes) -> _Standby | None:
+    def _by_ident(self, ident: Any) -> _Standby | None:
         for sb in self.standbys.values():
             if sb.ident == ident:
                 return sb
         return None
 
     def _forget(self, instance_id: str) -> None:
-        self.standbys.pop(instance_id, None)
+        sb = self.standbys.pop(instance_id, None)
+        if sb is not None:
+            self.transport.drop(sb.ident)
         self._count_snapshots()
 
     def _count_snapshots(self) -> None:
         self.sessions += 1
         self._snapshots = sum(1 for sb in self.standbys.values() if sb.chunks is not None)
 
-    def _hello(self, ident: bytes, instance_id: str, last_epoch: int, last_lsn: int) -> None:
+    def _hello(self, ident: Any, instance_id: str, last_epoch: int, last_lsn: int) -> None:
         now = time.monotonic()
+        old = self.standbys.get(instance_id)
+        if old is not None and old.ident != ident:
+            self.transport.drop(old.ident)  # it dialed again: the old connection is dead
         status = StandbyStatus(instance_id, StandbyState.STREAMING, last_lsn,
                                instance_id in self.sync_members, now, now)
         # an empty standby is on every history (position 0)
@@ -630,16 +634,18 @@ class ReplicationSource:
             if recs:
                 self._send(sb.ident, _pack([MsgType.SNAP_CHUNK, self.epoch, recs]))
 
+    @property
+    def pollable(self) -> Any:
+        """What the caller's ``zmq.Poller`` watches: readable when :meth:`poll`
+        has something to read (acks, hellos, a connection, room to send)."""
+        return self.transport.pollable
+
+    def wait(self, timeout_ms: int) -> bool:
+        """Block up to ``timeout_ms`` for something for :meth:`poll`."""
+        return self.transport.wait(timeout_ms)
+
     def close(self) -> None:
-        self.sock.close(0)
-        if self._auth is not None:
-            self._auth.close()
-            self._auth = None
-
-
-def _host_of(endpoint: str) -> str:
-    """``tcp://HOST:PORT`` (or ``HOST:PORT``) -> HOST (brackets of IPv6 removed)."""
-    return endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        self.transport.close()
 
 
 # ================================================================ standby side
@@ -726,9 +732,11 @@ class ReplicaSink:
         self.state = SinkState.CONNECTING
         self.stats = SinkStats()
         self.refusal = ""
-        self._ctx = context or zmq.Context.instance()
-        self.sock: zmq.Socket | None = None
+        self._ctx = context  # ZeroMQ only (None: the process's shared context)
+        self.conn: StandbyTransport | None = None
         self.endpoint = ""
+        #: when the connection was lost (0.0: it was not): the caller dials again
+        self.dropped_at = 0.0
 
     def position(self) -> StreamPosition:
         """The received position (the last record's epoch and lsn, the history);
@@ -753,12 +761,12 @@ class ReplicaSink:
         self._unwritten_records = 0
         self._dirty = False
 
-    def _settle(self, sock: zmq.Socket | None = None) -> None:
+    def _settle(self, conn: StandbyTransport | None = None) -> None:
         """Write what was received (one write), acknowledge it (one ACK), then
         apply it: a batch is acked once the data dir holds it (once received
         without one), before it is applied, off the leader's critical path
         (applying follows at once, in this thread, before any promotion).
-        With ``sock``: between slices of ``_APPLY_SLICE`` records, batches
+        With ``conn``: between slices of ``_APPLY_SLICE`` records, batches
         that arrived meanwhile are taken, written and acked first."""
         self._flush_and_ack()
         d = self.directory
@@ -775,9 +783,9 @@ class ReplicaSink:
                             log.error("standby %s: bad record %r: %s", self.instance_id,
                                       rec[:2] if type(rec) is list else rec, exc)
                         # not after the last slice: the caller looks for batches next
-                        if sock is not None and (self._unapplied or pi + 1 < len(payloads)
+                        if conn is not None and (self._unapplied or pi + 1 < len(payloads)
                                                  or i + _APPLY_SLICE < len(recs)) \
-                                and self._intake(sock):
+                                and self._intake(conn):
                             self._flush_and_ack()
             if on_record is not None:
                 for rec in b.extras:
@@ -791,19 +799,20 @@ class ReplicaSink:
         if self._ack_due or (self._lazy_ack
                              and time.monotonic() - self._last_ack >= _LAZY_ACK_S):
             self._ack_due = self._lazy_ack = False
-            if self.sock is not None and self.state is SinkState.STREAMING:
-                self.sock.send(_pack([_ACK, self.leader_epoch, self.log.last_lsn]))
+            if self.conn is not None and self.state is SinkState.STREAMING:
+                self.conn.send(_pack([_ACK, self.leader_epoch, self.log.last_lsn]))
                 self._last_ack = time.monotonic()
 
-    def _intake(self, sock: zmq.Socket) -> int:
-        """Take the batches waiting on ``sock`` (up to the first other message,
+    def _intake(self, conn: StandbyTransport) -> int:
+        """Take the batches waiting on ``conn`` (up to the first other message,
         kept in ``_deferred`` to be handled once every batch before it is
         applied); return messages taken."""
         n = 0
-        while self._deferred is None and not self._resync_due and self.sock is sock \
-                and self._taken < _SINK_DRAIN \
-                and cast(int, sock.get(_EVENTS)) & _POLLIN:
-            parts = sock.recv_multipart(_NOBLOCK)
+        while self._deferred is None and not self._resync_due and self.conn is conn \
+                and self._taken < _SINK_DRAIN:
+            parts = conn.recv()
+            if parts is None:
+                break
             n += 1
             self._taken += 1
             msg = _unpack(parts[0])
@@ -815,8 +824,22 @@ class ReplicaSink:
                 self._deferred = msg
         return n
 
+    @property
+    def pollable(self) -> Any:
+        """What the caller's ``zmq.Poller`` watches (None: not connected)."""
+        return self.conn.pollable if self.conn is not None else None
+
+    @property
+    def backlogged(self) -> bool:
+        """Messages were read and not taken yet (a poll does not report them)."""
+        return self.conn is not None and self.conn.buffered
+
+    def _dropped(self) -> None:
+        self.dropped_at = time.monotonic()
+
     def connect(self, endpoint: str, epoch: int) -> None:
-        """Follow the leader of ``epoch`` at ``endpoint`` (a ZeroMQ address)."""
+        """Follow the leader of ``epoch`` at ``endpoint`` (``socket://HOST:PORT``,
+        else a ZeroMQ address)."""
         self.known_epoch = max(self.known_epoch, epoch)
         self.leader_epoch = epoch
         self._unapplied.clear()  # never left queued past poll(); emptied for a resync
@@ -829,18 +852,26 @@ class ReplicaSink:
             self.directory = self.make_directory()
             self.directory.journaling = False
             self.log.reset(0, 0, [])
-        if self.sock is not None:
-            self.sock.close(0)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            self.curve.setup_client(sock, _host_of(endpoint))
-        sock.connect(endpoint if "://" in endpoint else f"tcp://{endpoint}")
-        self.sock = sock
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
         self.endpoint = endpoint
-        self.state = SinkState.CONNECTING
+        self.dropped_at = 0.0
         self.stats.last_message = time.monotonic()
-        sock.send(_pack([MsgType.HELLO, self.instance_id, self.known_epoch,
+        if endpoint.startswith(SOCKET_SCHEME):
+            if self.curve is not None and self.curve.active(host_of(endpoint)):
+                # the leader serves its stream without CURVE: our policy wants it
+                self.refusal = (f"the leader's stream {endpoint} is not encrypted and CURVE "
+                                "is on for that host (replication_transport)")
+                log.error("standby %s: %s", self.instance_id, self.refusal)
+                self.state = SinkState.REFUSED
+                return
+            conn: StandbyTransport = SocketStandby(endpoint, self._dropped)
+        else:
+            conn = ZmqStandby(self._ctx or zmq.Context.instance(), endpoint, self.curve)
+        self.conn = conn
+        self.state = SinkState.CONNECTING
+        conn.send(_pack([MsgType.HELLO, self.instance_id, self.known_epoch,
                          self.log.last_epoch, self.log.last_lsn, REPLICATION_PROTOCOL]))
 
     def observe_epoch(self, epoch: int) -> None:
@@ -849,21 +880,22 @@ class ReplicaSink:
 
     def poll(self, timeout_s: float = 0.0, ready: bool | None = None) -> int:
         """Apply what arrived within ``timeout_s``; return messages handled.
-        ``ready``: the caller's poll just said whether :attr:`sock` has
+        ``ready``: the caller's poll just said whether :attr:`pollable` has
         messages (no look of its own then, ``timeout_s`` unused)."""
-        sock = self.sock
-        if sock is None:
+        conn = self.conn
+        if conn is None:
             if ready is None:
                 time.sleep(timeout_s)
             return 0
-        if not (ready if ready is not None else sock.poll(int(timeout_s * 1000))):
+        conn.flush()  # a hello sent while the connection was being set up
+        if not (ready or conn.buffered if ready is not None else conn.wait(int(timeout_s * 1000))):
             if self._lazy_ack:
                 self._flush_and_ack()  # when due
             return 0
         self._taken = 0
         while True:
-            taken = self._intake(sock)
-            self._settle(sock)
+            taken = self._intake(conn)
+            self._settle(conn)
             if self._resync_due:
                 self._resync_due = False
                 self.state = SinkState.CONNECTING
@@ -873,10 +905,10 @@ class ReplicaSink:
             if msg is not None:  # every batch before it is applied
                 self._deferred = None
                 self._handle(msg)
-                self._settle(sock)
+                self._settle(conn)
             elif not taken:
                 break
-            if self.sock is not sock:
+            if self.conn is not conn:
                 break
             if self._taken >= _SINK_DRAIN and self._deferred is None \
                     and not self._resync_due:
@@ -887,8 +919,8 @@ class ReplicaSink:
         self.stats.refused += 1
         self.refusal = message
         log.warning("standby %s: %s", self.instance_id, message)
-        if self.sock is not None:
-            self.sock.send(_pack([MsgType.REFUSE, int(ErrorCode.STALE_EPOCH), message,
+        if self.conn is not None:
+            self.conn.send(_pack([MsgType.REFUSE, int(ErrorCode.STALE_EPOCH), message,
                                   self.known_epoch]))
         self.state = SinkState.REFUSED
 
@@ -958,7 +990,7 @@ class ReplicaSink:
         if epoch < self.known_epoch:
             self._refuse(f"batch of epoch {epoch} after epoch {self.known_epoch}")
             return
-        if len(msg) != 7 or len(parts) != 2 or type(msg[2]) is not int \
+        if len(msg) != 7 or len(parts) > 2 or type(msg[2]) is not int \
                 or type(msg[3]) is not int or type(msg[4]) is not int \
                 or type(msg[5]) is not list:
             return
@@ -974,7 +1006,7 @@ class ReplicaSink:
                         last, first)
             self._resync()
             return
-        frames = parts[1]
+        frames = parts[1] if len(parts) == 2 else b""  # an empty part may be left out
         n_dir = check_frames(frames) if frames else 0
         if n_dir < 0 or n_dir + len(extras) != count:
             log.error("standby %s: malformed batch at lsn %d (%d records said, %d held): "
@@ -1001,9 +1033,9 @@ class ReplicaSink:
         self._resync_due = True
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
 
 def promote_directory(d: Directory, now: float | None = None) -> int:

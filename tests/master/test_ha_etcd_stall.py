@@ -82,7 +82,7 @@ def test_in_sync_set_changes_never_stall_the_loop(etcd: EtcdProcess) -> None:
         src = node.source
         assert src is not None
         sink = ReplicaSink(Directory(cfg), SB, context=ctx)
-        sink.connect(f"tcp://127.0.0.1:{node.repl_port}", node.epoch)
+        sink.connect(node.me.replication, node.epoch)  # the transport it advertises
         try:
             def tick() -> None:
                 node.leader_tick(time.monotonic())

@@ -1,16 +1,21 @@
 """Journal replication between a leader's directory and standbys, over real
-ZeroMQ sockets on loopback: live batches, acks and the in-sync set,
+sockets on loopback, each test over both transports (the plain socket served
+on the loop, and ZeroMQ): live batches, acks and the in-sync set,
 snapshots interleaved with live changes, tails after a leader change,
 divergent standbys, stale epochs, promotion."""
 
 from __future__ import annotations
 
 import random
+import socket
+import struct
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 
@@ -26,12 +31,18 @@ from kvpool.master.ha.replication import (
     SinkState,
     promote_directory,
 )
+from kvpool.master.ha.transport import SOCKET_SCHEME
 
 CFG = MasterConfig(data_dir=None, capabilities=False)
+#: where a test's leaders bind (set per test by ``ctx``: one transport or the other)
+BIND = f"{SOCKET_SCHEME}127.0.0.1:0"
 
 
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
+@pytest.fixture(params=["socket", "zmq"])
+def ctx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[zmq.Context]:
+    """The ZeroMQ context of the test; its leaders bind the transport of the param."""
+    monkeypatch.setattr(sys.modules[__name__], "BIND", f"{SOCKET_SCHEME}127.0.0.1:0"
+                        if request.param == "socket" else "tcp://127.0.0.1:0")
     c = zmq.Context()
     yield c
     c.destroy(linger=0)  # closes any socket a failed test left open
@@ -43,7 +54,7 @@ class Leader:
     def __init__(self, ctx: zmq.Context, epoch: int, d: Directory | None = None,
                  src_log: Any = None, lazy_send_s: float = 0.0) -> None:
         self.d = d or Directory(CFG)
-        self.src = ReplicationSource(self.d, "tcp://127.0.0.1:0", epoch, src_log, ctx,
+        self.src = ReplicationSource(self.d, BIND, epoch, src_log, ctx,
                                      lazy_send_s=lazy_send_s)
         self.rng = random.Random(epoch)
         self.n = 0
@@ -438,7 +449,7 @@ def test_pipelined_batches_are_written_and_acked_together_in_order(
         acks = 0
         while leader.src.acked_lsn() < lasts[-1]:
             assert time.monotonic() < deadline
-            leader.src.sock.poll(50)
+            leader.src.wait(50)
             acks += leader.src.poll()
         assert acks == 1  # one cumulative ack for the six batches
         assert state(sink.directory) == state(leader.d)
@@ -521,7 +532,7 @@ def test_corrupt_batch_frames_are_refused_and_the_standby_resyncs(ctx: zmq.Conte
             # sent as the next batch, bypassing the leader's log
             fake = Batch(3, held + 1, count, frames, [])
             ident = leader.src.standbys["s1"].ident  # a new one after each hello
-            leader.src.sock.send_multipart([ident, fake.header(3), frames])
+            leader.src.transport.send(ident, fake.header(3), frames)
             deadline = time.monotonic() + 5
             while sink.state is not SinkState.CONNECTING:
                 assert time.monotonic() < deadline
@@ -584,8 +595,11 @@ def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
 
         leader.src._handle = counting  # type: ignore[method-assign]
         t0 = time.monotonic()
-        for _ in range(40):
+        n = 0
+        # at least 40 batches, over several lazy ack periods (a round trip can take ~0.1 ms)
+        while n < 40 or time.monotonic() - t0 < 5 * _LAZY_ACK_S:
             leader.put(5)
+            n += 1
             last = leader.src.last_lsn
             deadline = time.monotonic() + 5
             while leader.src.acked_lsn() < last:  # the in-sync member: each batch
@@ -594,7 +608,7 @@ def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
                 s2.poll(0)
                 leader.src.poll()
         elapsed = time.monotonic() - t0
-        assert acks["s1"] == 40
+        assert acks["s1"] == n
         assert 0 < acks["s2"] <= elapsed / _LAZY_ACK_S + 2, (acks, elapsed)
         pump(leader, [s1, s2], lambda: leader.src.caught_up() == ["s2"])
         assert state(s2.directory) == state(leader.d)
@@ -720,21 +734,115 @@ def test_leader_refuses_a_standby_of_another_replication_protocol(ctx: zmq.Conte
     """A standby of an older kvpool (a HELLO without the protocol, batches
     of decoded records) is refused with INVALID_VERSION instead of being
     streamed a format it cannot read (and never acking)."""
-    import msgspec
 
     leader = Leader(ctx, epoch=3)
-    old = ctx.socket(zmq.DEALER)
-    old.setsockopt(zmq.LINGER, 0)
+    hello = msgspec.msgpack.encode([1, "old-standby", 0, 0, 0])
+    if leader.src.endpoint.startswith(SOCKET_SCHEME):
+        host, port = leader.src.endpoint[len(SOCKET_SCHEME):].rsplit(":", 1)
+        raw = socket.create_connection((host, int(port)), timeout=5)
+        try:
+            raw.sendall(struct.pack("<II", len(hello), 0) + hello)
+            deadline = time.monotonic() + 5
+            got = b""
+            raw.setblocking(False)
+            while len(got) < 8 or len(got) < 8 + struct.unpack_from("<I", got)[0]:
+                assert time.monotonic() < deadline
+                leader.src.poll()
+                try:
+                    got += raw.recv(65536)
+                except BlockingIOError:
+                    time.sleep(0.01)
+            reply = msgspec.msgpack.decode(got[8:8 + struct.unpack_from("<I", got)[0]])
+        finally:
+            raw.close()
+            leader.src.close()
+    else:
+        old = ctx.socket(zmq.DEALER)
+        old.setsockopt(zmq.LINGER, 0)
+        try:
+            old.connect(leader.src.endpoint)
+            old.send(hello)
+            deadline = time.monotonic() + 5
+            while not old.poll(10):
+                assert time.monotonic() < deadline
+                leader.src.poll()
+            reply = msgspec.msgpack.decode(old.recv())
+        finally:
+            old.close(0)
+            leader.src.close()
+    assert reply[0] == 8 and reply[1] == int(ErrorCode.INVALID_VERSION), reply
+    assert "old-standby" not in leader.src.standbys
+
+
+def test_socket_stream_standby_dials_again_after_its_connection_breaks() -> None:
+    """Socket transport: a broken connection (here closed by the leader, as
+    when it replaces or forgets a standby) is seen by the standby at once: it
+    stops polling the socket and records when (its loop dials again after
+    ``_REDIAL_S``). Nothing sent meanwhile is acked; the new connection gets
+    the tail, and its acks release the rest."""
+    leader = Leader(None, epoch=4)  # type: ignore[arg-type]  # the socket transport: no ZeroMQ
+    assert leader.src.endpoint.startswith(SOCKET_SCHEME)
+    sink = ReplicaSink(Directory(CFG), "s1")
     try:
-        old.connect(leader.src.endpoint)
-        old.send(msgspec.msgpack.encode([1, "old-standby", 0, 0, 0]))
+        join(leader, sink, 4)
+        leader.src.add_sync("s1")
+        assert sink.pollable is not None and not sink.dropped_at
+        leader.src.transport.drop(leader.src.standbys["s1"].ident)
+        leader.put(10)  # sent to the closed connection: lost
         deadline = time.monotonic() + 5
-        while not old.poll(10):
+        while not sink.dropped_at:
             assert time.monotonic() < deadline
             leader.src.poll()
-        reply = msgspec.msgpack.decode(old.recv())
-        assert reply[0] == 8 and reply[1] == int(ErrorCode.INVALID_VERSION), reply
-        assert "old-standby" not in leader.src.standbys
+            sink.poll(0.01)
+        assert sink.pollable is None  # its loop no longer polls the dead socket
+        assert leader.src.acked_lsn() < leader.src.last_lsn
+        sink.connect(leader.src.endpoint, 4)  # what follower_tick does after _REDIAL_S
+        pump(leader, [sink], lambda: leader.src.acked_lsn() == leader.src.last_lsn)
+        assert state(sink.directory) == state(leader.d)
+        assert sink.stats.snapshots == 0  # the tail after what it held
+        assert leader.src.transport.accepted == 2  # type: ignore[attr-defined]
     finally:
-        old.close(0)
+        sink.close()
+        leader.src.close()
+
+
+def test_socket_stream_is_never_used_where_curve_applies() -> None:
+    """CURVE needs ZeroMQ: a socket stream where the policy wants CURVE is a
+    configuration error at the leader and refused by a standby (no hello,
+    nothing read)."""
+    from kvpool.core.auth import CurveConfig
+    from kvpool.core.config import ConfigError
+    from kvpool.master.config import ReplicationTransport
+
+    with pytest.raises(ConfigError, match="CURVE"):
+        MasterConfig(replication_transport=ReplicationTransport.SOCKET,
+                     curve=CurveConfig(enabled=True)).validate()
+    sink = ReplicaSink(Directory(CFG), "s1", curve=CurveConfig(enabled=True))
+    sink.connect(f"{SOCKET_SCHEME}127.0.0.1:9", 3)
+    assert sink.state is SinkState.REFUSED and sink.conn is None
+    assert "CURVE" in sink.refusal
+
+
+def test_socket_stream_queues_what_the_kernel_does_not_take() -> None:
+    """Socket transport: batches the kernel does not take (a standby that does
+    not read) wait in the leader's buffer, never blocking its loop, and leave
+    in order once the standby reads again."""
+    leader = Leader(None, epoch=6)  # type: ignore[arg-type]  # the socket transport: no ZeroMQ
+    sink = ReplicaSink(Directory(CFG), "s1")
+    try:
+        join(leader, sink, 6)
+        peer = leader.src.standbys["s1"].ident
+        peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        assert sink.conn is not None
+        sink.conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # type: ignore[attr-defined]
+        t0 = time.monotonic()
+        for _ in range(20):  # the standby does not read meanwhile
+            leader.put(200)
+        assert time.monotonic() - t0 < 5
+        assert leader.src.transport.backlog(peer) > 0
+        pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
+        assert leader.src.transport.backlog(peer) == 0
+        assert state(sink.directory) == state(leader.d)
+    finally:
+        sink.close()
         leader.src.close()

@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import time
 import urllib.request
 import uuid
@@ -53,9 +54,10 @@ from kvpool.core.protocol import (
     UpsertStart,
 )
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
-from kvpool.master.config import MasterConfig
+from kvpool.master.config import MasterConfig, ReplicationTransport
 from kvpool.master.directory import Directory
 from kvpool.master.ha.node import _WRITES, HaNode
+from kvpool.master.ha.transport import SOCKET_SCHEME
 from kvpool.store.errors import MasterUnreachable, error_for_code
 from support.etcd import EtcdProcess, etcd_binary
 from support.ha_master import HaGroup, HaMasterProcess
@@ -470,26 +472,95 @@ def test_an_instance_not_leading_holds_its_replication_port(etcd: EtcdProcess,
 
 
 @pytest.mark.timeout(30)
-def test_a_leader_elected_again_at_once_rebinds_its_replication_port() -> None:
+@pytest.mark.parametrize("transport", [ReplicationTransport.SOCKET, ReplicationTransport.ZMQ])
+def test_a_leader_elected_again_at_once_rebinds_its_replication_port(
+        transport: ReplicationTransport) -> None:
     """ZeroMQ frees a closed socket's port asynchronously: a leader deposed
     and re-elected within milliseconds (seen after SIGCONT) must not crash
-    binding its replication port."""
+    binding its replication port. The socket transport serves the port the
+    instance holds: each term's source accepts on it again."""
     port = find_free_port()
     cfg = MasterConfig(etcd=f"127.0.0.1:{find_free_port()}", cluster_id="rebind",
-                       replication_port=port, host="127.0.0.1", port=0, metrics_port=0)
+                       replication_port=port, host="127.0.0.1", port=0, metrics_port=0,
+                       replication_transport=transport)
     ctx = zmq.Context()
     node = HaNode(cfg, 1, 0, None, lambda: Directory(cfg), ctx)  # the elector is not started
+    assert node.me.replication.startswith(
+        SOCKET_SCHEME if transport is ReplicationTransport.SOCKET else "tcp://")
     try:
         for _ in range(30):
             src = node._bind_source(Directory(cfg), 5)
-            peer = ctx.socket(zmq.DEALER)
-            peer.setsockopt(zmq.LINGER, 0)
-            peer.connect(f"tcp://127.0.0.1:{port}")
-            peer.send(b"x")
-            assert src.sock.poll(2000)
-            src.sock.recv_multipart()
+            if transport is ReplicationTransport.ZMQ:
+                peer = ctx.socket(zmq.DEALER)
+                peer.setsockopt(zmq.LINGER, 0)
+                peer.connect(f"tcp://127.0.0.1:{port}")
+                peer.send(b"x")
+            else:
+                raw = socket.create_connection(("127.0.0.1", port), timeout=2)
+                raw.sendall(struct.pack("<II", 1, 0) + b"x")
+            got: list[Any] = []
+            deadline = time.monotonic() + 2
+            while not got:
+                assert time.monotonic() < deadline
+                src.wait(100)
+                got = src.transport.recv_all()
+            assert [data for _peer, data in got] == [b"x"]
             src.close()
-            peer.close(0)
+            if transport is ReplicationTransport.ZMQ:
+                peer.close(0)
+            else:
+                raw.close()
     finally:
         node.close()
         ctx.destroy(0)
+
+
+def test_socket_stream_acks_only_what_a_standby_holds_and_outlives_a_standby(
+        etcd: EtcdProcess, tmp_path: Path) -> None:
+    """The default journal stream without CURVE: a plain socket served on the
+    leader's loop (advertised ``socket://``). A write is acknowledged only once
+    an in-sync standby holds it: with both standbys frozen (connections open,
+    silent) the held PUT_END is never answered OK. The in-sync standby killed
+    -9 (its connection reset): the other joins the set and writes go on within
+    about ``sync_timeout_s``; restarted, the killed one dials again and
+    streams with lag 0."""
+    from kvpool.core.etcd import EtcdClient, LeaderInfo, group_keys
+
+    with _group(etcd, tmp_path) as group:
+        leader = group.wait_leader(in_sync=1, streaming=2)
+        with EtcdClient([etcd.endpoint]) as ec:
+            kv = ec.get(group_keys(group.cluster_id).leader)
+        assert kv is not None
+        info = LeaderInfo.decode(kv.value, kv.create_revision)
+        assert info.replication.startswith(SOCKET_SCHEME), info
+        standbys = [m for m in group.members if m is not leader]
+        with MasterClient(leader.address, timeout_s=5.0) as c:
+            _mount(c, "seg-s", "owner", 1 << 26)
+            _put(c, "before")
+            for s in standbys:
+                assert s.pid is not None
+                os.kill(s.pid, signal.SIGSTOP)
+            try:
+                c.call(PutStart(client_id="w", key="frozen", size=OBJ))
+                with pytest.raises(MasterRPCError) as ei:
+                    c.call(PutEnd(client_id="w", key="frozen"))
+                assert ei.value.code == ErrorCode.WRITE_OUTCOME_UNKNOWN, ei.value
+            finally:
+                for s in standbys:
+                    os.kill(s.pid, signal.SIGCONT)
+        assert group.wait_leader(in_sync=1, streaming=2, timeout_s=20) is leader
+        h = leader.health() or {}
+        victim = next(s for s in standbys
+                      if any(b["in_sync"] and b["instance_id"] == s.address
+                             for b in h["standbys"]))
+        victim.kill()
+        with MasterClient(group.url, timeout_s=10.0) as c:
+            t0 = time.monotonic()
+            _put(c, "after-kill")
+            took = time.monotonic() - t0
+            assert took < 3.0, took  # the other standby joined the set
+            assert c.call(Exist(key="before")).exists and c.call(Exist(key="frozen")).exists
+        victim.start()
+        wait_until(lambda: _quiet(leader, 2), 20, "the restarted standby to stream again")
+        vh = victim.health() or {}
+        assert vh.get("sink") == "streaming" and vh.get("lsn") == (leader.health() or {})["lsn"]
