@@ -6,7 +6,9 @@ unmounts them at *their* master; a janitor of another run (a node daemon
 reaps every 2 s) that got there first would free the file without the
 unmount. With ``KVPOOL_SHM_TAG`` set here (inherited by every process the
 tests start), each run's janitors reap only the run's own orphans. Orphans of
-runs that died are removed at session start.
+runs that died are removed at session start. (Janitors of versions before
+tags reap only ``kvpool-*`` names: tagged ``kvpool~...`` files are safe from
+them too.)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 
 _TAG = f"pytest{os.getpid()}"
 os.environ["KVPOOL_SHM_TAG"] = _TAG
-_TAG_NAME = re.compile(r"^kvpool-pytest(\d+)~")
+_TAG_NAME = re.compile(r"^kvpool~pytest(\d+)~")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -40,4 +42,4 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         except PermissionError:
             pass
     for pid in dead:
-        reap_orphaned_shm(prefix=f"kvpool-pytest{pid}~")
+        reap_orphaned_shm(prefix=f"kvpool~pytest{pid}~")

@@ -19,10 +19,11 @@ is gone: ``LOCK_EX | LOCK_NB`` succeeding proves it. Files without the
 
 Runs that share a host but not a master (separate deployments, test suites
 run side by side) can keep apart: a process whose environment sets
-``KVPOOL_SHM_TAG`` names its files ``kvpool-<tag>~...`` and its janitor
+``KVPOOL_SHM_TAG`` names its files ``kvpool~<tag>~...`` and its janitor
 removes only orphans with that tag; one without a tag removes only untagged
-orphans. A janitor that removed another cluster's orphan could not unmount
-it at that cluster's master, which would list it until the owner's
+(``kvpool-...``) orphans, as janitors of versions before tags did. A
+janitor that removed another cluster's orphan could not unmount it at that
+cluster's master, which would list it until the owner's
 ``client_ttl_s + client_grace_s``.
 """
 
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "kvpool-"
+_TAGGED_PREFIX = "kvpool~"  # kvpool~<tag>~...: not SHM_PREFIX, so untagged janitors skip it
 SHM_OWNED_SUFFIX = ".seg"  # files whose owner holds an flock on them while it lives
 SHM_TAG_ENV = "KVPOOL_SHM_TAG"
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.]{1,32}$")
@@ -142,7 +144,7 @@ def map_shm(name: str, length: int, *, populate: bool = True) -> mmap.mmap:
     ``populate`` pre-builds the page tables (MAP_POPULATE) so the first copy
     does not pay a fault per page. Raises SEGMENT_NOT_FOUND if it is gone.
     """
-    if "/" in name or not name.startswith(SHM_PREFIX):
+    if "/" in name or not name.startswith((SHM_PREFIX, _TAGGED_PREFIX)):
         raise TransferError(f"bad shm name {name!r}", ErrorCode.INVALID_PARAMS, retryable=False)
     try:
         fd = os.open(_shm_path(name), os.O_RDWR)
@@ -199,21 +201,20 @@ def _link_tmpfile(fd: int, path: str) -> None:
 
 def shm_tag_prefix() -> str:
     """The name prefix of this process's segment files: ``kvpool-`` or, with
-    ``KVPOOL_SHM_TAG`` set, ``kvpool-<tag>~`` (``~`` never appears in the
-    segment-id part of a name, so no untagged name has a tagged prefix)."""
+    ``KVPOOL_SHM_TAG`` set, ``kvpool~<tag>~`` (no tag is a prefix of another's
+    files: ``~`` ends it and never appears in a tag)."""
     tag = os.environ.get(SHM_TAG_ENV, "")
     if not tag:
         return SHM_PREFIX
     if not _TAG_RE.match(tag):
         raise TransferError(f"{SHM_TAG_ENV}={tag!r}: 1-32 of [A-Za-z0-9_.]",
                             ErrorCode.INVALID_PARAMS, retryable=False)
-    return f"{SHM_PREFIX}{tag}~"
+    return f"{_TAGGED_PREFIX}{tag}~"
 
 
 def reap_orphaned_shm(directory: str = SHM_DIR, prefix: str | None = None) -> list[str]:
     """Remove the ``<prefix>*.seg`` files in ``directory`` whose owner is dead
-    (``prefix``: this process's :func:`shm_tag_prefix` by default; an
-    untagged prefix leaves tagged files alone).
+    (``prefix``: this process's :func:`shm_tag_prefix` by default).
 
     A file is an orphan when its owner's lock is gone (``LOCK_EX | LOCK_NB``
     succeeds): the owner process exited (kill -9 included) without
@@ -228,10 +229,8 @@ def reap_orphaned_shm(directory: str = SHM_DIR, prefix: str | None = None) -> li
         return removed
     uid = os.geteuid()
     own = shm_tag_prefix() if prefix is None else prefix
-    untagged = own == SHM_PREFIX  # then tagged files are another namespace's
     for name in names:
-        if not (name.startswith(own) and name.endswith(SHM_OWNED_SUFFIX)) \
-                or (untagged and "~" in name):
+        if not (name.startswith(own) and name.endswith(SHM_OWNED_SUFFIX)):
             continue
         path = os.path.join(directory, name)
         try:

@@ -24,6 +24,7 @@ from kvpool.store.errors import (
     ObjectNotFound,
     StoreError,
 )
+from kvpool.transfer.segment import shm_tag_prefix
 
 Key = Callable[..., str]
 LEASE_TTL_MS = 1000  # the master fixture's lease (conftest.py)
@@ -243,7 +244,7 @@ def test_contributing_client_lifecycle(master: MasterProcess, daemons: list[Node
                              ping_interval_s=0.2)) as owner:
         (seg,) = owner.segment_ids
         (shm,) = owner.shm_names
-        assert shm_exists(shm) and shm.startswith("kvpool-")
+        assert shm_exists(shm) and shm.startswith(shm_tag_prefix())
         with master.client() as mc:
             ids = {s.descriptor.segment_id for s in mc.call(ListSegments()).segments}
         assert seg in ids

@@ -218,12 +218,12 @@ def test_janitor_reaps_only_its_own_tags_orphans(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs sharing a host keep apart: a tagged janitor reaps its tag's orphans
     only, an untagged one untagged orphans only (no lock held: all orphans)."""
-    names = {"ours": "kvpool-ours~seg_1-aa.seg", "theirs": "kvpool-theirs~seg_1-bb.seg",
+    names = {"ours": "kvpool~ours~seg_1-aa.seg", "theirs": "kvpool~theirs~seg_1-bb.seg",
              "untagged": "kvpool-seg_1-cc.seg"}
     for n in names.values():
         (tmp_path / n).write_bytes(b"x")
     monkeypatch.setenv(SHM_TAG_ENV, "ours")
-    assert shm_tag_prefix() == "kvpool-ours~"
+    assert shm_tag_prefix() == "kvpool~ours~"
     assert reap_orphaned_shm(str(tmp_path)) == [names["ours"]]
     monkeypatch.delenv(SHM_TAG_ENV)
     assert reap_orphaned_shm(str(tmp_path)) == [names["untagged"]]
