@@ -86,6 +86,38 @@ class Allocator:
         self.free -= need
         return off
 
+    def allocate_run(self, size: int, count: int) -> tuple[int, int]:
+        """Up to ``count`` allocations of ``size`` bytes at once: ``(offset, k)``,
+        the ``k`` (>= 1) ranges ``offset + m * aligned(size)``, or ``(-1, 0)``
+        when full. The same ranges and free list as ``k`` calls of
+        ``allocate(size)``: after a best-fit carve the block's remainder is
+        smaller than every other block that fits, so it is the next best fit
+        while it holds one more. A caller that uses fewer gives the tail back
+        with one ``release`` (it coalesces into the remainder: the state is as
+        if only those were allocated)."""
+        a = self.alignment
+        need = (size + a - 1) & -a if size > 0 else a
+        by_size = self._by_size
+        j = bisect_left(by_size, (need, -1))
+        if j == len(by_size) or count <= 0:
+            return -1, 0
+        length, off = by_size[j]
+        k = min(count, length // need)
+        take = k * need
+        starts = self._starts
+        i = bisect_left(starts, off)
+        del by_size[j]
+        if length == take:
+            del starts[i]
+            del self._lens[i]
+        else:
+            starts[i] = off + take
+            self._lens[i] = length - take
+            insort(by_size, (length - take, off + take))
+        self.used += take
+        self.free -= take
+        return off, k
+
     def reserve(self, off: int, size: int) -> None:
         """Mark ``[off, off+aligned(size))`` allocated (restoring state after a restart)."""
         need = self.aligned(max(size, 1))

@@ -810,7 +810,13 @@ class Directory:
         # most-free segment as put_start's max(pool, key=free)
         fast = 0 < len(pool) <= 32
         frees = [seg.alloc.free for seg in pool] if fast else []
-        for i in range(len(keys)):
+        n = len(keys)
+        # a pool of one segment: the ranges of a run of equal sizes are carved
+        # at once (Allocator.allocate_run: what allocate() would give key by
+        # key); the ones left over go back before anything else allocates
+        run_seg: Any = None
+        run_off = run_left = run_size = run_need = 0
+        for i in range(n):
             key = keys[i]
             size = sizes[i]
             if not key or len(key) > max_key:
@@ -825,6 +831,34 @@ class Directory:
             if not stamped:
                 self.clients[client_id] = now
                 stamped = True
+            if len(frees) == 1 and key not in pending:
+                if not run_left or size != run_size:
+                    if run_left:
+                        run_seg.alloc.release(run_off, run_left * run_need)
+                    run_seg = pool[0]
+                    run_off, run_left = run_seg.alloc.allocate_run(size, n - i)
+                    run_size, run_need = size, run_seg.alloc.aligned(size)
+                if run_left:
+                    reps = (run_seg, run_off)
+                    run_off += run_need
+                    run_left -= 1
+                    used = pool_used[_MEM] + run_need
+                    pool_used[_MEM] = used
+                    isize = sizes_get(size)
+                    pending[key] = Pending(intern(size) if isize is None else isize, reps, 0,
+                                           None, client_id, now)
+                    out[i] = reps
+                    if used > high * cap:
+                        if run_left:
+                            run_seg.alloc.release(run_off, run_left * run_need)
+                            run_left = 0
+                        self.evict(_MEM)
+                        cap = self.pool_cap[_MEM]
+                        frees = [seg.alloc.free for seg in pool]
+                    continue
+            if run_left:  # the general path below may allocate: the run's rest goes back
+                run_seg.alloc.release(run_off, run_left * run_need)
+                run_left = 0
             if fast and key not in pending:
                 j = frees.index(max(frees)) if len(frees) > 1 else 0
                 seg = pool[j]
@@ -853,6 +887,8 @@ class Directory:
             cap = self.pool_cap[_MEM]  # the slow path may have evicted
             fast = 0 < len(pool) <= 32
             frees = [seg.alloc.free for seg in pool] if fast else []
+        if run_left:
+            run_seg.alloc.release(run_off, run_left * run_need)
 
     def put_end(self, client_id: str, key: str) -> int:
         """Make an in-flight put COMPLETE (readable, journaled)."""
@@ -906,6 +942,8 @@ class Directory:
         bad_key = int(ErrorCode.INVALID_KEY)
         codes: list[int] = []
         code_append = codes.append
+        last_seg: Any = None  # a batch mostly fills one segment: its key set's add at hand
+        seg_add: Any = None
         for key in keys:
             if not key or len(key) > max_key:
                 code_append(bad_key)
@@ -922,10 +960,13 @@ class Directory:
                 continue
             del pending[key]
             seg = reps[0]
-            shard[key] = Obj(p.size, reps, p.flags, p.checksum, writer)
-            seg.keys.add(key)
+            size, flags, checksum = p.size, p.flags, p.checksum
+            shard[key] = Obj(size, reps, flags, checksum, writer)
+            if seg is not last_seg:
+                last_seg, seg_add = seg, seg.keys.add
+            seg_add(key)
             if append is not None:
-                append([_REC_PUT, key, p.size, p.flags, p.checksum, [seg.id, reps[1]]])
+                append([_REC_PUT, key, size, flags, checksum, [seg.id, reps[1]]])
             code_append(0)
         return codes
 

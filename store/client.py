@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import threading
 import time
 import uuid
@@ -141,6 +142,8 @@ _COPIED = (True, "")
 _OK = ErrorCode.OK
 _STR_ONLY = {str}
 _ONE_ONLY = {1}
+_HANDLE_ONLY = {BufferHandle}
+_LENGTH = operator.attrgetter("length")  # a registered buffer's size, without a call per key
 _STALE = int(ErrorCode.STALE_EPOCH)
 _UNREAD = int(ErrorCode.INTERNAL_ERROR)  # a batch read's result before the key is decided
 _UNSET: Any = object()
@@ -584,6 +587,7 @@ class Client:
             last_sid: str | None = None
             last_big = False
             region: Any = None
+            rview: Any = None
             rsize = 0
             copied = 0
             for j, (buf, r, size) in enumerate(jobs):
@@ -596,6 +600,9 @@ class Client:
                         region = regions[rkey] = inline.target(known.get(sid), size)
                     last_sid, last_big = sid, big
                     rsize = 0 if region is None else region.size
+                    # a small copy through memoryviews: half the time of a numpy
+                    # slice assignment (a 4 KiB key: ~160 against ~310 ns)
+                    rview = None if region is None else memoryview(region)
                 if region is None:
                     via_engine.append(j)
                     continue
@@ -620,10 +627,16 @@ class Client:
                     if arr.size != size:
                         arr = arr[:size]
                     if size < _SPLIT_MIN:  # parallel_copyto's own small-copy path, inline
-                        if write:
-                            region[off:off + size] = arr
-                        else:
-                            arr[...] = region[off:off + size]
+                        try:  # (bytes of a 1-D uint8 array: the registered buffers)
+                            if write:
+                                rview[off:off + size] = arr
+                            else:
+                                arr.data[:] = rview[off:off + size]
+                        except (ValueError, TypeError):  # another layout: numpy copies it
+                            if write:
+                                region[off:off + size] = arr
+                            else:
+                                arr[...] = region[off:off + size]
                     elif write:
                         parallel_copyto(region[off:off + size], arr)
                     else:
@@ -729,7 +742,8 @@ class Client:
         if checksums is None and set(map(type, keys)) == _STR_ONLY \
                 and 0 < min(map(len, keys)) and max(map(len, keys)) <= MAX_KEY_LENGTH \
                 and len(set(keys)) == n:
-            sizes = list(map(buffer_nbytes, buffers))
+            sizes = list(map(_LENGTH, buffers)) if set(map(type, buffers)) == _HANDLE_ONLY \
+                else list(map(buffer_nbytes, buffers))
         if sizes is not None and min(sizes) > 0:
             # every key valid and distinct, every buffer non-empty (the common case)
             put_keys, put_sizes, idx = list(keys), sizes, range(n)

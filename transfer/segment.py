@@ -16,6 +16,15 @@ so :func:`reap_orphaned_shm` (run by every segment-owning process at setup
 and periodically by the node daemon) removes exactly the files whose owner
 is gone: ``LOCK_EX | LOCK_NB`` succeeding proves it. Files without the
 ``.seg`` suffix (older versions, no lock) are never touched.
+
+Runs that share a host but not a master (separate deployments, test suites
+run side by side) can keep apart: a process whose environment sets
+``KVPOOL_SHM_TAG`` names its files ``kvpool~<tag>~...`` and its janitor
+removes only orphans with that tag; one without a tag removes only untagged
+(``kvpool-...``) orphans, as janitors of versions before tags did. A
+janitor that removed another cluster's orphan could not unmount it at that
+cluster's master, which would list it until the owner's
+``client_ttl_s + client_grace_s``.
 """
 
 from __future__ import annotations
@@ -42,17 +51,22 @@ __all__ = [
     "SHM_DIR",
     "SHM_OWNED_SUFFIX",
     "SHM_PREFIX",
+    "SHM_TAG_ENV",
     "LocalSegment",
     "MemorySegment",
     "map_shm",
     "reap_orphaned_shm",
+    "shm_tag_prefix",
 ]
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "kvpool-"
+_TAGGED_PREFIX = "kvpool~"  # kvpool~<tag>~...: not SHM_PREFIX, so untagged janitors skip it
 SHM_OWNED_SUFFIX = ".seg"  # files whose owner holds an flock on them while it lives
+SHM_TAG_ENV = "KVPOOL_SHM_TAG"
+_TAG_RE = re.compile(r"^[A-Za-z0-9_.]{1,32}$")
 _PREFAULT_CHUNK = 64 << 20
 
 
@@ -130,7 +144,7 @@ def map_shm(name: str, length: int, *, populate: bool = True) -> mmap.mmap:
     ``populate`` pre-builds the page tables (MAP_POPULATE) so the first copy
     does not pay a fault per page. Raises SEGMENT_NOT_FOUND if it is gone.
     """
-    if "/" in name or not name.startswith(SHM_PREFIX):
+    if "/" in name or not name.startswith((SHM_PREFIX, _TAGGED_PREFIX)):
         raise TransferError(f"bad shm name {name!r}", ErrorCode.INVALID_PARAMS, retryable=False)
     try:
         fd = os.open(_shm_path(name), os.O_RDWR)
@@ -185,8 +199,22 @@ def _link_tmpfile(fd: int, path: str) -> None:
         os.close(proc)
 
 
-def reap_orphaned_shm(directory: str = SHM_DIR) -> list[str]:
-    """Remove the ``kvpool-*.seg`` files in ``directory`` whose owner is dead.
+def shm_tag_prefix() -> str:
+    """The name prefix of this process's segment files: ``kvpool-`` or, with
+    ``KVPOOL_SHM_TAG`` set, ``kvpool~<tag>~`` (no tag is a prefix of another's
+    files: ``~`` ends it and never appears in a tag)."""
+    tag = os.environ.get(SHM_TAG_ENV, "")
+    if not tag:
+        return SHM_PREFIX
+    if not _TAG_RE.match(tag):
+        raise TransferError(f"{SHM_TAG_ENV}={tag!r}: 1-32 of [A-Za-z0-9_.]",
+                            ErrorCode.INVALID_PARAMS, retryable=False)
+    return f"{_TAGGED_PREFIX}{tag}~"
+
+
+def reap_orphaned_shm(directory: str = SHM_DIR, prefix: str | None = None) -> list[str]:
+    """Remove the ``<prefix>*.seg`` files in ``directory`` whose owner is dead
+    (``prefix``: this process's :func:`shm_tag_prefix` by default).
 
     A file is an orphan when its owner's lock is gone (``LOCK_EX | LOCK_NB``
     succeeds): the owner process exited (kill -9 included) without
@@ -200,8 +228,9 @@ def reap_orphaned_shm(directory: str = SHM_DIR) -> list[str]:
     except OSError:
         return removed
     uid = os.geteuid()
+    own = shm_tag_prefix() if prefix is None else prefix
     for name in names:
-        if not (name.startswith(SHM_PREFIX) and name.endswith(SHM_OWNED_SUFFIX)):
+        if not (name.startswith(own) and name.endswith(SHM_OWNED_SUFFIX)):
             continue
         path = os.path.join(directory, name)
         try:
@@ -277,7 +306,7 @@ class MemorySegment(LocalSegment):
             raise TransferError(f"segment size must be > 0: {size}", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", segment_id)[:64]
-        name = f"{SHM_PREFIX}{safe}-{uuid.uuid4().hex[:12]}{SHM_OWNED_SUFFIX}"
+        name = f"{shm_tag_prefix()}{safe}-{uuid.uuid4().hex[:12]}{SHM_OWNED_SUFFIX}"
         path = _shm_path(name)
         fd, linked = _open_locked(path)
         try:

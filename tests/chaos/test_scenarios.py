@@ -7,6 +7,7 @@ agent that does not answer in time fails the test (ClusterError).
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Iterator
@@ -75,13 +76,47 @@ def segment_state(c: ChaosCluster, seg: str, agent: str = "wl1") -> str | None:
     return None
 
 
-def wait_state(c: ChaosCluster, seg: str, want: str | None, timeout_s: float) -> float:
-    """Wait until ``seg``'s state is ``want``; return the time.time() it was seen."""
+class StatusPolls:
+    """The status calls of one wait_state: ``(start, end, state)`` in
+    time.monotonic() (durations never move with the wall clock), so a failed
+    bound shows whether the master changed late or one call was slow."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, float, str | None]] = []
+
+    def report(self, since: float, last: int = 8) -> str:
+        calls = self.calls
+        slowest = max(calls, key=lambda x: x[1] - x[0])
+        # a 0.1 s sleep between calls that lasted far longer: this process (or
+        # the whole box) did not run
+        gap, at = max(((b[0] - a[1], a[1]) for a, b in itertools.pairwise(calls)),
+                      default=(0.0, since))
+        shown = [f"{a - since:.2f}..{b - since:.2f}s {st}" for a, b, st in calls[-last:]]
+        return (f"{len(calls)} status calls, slowest {slowest[1] - slowest[0]:.2f}s at "
+                f"{slowest[0] - since:.2f}s, longest pause between two {gap:.2f}s at "
+                f"{at - since:.2f}s; last: {', '.join(shown)}")
+
+
+def wait_state(c: ChaosCluster, seg: str, want: str | None, timeout_s: float,
+               polls: StatusPolls | None = None) -> float:
+    """Wait until ``seg``'s state is ``want``; return the time.monotonic() it was seen."""
+    polls = polls if polls is not None else StatusPolls()
     deadline = time.monotonic() + timeout_s
-    while (got := segment_state(c, seg)) != want:
-        assert time.monotonic() < deadline, f"{seg} is {got!r}, expected {want!r}"
+    while True:
+        start = time.monotonic()
+        got = segment_state(c, seg)
+        polls.calls.append((start, time.monotonic(), got))
+        if got == want:
+            return polls.calls[-1][1]
+        assert time.monotonic() < deadline, \
+            f"{seg} is {got!r}, expected {want!r}; {polls.report(deadline - timeout_s)}"
         time.sleep(0.1)
-    return time.time()
+
+
+def master_lines(c: ChaosCluster, *needles: str) -> list[str]:
+    """The master log's lines that contain every one of ``needles``."""
+    text = c.log_tail("master", n=1 << 20)
+    return [line for line in text.splitlines() if all(n in line for n in needles)]
 
 
 def test_kill9_node_mid_workload(cluster: ChaosCluster) -> None:
@@ -103,13 +138,13 @@ def test_kill9_node_mid_workload(cluster: ChaosCluster) -> None:
     # wl2 reads everything in a loop; kill -9 the victim one second in
     c.agents["wl2"].send("get", keys=two + one, seconds=4.0)
     time.sleep(1.0)
-    killed_at = time.time()
+    killed_at, killed_m = time.time(), time.monotonic()  # wall: for the agents' stamps
     c.kill_node(victim)
     # the dead daemon's guard (its own session: the group kill spared it) frees its
     # shared memory and unmounts it at once, well before the master's TTL would
     # even make it suspect (wl1 watches while wl2 reads)
     gone_at = wait_state(c, victim_seg, None, timeout_s=TTL_S + GRACE_S)
-    assert gone_at - killed_at < TTL_S, gone_at - killed_at
+    assert gone_at - killed_m < TTL_S, gone_at - killed_m
     assert c.shm_files(victim) == []
     gets = c.agents["wl2"].recv(timeout_s=4.0 + 8 * NEVER_HANG_S + 30)["gets"]
 
@@ -144,7 +179,7 @@ def test_partitioned_node_is_suspect_then_back_or_dropped_after_grace(
     c.agents["wl2"].send("get", keys=part, seconds=3.0 + TTL_S)
     c.agents["wl1"].send("get", keys=ctrl, seconds=2.0)
     time.sleep(1.0)
-    cut = time.time()
+    cut, cut_m = time.time(), time.monotonic()  # wall: compared with the agents' stamps
     c.topo.link_down(victim)
     ctrl_gets = c.agents["wl1"].recv(timeout_s=2.0 + 30)["gets"]
     assert_no_wrong_bytes(ctrl_gets)
@@ -153,7 +188,7 @@ def test_partitioned_node_is_suspect_then_back_or_dropped_after_grace(
     # silent for client_ttl: suspect (plus the master's expiry-loop granularity), not
     # dropped: its memory may be alive behind the partition. No new placement lands on it.
     seen = wait_state(c, seg, "suspect", timeout_s=max(0.0, cut + TTL_S + 3.0 - time.time()))
-    assert seen - cut >= TTL_S - 1.5, seen - cut  # its last ping came up to 1 s before the cut
+    assert seen - cut_m >= TTL_S - 1.5, seen - cut_m  # its last ping came up to 1 s before the cut
     fresh = keys("fresh", 4, 64 * 1024)
     put_all(c, "wl1", fresh, preferred=[seg])
     placed = c.agents["wl1"].call("replicas", keys=fresh)["replicas"]
@@ -177,11 +212,14 @@ def test_partitioned_node_is_suspect_then_back_or_dropped_after_grace(
     assert all(g[1] == 0 for g in back), back
 
     # cut again for longer than ttl + grace: dropped with its objects
-    cut = time.time()
+    cut = time.monotonic()
     c.topo.link_down(victim)
-    wait_state(c, seg, None, timeout_s=TTL_S + GRACE_S + 5)
-    dropped_after = time.time() - cut
-    assert TTL_S + GRACE_S - 1 <= dropped_after <= TTL_S + GRACE_S + 5, dropped_after
+    link_down_s = time.monotonic() - cut
+    polls = StatusPolls()
+    dropped_after = wait_state(c, seg, None, timeout_s=TTL_S + GRACE_S + 5, polls=polls) - cut
+    assert TTL_S + GRACE_S - 1 <= dropped_after <= TTL_S + GRACE_S + 5, (
+        f"dropped after {dropped_after:.2f}s; link_down took {link_down_s:.2f}s; "
+        f"{polls.report(cut)}; master: {master_lines(c, seg, 'dropped segment')}")
     gone = c.agents["wl1"].call("get", keys=part)["gets"]
     assert all(g[1] == ErrorCode.OBJECT_NOT_FOUND for g in gone), gone
 

@@ -102,18 +102,21 @@ def state(d: Directory) -> dict[str, Any]:
             for k, o in d.objects.items()}
     lru = [k for k, _ in d.objects.lru_items()]
     pending = {k: (p.size, p.client_id, p.started) for k, p in d.pending.items()}
-    segs = {s.id: (s.alloc.used, s.alloc.free, sorted(s.keys)) for s in d.segments.values()}
+    segs = {s.id: (s.alloc.used, s.alloc.free, sorted(s.keys), s.alloc._starts, s.alloc._lens,
+                   s.alloc._by_size) for s in d.segments.values()}
     return {"objects": objs, "lru": lru, "pending": pending, "segments": segs,
             "clients": dict(d.clients), "pool_used": dict(d.pool_used),
             "evictions": d.evictions, "preemptions": d.preemptions, "held": len(d._held)}
 
 
+@pytest.mark.parametrize("segments", [4, 1])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_batch_paths_match_per_key_paths(seed: int) -> None:
+def test_batch_paths_match_per_key_paths(seed: int, segments: int) -> None:
+    """(A pool of one segment: put_start_many carves runs of equal sizes at once.)"""
     rng = random.Random(seed)
     # small segments: the pool fills, so eviction (the general path) runs too
-    a, ca = make(4, 1 << 20)
-    b, cb = make(4, 1 << 20)
+    a, ca = make(segments, 1 << 20)
+    b, cb = make(segments, 1 << 20)
     names = [f"key-{i:04d}" for i in range(600)]
     for step in range(60):
         n = rng.randint(1, 40)
@@ -224,6 +227,40 @@ def test_reserve_in_allocation_order_matches_allocate() -> None:
     b.check()
     with pytest.raises(KVPoolError):
         b.reserve(live[0][0], live[0][1])  # not free
+
+
+def test_allocate_run_matches_allocate_key_by_key() -> None:
+    """allocate_run(size, count) hands out what ``count`` allocate() calls
+    would (as far as the best-fit block holds), and giving its unused tail
+    back leaves the free list as if only the used ranges were allocated."""
+    rng = random.Random(11)
+    a = Allocator(1 << 20, 64)
+    b = Allocator(1 << 20, 64)
+    live: list[tuple[int, int]] = []
+    runs = 0
+    for _ in range(1500):
+        if live and rng.random() < 0.4:
+            off, size = live.pop(rng.randrange(len(live)))
+            a.release(off, size)
+            b.release(off, size)
+        else:
+            size = rng.choice([1, 64, 100, 4096, 9000, 70_000])
+            off, k = b.allocate_run(size, rng.randint(1, 24))
+            used = rng.randint(1, k) if k else 0
+            offs = [a.allocate(size) for _ in range(max(used, 1))]
+            if not k:
+                assert offs == [-1]
+                continue
+            need = b.aligned(size)
+            assert offs == [off + m * need for m in range(used)]
+            if used < k:
+                b.release(off + used * need, (k - used) * need)
+            live += [(o, size) for o in offs]
+            runs += k > 1
+        assert (b._starts, b._lens, b._by_size, b.used, b.free) == \
+            (a._starts, a._lens, a._by_size, a.used, a.free)
+    b.check()
+    assert runs > 100
 
 
 # ---------------------------------------------------------------- batched reads

@@ -24,6 +24,7 @@ from kvpool.store.errors import (
     ObjectNotFound,
     StoreError,
 )
+from kvpool.transfer.segment import shm_tag_prefix
 
 Key = Callable[..., str]
 LEASE_TTL_MS = 1000  # the master fixture's lease (conftest.py)
@@ -142,6 +143,30 @@ def test_batch_put_of_valid_keys_one_stored(client: Client, key: Key) -> None:
     assert client.get_batch(keys) == [bufs[0].tobytes(), b"old", bufs[2].tobytes()]
 
 
+@pytest.mark.usefixtures("daemons")
+def test_batch_put_from_registered_buffers_of_any_byte_layout(
+        make_client: Callable[..., Client], key: Key) -> None:
+    """Registered uint8 buffers are copied (inline, to the daemons' shared
+    memory) through memoryviews; other one-byte layouts (int8) and raw
+    buffers take numpy's copy: the same bytes."""
+    client = make_client()  # no checksums: the batch put's fast size path
+    rng = np.random.default_rng(5)
+    u8 = rng.integers(0, 256, 4096, dtype=np.uint8)
+    i8 = rng.integers(-128, 128, 4096, dtype=np.int8)
+    raw = bytearray(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    keys = [key("u8"), key("i8"), key("raw")]
+    handles = [client.register_buffer(u8), client.register_buffer(i8), raw]
+    assert client.batch_put_from(keys, handles) == [ErrorCode.OK] * 3
+    assert client.get_batch(keys) == [u8.tobytes(), i8.tobytes(), bytes(raw)]
+    outs = [np.zeros(4096, np.uint8), np.zeros(4096, np.int8)]
+    reg = [client.register_buffer(o) for o in outs]
+    assert client.batch_get_into(keys[:2], reg) == [4096, 4096]
+    assert np.array_equal(outs[0], u8) and np.array_equal(outs[1], i8)
+    assert client.get_into(keys[0], reg[1]) == 4096
+    assert outs[1].tobytes() == u8.tobytes()
+    assert client._inline is not None and client._inline.copies >= 6
+
+
 def test_batch_put_from_get_into(client: Client, key: Key) -> None:
     rng = np.random.default_rng(2)
     srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (4096, 65536, 1 << 20)]
@@ -219,7 +244,7 @@ def test_contributing_client_lifecycle(master: MasterProcess, daemons: list[Node
                              ping_interval_s=0.2)) as owner:
         (seg,) = owner.segment_ids
         (shm,) = owner.shm_names
-        assert shm_exists(shm) and shm.startswith("kvpool-")
+        assert shm_exists(shm) and shm.startswith(shm_tag_prefix())
         with master.client() as mc:
             ids = {s.descriptor.segment_id for s in mc.call(ListSegments()).segments}
         assert seg in ids

@@ -25,9 +25,10 @@ from typing import Any
 import pytest
 
 from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+from kvpool.core.errors import KVPoolError
 from kvpool.core.protocol import Exist, ListSegments, SegmentInfo
 from kvpool.store import Client, ClientConfig, ReplicateConfig
-from kvpool.transfer.segment import reap_orphaned_shm
+from kvpool.transfer.segment import SHM_TAG_ENV, reap_orphaned_shm, shm_tag_prefix
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -211,6 +212,25 @@ def test_janitor_spares_live_owners_and_foreign_files(master: MasterProcess,
     finally:
         os.unlink(legacy)
     assert set(h.info["segment_ids"]) <= set(_segments(master))
+
+
+def test_janitor_reaps_only_its_own_tags_orphans(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs sharing a host keep apart: a tagged janitor reaps its tag's orphans
+    only, an untagged one untagged orphans only (no lock held: all orphans)."""
+    names = {"ours": "kvpool~ours~seg_1-aa.seg", "theirs": "kvpool~theirs~seg_1-bb.seg",
+             "untagged": "kvpool-seg_1-cc.seg"}
+    for n in names.values():
+        (tmp_path / n).write_bytes(b"x")
+    monkeypatch.setenv(SHM_TAG_ENV, "ours")
+    assert shm_tag_prefix() == "kvpool~ours~"
+    assert reap_orphaned_shm(str(tmp_path)) == [names["ours"]]
+    monkeypatch.delenv(SHM_TAG_ENV)
+    assert reap_orphaned_shm(str(tmp_path)) == [names["untagged"]]
+    assert sorted(os.listdir(tmp_path)) == [names["theirs"]]
+    monkeypatch.setenv(SHM_TAG_ENV, "bad~tag")
+    with pytest.raises(KVPoolError):
+        shm_tag_prefix()
 
 
 def test_guard_is_respawned_and_a_forked_child_releases_nothing(master: MasterProcess) -> None:
