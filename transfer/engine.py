@@ -909,17 +909,24 @@ class TransferEngine:
             copy(items, write, device, independent)
         return True
 
+    def _start_sync(self, requests: Sequence[TransferRequest],
+                    deadline: float | None) -> RequestStatus | BatchHandle:
+        """Start a batch the caller waits for: a lone request's first attempt
+        inline (its DONE status when that succeeded), else the batch's handle."""
+        one = self._run_one(requests, deadline) if len(requests) == 1 else None
+        if one is not None:
+            return one
+        return self._submit(requests, sync=True, caller_deadline=deadline)
+
     def run(self, requests: Sequence[TransferRequest], timeout: float) -> list[RequestStatus]:
         """Run a batch, in the calling thread where one transport serves it, and
         wait at most ``timeout`` seconds. Never raises for a slow batch: a
         request still unfinished then is reported FAILED with TIMEOUT (a reader
         moves on to another replica instead of waiting on a dead peer)."""
         deadline = time.monotonic() + timeout
-        one = self._run_one(requests, deadline) if len(requests) == 1 else None
-        if type(one) is RequestStatus:
-            return [one]
-        handle = one if one is not None else self._submit(requests, sync=True,
-                                                          caller_deadline=deadline)
+        handle = self._start_sync(requests, deadline)
+        if type(handle) is RequestStatus:
+            return [handle]
         assert isinstance(handle, BatchHandle)
         handle.wait(max(0.0, deadline - time.monotonic()))
         out = []
@@ -937,11 +944,9 @@ class TransferEngine:
         """submit + wait. Raises ``TransferError(TIMEOUT)`` if not all requests
         are terminal within ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        one = self._run_one(requests, deadline) if len(requests) == 1 else None
-        if type(one) is RequestStatus:
-            return [one]
-        handle = one if one is not None else self._submit(requests, sync=True,
-                                                          caller_deadline=deadline)
+        handle = self._start_sync(requests, deadline)
+        if type(handle) is RequestStatus:
+            return [handle]
         assert isinstance(handle, BatchHandle)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         finished = handle.wait(left)
