@@ -416,13 +416,17 @@ def test_shared_capability_goes_once_per_request(make_engine: Any, make_segment:
     assert seen == [(0, 4, good), (4, 4, good)]
 
 
+@pytest.mark.parametrize("registered", [False, True], ids=["arrays", "registered"])
 def test_batch_token_is_checked_once_and_range_by_range_on_doubt(make_engine: Any,
-                                                                 make_segment: Any) -> None:
+                                                                 make_segment: Any,
+                                                                 registered: bool) -> None:
     """A bulk request whose ranges all share one real batch token: one MAC and
     one check for the request, every byte lands; a range outside its grant
     sends the request to the per-range checks, which refuse that range only
     (with its reason counted) and serve the others; a token of the wrong op
-    refuses every range."""
+    refuses every range. Registered buffers take the engine's path for a batch
+    of requests alike (its first attempt inline, handed to the batch path when
+    a range is refused): the same codes and bytes."""
     srv = make_engine("host-srv")
     seg = make_segment(MiB)
     desc = srv.add_local_segment(seg)
@@ -440,6 +444,8 @@ def test_batch_token_is_checked_once_and_range_by_range_on_doubt(make_engine: An
     macs, accepted = v.macs, v.accepted
 
     def reqs(op: TransferOp, buf: Any, tok: bytes, shift: int = -1) -> list[TransferRequest]:
+        if registered:
+            buf = cli.register_buffer(buf)
         return [TransferRequest(op, buf, sid, i * 4096 + (8 if i == shift else 0), 4096,
                                 buffer_offset=i * 4096, capability=tok) for i in range(32)]
 
