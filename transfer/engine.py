@@ -13,7 +13,10 @@ is kept per (transport, peer): a dead peer pauses tcp towards that peer only,
 while a transport that is broken everywhere gets paused for every peer.
 ``run``/``transfer`` of a lone request make its first attempt on the caller's
 thread without building the batch (handle, sub-batch, reports); a failed
-attempt is handed to the batch path, which goes on from there as above.
+attempt is handed to the batch path, which goes on from there as above. So do
+they for a batch of requests alike (one segment, registered buffers of one
+device, one length, one slice: the pages of a KV batch), without the
+per-request tracks and statuses until something in the attempt fails.
 """
 
 from __future__ import annotations
