@@ -267,6 +267,30 @@ def test_lone_small_request_takes_one_idle_connection(make_engine: Any,
         assert dst[9:].tobytes() == src[boff:boff + n].tobytes()
         assert tcp.stats()["bulk_requests"] == n0 + 2
     assert len(tcp._bulk_all) == 1 and routed == []  # one connection, straight
+    # a batch of small requests to the one segment goes the same way, as one
+    # bulk request: every range's bytes and code (one refused range: its own
+    # code, not retried; the others DONE once)
+    for buf in (src, cli.register_buffer(src)):  # the general engine path, the batch path
+        n0 = tcp.stats()["bulk_requests"]
+        offs = [MiB + i * 8192 + 5 for i in range(16)]  # clear of the ranges above
+        bo = {o: 2 * (o - MiB) + 3 for o in offs}
+        reqs = [TransferRequest(W, buf, desc.segment_id, o, 4096, buffer_offset=bo[o])
+                for o in offs]
+        st = cli.transfer(reqs, 10)
+        assert all(x.ok and x.errors == [] for x in st), st
+        assert all(seg.array()[o:o + 4096].tobytes() == src[bo[o]:bo[o] + 4096].tobytes()
+                   for o in offs)
+        dst = np.zeros(16 * 4096, np.uint8)
+        st = cli.run([TransferRequest(R, dst, desc.segment_id, o, 4096, buffer_offset=k * 4096)
+                      for k, o in enumerate(offs)], 10)
+        assert all(x.ok for x in st) and dst.tobytes() == b"".join(
+            src[bo[o]:bo[o] + 4096].tobytes() for o in offs)
+        reqs[3] = TransferRequest(W, buf, desc.segment_id, 3 * MiB + 64, 4096)
+        st = cli.transfer(reqs, 10)
+        assert [x.ok for x in st] == [k != 3 for k in range(16)], st
+        assert st[3].code == ErrorCode.PERMISSION_DENIED and len(st[3].errors) == 1
+        assert tcp.stats()["bulk_requests"] == n0 + 48
+    assert len(tcp._bulk_all) == 1 and routed == []
     n0 = tcp.stats()["bulk_requests"]
     st = cli.transfer([TransferRequest(W, src, desc.segment_id, 3 * MiB, 4096)], 10)
     assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.PERMISSION_DENIED
