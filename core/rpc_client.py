@@ -184,6 +184,7 @@ class MasterClient:
         self._local_on = local == "auto" and curve_server_key is None
         self._local_wanted = self._local_on
         self._usock: socket.socket | None = None
+        self._utcp = False  # _usock is a TCP socket (its family read once: an enum per read)
         self._same_host: bool | None = None  # the master's address is one of ours
         self._zmq_ok = 0  # successful ZeroMQ calls since the last lookup
         self._next_lookup = 0.0
@@ -254,6 +255,7 @@ class MasterClient:
                 us.settimeout(None)  # blocking; _call_local sets kernel timeouts
                 self._utimeout = -1.0
                 self._usock = us
+                self._utcp = us.family != socket.AF_UNIX
                 rid = next(self._ids)
                 check = self._call_local(Op.LOCAL_ENDPOINT, rid,
                                          encode_request(rid, LocalEndpoint()), 1.0)
@@ -297,7 +299,7 @@ class MasterClient:
             # the send below would still succeed and only the read would tell,
             # too late to know whether the request ran; a peek tells it now. A
             # Unix socket's send fails at once (EPIPE) then: no peek needed
-            if us.family != socket.AF_UNIX:
+            if self._utcp:
                 try:
                     stale = us.recv(1, _PEEK_NOWAIT)
                 except BlockingIOError:

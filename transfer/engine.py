@@ -13,7 +13,10 @@ is kept per (transport, peer): a dead peer pauses tcp towards that peer only,
 while a transport that is broken everywhere gets paused for every peer.
 ``run``/``transfer`` of a lone request make its first attempt on the caller's
 thread without building the batch (handle, sub-batch, reports); a failed
-attempt is handed to the batch path, which goes on from there as above.
+attempt is handed to the batch path, which goes on from there as above. So do
+they for a batch of requests alike (one segment, registered buffers of one
+device, one length, one slice: the pages of a KV batch), without the
+per-request tracks and statuses until something in the attempt fails.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ _CAP_OPS = {TransferOp.READ: CapOp.READ, TransferOp.WRITE: CapOp.WRITE}
 _PENDING, _RUNNING = RequestState.PENDING, RequestState.RUNNING
 _DONE, _FAILED = RequestState.DONE, RequestState.FAILED
 _OK = ErrorCode.OK
+_UNREPORTED = object()  # _run_batch: a request the transport has not reported yet
 
 _RULE_CACHE = 4096  # (segment kind, same host, device, size) -> selector rule, remembered
 #: a sub-batch is split across a transport's threads only in slices of at least this
@@ -694,6 +698,121 @@ class TransferEngine:
         self._slice_done(handle, sb, slot, [item], crash)
         return handle
 
+    def _run_batch(self, requests: Sequence[TransferRequest], caller_deadline: float | None
+                   ) -> list[RequestStatus] | BatchHandle | None:
+        """A batch of requests alike (one segment, buffers of one device, one
+        length: the pages of a KV batch) that the general path would run as
+        one slice of one transport on the calling thread: its first attempt
+        runs so, without the per-request tracks, statuses and sub-batch while
+        it succeeds. Returns the DONE statuses; after an attempt in which
+        anything failed, a handle that the general path has taken over from
+        there (the same retries, failover, health accounting and error lists
+        as if it had made the attempt); None where it does not apply (the
+        general path then runs the batch from the start)."""
+        if self._closed:
+            raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
+        first = requests[0]
+        buf0 = first.buffer
+        if type(first) is not TransferRequest or type(buf0) is not BufferHandle \
+                or first.transport:
+            return None
+        try:
+            item0, candidates = self._resolve(0, first)
+        except Exception:  # the general path fails it with the same code and message
+            return None
+        length = item0.length
+        if length == 0:
+            return None
+        track = _Track()
+        track.candidates = candidates
+        name, _ = self._next_transport(item0, track)
+        if name is None:
+            return None
+        slot = self._slots[name]
+        n = len(requests)
+        if slot.settings.threads > 1 and n * length >= 2 * _MIN_SLICE_BYTES:
+            return None  # _launch would cut it into slices for the transport's threads
+        desc, local, same_host = item0.segment, item0.local, item0.same_host
+        sid, device, size = first.segment_id, buf0.device, desc.size
+        independent = copies_independent()
+        item0.independent = independent
+        items = [item0]
+        read = TransferOp.READ
+        # the checks of _submit's path for requests alike, inline
+        for i in range(1, n):
+            req = requests[i]
+            buf = req.buffer
+            if type(req) is not TransferRequest or type(buf) is not BufferHandle \
+                    or req.transport or req.segment_id != sid or buf.device != device \
+                    or req.length != length:
+                return None
+            op, offset, boff = req.op, req.offset, req.buffer_offset
+            if not (type(offset) is int and type(boff) is int and type(op) is TransferOp
+                    and 0 <= offset and offset + length <= size
+                    and 0 <= boff and boff + length <= buf.length
+                    and (op is not read or not buf.readonly)):
+                return None
+            cap = req.capability
+            items.append(WorkItem(i, op, buf, boff, length, desc, offset, same_host, local,
+                                  cap if type(cap) is bytes else bytes(cap or b""), independent))
+        deadline = time.monotonic() + slot.settings.timeout_s
+        if caller_deadline is not None:
+            deadline = min(deadline, caller_deadline)
+        got: list[Any] = [_UNREPORTED] * n  # None: done; an error: failed (first report)
+        failures: list[tuple[WorkItem, TransferError]] = []  # in the order reported
+
+        def report(it: WorkItem, err: TransferError | None) -> None:
+            if got[it.index] is _UNREPORTED:
+                got[it.index] = err
+                if err is not None:
+                    failures.append((it, err))
+
+        def report_many(its: Sequence[WorkItem]) -> None:  # successes
+            for it in its:
+                if got[it.index] is _UNREPORTED:
+                    got[it.index] = None
+
+        report.many = report_many  # type: ignore[attr-defined]  # see base.report_done
+        crash: TransferError | None = None
+        started = time.monotonic()
+        try:
+            slot.transport.execute(items, deadline, report)
+        except TransferError as exc:
+            crash = exc
+        except Exception as exc:
+            log.exception("transport %s crashed on a sub-batch", name)
+            crash = TransferError(f"{type(exc).__name__}: {exc}", ErrorCode.TRANSFER_FAIL)
+        if crash is None and got.count(None) == n:
+            if slot.health:  # a success towards a peer clears its failure count
+                self._update_health(slot, SubBatch(next(self._sb_ids), name, items), [])
+            return [RequestStatus(_DONE, name, _OK, []) for _ in range(n)]
+        # something failed: the general path takes the attempt over, as if it had made it
+        handle = BatchHandle(n)
+        sb = SubBatch(next(self._sb_ids), name, items, SubBatchState.RUNNING, started=started)
+        sb._slices_left = 1
+        handle.sub_batches.append(sb)
+        tracks = handle._tracks
+        reported = sb._reported
+        with handle._lock:
+            for it in items:
+                i = it.index
+                t = tracks[i]
+                t.candidates = candidates
+                t.tried.append(name)
+                st = t.status
+                st.state = _RUNNING
+                st.transport = name
+                if got[i] is None:
+                    reported.add(i)
+                    sb.done += 1
+                    handle._finish_locked(i, _DONE, name)
+            for it, err in failures:
+                reported.add(it.index)
+                sb.failed += 1
+                sb._failures.append((it, err))
+        self._slice_done(handle, sb, slot, items, crash)
+        return handle
+
     def _plan(self, handle: BatchHandle, item: WorkItem, track: _Track,
               groups: dict[str, list[WorkItem]], last_error: TransferError | None = None,
               memo: dict[tuple[Any, ...], tuple[str | None, str]] | None = None) -> None:
@@ -910,10 +1029,16 @@ class TransferEngine:
         return True
 
     def _start_sync(self, requests: Sequence[TransferRequest],
-                    deadline: float | None) -> RequestStatus | BatchHandle:
-        """Start a batch the caller waits for: a lone request's first attempt
-        inline (its DONE status when that succeeded), else the batch's handle."""
-        one = self._run_one(requests, deadline) if len(requests) == 1 else None
+                    deadline: float | None) -> list[RequestStatus] | BatchHandle:
+        """Start a batch the caller waits for: a lone request's, or an alike
+        batch's, first attempt inline (the statuses when it succeeded), else
+        the batch's handle (which has taken over a failed inline attempt)."""
+        if len(requests) == 1:
+            one = self._run_one(requests, deadline)
+        else:
+            one = self._run_batch(requests, deadline) if requests else None
+        if type(one) is RequestStatus:
+            return [one]
         if one is not None:
             return one
         return self._submit(requests, sync=True, caller_deadline=deadline)
@@ -925,8 +1050,8 @@ class TransferEngine:
         moves on to another replica instead of waiting on a dead peer)."""
         deadline = time.monotonic() + timeout
         handle = self._start_sync(requests, deadline)
-        if type(handle) is RequestStatus:
-            return [handle]
+        if type(handle) is list:
+            return handle
         assert isinstance(handle, BatchHandle)
         handle.wait(max(0.0, deadline - time.monotonic()))
         out = []
@@ -945,8 +1070,8 @@ class TransferEngine:
         are terminal within ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
         handle = self._start_sync(requests, deadline)
-        if type(handle) is RequestStatus:
-            return [handle]
+        if type(handle) is list:
+            return handle
         assert isinstance(handle, BatchHandle)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         finished = handle.wait(left)

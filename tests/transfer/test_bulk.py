@@ -267,6 +267,30 @@ def test_lone_small_request_takes_one_idle_connection(make_engine: Any,
         assert dst[9:].tobytes() == src[boff:boff + n].tobytes()
         assert tcp.stats()["bulk_requests"] == n0 + 2
     assert len(tcp._bulk_all) == 1 and routed == []  # one connection, straight
+    # a batch of small requests to the one segment goes the same way, as one
+    # bulk request: every range's bytes and code (one refused range: its own
+    # code, not retried; the others DONE once)
+    for buf in (src, cli.register_buffer(src)):  # the general engine path, the batch path
+        n0 = tcp.stats()["bulk_requests"]
+        offs = [MiB + i * 8192 + 5 for i in range(16)]  # clear of the ranges above
+        bo = {o: 2 * (o - MiB) + 3 for o in offs}
+        reqs = [TransferRequest(W, buf, desc.segment_id, o, 4096, buffer_offset=bo[o])
+                for o in offs]
+        st = cli.transfer(reqs, 10)
+        assert all(x.ok and x.errors == [] for x in st), st
+        assert all(seg.array()[o:o + 4096].tobytes() == src[bo[o]:bo[o] + 4096].tobytes()
+                   for o in offs)
+        dst = np.zeros(16 * 4096, np.uint8)
+        st = cli.run([TransferRequest(R, dst, desc.segment_id, o, 4096, buffer_offset=k * 4096)
+                      for k, o in enumerate(offs)], 10)
+        assert all(x.ok for x in st) and dst.tobytes() == b"".join(
+            src[bo[o]:bo[o] + 4096].tobytes() for o in offs)
+        reqs[3] = TransferRequest(W, buf, desc.segment_id, 3 * MiB + 64, 4096)
+        st = cli.transfer(reqs, 10)
+        assert [x.ok for x in st] == [k != 3 for k in range(16)], st
+        assert st[3].code == ErrorCode.PERMISSION_DENIED and len(st[3].errors) == 1
+        assert tcp.stats()["bulk_requests"] == n0 + 48
+    assert len(tcp._bulk_all) == 1 and routed == []
     n0 = tcp.stats()["bulk_requests"]
     st = cli.transfer([TransferRequest(W, src, desc.segment_id, 3 * MiB, 4096)], 10)
     assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.PERMISSION_DENIED
@@ -416,13 +440,17 @@ def test_shared_capability_goes_once_per_request(make_engine: Any, make_segment:
     assert seen == [(0, 4, good), (4, 4, good)]
 
 
+@pytest.mark.parametrize("registered", [False, True], ids=["arrays", "registered"])
 def test_batch_token_is_checked_once_and_range_by_range_on_doubt(make_engine: Any,
-                                                                 make_segment: Any) -> None:
+                                                                 make_segment: Any,
+                                                                 registered: bool) -> None:
     """A bulk request whose ranges all share one real batch token: one MAC and
     one check for the request, every byte lands; a range outside its grant
     sends the request to the per-range checks, which refuse that range only
     (with its reason counted) and serve the others; a token of the wrong op
-    refuses every range."""
+    refuses every range. Registered buffers take the engine's path for a batch
+    of requests alike (its first attempt inline, handed to the batch path when
+    a range is refused): the same codes and bytes."""
     srv = make_engine("host-srv")
     seg = make_segment(MiB)
     desc = srv.add_local_segment(seg)
@@ -440,6 +468,8 @@ def test_batch_token_is_checked_once_and_range_by_range_on_doubt(make_engine: An
     macs, accepted = v.macs, v.accepted
 
     def reqs(op: TransferOp, buf: Any, tok: bytes, shift: int = -1) -> list[TransferRequest]:
+        if registered:
+            buf = cli.register_buffer(buf)
         return [TransferRequest(op, buf, sid, i * 4096 + (8 if i == shift else 0), 4096,
                                 buffer_offset=i * 4096, capability=tok) for i in range(32)]
 

@@ -321,8 +321,9 @@ def test_retries_on_same_transport(make_engine: Any, make_segment: Any) -> None:
 
 class ScriptedTransport(FlakyTransport):
     """Test-only transport: each call does the next step of ``plan`` ("ok":
-    copies the bytes; "fail": a retryable failure; "crash": raises), "ok"
-    once the plan is used up; records the thread of each call."""
+    copies the bytes; "fail": a retryable failure; "odd": that failure for
+    the requests of odd index only; "crash": raises), "ok" once the plan is
+    used up; records the thread and the request indices of each call."""
 
     name = "scripted"
 
@@ -330,15 +331,17 @@ class ScriptedTransport(FlakyTransport):
         super().__init__()
         self.plan = plan
         self.threads: list[threading.Thread] = []
+        self.batches: list[list[int]] = []
 
     def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
         self.calls += 1
         self.threads.append(threading.current_thread())
+        self.batches.append([it.index for it in items])
         step = self.plan.pop(0) if self.plan else "ok"
         if step == "crash":
             raise RuntimeError("scripted crash")
         for it in items:
-            if step == "fail":
+            if step == "fail" or (step == "odd" and it.index % 2):
                 report(it, TransferError("scripted failure", ErrorCode.TRANSFER_FAIL))
                 continue
             assert it.local is not None and it.op is W
@@ -399,6 +402,81 @@ def test_lone_request_runs_on_the_caller_thread_with_batch_semantics(
     # a final refusal is not retried: an out-of-bounds request fails at once
     st = e.transfer([TransferRequest(W, src, seg.segment_id, (1 << 20) - 8, 16)], 5)[0]
     assert st.state is RequestState.FAILED and st.code == ErrorCode.OUT_OF_BOUNDS, st
+
+
+def test_alike_batch_runs_inline_and_hands_failures_to_the_batch_path(
+        make_engine: Any, make_segment: Any) -> None:
+    """A batch of requests alike (one segment, registered buffers, one length)
+    runs its first attempt on the caller's thread in one call of the
+    transport; requests that fail in it go on as in any batch (retried alone
+    on the same transport, then failover, every error listed), the others are
+    DONE once; batches that are not alike and invalid requests take the
+    general path with its codes."""
+    _register_fake("scripted")
+    from kvpool.transfer.config import TransportSettings
+
+    e = make_engine(overrides={"rules": [{"name": "all", "transports": ["scripted", "shm"]}]})
+    s = TransportSettings(retries=1, pause_after_failures=3, cooldown_s=30)
+    s.validate()
+    t = ScriptedTransport([])
+    e.register_transport(t, s)
+    seg = make_segment(1 << 20)
+    e.add_local_segment(seg)
+    src = _pattern(1 << 20, seed=7)
+    buf = e.register_buffer(src)
+    fail = "scripted: [TRANSFER_FAIL] scripted failure"
+
+    def reqs(base: int, n: int = 8, size: int = 4096) -> list[TransferRequest]:
+        return [TransferRequest(W, buf, seg.segment_id, base + k * size, size,
+                                buffer_offset=base + k * size) for k in range(n)]
+
+    def landed(base: int, n: int = 8, size: int = 4096) -> bool:
+        end = base + n * size
+        return seg.array()[base:end].tobytes() == src[base:end].tobytes()
+
+    st = e.transfer(reqs(0), 5)
+    assert [(x.ok, x.transport, x.errors, x.code) for x in st] == \
+        [(True, "scripted", [], ErrorCode.OK)] * 8
+    assert len({id(x) for x in st}) == 8  # a status object per request
+    assert t.threads == [threading.current_thread()] and t.batches == [list(range(8))]
+    assert landed(0)
+    st = e.run(reqs(32768), 5)
+    assert all(x.ok and x.transport == "scripted" for x in st) and landed(32768)
+    assert t.threads[-1] is threading.current_thread()
+    # the odd ones fail in the first attempt: only they are tried again
+    t.plan[:] = ["odd"]
+    t.batches.clear()
+    st = e.transfer(reqs(65536), 5)
+    assert all(x.ok and x.transport == "scripted" for x in st), st
+    assert [x.errors for x in st] == [[], [fail]] * 4
+    assert t.batches == [list(range(8)), [1, 3, 5, 7]]
+    assert landed(65536)
+    # a crash, twice: every request fails over to shm with both errors listed
+    t.plan[:] = ["crash", "crash"]
+    st = e.run(reqs(131072), 5)
+    assert all(x.ok and x.transport == "shm" for x in st), st
+    assert all(len(x.errors) == 2 and all("RuntimeError: scripted crash" in m
+                                          for m in x.errors) for x in st)
+    assert landed(131072)
+    # not alike (two lengths): the general path, the same result
+    t.batches.clear()
+    mixed = reqs(262144, 2) + reqs(262144 + 8192, 2, 8192)
+    st = e.transfer(mixed, 5)
+    assert all(x.ok and x.transport == "scripted" for x in st) and landed(262144, 3, 8192)
+    # an invalid request in a batch: its own code, the others DONE
+    bad = reqs(327680, 4)
+    bad[2] = TransferRequest(W, buf, seg.segment_id, (1 << 20) - 8, 4096)
+    st = e.transfer(bad, 5)
+    assert [x.state for x in st] == [RequestState.DONE] * 2 + [RequestState.FAILED] + \
+        [RequestState.DONE]
+    assert st[2].code == ErrorCode.OUT_OF_BOUNDS, st
+    # a batch that fails on its first transport, retried there (retries: 1), fails
+    # over to shm with both errors listed
+    t.plan[:] = ["fail", "fail"]
+    t.batches.clear()
+    st = e.transfer(reqs(196608, 4), 5)
+    assert all(x.ok and x.transport == "shm" and x.errors == [fail, fail] for x in st), st
+    assert t.batches == [[0, 1, 2, 3]] * 2 and landed(196608, 4)
 
 
 def test_hanging_transport_fails_by_deadline(make_engine: Any, make_segment: Any) -> None:

@@ -7,8 +7,10 @@ plain TCP, in place, many ranges per round trip; one thread per extra peer so
 a silent peer does not hold up a live one); :class:`_ZmqRun` moves the rest
 over ZeroMQ (GPU buffers, peers with CURVE or without a bulk socket, the first
 requests to a peer while its bulk port is being asked). A lone request below
-the striping size to a peer whose bulk port is known skips the steps and
-goes straight over one idle bulk connection (:meth:`~TcpTransport._execute_one`).
+the striping size, or a sub-batch of host-buffer requests that all name one
+segment (the pages of a KV batch), to a peer whose bulk port is known skips
+the steps and goes straight over one idle bulk connection
+(:meth:`~TcpTransport._execute_direct`).
 
 ZeroMQ path: each worker thread keeps one DEALER socket per peer endpoint. A
 request is split into ``chunk_size`` chunks; up to ``window`` chunks per
@@ -435,22 +437,33 @@ class TcpTransport(Transport):
         return out
 
     # -- execute ------------------------------------------------------------------------
-    def _execute_one(self, it: WorkItem, deadline: float, report: ReportFn) -> bool:
-        """A lone small request to a peer whose bulk port is known, over one idle
+    def _execute_direct(self, items: Sequence[WorkItem], deadline: float,
+                        report: ReportFn) -> bool:
+        """Small requests that all name one segment (a lone request, or the
+        pages of a KV batch) to a peer whose bulk port is known, over one idle
         bulk connection, without the routing and fan-out steps of a sub-batch
         (they cost a single 4 KiB put or get about a third of its client
         CPU). False, having done nothing, where that does not apply: the
-        general steps then serve it."""
-        seg = it.segment
+        general steps then serve them."""
+        it0 = items[0]
+        seg = it0.segment
         ep = seg.endpoint
         peer = self._bulk_peers.get(ep) if ep else None
         if peer is None or peer.port <= 0 or seg.kind != SegmentKind.MEMORY \
-                or it.length > peer.max_bytes or it.buffer.device == "cuda" \
-                or (it.length >= _STRIPE_MIN and int(self.settings.threads) > 1) \
                 or not self.settings.options.get("bulk", True):
             return False
+        max_bytes = peer.max_bytes
+        if len(items) == 1:
+            if it0.length > max_bytes or it0.buffer.device == "cuda" \
+                    or (it0.length >= _STRIPE_MIN and int(self.settings.threads) > 1):
+                return False
+        else:  # (one list of several items is never striped)
+            for it in items:
+                if it.segment is not seg or it.length > max_bytes \
+                        or it.buffer.device == "cuda":
+                    return False
         bc = self._bulk_checkout(ep, deadline)
-        if bc is None:  # the peer is marked as having no bulk port: ZeroMQ serves it
+        if bc is None:  # the peer is marked as having no bulk port: ZeroMQ serves them
             return False
 
         def rep(item: WorkItem, err: TransferError | None) -> None:
@@ -461,16 +474,24 @@ class TcpTransport(Transport):
                     self.bytes_sent += item.length
             report(item, err)
 
-        rep.many = lambda its: rep(its[0], None)  # type: ignore[attr-defined]
+        def rep_many(its: Sequence[WorkItem]) -> None:  # successes of one op
+            n = sum(it.length for it in its)
+            if its and its[0].op is TransferOp.READ:
+                self.bytes_received += n
+            else:
+                self.bytes_sent += n
+            report_done(report, its)
+
+        rep.many = rep_many  # type: ignore[attr-defined]  # see base.report_done
         try:
-            bc.run((it,), deadline, rep, _FINAL_CODES, time.monotonic)
+            bc.run(items, deadline, rep, _FINAL_CODES, time.monotonic)
         finally:
-            self.bulk_requests += 1
+            self.bulk_requests += len(items)
             self._bulk_checkin(ep, bc)
         return True
 
     def execute(self, items: Sequence[WorkItem], deadline: float, report: ReportFn) -> None:
-        if len(items) == 1 and self._execute_one(items[0], deadline, report):
+        if items and self._execute_direct(items, deadline, report):
             return
         by_ep, rest = self._route(items, report)
         if by_ep:
