@@ -1033,11 +1033,12 @@ class TransferEngine:
         """Start a batch the caller waits for: a lone request's, or an alike
         batch's, first attempt inline (the statuses when it succeeded), else
         the batch's handle (which has taken over a failed inline attempt)."""
+        one: RequestStatus | list[RequestStatus] | BatchHandle | None
         if len(requests) == 1:
             one = self._run_one(requests, deadline)
         else:
             one = self._run_batch(requests, deadline) if requests else None
-        if type(one) is RequestStatus:
+        if isinstance(one, RequestStatus):
             return [one]
         if one is not None:
             return one
