@@ -36,6 +36,7 @@ from typing import IO, Any
 
 import pytest
 
+from kvpool.cluster.processes import unlink_master_socket
 from kvpool.core.errors import ErrorCode
 from support.etcd import EtcdProcess, etcd_binary
 from support.netns import Host, Topology
@@ -226,6 +227,8 @@ def net(tmp_path: Path) -> Iterator[Partitioned]:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(5)
         topo.close()
+        for m in MASTERS:  # a master killed by the teardown leaves its Unix socket
+            unlink_master_socket(p.ports[m])
         for name in shm:
             with contextlib.suppress(OSError):
                 Path("/dev/shm", name).unlink()
