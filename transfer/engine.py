@@ -629,19 +629,13 @@ class TransferEngine:
         self._launch(handle, groups, sync=sync, caller_deadline=caller_deadline)
         return handle
 
-    def _run_one(self, requests: Sequence[TransferRequest], caller_deadline: float | None
-                 ) -> RequestStatus | BatchHandle | None:
-        """A lone request's first attempt, on the calling thread, without the
-        batch bookkeeping (the general path runs it inline too, see
-        :meth:`_launch`; this one skips the handle, sub-batch and report
-        machinery while the attempt succeeds). Returns its DONE status; after a
-        failed attempt, a handle that the general path has taken over from
-        there (the same retries, failover and health accounting as if it had
-        made the attempt); None where it does not apply (an invalid or pinned
-        request, no usable transport: the general path reports those)."""
+    def _first_choice(self, req: TransferRequest) -> tuple[WorkItem, Any, str] | None:
+        """Request 0 of an inline attempt as a work item, its candidate
+        transports and its first choice; None where the general path must
+        take it (a pinned, invalid or empty request, no usable transport: it
+        reports those with their codes). Raises CLOSED on a closed engine."""
         if self._closed:
             raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
-        req = requests[0]
         if type(req) is not TransferRequest or req.transport:
             return None
         try:
@@ -653,50 +647,25 @@ class TransferEngine:
         track = _Track()
         track.candidates = candidates
         name, _ = self._next_transport(item, track)
-        if name is None:
+        return None if name is None else (item, candidates, name)
+
+    def _run_one(self, requests: Sequence[TransferRequest], caller_deadline: float | None
+                 ) -> RequestStatus | BatchHandle | None:
+        """A lone request's first attempt, on the calling thread, without the
+        batch bookkeeping (the general path runs it inline too, see
+        :meth:`_launch`; this one skips the handle, sub-batch and report
+        machinery while the attempt succeeds). Returns its DONE status; after a
+        failed attempt, a handle that the general path has taken over from
+        there (the same retries, failover and health accounting as if it had
+        made the attempt); None where it does not apply (an invalid or pinned
+        request, no usable transport: the general path reports those)."""
+        first = self._first_choice(requests[0])
+        if first is None:
             return None
-        slot = self._slots[name]
+        item, candidates, name = first
         item.independent = copies_independent()
-        deadline = time.monotonic() + slot.settings.timeout_s
-        if caller_deadline is not None:
-            deadline = min(deadline, caller_deadline)
-        got: list[TransferError | None] = []
-
-        def report(it: WorkItem, err: TransferError | None) -> None:  # the first one counts
-            if not got:
-                got.append(err)
-
-        report.many = lambda its: report(its[0], None)  # type: ignore[attr-defined]
-        crash: TransferError | None = None
-        try:
-            slot.transport.execute([item], deadline, report)
-        except TransferError as exc:
-            crash = exc
-        except Exception as exc:
-            log.exception("transport %s crashed on a request", name)
-            crash = TransferError(f"{type(exc).__name__}: {exc}", ErrorCode.TRANSFER_FAIL)
-        if got and got[0] is None:
-            if slot.health:  # a success towards a peer clears its failure count
-                self._update_health(slot, SubBatch(next(self._sb_ids), name, [item]), [])
-            return RequestStatus(_DONE, name, _OK, [])
-        # failed: hand the attempt to the general path as a one-request batch
-        handle = BatchHandle(1)
-        handle._tracks[0] = track
-        track.tried.append(name)
-        track.status.state = _RUNNING
-        track.status.transport = name
-        sb = SubBatch(next(self._sb_ids), name, [item], SubBatchState.RUNNING,
-                      started=time.monotonic())
-        sb._slices_left = 1
-        handle.sub_batches.append(sb)
-        if got:
-            err = got[0]
-            assert err is not None
-            sb._reported.add(0)
-            sb.failed += 1
-            sb._failures.append((item, err))
-        self._slice_done(handle, sb, slot, [item], crash)
-        return handle
+        got = self._attempt_inline([item], candidates, name, self._slots[name], caller_deadline)
+        return got[0] if isinstance(got, list) else got
 
     def _run_batch(self, requests: Sequence[TransferRequest], caller_deadline: float | None
                    ) -> list[RequestStatus] | BatchHandle | None:
@@ -709,25 +678,15 @@ class TransferEngine:
         there (the same retries, failover, health accounting and error lists
         as if it had made the attempt); None where it does not apply (the
         general path then runs the batch from the start)."""
-        if self._closed:
-            raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
         first = requests[0]
+        if type(first) is not TransferRequest or type(first.buffer) is not BufferHandle:
+            return None
         buf0 = first.buffer
-        if type(first) is not TransferRequest or type(buf0) is not BufferHandle \
-                or first.transport:
+        chosen = self._first_choice(first)
+        if chosen is None:
             return None
-        try:
-            item0, candidates = self._resolve(0, first)
-        except Exception:  # the general path fails it with the same code and message
-            return None
+        item0, candidates, name = chosen
         length = item0.length
-        if length == 0:
-            return None
-        track = _Track()
-        track.candidates = candidates
-        name, _ = self._next_transport(item0, track)
-        if name is None:
-            return None
         slot = self._slots[name]
         n = len(requests)
         if slot.settings.threads > 1 and n * length >= 2 * _MIN_SLICE_BYTES:
@@ -755,6 +714,17 @@ class TransferEngine:
             cap = req.capability
             items.append(WorkItem(i, op, buf, boff, length, desc, offset, same_host, local,
                                   cap if type(cap) is bytes else bytes(cap or b""), independent))
+        return self._attempt_inline(items, candidates, name, slot, caller_deadline)
+
+    def _attempt_inline(self, items: list[WorkItem], candidates: Any, name: str, slot: Any,
+                        caller_deadline: float | None) -> list[RequestStatus] | BatchHandle:
+        """One attempt of ``items`` (indices 0..n-1, all for transport ``name``)
+        on the calling thread, without per-request tracks while it succeeds.
+        Returns their DONE statuses; after an attempt in which anything failed,
+        a handle that the general path has taken over from there, as if it had
+        made the attempt (the same retries, failover, health accounting and
+        error lists)."""
+        n = len(items)
         deadline = time.monotonic() + slot.settings.timeout_s
         if caller_deadline is not None:
             deadline = min(deadline, caller_deadline)
@@ -780,7 +750,7 @@ class TransferEngine:
         except TransferError as exc:
             crash = exc
         except Exception as exc:
-            log.exception("transport %s crashed on a sub-batch", name)
+            log.exception("transport %s crashed on an inline attempt", name)
             crash = TransferError(f"{type(exc).__name__}: {exc}", ErrorCode.TRANSFER_FAIL)
         if crash is None and got.count(None) == n:
             if slot.health:  # a success towards a peer clears its failure count

@@ -350,11 +350,9 @@ class ScriptedTransport(FlakyTransport):
             report(it, None)
 
 
-def test_lone_request_runs_on_the_caller_thread_with_batch_semantics(
-        make_engine: Any, make_segment: Any) -> None:
-    """A lone request runs on the caller's thread; a failed or crashed first
-    attempt goes on as in a batch (retries, failover, error list, codes), and a
-    success clears the peer's failure count as a batch's does."""
+def _scripted_engine(make_engine: Any, make_segment: Any) -> tuple[Any, ScriptedTransport, Any]:
+    """An engine trying the scripted transport first, then shm (retries 1, a
+    pause after 3 failures), and a 1 MiB local segment."""
     _register_fake("scripted")
     from kvpool.transfer.config import TransportSettings
 
@@ -365,6 +363,15 @@ def test_lone_request_runs_on_the_caller_thread_with_batch_semantics(
     e.register_transport(t, s)
     seg = make_segment(1 << 20)
     e.add_local_segment(seg)
+    return e, t, seg
+
+
+def test_lone_request_runs_on_the_caller_thread_with_batch_semantics(
+        make_engine: Any, make_segment: Any) -> None:
+    """A lone request runs on the caller's thread; a failed or crashed first
+    attempt goes on as in a batch (retries, failover, error list, codes), and a
+    success clears the peer's failure count as a batch's does."""
+    e, t, seg = _scripted_engine(make_engine, make_segment)
     src = _pattern(1 << 20, seed=5)
 
     def put(off: int, n: int) -> Any:
@@ -412,16 +419,7 @@ def test_alike_batch_runs_inline_and_hands_failures_to_the_batch_path(
     on the same transport, then failover, every error listed), the others are
     DONE once; batches that are not alike and invalid requests take the
     general path with its codes."""
-    _register_fake("scripted")
-    from kvpool.transfer.config import TransportSettings
-
-    e = make_engine(overrides={"rules": [{"name": "all", "transports": ["scripted", "shm"]}]})
-    s = TransportSettings(retries=1, pause_after_failures=3, cooldown_s=30)
-    s.validate()
-    t = ScriptedTransport([])
-    e.register_transport(t, s)
-    seg = make_segment(1 << 20)
-    e.add_local_segment(seg)
+    e, t, seg = _scripted_engine(make_engine, make_segment)
     src = _pattern(1 << 20, seed=7)
     buf = e.register_buffer(src)
     fail = "scripted: [TRANSFER_FAIL] scripted failure"

@@ -356,23 +356,7 @@ class TcpTransport(Transport):
                      if bc is not None]
         lock = threading.Lock()
 
-        def rep_whole(it: WorkItem, err: TransferError | None) -> None:
-            if err is None:  # no stripes: each item is whole
-                if it.op is TransferOp.READ:
-                    self.bytes_received += it.length
-                else:
-                    self.bytes_sent += it.length
-            report(it, err)
-
-        def rep_whole_many(its: Sequence[WorkItem]) -> None:  # successes of one op
-            n = sum(it.length for it in its)
-            if its and its[0].op is TransferOp.READ:
-                self.bytes_received += n
-            else:
-                self.bytes_sent += n
-            report_done(report, its)
-
-        rep_whole.many = rep_whole_many  # type: ignore[attr-defined]  # see base.report_done
+        rep_whole = self._counted(report)  # no stripes: each item is whole
 
         def rep(it: WorkItem, err: TransferError | None) -> None:
             whole = parts.get(id(it)) if parts else None
@@ -412,6 +396,29 @@ class TcpTransport(Transport):
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()) + 1.0)
         return rest
+
+    def _counted(self, report: ReportFn) -> ReportFn:
+        """``report`` of whole items that also counts their bytes as sent or
+        received (with the ``many`` form for a run of successes of one op)."""
+
+        def rep(it: WorkItem, err: TransferError | None) -> None:
+            if err is None:
+                if it.op is TransferOp.READ:
+                    self.bytes_received += it.length
+                else:
+                    self.bytes_sent += it.length
+            report(it, err)
+
+        def rep_many(its: Sequence[WorkItem]) -> None:  # successes of one op
+            n = sum(it.length for it in its)
+            if its and its[0].op is TransferOp.READ:
+                self.bytes_received += n
+            else:
+                self.bytes_sent += n
+            report_done(report, its)
+
+        rep.many = rep_many  # type: ignore[attr-defined]  # see base.report_done
+        return rep
 
     def _stripes(self, items: list[WorkItem], parts: dict[int, list[Any]]
                  ) -> list[list[WorkItem]]:
@@ -466,25 +473,8 @@ class TcpTransport(Transport):
         if bc is None:  # the peer is marked as having no bulk port: ZeroMQ serves them
             return False
 
-        def rep(item: WorkItem, err: TransferError | None) -> None:
-            if err is None:
-                if item.op is TransferOp.READ:
-                    self.bytes_received += item.length
-                else:
-                    self.bytes_sent += item.length
-            report(item, err)
-
-        def rep_many(its: Sequence[WorkItem]) -> None:  # successes of one op
-            n = sum(it.length for it in its)
-            if its and its[0].op is TransferOp.READ:
-                self.bytes_received += n
-            else:
-                self.bytes_sent += n
-            report_done(report, its)
-
-        rep.many = rep_many  # type: ignore[attr-defined]  # see base.report_done
         try:
-            bc.run(items, deadline, rep, _FINAL_CODES, time.monotonic)
+            bc.run(items, deadline, self._counted(report), _FINAL_CODES, time.monotonic)
         finally:
             self.bulk_requests += len(items)
             self._bulk_checkin(ep, bc)
