@@ -360,14 +360,21 @@ class ObjectLayout:
         nb = self.layers[0].num_blocks
         if any(len(ids) != self.bpc or min(ids) < 0 or max(ids) >= nb for ids in block_ids):
             return None  # scatter() says what is wrong
-        word = self._word_for(src)
+        if src.numel() < len(block_ids) * self.object_bytes(layer_sel, h1 - h0):
+            return None
+        pair = self._run_pair(block_ids, layer_sel, h0, h1, src)
+        return None if pair is None else partial(pair[0].copy_, pair[1])
+
+    def _run_pair(self, block_ids: list[list[int]], layer_sel: Sequence[int], h0: int, h1: int,
+                  buf: Any) -> tuple[Any, Any] | None:
+        """(the blocks' :meth:`_run_view`, ``buf``'s objects viewed alike) in the
+        widest word both allow, or None when the blocks are not one run."""
+        word = self._word_for(buf)
         run = self._run_view(block_ids, layer_sel, h0, h1, word)
         if run is None:
             return None
         n = len(block_ids) * self.object_bytes(layer_sel, h1 - h0)
-        if src.numel() < n:
-            return None
-        return partial(run.copy_, self._w(src[:n], word).view(run.shape))
+        return run, self._w(buf[:n], word).view(run.shape)
 
     def prepare_scatter(self, block_ids: list[list[int]], layer_sels: Sequence[Sequence[int]],
                         h0: int, h1: int) -> None:
@@ -406,12 +413,12 @@ class ObjectLayout:
         nb = self.layers[0].num_blocks
         if any(not 0 <= x < nb for ids in block_ids for x in ids):
             raise ConfigError(f"block id outside 0..{nb - 1}")
+        pair = self._run_pair(block_ids, layer_sel, h0, h1, out)
+        if pair is not None:
+            pair[1].copy_(pair[0])
+            return
         n = len(block_ids) * self.object_bytes(layer_sel, h1 - h0)
         word = self._word_for(out)
-        run = self._run_view(block_ids, layer_sel, h0, h1, word)
-        if run is not None:
-            self._w(out[:n], word).view(run.shape).copy_(run)
-            return
         rows = self._index(block_ids, layer_sel, h0, h1)
         dst = self._w(out[:n], word).view(*rows.shape, -1)
         views = self._rows_as(word)
@@ -442,11 +449,11 @@ class ObjectLayout:
                 raise ConfigError(f"block id outside 0..{nb - 1}")
         n = C * self.object_bytes(layer_sel, h1 - h0)
         whole = ranges is None or all(r == (0, self.bpc) for r in ranges)
-        word = self._word_for(src)
-        run = self._run_view(block_ids, layer_sel, h0, h1, word) if whole else None
-        if run is not None:
-            run.copy_(self._w(src[:n], word).view(run.shape))
+        pair = self._run_pair(block_ids, layer_sel, h0, h1, src) if whole else None
+        if pair is not None:
+            pair[0].copy_(pair[1])
             return
+        word = self._word_for(src)
         rows = self._index(block_ids, layer_sel, h0, h1)
         data = self._w(src[:n], word).view(*rows.shape, -1)
         views = self._rows_as(word)

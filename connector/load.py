@@ -498,8 +498,7 @@ class LoadPipeline:
         ids = [ch.ref.block_ids for ch in job.chunks]
         try:
             if FIRST_COPY_AHEAD and job.buf is not None and all(
-                    ch.rng == (0, len(ch.ref.block_ids))
-                                           for ch in job.chunks):
+                    ch.rng == (0, len(ch.ref.block_ids)) for ch in job.chunks):
                 job.first_copy = geo.objects.prepared_scatter(
                     ids, geo.groups[0], 0, geo.heads.count, job.buf[job.region[0][0]:])
             if job.first_copy is None:
