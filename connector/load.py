@@ -4,7 +4,8 @@ layer group, never failing a request.
 One :class:`LoadJob` per step's sync loads: :meth:`LoadPipeline.start` plans
 the reads and issues ONE ``batch_get_into_parts`` (two master RPCs, the
 first layer group's keys then the rest's, and one transfer batch per layer
-group, in layer order) on a fetch thread and returns;
+group, in layer order; the first RPC is skipped when the scheduler's lookup
+handed over its answers for the first group, ``LoadSpec.located``) on a fetch thread and returns;
 :meth:`LoadPipeline.wait_for_layer` waits only for that layer's group and
 scatters it into the blocks on the caller's (forward's) thread and stream, so
 loading layer group ``g + 1`` overlaps computing group ``g``; the first
@@ -43,6 +44,7 @@ from kvpool.connector.staging import MAX_LOAD_BUFFERS, StagingBuffers, StagingVi
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess
 from kvpool.core.config import ConfigError
+from kvpool.store.located import Located
 from kvpool.transfer.gpu import independent_copies
 
 __all__ = ["LoadJob", "LoadPipeline", "LoadResult", "Started"]
@@ -262,14 +264,16 @@ class LoadPipeline:
                 else:
                     time.sleep(_HANDOFF_S)
 
+        located = Located.merge([s.located for s in job.specs if s.located is not None])
+
         def run() -> None:
             try:
                 # the buffer is free (no scatter reads it), and a group is
                 # scattered only after its part arrived: the copies need not
                 # queue behind the forward's kernels
                 with independent_copies():
-                    self.store.call(lambda c: c.batch_get_into_parts(job.keys, job.bufs,
-                                                                     job.parts, on_part))
+                    self.store.call(lambda c: c.batch_get_into_parts(
+                        job.keys, job.bufs, job.parts, on_part, located=located))
             except Exception as exc:  # never fail the request: vLLM recomputes
                 job.problem = job.problem or f"failed ({exc!r})"
             finally:
@@ -426,7 +430,7 @@ class LoadPipeline:
                 part = LoadSpec(spec.req_id, take, spec.skip_blocks if first else 0,
                                 spec.is_async, spec.last_blocks if not chunks else 0,
                                 spec.deadline_s, spec.predicted_s if first and not chunks
-                                else None)
+                                else None, spec.located)
                 out[-1].append(part)
                 n += len(take)
                 first = False

@@ -8,6 +8,7 @@ every worker inside ``SchedulerOutput``. ``kvpool.connector.vllm`` wraps
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["ChunkRef", "ConnectorMeta", "LoadSpec", "SaveSpec", "WorkerReport"]
 
@@ -47,6 +48,7 @@ class LoadSpec:
     last_blocks: int = 0
     deadline_s: float = 0.0
     predicted_s: float | None = None
+    located: Any = None
 
 
 @dataclass

@@ -19,11 +19,12 @@ from typing import Any
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.estimate import ChunkCost, Decision, SpeedBook, decide, peer_key
 from kvpool.connector.events import Medium, PoolEvents
-from kvpool.connector.keys import KeySpace, head_granularities, layer_ranges
+from kvpool.connector.keys import KeySpace, head_granularities, head_ranges, layer_ranges
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec, WorkerReport
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess, StoreUnavailable
 from kvpool.core.errors import KVPoolError
+from kvpool.store.located import Located
 
 __all__ = [
     "CachedReq",
@@ -72,6 +73,7 @@ class Lookup:
     decision: Decision | None = None
     peers: list[str] = field(default_factory=list)  # per stored chunk
     splits: list[int] = field(default_factory=list)  # per stored chunk: head objects
+    located: list[Any] = field(default_factory=list)  # the lookup's replies (store Located)
 
 
 @dataclass
@@ -163,9 +165,10 @@ class KVPoolScheduler:
         peers: list[str] = []
         sizes: list[int] = []
         splits: list[int] = []
+        located: list[Any] = []
         if n and min(n * self.keys.chunk_size, limit) > num_computed_tokens:
             try:
-                hit, peers, sizes, splits = self._find(hashes)
+                hit, peers, sizes, splits, located = self._find(hashes)
                 if block_hashes:
                     self._announce(hashes, hit, peers, prompt_token_ids, block_hashes)
             except Exception as exc:  # the store never fails a request: a miss
@@ -178,7 +181,8 @@ class KVPoolScheduler:
             decision = self._decide(hit, peers, sizes, limit, num_computed_tokens)
             hit = decision.chunks
         hit_tokens = min(hit * self.keys.chunk_size, limit)
-        self._lookups[req_id] = Lookup(hashes, hit, hit_tokens, decision, peers, splits)
+        self._lookups[req_id] = Lookup(hashes, hit, hit_tokens, decision, peers, splits,
+                                       located)
         if hit_tokens <= num_computed_tokens:
             return 0, False
         return hit_tokens - num_computed_tokens, self.cfg.load_async
@@ -209,14 +213,17 @@ class KVPoolScheduler:
         return self.keys.chunk_keys(h, self.num_layers, self.cfg.layer_groups, self.num_heads,
                                     split)
 
-    def _find(self, hashes: list[str]) -> tuple[int, list[str], list[int], list[int]]:
+    def _find(self, hashes: list[str]
+              ) -> tuple[int, list[str], list[int], list[int], list[Any]]:
         """The leading chunks of ``hashes`` whose every object is stored: one RPC
         for this engine's head split; when that run stops early, one more for
         every other TP size's split of the remaining chunks. Returns (chunks,
-        peer per chunk, bytes one rank reads per chunk, head split per chunk)."""
+        peer per chunk, bytes one rank reads per chunk, head split per chunk,
+        the RPCs' replies: the load reads its first layer group from them)."""
         peers: list[str] = []
         sizes: list[int] = []
         splits: list[int] = []
+        replies: list[Any] = []
         n = len(hashes)
         per_split = {s: len(self.layer_ranges) * s for s in self.splits}
         rounds = [self.splits[:1], self.splits[1:]]
@@ -230,25 +237,22 @@ class KVPoolScheduler:
                 for sp in round_splits:
                     where[(i, sp)] = len(keys)
                     keys.extend(self._keys(hashes[i], sp))
-            if self.cfg.load_or_recompute:
-                locs = self.store.batch_locations(keys)
-                found = [loc is not None for loc in locs]
-            else:
-                locs, found = [], self.store.batch_exists(keys)
+            locs, located = self.store.batch_locate(keys)
+            replies.append(located)
+            found = [loc is not None for loc in locs]
             for i in range(start, n):
                 for sp in round_splits:
                     k0 = where[(i, sp)]
                     if all(found[k0 : k0 + per_split[sp]]):
                         splits.append(sp)
-                        if locs:
-                            near = locs[k0][0]
-                            peers.append(peer_key(near.kind, near.same_host, near.host_id))
-                            total = sum(locs[k0 + x][0].size for x in range(per_split[sp]))
-                            sizes.append(total // min(sp, self.head_objects))
+                        near = locs[k0][0]
+                        peers.append(peer_key(near.kind, near.same_host, near.host_id))
+                        total = sum(locs[k0 + x][0].size for x in range(per_split[sp]))
+                        sizes.append(total // min(sp, self.head_objects))
                         break
                 else:
                     break
-        return len(splits), peers, sizes, splits
+        return len(splits), peers, sizes, splits, replies
 
     def _decide(self, hit: int, peers: list[str], sizes: list[int], limit: int,
                 computed: int) -> Decision:
@@ -320,7 +324,8 @@ class KVPoolScheduler:
         d = lk.decision
         spec = LoadSpec(req_id, chunks, skip, self.cfg.load_async, 0 if tail == bpc else tail,
                         deadline_s=d.deadline_s if d is not None else 0.0,
-                        predicted_s=d.predicted_load_s if d is not None else None)
+                        predicted_s=d.predicted_load_s if d is not None else None,
+                        located=self._first_group_located(lk, chunks))
         if d is not None and d.predicted_load_s is not None:
             self.stats.add(predicted_load_s=d.predicted_load_s)
         self._loads.append(spec)
@@ -328,6 +333,17 @@ class KVPoolScheduler:
         if self.cfg.load_async:
             self._async_loading.add(req_id)
         self.stats.add(hit_tokens=end - start)
+
+    def _first_group_located(self, lk: Lookup, chunks: list[ChunkRef]) -> Any:
+        """The lookup's answers for the first layer group's objects of
+        ``chunks`` (what the worker's load waits for first), or None."""
+        if not lk.located:
+            return None
+        lr = self.layer_ranges[0]
+        keys = [self.keys.object_key(c.hash, lr, hr, self.num_heads) for c in chunks
+                for hr in head_ranges(self.num_heads, c.head_objects or self.splits[0])]
+        merged = Located.merge(lk.located)
+        return merged.subset(keys) if merged is not None else None
 
     # ------------------------------------------------------------ per step
 

@@ -137,10 +137,17 @@ class StoreAccess:
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         return list(self.call(lambda c: c.batch_exists(list(keys))))
 
-    def batch_locations(self, keys: Sequence[str]) -> list[Any]:
+    def batch_locate(self, keys: Sequence[str]) -> tuple[list[Any], Any]:
         """Per key its complete replicas, nearest first (``ReplicaLocation``), or
-        None when missing; one master RPC (see Client.batch_replica_locations)."""
-        return list(self.call(lambda c: c.batch_replica_locations(list(keys))))
+        None when missing, and the reply they came from (a
+        :class:`~kvpool.store.located.Located`: a worker can read from it
+        without locating again); one master RPC (see Client.locate_for_reads)."""
+        def locate(c: Any) -> tuple[list[Any], Any]:
+            located = c.locate_for_reads(list(keys))
+            return list(c.replica_locations(located)), located
+
+        out: tuple[list[Any], Any] = self.call(locate)
+        return out
 
     def close(self) -> None:
         """Close the client (idempotent)."""

@@ -44,6 +44,7 @@ Standalone: ``python scripts/gpu_check_connector.py [--json OUT]
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from functools import partial
@@ -53,6 +54,7 @@ from typing import Any
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.keys import KeySpace
 from kvpool.connector.metadata import ChunkRef, LoadSpec, SaveSpec
+from kvpool.connector.scheduler import KVPoolScheduler, NewReq, StepInfo
 from kvpool.connector.store_access import StoreAccess
 from kvpool.connector.worker import HeadSpec, KVPoolWorker
 
@@ -64,7 +66,7 @@ DEFAULTS: dict[str, Any] = dict(layers=32, blocks=2048, block=16, heads=8, head=
                                 pipeline_layouts=("short-first",),
                                 pipeline_locate=("split",), pipeline_words=(16,),
                                 pipeline_handoff=("scatter",), pipeline_first_copy=("ahead",),
-                                idle_ms=100.0)
+                                pipeline_lookup=("scheduler",), idle_ms=100.0)
 
 
 def _sync(torch: Any, device: str) -> None:
@@ -273,12 +275,15 @@ def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv
     (``arrived_first``: timed from when every layer group had arrived).
     ``layer_ms``: filled with each layer's GPU milliseconds (CUDA events; the
     first from the forward's start); ``idle_s``: the GPU left idle this long
-    before the forward starts."""
+    before the forward starts. ``meta``: the step's metadata, or a function
+    making it (the scheduler's lookup, right before the step, as in vLLM)."""
     w.layerwise = layerwise
     kv[:, dst_ids].zero_()
     _sync(torch, device)
     if idle_s:
         time.sleep(idle_s)
+    if load and callable(meta):
+        meta = meta()
     events = [] if layer_ms is not None and device == "cuda" else None
     t0 = time.perf_counter()
     if trace is not None:
@@ -312,6 +317,24 @@ def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv
     if load and w.take_load_errors():
         raise RuntimeError("pipelined load failed")
     return dt
+
+
+_STEP = itertools.count()
+
+
+def _scheduled_meta(sched: KVPoolScheduler, prompt: list[int], block_ids: list[int]) -> Any:
+    """One request's step as vLLM's scheduler makes it: the prefix lookup
+    (``get_num_new_matched_tokens``), ``update_state_after_alloc`` with its
+    blocks, ``build_connector_meta``; the request is finished at once."""
+    rid = f"pipe-{next(_STEP)}"
+    hit, _ = sched.lookup(rid, prompt, 0)
+    if hit <= 0:
+        raise RuntimeError("the scheduler's lookup found nothing to load")
+    sched.after_alloc(rid, None, prompt, block_ids, hit)
+    meta = sched.build_meta(StepInfo(new=[NewReq(rid, block_ids, 0)],
+                                     num_scheduled_tokens={rid: len(prompt) - hit}))
+    sched.build_meta(StepInfo(finished_req_ids={rid}))
+    return meta
 
 
 def _scatter_probe(torch: Any, w: KVPoolWorker, dst_ids: list[int], bpc: int,
@@ -366,11 +389,11 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
     import kvpool.connector.load as load_mod
 
     handoff_max = load_mod.HANDOFF_MAX_S
-    for groups, layout, locate, word, handoff, first_copy in [
-            (g, lay, loc, wd, ho, fc) for g in p["pipeline_groups"]
+    for groups, layout, locate, word, handoff, first_copy, lookup in [
+            (g, lay, loc, wd, ho, fc, lk) for g in p["pipeline_groups"]
             for lay in p["pipeline_layouts"] for loc in p["pipeline_locate"]
             for wd in p["pipeline_words"] for ho in p["pipeline_handoff"]
-            for fc in p["pipeline_first_copy"]]:
+            for fc in p["pipeline_first_copy"] for lk in p["pipeline_lookup"]]:
         # "ahead": the first group's copy made before its data arrives
         load_mod.FIRST_COPY_AHEAD = first_copy == "ahead"
         # "scatter": after the first group arrived the fetch thread waits until the
@@ -380,8 +403,8 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
         geometry.layer_ranges = ramped if layout == "short-first" else _even_layer_ranges
         # "split": part 0's keys located first, the rest's while it moves; "one": one RPC
         store_client.SPLIT_PART_LOCATE = locate == "split"
-        ks = KeySpace(f"gpu-pipe-g{groups}-{layout}-{locate}-w{word}-{handoff}-{first_copy}",
-                      "bfloat16", N, ct)
+        ks = KeySpace(f"gpu-pipe-g{groups}-{layout}-{locate}-w{word}-{handoff}-{first_copy}"
+                      f"-{lookup}", "bfloat16", N, ct)
         cfg = ConnectorConfig(master_address=address, chunk_size=ct, layer_groups=groups,
                               load_or_recompute=False, load_timeout_s=30.0)
         w = KVPoolWorker(cfg, ks, StoreAccess(cfg), heads=HeadSpec(0, H, H, True))
@@ -402,8 +425,17 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
         hashes = ks.chunk_hashes(toks)
         w.save([SaveSpec("pipe", [ChunkRef(i, h, src_ids[i * bpc : (i + 1) * bpc])
                                   for i, h in enumerate(hashes)])])
-        meta = ConnectorMeta(loads=[LoadSpec("pipe", [
+        meta: Any = ConnectorMeta(loads=[LoadSpec("pipe", [
             ChunkRef(i, h, dst_ids[i * bpc : (i + 1) * bpc]) for i, h in enumerate(hashes)])])
+        sched = None
+        if lookup == "scheduler":
+            # "scheduler": every forward's load comes from vLLM's scheduler-side
+            # calls (lookup, after_alloc, build_meta) made right before it, so
+            # the worker gets the lookup's answers for the first group
+            # (LoadSpec.located); "none": the load spec made by hand, located
+            # by the worker alone
+            sched = KVPoolScheduler(cfg, ks, L, StoreAccess(cfg), save=False, num_heads=H)
+            meta = partial(_scheduled_meta, sched, [*toks, 0], dst_ids)
         scatter_probe = _scatter_probe(torch, w, dst_ids, bpc, n_chunks) if device == "cuda" \
             else {}
         for tokens in p["compute_tokens"]:
@@ -453,7 +485,7 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
             per_layer_ms = 1000 * compute_s / L
             sizes = [b - a for a, b in w.geo.group_keys] if w.geo else []
             r = {"layer_groups": groups, "group_layers": sizes, "layout": layout,
-                 "locate": locate, "handoff": handoff, "first_copy": first_copy,
+                 "locate": locate, "lookup": lookup, "handoff": handoff, "first_copy": first_copy,
                  "copy_word": objects._word if objects else None,
                  "scatter_probe": scatter_probe,
                  "hit_tokens": n_chunks * ct, "compute_tokens": tokens,
@@ -479,7 +511,8 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                  "exposed_vs_arrived_s": pipe_s - after_s,
                  "hidden_vs_arrived": 1 - (pipe_s - after_s) / load_s if load_s else None}
             out.append(r)
-            print(f"pipeline groups={groups} ({layout} {sizes}, locate {locate}, handoff "
+            print(f"pipeline groups={groups} ({layout} {sizes}, locate {locate}, lookup "
+                  f"{lookup}, handoff "
                   f"{handoff}, first copy {first_copy}, word "
                   f"{r['copy_word']}, scatter {scatter_probe}) "
                   f"hit={n_chunks * ct} compute={tokens} tok "
@@ -494,6 +527,8 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
         w.store.call(lambda c: c.remove_all(force=True))
         w.close()
         w.store.close()
+        if sched is not None:
+            sched.store.close()
     geometry.layer_ranges = ramped
     store_client.SPLIT_PART_LOCATE = split
     load_mod.HANDOFF_MAX_S = handoff_max
@@ -630,6 +665,12 @@ def main() -> None:
                     default=DEFAULTS["pipeline_first_copy"], choices=("ahead", "late"),
                     help="the first group's copy made before its data arrives (ahead) or "
                          "when it arrived (late), for comparison")
+    ap.add_argument("--pipeline-lookup", nargs="+", default=DEFAULTS["pipeline_lookup"],
+                    choices=("scheduler", "none"),
+                    help="each pipelined load made by the scheduler-side connector's lookup "
+                         "right before the step (scheduler: the worker reads the first group "
+                         "from its answers) or by hand (none: the worker locates it), for "
+                         "comparison")
     ap.add_argument("--idle-ms", type=float, default=DEFAULTS["idle_ms"],
                     help="pipelining part: the GPU idles this long before every run, so "
                          "that every mode starts at the same clocks")
@@ -645,7 +686,8 @@ def main() -> None:
         hit_tokens=a.hit_tokens, compute_tokens=tuple(a.compute_tokens),
         pipeline_layouts=tuple(a.pipeline_layouts), pipeline_locate=tuple(a.pipeline_locate),
         pipeline_words=tuple(a.pipeline_words), pipeline_handoff=tuple(a.pipeline_handoff),
-        pipeline_first_copy=tuple(a.pipeline_first_copy), idle_ms=a.idle_ms)
+        pipeline_first_copy=tuple(a.pipeline_first_copy),
+        pipeline_lookup=tuple(a.pipeline_lookup), idle_ms=a.idle_ms)
     if a.device == "cpu":  # a dry run: small model, small sizes
         over.update(hidden=256, mlp=512, q_heads=8, layers=8, blocks=512, stored_gib=0.03,
                     hit_tokens=1024, chunk_tokens=(256,), compute_tokens=(256,),

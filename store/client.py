@@ -44,6 +44,7 @@ from kvpool.core.protocol import (
     MAX_KEY_LENGTH,
     BatchExist,
     BatchGetReplicaList,
+    BatchGetReplicaListReply,
     BatchPutEnd,
     BatchPutRevoke,
     BatchPutStart,
@@ -110,6 +111,7 @@ from kvpool.store.errors import (
     error_for_code,
 )
 from kvpool.store.guard import master_stub
+from kvpool.store.located import Located, boot_id
 from kvpool.store.segment_host import SegmentHost
 from kvpool.transfer.buffers import BufferHandle
 from kvpool.transfer.copy import DEFAULT_SPLIT_MIN_BYTES as _SPLIT_MIN
@@ -137,6 +139,10 @@ _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
 # batch_get_into_parts: locate part 0's keys by an RPC of their own, and the
 # rest's from a helper thread while part 0 moves (False: one RPC for all)
 SPLIT_PART_LOCATE = True
+# A Located handed to batch_get_into_parts is used for part 0 only with at
+# least this much of its read lease left, or half the lease where that is
+# shorter (else part 0's keys are located anew).
+LOCATED_MIN_LEFT_S = 2.0
 _COMPLETE = ReplicaStatus.COMPLETE
 _COPIED = (True, "")
 _OK = ErrorCode.OK
@@ -1090,7 +1096,7 @@ class Client:
                     outs: dict[int, bytes] | None = None,
                     parts: Sequence[Sequence[int]] | None = None,
                     on_part: Callable[[int, list[int]], None] | None = None,
-                    reask_stale: bool = True) -> list[int]:
+                    reask_stale: bool = True, located: Located | None = None) -> list[int]:
         """Shared body of the batch reads. ``target(i, size)`` gives key i's
         buffer (None: too small) or ``_LAZY_BYTES``: produce a new ``bytes`` into
         ``outs[i]`` (inline shm reads copy straight into it). ``parts``: read
@@ -1117,7 +1123,8 @@ class Client:
         if not valid:
             return results
         if parts is not None:
-            return self._read_parts(keys, target, outs, parts, on_part, results, valid)
+            return self._read_parts(keys, target, outs, parts, on_part, results, valid,
+                                    located)
         res, deadline = self._locate_many([keys[i] for i in valid] if len(valid) < n
                                           else list(keys))
         plans: dict[int, _ReadPlan] = {}
@@ -1189,13 +1196,15 @@ class Client:
     def _read_parts(self, keys: Sequence[str], target: Callable[[int, int], Any],
                     outs: dict[int, bytes] | None, parts: Sequence[Sequence[int]],
                     on_part: Callable[[int, list[int]], None] | None, results: list[int],
-                    valid: Sequence[int]) -> list[int]:
+                    valid: Sequence[int], located: Located | None = None) -> list[int]:
         """The ``parts`` form of :meth:`_batch_read`. A pipelined consumer waits
         for part 0 first, so its keys are located first, by a small RPC; the
         other keys by a second RPC sent from a helper thread as soon as the
         first is answered, so the master answers it while part 0 moves. Keys
         are planned part by part (their buffers asked for when their part is
-        read). A failed second RPC fails the later parts' keys with its code."""
+        read). A failed second RPC fails the later parts' keys with its code.
+        A usable ``located`` (this host, enough lease left) that answers every
+        key of part 0 replaces part 0's RPC."""
         ok = set(valid)
         first = list(dict.fromkeys(i for i in parts[0] if i in ok))
         in_first = set(first)
@@ -1212,6 +1221,15 @@ class Client:
             where[i] = (0, pos)
         for pos, i in enumerate(rest):
             where[i] = (1, pos)
+        if first and located is not None and located.usable(
+                min(LOCATED_MIN_LEFT_S, located.reply.lease_ttl_ms / 2000)):
+            at = located.positions()
+            if all(keys[i] in at for i in first):
+                self._learn_segments(located.reply.segments)
+                replies[0] = (located.reply, located.deadline)
+                for i in first:
+                    where[i] = (0, at[keys[i]])
+                first = []  # located: no RPC for them
         if first:
             replies[0] = self._locate_many([keys[i] for i in first])
         if rest:
@@ -1244,11 +1262,11 @@ class Client:
                 on_part(p, [results[i] for i in part])
         if helper is not None:  # one part only: the rest are just located
             try:
-                located = helper.result()
+                rest_reply = helper.result()
             except KVPoolError:
                 pass
             else:
-                self._plan_reads(located[0], located[1], [(where[i][1], i) for i in rest],
+                self._plan_reads(rest_reply[0], rest_reply[1], [(where[i][1], i) for i in rest],
                                  target, plans, bufs, results)
         for i in rest:
             if i in plans and i not in placed:
@@ -1438,7 +1456,8 @@ class Client:
 
     def batch_get_into_parts(self, keys: Sequence[str], buffers: Sequence[Any],
                              parts: Sequence[Sequence[int]],
-                             on_part: Callable[[int, list[int]], None]) -> list[int]:
+                             on_part: Callable[[int, list[int]], None],
+                             located: Located | None = None) -> list[int]:
         """:meth:`batch_get_into` for pipelined consumers: the keys of ``parts``
         (lists of indices into ``keys``) are read part after part, one transfer
         batch each, and ``on_part(p, results)`` runs after part ``p`` (results
@@ -1449,7 +1468,11 @@ class Client:
         waits only for part 0's lookup and copies). Indices in no part are
         located, not read. Each RPC's read lease covers its keys: parts still
         unread when it ends fail with LEASE_EXPIRED; a failed second RPC fails
-        the later parts' keys with its code (part 0's results stand)."""
+        the later parts' keys with its code (part 0's results stand).
+        ``located`` (from :meth:`locate_for_reads`, here or in another process of
+        this host) that answers every key of part 0, with at least
+        ``LOCATED_MIN_LEFT_S`` (or half) of its lease left, is used instead of part 0's
+        RPC: the first transfer starts at once. Else it is ignored."""
         self._check_open()
         if len(keys) != len(buffers):
             raise StoreError(f"{len(keys)} keys but {len(buffers)} buffers",
@@ -1458,22 +1481,27 @@ class Client:
         def target(i: int, size: int) -> Any:
             return buffers[i] if buffer_nbytes(buffers[i]) >= size else None
 
-        return self._batch_read(keys, target, None, parts, on_part)
+        return self._batch_read(keys, target, None, parts, on_part, located=located)
 
     # ------------------------------------------------------------------ locations
 
-    def batch_replica_locations(self, keys: Sequence[str]) -> list[list[ReplicaLocation] | None]:
-        """Where each key's complete replicas are, nearest first (the order reads
-        try them); None for a missing key. One BATCH_GET_REPLICA_LIST RPC; grants
-        read leases, like :meth:`batch_exists`. Lets a caller estimate a read's
-        time from what it measured per tier and peer before reading."""
+    def locate_for_reads(self, keys: Sequence[str]) -> Located:
+        """One BATCH_GET_REPLICA_LIST of ``keys`` (grants read leases, like
+        :meth:`batch_exists`), kept whole: :meth:`replica_locations` says where
+        each key is, and :meth:`batch_get_into_parts` (in this process or
+        another of this host) can read part 0 from it without asking again."""
         self._check_open()
-        if not keys:
-            return []
         for k in keys:
             self._valid_key(k)
-        res = self._call(BatchGetReplicaList(list(keys)))
-        self._learn_segments(res.segments)
+        if not keys:
+            return Located([], BatchGetReplicaListReply([], [], [], 0), float("inf"), boot_id())
+        res, deadline = self._locate_many(list(keys))
+        return Located(list(keys), res, deadline, boot_id())
+
+    def replica_locations(self, located: Located) -> list[list[ReplicaLocation] | None]:
+        """Per key of ``located``: its complete replicas, nearest first (the
+        order reads try them), or None where it is missing."""
+        res = located.reply
         out: list[list[ReplicaLocation] | None] = []
         for pos, code in enumerate(res.codes):
             if code != ErrorCode.OK:
@@ -1490,6 +1518,13 @@ class Client:
                     desc is not None and desc.host_id == self.host_id))
             out.append(locs or None)
         return out
+
+    def batch_replica_locations(self, keys: Sequence[str]) -> list[list[ReplicaLocation] | None]:
+        """Where each key's complete replicas are, nearest first (the order reads
+        try them); None for a missing key. One BATCH_GET_REPLICA_LIST RPC; grants
+        read leases, like :meth:`batch_exists`. Lets a caller estimate a read's
+        time from what it measured per tier and peer before reading."""
+        return self.replica_locations(self.locate_for_reads(keys))
 
     # ------------------------------------------------------------------ multi-part and ranged I/O
     # The primitives under Mooncake's multi-buffer, range and session calls

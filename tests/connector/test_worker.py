@@ -407,3 +407,51 @@ def test_layerwise_first_group_scatter_made_ahead(pool: str, blocks: list[list[i
                                           strict=True))
     w.close()
     w2.close()
+
+
+def test_layerwise_load_reads_first_group_from_the_lookup(pool: str) -> None:
+    """The scheduler's lookup hands its answers for the first layer group to
+    the worker (``LoadSpec.located``): the layer-wise load then asks the master
+    only for the later groups' objects, and every byte lands."""
+    from kvpool.connector.keys import layer_ranges
+    from kvpool.connector.scheduler import KVPoolScheduler, NewReq, StepInfo
+
+    src = _caches("LBHNC", seed=41)
+    w = _worker(pool, src)
+    toks = [41] * (KS.chunk_size * 2) + [7]  # two whole chunks and one more token
+    chunks = [ChunkRef(i, h, [2 * i, 2 * i + 1])
+              for i, h in enumerate(KS.chunk_hashes(toks[: 2 * KS.chunk_size]))]
+    assert w.save([SaveSpec("r", chunks)]) == 2
+    cfg = ConnectorConfig(master_address=pool, chunk_size=KS.chunk_size)
+    assert w.geo is not None
+    heads = w.geo.heads.total  # as the worker names its objects
+    sched = KVPoolScheduler(cfg, KS, LAYERS, StoreAccess(cfg), num_heads=heads)
+    n, _ = sched.lookup("q", toks, 0)
+    assert n == 2 * KS.chunk_size
+    blocks = [9, 10, 5, 6, 11]
+    sched.after_alloc("q", None, toks, blocks, n)
+    meta = sched.build_meta(StepInfo(new=[NewReq("q", blocks, 0)],
+                                     num_scheduled_tokens={"q": len(toks)}))
+    (spec,) = meta.loads
+    first = layer_ranges(LAYERS, cfg.layer_groups)[0]
+    assert spec.located is not None
+    assert spec.located.keys == [KS.object_key(c.hash, first, (0, heads), heads)
+                                 for c in chunks]
+    dst = _caches("LBHNC", seed=42)
+    w2 = _worker(pool, dst)
+    client = w2.store.client()
+    asked: list[list[str]] = []
+    real = client._locate_many
+
+    def counting(ks: list[str]) -> Any:
+        asked.append(list(ks))
+        return real(ks)
+
+    client._locate_many = counting
+    assert drive_step(w2, meta) == set()
+    assert len(asked) == 1 and not set(asked[0]) & set(spec.located.keys), asked
+    assert all(a.equal(b) for a, b in zip(_blocks(src, [0, 1, 2, 3]),
+                                          _blocks(dst, [9, 10, 5, 6]), strict=True))
+    sched.store.close()
+    w.close()
+    w2.close()

@@ -4,6 +4,7 @@ cases of that split, against a real master and node daemon."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -119,3 +120,95 @@ def test_second_lookups_reuse_their_threads_and_stop_at_close(
     with pytest.raises(StoreError) as ei:
         c._locator()
     assert ei.value.code == ErrorCode.CLOSED
+
+
+def _counting_locates(c: Client) -> list[list[str]]:
+    """Record the keys of every locate RPC ``c`` sends."""
+    asked: list[list[str]] = []
+    real = c._locate_many
+
+    def counting(ks: list[str]) -> Any:
+        asked.append(list(ks))
+        return real(ks)
+
+    c._locate_many = counting  # type: ignore[method-assign]
+    return asked
+
+
+def test_located_elsewhere_replaces_part_zeros_rpc(daemons: Any,
+                                                   make_client: Callable[..., Client],
+                                                   key: Callable[[str], str]) -> None:
+    """A reply located by one client (vLLM's scheduler), pickled as vLLM ships
+    metadata to its workers, lets another client read part 0 without asking
+    the master: only the later parts' keys are located. Every byte lands."""
+    import pickle
+
+    scheduler, worker = make_client(), make_client()
+    keys, vals = _stored(scheduler, key, 6)
+    located = pickle.loads(pickle.dumps(scheduler.locate_for_reads(keys).subset(keys[:2])))
+    assert located.keys == keys[:2] and located.usable(0.3)
+    asked = _counting_locates(worker)
+    bufs = [np.zeros(4000, np.uint8) for _ in keys]
+    seen: list[tuple[int, list[int]]] = []
+    res = worker.batch_get_into_parts(keys, bufs, [[1, 0], [2, 3], [4, 5]],
+                                      lambda p, r: seen.append((p, r)), located=located)
+    assert asked == [keys[2:]]  # one RPC, for the later parts only
+    assert seen[0] == (0, [3001, 3000])
+    assert res == [len(v) for v in vals]
+    assert all(b[:len(v)].tobytes() == v for b, v in zip(bufs, vals, strict=True))
+
+
+def test_located_ignored_when_short_stale_or_foreign(daemons: Any,
+                                                     make_client: Callable[..., Client],
+                                                     key: Callable[[str], str]) -> None:
+    """A located reply that misses a key of part 0, has too little lease left,
+    or comes from another boot (another host's monotonic clock) is not used:
+    part 0 is located by its own RPC, as without one."""
+    from dataclasses import replace
+
+    c = make_client()
+    keys, vals = _stored(c, key, 4)
+    whole = c.locate_for_reads(keys)
+    cases = {"misses a key": whole.subset(keys[:1]),
+             "lease nearly over": replace(whole, deadline=time.monotonic() + 0.1),
+             "another boot": replace(whole, boot="not-this-boot")}
+    for why, located in cases.items():
+        asked = _counting_locates(c)
+        bufs = [np.zeros(4000, np.uint8) for _ in keys]
+        res = c.batch_get_into_parts(keys, bufs, [[0, 1], [2, 3]], lambda p, r: None,
+                                     located=located)
+        assert asked[0] == keys[:2], why
+        assert res == [len(v) for v in vals], why
+        assert all(b[:len(v)].tobytes() == v for b, v in zip(bufs, vals, strict=True)), why
+        del c._locate_many  # back to the class's method
+
+
+def test_merged_located_rebases_capabilities(daemons: Any,
+                                             make_client: Callable[..., Client],
+                                             key: Callable[[str], str]) -> None:
+    """Replies of two lookups (two requests of one step) merged into one: each
+    replica keeps the capability token its own reply granted (indices re-based
+    onto the joined list), so the holders accept every read of part 0."""
+    from kvpool.store.located import Located
+
+    c = make_client()
+    keys, vals = _stored(c, key, 8)  # spread over both node daemons
+    a, b = c.locate_for_reads(keys[:4]), c.locate_for_reads(keys[4:])
+    assert a.reply.caps and b.reply.caps  # capabilities are on: tokens to re-base
+    merged = Located.merge([a, b])
+    assert merged is not None and merged.keys == keys
+    assert len(merged.reply.caps) == len(a.reply.caps) + len(b.reply.caps)
+    assert Located.merge([a, replace_boot(b)]) is None
+    asked = _counting_locates(c)
+    bufs = [np.zeros(4000, np.uint8) for _ in keys]
+    res = c.batch_get_into_parts(keys, bufs, [list(range(8))], lambda p, r: None,
+                                 located=merged)
+    assert asked == []  # nothing left to locate
+    assert res == [len(v) for v in vals]
+    assert all(x[:len(v)].tobytes() == v for x, v in zip(bufs, vals, strict=True))
+
+
+def replace_boot(located: Any) -> Any:
+    from dataclasses import replace
+
+    return replace(located, boot="another-host")
