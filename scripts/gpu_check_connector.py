@@ -44,6 +44,7 @@ Standalone: ``python scripts/gpu_check_connector.py [--json OUT]
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import time
@@ -322,6 +323,29 @@ def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv
 _STEP = itertools.count()
 
 
+class _GcPauses:
+    """The interpreter's garbage-collection pauses while active (ms, with the
+    generation): a stall in one timed run is told apart from the load's own."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((int(info.get("generation", -1)),
+                                round(1000 * (time.perf_counter() - self._t0), 3)))
+
+    def __enter__(self) -> _GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 def _scheduled_meta(sched: KVPoolScheduler, prompt: list[int], block_ids: list[int]) -> Any:
     """One request's step as vLLM's scheduler makes it: the prefix lookup
     (``get_num_new_matched_tokens``), ``update_state_after_alloc`` with its
@@ -459,10 +483,15 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
             # another took ~10% longer), and a serial run's load leaves it idle
             # for its whole duration, which would favour that mode
             idle = p["idle_ms"] / 1000
-            for _ in range(p["repeat"] + 1):
+            # GC pauses per run, so that a stalled run can be told apart
+            slow_gc: dict[str, list[Any]] = {m: [] for m in modes}
+            for rnd in range(p["repeat"] + 1):
                 for m, kw in modes.items():
-                    rounds[m].append(run_(**{"compute": True, "load": True, "idle_s": idle,
-                                             **kw}))
+                    with _GcPauses() as pauses:
+                        rounds[m].append(run_(**{"compute": True, "load": True,
+                                                 "idle_s": idle, **kw}))
+                    if any(ms >= 1.0 for _g, ms in pauses.pauses):
+                        slow_gc[m].append([rnd, pauses.pauses])
             compute_s, load_s, serial_s, pipe_s, after_s = (
                 min(rounds[m]) for m in ("compute", "load", "serial", "pipelined", "after"))
             timeline = trace.rows if trace is not None else []
@@ -501,6 +530,7 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                      "min": per_round[0] if per_round else None,
                      "max": per_round[-1] if per_round else None, "n": len(per_round)},
                  "rounds_s": rounds, "idle_ms_before_each_run": p["idle_ms"],
+                 "gc_pauses_over_1ms": slow_gc,
                  "hidden_bound": 1 - sizes[0] / L if sizes else None, "bytes_equal": ok,
                  "group_arrival_ms": part_ms, "timeline_ms": timeline,
                  "layer_gpu_ms": layer_ms,
