@@ -485,6 +485,7 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
             idle = p["idle_ms"] / 1000
             # GC pauses per run, so that a stalled run can be told apart
             slow_gc: dict[str, list[Any]] = {m: [] for m in modes}
+            slowest: dict[str, Any] = {}
             for rnd in range(p["repeat"] + 1):
                 for m, kw in modes.items():
                     with _GcPauses() as pauses:
@@ -492,6 +493,11 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                                                  "idle_s": idle, **kw}))
                     if any(ms >= 1.0 for _g, ms in pauses.pauses):
                         slow_gc[m].append([rnd, pauses.pauses])
+                    if m == "pipelined" and trace is not None and \
+                            rounds[m][-1] >= max(rounds[m]):  # the slowest one's steps
+                        slowest = {"round": rnd, "ms": round(1000 * rounds[m][-1], 2),
+                                   "group_arrival_ms": arrivals.get("ms", []),
+                                   "timeline_ms": trace.rows}
             compute_s, load_s, serial_s, pipe_s, after_s = (
                 min(rounds[m]) for m in ("compute", "load", "serial", "pipelined", "after"))
             timeline = trace.rows if trace is not None else []
@@ -530,7 +536,7 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                      "min": per_round[0] if per_round else None,
                      "max": per_round[-1] if per_round else None, "n": len(per_round)},
                  "rounds_s": rounds, "idle_ms_before_each_run": p["idle_ms"],
-                 "gc_pauses_over_1ms": slow_gc,
+                 "gc_pauses_over_1ms": slow_gc, "slowest_pipelined": slowest,
                  "hidden_bound": 1 - sizes[0] / L if sizes else None, "bytes_equal": ok,
                  "group_arrival_ms": part_ms, "timeline_ms": timeline,
                  "layer_gpu_ms": layer_ms,
