@@ -36,8 +36,10 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterProcess]:
 
 @pytest.fixture
 def doomed(master: MasterProcess) -> Iterator[NodeDaemonProcess]:
-    """A holder with room for four values of K bytes, killed by the test."""
-    with NodeDaemonProcess(master.address, "256KiB") as d:
+    """A holder with room for four values of K bytes, killed by the test. No
+    guard process: a guard would unmount its segment right after the kill,
+    and a put racing that unmount would be placed on a live holder instead."""
+    with NodeDaemonProcess(master.address, "256KiB", extra_args=["--no-guard"]) as d:
         yield d
 
 
