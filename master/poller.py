@@ -96,8 +96,11 @@ class LoopPoller:
             for i, z in enumerate(self._zsocks):
                 if z.sock is what:
                     del self._zsocks[i]
-                    del self._zbyfd[z.fd]
-                    self._poll.unregister(z.fd)
+                    # (a closed socket's descriptor number may serve another one now)
+                    if self._zbyfd.get(z.fd) is z:
+                        del self._zbyfd[z.fd]
+                        if z.fd not in self._fds:
+                            self._poll.unregister(z.fd)
                     return
             raise KeyError(what)
         fd = what if isinstance(what, int) else what.fileno()
