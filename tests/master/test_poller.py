@@ -70,6 +70,7 @@ def test_zmq_sockets_first_and_lazy_ones_after_touch(ctx: zmq.Context[zmq.Socket
         b.send(b"x")
         for i in range(3):
             dealer.send(b"m%d" % i)
+        time.sleep(0.3)  # all three reach the ROUTER's queue (ZeroMQ's I/O thread)
         deadline = time.monotonic() + 5
         got = p.poll(5000)
         while len(got) < 2 and time.monotonic() < deadline:
