@@ -816,6 +816,13 @@ class Directory:
         # key); the ones left over go back before anything else allocates
         run_seg: Any = None
         run_off = run_left = run_size = run_need = 0
+        # a pool of 2..32 segments: a run of equal sizes is planned at once
+        # (_plan_run: the segment each key would pick, its ranges carved per
+        # segment); plan_at indexes the next key's (segment, offset) in it
+        plan: list[tuple[Any, int]] | None = None
+        plan_at = 0
+        plan_size = plan_need = -1
+        plan_ok = True  # a plan that could not be carved: key by key for the rest
         for i in range(n):
             key = keys[i]
             size = sizes[i]
@@ -856,9 +863,43 @@ class Directory:
                         cap = self.pool_cap[_MEM]
                         frees = [seg.alloc.free for seg in pool]
                     continue
+            if plan_ok and len(frees) > 1 and key not in pending:
+                if plan is None or plan_at == len(plan) or size != plan_size:
+                    if plan is not None:
+                        self._unplan(plan, plan_at, plan_size)
+                        frees = [seg.alloc.free for seg in pool]
+                    m = i + 1
+                    while m < n and sizes[m] == size:
+                        m += 1
+                    plan = self._plan_run(pool, frees, size, m - i) or None
+                    plan_at = 0
+                    plan_size = size
+                    plan_need = pool[0].alloc.aligned(size)
+                    if plan is None:  # full or fragmented: key by key from here
+                        plan_ok = False
+                if plan is not None:
+                    reps = plan[plan_at]
+                    plan_at += 1
+                    used = pool_used[_MEM] + plan_need
+                    pool_used[_MEM] = used
+                    isize = sizes_get(size)
+                    pending[key] = Pending(intern(size) if isize is None else isize, reps, 0,
+                                           None, client_id, now)
+                    out[i] = reps
+                    if used > high * cap:
+                        self._unplan(plan, plan_at, plan_size)
+                        plan = None
+                        self.evict(_MEM)
+                        cap = self.pool_cap[_MEM]
+                        frees = [seg.alloc.free for seg in pool]
+                    continue
             if run_left:  # the general path below may allocate: the run's rest goes back
                 run_seg.alloc.release(run_off, run_left * run_need)
                 run_left = 0
+            if plan is not None:  # (likewise the plan's)
+                self._unplan(plan, plan_at, plan_size)
+                plan = None
+                frees = [seg.alloc.free for seg in pool]
             if fast and key not in pending:
                 j = frees.index(max(frees)) if len(frees) > 1 else 0
                 seg = pool[j]
@@ -889,6 +930,77 @@ class Directory:
             frees = [seg.alloc.free for seg in pool] if fast else []
         if run_left:
             run_seg.alloc.release(run_off, run_left * run_need)
+        if plan is not None:
+            self._unplan(plan, plan_at, plan_size)
+
+    @staticmethod
+    def _plan_run(pool: list[Segment], frees: list[int], size: int, m: int
+                  ) -> list[tuple[Segment, int]] | None:
+        """The ``(segment, offset)`` of each of ``m`` allocations of ``size``
+        as put_start_many's key-by-key path would make them (each on the
+        segment with the most free bytes, the first on ties: ``frees`` is
+        theirs), carved per segment with ``Allocator.allocate_run`` (the
+        ranges ``allocate`` would give one by one). Shorter when the pool
+        runs out of free bytes; None (nothing carved) when a segment's free
+        space is too fragmented to give what its free bytes promise (that
+        key would take the general path) or the segments align differently."""
+        need = pool[0].alloc.aligned(size)
+        s = len(pool)
+        if any(seg.alloc.aligned(size) != need for seg in pool):
+            return None
+        lo = min(frees)
+        if max(frees) - lo < need and lo >= need * (m // s + 1):
+            # frees within one allocation of each other, room for every pick:
+            # each round picks every segment once, most free first (first on
+            # ties), and leaves them in the same order
+            ranked = sorted(range(s), key=lambda j: (-frees[j], j))
+            q, r = divmod(m, s)
+            segs = [pool[j] for j in ranked]
+            offs = [0] * s
+            for rank, seg in enumerate(segs):
+                want = q + (rank < r)
+                if not want:
+                    break
+                off, k = seg.alloc.allocate_run(size, want)
+                if k != want:  # fragmented: give back what was carved
+                    if k:
+                        seg.alloc.release(off, k * need)
+                    for back in range(rank):
+                        segs[back].alloc.release(offs[back], (q + (back < r)) * need)
+                    return None
+                offs[rank] = off
+            return [(segs[t % s], offs[t % s] + (t // s) * need) for t in range(m)]
+        sim = frees[:]
+        counts = [0] * s
+        order: list[int] = []
+        for _ in range(m):
+            top = max(sim)
+            if top < need:
+                break
+            j = sim.index(top)
+            sim[j] = top - need
+            counts[j] += 1
+            order.append(j)
+        carved: list[list[int]] = [[] for _ in pool]
+        for j, want in enumerate(counts):
+            alloc = pool[j].alloc
+            got = carved[j]
+            while len(got) < want:
+                off, k = alloc.allocate_run(size, want - len(got))
+                if k == 0:  # fragmented: give back what was carved
+                    for jj in range(j + 1):
+                        for o in carved[jj]:
+                            pool[jj].alloc.release(o, need)
+                    return None
+                got.extend(range(off, off + k * need, need))
+        its = [iter(c) for c in carved]
+        return [(pool[j], next(its[j])) for j in order]
+
+    @staticmethod
+    def _unplan(plan: list[tuple[Segment, int]], used: int, size: int) -> None:
+        """Give back the ranges (of ``size``) of ``plan`` past its first ``used``."""
+        for seg, off in plan[used:]:
+            seg.alloc.release(off, size)
 
     def put_end(self, client_id: str, key: str) -> int:
         """Make an in-flight put COMPLETE (readable, journaled)."""

@@ -45,6 +45,7 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.local_socket import default_socket_path, remove_stale_socket
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
 from kvpool.core.protocol import encode_error
+from kvpool.master.poller import LoopPoller
 
 __all__ = ["LocalRpcServer", "default_socket_path"]
 
@@ -69,7 +70,7 @@ class _Conn:
 class LocalRpcServer:
     """The listening socket and its connections, driven by the master loop.
 
-    ``register(poller)`` adds the listener to the loop's ``zmq.Poller``;
+    ``register(poller)`` adds the listener to the loop's poller;
     ``serve(events, handle, too_many, limit)`` accepts, reads and answers
     every complete request among the poll events, returning the replies
     (sent by ``send_all`` once the journal is committed, as for ZeroMQ).
@@ -83,7 +84,7 @@ class LocalRpcServer:
         self.path = path or ""
         self.max_frame = max_frame_size
         self.instance = uuid.uuid4().hex
-        self._poller: zmq.Poller | None = None
+        self._poller: LoopPoller | None = None
         self._conns: dict[int, _Conn] = {}
         self.requests = 0
         self._rbuf = bytearray(_RECV)
@@ -139,7 +140,7 @@ class LocalRpcServer:
         if not remove_stale_socket(path):
             raise OSError(errno.EADDRINUSE, f"another master serves {path}")
 
-    def register(self, poller: zmq.Poller) -> None:
+    def register(self, poller: LoopPoller) -> None:
         self._poller = poller
         for fd in self._listeners:
             poller.register(fd, zmq.POLLIN)

@@ -39,6 +39,7 @@ from kvpool.master.events import EventPublisher
 from kvpool.master.ha.node import HaNode
 from kvpool.master.handlers import OpHandlers, ServerInfo
 from kvpool.master.local_rpc import LocalRpcServer, default_socket_path
+from kvpool.master.poller import LoopPoller
 from kvpool.master.stats import MasterStats, copy_retrying
 from kvpool.master.tiering import TieringPolicy
 
@@ -72,6 +73,7 @@ class MasterServer:
         self.durability = Durability(cfg, self.info.loop)
         self._stop = False
         self.signer: CapabilitySigner | None = None
+        self._poller = LoopPoller()  # the loop's (serve_forever)
         if cfg.capabilities:
             self.signer = CapabilitySigner(cfg.capability_ttl_ms or cfg.lease_ttl_ms)
         # The directory is millions of long-lived, cycle-free objects: full GC
@@ -249,7 +251,7 @@ class MasterServer:
             self.durability.request_snapshot()
         log.info("serving as the leader of epoch %d", ha.epoch)
 
-    def _serve_follower(self, poller: zmq.Poller) -> bool:
+    def _serve_follower(self, poller: LoopPoller) -> bool:
         """Replicate the leader, refuse client calls; True once elected."""
         ha = self.ha
         assert ha is not None
@@ -276,6 +278,8 @@ class MasterServer:
                 events = poller.poll(0 if sink.backlogged else 20)
                 if events:
                     # the ROUTER socket, registered first, is first when it has messages
+                    if events[0][0] is sock:
+                        poller.touch(sock)
                     for _ in range(_DRAIN if events[0][0] is sock else 0):
                         if not cast(int, sock.get(_EVENTS)) & _POLLIN:
                             break
@@ -355,8 +359,10 @@ class MasterServer:
         return [*prefix, self.handlers.too_many(frames[-1])]
 
     def serve_forever(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        # the ROUTER socket lazy: every recv/send on it is followed by touch()
+        # (in the drains and _send), so an idle ROUTER costs no EVENTS queries
+        self._poller = poller = LoopPoller()
+        poller.register(self.sock, zmq.POLLIN, lazy=True)
         if self.local_rpc is not None:
             self.local_rpc.register(poller)
         ha = self.ha
@@ -379,7 +385,7 @@ class MasterServer:
             self.durability.set_ack_gate(None)
             ha.demote(self.dir)
 
-    def _serve(self, poller: zmq.Poller) -> None:
+    def _serve(self, poller: LoopPoller) -> None:
         """The serving loop (a single master, or the elected leader until deposed)."""
         sock = self.sock
         recv = sock.recv_multipart
@@ -448,6 +454,8 @@ class MasterServer:
                 commits_before = durability.commits
                 replies: list[list[bytes]] = []
                 per_peer: dict[bytes, int] = {}
+                if events[0][0] is sock:
+                    poller.touch(sock)  # a drain cut at _DRAIN leaves messages
                 # the ROUTER socket, registered first, is first in ``events`` when
                 # it has messages: a round with direct-socket requests only skips
                 # its EVENTS check (a poll(2) and a getpid(2) inside ZeroMQ)
@@ -588,6 +596,8 @@ class MasterServer:
                     code.name, why)
 
     def _send(self, replies: list[list[bytes]], local_replies: Any) -> None:
+        if replies:
+            self._poller.touch(self.sock)  # a send may take the mailbox's signal
         send = self.sock.send_multipart
         for r in replies:
             try:

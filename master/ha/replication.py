@@ -636,7 +636,7 @@ class ReplicationSource:
 
     @property
     def pollable(self) -> Any:
-        """What the caller's ``zmq.Poller`` watches: readable when :meth:`poll`
+        """What the caller's poller (LoopPoller) watches: readable when :meth:`poll`
         has something to read (acks, hellos, a connection, room to send)."""
         return self.transport.pollable
 
@@ -826,7 +826,7 @@ class ReplicaSink:
 
     @property
     def pollable(self) -> Any:
-        """What the caller's ``zmq.Poller`` watches (None: not connected)."""
+        """What the caller's poller (LoopPoller) watches (None: not connected)."""
         return self.conn.pollable if self.conn is not None else None
 
     @property

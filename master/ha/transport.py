@@ -114,7 +114,7 @@ class LeaderTransport(Protocol):
 
     @property
     def pollable(self) -> Any:
-        """What the loop's ``zmq.Poller`` watches (POLLIN: something to do): a
+        """What the loop's poller (LoopPoller) watches (POLLIN: something to do): a
         ZeroMQ socket, or a file descriptor (an int: the poller reports it so;
         compare with ``==``)."""
 
@@ -300,7 +300,7 @@ class SocketLeader:
 
     @property
     def pollable(self) -> Any:
-        return self._ep_fd  # zmq.Poller reports a plain fd as the int, whatever was registered
+        return self._ep_fd  # the poller reports a plain fd as the int, whatever was registered
 
     def _accept(self) -> None:
         while True:
@@ -477,7 +477,7 @@ class SocketStandby:
 
     @property
     def pollable(self) -> Any:
-        # zmq.Poller reports a plain fd as the int; None once dropped (the
+        # the poller reports a plain fd as the int; None once dropped (the
         # socket is closed: the caller stops polling it)
         return None if self.dropped else self._fd
 

@@ -169,6 +169,46 @@ def test_put_start_many_picks_the_most_free_segment_like_put_start() -> None:
     assert len({r[0].id for r in out_b}) == 3  # spread over every segment
 
 
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_put_start_many_plans_runs_over_several_segments_like_put_start(seed: int) -> None:
+    """Batches of equal sizes on 2-5 segments (put_start_many plans each run:
+    round robin while the segments' free bytes are within one allocation,
+    simulated otherwise, key by key when fragmented or full) place, carve
+    and leave the allocators exactly as put_start key by key, with objects
+    freed in between (fragmented segments) and pools that fill up."""
+    rng = random.Random(seed)
+    planned = 0
+    for _trial in range(6):
+        segments = rng.randint(2, 5)
+        seg_size = rng.choice([1 << 18, 1 << 20])
+        a, _ = make(segments, seg_size)
+        b, _ = make(segments, seg_size)
+        for step in range(40):
+            n = rng.randint(1, 48)
+            base = rng.randint(0, 10_000)
+            keys = [f"k{base + i}" for i in range(n)]
+            size = rng.choice([64, 4096, 4096, 8192, 70_000])
+            sizes = [size] * n if rng.random() < 0.8 else \
+                [rng.choice([size, 100]) for _ in range(n)]
+            got_a = per_key_start(a, "c1", keys, sizes)
+            got_b = batch_start(b, "c1", keys, sizes)
+            assert got_a[0] == got_b[0], step
+            assert placement(got_a[1]) == placement(got_b[1]), step
+            planned += sum(1 for r in got_b[1] if r is not None)
+            ends = [k for k in keys if rng.random() < 0.7]
+            assert per_key_end(a, "c1", ends) == b.put_end_many("c1", ends, MAX_KEY)
+            # free some stored objects: holes in the segments
+            for k in [k for k in list(a.objects)[:200] if rng.random() < 0.3]:
+                for d in (a, b):
+                    d.remove(k)
+            a.records.clear()
+            b.records.clear()
+            assert state(a) == state(b), step
+        for seg in b.segments.values():
+            seg.alloc.check()
+    assert planned > 1000
+
+
 def test_obj_and_pending_compare_by_identity() -> None:
     x = Obj(10, (), 0, None, "w")
     y = Obj(10, (), 0, None, "w")
