@@ -86,7 +86,8 @@ def _host_from_address(ptr: int, length: int, owner: Any) -> BufferHandle:
     if ptr <= 0 and length > 0:
         raise TransferError(f"invalid address {ptr:#x}", ErrorCode.INVALID_PARAMS, retryable=False)
     if length > 0:  # (frombuffer: half the time of np.ctypeslib.as_array)
-        arr = np.frombuffer((ctypes.c_ubyte * length).from_address(ptr), dtype=np.uint8)
+        raw = (ctypes.c_ubyte * length).from_address(ptr)
+        arr = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
     else:
         arr = np.empty(0, dtype=np.uint8)
     return BufferHandle(ptr=ptr, length=length, device="cpu", array=arr, owner=owner)
