@@ -660,8 +660,8 @@ class BulkClient:
                                    [wire.BulkItem(it.segment.segment_id, it.offset, n, cap)])
         write = it.op is TransferOp.WRITE
         off = it.buffer_offset
-        data = _bytes_view(it.buffer)[off:off + n]
         try:
+            data = _bytes_view(it.buffer)[off:off + n]
             stream.write_views([_frame(req), data] if write and n else [_frame(req)], deadline)
             sent = 0.0
             if _SPIN_S and n <= _SPIN_BYTES:

@@ -646,8 +646,8 @@ class TransferEngine:
             return None
         # _next_transport for a request nothing was tried for, without the
         # reasons (the general path gives them when no transport is left)
-        slots, kind, same_host, device = self._slots, item.segment.kind, item.same_host, \
-            item.buffer.device
+        slots = self._slots
+        kind, same_host, device = item.segment.kind, item.same_host, item.buffer.device
         for name in candidates:
             slot = slots.get(name)
             if slot is not None and slot.transport.supports(kind, same_host, device) \
