@@ -342,7 +342,8 @@ class _Grant:
         self.flat = flat
         # a repeated offset keeps one of its lengths: a shorter one only sends
         # the check to the binary search, which sees every range
-        self.exact = dict(zip(flat[::2], flat[1::2], strict=True))
+        self.exact = {flat[0]: flat[1]} if len(flat) == 2 else \
+            dict(zip(flat[::2], flat[1::2], strict=True))  # (one range: a single put/get)
         self._starts: list[int] | None = None
         self._reach: list[int] = []
 

@@ -31,6 +31,7 @@ _KDL_CPU = 1
 _KDL_CUDA = 2
 _KDL_CUDA_HOST = 3
 _KDL_CUDA_MANAGED = 13
+_C_VOID_P = ctypes.c_void_p
 
 
 @dataclass(eq=False)
@@ -84,8 +85,9 @@ class BufferHandle:
 def _host_from_address(ptr: int, length: int, owner: Any) -> BufferHandle:
     if ptr <= 0 and length > 0:
         raise TransferError(f"invalid address {ptr:#x}", ErrorCode.INVALID_PARAMS, retryable=False)
-    if length > 0:
-        arr = np.ctypeslib.as_array((ctypes.c_ubyte * length).from_address(ptr))
+    if length > 0:  # (frombuffer: half the time of np.ctypeslib.as_array)
+        raw = (ctypes.c_ubyte * length).from_address(ptr)
+        arr = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
     else:
         arr = np.empty(0, dtype=np.uint8)
     return BufferHandle(ptr=ptr, length=length, device="cpu", array=arr, owner=owner)
@@ -160,10 +162,23 @@ def as_buffer(obj: Any, length: int | None = None, device: str | None = None) ->
 
 
 def _as_buffer(obj: Any, length: int | None, device: str | None) -> BufferHandle:
+    kind = type(obj)
+    if (kind is bytes or kind is bytearray) and device is None:
+        # the common value of a single put: no probing for GPU and raw-address forms
+        arr = np.frombuffer(obj, dtype=np.uint8)
+        if not arr.size:
+            ptr = 0
+        elif kind is bytes:  # ctypes passes bytes as the address of their data: 2x faster
+            ptr = ctypes.cast(obj, _C_VOID_P).value or 0  # type: ignore[arg-type]
+        else:
+            ptr = int(arr.ctypes.data)
+        return BufferHandle(ptr=ptr, length=arr.nbytes, device="cpu", readonly=kind is bytes,
+                            array=arr, owner=obj)
     if device not in (None, "cpu", "cuda"):
         raise TransferError(f"unknown device {device!r}", ErrorCode.INVALID_PARAMS, retryable=False)
     # raw address forms
-    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj):
+    if (kind is tuple and len(obj) == 2 and type(obj[0]) is int and type(obj[1]) is int) \
+            or (isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj)):
         addr, n = int(obj[0]), int(obj[1])
         if n < 0:
             raise TransferError("negative length", ErrorCode.INVALID_PARAMS, retryable=False)

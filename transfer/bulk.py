@@ -76,6 +76,7 @@ _MV = "bulk_mv"  # BufferHandle.cache key of the buffer's byte memoryview (_byte
 # 19 vs 39+ bytes); 64 bytes measured as fast as the old frames
 _MIN_FRAME = 64
 _UNSET: Any = object()
+_BULK_OPS = {int(TransferOp.READ): TransferOp.READ, int(TransferOp.WRITE): TransferOp.WRITE}
 
 #: (op, items, capability table) -> (codes, segments, first error): validates
 #: and counts every range of one request; a segment (anything with ``view()``,
@@ -251,6 +252,12 @@ class _Stream:
             raise TimeoutError from None
 
     def _write(self, views: list[Any], deadline: float) -> None:
+        if len(views) == 1 and len(views[0]) < _LARGE:  # a reply header: one send
+            self._arm(deadline)
+            n = self.sock.send(views[0])
+            if n == len(views[0]):
+                return
+            views = [memoryview(views[0])[n:]]
         if len(views) <= _IOV_MAX:  # the common case: small pieces, all sent by one sendmsg
             sizes = [len(v) for v in views]
             if max(sizes, default=0) < _LARGE:
@@ -355,12 +362,13 @@ class BulkServer:
 
     def _check(self, req: wire.BulkRequest) -> tuple[list[int], list[Any], str]:
         """Validate every range: (codes, segments (None where refused), first error)."""
-        n = len(req.items)
-        if req.op not in (TransferOp.READ, TransferOp.WRITE):
+        op = _BULK_OPS.get(req.op)
+        if op is None:
+            n = len(req.items)
             self._count(False, n)
             return ([int(ErrorCode.UNKNOWN_OP)] * n, [None] * n,
                     f"unknown op {req.op!r} on the bulk path")
-        return self._validate(TransferOp(req.op), req.items, req.caps)
+        return self._validate(op, req.items, req.caps)
 
     def _serve_one(self, stream: _Stream, scratch: memoryview) -> bool:
         """One request; False when the connection is done (EOF, or out of step)."""
@@ -370,6 +378,10 @@ class BulkServer:
         deadline = time.monotonic() + _IDLE_S
         req = wire.decode_bulk_request(raw)  # undecodable: the stream is lost, close
         codes, segs, err = self._check(req)
+        if len(codes) == 1 and not codes[0]:  # one accepted range: a lone put or get
+            view = segs[0].view()
+            if view is not None:
+                return self._serve_single(stream, req, view, deadline)
         reply = _frame(wire.BulkReply(req.id, codes, err))
         if req.op == TransferOp.WRITE:
             if None in segs and any(s is None and not 0 <= it.len <= self._max_req
@@ -385,6 +397,25 @@ class BulkServer:
             stream.write([reply, *self._payloads(req.items, segs)], deadline)
         else:
             stream.write([reply], deadline)
+        return True
+
+    @staticmethod
+    def _serve_single(stream: _Stream, req: wire.BulkRequest, view: memoryview,
+                      deadline: float) -> bool:
+        """:meth:`_serve_one` of a request of one accepted range on a mapped
+        segment (``view``): payload straight into / out of the mapping; False
+        on EOF."""
+        it = req.items[0]
+        n = it.len
+        reply = _frame(wire.BulkReply(req.id, [0]))
+        if not n:
+            stream.write_views([reply], deadline)
+        elif req.op == TransferOp.WRITE:
+            if not stream.read_into([view[it.off:it.off + n]], deadline):
+                return False
+            stream.write_views([reply], deadline)
+        else:
+            stream.write_views([reply, view[it.off:it.off + n]], deadline)
         return True
 
     @staticmethod
@@ -480,6 +511,9 @@ class BulkClient:
         op (a mixed run could fill both directions' socket buffers at once).
         Reports each item. Marks the client broken on a stream error or timeout,
         failing what is left (retryable)."""
+        if len(items) == 1 and not self.broken:
+            self._run_single(items[0], deadline, report, final_codes)
+            return
         for group in _runs(items):
             if self.broken:
                 for it in group:
@@ -607,6 +641,55 @@ class BulkClient:
             self._fail(items[done:], report, "no reply before the deadline", ErrorCode.TIMEOUT)
         except (OSError, ConnectionError, KVPoolError, ValueError) as exc:
             self._fail(items[done:], report, f"bulk connection: {exc}", ErrorCode.TRANSFER_FAIL)
+
+    def _run_single(self, it: Any, deadline: float, report: Callable[..., None],
+                    final_codes: set[ErrorCode]) -> None:
+        """:meth:`_run_group` of one item (a lone put or get): the same request,
+        reply checks, reply poll and reports, without the packing pass and the
+        per-item loops."""
+        stream = self.stream
+        rid = next(self._ids)
+        n = it.length
+        cap = it.capability
+        if self.caps_table and cap:
+            req = wire.BulkRequest(rid, int(it.op),
+                                   [wire.BulkItem(it.segment.segment_id, it.offset, n, 0)],
+                                   caps=[cap])
+        else:
+            req = wire.BulkRequest(rid, int(it.op),
+                                   [wire.BulkItem(it.segment.segment_id, it.offset, n, cap)])
+        write = it.op is TransferOp.WRITE
+        off = it.buffer_offset
+        try:
+            data = _bytes_view(it.buffer)[off:off + n]
+            stream.write_views([_frame(req), data] if write and n else [_frame(req)], deadline)
+            sent = 0.0
+            if _SPIN_S and n <= _SPIN_BYTES:
+                sent = time.perf_counter()
+                if self._reply_wait < _SPIN_S:  # see _run_group
+                    stream.spin_until = sent + _SPIN_S
+            raw = stream.read_frame(_REPLY_MAX, deadline)
+            if sent:
+                wait = min(time.perf_counter() - sent, 2 * _SPIN_S)
+                self._reply_wait += (wait - self._reply_wait) * 0.125
+            rep = wire.decode_bulk_reply(raw) if raw is not None else None
+            if rep is None or rep.id != rid or len(rep.codes) != 1:
+                raise ConnectionError("bulk reply out of step")
+            c = rep.codes[0]
+            if c:
+                code = self._code(c)
+                report(it, TransferError(f"peer: {rep.err}", code,
+                                         retryable=code not in final_codes))
+                return
+            if not write and n and not stream.read_into([data], deadline):
+                raise ConnectionError("peer closed the bulk connection")
+        except TimeoutError:
+            self._fail([it], report, "no reply before the deadline", ErrorCode.TIMEOUT)
+            return
+        except (OSError, ConnectionError, KVPoolError, ValueError) as exc:
+            self._fail([it], report, f"bulk connection: {exc}", ErrorCode.TRANSFER_FAIL)
+            return
+        report(it, None)
 
     @staticmethod
     def _code(code: int) -> ErrorCode:

@@ -644,10 +644,16 @@ class TransferEngine:
             return None
         if item.length == 0:
             return None
-        track = _Track()
-        track.candidates = candidates
-        name, _ = self._next_transport(item, track)
-        return None if name is None else (item, candidates, name)
+        # _next_transport for a request nothing was tried for, without the
+        # reasons (the general path gives them when no transport is left)
+        slots = self._slots
+        kind, same_host, device = item.segment.kind, item.same_host, item.buffer.device
+        for name in candidates:
+            slot = slots.get(name)
+            if slot is not None and slot.transport.supports(kind, same_host, device) \
+                    and not (slot.health and slot.paused(_peer_key(item))):
+                return item, candidates, name
+        return None
 
     def _run_one(self, requests: Sequence[TransferRequest], caller_deadline: float | None
                  ) -> RequestStatus | BatchHandle | None:

@@ -22,6 +22,18 @@ def test_bytes_is_readonly() -> None:
     assert bytes(h.host_view()) == b"hello"
 
 
+def test_bytes_and_bytearray_address_is_their_data() -> None:
+    """``ptr`` of bytes / bytearray (the fast path) is where their bytes are."""
+    data = bytes(range(256)) * 16
+    h = as_buffer(data)
+    assert h.ptr == h.array.ctypes.data and ctypes.string_at(h.ptr, len(data)) == data
+    ba = bytearray(data)
+    hb = as_buffer(ba)
+    assert hb.ptr == _addr_of(ba) and not hb.readonly and hb.length == len(data)
+    assert as_buffer(b"").length == 0 and as_buffer(bytearray()).ptr == 0
+    assert as_buffer(data, length=10).length == 10
+
+
 def test_bytearray_memoryview_numpy_share_memory() -> None:
     ba = bytearray(16)
     for obj in (ba, memoryview(ba), np.frombuffer(ba, dtype=np.uint8)):

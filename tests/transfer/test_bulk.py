@@ -196,6 +196,21 @@ def test_bulk_socket_garbage_and_op_query(make_peer: Any) -> None:
                    + _frame(wire.BulkRequest(11, int(R), [wire.BulkItem(seg, 0, 4)])))
     r, rest = reply(out)
     assert r.id == 10 and r.codes == [ErrorCode.SEGMENT_NOT_FOUND] and rest == b""
+    # lone ranges (the server's one-range path): an empty WRITE and READ, a WRITE,
+    # then a READ of it on the same stream: replies in order, payloads in step
+    out = exchange(_frame(wire.BulkRequest(12, int(W), [wire.BulkItem(seg, 200, 0)]))
+                   + _frame(wire.BulkRequest(13, int(R), [wire.BulkItem(seg, 200, 0)]))
+                   + _frame(wire.BulkRequest(14, int(W), [wire.BulkItem(seg, 200, 6)]))
+                   + b"lone-w"
+                   + _frame(wire.BulkRequest(15, int(R), [wire.BulkItem(seg, 199, 8)])))
+    got = []
+    while out:
+        r, out = reply(out)
+        got.append((r.id, r.codes))
+        if r.id == 15:
+            assert out == pattern[199:200].tobytes() + b"lone-w" + pattern[206:207].tobytes()
+            out = b""
+    assert got == [(12, [0]), (13, [0]), (14, [0]), (15, [0])]
     # the peer still serves over ZeroMQ
     assert peer.crc(0, 16) >= 0
 
