@@ -21,7 +21,13 @@ client`` node daemon on this machine. Two parts:
    last layer's compute done:
    - ``ttft_serial_s``: loads complete before the forward (layerwise off);
    - ``ttft_pipelined_s``: every group's load starts at once, each layer
-     waits only for its group (``wait_for_layer_load``) and computes;
+     waits only for its group (``wait_for_layer_load``) and computes; as in
+     vLLM, whose attention op calls ``wait_for_layer_load``, a layer waits
+     after its QKV projection (``--wait-at attention``; ``layer``: before
+     it); each step's load comes from the scheduler-side calls vLLM makes
+     (lookup, ``update_state_after_alloc``, ``build_connector_meta``) right
+     before it (``--pipeline-lookup``), and the garbage collector's heap is
+     frozen after set-up as vLLM's engine core does (``--no-gc-freeze``);
    - ``load_s`` (load alone), ``compute_s`` (forward alone);
    - ``hidden_fraction = (ttft_serial - ttft_pipelined) / load_s``: the part
      of the load time hidden behind compute (goal >= 0.8; at most
@@ -67,7 +73,8 @@ DEFAULTS: dict[str, Any] = dict(layers=32, blocks=2048, block=16, heads=8, head=
                                 pipeline_layouts=("short-first",),
                                 pipeline_locate=("split",), pipeline_words=(16,),
                                 pipeline_handoff=("scatter",), pipeline_first_copy=("ahead",),
-                                pipeline_lookup=("scheduler",), idle_ms=100.0)
+                                pipeline_lookup=("scheduler",), idle_ms=100.0,
+                                wait_at="attention", gc_freeze=True)
 
 
 def _sync(torch: Any, device: str) -> None:
@@ -255,9 +262,18 @@ class _LayerStandIn:
         self.qh, self.hd, self.m, self.tokens = qh, hd, m, tokens
 
     def __call__(self) -> None:
-        t = self.torch
+        self.post(self.pre())
+
+    def pre(self) -> Any:
+        """The layer's work before attention (the QKV projection): vLLM runs it
+        before ``wait_for_layer_load``, which its attention op calls first."""
         qkv = self.x @ self.wqkv
-        q = qkv[:, : self.qh * self.hd].reshape(1, self.tokens, self.qh, self.hd).transpose(1, 2)
+        return qkv[:, : self.qh * self.hd].reshape(1, self.tokens, self.qh, self.hd) \
+            .transpose(1, 2)
+
+    def post(self, q: Any) -> None:
+        """Attention over the context, the O projection and the MLP."""
+        t = self.torch
         kv_len = self.k.shape[2]
         o = t.nn.functional.scaled_dot_product_attention(
             q, self.k[:, :, :kv_len], self.v[:, :, :kv_len])
@@ -270,13 +286,15 @@ class _LayerStandIn:
 def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv: Any,
              dst_ids: list[int], names: list[str], layerwise: bool, compute: bool,
              load: bool, arrived_first: bool = False, trace: _Trace | None = None,
-             layer_ms: list[float] | None = None, idle_s: float = 0.0) -> float:
+             layer_ms: list[float] | None = None, idle_s: float = 0.0,
+             wait_at: str = "attention") -> float:
     """One harness forward: start_load_kv, per layer wait_for_layer_load then the
     layer's compute, wait_for_save; seconds until the GPU is done
     (``arrived_first``: timed from when every layer group had arrived).
     ``layer_ms``: filled with each layer's GPU milliseconds (CUDA events; the
     first from the forward's start); ``idle_s``: the GPU left idle this long
-    before the forward starts. ``meta``: the step's metadata, or a function
+    before the forward starts. ``wait_at``: where in a layer the forward
+    waits for its KV (see below). ``meta``: the step's metadata, or a function
     making it (the scheduler's lookup, right before the step, as in vLLM)."""
     w.layerwise = layerwise
     kv[:, dst_ids].zero_()
@@ -300,10 +318,13 @@ def _forward(torch: Any, device: str, w: KVPoolWorker, meta: Any, layer: Any, kv
         events.append(torch.cuda.Event(enable_timing=True))
         events[-1].record()
     for name in names:
+        # vLLM waits for a layer's KV in its attention op, after the layer's
+        # QKV projection (``wait_at="attention"``); "layer": before all of it
+        q = layer.pre() if compute and wait_at == "attention" else None
         if load:
             w.wait_for_layer(name)
         if compute:
-            layer()
+            layer.post(q if q is not None else layer.pre())
         if events is not None:
             events.append(torch.cuda.Event(enable_timing=True))
             events[-1].record()
@@ -468,7 +489,11 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                 layer()
             _sync(torch, device)
 
-            run_ = partial(_forward, torch, device, w, meta, layer, kv, dst_ids, names)
+            run_ = partial(_forward, torch, device, w, meta, layer, kv, dst_ids, names,
+                           wait_at=p["wait_at"])
+            if p["gc_freeze"]:  # as vLLM's engine core does after start-up (freeze_gc_heap)
+                gc.collect()
+                gc.freeze()
 
             # rounds of every mode back to back: the GPU's speed drifts by several
             # per cent between runs (clocks), so modes are compared within a round
@@ -520,7 +545,8 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
             per_layer_ms = 1000 * compute_s / L
             sizes = [b - a for a, b in w.geo.group_keys] if w.geo else []
             r = {"layer_groups": groups, "group_layers": sizes, "layout": layout,
-                 "locate": locate, "lookup": lookup, "handoff": handoff, "first_copy": first_copy,
+                 "locate": locate, "lookup": lookup, "wait_at": p["wait_at"],
+                 "gc_frozen": p["gc_freeze"], "handoff": handoff, "first_copy": first_copy,
                  "copy_word": objects._word if objects else None,
                  "scatter_probe": scatter_probe,
                  "hit_tokens": n_chunks * ct, "compute_tokens": tokens,
@@ -707,6 +733,13 @@ def main() -> None:
                          "right before the step (scheduler: the worker reads the first group "
                          "from its answers) or by hand (none: the worker locates it), for "
                          "comparison")
+    ap.add_argument("--wait-at", default=DEFAULTS["wait_at"], choices=("attention", "layer"),
+                    help="where a layer waits for its KV: in its attention op, after the "
+                         "QKV projection (attention: as vLLM's attention op calls "
+                         "wait_for_layer_load), or before any of its work (layer)")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the garbage collector's heap unfrozen (vLLM's engine core "
+                         "freezes it after start-up: gen-2 collections then skip it)")
     ap.add_argument("--idle-ms", type=float, default=DEFAULTS["idle_ms"],
                     help="pipelining part: the GPU idles this long before every run, so "
                          "that every mode starts at the same clocks")
@@ -723,7 +756,8 @@ def main() -> None:
         pipeline_layouts=tuple(a.pipeline_layouts), pipeline_locate=tuple(a.pipeline_locate),
         pipeline_words=tuple(a.pipeline_words), pipeline_handoff=tuple(a.pipeline_handoff),
         pipeline_first_copy=tuple(a.pipeline_first_copy),
-        pipeline_lookup=tuple(a.pipeline_lookup), idle_ms=a.idle_ms)
+        pipeline_lookup=tuple(a.pipeline_lookup), idle_ms=a.idle_ms, wait_at=a.wait_at,
+        gc_freeze=not a.no_gc_freeze)
     if a.device == "cpu":  # a dry run: small model, small sizes
         over.update(hidden=256, mlp=512, q_heads=8, layers=8, blocks=512, stored_gib=0.03,
                     hit_tokens=1024, chunk_tokens=(256,), compute_tokens=(256,),
