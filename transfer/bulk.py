@@ -504,6 +504,7 @@ class BulkClient:
         self.caps_table = caps_table
         self._ids = itertools.count(1)
         self._reply_wait = 0.0  # seconds: see _run_group
+        self._ahead: tuple[Any, int | BaseException] | None = None  # see send_ahead
 
     def run(self, items: Sequence[Any], deadline: float, report: Callable[..., None],
             final_codes: set[ErrorCode], now: Callable[[], float]) -> None:
@@ -642,12 +643,19 @@ class BulkClient:
         except (OSError, ConnectionError, KVPoolError, ValueError) as exc:
             self._fail(items[done:], report, f"bulk connection: {exc}", ErrorCode.TRANSFER_FAIL)
 
-    def _run_single(self, it: Any, deadline: float, report: Callable[..., None],
-                    final_codes: set[ErrorCode]) -> None:
-        """:meth:`_run_group` of one item (a lone put or get): the same request,
-        reply checks, reply poll and reports, without the packing pass and the
-        per-item loops."""
-        stream = self.stream
+    def send_ahead(self, it: Any, deadline: float) -> None:
+        """Send the request of the lone item ``it`` now; the next ``run([it])``
+        reads its reply instead of sending it (the stripes of a large READ go
+        out together from one thread, so the peer starts serving each at once
+        rather than when the thread that receives it gets to run). A failure to
+        send is reported by that ``run``, as it would have been there."""
+        try:
+            self._ahead = (it, self._send_single(it, deadline))
+        except Exception as exc:  # raised again where run() would have met it
+            self._ahead = (it, exc)
+
+    def _send_single(self, it: Any, deadline: float) -> int:
+        """Send the request (and a WRITE's payload) of one item; returns its id."""
         rid = next(self._ids)
         n = it.length
         cap = it.capability
@@ -658,11 +666,29 @@ class BulkClient:
         else:
             req = wire.BulkRequest(rid, int(it.op),
                                    [wire.BulkItem(it.segment.segment_id, it.offset, n, cap)])
+        if it.op is TransferOp.WRITE and n:
+            off = it.buffer_offset
+            self.stream.write_views([_frame(req), _bytes_view(it.buffer)[off:off + n]], deadline)
+        else:
+            self.stream.write_views([_frame(req)], deadline)
+        return rid
+
+    def _run_single(self, it: Any, deadline: float, report: Callable[..., None],
+                    final_codes: set[ErrorCode]) -> None:
+        """:meth:`_run_group` of one item (a lone put or get): the same request,
+        reply checks, reply poll and reports, without the packing pass and the
+        per-item loops."""
+        stream = self.stream
+        n = it.length
         write = it.op is TransferOp.WRITE
-        off = it.buffer_offset
+        ahead, self._ahead = self._ahead, None
         try:
-            data = _bytes_view(it.buffer)[off:off + n]
-            stream.write_views([_frame(req), data] if write and n else [_frame(req)], deadline)
+            if ahead is not None and ahead[0] is it:  # sent by send_ahead
+                if isinstance(ahead[1], BaseException):
+                    raise ahead[1]
+                rid = ahead[1]
+            else:
+                rid = self._send_single(it, deadline)
             sent = 0.0
             if _SPIN_S and n <= _SPIN_BYTES:
                 sent = time.perf_counter()
@@ -681,8 +707,10 @@ class BulkClient:
                 report(it, TransferError(f"peer: {rep.err}", code,
                                          retryable=code not in final_codes))
                 return
-            if not write and n and not stream.read_into([data], deadline):
-                raise ConnectionError("peer closed the bulk connection")
+            if not write and n:
+                off = it.buffer_offset
+                if not stream.read_into([_bytes_view(it.buffer)[off:off + n]], deadline):
+                    raise ConnectionError("peer closed the bulk connection")
         except TimeoutError:
             self._fail([it], report, "no reply before the deadline", ErrorCode.TIMEOUT)
             return

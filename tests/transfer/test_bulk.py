@@ -364,6 +364,67 @@ def test_lone_large_request_stripes_keep_codes_and_bytes(make_engine: Any,
     st = cli.transfer([TransferRequest(R, dst, desc.segment_id, 0, 16 * MiB,
                                        buffer_offset=1)], 30)
     assert st[0].ok and dst[1:].tobytes() == src[:16 * MiB].tobytes()
+    # the same for a READ (its stripes' requests all go out before any reply is read)
+    seen.clear()
+    big = np.zeros(24 * MiB, np.uint8)
+    st = cli.transfer([TransferRequest(R, big, desc.segment_id, 0, 24 * MiB)], 30)
+    assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.PERMISSION_DENIED, st
+    assert len(st[0].errors) == 1, st
+    assert sorted(seen) == [(0, 12 * MiB), (12 * MiB, 12 * MiB)]
+    dst[:] = 0
+    st = cli.transfer([TransferRequest(R, dst, desc.segment_id, 0, 16 * MiB,
+                                       buffer_offset=1)], 30)
+    assert st[0].ok and dst[1:].tobytes() == src[:16 * MiB].tobytes()
+
+
+def test_striped_reads_reuse_helper_threads(make_engine: Any, make_peer: Any) -> None:
+    """The extra stripes of lone large requests run on helper threads that are
+    kept between requests (one here: one extra stripe at a time), bytes intact;
+    closing the transport ends them."""
+    seg = 24 * MiB
+    peer = make_peer(seg, host_id="far-away")
+    peer.cmd("fill 5")
+    pattern = fill_pattern(5, seg)
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"threads": 2}}})
+    e.add_peer_segment(peer.desc)
+    tcp = _bulk_ready(e, peer)
+    helpers = tcp._helpers
+    n0 = tcp.stats()["bulk_requests"]
+    for i in range(6):
+        dst = np.zeros(16 * MiB, np.uint8)
+        off = i * 4096 + i
+        st = e.transfer([TransferRequest(R, dst, peer.segment_id, off, 16 * MiB)], 30)
+        assert st[0].ok and st[0].transport == "tcp", st
+        assert zlib.crc32(dst) == zlib.crc32(pattern[off:off + 16 * MiB])
+    assert tcp.stats()["bulk_requests"] == n0 + 12  # two stripes each
+    with helpers._lock:
+        assert len(helpers._idle) == 1, helpers._idle
+    mine = [t for t in threading.enumerate() if t.name == "kvpool-tcp-bulk"]
+    assert mine
+    e.close()
+    wait_until(lambda: not any(t.is_alive() for t in mine), 5, "helper threads to exit")
+
+
+def test_striped_read_from_a_dead_peer_fails_once(make_engine: Any, make_peer: Any) -> None:
+    """The stripes' requests of a lone large READ are sent up front: a peer that
+    died since the last request fails the request once, retryably, soon (the
+    send or the reply read fails; nothing is raised to the caller)."""
+    peer = make_peer(32 * MiB, host_id="far-away")
+    e = make_engine("host-test", overrides={"transports": {"tcp": {"timeout_s": 10.0,
+                                                                   "retries": 0,
+                                                                   "threads": 2}}})
+    e.add_peer_segment(peer.desc)
+    _bulk_ready(e, peer)
+    dst = np.zeros(16 * MiB, np.uint8)
+    st = e.transfer([TransferRequest(R, dst, peer.segment_id, 0, 16 * MiB)], 30)
+    assert st[0].ok, st  # both stripe connections now idle in the pool
+    peer.kill()
+    t0 = time.monotonic()
+    st = e.transfer([TransferRequest(R, dst, peer.segment_id, 0, 16 * MiB)], 30)
+    assert time.monotonic() - t0 < 5.0  # EOF/reset, not the 10 s deadline
+    assert st[0].state is RequestState.FAILED, st
+    assert st[0].code in (ErrorCode.TRANSFER_FAIL, ErrorCode.TIMEOUT), st
+    assert len(st[0].errors) == 1 and st[0].transport == "tcp", st
 
 
 def test_lone_large_request_peer_killed_mid_stripes(make_engine: Any, make_peer: Any) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 _MIN_ZERO_COPY = 64 << 10
 _BULK_RETRY_S = 10.0  # how long "this peer has no bulk socket" is believed
 _STRIPE_MIN = 8 << 20  # a lone request this large goes over several connections at once
+_HELPER_IDLE_S = 30.0  # a bulk helper thread idle this long exits
+_HELPERS_KEPT = 8  # idle bulk helper threads kept at most
 # server refusals that no other attempt can fix
 _FINAL_CODES = {
     ErrorCode.OUT_OF_BOUNDS, ErrorCode.PERMISSION_DENIED, ErrorCode.UNKNOWN_OP,
@@ -90,6 +93,68 @@ class _Conn:
     ever_connected: bool = False
 
 
+class _Helpers:
+    """Threads kept for the extra connections of :meth:`TcpTransport._run_bulk`
+    (the stripes of a large item, the other peers of a sub-batch): a thread
+    started per job cost each striped request a start-up hand-off, which on a
+    busy 2-core host came late. A job never waits for a busy helper (a new
+    thread is started then), so a silent peer still cannot hold up a live one;
+    a helper idle for ``_HELPER_IDLE_S`` exits, and at most ``_HELPERS_KEPT``
+    wait at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[Any]] = []
+        self._closed = False
+
+    def submit(self, fn: Any, args: tuple[Any, ...]) -> threading.Event:
+        """Run ``fn(*args)`` on an idle helper or a new thread; the event is set
+        when it returns (or raises)."""
+        done = threading.Event()
+        with self._lock:
+            q = self._idle.pop() if self._idle else None
+        if q is not None:
+            q.put((fn, args, done))
+            return done
+        q = queue.SimpleQueue()
+        q.put((fn, args, done))
+        threading.Thread(target=self._loop, args=(q,), daemon=True,
+                         name="kvpool-tcp-bulk").start()
+        return done
+
+    def _loop(self, q: queue.SimpleQueue[Any]) -> None:
+        while True:
+            try:
+                job = q.get(timeout=_HELPER_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if q in self._idle:  # else a job was just handed to it: take it
+                        self._idle.remove(q)
+                        return
+                job = q.get()
+            if job is None:
+                return
+            fn, args, done = job
+            try:
+                fn(*args)
+            except Exception:  # the job reports its own items; never lose the helper silently
+                log.exception("tcp: bulk helper job failed")
+            finally:
+                done.set()
+            del fn, args, done, job  # no references kept while idle
+            with self._lock:
+                if self._closed or len(self._idle) >= _HELPERS_KEPT:
+                    return
+                self._idle.append(q)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for q in idle:
+            q.put(None)
+
+
 @dataclass(frozen=True)
 class _BulkPeer:
     """What a peer's ``ServerOp.BULK`` answer said (port 0: none, or not yet known)."""
@@ -120,6 +185,7 @@ class TcpTransport(Transport):
         self._bulk_all: set[BulkClient] = set()
         self._bulk_idle: dict[str, list[BulkClient]] = {}
         self.bulk_requests = 0
+        self._helpers = _Helpers()
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -387,14 +453,17 @@ class TcpTransport(Transport):
 
         # one thread per extra connection: a silent peer must not hold up a live one,
         # and the stripes of a large item move in parallel
-        threads = [threading.Thread(target=run, args=job, daemon=True,
-                                    name="kvpool-tcp-bulk") for job in jobs[1:]]
-        for t in threads:
-            t.start()
+        if parts:
+            # the stripes of a lone READ: every request out first, so the peer
+            # serves them all at once, whenever each receiving thread gets to run
+            for _ep, part, bc in jobs:
+                if len(part) == 1 and part[0].op is TransferOp.READ and id(part[0]) in parts:
+                    bc.send_ahead(part[0], deadline)
+        waits = [self._helpers.submit(run, job) for job in jobs[1:]]
         if jobs:
             run(*jobs[0])
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        for done in waits:
+            done.wait(max(0.0, deadline - time.monotonic()) + 1.0)
         return rest
 
     def _counted(self, report: ReportFn) -> ReportFn:
@@ -500,6 +569,7 @@ class TcpTransport(Transport):
 
     def close(self) -> None:
         super().close()
+        self._helpers.close()
         with self._lock:
             bulk, self._bulk_all = list(self._bulk_all), set()
             self._bulk_idle.clear()
