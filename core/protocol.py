@@ -46,9 +46,11 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.events import ObjectStored, SegmentAdded
 
 __all__ = [
+    "KEY_MIN",
     "LOCAL_FRAME_HEADER",
     "MAX_KEY_LENGTH",
     "OPS",
+    "RESERVED_KEY_PREFIX",
     "BatchExist",
     "BatchExistReply",
     "BatchGetReplicaList",
@@ -87,6 +89,7 @@ __all__ = [
     "OpSpec",
     "Ping",
     "PingReply",
+    "PutCommit",
     "PutEnd",
     "PutOptions",
     "PutRevoke",
@@ -102,6 +105,7 @@ __all__ = [
     "Reply",
     "ReplyFrame",
     "Request",
+    "ReserveReply",
     "SegmentDescriptor",
     "SegmentInfo",
     "SegmentKind",
@@ -126,6 +130,11 @@ __all__ = [
 ]
 
 MAX_KEY_LENGTH = 4096
+#: Keys starting with NUL are the master's (reservation placeholders); every
+#: user-facing op refuses them with INVALID_KEY. ``key < KEY_MIN`` is true for
+#: exactly the empty key and the reserved ones.
+RESERVED_KEY_PREFIX = "\x00"
+KEY_MIN = "\x01"
 # Same-host Unix-socket framing (master/local_rpc.py): each payload is prefixed
 # with its length as this many bytes, little-endian.
 LOCAL_FRAME_HEADER = 4
@@ -147,6 +156,7 @@ class Op(IntEnum):
     REMOVE_ALL = 17
     REMOVE_BY_REGEX = 18
     UPSERT_START = 19
+    PUT_COMMIT = 20
     BATCH_PUT_START = 30
     BATCH_PUT_END = 31
     BATCH_PUT_REVOKE = 32
@@ -407,10 +417,40 @@ class UpsertStart(PutStart):
     pass
 
 
-@register(Op.PUT_END, Empty, "mark the caller's pending put complete")
-class PutEnd(Request[Empty]):
+class ReserveReply(Reply):
+    """A commit's reply; with ``placeholder`` set, an anonymous reservation
+    for the caller's next put of the size it asked: a pending put under that
+    placeholder key (``replicas`` to write, their ``caps``), to be named by
+    PUT_COMMIT. ``ttl_ms``: how long from this reply the caller may still
+    start its write into it. Empty ``placeholder``: none was made."""
+
+    placeholder: str = ""
+    replicas: list[ReplicaDescriptor] = []
+    segments: dict[str, SegmentDescriptor] = {}
+    caps: list[bytes] = []
+    ttl_ms: int = 0
+
+
+@register(Op.PUT_END, ReserveReply,
+          "mark the caller's pending put complete; reserve > 0: then reserve that many bytes "
+          "(one memory replica) for the caller's next put (ReserveReply; none made: the put "
+          "is still OK)")
+class PutEnd(Request[ReserveReply]):
     client_id: str
     key: str
+    reserve: int = 0
+
+
+@register(Op.PUT_COMMIT, ReserveReply,
+          "the caller's reservation (placeholder of a ReserveReply) becomes the pending put "
+          "of key and is committed as PUT_END commits (OBJECT_NOT_FOUND: no such reservation "
+          "of the caller; OBJECT_ALREADY_EXISTS: key stored or in flight, the reservation "
+          "stays); reserve > 0: a new reservation as PUT_END's")
+class PutCommit(Request[ReserveReply]):
+    client_id: str
+    placeholder: str
+    key: str
+    reserve: int = 0
 
 
 @register(Op.PUT_REVOKE, Empty, "drop the caller's pending put and free its space")
@@ -871,8 +911,9 @@ def validate_key(key: object, max_length: int = MAX_KEY_LENGTH) -> str:
     """Return ``key`` if it is a valid object key, else raise INVALID_KEY."""
     if not isinstance(key, str):
         raise KVPoolError(f"key must be str, got {type(key).__name__}", ErrorCode.INVALID_KEY)
-    if not key:
-        raise KVPoolError("key must not be empty", ErrorCode.INVALID_KEY)
+    if key < KEY_MIN:
+        raise KVPoolError("key must not be empty nor start with NUL (reserved)",
+                          ErrorCode.INVALID_KEY)
     if len(key) > max_length:
         raise KVPoolError(f"key longer than {max_length}", ErrorCode.INVALID_KEY)
     return key

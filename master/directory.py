@@ -41,7 +41,7 @@ from typing import Any
 import msgspec
 
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.protocol import KEY_MIN, SegmentDescriptor, SegmentKind
 from kvpool.master.allocator import Allocator
 from kvpool.master.config import MasterConfig
 
@@ -826,7 +826,7 @@ class Directory:
         for i in range(n):
             key = keys[i]
             size = sizes[i]
-            if not key or len(key) > max_key:
+            if key < KEY_MIN or len(key) > max_key:
                 codes[i] = bad_key
                 continue
             if size <= 0 or size > max_size:
@@ -1040,6 +1040,30 @@ class Directory:
             self.groups.setdefault(p.group, set()).add(key)
         return OK
 
+    def put_commit(self, client_id: str, placeholder: str, key: str) -> int:
+        """Make ``client_id``'s pending put ``placeholder`` (a reservation) the
+        pending put of ``key`` and commit it as :meth:`put_end` does (the same
+        record). OBJECT_NOT_FOUND: no such pending put of this client;
+        OBJECT_ALREADY_EXISTS: ``key`` is stored or in flight (as put_start
+        answers; the reservation stays)."""
+        p = self.pending.get(placeholder)
+        if p is None or p.client_id != client_id:
+            return ErrorCode.OBJECT_NOT_FOUND
+        objects = self.objects
+        if key in objects.shards[hash(key) & objects.mask]:
+            return ErrorCode.OBJECT_ALREADY_EXISTS
+        other = self.pending.get(key)
+        if other is not None:
+            if self.clock() - other.started <= self.cfg.put_start_discard_timeout_s:
+                return ErrorCode.OBJECT_ALREADY_EXISTS
+            del self.pending[key]  # its writer is presumed dead, as put_start preempts
+            self._release_pending(key, other)
+            self.preemptions += 1
+        del self.pending[placeholder]
+        self.pending[key] = p
+        self.clients[client_id] = self.clock()
+        return self.put_end(client_id, key)
+
     def put_end_many(self, client_id: str, keys: list[str], max_key: int) -> list[int]:
         """PUT_END of many keys, as :meth:`put_end` key by key (INVALID_KEY for
         an empty or too long key), in one pass; the per-key codes."""
@@ -1057,7 +1081,7 @@ class Directory:
         last_seg: Any = None  # a batch mostly fills one segment: its key set's add at hand
         seg_add: Any = None
         for key in keys:
-            if not key or len(key) > max_key:
+            if key < KEY_MIN or len(key) > max_key:
                 code_append(bad_key)
                 continue
             p = get(key)
@@ -1224,12 +1248,12 @@ class Directory:
         tick = _TICKS.__next__
         n = len(keys)
         # one C-speed length check of the batch spares a per-key one
-        check = start > 0 or (n > 0 and (min(map(len, keys)) == 0
+        check = start > 0 or (n > 0 and (min(keys) < KEY_MIN  # empty or reserved
                                          or max(map(len, keys)) > max_key))
         lease = self.clock() + self.lease_s
         for i in range(start, n):
             key = keys[i]
-            if check and (not key or len(key) > max_key):
+            if check and (key < KEY_MIN or len(key) > max_key):
                 codes[i] = _INVALID_KEY
                 continue
             shard = shards[hash(key) & mask]
@@ -1284,7 +1308,7 @@ class Directory:
         found: list[bool] = []
         lease = self.clock() + self.lease_s
         for key in keys:
-            if not key or len(key) > max_key:
+            if key < KEY_MIN or len(key) > max_key:
                 codes.append(bad_key)
                 found.append(False)
                 continue

@@ -20,9 +20,11 @@ token (:class:`_Grants`). Signing is per batch and segment, not per key.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +33,9 @@ from kvpool.core import __version__
 from kvpool.core.capability import MAX_RANGES, CapabilitySigner, CapOp
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import (
+    KEY_MIN,
     OPS,
+    RESERVED_KEY_PREFIX,
     BatchExist,
     BatchExistReply,
     BatchGetReplicaList,
@@ -67,6 +71,7 @@ from kvpool.core.protocol import (
     MountSegmentReply,
     Ping,
     PingReply,
+    PutCommit,
     PutEnd,
     PutOptions,
     PutRevoke,
@@ -82,6 +87,7 @@ from kvpool.core.protocol import (
     ReplicaStatus,
     Reply,
     Request,
+    ReserveReply,
     SegmentDescriptor,
     SegmentInfo,
     SegmentKind,
@@ -114,6 +120,7 @@ _CAP_READ = int(CapOp.READ)
 _FILE = SegmentKind.FILE
 _INVALID_KEY = int(ErrorCode.INVALID_KEY)
 _INVALID_PARAMS = int(ErrorCode.INVALID_PARAMS)
+_NO_RESERVATION = ReserveReply()
 _time_ns = time.time_ns  # capability expiry is wall-clock epoch ms (it crosses hosts)
 _NO_REPLICAS: list[ReplicaDescriptor] = []  # shared by every failed key of a reply
 
@@ -208,6 +215,14 @@ class OpHandlers:
         ttl = cfg.capability_ttl_ms or cfg.lease_ttl_ms
         self._read_ttl_ms = signer.ttl_ms if signer is not None else ttl
         self._write_ttl_ms = write_grant_ms(cfg)  # the directory holds revoked space as long
+        # a reservation's placeholder key: unique to this process (a restarted or
+        # new leader never names another range the same) and to the reservation
+        self._resv_prefix = f"{RESERVED_KEY_PREFIX}resv/{secrets.token_hex(8)}/"
+        self._resv_seq = itertools.count()
+        # how long a client may start its write into a reservation: within its
+        # WRITE grant and well before the pending-put sweep revokes it
+        life = min(self._write_ttl_ms, int(cfg.put_start_release_timeout_s * 1000))
+        self._resv_ttl_ms = life - max(1000, life // 4)
         self._run: dict[int, tuple[str, Callable[[Any], Reply]]] = {}
         for op, spec in OPS.items():
             fn = getattr(self, spec.handler_name, None)
@@ -271,8 +286,9 @@ class OpHandlers:
 
     # ================================================================ checks
     def _key(self, key: str) -> str:
-        if not key or len(key) > self.max_key:
-            raise _bad(f"key must be a non-empty string of at most {self.max_key} characters",
+        if key < KEY_MIN or len(key) > self.max_key:
+            raise _bad(f"key must be a non-empty string of at most {self.max_key} characters "
+                       "not starting with NUL (reserved)",
                        ErrorCode.INVALID_KEY)
         return key
 
@@ -527,7 +543,7 @@ class OpHandlers:
             for i in range(n):
                 key = keys[i]
                 size = sizes[i]
-                if not key or len(key) > max_key:
+                if key < KEY_MIN or len(key) > max_key:
                     codes[i] = _INVALID_KEY
                     continue
                 if size <= 0 or size > max_size:
@@ -563,21 +579,50 @@ class OpHandlers:
         self._count("upsert_start" if replace else "put_start", codes)
         return BatchPutStartReply(codes, out, segs, grants.sign())
 
-    def put_end(self, req: PutEnd) -> Empty:
-        code = self.dir.put_end(self._client(req.client_id), self._key(req.key))
+    def _reserve(self, client_id: str, size: int) -> ReserveReply:
+        """A reservation of ``size`` bytes for ``client_id``'s next put: an
+        ordinary pending put (one memory replica) under a fresh placeholder key,
+        so its expiry, release with its client and fencing are a put's. An empty
+        reply when none can be made (the commit before it is OK regardless)."""
+        if size <= 0 or size > self.cfg.max_object_size or self._resv_ttl_ms <= 0:
+            return ReserveReply()
+        placeholder = f"{self._resv_prefix}{next(self._resv_seq)}"
+        code, p = self.dir.put_start(client_id, placeholder, size)
+        if code:
+            return ReserveReply()
+        self._count_one("reserve")
+        return ReserveReply(placeholder,
+                            *self._granted(p.replicas, size, _PROCESSING, _CAP_WRITE),
+                            self._resv_ttl_ms)
+
+    def put_end(self, req: PutEnd) -> ReserveReply:
+        client_id = self._client(req.client_id)
+        code = self.dir.put_end(client_id, self._key(req.key))
         self._count_one("put_end")
         self._raise(code, "put_end")
-        return Empty()
+        return self._reserve(client_id, req.reserve) if req.reserve else _NO_RESERVATION
+
+    def put_commit(self, req: PutCommit) -> ReserveReply:
+        client_id = self._client(req.client_id)
+        placeholder = req.placeholder
+        if not placeholder.startswith(self._resv_prefix):  # not this master's: lost
+            raise KVPoolError("no such reservation", ErrorCode.OBJECT_NOT_FOUND)
+        code = self.dir.put_commit(client_id, placeholder, self._key(req.key))
+        self._count_one("put_end")
+        self._raise(code, "put_commit")
+        return self._reserve(client_id, req.reserve) if req.reserve else _NO_RESERVATION
 
     def put_revoke(self, req: PutRevoke) -> Empty:
-        self._raise(self.dir.put_revoke(self._client(req.client_id), self._key(req.key)),
-                    "put_revoke")
+        key = req.key  # the caller's own pending put: a placeholder too
+        if not key.startswith(RESERVED_KEY_PREFIX):
+            self._key(key)
+        self._raise(self.dir.put_revoke(self._client(req.client_id), key), "put_revoke")
         return Empty()
 
     def _keyed(self, name: str, keys: list[str], fn: Callable[[str], int]) -> BatchKeysReply:
         self._batch(keys)
         max_key = self.max_key
-        codes = [int(fn(k)) if k and len(k) <= max_key else _INVALID_KEY for k in keys]
+        codes = [int(fn(k)) if k >= KEY_MIN and len(k) <= max_key else _INVALID_KEY for k in keys]
         self._count(name, codes)
         return BatchKeysReply(codes)
 
@@ -592,7 +637,14 @@ class OpHandlers:
     def batch_put_revoke(self, req: BatchPutRevoke) -> BatchKeysReply:
         client_id = self._client(req.client_id)
         revoke = self.dir.put_revoke
-        return self._keyed("put_revoke", req.keys, lambda k: revoke(client_id, k))
+        keys = req.keys
+        self._batch(keys)
+        max_key = self.max_key
+        # the caller's own pending puts: placeholders (reserved keys) too
+        codes = [int(revoke(client_id, k)) if k and len(k) <= max_key else _INVALID_KEY
+                 for k in keys]
+        self._count("put_revoke", codes)
+        return BatchKeysReply(codes)
 
     # ================================================================ reads
     def get_replica_list(self, req: GetReplicaList) -> GetReplicaListReply:
@@ -683,7 +735,7 @@ class OpHandlers:
         codes: list[int] = []
         sizes: list[int] = []
         for k in keys:
-            if not k or len(k) > max_key:
+            if k < KEY_MIN or len(k) > max_key:
                 codes.append(_INVALID_KEY)
                 sizes.append(0)
                 continue

@@ -32,6 +32,7 @@ import time
 import uuid
 import weakref
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -59,6 +60,7 @@ from kvpool.core.protocol import (
     GetReplicaList,
     GetSize,
     ListSegments,
+    PutCommit,
     PutEnd,
     PutOptions,
     PutRevoke,
@@ -72,6 +74,7 @@ from kvpool.core.protocol import (
     ReplicaStatus,
     Reply,
     Request,
+    ReserveReply,
     SegmentDescriptor,
     SegmentInfo,
     SegmentKind,
@@ -99,6 +102,7 @@ from kvpool.store._gpustage import (
 )
 from kvpool.store.config import ClientConfig, ReplicateConfig, SoftPinAction, default_host_id
 from kvpool.store.errors import (
+    AlreadyExists,
     BufferTooSmall,
     ChecksumMismatch,
     LeaseExpired,
@@ -136,6 +140,11 @@ log = logging.getLogger(__name__)
 _LAZY_BYTES = object()  # batch-read target: "allocate a bytes result when needed"
 _SUSPECT_S = 10.0  # how long a segment that failed a read is tried last
 _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
+# reservations for single puts (ClientConfig.reserve_single_puts): sizes up to
+# this many bytes, one reservation per size, this many sizes at most
+_RESERVE_MAX_SIZE = 1 << 20
+_RESERVE_MAX_SIZES = 8
+_RESERVE_CLOSE_TIMEOUT_S = 0.5  # close() gives reservations back best effort
 # batch_get_into_parts: locate part 0's keys by an RPC of their own, and the
 # rest's from a helper thread while part 0 moves (False: one RPC for all)
 SPLIT_PART_LOCATE = True
@@ -173,6 +182,19 @@ class _ReadPlan:
 
 def _master_error(exc: MasterRPCError) -> StoreError:
     return error_for_code(exc.code, str(exc))
+
+
+@dataclass(slots=True)
+class _Reserved:
+    """A reservation the master handed this client (ReserveReply) for its
+    next single put of ``size`` bytes."""
+
+    placeholder: str
+    replicas: list[ReplicaDescriptor]
+    segments: dict[str, SegmentDescriptor]
+    caps: list[bytes]
+    deadline: float  # monotonic time after which no write into it may start
+    term: int  # master term that granted it
 
 
 @dataclass(slots=True)
@@ -264,6 +286,10 @@ class Client:
         self._inline: InlineShm | None = None
         self._gpu_segments_learned = False  # see _learn_memory_segments
         self._staging_lock = threading.Lock()  # creates self._owned.staging once
+        # size -> the reservation for the next single put of that size, least
+        # recently granted first (see _put_reserved)
+        self._reserved: OrderedDict[int, _Reserved] = OrderedDict()
+        self._reserved_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -365,6 +391,7 @@ class Client:
         action, kill -9) is released by its guard process."""
         if self._closed:
             return
+        self._give_back_reservations()
         self._closed = True
         with self._rpc_lock:  # a _locator() call either made its pool already or refuses
             pool = self._locate_pool
@@ -535,14 +562,24 @@ class Client:
             raise StoreError("cannot put an empty value", ErrorCode.INVALID_PARAMS)
         checksum = self._checksum(buffer) if self._checksum_algo is not None else None
         groups = self._groups(config, 1)
+        # a small put with every default: a reservation of its size, when held,
+        # saves PUT_START; its commit asks for the next one
+        reserve = size if (size <= _RESERVE_MAX_SIZE and self.config.reserve_single_puts
+                           and checksum is None and groups is None
+                           and (config is None or self._put_options(config) is None)
+                           and not is_gpu_buffer(buffer)) else 0
+        if reserve:
+            held = self._take_reserved(size)
+            if held is not None and self._put_reserved(key, buffer, size, held):
+                return
         try:
-            self._put_once(key, buffer, size, config, checksum, groups)
+            self._put_once(key, buffer, size, config, checksum, groups, reserve)
         except (StaleEpoch, _ReservationLost) as exc:
             log.info("put %r: %s; asking the master again", key, exc)
-            self._put_once(key, buffer, size, config, checksum, groups)
+            self._put_once(key, buffer, size, config, checksum, groups, reserve)
 
     def _put_once(self, key: str, buffer: Any, size: int, config: ReplicateConfig | None,
-                  checksum: Any, groups: list[str] | None) -> None:
+                  checksum: Any, groups: list[str] | None, reserve: int = 0) -> None:
         res = self._call(PutStart(self.client_id, key, size, self._put_options(config),
                                   checksum, None if groups is None else groups[0]))
         term = self._term()
@@ -566,7 +603,106 @@ class Client:
         except BaseException:
             self._revoke([key])
             raise
-        self._commit_one(key, term)
+        self._commit_one(key, term, reserve)
+
+    # ------------------------------------------------------------------ reserved single puts
+    # A commit's reply may carry a reservation: an anonymous pending put of the
+    # size asked for, placed and granted by the master. The next put of that
+    # size writes into it and names the key with one PUT_COMMIT. A reservation
+    # is used once (taken out of the table before the write), only while its
+    # ttl runs and in the master term that granted it; whatever goes wrong with
+    # it, the put is done from the start as if there had been none.
+
+    def _keep_reserved(self, res: ReserveReply, size: int, term: int) -> None:
+        """Hold the reservation of a commit's reply (if any) for ``size``."""
+        if not res.placeholder:
+            return
+        r = _Reserved(res.placeholder, res.replicas, res.segments, res.caps,
+                      time.monotonic() + res.ttl_ms / 1000.0, term)
+        drop = []
+        with self._reserved_lock:
+            old = self._reserved.pop(size, None)
+            if old is not None:
+                drop.append(old)
+            self._reserved[size] = r
+            while len(self._reserved) > _RESERVE_MAX_SIZES:
+                drop.append(self._reserved.popitem(last=False)[1])
+        for d in drop:
+            self._revoke([d.placeholder])
+
+    def _take_reserved(self, size: int) -> _Reserved | None:
+        """The reservation held for ``size``, taken (no other put may use it);
+        None when there is none still usable (an expired one is given back)."""
+        if not self._reserved:
+            return None
+        with self._reserved_lock:
+            r = self._reserved.pop(size, None)
+        if r is None:
+            return None
+        if time.monotonic() >= r.deadline or r.term != self._term():
+            self._revoke([r.placeholder])
+            return None
+        return r
+
+    def _put_reserved(self, key: str, buffer: Any, size: int, r: _Reserved) -> bool:
+        """Put ``key`` through reservation ``r``: write, then PUT_COMMIT (asking
+        for the next reservation). False: the reservation could not be used
+        (a failed write, revoked; or the master no longer holds it) and nothing
+        was stored: the caller puts from the start. Raises AlreadyExists (the
+        reservation is kept) and what a commit raises."""
+        self._learn_segments(r.segments)
+        replicas = r.replicas
+        try:
+            results = self._copy_batch(True, [(buffer, rep, size) for rep in replicas],
+                                       self.config.transfer_timeout_s, r.caps)
+        except BaseException:
+            self._revoke([r.placeholder])
+            raise
+        failed = [(rep, err) for rep, (ok, err) in zip(replicas, results, strict=True) if not ok]
+        if failed or not replicas:
+            for rep, _ in failed:
+                self._forget_segment(rep.segment_id)
+            log.info("put %r: write into a reservation failed (%s); putting from the start",
+                     key, "; ".join(err for _r, err in failed))
+            self._revoke([r.placeholder])
+            return False
+        try:
+            try:
+                res = self._call(PutCommit(self.client_id, r.placeholder, key, size))
+            except MasterUnreachable as exc:
+                if exc.code != ErrorCode.WRITE_OUTCOME_UNKNOWN:
+                    raise
+                # applied, maybe: the key's own PUT_END answers OK once it is replicated,
+                # OBJECT_NOT_FOUND when it was not applied (then put from the start)
+                log.info("PUT_COMMIT %r: %s; confirming with PUT_END", key, exc)
+                self._send_commit(PutEnd(self.client_id, key))
+                return True
+        except ObjectNotFound as exc:  # expired, or lost to a master failover or restart
+            log.info("put %r: reservation gone (%s); putting from the start", key, exc)
+            return False
+        except AlreadyExists:
+            with self._reserved_lock:  # still reserved at the master: keep it
+                keep = size not in self._reserved and len(self._reserved) < _RESERVE_MAX_SIZES
+                if keep:
+                    self._reserved[size] = r
+            if not keep:
+                self._revoke([r.placeholder])
+            raise
+        self._keep_reserved(res, size, self._term())
+        return True
+
+    def _give_back_reservations(self) -> None:
+        """close(): revoke the reservations held (best effort, a short timeout;
+        a client that dies instead has them released with its other puts)."""
+        with self._reserved_lock:
+            held = [r.placeholder for r in self._reserved.values()]
+            self._reserved.clear()
+        if not held or not self._started or self._master is None:
+            return
+        try:
+            self._master.call(BatchPutRevoke(self.client_id, held), _RESERVE_CLOSE_TIMEOUT_S)
+        except Exception as exc:  # closing regardless
+            log.debug("revoking %d reservations at close: %s", len(held), exc)
 
     def _copy_batch(self, write: bool, jobs: list[tuple[Any, ReplicaDescriptor, int]],
                     timeout: float, caps: list[bytes],
@@ -899,12 +1035,15 @@ class Client:
             log.info("%s: %s; sending it again", request.OP.name, exc)
             return self._call(request)
 
-    def _commit_one(self, key: str, term: int) -> None:
-        """PUT_END of ``key``, reserved in master term ``term``. Raises
-        _ReservationLost when a failover lost the reservation (the caller puts
-        again), else what PUT_END raises."""
+    def _commit_one(self, key: str, term: int, reserve: int = 0) -> None:
+        """PUT_END of ``key``, reserved in master term ``term`` (``reserve`` > 0:
+        asking for a reservation of that size, kept). Raises _ReservationLost
+        when a failover lost the reservation (the caller puts again), else what
+        PUT_END raises."""
         try:
-            self._send_commit(PutEnd(self.client_id, key))
+            res = self._send_commit(PutEnd(self.client_id, key, reserve))
+            if res.placeholder:
+                self._keep_reserved(res, reserve, self._term())
         except ObjectNotFound as exc:
             if not self._term_changed(term):
                 raise

@@ -120,6 +120,12 @@ class ClientConfig:
         "servers; see docs/security.md). Entry points without flags (the Mooncake-compatible "
         "class, the vLLM connector) read this file from $KVPOOL_CONFIG and the cluster key "
         "from $KVPOOL_CURVE_KEY_DIR")
+    reserve_single_puts: bool = setting(
+        True, help="a single put of a small value (default options, no checksum, host "
+        "buffer, under 1MiB) asks its commit's reply for a reservation of the same size; the "
+        "next put of that size writes into it and commits with one master call (PUT_COMMIT) "
+        "instead of two (PUT_START, PUT_END). At most 8 sizes are held; close() gives them "
+        "back")
     metrics_port: int = setting(
         0, help="node daemon: Prometheus /metrics on 127.0.0.1:PORT with the transfer "
         "server's capability refusals by reason (kvpool_capability_refusals_total{reason}) and "

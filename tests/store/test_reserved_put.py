@@ -1,0 +1,217 @@
+"""Single puts through reservations (ClientConfig.reserve_single_puts), against a
+real master and real node daemons: a commit's reply hands the client a
+reservation of the put's size; the next put of that size writes into it and
+sends one PUT_COMMIT. Every path that cannot use a reservation (expired, its
+holder dead, the key taken) must store the bytes as a plain put would, or fail
+as it would, and leave nothing pending."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import (
+    Exist,
+    GetReplicaList,
+    PutCommit,
+    PutEnd,
+    PutRevoke,
+    PutStart,
+)
+from kvpool.store import Client, ReplicateConfig
+from kvpool.store.errors import AlreadyExists, ObjectNotFound, StoreError, TransferFailed
+from support.factories import client_factory
+
+pytestmark = pytest.mark.timeout(120)
+
+FORCE_TCP = {"rules": [{"name": "test-force-tcp", "transports": ["tcp"]}],
+             "transports": {"tcp": {"timeout_s": 1.0, "retries": 0}}}
+K = 4096
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterProcess]:
+    """A killed holder stays mounted (client TTL far past the tests): the
+    master keeps placing on it, as in test_client_failures."""
+    d = tmp_path_factory.mktemp("master")
+    with MasterProcess(data_dir=str(d), lease_ttl_ms=5000, client_ttl_s=120) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def live(master: MasterProcess) -> Iterator[NodeDaemonProcess]:
+    with NodeDaemonProcess(master.address, "32MiB") as d:
+        yield d
+
+
+@pytest.fixture
+def make_client(master: MasterProcess, live: NodeDaemonProcess
+                ) -> Iterator[Callable[..., Client]]:
+    with client_factory(master.address, rpc_timeout_s=5.0) as make:
+        yield make
+
+
+def _spy(c: Client) -> list[str]:
+    """The master requests ``c`` sends from now on, by type name (the real
+    call still runs)."""
+    sent: list[str] = []
+    real = c._call
+
+    def call(request: Any) -> Any:
+        sent.append(type(request).__name__)
+        return real(request)
+
+    c._call = call  # type: ignore[method-assign]
+    return sent
+
+
+def _val(seed: int, size: int = K) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _pending(c: Client) -> int:
+    return c.stats().pending
+
+
+def test_second_put_is_one_master_call(make_client: Callable[..., Client]) -> None:
+    c = make_client()
+    tag = uuid.uuid4().hex[:8]
+    vals = [_val(i) for i in range(4)]
+    sent = _spy(c)
+    c.put_from(f"{tag}/0", vals[0])
+    assert sent == ["PutStart", "PutEnd"]  # the first: a plain put, asking for a reservation
+    first = c._reserved[K].placeholder
+    sent.clear()
+    c.put_from(f"{tag}/1", vals[1])
+    assert sent == ["PutCommit"]
+    second = c._reserved[K].placeholder
+    assert second != first
+    sent.clear()
+    c.put(f"{tag}/2", vals[2].tobytes())  # the reservation of the second's reply
+    assert sent == ["PutCommit"]
+    assert c._reserved[K].placeholder != second
+    for i in range(3):
+        assert c.get(f"{tag}/{i}") == vals[i].tobytes()
+    # another size: its own reservation, next to the first
+    big = _val(9, 3 * K)
+    c.put_from(f"{tag}/big0", big)
+    sent.clear()
+    c.put_from(f"{tag}/big1", big)
+    assert sent == ["PutCommit"] and sorted(c._reserved) == [K, 3 * K]
+    assert c.get(f"{tag}/big1") == big.tobytes()
+    # a non-default put takes the plain path and leaves the reservations alone
+    sent.clear()
+    c.put_from(f"{tag}/pinned", vals[3], ReplicateConfig(with_hard_pin=True))
+    assert sent == ["PutStart", "PutEnd"]
+    assert c.get(f"{tag}/pinned") == vals[3].tobytes()
+
+
+def test_expired_reservation_is_given_back(make_client: Callable[..., Client]) -> None:
+    c = make_client()
+    tag = uuid.uuid4().hex[:8]
+    c.put_from(f"{tag}/a", _val(1))
+    held = c._reserved[K]
+    held.deadline = time.monotonic() - 1.0  # its ttl ran out
+    sent = _spy(c)
+    v = _val(2)
+    c.put_from(f"{tag}/b", v)
+    assert sent == ["PutRevoke", "PutStart", "PutEnd"]
+    assert c.get(f"{tag}/b") == v.tobytes()
+    assert c._reserved[K].placeholder != held.placeholder
+    # the master no longer holds the expired one
+    with pytest.raises(ObjectNotFound):
+        c._call(PutCommit(c.client_id, held.placeholder, f"{tag}/c"))
+
+
+def test_taken_key_keeps_the_reservation(make_client: Callable[..., Client]) -> None:
+    c = make_client()
+    tag = uuid.uuid4().hex[:8]
+    old, new = _val(3), _val(4)
+    c.put_from(f"{tag}/k", old)
+    held = c._reserved[K].placeholder
+    sent = _spy(c)
+    with pytest.raises(AlreadyExists):
+        c.put_from(f"{tag}/k", new)
+    assert sent == ["PutCommit"]
+    assert c.get(f"{tag}/k") == old.tobytes()  # unchanged
+    assert c._reserved[K].placeholder == held  # still reserved, still usable
+    sent.clear()
+    c.put_from(f"{tag}/other", new)
+    assert sent == ["PutCommit"]
+    assert c.get(f"{tag}/other") == new.tobytes()
+
+
+def test_close_gives_reservations_back(make_client: Callable[..., Client]) -> None:
+    watcher = make_client()
+    c = make_client()
+    tag = uuid.uuid4().hex[:8]
+    before = _pending(watcher)
+    for size in (K, 2 * K, 5 * K):
+        c.put_from(f"{tag}/{size}", _val(size, size))
+    assert _pending(watcher) == before + 3
+    c.close()
+    assert _pending(watcher) == before
+
+
+def test_reserved_namespace_refused(make_client: Callable[..., Client]) -> None:
+    c = make_client()
+    other = make_client()
+    tag = uuid.uuid4().hex[:8]
+    for bad in ("\x00resv/x", "\x00"):
+        with pytest.raises(StoreError) as err:
+            c.put(bad, b"x")
+        assert err.value.code == ErrorCode.INVALID_KEY
+    c.put_from(f"{tag}/a", _val(5))
+    placeholder = c._reserved[K].placeholder
+    assert placeholder.startswith("\x00")
+    # the master refuses the namespace itself, whoever sends it: no commit of a
+    # placeholder as an object, no read of one, no plain put into it
+    for req in (PutEnd(c.client_id, placeholder), GetReplicaList(placeholder),
+                Exist(placeholder), PutStart(c.client_id, "\x00resv/y", 8),
+                PutCommit(c.client_id, placeholder, "\x00resv/z")):
+        with pytest.raises(StoreError) as err:
+            c._call(req)
+        assert err.value.code == ErrorCode.INVALID_KEY, req
+    # another client cannot use or revoke it
+    with pytest.raises(ObjectNotFound):
+        other._call(PutCommit(other.client_id, placeholder, f"{tag}/stolen"))
+    with pytest.raises(StoreError) as err:
+        other._call(PutRevoke(other.client_id, placeholder))
+    assert err.value.code == ErrorCode.INVALID_WRITE
+    assert not c.exists(f"{tag}/stolen")
+    v = _val(6)
+    c.put_from(f"{tag}/b", v)  # the owner still can
+    assert c.get(f"{tag}/b") == v.tobytes()
+
+
+def test_holder_killed_under_a_reservation(master: MasterProcess, live: NodeDaemonProcess,
+                                           make_client: Callable[..., Client]) -> None:
+    """The reservation lies on a holder killed -9 (no guard): its write fails,
+    it is revoked and the put is done from the start, failing as a plain put
+    to that holder does (the master still places there); once placed on a live
+    holder, the bytes land. Nothing stays pending."""
+    watcher = make_client()
+    with NodeDaemonProcess(master.address, "256MiB", extra_args=["--no-guard"]) as doomed:
+        c = make_client(transfer_overrides=FORCE_TCP)
+        tag = uuid.uuid4().hex[:8]
+        before = _pending(watcher)
+        c.put_from(f"{tag}/a", _val(7))
+        held = c._reserved[K]
+        assert held.replicas[0].segment_id == doomed.segment_ids[0]  # the most free
+        doomed.kill()
+        sent = _spy(c)
+        v = _val(8)
+        with pytest.raises(TransferFailed):
+            c.put_from(f"{tag}/b", v)
+        assert sent[0] == "PutRevoke" and sent[1:] == ["PutStart", "PutRevoke"]
+        assert not c.exists(f"{tag}/b") and not c._reserved
+        assert _pending(watcher) == before
+        c.put_from(f"{tag}/b", v, ReplicateConfig(preferred_segments=live.segment_ids))
+        assert c.get(f"{tag}/b") == v.tobytes()
