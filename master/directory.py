@@ -620,8 +620,9 @@ class Directory:
         return dropped
 
     def sweep_pending(self) -> int:
-        """Revoke in-flight puts older than put_start_release_timeout or whose
-        client was dropped (a suspect client's puts stay); free the held space of
+        """Revoke in-flight puts older than put_start_release_timeout (a
+        reservation: than its write window) or whose client was dropped (a
+        suspect client's puts stay); free the held space of
         abandoned puts whose write window passed. Return how many puts were revoked."""
         now = self.clock()
         held = self._held
@@ -629,8 +630,12 @@ class Directory:
             _, _, reps, size = heapq.heappop(held)
             self._free_replicas(reps, size)
         limit = self.cfg.put_start_release_timeout_s
+        # a reservation (placeholder key) is of no use once its WRITE grant ended:
+        # one whose holder never learnt of it (its reply lost) goes then
+        resv = min(limit, self.write_window_s)
         stale = [k for k, p in self.pending.items()
-                 if now - p.started > limit or p.client_id not in self.clients]
+                 if now - p.started > (resv if k < KEY_MIN else limit)
+                 or p.client_id not in self.clients]
         for k in stale:
             self._release_pending(k, self.pending.pop(k))
         return len(stale)

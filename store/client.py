@@ -1033,6 +1033,10 @@ class Client:
             if exc.code != ErrorCode.WRITE_OUTCOME_UNKNOWN:
                 raise
             log.info("%s: %s; sending it again", request.OP.name, exc)
+            if isinstance(request, PutEnd) and request.reserve:
+                # not a second reservation: the first one's reply is what was lost
+                # (the master drops it with its write window)
+                request = PutEnd(request.client_id, request.key)  # type: ignore[assignment]
             return self._call(request)
 
     def _commit_one(self, key: str, term: int, reserve: int = 0) -> None:

@@ -382,3 +382,32 @@ def test_inflight_puts_of_expired_or_stuck_writers_are_released() -> None:
     d.ping("owner")
     d.ping("slow")
     assert d.sweep_pending() == 1 and not d.pending and d.pool_used[MEM] == 0
+
+
+def test_put_commit_renames_a_reservation_and_commits_it() -> None:
+    """A reservation is the caller's pending put under a placeholder key:
+    PUT_COMMIT makes it the key's and commits it as PUT_END (one journal
+    record of the key); an unused one is swept at its write window."""
+    d, clock = make(put_start_discard_timeout_s=5)
+    d.journaling = True
+    mount(d, "s", 1 << 20)
+    ph = "\x00resv/n/0"
+    code, p = d.put_start("c1", ph, 100)
+    assert code == 0
+    assert d.put_commit("c2", ph, "k") == ErrorCode.OBJECT_NOT_FOUND  # not c2's
+    assert d.put_commit("c1", "\x00resv/n/9", "k") == ErrorCode.OBJECT_NOT_FOUND
+    assert d.put_start("c2", "taken", 100)[0] == 0  # in flight: taken
+    assert d.put_commit("c1", ph, "taken") == ErrorCode.OBJECT_ALREADY_EXISTS
+    assert ph in d.pending  # the reservation stays
+    d.records.clear()
+    assert d.put_commit("c1", ph, "k") == 0
+    assert ph not in d.pending and "k" not in d.pending
+    code, (obj, reps) = d.get_replicas("k")
+    assert code == 0 and obj.size == 100 and reps[1] == p.replicas[1]
+    assert [r[1] for r in d.records] == ["k"]  # the PUT record of the key, as PUT_END's
+    assert d.put_commit("c1", ph, "k2") == ErrorCode.OBJECT_NOT_FOUND  # used once
+    # an unused reservation goes with its write window, long before release timeout
+    assert d.put_start("c1", "\x00resv/n/1", 100)[0] == 0
+    clock.t += d.write_window_s + 1
+    assert d.sweep_pending() == 1
+    assert "\x00resv/n/1" not in d.pending and "taken" in d.pending  # a plain put stays

@@ -76,16 +76,17 @@ def _failover(group: HaGroup, leader: HaMasterProcess) -> Callable[[], None]:
     return action
 
 
-@pytest.mark.parametrize("path", ["put", "batch_put_from", "batch_put_parts", "upsert"])
+@pytest.mark.parametrize("path", ["put", "batch_put_from", "batch_put_parts", "upsert",
+                                  "reserved"])
 def test_put_whose_leader_died_before_its_commit_succeeds_at_the_new_leader(
         group: HaGroup, path: str) -> None:
     leader = group.wait_leader(in_sync=1, streaming=2)
     old_epoch = leader.health()["epoch"]  # type: ignore[index]
-    keys = [f"{path}-{i}" for i in range(1 if path == "put" else 5)]
+    keys = [f"{path}-{i}" for i in range(1 if path in ("put", "reserved") else 5)]
     sizes = [4096 + 1000 * i for i in range(len(keys))]
     with NodeDaemonProcess(group.url, memory="64MiB") as daemon, \
-            Client(ClientConfig(master_address=group.url, memory_size=0,
-                                rpc_timeout_s=2.0)) as client:
+            Client(ClientConfig(master_address=group.url, memory_size=0, rpc_timeout_s=2.0,
+                                reserve_single_puts=path == "reserved")) as client:
         assert daemon.running
         salt = b""
         if path == "upsert":  # the old values, acknowledged (so the successor holds them)
@@ -93,12 +94,18 @@ def test_put_whose_leader_died_before_its_commit_succeeds_at_the_new_leader(
                 keys, [_value(k, n) for k, n in zip(keys, sizes, strict=True)])
             assert codes == [ErrorCode.OK] * len(keys)
             salt = b"new"
+        if path == "reserved":  # a put whose commit's reply holds a reservation of the size
+            client.put("warm", _value("warm", sizes[0]))
+            assert list(client._reserved) == [sizes[0]]
+        sent: list[str] = []
+        call = client._call
+        client._call = lambda req: (sent.append(type(req).__name__), call(req))[1]  # type: ignore
         values = [_value(k, n, salt) for k, n in zip(keys, sizes, strict=True)]
         hook = _AfterCopy(client, "write_ranges" if path == "batch_put_parts" else "_copy_batch",
                           _failover(group, leader))
         t0 = time.monotonic()
-        if path == "put":
-            client.put(keys[0], values[0])
+        if path in ("put", "reserved"):  # reserved: its write into the reservation
+            client.put(keys[0], values[0])     # and a PUT_COMMIT the successor refuses
             codes = [ErrorCode.OK]
         elif path == "batch_put_from":
             codes = client.batch_put_from(keys, values)
@@ -110,6 +117,11 @@ def test_put_whose_leader_died_before_its_commit_succeeds_at_the_new_leader(
             codes = client.batch_put_from(keys, values, upsert=True)
         print(f"{path}: {codes} in {time.monotonic() - t0:.2f}s across the failover")
         assert hook.fired
+        if path == "reserved":  # the commit named the reservation, then the put went again
+            assert sent[:3] == ["PutCommit", "PutStart", "PutEnd"], sent
+            keys.append("warm")
+            values.append(_value("warm", sizes[0]))
+            codes.append(ErrorCode.OK)
         assert codes == [ErrorCode.OK] * len(keys)
         assert hook.writes == 2  # the bytes were copied again, once, for the new reservation
         new = group.wait_leader(in_sync=1, exclude=leader)
@@ -119,10 +131,12 @@ def test_put_whose_leader_died_before_its_commit_succeeds_at_the_new_leader(
         # nothing left reserved at the new leader; removed, the objects free all of it
         with MasterClient(group.url, timeout_s=3.0) as mc:
             st = mc.call(Stats())
-            assert st.pending == 0 and st.objects == len(keys), st
+            # the redo's commit asked the new leader for a reservation: the only pending put
+            assert st.pending == len(client._reserved) and st.objects == len(keys), st
             for key in keys:
                 mc.call(Remove(key=key, force=True))
-            if path != "upsert":  # an upsert's old space is held through the lease grace
+            # an upsert's old space is held through the lease grace; a reservation is in use
+            if path not in ("upsert", "reserved"):
                 deadline = time.monotonic() + 5
                 while (used := mc.call(Stats()).memory_used) and time.monotonic() < deadline:
                     time.sleep(0.05)
@@ -166,4 +180,6 @@ def test_put_whose_commit_outcome_was_unknown_is_committed_again(
             assert group.wait_leader(in_sync=1) is leader
             with MasterClient(group.url, timeout_s=3.0) as mc:
                 st = mc.call(Stats())
-                assert st.pending == 0 and st.objects == 1, st
+                # the only pending put: the reservation the applied first PUT_END made,
+                # whose reply was lost (the resend asks for none); swept at its write window
+                assert st.pending == 1 and st.objects == 1 and not client._reserved, st
