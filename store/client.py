@@ -141,9 +141,11 @@ _LAZY_BYTES = object()  # batch-read target: "allocate a bytes result when neede
 _SUSPECT_S = 10.0  # how long a segment that failed a read is tried last
 _MAX_RPC_SOCKETS = 16  # per client; threads beyond share them
 # reservations for single puts (ClientConfig.reserve_single_puts): sizes up to
-# this many bytes, one reservation per size, this many sizes at most
+# this many bytes, this many sizes at most, a few per size (threads putting the
+# same size at once each find one instead of giving back the surplus)
 _RESERVE_MAX_SIZE = 1 << 20
 _RESERVE_MAX_SIZES = 8
+_RESERVE_PER_SIZE = 4
 _RESERVE_CLOSE_TIMEOUT_S = 0.5  # close() gives reservations back best effort
 # batch_get_into_parts: locate part 0's keys by an RPC of their own, and the
 # rest's from a helper thread while part 0 moves (False: one RPC for all)
@@ -286,9 +288,9 @@ class Client:
         self._inline: InlineShm | None = None
         self._gpu_segments_learned = False  # see _learn_memory_segments
         self._staging_lock = threading.Lock()  # creates self._owned.staging once
-        # size -> the reservation for the next single put of that size, least
-        # recently granted first (see _put_reserved)
-        self._reserved: OrderedDict[int, _Reserved] = OrderedDict()
+        # size -> reservations for the next single puts of that size, the size
+        # least recently granted one first (see _put_reserved)
+        self._reserved: OrderedDict[int, list[_Reserved]] = OrderedDict()
         self._reserved_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
@@ -619,16 +621,22 @@ class Client:
             return
         r = _Reserved(res.placeholder, res.replicas, res.segments, res.caps,
                       time.monotonic() + res.ttl_ms / 1000.0, term)
-        drop = []
+        self._hold(size, r)
+
+    def _hold(self, size: int, r: _Reserved) -> None:
+        """Keep ``r`` for ``size``; what does not fit is given back."""
+        drop: list[_Reserved] = []
         with self._reserved_lock:
-            old = self._reserved.pop(size, None)
-            if old is not None:
-                drop.append(old)
-            self._reserved[size] = r
+            held = self._reserved.pop(size, None) or []
+            if len(held) < _RESERVE_PER_SIZE:
+                held.append(r)
+            else:
+                drop.append(r)
+            self._reserved[size] = held  # the most recent size last
             while len(self._reserved) > _RESERVE_MAX_SIZES:
-                drop.append(self._reserved.popitem(last=False)[1])
-        for d in drop:
-            self._revoke([d.placeholder])
+                drop += self._reserved.popitem(last=False)[1]
+        if drop:
+            self._unreserve([d.placeholder for d in drop])
 
     def _take_reserved(self, size: int) -> _Reserved | None:
         """The reservation held for ``size``, taken (no other put may use it);
@@ -636,11 +644,14 @@ class Client:
         if not self._reserved:
             return None
         with self._reserved_lock:
-            r = self._reserved.pop(size, None)
-        if r is None:
-            return None
+            held = self._reserved.get(size)
+            if not held:
+                return None
+            r = held.pop()  # the newest: the longest ttl left
+            if not held:
+                del self._reserved[size]
         if time.monotonic() >= r.deadline or r.term != self._term():
-            self._revoke([r.placeholder])
+            self._unreserve([r.placeholder])
             return None
         return r
 
@@ -656,7 +667,7 @@ class Client:
             results = self._copy_batch(True, [(buffer, rep, size) for rep in replicas],
                                        self.config.transfer_timeout_s, r.caps)
         except BaseException:
-            self._revoke([r.placeholder])
+            self._unreserve([r.placeholder])
             raise
         failed = [(rep, err) for rep, (ok, err) in zip(replicas, results, strict=True) if not ok]
         if failed or not replicas:
@@ -664,7 +675,7 @@ class Client:
                 self._forget_segment(rep.segment_id)
             log.info("put %r: write into a reservation failed (%s); putting from the start",
                      key, "; ".join(err for _r, err in failed))
-            self._revoke([r.placeholder])
+            self._unreserve([r.placeholder])
             return False
         try:
             try:
@@ -681,21 +692,27 @@ class Client:
             log.info("put %r: reservation gone (%s); putting from the start", key, exc)
             return False
         except AlreadyExists:
-            with self._reserved_lock:  # still reserved at the master: keep it
-                keep = size not in self._reserved and len(self._reserved) < _RESERVE_MAX_SIZES
-                if keep:
-                    self._reserved[size] = r
-            if not keep:
-                self._revoke([r.placeholder])
+            self._hold(size, r)  # still reserved at the master: usable for another key
             raise
         self._keep_reserved(res, size, self._term())
         return True
+
+    def _unreserve(self, placeholders: list[str]) -> None:
+        """Give reservations back (PUT_REVOKE); one the master swept already
+        answers OBJECT_NOT_FOUND, which is fine."""
+        try:
+            if len(placeholders) == 1:
+                self._call(PutRevoke(self.client_id, placeholders[0]))
+            else:
+                self._call(BatchPutRevoke(self.client_id, placeholders))
+        except StoreError as exc:
+            log.debug("giving back %d reservations: %s", len(placeholders), exc)
 
     def _give_back_reservations(self) -> None:
         """close(): revoke the reservations held (best effort, a short timeout;
         a client that dies instead has them released with its other puts)."""
         with self._reserved_lock:
-            held = [r.placeholder for r in self._reserved.values()]
+            held = [r.placeholder for rs in self._reserved.values() for r in rs]
             self._reserved.clear()
         if not held or not self._started or self._master is None:
             return

@@ -7,6 +7,7 @@ as it would, and leave nothing pending."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -87,16 +88,16 @@ def test_second_put_is_one_master_call(make_client: Callable[..., Client]) -> No
     sent = _spy(c)
     c.put_from(f"{tag}/0", vals[0])
     assert sent == ["PutStart", "PutEnd"]  # the first: a plain put, asking for a reservation
-    first = c._reserved[K].placeholder
+    first = c._reserved[K][-1].placeholder
     sent.clear()
     c.put_from(f"{tag}/1", vals[1])
     assert sent == ["PutCommit"]
-    second = c._reserved[K].placeholder
+    second = c._reserved[K][-1].placeholder
     assert second != first
     sent.clear()
     c.put(f"{tag}/2", vals[2].tobytes())  # the reservation of the second's reply
     assert sent == ["PutCommit"]
-    assert c._reserved[K].placeholder != second
+    assert c._reserved[K][-1].placeholder != second
     for i in range(3):
         assert c.get(f"{tag}/{i}") == vals[i].tobytes()
     # another size: its own reservation, next to the first
@@ -105,6 +106,7 @@ def test_second_put_is_one_master_call(make_client: Callable[..., Client]) -> No
     sent.clear()
     c.put_from(f"{tag}/big1", big)
     assert sent == ["PutCommit"] and sorted(c._reserved) == [K, 3 * K]
+    assert [len(v) for v in c._reserved.values()] == [1, 1]  # one used, one granted
     assert c.get(f"{tag}/big1") == big.tobytes()
     # a non-default put takes the plain path and leaves the reservations alone
     sent.clear()
@@ -117,14 +119,14 @@ def test_expired_reservation_is_given_back(make_client: Callable[..., Client]) -
     c = make_client()
     tag = uuid.uuid4().hex[:8]
     c.put_from(f"{tag}/a", _val(1))
-    held = c._reserved[K]
+    held = c._reserved[K][-1]
     held.deadline = time.monotonic() - 1.0  # its ttl ran out
     sent = _spy(c)
     v = _val(2)
     c.put_from(f"{tag}/b", v)
     assert sent == ["PutRevoke", "PutStart", "PutEnd"]
     assert c.get(f"{tag}/b") == v.tobytes()
-    assert c._reserved[K].placeholder != held.placeholder
+    assert c._reserved[K][-1].placeholder != held.placeholder
     # the master no longer holds the expired one
     with pytest.raises(ObjectNotFound):
         c._call(PutCommit(c.client_id, held.placeholder, f"{tag}/c"))
@@ -135,13 +137,13 @@ def test_taken_key_keeps_the_reservation(make_client: Callable[..., Client]) -> 
     tag = uuid.uuid4().hex[:8]
     old, new = _val(3), _val(4)
     c.put_from(f"{tag}/k", old)
-    held = c._reserved[K].placeholder
+    held = c._reserved[K][-1].placeholder
     sent = _spy(c)
     with pytest.raises(AlreadyExists):
         c.put_from(f"{tag}/k", new)
     assert sent == ["PutCommit"]
     assert c.get(f"{tag}/k") == old.tobytes()  # unchanged
-    assert c._reserved[K].placeholder == held  # still reserved, still usable
+    assert c._reserved[K][-1].placeholder == held  # still reserved, still usable
     sent.clear()
     c.put_from(f"{tag}/other", new)
     assert sent == ["PutCommit"]
@@ -169,7 +171,7 @@ def test_reserved_namespace_refused(make_client: Callable[..., Client]) -> None:
             c.put(bad, b"x")
         assert err.value.code == ErrorCode.INVALID_KEY
     c.put_from(f"{tag}/a", _val(5))
-    placeholder = c._reserved[K].placeholder
+    placeholder = c._reserved[K][-1].placeholder
     assert placeholder.startswith("\x00")
     # the master refuses the namespace itself, whoever sends it: no commit of a
     # placeholder as an object, no read of one, no plain put into it
@@ -191,9 +193,43 @@ def test_reserved_namespace_refused(make_client: Callable[..., Client]) -> None:
     assert c.get(f"{tag}/b") == v.tobytes()
 
 
+def test_threads_putting_one_size(make_client: Callable[..., Client]) -> None:
+    """Threads racing for the reservations of one size: each reservation is
+    used by one put at most, every value reads back whole, and close() leaves
+    nothing pending."""
+    watcher = make_client()
+    c = make_client()
+    tag = uuid.uuid4().hex[:8]
+    before = _pending(watcher)
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(25):
+                c.put_from(f"{tag}/{t}/{i}", _val(100 * t + i))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    for t in range(4):
+        for i in range(25):
+            assert c.get(f"{tag}/{t}/{i}") == _val(100 * t + i).tobytes()
+    held = sum(map(len, c._reserved.values()))
+    assert 1 <= held <= 4
+    assert _pending(watcher) == before + held
+    c.close()
+    assert _pending(watcher) == before
+
+
 def test_holder_killed_under_a_reservation(master: MasterProcess, live: NodeDaemonProcess,
                                            make_client: Callable[..., Client]) -> None:
-    """The reservation lies on a holder killed -9 (no guard): its write fails,
+    """(Last in this module: the dead holder stays mounted.) The reservation
+    lies on a holder killed -9 (no guard): its write fails,
     it is revoked and the put is done from the start, failing as a plain put
     to that holder does (the master still places there); once placed on a live
     holder, the bytes land. Nothing stays pending."""
@@ -203,7 +239,7 @@ def test_holder_killed_under_a_reservation(master: MasterProcess, live: NodeDaem
         tag = uuid.uuid4().hex[:8]
         before = _pending(watcher)
         c.put_from(f"{tag}/a", _val(7))
-        held = c._reserved[K]
+        held = c._reserved[K][-1]
         assert held.replicas[0].segment_id == doomed.segment_ids[0]  # the most free
         doomed.kill()
         sent = _spy(c)
@@ -215,3 +251,4 @@ def test_holder_killed_under_a_reservation(master: MasterProcess, live: NodeDaem
         assert _pending(watcher) == before
         c.put_from(f"{tag}/b", v, ReplicateConfig(preferred_segments=live.segment_ids))
         assert c.get(f"{tag}/b") == v.tobytes()
+
