@@ -10,7 +10,9 @@ releases all of it. This module is the data path.
 Hot paths, kept lean on purpose:
 
 - put: one PUT_START (allocates every replica) -> one transfer batch writing
-  every replica -> one PUT_END; any failed write -> PUT_REVOKE and raise.
+  every replica -> one PUT_END; any failed write -> PUT_REVOKE and raise. A
+  small put with default options whose size a reservation is held for (from
+  the previous commit's reply) skips PUT_START: the write, then PUT_COMMIT.
 - get: one GET_REPLICA_LIST (grants a read lease) -> READ from the nearest
   complete replica (own segment, same host, remote, file last); on a transfer
   failure the next replica; a read that ends after the lease deadline raises
