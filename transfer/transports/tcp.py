@@ -422,7 +422,7 @@ class TcpTransport(Transport):
                      if bc is not None]
         lock = threading.Lock()
 
-        rep_whole = self._counted(report)  # no stripes: each item is whole
+        rep_whole = self._counted(report)  # reports a whole item (and counts its bytes)
 
         def rep(it: WorkItem, err: TransferError | None) -> None:
             whole = parts.get(id(it)) if parts else None
@@ -436,12 +436,7 @@ class TcpTransport(Transport):
                         return
                     state["reported"] = True
                 it = whole[0]
-            if err is None:
-                if it.op is TransferOp.READ:
-                    self.bytes_received += it.length
-                else:
-                    self.bytes_sent += it.length
-            report(it, err)
+            rep_whole(it, err)
 
         def run(ep: str, its: list[WorkItem], bc: BulkClient) -> None:
             try:
@@ -451,14 +446,14 @@ class TcpTransport(Transport):
                 self.bulk_requests += len(its)
                 self._bulk_checkin(ep, bc)
 
-        # one thread per extra connection: a silent peer must not hold up a live one,
-        # and the stripes of a large item move in parallel
         if parts:
             # the stripes of a lone READ: every request out first, so the peer
             # serves them all at once, whenever each receiving thread gets to run
             for _ep, part, bc in jobs:
                 if len(part) == 1 and part[0].op is TransferOp.READ and id(part[0]) in parts:
                     bc.send_ahead(part[0], deadline)
+        # one thread per extra connection: a silent peer must not hold up a live one,
+        # and the stripes of a large item move in parallel
         waits = [self._helpers.submit(run, job) for job in jobs[1:]]
         if jobs:
             run(*jobs[0])
