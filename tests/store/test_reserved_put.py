@@ -252,3 +252,63 @@ def test_holder_killed_under_a_reservation(master: MasterProcess, live: NodeDaem
         c.put_from(f"{tag}/b", v, ReplicateConfig(preferred_segments=live.segment_ids))
         assert c.get(f"{tag}/b") == v.tobytes()
 
+
+
+_HOLDING_CLIENT = """
+import sys, time
+import numpy as np
+from kvpool.store import Client, ClientConfig
+c = Client(ClientConfig(master_address=sys.argv[1], rpc_timeout_s=5.0))
+c.setup()
+for size in (4096, 8192, 20480):
+    c.put_from(f"{sys.argv[2]}/{size}",
+               np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8))
+print(sum(map(len, c._reserved.values())), flush=True)
+time.sleep(300)  # until killed
+"""
+
+
+def test_client_killed_holding_reservations(tmp_path: Any) -> None:
+    """A client process killed -9 while it holds reservations (it never gives
+    them back): once the master drops the silent client, its reservations
+    are revoked and their memory comes back; the values it committed stay
+    whole and readable."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with MasterProcess(data_dir=str(tmp_path), lease_ttl_ms=2000, client_ttl_s=2.0,
+                       extra_args=["--put-start-discard-timeout-s", "2",
+                                   "--put-start-release-timeout-s", "60"]) as m, \
+            NodeDaemonProcess(m.address, "32MiB"), \
+            client_factory(m.address, rpc_timeout_s=5.0) as make:
+        watcher = make()
+        base = watcher.stats()
+        tag = uuid.uuid4().hex[:8]
+        proc = subprocess.Popen([sys.executable, "-c", _HOLDING_CLIENT, m.address, tag],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            held = int(proc.stdout.readline() or "0")
+            assert held == 3  # one reservation per size
+            live = watcher.stats()
+            assert live.pending == base.pending + 3
+            assert live.memory_used > base.memory_used
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        # dropped after client_ttl_s; the reservations' space returns once their
+        # WRITE grant can no longer be used (the write window, ~7 s here)
+        deadline = time.monotonic() + 40
+        while watcher.stats().pending != base.pending and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert watcher.stats().pending == base.pending
+        for size in (4096, 8192, 20480):
+            want = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+            assert watcher.get(f"{tag}/{size}") == want.tobytes()
+            watcher.remove(f"{tag}/{size}", force=True)  # (the read just leased it)
+        while watcher.stats().memory_used != base.memory_used \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert watcher.stats().memory_used == base.memory_used
