@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 import zlib
@@ -375,6 +376,63 @@ def test_lone_large_request_stripes_keep_codes_and_bytes(make_engine: Any,
     st = cli.transfer([TransferRequest(R, dst, desc.segment_id, 0, 16 * MiB,
                                        buffer_offset=1)], 30)
     assert st[0].ok and dst[1:].tobytes() == src[:16 * MiB].tobytes()
+
+
+def test_large_item_one_connection_cut_fails_once(make_engine: Any,
+                                                  make_segment: Any) -> None:
+    """One of the two stripe connections of a lone large item cut mid-item (the
+    peer stays up): the item fails once, retryably (TRANSFER_FAIL), soon; the
+    cut connection is never offered again, and the next request goes through,
+    bytes intact."""
+    srv = make_engine("host-srv")
+    seg = make_segment(40 * MiB)
+    desc = srv.add_local_segment(seg)
+    assert srv.server is not None and srv.server.bulk is not None
+    bulk = srv.server.bulk
+    cut = threading.Event()
+    arm = threading.Event()
+
+    def verify(sg: Any, op: TransferOp, off: int, n: int, cap: bytes) -> ErrorCode | None:
+        if arm.is_set() and off >= 4 * MiB and not cut.is_set():
+            cut.set()
+            with bulk._lock:
+                victim = next(iter(bulk._conns))
+            # its thread closes it with a reset (an orderly close of a socket shut
+            # for reading can leave the sender waiting on a zero window instead)
+            victim.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            victim.shutdown(socket.SHUT_RDWR)
+        return None
+
+    srv.server.verify_capability = verify
+    cli = make_engine("host-cli", overrides={"transports": {"tcp": {"threads": 2,
+                                                                    "retries": 0,
+                                                                    "timeout_s": 10.0}}})
+    cli.add_peer_segment(desc)
+    _bulk_port_known(cli, desc.endpoint)
+    tcp = cli.transport("tcp")
+    n = 32 * MiB
+    src = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+    for op in (W, R):  # the READ reads what the WRITE's second try wrote
+        cut.clear()
+        arm.set()
+        buf = src if op is W else np.zeros(n, np.uint8)
+        t0 = time.monotonic()
+        st = cli.transfer([TransferRequest(op, buf, desc.segment_id, 0, n)], 30)
+        assert time.monotonic() - t0 < 5.0  # EOF/reset, not the 10 s deadline
+        assert cut.is_set()
+        assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.TRANSFER_FAIL, st
+        assert len(st[0].errors) == 1 and st[0].transport == "tcp", st
+        arm.clear()
+        with tcp._lock:  # the cut connection is never offered again
+            assert all(not bc.broken for bcs in tcp._bulk_idle.values() for bc in bcs)
+        if op is W:
+            st = cli.transfer([TransferRequest(W, src, desc.segment_id, 0, n)], 30)
+            assert st[0].ok, st
+            assert seg.array()[:n].tobytes() == src.tobytes()
+        else:
+            st = cli.transfer([TransferRequest(R, buf, desc.segment_id, 0, n)], 30)
+            assert st[0].ok, st
+            assert buf.tobytes() == src.tobytes()
 
 
 def test_striped_reads_reuse_helper_threads(make_engine: Any, make_peer: Any) -> None:
