@@ -25,11 +25,15 @@ wake-up then added 20-50 µs to each of a put's two master legs. A batch op
 keeps the short window: its reply takes 200+ µs across hosts, and a longer
 spin would only take ~100 µs more CPU per call from the master and the node.
 The poll yields the CPU between tries (``sched_yield``: on a loaded host the
-master or a node may be waiting for this very CPU), and a stub polls only
+master or a node may be waiting for this very CPU; a yield that comes back
+late, another task having run for a time slice, stops the polls of the
+process for a while: :mod:`kvpool.core.spin`), and a stub polls only
 while its replies of that kind (one-key / other) have of late come within
 the window (a moving average of the reply waits, each capped at twice the
-window so that one stall does not stop the polls): when they come later the
-poll would only burn CPU before the thread sleeps anyway.
+window so that one stall does not stop the polls, a wait slept through at
+the window; a shut gate still polls once in 8 calls to learn whether polls
+would pay again: :mod:`kvpool.core.spin`): when they come later the poll
+would only burn CPU before the thread sleeps anyway.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import Any, TypeVar
 import msgspec
 import zmq
 
+from kvpool.core import spin as _spin
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.etcd import EtcdError, LeaderResolver, is_etcd_url, shared_resolver
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
@@ -96,7 +101,6 @@ _FOLLOW = frozenset({ErrorCode.NOT_LEADER, ErrorCode.NO_LEADER, ErrorCode.RPC_FA
                      ErrorCode.COORDINATION_UNAVAILABLE})
 _LEADER_CHANGED = "the master group's leader changed while waiting for the reply"
 _SPIN_S = float(os.environ.get("KVPOOL_RPC_SPIN_US", "50")) / 1e6
-_sched_yield = os.sched_yield
 _SPIN_SMALL_S = float(os.environ.get("KVPOOL_RPC_SPIN_SMALL_US", "150")) / 1e6
 #: a request at most this large that is not a batch op names one key
 _SMALL_REQUEST = 256
@@ -197,6 +201,7 @@ class MasterClient:
         self.spin_small_s = _SPIN_SMALL_S
         #: moving average of the reply wait, [batch-or-large, small one-key] (seconds)
         self._reply_wait = [0.0, 0.0]
+        self._skipped = [0, 0]  # waits not polled since the last probe (core/spin.probe)
 
     @property
     def epoch(self) -> int:
@@ -318,26 +323,31 @@ class MasterClient:
             small = len(payload) <= _SMALL_REQUEST and op not in _BATCH_OPS
             if spin and small:
                 spin = max(spin, self.spin_small_s)
+            polled = False
             if spin:
                 sent = time.perf_counter()
                 waits = self._reply_wait
-                if waits[small] < spin:  # replies come within the window of late
+                # replies come within the window of late (or a probe of a shut
+                # gate), and this CPU is not busy: see core/spin.py
+                if _spin.polling() and (waits[small] < spin
+                                        or _spin.probe(self._skipped, small)):
+                    polled = True
                     spin_end = sent + spin
                     while True:
                         try:
                             got = us.recv_into(rbuf, 0, _DONTWAIT)
                             break
                         except BlockingIOError:
-                            if time.perf_counter() >= spin_end:
+                            # the master may be waiting for this CPU; a late
+                            # yield (a busy CPU) ends the poll: see core/spin.py
+                            if time.perf_counter() >= spin_end or not _spin.yield_cpu():
                                 break
-                            _sched_yield()  # the master may be waiting for this CPU
             if got < 0:
                 if self.resolver is not None:
                     self._await_local_reply(us, op, deadline)
                 got = us.recv_into(rbuf)
             if spin:  # how long replies take, of late: a moving average of waits
-                # capped at twice the window, so one stall does not stop the polls
-                wait = min(time.perf_counter() - sent, 2 * spin)
+                wait = _spin.wait_sample(time.perf_counter() - sent, polled, spin)
                 waits[small] += (wait - waits[small]) * 0.125
             buf: bytearray | memoryview = memoryview(rbuf)[:got]
             need = HEADER + int.from_bytes(rbuf[:HEADER], "little") if got >= HEADER else HEADER

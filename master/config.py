@@ -131,12 +131,13 @@ class MasterConfig:
         "ephemeral TCP port of host (announced through Op.LOCAL_ENDPOINT; ~2x shorter master "
         "round trips than ZeroMQ across hosts); never opened when CURVE is on")
     rpc_spin_us: int = setting(
-        0, help="after answering, the loop polls without sleeping for up to this long while "
-        "the next request has of late come that soon (a client's next leg: a put's PUT_END "
-        "after its copy), yielding the CPU between polls; 0 = always sleep in poll. For hosts "
-        "with a core to spare for the master: 50 took a 4 KiB put p50 from ~67 to ~38 us on an "
-        "idle 2-core host, but on a loaded one the polling loop competes with its own clients "
-        "for the CPU (single puts and gets slower)")
+        200, help="after answering, the loop polls without sleeping for up to this long while "
+        "the next request has of late come that soon (a client's next one-key call: the next "
+        "put's commit after its write), yielding the CPU between polls; a yield that comes "
+        "back late (another task had the CPU: a busy host) pauses the polls for a while "
+        "(kvpool.core.spin); 0 = always sleep in poll. On a 2-vCPU VM whose idle vCPUs halt "
+        "the polling keeps a vCPU awake for the next wake-up: cross-host 4 KiB put p50 "
+        "~450 -> ~180 us (docs/BENCHMARKS.md)")
     curve: CurveConfig = setting(
         default_factory=CurveConfig,
         help="authentication (ZeroMQ CURVE on the RPC socket; see docs/security.md)")

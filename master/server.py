@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import gc
 import logging
-import os
 import signal
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any, cast
 import zmq
 
 from kvpool.core import __version__
+from kvpool.core import spin as spin_mod
 from kvpool.core.capability import CapabilitySigner
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import decode_reply, encode_error
@@ -56,7 +56,6 @@ _EMPTY = b""
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
-_sched_yield = os.sched_yield
 
 
 class MasterServer:
@@ -404,15 +403,14 @@ class MasterServer:
         # (commit number, whether the iteration changed anything, replies, local)
         held: collections.deque[tuple[int, bool, list[list[bytes]], Any]] = collections.deque()
         next_expiry = next_sweep = next_freeze = time.monotonic()
-        # polling without sleeping after an answer (cfg.rpc_spin_us, off by default): only while
-        # the next request has of late come soon (a moving average of the gaps
-        # below twice the window: a gap measured after sleeping includes the
-        # wake-up; each gap capped at four windows so one pause does not stop
-        # the polls for long); otherwise the poll would only burn CPU
+        # polling without sleeping after an answer (cfg.rpc_spin_us), unless a
+        # late yield showed a busy CPU (kvpool.core.spin): at most the window's
+        # CPU per answered round. No gate on how soon the next request came of
+        # late: on a host whose idle CPUs halt, the poll pays by keeping this CPU
+        # awake for the wake-ups of the client's next leg (a put's write to a
+        # node) as much as by catching the client's next request
         spin = self.cfg.rpc_spin_us / 1e6
         spin_end = 0.0  # poll without sleeping until then (0: sleep at once)
-        answered = 0.0  # when the last round of requests was answered
-        gap = 0.0  # moving average of the gaps between an answer and the next request
         clock = time.perf_counter
         # a fenced HA leader acknowledges nothing, so a timer's change (expiry,
         # purge, eviction, sweep, tier moves) would diverge from what a
@@ -439,9 +437,10 @@ class MasterServer:
             if spin_end and timeout:
                 while True:
                     events = poller.poll(0)
-                    if events or clock() >= spin_end:
+                    # a client or a node may be waiting for this CPU; a late yield
+                    # (a busy CPU, which does not halt anyway) ends the poll
+                    if events or clock() >= spin_end or not spin_mod.yield_cpu():
                         break
-                    _sched_yield()  # a client or a node may be waiting for this CPU
                 spin_end = 0.0
             if not events:
                 events = poller.poll(timeout)
@@ -449,8 +448,6 @@ class MasterServer:
             requests = bool(events) and (events[0][0] != repl_sock or len(events) > 1)
             if requests:
                 t_start = clock()
-                if spin:
-                    gap += (min(t_start - answered, 4 * spin) - gap) * 0.125
                 commits_before = durability.commits
                 replies: list[list[bytes]] = []
                 per_peer: dict[bytes, int] = {}
@@ -484,7 +481,7 @@ class MasterServer:
                 else:
                     self._send(replies, local_replies)
                 answered = clock()
-                if gap < 2 * spin:
+                if spin and spin_mod.polling():
                     spin_end = answered + spin
                 loop_ms = (answered - t_start) * 1000
                 if loop_ms > loop_stats.max_loop_ms:

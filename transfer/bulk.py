@@ -35,6 +35,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from kvpool.core import spin as _spin
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.transfer import wire
 from kvpool.transfer.transports.base import report_done
@@ -62,11 +63,12 @@ _LARGE = 256 << 10  # a piece this large is sent / received on its own (no iovec
 # _SPIN_BYTES of payload) for up to _SPIN_S before it sleeps in recv: the reply
 # to a 4 KiB put or get comes ~100 µs after the request, and on a busy host
 # waking a sleeping thread added tens of µs to that. The poll yields the CPU
-# between tries, and a connection polls only while its small replies have of
-# late come within the window (a moving average): later ones would only burn CPU
+# between tries (a late yield, on a busy CPU, stops the polls of the process for
+# a while: core/spin.py), and a connection polls only while its small replies
+# have of late come within the window (a moving average): later ones would only
+# burn CPU
 _SPIN_S = float(os.environ.get("KVPOOL_BULK_SPIN_US", "150")) / 1e6
 _SPIN_BYTES = 64 << 10
-_sched_yield = os.sched_yield
 _DONTWAIT = socket.MSG_DONTWAIT
 _WAITALL = socket.MSG_WAITALL
 _MV = "bulk_mv"  # BufferHandle.cache key of the buffer's byte memoryview (_bytes_view)
@@ -149,15 +151,17 @@ class _Stream:
         want = max(_FILL, self._need - (self._end - self._start))
         k = -1
         if self.spin_until:  # poll without sleeping first (see _SPIN_S)
-            dst = self._view[self._end:self._end + want]
-            while True:
-                try:
-                    k = self.sock.recv_into(dst, 0, _DONTWAIT)
-                    break
-                except BlockingIOError:
-                    if time.perf_counter() >= self.spin_until:
+            if _spin.polling():
+                dst = self._view[self._end:self._end + want]
+                while True:
+                    try:
+                        k = self.sock.recv_into(dst, 0, _DONTWAIT)
                         break
-                    _sched_yield()  # the peer may be waiting for this CPU
+                    except BlockingIOError:
+                        # the peer may be waiting for this CPU; a late yield
+                        # (a busy CPU) ends the poll
+                        if time.perf_counter() >= self.spin_until or not _spin.yield_cpu():
+                            break
             self.spin_until = 0.0
         if k < 0:
             self._arm(deadline)
@@ -504,6 +508,7 @@ class BulkClient:
         self.caps_table = caps_table
         self._ids = itertools.count(1)
         self._reply_wait = 0.0  # seconds: see _run_group
+        self._skipped = [0]  # lone waits not polled since the last probe (_run_single)
         self._ahead: tuple[Any, int | BaseException] | None = None  # see send_ahead
 
     def run(self, items: Sequence[Any], deadline: float, report: Callable[..., None],
@@ -690,13 +695,18 @@ class BulkClient:
             else:
                 rid = self._send_single(it, deadline)
             sent = 0.0
+            polled = False
             if _SPIN_S and n <= _SPIN_BYTES:
                 sent = time.perf_counter()
-                if self._reply_wait < _SPIN_S:  # see _run_group
+                # see _run_group; a shut gate still polls now and then, and a
+                # wait slept through counts as the window (core/spin.py)
+                if _spin.polling() and (self._reply_wait < _SPIN_S
+                                        or _spin.probe(self._skipped, 0)):
+                    polled = True
                     stream.spin_until = sent + _SPIN_S
             raw = stream.read_frame(_REPLY_MAX, deadline)
             if sent:
-                wait = min(time.perf_counter() - sent, 2 * _SPIN_S)
+                wait = _spin.wait_sample(time.perf_counter() - sent, polled, _SPIN_S)
                 self._reply_wait += (wait - self._reply_wait) * 0.125
             rep = wire.decode_bulk_reply(raw) if raw is not None else None
             if rep is None or rep.id != rid or len(rep.codes) != 1:
