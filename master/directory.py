@@ -788,7 +788,8 @@ class Directory:
         return OK, p
 
     def put_start_many(self, client_id: str, keys: list[str], sizes: list[int], max_key: int,
-                       max_size: int, codes: list[int], out: list[Any]) -> None:
+                       max_size: int, codes: list[int], out: list[Any],
+                       key_min: str = KEY_MIN) -> None:
         """PUT_START of many keys with the default options (one memory
         replica; no pin, checksum, group or replace), as :meth:`put_start`
         key by key, in one pass: per-key work only. Key ``i`` sets
@@ -796,7 +797,8 @@ class Directory:
         INVALID_PARAMS for a size outside ``[1, max_size]``, or put_start's
         code) and, when OK, ``out[i]`` = its flat replicas. Anything but a
         new key placed at once on a pool of up to 32 segments (preemption,
-        eviction, a full pool) takes :meth:`put_start` itself."""
+        eviction, a full pool) takes :meth:`put_start` itself.``key_min``: the
+        lowest key taken (RESERVED_KEY_PREFIX for reservations' placeholders)."""
         objects = self.objects
         shards, mask = objects.shards, objects.mask
         pending = self.pending
@@ -831,7 +833,7 @@ class Directory:
         for i in range(n):
             key = keys[i]
             size = sizes[i]
-            if key < KEY_MIN or len(key) > max_key:
+            if key < key_min or len(key) > max_key:
                 codes[i] = bad_key
                 continue
             if size <= 0 or size > max_size:
@@ -1051,6 +1053,37 @@ class Directory:
         record). OBJECT_NOT_FOUND: no such pending put of this client;
         OBJECT_ALREADY_EXISTS: ``key`` is stored or in flight (as put_start
         answers; the reservation stays)."""
+        code = self._name_reserved(client_id, placeholder, key)
+        return code if code else self.put_end(client_id, key)
+
+    def put_commit_many(self, client_id: str, placeholders: list[str], keys: list[str],
+                        max_key: int) -> list[int]:
+        """:meth:`put_commit` of each ``(placeholders[i], keys[i])`` (INVALID_KEY
+        for an empty or too long key), the commits in one :meth:`put_end_many`
+        pass; the per-key codes."""
+        codes = [0] * len(keys)
+        named: list[str] = []
+        at: list[int] = []
+        bad_key = int(ErrorCode.INVALID_KEY)
+        name = self._name_reserved
+        for i, (placeholder, key) in enumerate(zip(placeholders, keys, strict=True)):
+            if key < KEY_MIN or len(key) > max_key:
+                codes[i] = bad_key
+                continue
+            code = name(client_id, placeholder, key)
+            if code:
+                codes[i] = int(code)
+                continue
+            named.append(key)
+            at.append(i)
+        if named:
+            for i, code in zip(at, self.put_end_many(client_id, named, max_key), strict=True):
+                codes[i] = code
+        return codes
+
+    def _name_reserved(self, client_id: str, placeholder: str, key: str) -> int:
+        """Make the pending put ``placeholder`` of ``client_id`` that of ``key``
+        (not committed yet); put_commit's codes."""
         p = self.pending.get(placeholder)
         if p is None or p.client_id != client_id:
             return ErrorCode.OBJECT_NOT_FOUND
@@ -1067,7 +1100,7 @@ class Directory:
         del self.pending[placeholder]
         self.pending[key] = p
         self.clients[client_id] = self.clock()
-        return self.put_end(client_id, key)
+        return OK
 
     def put_end_many(self, client_id: str, keys: list[str], max_key: int) -> list[int]:
         """PUT_END of many keys, as :meth:`put_end` key by key (INVALID_KEY for
