@@ -1059,26 +1059,66 @@ class Directory:
     def put_commit_many(self, client_id: str, placeholders: list[str], keys: list[str],
                         max_key: int) -> list[int]:
         """:meth:`put_commit` of each ``(placeholders[i], keys[i])`` (INVALID_KEY
-        for an empty or too long key), the commits in one :meth:`put_end_many`
-        pass; the per-key codes."""
-        codes = [0] * len(keys)
-        named: list[str] = []
-        at: list[int] = []
+        for an empty or too long key), in one pass; the per-key codes."""
+        n = len(keys)
+        if len(placeholders) != n:
+            raise ValueError("placeholders and keys differ in length")
+        codes = [0] * n
         bad_key = int(ErrorCode.INVALID_KEY)
-        name = self._name_reserved
-        for i, (placeholder, key) in enumerate(zip(placeholders, keys, strict=True)):
+        not_found = int(ErrorCode.OBJECT_NOT_FOUND)
+        exists = int(ErrorCode.OBJECT_ALREADY_EXISTS)
+        pending = self.pending
+        get = pending.get
+        shards, mask = self.objects.shards, self.objects.mask
+        records = self.records if self.journaling else None
+        append = records.append if records is not None else None
+        writer = self._writer(client_id)
+        now = self.clock()
+        discard = self.cfg.put_start_discard_timeout_s
+        stamped = False
+        last_seg: Any = None  # a batch mostly fills one segment: its key set's add at hand
+        seg_add: Any = None
+        # _name_reserved then put_end key by key, inline: one clock read for the
+        # batch, and put_end_many's fast path without naming the pending put first
+        for i in range(n):
+            key = keys[i]
             if key < KEY_MIN or len(key) > max_key:
                 codes[i] = bad_key
                 continue
-            code = name(client_id, placeholder, key)
-            if code:
-                codes[i] = int(code)
+            placeholder = placeholders[i]
+            p = get(placeholder)
+            if p is None or p.client_id != client_id:
+                codes[i] = not_found
                 continue
-            named.append(key)
-            at.append(i)
-        if named:
-            for i, code in zip(at, self.put_end_many(client_id, named, max_key), strict=True):
-                codes[i] = code
+            shard = shards[hash(key) & mask]
+            if key in shard:
+                codes[i] = exists
+                continue
+            other = get(key)
+            if other is not None:
+                if now - other.started <= discard:
+                    codes[i] = exists
+                    continue
+                del pending[key]  # its writer is presumed dead, as put_start preempts
+                self._release_pending(key, other)
+                self.preemptions += 1
+            if not stamped:
+                self.clients[client_id] = now
+                stamped = True
+            del pending[placeholder]
+            reps = p.replicas
+            if p.pin or p.group or len(reps) != 2 or reps[0].state == _DEAD:
+                pending[key] = p  # put_end's general path
+                codes[i] = int(self.put_end(client_id, key))
+                continue
+            seg = reps[0]  # a new, unpinned, ungrouped object with one live replica
+            size, flags, checksum = p.size, p.flags, p.checksum
+            shard[key] = Obj(size, reps, flags, checksum, writer)
+            if seg is not last_seg:
+                last_seg, seg_add = seg, seg.keys.add
+            seg_add(key)
+            if append is not None:
+                append([_REC_PUT, key, size, flags, checksum, [seg.id, reps[1]]])
         return codes
 
     def _name_reserved(self, client_id: str, placeholder: str, key: str) -> int:

@@ -616,6 +616,9 @@ class OpHandlers:
                                 self.cfg.max_object_size, got, placed, RESERVED_KEY_PREFIX)
         grants = self._grants(_CAP_WRITE)
         slot = grants.slot
+        # the token still filling for a segment, used inline (as batch_put_start does)
+        open_get = grants.open.get if grants.signer is not None else _never_open
+        full = 2 * MAX_RANGES
         segs: dict[str, SegmentDescriptor] = {}
         names: list[str] = []
         out: list[ReplicaDescriptor] = []
@@ -627,10 +630,16 @@ class OpHandlers:
                 continue
             seg = reps[0]
             sid = seg.id
-            segs[sid] = seg.desc
+            off = reps[1]
+            entry = open_get(sid)
+            if entry is None or len(entry[1]) >= full:
+                cap = slot(sid, off, size)
+                segs[sid] = seg.desc
+            else:
+                cap = entry[0]
+                entry[1].extend((off, size))
             names.append(key)
-            out.append(ReplicaDescriptor(sid, reps[1], size, _PROCESSING,
-                                         slot(sid, reps[1], size)))
+            out.append(ReplicaDescriptor(sid, off, size, _PROCESSING, cap))
         if not names:
             return BatchReserveReply(codes)
         self._count("reserve", [0] * len(names))
