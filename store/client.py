@@ -1476,11 +1476,16 @@ class Client:
                                     located)
         res, deadline = self._locate_many([keys[i] for i in valid] if len(valid) < n
                                           else list(keys))
-        plans: dict[int, _ReadPlan] = {}
-        bufs: dict[int, Any] = {}
-        self._plan_reads(res, deadline, enumerate(valid), target, plans, bufs, results)
-        self._read_plans(keys, plans, bufs, outs, results, list(plans))
-        stale = [i for i in plans if results[i] == _STALE] if reask_stale else []
+        read: Iterable[int]  # the keys read
+        if len(valid) == n and self._read_alike(res, deadline, target, results):
+            read = range(n)
+        else:
+            plans: dict[int, _ReadPlan] = {}
+            bufs: dict[int, Any] = {}
+            self._plan_reads(res, deadline, enumerate(valid), target, plans, bufs, results)
+            self._read_plans(keys, plans, bufs, outs, results, list(plans))
+            read = plans
+        stale = [i for i in read if results[i] == _STALE] if reask_stale else []
         if stale:  # a failover: the current leader grants afresh
             log.info("%d key(s) refused as of an older master term; asking again", len(stale))
             sub_outs: dict[int, bytes] | None = {} if outs is not None else None
@@ -1494,6 +1499,52 @@ class Client:
                     if sub_outs is not None and j in sub_outs:
                         outs[i] = sub_outs[j]
         return results
+
+    def _read_alike(self, res: Any, deadline: float, target: Callable[[int, int], Any],
+                    results: list[int]) -> bool:
+        """The common batch read: every key of ``res`` (a BATCH_GET_REPLICA_LIST
+        reply for keys 0..n-1) found, one complete replica each, no checksums,
+        every target a buffer: read as :meth:`_read_plans` reads one-replica
+        plans (one transfer batch; a failed key is TRANSFER_FAIL, or _STALE when
+        refused as of an older master term, or LEASE_EXPIRED once the lease
+        ended), without a plan per key. False (nothing read, nothing set) when
+        the reply is not of that shape."""
+        replicas = res.replicas
+        if any(res.codes) or res.checksums or set(map(len, replicas)) != _ONE_ONLY:
+            return False
+        reps = [r[0] for r in replicas]
+        if any(r.status is not _COMPLETE for r in reps):
+            return False
+        sizes = res.sizes
+        first = target(0, sizes[0])
+        if first is None or first is _LAZY_BYTES:  # (get_batch's: every key alike)
+            return False
+        bufs = [first, *map(target, range(1, len(reps)), sizes[1:])]
+        if any(b is None or b is _LAZY_BYTES for b in bufs):  # (no == on buffers)
+            return False
+        now = time.monotonic()
+        if deadline <= now:
+            results[:] = [int(ErrorCode.LEASE_EXPIRED)] * len(reps)
+            return True
+        codes: list[ErrorCode] = []
+        timeout = max(0.001, min(self.config.transfer_timeout_s, deadline - now))
+        copied = self._copy_batch(False, list(zip(bufs, reps, sizes, strict=True)), timeout,
+                                  res.caps, codes)
+        late = time.monotonic() > deadline  # the reads ended after the lease
+        if not late and copied.count(_COPIED) == len(copied):
+            results[:] = sizes
+            return True
+        expired = int(ErrorCode.LEASE_EXPIRED)
+        ended = deadline <= time.monotonic()  # no retry of a failed read then
+        for i, (ok, _err) in enumerate(copied):
+            if ok:
+                results[i] = expired if late else sizes[i]
+            elif codes[i] == ErrorCode.STALE_EPOCH:  # the node is fine; the grant is older
+                results[i] = expired if ended else _STALE
+            else:
+                self._forget_segment(reps[i].segment_id)
+                results[i] = expired if ended else int(ErrorCode.TRANSFER_FAIL)
+        return True
 
     def _locator(self) -> ThreadPoolExecutor:
         """The threads that send pipelined reads' second locate RPC (kept, so
