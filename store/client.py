@@ -18,7 +18,10 @@ Hot paths, kept lean on purpose:
   failure the next replica; a read that ends after the lease deadline raises
   LEASE_EXPIRED instead of returning bytes that may have been evicted.
 - batch forms: one master batch RPC and one transfer batch per call (a
-  second transfer batch only for keys whose first replica failed).
+  second transfer batch only for keys whose first replica failed). A batch
+  put of one size with default options whose shape reservations are held
+  for (from the previous batch commit's reply) skips BATCH_PUT_START: the
+  write, then BATCH_PUT_COMMIT.
 
 Segment descriptors are cached per segment id and handed to the engine once,
 so the engine keeps its shm mappings / connections across calls.
@@ -153,8 +156,9 @@ _RESERVE_MAX_SIZES = 8
 _RESERVE_PER_SIZE = 4
 _RESERVE_CLOSE_TIMEOUT_S = 0.5  # close() gives reservations back best effort
 # reservations for batch puts (ClientConfig.reserve_batch_puts): one batch's
-# worth of a size (up to this many bytes), a few batches' per size
-_BATCH_RESERVE_MAX_BYTES = 4 << 20
+# worth of a size (up to this many bytes: the round trip saved matters less
+# as the bytes grow), a few batches' per size
+_BATCH_RESERVE_MAX_BYTES = 1 << 20
 _BATCH_RESERVE_PER_SIZE = 4
 # batch_get_into_parts: locate part 0's keys by an RPC of their own, and the
 # rest's from a helper thread while part 0 moves (False: one RPC for all)
@@ -953,7 +957,6 @@ class Client:
         if reserved and not upsert and checksums is None and groups is None \
                 and self.config.reserve_batch_puts and type(idx) is range \
                 and put_sizes.count(put_sizes[0]) == n \
-                and put_sizes[0] <= _RESERVE_MAX_SIZE \
                 and put_sizes[0] * n <= _BATCH_RESERVE_MAX_BYTES \
                 and (config is None or self._put_options(config) is None):
             reserve = put_sizes[0]

@@ -128,7 +128,7 @@ class ClientConfig:
         "back")
     reserve_batch_puts: bool = setting(
         True, help="a batch put of values of one size (default options, no checksum, at "
-        "most 1MiB each and 4MiB in all) asks its commit's reply for reservations of the "
+        "most 1MiB in all) asks its commit's reply for reservations of the "
         "same shape; the next batch of that size and at most as many keys writes into them "
         "and commits with one master call (BATCH_PUT_COMMIT) instead of two "
         "(BATCH_PUT_START, BATCH_PUT_END). close() gives them back")
