@@ -1137,8 +1137,8 @@ class Client:
         asks for reservations of that size for the next batch of as many keys."""
         end = self._send_commit(BatchPutEnd(self.client_id, keys, reserve,
                                             len(keys) if reserve else 0))
-        if end.placeholders:
-            self._keep_batch_reserved(end, reserve, term)
+        if end.placeholders:  # granted by the leader that answered
+            self._keep_batch_reserved(end, reserve, self._term())
         if not any(end.codes):  # every key committed (the common case)
             codes = [_OK] * len(end.codes)
             if not upsert:
@@ -1244,7 +1244,6 @@ class Client:
             every = len(go) == n
             names = keys if every else [keys[j] for j in go]
             held = placeholders if every else [placeholders[j] for j in go]
-            term = self._term()
             try:
                 end: BatchKeysReply = self._call(BatchPutCommit(
                     self.client_id, held, names, size, n))
@@ -1256,7 +1255,8 @@ class Client:
                 log.info("BATCH_PUT_COMMIT: %s; confirming with BATCH_PUT_END", exc)
                 end = self._send_commit(BatchPutEnd(self.client_id, names))
             if isinstance(end, BatchReserveReply) and end.placeholders:
-                self._keep_batch_reserved(end, size, term)
+                # granted by the leader that answered
+                self._keep_batch_reserved(end, size, self._term())
             if any(end.codes):
                 give_back: list[str] = []
                 for j, code in zip(go, end.codes, strict=True):
