@@ -58,12 +58,14 @@ __all__ = [
     "BatchGetSize",
     "BatchGetSizeReply",
     "BatchKeysReply",
+    "BatchPutCommit",
     "BatchPutEnd",
     "BatchPutRevoke",
     "BatchPutStart",
     "BatchPutStartReply",
     "BatchRemove",
     "BatchReplicaClear",
+    "BatchReserveReply",
     "BatchUpsertStart",
     "Checksum",
     "CreateCopyTask",
@@ -166,6 +168,7 @@ class Op(IntEnum):
     BATCH_REMOVE = 36
     BATCH_UPSERT_START = 37
     BATCH_REPLICA_CLEAR = 38
+    BATCH_PUT_COMMIT = 39
     STATS = 50
     LIST_SEGMENTS = 51
     GET_SEGMENTS = 52
@@ -546,10 +549,40 @@ class BatchUpsertStart(BatchPutStart):
     pass
 
 
-@register(Op.BATCH_PUT_END, BatchKeysReply, "PUT_END of many keys; per-key codes")
-class BatchPutEnd(Request[BatchKeysReply]):
+class BatchReserveReply(BatchKeysReply):
+    """A batch commit's reply: per-key ``codes``; with ``placeholders``, the
+    reservations asked for (as ReserveReply's, one pending put each:
+    ``replicas[i]`` of ``placeholders[i]``, their ``caps``), fewer than asked
+    or none when the pool could not place them (the commit is OK regardless)."""
+
+    placeholders: list[str] = []
+    replicas: list[ReplicaDescriptor] = []
+    segments: dict[str, SegmentDescriptor] = {}
+    caps: list[bytes] = []
+    ttl_ms: int = 0
+
+
+@register(Op.BATCH_PUT_END, BatchReserveReply,
+          "PUT_END of many keys; per-key codes; reserve > 0: then up to reserve_count (at most "
+          "as many as keys) reservations of reserve bytes each (one memory replica) for the "
+          "caller's next puts")
+class BatchPutEnd(Request[BatchReserveReply]):
     client_id: str
     keys: list[str]
+    reserve: int = 0
+    reserve_count: int = 0
+
+
+@register(Op.BATCH_PUT_COMMIT, BatchReserveReply,
+          "PUT_COMMIT of many keys: placeholders[i] (the caller's reservation) becomes the "
+          "pending put of keys[i], committed as PUT_END; per-key codes as PUT_COMMIT's; "
+          "reserve > 0: new reservations as BATCH_PUT_END's")
+class BatchPutCommit(Request[BatchReserveReply]):
+    client_id: str
+    placeholders: list[str]
+    keys: list[str]
+    reserve: int = 0
+    reserve_count: int = 0
 
 
 @register(Op.BATCH_PUT_REVOKE, BatchKeysReply, "PUT_REVOKE of many keys; per-key codes")

@@ -788,7 +788,8 @@ class Directory:
         return OK, p
 
     def put_start_many(self, client_id: str, keys: list[str], sizes: list[int], max_key: int,
-                       max_size: int, codes: list[int], out: list[Any]) -> None:
+                       max_size: int, codes: list[int], out: list[Any],
+                       key_min: str = KEY_MIN) -> None:
         """PUT_START of many keys with the default options (one memory
         replica; no pin, checksum, group or replace), as :meth:`put_start`
         key by key, in one pass: per-key work only. Key ``i`` sets
@@ -796,7 +797,8 @@ class Directory:
         INVALID_PARAMS for a size outside ``[1, max_size]``, or put_start's
         code) and, when OK, ``out[i]`` = its flat replicas. Anything but a
         new key placed at once on a pool of up to 32 segments (preemption,
-        eviction, a full pool) takes :meth:`put_start` itself."""
+        eviction, a full pool) takes :meth:`put_start` itself.``key_min``: the
+        lowest key taken (RESERVED_KEY_PREFIX for reservations' placeholders)."""
         objects = self.objects
         shards, mask = objects.shards, objects.mask
         pending = self.pending
@@ -831,7 +833,7 @@ class Directory:
         for i in range(n):
             key = keys[i]
             size = sizes[i]
-            if key < KEY_MIN or len(key) > max_key:
+            if key < key_min or len(key) > max_key:
                 codes[i] = bad_key
                 continue
             if size <= 0 or size > max_size:
@@ -1051,6 +1053,77 @@ class Directory:
         record). OBJECT_NOT_FOUND: no such pending put of this client;
         OBJECT_ALREADY_EXISTS: ``key`` is stored or in flight (as put_start
         answers; the reservation stays)."""
+        code = self._name_reserved(client_id, placeholder, key)
+        return code if code else self.put_end(client_id, key)
+
+    def put_commit_many(self, client_id: str, placeholders: list[str], keys: list[str],
+                        max_key: int) -> list[int]:
+        """:meth:`put_commit` of each ``(placeholders[i], keys[i])`` (INVALID_KEY
+        for an empty or too long key), in one pass; the per-key codes."""
+        n = len(keys)
+        if len(placeholders) != n:
+            raise ValueError("placeholders and keys differ in length")
+        codes = [0] * n
+        bad_key = int(ErrorCode.INVALID_KEY)
+        not_found = int(ErrorCode.OBJECT_NOT_FOUND)
+        exists = int(ErrorCode.OBJECT_ALREADY_EXISTS)
+        pending = self.pending
+        get = pending.get
+        shards, mask = self.objects.shards, self.objects.mask
+        records = self.records if self.journaling else None
+        append = records.append if records is not None else None
+        writer = self._writer(client_id)
+        now = self.clock()
+        discard = self.cfg.put_start_discard_timeout_s
+        stamped = False
+        last_seg: Any = None  # a batch mostly fills one segment: its key set's add at hand
+        seg_add: Any = None
+        # _name_reserved then put_end key by key, inline: one clock read for the
+        # batch, and put_end_many's fast path without naming the pending put first
+        for i in range(n):
+            key = keys[i]
+            if key < KEY_MIN or len(key) > max_key:
+                codes[i] = bad_key
+                continue
+            placeholder = placeholders[i]
+            p = get(placeholder)
+            if p is None or p.client_id != client_id:
+                codes[i] = not_found
+                continue
+            shard = shards[hash(key) & mask]
+            if key in shard:
+                codes[i] = exists
+                continue
+            other = get(key)
+            if other is not None:
+                if now - other.started <= discard:
+                    codes[i] = exists
+                    continue
+                del pending[key]  # its writer is presumed dead, as put_start preempts
+                self._release_pending(key, other)
+                self.preemptions += 1
+            if not stamped:
+                self.clients[client_id] = now
+                stamped = True
+            del pending[placeholder]
+            reps = p.replicas
+            if p.pin or p.group or len(reps) != 2 or reps[0].state == _DEAD:
+                pending[key] = p  # put_end's general path
+                codes[i] = int(self.put_end(client_id, key))
+                continue
+            seg = reps[0]  # a new, unpinned, ungrouped object with one live replica
+            size, flags, checksum = p.size, p.flags, p.checksum
+            shard[key] = Obj(size, reps, flags, checksum, writer)
+            if seg is not last_seg:
+                last_seg, seg_add = seg, seg.keys.add
+            seg_add(key)
+            if append is not None:
+                append([_REC_PUT, key, size, flags, checksum, [seg.id, reps[1]]])
+        return codes
+
+    def _name_reserved(self, client_id: str, placeholder: str, key: str) -> int:
+        """Make the pending put ``placeholder`` of ``client_id`` that of ``key``
+        (not committed yet); put_commit's codes."""
         p = self.pending.get(placeholder)
         if p is None or p.client_id != client_id:
             return ErrorCode.OBJECT_NOT_FOUND
@@ -1067,7 +1140,7 @@ class Directory:
         del self.pending[placeholder]
         self.pending[key] = p
         self.clients[client_id] = self.clock()
-        return self.put_end(client_id, key)
+        return OK
 
     def put_end_many(self, client_id: str, keys: list[str], max_key: int) -> list[int]:
         """PUT_END of many keys, as :meth:`put_end` key by key (INVALID_KEY for

@@ -43,12 +43,14 @@ from kvpool.core.protocol import (
     BatchGetSize,
     BatchGetSizeReply,
     BatchKeysReply,
+    BatchPutCommit,
     BatchPutEnd,
     BatchPutRevoke,
     BatchPutStart,
     BatchPutStartReply,
     BatchRemove,
     BatchReplicaClear,
+    BatchReserveReply,
     BatchUpsertStart,
     CreateCopyTask,
     CreateMoveTask,
@@ -595,6 +597,54 @@ class OpHandlers:
                             *self._granted(p.replicas, size, _PROCESSING, _CAP_WRITE),
                             self._resv_ttl_ms)
 
+    def _reserve_many(self, client_id: str, size: int, count: int,
+                      codes: list[int]) -> BatchReserveReply:
+        """A batch commit's reply (``codes``) with up to ``count``
+        reservations of ``size`` bytes, as :meth:`_reserve` makes one, placed
+        in one pass; no more than the commit had keys (a client holds at most
+        a batch's worth), fewer (or none) when the pool cannot place them."""
+        count = min(count, len(codes))
+        if size <= 0 or size > self.cfg.max_object_size or self._resv_ttl_ms <= 0 \
+                or count <= 0:
+            return BatchReserveReply(codes)
+        prefix = self._resv_prefix
+        seq = self._resv_seq
+        keys = [f"{prefix}{next(seq)}" for _ in range(count)]
+        got = [0] * count
+        placed: list[Any] = [None] * count
+        self.dir.put_start_many(client_id, keys, [size] * count, len(prefix) + 32,
+                                self.cfg.max_object_size, got, placed, RESERVED_KEY_PREFIX)
+        grants = self._grants(_CAP_WRITE)
+        slot = grants.slot
+        # the token still filling for a segment, used inline (as batch_put_start does)
+        open_get = grants.open.get if grants.signer is not None else _never_open
+        full = 2 * MAX_RANGES
+        segs: dict[str, SegmentDescriptor] = {}
+        names: list[str] = []
+        out: list[ReplicaDescriptor] = []
+        for key, reps in zip(keys, placed, strict=True):
+            if reps is None:
+                continue
+            if len(reps) != 2:  # more than one replica: not a reservation's shape
+                self.dir.put_revoke(client_id, key)
+                continue
+            seg = reps[0]
+            sid = seg.id
+            off = reps[1]
+            entry = open_get(sid)
+            if entry is None or len(entry[1]) >= full:
+                cap = slot(sid, off, size)
+                segs[sid] = seg.desc
+            else:
+                cap = entry[0]
+                entry[1].extend((off, size))
+            names.append(key)
+            out.append(ReplicaDescriptor(sid, off, size, _PROCESSING, cap))
+        if not names:
+            return BatchReserveReply(codes)
+        self._count("reserve", [0] * len(names))
+        return BatchReserveReply(codes, names, out, segs, grants.sign(), self._resv_ttl_ms)
+
     def put_end(self, req: PutEnd) -> ReserveReply:
         client_id = self._client(req.client_id)
         code = self.dir.put_end(client_id, self._key(req.key))
@@ -626,13 +676,36 @@ class OpHandlers:
         self._count(name, codes)
         return BatchKeysReply(codes)
 
-    def batch_put_end(self, req: BatchPutEnd) -> BatchKeysReply:
+    def batch_put_end(self, req: BatchPutEnd) -> BatchReserveReply:
         client_id = self._client(req.client_id)
         keys = req.keys
         self._batch(keys)
         codes = self.dir.put_end_many(client_id, keys, self.max_key)
         self._count("put_end", codes)
-        return BatchKeysReply(codes)
+        if req.reserve:
+            return self._reserve_many(client_id, req.reserve, req.reserve_count, codes)
+        return BatchReserveReply(codes)
+
+    def batch_put_commit(self, req: BatchPutCommit) -> BatchReserveReply:
+        client_id = self._client(req.client_id)
+        keys, placeholders = req.keys, req.placeholders
+        self._batch(keys)
+        if len(placeholders) != len(keys):
+            raise _bad("placeholders and keys must have the same length")
+        prefix = self._resv_prefix
+        if all(p.startswith(prefix) for p in placeholders):
+            codes = self.dir.put_commit_many(client_id, placeholders, keys, self.max_key)
+        else:  # another master's (a failover or restart lost them): those are not found
+            ours = [i for i, p in enumerate(placeholders) if p.startswith(prefix)]
+            codes = [int(ErrorCode.OBJECT_NOT_FOUND)] * len(keys)
+            got = self.dir.put_commit_many(client_id, [placeholders[i] for i in ours],
+                                           [keys[i] for i in ours], self.max_key)
+            for i, code in zip(ours, got, strict=True):
+                codes[i] = code
+        self._count("put_end", codes)
+        if req.reserve:
+            return self._reserve_many(client_id, req.reserve, req.reserve_count, codes)
+        return BatchReserveReply(codes)
 
     def batch_put_revoke(self, req: BatchPutRevoke) -> BatchKeysReply:
         client_id = self._client(req.client_id)

@@ -18,7 +18,10 @@ Hot paths, kept lean on purpose:
   failure the next replica; a read that ends after the lease deadline raises
   LEASE_EXPIRED instead of returning bytes that may have been evicted.
 - batch forms: one master batch RPC and one transfer batch per call (a
-  second transfer batch only for keys whose first replica failed).
+  second transfer batch only for keys whose first replica failed). A batch
+  put of one size with default options whose shape reservations are held
+  for (from the previous batch commit's reply) skips BATCH_PUT_START: the
+  write, then BATCH_PUT_COMMIT.
 
 Segment descriptors are cached per segment id and handed to the engine once,
 so the engine keeps its shm mappings / connections across calls.
@@ -48,12 +51,15 @@ from kvpool.core.protocol import (
     BatchExist,
     BatchGetReplicaList,
     BatchGetReplicaListReply,
+    BatchKeysReply,
+    BatchPutCommit,
     BatchPutEnd,
     BatchPutRevoke,
     BatchPutStart,
     BatchPutStartReply,
     BatchRemove,
     BatchReplicaClear,
+    BatchReserveReply,
     BatchUpsertStart,
     Checksum,
     CreateCopyTask,
@@ -149,6 +155,11 @@ _RESERVE_MAX_SIZE = 1 << 20
 _RESERVE_MAX_SIZES = 8
 _RESERVE_PER_SIZE = 4
 _RESERVE_CLOSE_TIMEOUT_S = 0.5  # close() gives reservations back best effort
+# reservations for batch puts (ClientConfig.reserve_batch_puts): one batch's
+# worth of a size (up to this many bytes: the round trip saved matters less
+# as the bytes grow), a few batches' per size
+_BATCH_RESERVE_MAX_BYTES = 1 << 20
+_BATCH_RESERVE_PER_SIZE = 4
 # batch_get_into_parts: locate part 0's keys by an RPC of their own, and the
 # rest's from a helper thread while part 0 moves (False: one RPC for all)
 SPLIT_PART_LOCATE = True
@@ -199,6 +210,20 @@ class _Reserved:
     caps: list[bytes]
     deadline: float  # monotonic time after which no write into it may start
     term: int  # master term that granted it
+
+
+@dataclass(slots=True)
+class _BatchReserved:
+    """Reservations a batch commit's reply (BatchReserveReply) handed this
+    client for its next batch put of ``size``-byte values: ``placeholders[i]``
+    is written at ``replicas[i]``."""
+
+    placeholders: list[str]
+    replicas: list[ReplicaDescriptor]
+    segments: dict[str, SegmentDescriptor]
+    caps: list[bytes]
+    deadline: float  # monotonic time after which no write into them may start
+    term: int  # master term that granted them
 
 
 @dataclass(slots=True)
@@ -294,6 +319,9 @@ class Client:
         # least recently granted one first (see _put_reserved)
         self._reserved: OrderedDict[int, list[_Reserved]] = OrderedDict()
         self._reserved_lock = threading.Lock()
+        # size -> reservations for the next batch puts of that size (see
+        # _batch_put_reserved), as for single puts
+        self._batch_reserved: OrderedDict[int, list[_BatchReserved]] = OrderedDict()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -396,6 +424,7 @@ class Client:
         if self._closed:
             return
         self._give_back_reservations()
+        self._give_back_batch_reservations()
         self._closed = True
         with self._rpc_lock:  # a _locator() call either made its pool already or refuses
             pool = self._locate_pool
@@ -884,7 +913,16 @@ class Client:
                        config: ReplicateConfig | None = None,
                        upsert: bool = False) -> list[ErrorCode]:
         """Zero-copy :meth:`put_batch` from host or GPU buffers. Same result
-        contract. ``upsert``: insert or replace (:meth:`batch_put_reserve`)."""
+        contract. ``upsert``: insert or replace (:meth:`batch_put_reserve`).
+        A batch of one size with every default may write into reservations the
+        previous batch's commit handed out and commit with one master call
+        (``ClientConfig.reserve_batch_puts``; see :meth:`_batch_put_reserved`)."""
+        return self._batch_put_from(keys, buffers, config, upsert, True)
+
+    def _batch_put_from(self, keys: Sequence[str], buffers: Sequence[Any],
+                        config: ReplicateConfig | None, upsert: bool,
+                        reserved: bool) -> list[ErrorCode]:
+        """:meth:`batch_put_from`; ``reserved``: may use and ask for reservations."""
         self._check_open()
         if len(keys) != len(buffers):
             raise StoreError(f"{len(keys)} keys but {len(buffers)} buffers",
@@ -913,6 +951,18 @@ class Client:
                                       checksums)
         if not idx:
             return codes
+        # one size, every default: reservations of this batch's shape skip
+        # BATCH_PUT_START (held ones), or are asked of its commit
+        reserve = 0
+        if reserved and not upsert and checksums is None and groups is None \
+                and self.config.reserve_batch_puts and type(idx) is range \
+                and put_sizes.count(put_sizes[0]) == n \
+                and put_sizes[0] * n <= _BATCH_RESERVE_MAX_BYTES \
+                and (config is None or self._put_options(config) is None):
+            reserve = put_sizes[0]
+            held = self._take_batch_reserved(reserve, n)
+            if held is not None:
+                return self._batch_put_reserved(put_keys, buffers, reserve, held, config)
         start = BatchUpsertStart if upsert else BatchPutStart
         res = self._call(start(self.client_id, put_keys, put_sizes, self._put_options(config),
                                checksums, None if groups is None else [groups[i] for i in idx]))
@@ -956,7 +1006,8 @@ class Client:
                 put_keys if every else [put_keys[pos] for pos in done], term, upsert,
                 lambda lost: self.batch_put_from(
                     [keys[at[p]] for p in lost], [buffers[at[p]] for p in lost],
-                    _config_for(config, [at[p] for p in lost]), upsert))
+                    _config_for(config, [at[p] for p in lost]), upsert),
+                reserve if every else 0)
             for i, code in zip(at, ends, strict=True):
                 codes[i] = code
         return codes
@@ -1056,6 +1107,8 @@ class Client:
                 # not a second reservation: the first one's reply is what was lost
                 # (the master drops it with its write window)
                 request = PutEnd(request.client_id, request.key)  # type: ignore[assignment]
+            elif isinstance(request, BatchPutEnd) and request.reserve:  # (likewise)
+                request = BatchPutEnd(request.client_id, request.keys)  # type: ignore[assignment]
             return self._call(request)
 
     def _commit_one(self, key: str, term: int, reserve: int = 0) -> None:
@@ -1074,13 +1127,18 @@ class Client:
                                    f"was lost to a failover: {exc}") from exc
 
     def _commit_batch(self, keys: list[str], term: int, upsert: bool,
-                      redo: Callable[[list[int]], list[ErrorCode]]) -> list[ErrorCode]:
+                      redo: Callable[[list[int]], list[ErrorCode]],
+                      reserve: int = 0) -> list[ErrorCode]:
         """BATCH_PUT_END of ``keys``, reserved in master term ``term``; per key
         OK or why not. When the commit went to another term's leader, the keys
         answered OBJECT_NOT_FOUND (every committed key of an upsert) are put
         again by ``redo(positions in keys)``, which returns their codes; a
-        redo's own commit does not redo again."""
-        end = self._send_commit(BatchPutEnd(self.client_id, keys))
+        redo's own commit does not redo again. ``reserve`` > 0: the commit
+        asks for reservations of that size for the next batch of as many keys."""
+        end = self._send_commit(BatchPutEnd(self.client_id, keys, reserve,
+                                            len(keys) if reserve else 0))
+        if end.placeholders:  # granted by the leader that answered
+            self._keep_batch_reserved(end, reserve, self._term())
         if not any(end.codes):  # every key committed (the common case)
             codes = [_OK] * len(end.codes)
             if not upsert:
@@ -1101,6 +1159,138 @@ class Client:
         for p, code in zip(lost, again, strict=True):
             codes[p] = code
         return codes
+
+    # ------------------------------------------------------------------ reserved batch puts
+    # A batch commit (BATCH_PUT_END, BATCH_PUT_COMMIT) may ask for reservations
+    # of its batch's shape: as many pending puts of its one size under
+    # placeholder keys. The next batch put of that size and at most as many
+    # keys writes into them and names its keys with one BATCH_PUT_COMMIT (two
+    # round trips, not three); the rules are the single puts' (taken before
+    # the write, used once, within their ttl and master term), and a key whose
+    # reservation fails it (a failed write, one the master no longer holds)
+    # is put from the start.
+
+    def _keep_batch_reserved(self, res: BatchReserveReply, size: int, term: int) -> None:
+        """Hold the reservations of a batch commit's reply for ``size``, in
+        master term ``term`` (the surplus over what is held is given back)."""
+        r = _BatchReserved(res.placeholders, res.replicas, res.segments, res.caps,
+                           time.monotonic() + res.ttl_ms / 1000.0, term)
+        drop: list[_BatchReserved] = []
+        with self._reserved_lock:
+            held = self._batch_reserved.pop(size, None) or []
+            if len(held) < _BATCH_RESERVE_PER_SIZE:
+                held.append(r)
+            else:
+                drop.append(r)
+            self._batch_reserved[size] = held  # the most recent size last
+            while len(self._batch_reserved) > _RESERVE_MAX_SIZES:
+                drop += self._batch_reserved.popitem(last=False)[1]
+        if drop:
+            self._unreserve([p for d in drop for p in d.placeholders])
+
+    def _take_batch_reserved(self, size: int, n: int) -> _BatchReserved | None:
+        """``n`` reservations held for ``size``, taken (no other put may use
+        them; what is left of their group stays held); None when no group of
+        at least ``n`` is still usable (an expired one is given back)."""
+        if not self._batch_reserved:
+            return None
+        with self._reserved_lock:
+            held = self._batch_reserved.get(size)
+            if not held or len(held[-1].placeholders) < n:
+                return None
+            r = held.pop()  # the newest: the longest ttl left
+            if len(r.placeholders) > n:  # the rest stays for the next batch
+                held.append(_BatchReserved(r.placeholders[n:], r.replicas[n:], r.segments,
+                                           r.caps, r.deadline, r.term))
+                r = _BatchReserved(r.placeholders[:n], r.replicas[:n], r.segments, r.caps,
+                                   r.deadline, r.term)
+            elif not held:
+                del self._batch_reserved[size]
+        if time.monotonic() >= r.deadline or r.term != self._term():
+            self._unreserve(r.placeholders)
+            return None
+        return r
+
+    def _batch_put_reserved(self, keys: list[str], buffers: Sequence[Any], size: int,
+                            r: _BatchReserved, config: ReplicateConfig | None
+                            ) -> list[ErrorCode]:
+        """:meth:`batch_put_from` of ``keys`` (valid, distinct, every buffer
+        ``size`` bytes) through reservations ``r`` (one per key): the write,
+        then BATCH_PUT_COMMIT asking for the next batch's. Keys whose write
+        failed or whose reservation the master no longer holds are put from
+        the start (without reservations); a key that exists keeps its value
+        (OBJECT_ALREADY_EXISTS) and its reservation is given back."""
+        self._learn_segments(r.segments)
+        n = len(keys)
+        placeholders = r.placeholders
+        jobs = [(buf, rep, size) for buf, rep in zip(buffers, r.replicas, strict=True)]
+        try:
+            results = self._copy_batch(True, jobs, self.config.transfer_timeout_s, r.caps)
+        except BaseException:
+            self._unreserve(placeholders)
+            raise
+        again: list[int] = []  # key positions put from the start
+        go: Sequence[int] = range(n)  # key positions committed
+        if results.count(_COPIED) != n:
+            again = [j for j, res_j in enumerate(results) if res_j is not _COPIED]
+            for j in again:
+                self._forget_segment(jobs[j][1].segment_id)
+            log.info("batch put: %d writes into reservations failed (%s); putting them "
+                     "from the start", len(again), results[again[0]][1])
+            self._unreserve([placeholders[j] for j in again])
+            go = [j for j in range(n) if results[j] is _COPIED]
+        codes: list[ErrorCode] = [_OK] * n
+        if go:
+            every = len(go) == n
+            names = keys if every else [keys[j] for j in go]
+            held = placeholders if every else [placeholders[j] for j in go]
+            try:
+                end: BatchKeysReply = self._call(BatchPutCommit(
+                    self.client_id, held, names, size, n))
+            except MasterUnreachable as exc:
+                if exc.code != ErrorCode.WRITE_OUTCOME_UNKNOWN:
+                    raise
+                # applied, maybe: a committed key's PUT_END answers OK, one not
+                # applied OBJECT_NOT_FOUND (then put from the start)
+                log.info("BATCH_PUT_COMMIT: %s; confirming with BATCH_PUT_END", exc)
+                end = self._send_commit(BatchPutEnd(self.client_id, names))
+            if isinstance(end, BatchReserveReply) and end.placeholders:
+                # granted by the leader that answered
+                self._keep_batch_reserved(end, size, self._term())
+            if any(end.codes):
+                give_back: list[str] = []
+                for j, code in zip(go, end.codes, strict=True):
+                    if not code:
+                        continue
+                    if code == ErrorCode.OBJECT_NOT_FOUND:  # expired or lost: put again
+                        again.append(j)
+                        continue
+                    codes[j] = self._code(code)
+                    if code == ErrorCode.OBJECT_ALREADY_EXISTS:  # still reserved: not ours
+                        give_back.append(placeholders[j])
+                if give_back:
+                    self._unreserve(give_back)
+        if again:
+            again.sort()
+            redo = self._batch_put_from([keys[j] for j in again], [buffers[j] for j in again],
+                                        _config_for(config, again), False, False)
+            for j, code in zip(again, redo, strict=True):
+                codes[j] = code
+        return codes
+
+    def _give_back_batch_reservations(self) -> None:
+        """close(): revoke the batch puts' reservations held (best effort, as
+        :meth:`_give_back_reservations`)."""
+        with self._reserved_lock:
+            held = [p for rs in self._batch_reserved.values() for r in rs
+                    for p in r.placeholders]
+            self._batch_reserved.clear()
+        if not held or not self._started or self._master is None:
+            return
+        try:
+            self._master.call(BatchPutRevoke(self.client_id, held), _RESERVE_CLOSE_TIMEOUT_S)
+        except Exception as exc:  # closing regardless
+            log.debug("revoking %d batch reservations at close: %s", len(held), exc)
 
     # ------------------------------------------------------------------ get
 
@@ -1289,11 +1479,16 @@ class Client:
                                     located)
         res, deadline = self._locate_many([keys[i] for i in valid] if len(valid) < n
                                           else list(keys))
-        plans: dict[int, _ReadPlan] = {}
-        bufs: dict[int, Any] = {}
-        self._plan_reads(res, deadline, enumerate(valid), target, plans, bufs, results)
-        self._read_plans(keys, plans, bufs, outs, results, list(plans))
-        stale = [i for i in plans if results[i] == _STALE] if reask_stale else []
+        read: Iterable[int]  # the keys read
+        if len(valid) == n and self._read_alike(res, deadline, target, results):
+            read = range(n)
+        else:
+            plans: dict[int, _ReadPlan] = {}
+            bufs: dict[int, Any] = {}
+            self._plan_reads(res, deadline, enumerate(valid), target, plans, bufs, results)
+            self._read_plans(keys, plans, bufs, outs, results, list(plans))
+            read = plans
+        stale = [i for i in read if results[i] == _STALE] if reask_stale else []
         if stale:  # a failover: the current leader grants afresh
             log.info("%d key(s) refused as of an older master term; asking again", len(stale))
             sub_outs: dict[int, bytes] | None = {} if outs is not None else None
@@ -1307,6 +1502,52 @@ class Client:
                     if sub_outs is not None and j in sub_outs:
                         outs[i] = sub_outs[j]
         return results
+
+    def _read_alike(self, res: Any, deadline: float, target: Callable[[int, int], Any],
+                    results: list[int]) -> bool:
+        """The common batch read: every key of ``res`` (a BATCH_GET_REPLICA_LIST
+        reply for keys 0..n-1) found, one complete replica each, no checksums,
+        every target a buffer: read as :meth:`_read_plans` reads one-replica
+        plans (one transfer batch; a failed key is TRANSFER_FAIL, or _STALE when
+        refused as of an older master term, or LEASE_EXPIRED once the lease
+        ended), without a plan per key. False (nothing read, nothing set) when
+        the reply is not of that shape."""
+        replicas = res.replicas
+        if any(res.codes) or res.checksums or set(map(len, replicas)) != _ONE_ONLY:
+            return False
+        reps = [r[0] for r in replicas]
+        if any(r.status is not _COMPLETE for r in reps):
+            return False
+        sizes = res.sizes
+        first = target(0, sizes[0])
+        if first is None or first is _LAZY_BYTES:  # (get_batch's: every key alike)
+            return False
+        bufs = [first, *map(target, range(1, len(reps)), sizes[1:])]
+        if any(b is None or b is _LAZY_BYTES for b in bufs):  # (no == on buffers)
+            return False
+        now = time.monotonic()
+        if deadline <= now:
+            results[:] = [int(ErrorCode.LEASE_EXPIRED)] * len(reps)
+            return True
+        codes: list[ErrorCode] = []
+        timeout = max(0.001, min(self.config.transfer_timeout_s, deadline - now))
+        copied = self._copy_batch(False, list(zip(bufs, reps, sizes, strict=True)), timeout,
+                                  res.caps, codes)
+        late = time.monotonic() > deadline  # the reads ended after the lease
+        if not late and copied.count(_COPIED) == len(copied):
+            results[:] = sizes
+            return True
+        expired = int(ErrorCode.LEASE_EXPIRED)
+        ended = deadline <= time.monotonic()  # no retry of a failed read then
+        for i, (ok, _err) in enumerate(copied):
+            if ok:
+                results[i] = expired if late else sizes[i]
+            elif codes[i] == ErrorCode.STALE_EPOCH:  # the node is fine; the grant is older
+                results[i] = expired if ended else _STALE
+            else:
+                self._forget_segment(reps[i].segment_id)
+                results[i] = expired if ended else int(ErrorCode.TRANSFER_FAIL)
+        return True
 
     def _locator(self) -> ThreadPoolExecutor:
         """The threads that send pipelined reads' second locate RPC (kept, so

@@ -126,6 +126,12 @@ class ClientConfig:
         "next put of that size writes into it and commits with one master call (PUT_COMMIT) "
         "instead of two (PUT_START, PUT_END). At most 8 sizes are held; close() gives them "
         "back")
+    reserve_batch_puts: bool = setting(
+        True, help="a batch put of values of one size (default options, no checksum, at "
+        "most 1MiB in all) asks its commit's reply for reservations of the "
+        "same shape; the next batch of that size and at most as many keys writes into them "
+        "and commits with one master call (BATCH_PUT_COMMIT) instead of two "
+        "(BATCH_PUT_START, BATCH_PUT_END). close() gives them back")
     metrics_port: int = setting(
         0, help="node daemon: Prometheus /metrics on 127.0.0.1:PORT with the transfer "
         "server's capability refusals by reason (kvpool_capability_refusals_total{reason}) and "

@@ -411,3 +411,40 @@ def test_put_commit_renames_a_reservation_and_commits_it() -> None:
     clock.t += d.write_window_s + 1
     assert d.sweep_pending() == 1
     assert "\x00resv/n/1" not in d.pending and "taken" in d.pending  # a plain put stays
+
+
+def test_put_commit_many_is_put_commit_key_by_key() -> None:
+    """BATCH_PUT_COMMIT's pass: each pair as PUT_COMMIT answers it (and records
+    it: one PUT record per committed key, as PUT_END's), the reservations of
+    refused keys kept; a grouped reservation takes put_end's general path, a
+    stale in-flight put of the key is preempted."""
+    d, clock = make(put_start_discard_timeout_s=5)
+    d.journaling = True
+    mount(d, "s", 1 << 20)
+    phs = [f"\x00resv/n/{i}" for i in range(7)]
+    codes = [0] * 6
+    placed: list[Any] = [None] * 6
+    d.put_start_many("c1", phs[:6], [100] * 6, 64, 1 << 20, codes, placed, "\x00")
+    assert codes == [0] * 6 and all(placed)
+    assert d.put_start("c1", phs[6], 100, group="g")[0] == 0
+    assert put(d, "stored", 10) == 0
+    assert d.put_start("c2", "inflight", 10)[0] == 0
+    assert d.put_start("c2", "stale", 10)[0] == 0
+    clock.t += 6  # "stale" is past put_start_discard_timeout_s, "fresh" (below) is not
+    assert d.put_start("c2", "fresh", 10)[0] == 0
+    d.records.clear()
+    keys = ["a", "stored", "fresh", "", "stale", "b", "grouped", "c"]
+    pairs = [phs[0], phs[1], phs[2], phs[3], phs[4], "\x00resv/n/99", phs[6], phs[5]]
+    got = d.put_commit_many("c1", pairs, keys, 64)
+    assert got == [0, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.OBJECT_ALREADY_EXISTS,
+                   ErrorCode.INVALID_KEY, 0, ErrorCode.OBJECT_NOT_FOUND, 0, 0]
+    assert [r[1] for r in d.records] == ["a", "stale", "grouped", "c"]  # PUT records
+    for key, ph in (("a", phs[0]), ("stale", phs[4]), ("c", phs[5]), ("grouped", phs[6])):
+        assert ph not in d.pending and key not in d.pending
+        assert d.get_replicas(key)[0] == 0
+    assert d.group_of["grouped"] == "g"
+    assert d.preemptions == 1
+    assert all(ph in d.pending for ph in phs[1:4])  # refused: still reserved
+    assert d.put_commit_many("c2", [phs[1]], ["x"], 64) == [ErrorCode.OBJECT_NOT_FOUND]
+    with pytest.raises(ValueError):
+        d.put_commit_many("c1", phs[:2], ["x"], 64)

@@ -1,0 +1,254 @@
+"""Batch puts through reservations (ClientConfig.reserve_batch_puts), against a
+real master and a real node daemon: a batch commit's reply hands the client
+reservations of the batch's shape; the next batch put of that size writes into
+them and sends one BATCH_PUT_COMMIT. Every key that cannot use its reservation
+(expired, the key taken, a write that failed) must end as a plain batch put
+would, and nothing stays pending after close()."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import BatchPutCommit, BatchPutEnd
+from kvpool.store import Client, ReplicateConfig
+from kvpool.store.errors import StoreError
+from support.factories import client_factory
+
+pytestmark = pytest.mark.timeout(120)
+
+K = 4096
+N = 8
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterProcess]:
+    d = tmp_path_factory.mktemp("master")
+    with MasterProcess(data_dir=str(d), lease_ttl_ms=5000, client_ttl_s=120) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def live(master: MasterProcess) -> Iterator[NodeDaemonProcess]:
+    with NodeDaemonProcess(master.address, "32MiB") as d:
+        yield d
+
+
+@pytest.fixture
+def make_client(master: MasterProcess, live: NodeDaemonProcess
+                ) -> Iterator[Callable[..., Client]]:
+    with client_factory(master.address, rpc_timeout_s=5.0) as make:
+        yield make
+
+
+def _spy(c: Client) -> list[str]:
+    """The master requests ``c`` sends from now on, by type name."""
+    sent: list[str] = []
+    real = c._call
+
+    def call(request: Any) -> Any:
+        sent.append(type(request).__name__)
+        return real(request)
+
+    c._call = call  # type: ignore[method-assign]
+    return sent
+
+
+def _vals(seed: int, n: int = N, size: int = K) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+
+
+def _pending(c: Client) -> int:
+    return c.stats().pending
+
+
+def _held(c: Client, size: int = K) -> int:
+    return sum(len(r.placeholders) for r in c._batch_reserved.get(size, []))
+
+
+def _check(c: Client, keys: list[str], vals: list[np.ndarray]) -> None:
+    for k, v in zip(keys, vals, strict=True):
+        assert c.get(k) == v.tobytes(), k
+
+
+def test_second_batch_is_one_master_call(make_client: Callable[..., Client]) -> None:
+    watcher = make_client()
+    c = make_client()
+    tag = uuid.uuid4().hex[:8]
+    before = _pending(watcher)
+    sent = _spy(c)
+    keys0 = [f"{tag}/0/{i}" for i in range(N)]
+    v0 = _vals(0)
+    assert c.batch_put_from(keys0, v0) == [ErrorCode.OK] * N
+    assert sent == ["BatchPutStart", "BatchPutEnd"]  # the first asks for reservations
+    assert _held(c) == N
+    first = list(c._batch_reserved[K][-1].placeholders)
+    for b in (1, 2):
+        sent.clear()
+        keys = [f"{tag}/{b}/{i}" for i in range(N)]
+        vals = _vals(b)
+        assert c.batch_put_from(keys, vals) == [ErrorCode.OK] * N
+        assert sent == ["BatchPutCommit"]
+        _check(c, keys, vals)
+    assert _held(c) == N and not set(first) & set(c._batch_reserved[K][-1].placeholders)
+    _check(c, keys0, v0)
+    # a smaller batch takes part of the group; the rest stays for the next one
+    sent.clear()
+    small = _vals(3, 3)
+    assert c.batch_put_from([f"{tag}/s/{i}" for i in range(3)], small) == [ErrorCode.OK] * 3
+    assert sent == ["BatchPutCommit"]
+    _check(c, [f"{tag}/s/{i}" for i in range(3)], small)
+    # what was left of the old group and a new one of 3
+    assert [len(r.placeholders) for r in c._batch_reserved[K]] == [N - 3, 3]
+    # mixed sizes, a non-default config, an upsert: the plain path, reservations untouched
+    sent.clear()
+    mixed = [*_vals(4, 2), *_vals(5, 1, 2 * K)]
+    assert c.batch_put_from([f"{tag}/m/{i}" for i in range(3)], mixed) == [ErrorCode.OK] * 3
+    pinned = _vals(6, 2)
+    assert c.batch_put_from([f"{tag}/p/{i}" for i in range(2)], pinned,
+                            ReplicateConfig(with_hard_pin=True)) == [ErrorCode.OK] * 2
+    assert c.batch_put_from([f"{tag}/0/0"], [pinned[0]], upsert=True) == [ErrorCode.OK]
+    assert sent == ["BatchPutStart", "BatchPutEnd"] * 2 + ["BatchUpsertStart", "BatchPutEnd"]
+    _check(c, [f"{tag}/m/{i}" for i in range(3)] + [f"{tag}/p/{i}" for i in range(2)],
+           mixed + pinned)
+    assert c.get(f"{tag}/0/0") == pinned[0].tobytes()
+    assert _pending(watcher) == before + _held(c)
+    c.close()
+    assert _pending(watcher) == before
+
+
+def test_taken_and_repeated_keys(make_client: Callable[..., Client]) -> None:
+    """A key that exists keeps its value (OBJECT_ALREADY_EXISTS) and its
+    reservation is given back; the others of the batch are stored."""
+    watcher = make_client()
+    c = make_client()
+    tag = uuid.uuid4().hex[:8]
+    before = _pending(watcher)
+    keys = [f"{tag}/{i}" for i in range(N)]
+    old = _vals(10)
+    assert c.batch_put_from(keys[:N], old) == [ErrorCode.OK] * N
+    new = _vals(11)
+    fresh = [f"{tag}/new/{i}" for i in range(N)]
+    mix = [keys[0], *fresh[1:N - 1], keys[N - 1]]
+    sent = _spy(c)
+    codes = c.batch_put_from(mix, new)
+    assert sent[0] == "BatchPutCommit" and sent[1:] == ["BatchPutRevoke"]
+    assert codes == [ErrorCode.OBJECT_ALREADY_EXISTS, *[ErrorCode.OK] * (N - 2),
+                     ErrorCode.OBJECT_ALREADY_EXISTS]
+    _check(c, keys, old)  # unchanged
+    _check(c, fresh[1:N - 1], new[1:N - 1])
+    assert not c.exists(fresh[0]) and not c.exists(fresh[N - 1])
+    # a key twice in one batch: the plain path's per-key checks
+    codes = c.batch_put_from([f"{tag}/d", f"{tag}/d"], _vals(12, 2))
+    assert codes == [ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS]
+    assert _pending(watcher) == before + _held(c)
+    c.close()
+    assert _pending(watcher) == before
+
+
+def test_expired_or_lost_reservations(make_client: Callable[..., Client]) -> None:
+    """An expired group is given back and the batch put from the start; a
+    group the master no longer holds (revoked behind the client's back) makes
+    its keys be put from the start too."""
+    watcher = make_client()
+    c = make_client()
+    tag = uuid.uuid4().hex[:8]
+    before = _pending(watcher)
+    assert c.batch_put_from([f"{tag}/a/{i}" for i in range(N)], _vals(20)) == [ErrorCode.OK] * N
+    c._batch_reserved[K][-1].deadline = time.monotonic() - 1.0
+    sent = _spy(c)
+    vals = _vals(21)
+    assert c.batch_put_from([f"{tag}/b/{i}" for i in range(N)], vals) == [ErrorCode.OK] * N
+    assert sent == ["BatchPutRevoke", "BatchPutStart", "BatchPutEnd"]
+    _check(c, [f"{tag}/b/{i}" for i in range(N)], vals)
+    # the master forgets half of the group (as a failover or the sweep would)
+    group = c._batch_reserved[K][-1]
+    c._unreserve(group.placeholders[: N // 2])
+    sent.clear()
+    vals = _vals(22)
+    keys = [f"{tag}/c/{i}" for i in range(N)]
+    assert c.batch_put_from(keys, vals) == [ErrorCode.OK] * N
+    assert sent == ["BatchPutCommit", "BatchPutStart", "BatchPutEnd"]
+    _check(c, keys, vals)
+    assert _pending(watcher) == before + _held(c)
+    c.close()
+    assert _pending(watcher) == before
+
+
+def test_off_by_config(make_client: Callable[..., Client]) -> None:
+    c = make_client(reserve_batch_puts=False)
+    tag = uuid.uuid4().hex[:8]
+    sent = _spy(c)
+    for b in range(2):
+        vals = _vals(30 + b)
+        keys = [f"{tag}/{b}/{i}" for i in range(N)]
+        assert c.batch_put_from(keys, vals) == [ErrorCode.OK] * N
+        assert sent[-2:] == ["BatchPutStart", "BatchPutEnd"]
+        _check(c, keys, vals)
+    assert not c._batch_reserved
+
+
+def test_batch_put_commit_refusals(make_client: Callable[..., Client]) -> None:
+    """The op itself: another client's or a foreign placeholder is not found,
+    columns of different lengths are refused, a reserved key is INVALID_KEY."""
+    c = make_client()
+    other = make_client()
+    tag = uuid.uuid4().hex[:8]
+    assert c.batch_put_from([f"{tag}/a/{i}" for i in range(N)], _vals(40)) == [ErrorCode.OK] * N
+    ph = c._batch_reserved[K][-1].placeholders
+    end = other._call(BatchPutCommit(other.client_id, ph[:2], [f"{tag}/x", f"{tag}/y"]))
+    assert end.codes == [ErrorCode.OBJECT_NOT_FOUND] * 2
+    end = c._call(BatchPutCommit(c.client_id, ["\x00resv/elsewhere/1", ph[0]],
+                                 [f"{tag}/x", "\x00resv/z"]))
+    assert end.codes == [ErrorCode.OBJECT_NOT_FOUND, ErrorCode.INVALID_KEY]
+    with pytest.raises(StoreError) as err:
+        c._call(BatchPutCommit(c.client_id, ph[:1], [f"{tag}/x", f"{tag}/y"]))
+    assert err.value.code == ErrorCode.INVALID_PARAMS
+    assert not c.exists(f"{tag}/x") and not c.exists(f"{tag}/y")
+    # a commit asking for reservations gets at most one per key it commits
+    assert not c._call(BatchPutEnd(c.client_id, [], K, 10 ** 6)).placeholders
+    end = c._call(BatchPutEnd(c.client_id, [f"{tag}/a/0", f"{tag}/a/1"], K, 10 ** 6))
+    assert end.codes == [0, 0] and len(end.placeholders) == len(end.replicas) == 2
+    c._unreserve(end.placeholders)
+
+
+def test_threads_putting_batches(make_client: Callable[..., Client]) -> None:
+    """Threads racing for one size's groups: every reservation used by one
+    batch at most, every value reads back whole, nothing pending after close."""
+    watcher = make_client()
+    c = make_client()
+    tag = uuid.uuid4().hex[:8]
+    before = _pending(watcher)
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for b in range(10):
+                keys = [f"{tag}/{t}/{b}/{i}" for i in range(N)]
+                codes = c.batch_put_from(keys, _vals(1000 * t + b))
+                assert codes == [ErrorCode.OK] * N, codes
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    for t in range(4):
+        for b in range(10):
+            _check(c, [f"{tag}/{t}/{b}/{i}" for i in range(N)], _vals(1000 * t + b))
+    assert 1 <= len(c._batch_reserved[K]) <= 4
+    assert _pending(watcher) == before + _held(c)
+    c.close()
+    assert _pending(watcher) == before
