@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="batch sizes of the ops/s phases (comma-separated)")
     ap.add_argument("--ops", default="put,get_replica_list,exist",
                     help="ops of the ops/s phases (comma-separated; reads need a put first)")
+    ap.add_argument("--rpc-spin-us", type=int, default=0,
+                    help="the master's reply poll after each answer (rpc_spin_us; its default "
+                    "is 200): off here, as it fills the gap before this one client's next "
+                    "request with polling CPU that a master with requests waiting never spends")
     ap.add_argument("--quick", action="store_true",
                     help="ops/s phases only (no RSS fill, snapshot or restart): for profiling")
     args = ap.parse_args(argv)
@@ -198,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-master-") as data:
         with MasterProcess(data_dir=data, client_ttl_s=3600, start_timeout_s=300,
                            extra_args=["--snapshot-interval-s", "0", "--journal-fsync",
-                                       args.fsync]) as m, \
+                                       args.fsync, "--rpc-spin-us", str(args.rpc_spin_us)]
+                           ) as m, \
                 MasterClient(m.address, timeout_s=30) as c:
             assert m.pid is not None
             meter = Meter(m.pid)
