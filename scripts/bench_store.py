@@ -1068,8 +1068,8 @@ class _KvpoolSide:
                 self.topo.kill(p, signal.SIGINT, wait_s=30)
         if self.daemon is not None:  # a clean stop unmounts and unlinks its segment
             self.topo.kill(self.daemon, signal.SIGTERM, wait_s=20)
-        for p in self.started:
-            self.topo.kill(p)
+        for p in self.started:  # SIGTERM: the master unlinks its local socket file
+            self.topo.kill(p, signal.SIGTERM, wait_s=10)
 
 
 class _MooncakeSide:
