@@ -422,7 +422,11 @@ def test_restarted_in_sync_standby_is_elected_only_with_its_state(
         finally:
             os.kill(old.pid, signal.SIGCONT)
         if state == "lost":
-            assert group.wait_leader(in_sync=0, timeout_s=20) is old
+            leader = group.wait_leader(in_sync=0, timeout_s=20)
+            # old is elected again. a may lead only after it caught up from old
+            # (then in sync, eligible) and old lost its etcd lease once more (a
+            # host starved of CPU): with every object, never with nothing
+            assert leader is old or (leader.health() or {}).get("objects") == 5
         else:  # the thawed old leader learns of the newer term and follows
             wait_until(lambda: (old.health() or {}).get("role") == "follower", 20, "old follows")
             assert (a.health() or {}).get("role") == "leader"
