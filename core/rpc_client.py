@@ -93,7 +93,6 @@ def _address_is_ours(address: str) -> bool:
     return False
 
 
-_DONTWAIT = socket.MSG_DONTWAIT
 _PEEK_NOWAIT = socket.MSG_PEEK | socket.MSG_DONTWAIT
 R = TypeVar("R", bound=Reply)
 #: codes after which a call to a master group is sent again to the (new) leader
@@ -332,16 +331,7 @@ class MasterClient:
                 if _spin.polling() and (waits[small] < spin
                                         or _spin.probe(self._skipped, small)):
                     polled = True
-                    spin_end = sent + spin
-                    while True:
-                        try:
-                            got = us.recv_into(rbuf, 0, _DONTWAIT)
-                            break
-                        except BlockingIOError:
-                            # the master may be waiting for this CPU; a late
-                            # yield (a busy CPU) ends the poll: see core/spin.py
-                            if time.perf_counter() >= spin_end or not _spin.yield_cpu():
-                                break
+                    got = _spin.recv_polling(us, rbuf, sent + spin)
             if got < 0:
                 if self.resolver is not None:
                     self._await_local_reply(us, op, deadline)

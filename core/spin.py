@@ -33,9 +33,11 @@ Two things go wrong with a plain poll there:
 from __future__ import annotations
 
 import os
+import socket
 import time
+from typing import Any
 
-__all__ = ["polling", "probe", "wait_sample", "yield_cpu"]
+__all__ = ["polling", "probe", "recv_polling", "wait_sample", "yield_cpu"]
 
 # a yield that took this long ran another task for a time slice (the scheduler's
 # slices are ~0.75-4 ms; a peer serving a one-key request runs for ~20-80 µs)
@@ -44,6 +46,7 @@ _BURST_S = 0.02  # two late yields this close: the CPU is busy (pause)
 _PAUSE_S = 0.5  # no polling for this long then
 _PROBE_EVERY = 8  # a shut gate still polls once in this many waits
 _clock = time.perf_counter
+_DONTWAIT = socket.MSG_DONTWAIT
 _sched_yield = os.sched_yield
 _paused_until = 0.0
 _last_late = -1.0
@@ -68,6 +71,19 @@ def yield_cpu() -> bool:
         _paused_until = now + _PAUSE_S
     _last_late = now
     return False
+
+
+def recv_polling(sock: socket.socket, buf: Any, until: float) -> int:
+    """``sock.recv_into(buf)`` without sleeping until ``until`` (perf_counter
+    time), yielding the CPU between tries (a peer may be waiting for it); -1
+    when nothing came by then or a late yield ended the poll (the caller then
+    sleeps in a blocking receive)."""
+    while True:
+        try:
+            return sock.recv_into(buf, 0, _DONTWAIT)
+        except BlockingIOError:
+            if _clock() >= until or not yield_cpu():
+                return -1
 
 
 def probe(skipped: list[int], i: int) -> bool:

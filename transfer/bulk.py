@@ -69,7 +69,6 @@ _LARGE = 256 << 10  # a piece this large is sent / received on its own (no iovec
 # burn CPU
 _SPIN_S = float(os.environ.get("KVPOOL_BULK_SPIN_US", "150")) / 1e6
 _SPIN_BYTES = 64 << 10
-_DONTWAIT = socket.MSG_DONTWAIT
 _WAITALL = socket.MSG_WAITALL
 _MV = "bulk_mv"  # BufferHandle.cache key of the buffer's byte memoryview (_bytes_view)
 # every frame is padded to at least this many bytes: with ~23-byte frames in
@@ -152,16 +151,8 @@ class _Stream:
         k = -1
         if self.spin_until:  # poll without sleeping first (see _SPIN_S)
             if _spin.polling():
-                dst = self._view[self._end:self._end + want]
-                while True:
-                    try:
-                        k = self.sock.recv_into(dst, 0, _DONTWAIT)
-                        break
-                    except BlockingIOError:
-                        # the peer may be waiting for this CPU; a late yield
-                        # (a busy CPU) ends the poll
-                        if time.perf_counter() >= self.spin_until or not _spin.yield_cpu():
-                            break
+                k = _spin.recv_polling(self.sock, self._view[self._end:self._end + want],
+                                       self.spin_until)
             self.spin_until = 0.0
         if k < 0:
             self._arm(deadline)

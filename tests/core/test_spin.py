@@ -62,3 +62,22 @@ def test_a_wait_slept_through_counts_as_the_window() -> None:
     assert spin.wait_sample(40e-6, False, w) == 40e-6  # fast even without a poll
     assert spin.wait_sample(1.0, True, w) == 2 * w
     assert spin.wait_sample(1.0, False, w) == w
+
+
+def test_recv_polling_returns_what_came_or_gives_up_at_its_time() -> None:
+    import socket
+
+    a, b = socket.socketpair()
+    try:
+        buf = bytearray(16)
+        t = time.perf_counter()
+        assert spin.recv_polling(a, buf, t + 0.002) == -1  # nothing came: sleep instead
+        assert time.perf_counter() - t >= 0.002
+        b.sendall(b"reply")
+        assert spin.recv_polling(a, buf, time.perf_counter() + 1.0) == 5
+        assert bytes(buf[:5]) == b"reply"
+        b.close()
+        assert spin.recv_polling(a, buf, time.perf_counter() + 1.0) == 0  # the peer closed
+    finally:
+        a.close()
+        b.close()
