@@ -41,7 +41,7 @@ from kvpool.transfer import wire
 from kvpool.transfer.transports.base import report_done
 from kvpool.transfer.types import TransferError, TransferOp
 
-__all__ = ["BulkClient", "BulkServer", "RangeValidator"]
+__all__ = ["BulkClient", "BulkServer", "RangeValidator", "set_congestion"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,49 @@ _BULK_OPS = {int(TransferOp.READ): TransferOp.READ, int(TransferOp.WRITE): Trans
 #: ``write_from()``, ``read_payload()``) where code is 0, None where refused.
 RangeValidator = Callable[[TransferOp, list[wire.BulkItem], list[bytes]],
                           tuple[list[int], list[Any], str]]
+
+
+_TCP_CONGESTION: int | None = getattr(socket, "TCP_CONGESTION", None)  # Linux only
+_CC_FALLBACK = ("cubic", "reno")  # what ``auto`` moves a BBR socket to, in order
+_cc_refused: set[str] = set()  # algorithms already reported as refused (warned once)
+
+
+def set_congestion(sock: socket.socket, policy: str) -> str:
+    """Apply a ``tcp_congestion`` policy (:class:`~kvpool.transfer.config.TransferConfig`)
+    to a TCP socket; returns the algorithm it then uses ("" where unknown).
+
+    ``auto``: a socket on BBR (any version: they pace) moves to cubic, or to
+    reno, which every process may choose, where cubic is not allowed; other
+    algorithms are kept. ``system``: nothing changes. A name: that algorithm.
+    An algorithm the kernel refuses (not built, or not in
+    ``net.ipv4.tcp_allowed_congestion_control`` for an unprivileged process)
+    keeps the socket as it was, with one warning per name.
+    """
+    if _TCP_CONGESTION is None or policy == "system":
+        return ""
+    try:
+        current = sock.getsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, 16)
+    except OSError:  # not TCP (a Unix socket in a test): nothing to choose
+        return ""
+    now = current.split(b"\0", 1)[0].decode()
+    if policy == "auto":
+        if not now.startswith("bbr"):
+            return now
+        wanted: tuple[str, ...] = _CC_FALLBACK
+    else:
+        wanted = (policy,)
+    for name in wanted:
+        if name == now:
+            return now
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, name.encode())
+            return name
+        except OSError as exc:
+            if name not in _cc_refused:
+                _cc_refused.add(name)
+                log.warning("tcp congestion control %s refused (%s); bulk sockets keep %s "
+                            "where nothing else is accepted", name, exc, now)
+    return now
 
 
 def _consume(views: list[Any], i: int, n: int) -> int:
@@ -303,13 +346,16 @@ class BulkServer:
 
     ``validate`` checks (and counts) the ranges of one request
     (:data:`RangeValidator`); ``count(False, n)`` records ``n`` ranges
-    refused without validation (unknown op). ``close()`` stops it.
+    refused without validation (unknown op). ``congestion``: the
+    ``tcp_congestion`` policy of accepted connections (:func:`set_congestion`).
+    ``close()`` stops it.
     """
 
     def __init__(self, bind_host: str, validate: RangeValidator,
                  count: Callable[[bool, int], None], max_header_bytes: int,
-                 max_request_bytes: int) -> None:
+                 max_request_bytes: int, congestion: str = "auto") -> None:
         self._validate = validate
+        self._congestion = congestion
         self._count = count
         self.max_header_bytes = max_header_bytes
         self._max_req = max_request_bytes
@@ -343,6 +389,7 @@ class BulkServer:
         stream = _Stream(conn, self.max_header_bytes)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_congestion(conn, self._congestion)
             scratch = memoryview(bytearray(_DISCARD))
             while not self._stop.is_set() and self._serve_one(stream, scratch):
                 pass
@@ -487,12 +534,14 @@ class BulkClient:
     :class:`~kvpool.transfer.wire.BulkOffer`); runs of ranges are packed into
     requests below it. ``caps_table``: the peer takes a request's capability
     table (each distinct token sent once per request, items name it by index).
+    ``congestion``: the ``tcp_congestion`` policy (:func:`set_congestion`).
     """
 
     def __init__(self, host: str, port: int, timeout: float, max_header: int = 4096,
-                 caps_table: bool = False) -> None:
+                 caps_table: bool = False, congestion: str = "auto") -> None:
         sock = socket.create_connection((host, port), timeout=max(0.01, timeout))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_congestion(sock, congestion)
         self.stream = _Stream(sock, _REPLY_MAX)
         self.broken = False
         self.max_header = max(256, max_header)

@@ -10,6 +10,7 @@ max_size, bad enum values) raise ``ConfigError`` at startup.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,16 +203,30 @@ class ServerConfig:
 
 @dataclass
 class TransferConfig:
-    """Whole transfer-engine config. See configs/transfer.yaml."""
+    """Whole transfer-engine config. See configs/transfer.yaml.
+
+    ``tcp_congestion``: the TCP congestion control of the bulk sockets, both
+    ends (:func:`kvpool.transfer.bulk.set_congestion`): ``auto`` = a socket the
+    host gives BBR is moved to cubic (reno where cubic is not allowed), any
+    other algorithm is kept; ``system`` = the host's choice; or the name of
+    an algorithm. BBR paces a reply's segments at its estimate of the path's
+    rate, and request/response traffic with idle gaps keeps that estimate
+    far too low: a 128 KiB batch reply across a veth waited 20-40 ms between
+    its two 64 KiB segments in half the runs (docs/BENCHMARKS.md).
+    """
 
     max_failover: int = 2
     rules: list[RuleConfig] = field(default_factory=list)
     transports: dict[str, TransportSettings] = field(default_factory=dict)
     server: ServerConfig = field(default_factory=ServerConfig)
+    tcp_congestion: str = "auto"
 
     def validate(self) -> None:
         if self.max_failover < 0:
             raise ConfigError(f"max_failover must be >= 0: {self.max_failover}")
+        if not re.fullmatch(r"[a-z0-9_]{1,15}", self.tcp_congestion):
+            raise ConfigError(f"tcp_congestion must be auto, system or an algorithm's name: "
+                              f"{self.tcp_congestion!r}")
         if not self.rules:
             raise ConfigError("no selector rules")
         for rule in self.rules:

@@ -219,7 +219,7 @@ class TransferEngine:
         self._server: TransferServer | None = None
         if config.server.enabled:
             self._server = TransferServer(self.local_segment, bind_host, port, config.server,
-                                          curve=curve)
+                                          curve=curve, tcp_congestion=config.tcp_congestion)
             self._server.stats_hook = self.capability_stats
             if scfg.capabilities == "on":
                 self._server.set_capability_check(self._verify_capability,
@@ -245,6 +245,11 @@ class TransferEngine:
     def server(self) -> TransferServer | None:
         """The transfer server (capability checking sets ``server.verify_capability``)."""
         return self._server
+
+    @property
+    def tcp_congestion(self) -> str:
+        """The congestion-control policy of this process's bulk sockets."""
+        return self.config.tcp_congestion
 
     def local_segment(self, segment_id: str) -> LocalSegment | None:
         return self._local.get(segment_id)

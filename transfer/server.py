@@ -66,7 +66,9 @@ def _msg(exc: KVPoolError) -> str:
 class TransferServer:
     """ROUTER socket on ``tcp://bind_host:port`` (port 0 = ephemeral) served by
     one thread. ``lookup(segment_id)`` returns the owned segment or None.
-    ``endpoint`` is the address peers connect to. ``close()`` stops it."""
+    ``endpoint`` is the address peers connect to. ``tcp_congestion``: the
+    policy of the bulk socket's connections (TransferConfig.tcp_congestion).
+    ``close()`` stops it."""
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class TransferServer:
         port: int = 0,
         config: ServerConfig | None = None,
         curve: CurveConfig | None = None,
+        tcp_congestion: str = "auto",
     ) -> None:
         self.config = config or ServerConfig()
         self._max_request = int(self.config.max_request_bytes)
@@ -119,7 +122,7 @@ class TransferServer:
         if self.config.bulk and not self.curve:
             self.bulk = BulkServer(bind_host, self._validate_many, self._count,
                                    int(self.config.max_header_bytes),
-                                   int(self.config.max_request_bytes))
+                                   int(self.config.max_request_bytes), tcp_congestion)
         self._thread = threading.Thread(target=self._run, name=f"kvpool-xfer-server:{port}",
                                         daemon=True)
         self._thread.start()

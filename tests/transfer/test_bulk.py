@@ -774,3 +774,67 @@ def test_small_request_poll_follows_the_reply_wait(make_engine: Any, make_peer: 
     big = np.zeros(MiB, np.uint8)
     assert e.transfer([TransferRequest(R, big, peer.segment_id, 0, MiB)], 10)[0].ok
     assert np.array_equal(big, pattern) and bc._reply_wait == before
+
+
+def _congestion(sock: socket.socket) -> str:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0].decode()
+
+
+def test_congestion_policy_on_both_ends(make_engine: Any, make_peer: Any) -> None:
+    """``tcp_congestion`` reaches the bulk sockets of both ends: the server's
+    accepted connection and the client's, in process and through the engine's
+    config; data still arrives byte-exact."""
+    from kvpool.transfer.bulk import BulkClient, BulkServer
+
+    srv = BulkServer("127.0.0.1", lambda op, items, caps: ([], [], ""), lambda ok, n: None,
+                     4096, MiB, congestion="reno")
+    try:
+        cl = BulkClient("127.0.0.1", srv.port, 2.0, congestion="reno")
+        wait_until(lambda: len(srv._conns) == 1, 5, "the accepted connection")
+        with srv._lock:
+            (accepted,) = srv._conns
+        assert _congestion(cl.stream.sock) == "reno"
+        assert _congestion(accepted) == "reno"
+        cl.close()
+    finally:
+        srv.close()
+    peer = make_peer(4 * MiB, host_id="far-away")
+    e = make_engine("host-test", overrides={"tcp_congestion": "reno"})
+    e.add_peer_segment(peer.desc)
+    tcp = _bulk_ready(e, peer)
+    src = np.random.default_rng(3).integers(0, 256, 4 * MiB, dtype=np.uint8)
+    assert e.transfer([TransferRequest(W, src, peer.segment_id, 0, 4 * MiB)], 30)[0].ok
+    assert peer.crc(0, 4 * MiB) == zlib.crc32(src)
+    with tcp._lock:
+        clients = list(tcp._bulk_all)
+    assert clients and all(_congestion(c.stream.sock) == "reno" for c in clients)
+
+
+def test_congestion_auto_leaves_bbr_only() -> None:
+    """``auto`` moves a BBR socket to cubic (or reno) and keeps any other;
+    ``system`` and a refused name change nothing and raise nothing."""
+    from kvpool.transfer.bulk import set_congestion
+
+    with socket.socket() as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"reno")
+        assert set_congestion(s, "auto") == "reno" == _congestion(s)
+        assert set_congestion(s, "system") == "" and _congestion(s) == "reno"
+        assert set_congestion(s, "no_such_cc") == "reno" == _congestion(s)
+    with socket.socket() as s:
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"bbr")
+        except OSError as exc:
+            pytest.skip(f"this kernel does not let this process use bbr ({exc}); the "
+                        "non-BBR cases above ran")
+        chosen = set_congestion(s, "auto")
+        assert chosen in ("cubic", "reno") and _congestion(s) == chosen
+
+
+def test_congestion_setting_is_checked() -> None:
+    from kvpool.core.config import ConfigError
+    from kvpool.transfer.config import load_transfer_config
+
+    assert load_transfer_config().tcp_congestion == "auto"
+    assert load_transfer_config(overrides={"tcp_congestion": "dctcp"}).tcp_congestion == "dctcp"
+    with pytest.raises(ConfigError, match="tcp_congestion"):
+        load_transfer_config(overrides={"tcp_congestion": "BBR; rm"})

@@ -136,6 +136,11 @@ class EngineContext(Protocol):
     @property
     def host_id(self) -> str: ...
 
+    @property
+    def tcp_congestion(self) -> str:
+        """``TransferConfig.tcp_congestion``: the policy of tcp bulk sockets."""
+        ...
+
     def local_segment(self, segment_id: str) -> LocalSegment | None: ...
 
 

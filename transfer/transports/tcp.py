@@ -379,7 +379,8 @@ class TcpTransport(Transport):
         host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
         try:
             bc = BulkClient(host, peer.port, min(2.0, deadline - time.monotonic()),
-                            peer.max_header, peer.caps_table)
+                            peer.max_header, peer.caps_table,
+                            self.ctx.tcp_congestion if self.ctx is not None else "auto")
         except OSError as exc:
             log.debug("tcp: bulk connect %s:%d: %s", host, peer.port, exc)
             with self._lock:
