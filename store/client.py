@@ -750,13 +750,7 @@ class Client:
     def _unreserve(self, placeholders: list[str]) -> None:
         """Give reservations back (PUT_REVOKE); one the master swept already
         answers OBJECT_NOT_FOUND, which is fine."""
-        try:
-            if len(placeholders) == 1:
-                self._call(PutRevoke(self.client_id, placeholders[0]))
-            else:
-                self._call(BatchPutRevoke(self.client_id, placeholders))
-        except StoreError as exc:
-            log.debug("giving back %d reservations: %s", len(placeholders), exc)
+        self._revoke(placeholders, reservations=True)
 
     def _give_back_reservations(self, table: OrderedDict[int, list[_Held]],
                                 what: str) -> None:
@@ -902,7 +896,9 @@ class Client:
         moved = set(gpu)
         return [j for j in todo if j not in moved]
 
-    def _revoke(self, keys: list[str]) -> None:
+    def _revoke(self, keys: list[str], reservations: bool = False) -> None:
+        """PUT_REVOKE of this client's pending puts ``keys`` (best effort; a
+        failure is logged, at debug level for ``reservations`` given back)."""
         if not keys:
             return
         try:
@@ -911,7 +907,10 @@ class Client:
             else:
                 self._call(BatchPutRevoke(self.client_id, keys))
         except StoreError as exc:
-            log.warning("put_revoke %s failed: %s", keys[:3], exc)
+            if reservations:
+                log.debug("giving back %d reservations: %s", len(keys), exc)
+            else:
+                log.warning("put_revoke %s failed: %s", keys[:3], exc)
 
     @staticmethod
     def _valid_key(key: Any) -> str:
