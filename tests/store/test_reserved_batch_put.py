@@ -7,7 +7,6 @@ would, and nothing stays pending after close()."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from kvpool.store import Client, ReplicateConfig
 from kvpool.store.errors import StoreError
 from support import reserving
 from support.reserving import pending, spy_requests
+from support.threads import run_in_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -193,23 +193,14 @@ def test_threads_putting_batches(make_client: Callable[..., Client]) -> None:
     c = make_client()
     tag = uuid.uuid4().hex[:8]
     before = pending(watcher)
-    errors: list[BaseException] = []
 
     def worker(t: int) -> None:
-        try:
-            for b in range(10):
-                keys = [f"{tag}/{t}/{b}/{i}" for i in range(N)]
-                codes = c.batch_put_from(keys, _vals(1000 * t + b))
-                assert codes == [ErrorCode.OK] * N, codes
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        for b in range(10):
+            keys = [f"{tag}/{t}/{b}/{i}" for i in range(N)]
+            codes = c.batch_put_from(keys, _vals(1000 * t + b))
+            assert codes == [ErrorCode.OK] * N, codes
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not errors, errors
+    run_in_threads(worker, 4, 60)
     for t in range(4):
         for b in range(10):
             _check(c, [f"{tag}/{t}/{b}/{i}" for i in range(N)], _vals(1000 * t + b))

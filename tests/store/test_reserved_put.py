@@ -7,7 +7,6 @@ as it would, and leave nothing pending."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from kvpool.store.errors import AlreadyExists, ObjectNotFound, StoreError, Trans
 from support import reserving
 from support.factories import client_factory
 from support.reserving import pending, spy_requests
+from support.threads import run_in_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,21 +166,12 @@ def test_threads_putting_one_size(make_client: Callable[..., Client]) -> None:
     c = make_client()
     tag = uuid.uuid4().hex[:8]
     before = pending(watcher)
-    errors: list[BaseException] = []
 
     def worker(t: int) -> None:
-        try:
-            for i in range(25):
-                c.put_from(f"{tag}/{t}/{i}", _val(100 * t + i))
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        for i in range(25):
+            c.put_from(f"{tag}/{t}/{i}", _val(100 * t + i))
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not errors, errors
+    run_in_threads(worker, 4, 60)
     for t in range(4):
         for i in range(25):
             assert c.get(f"{tag}/{t}/{i}") == _val(100 * t + i).tobytes()
