@@ -855,6 +855,7 @@ class Directory:
             if not stamped:
                 self.clients[client_id] = now
                 stamped = True
+            reps: Any = None  # placed inline: from the run, the plan or the most-free segment
             if len(frees) == 1 and key not in pending:
                 if not run_left or size != run_size:
                     if run_left:
@@ -864,23 +865,10 @@ class Directory:
                     run_size, run_need = size, run_seg.alloc.aligned(size)
                 if run_left:
                     reps = (run_seg, run_off)
+                    need = run_need
                     run_off += run_need
                     run_left -= 1
-                    used = pool_used[_MEM] + run_need
-                    pool_used[_MEM] = used
-                    isize = sizes_get(size)
-                    pending[key] = Pending(intern(size) if isize is None else isize, reps, 0,
-                                           None, client_id, now)
-                    out[i] = reps
-                    if used > high * cap:
-                        if run_left:
-                            run_seg.alloc.release(run_off, run_left * run_need)
-                            run_left = 0
-                        self.evict(_MEM)
-                        cap = self.pool_cap[_MEM]
-                        frees = [seg.alloc.free for seg in pool]
-                    continue
-            if plan_ok and len(frees) > 1 and key not in pending:
+            elif plan_ok and len(frees) > 1 and key not in pending:
                 if plan is None or plan_at == len(plan) or size != plan_size:
                     if plan is not None:
                         self._unplan(plan, plan_at, plan_size)
@@ -896,47 +884,44 @@ class Directory:
                         plan_ok = False
                 if plan is not None:
                     reps = plan[plan_at]
+                    need = plan_need
                     plan_at += 1
-                    used = pool_used[_MEM] + plan_need
-                    pool_used[_MEM] = used
-                    isize = sizes_get(size)
-                    pending[key] = Pending(intern(size) if isize is None else isize, reps, 0,
-                                           None, client_id, now)
-                    out[i] = reps
-                    if used > high * cap:
+            if reps is None:
+                if run_left:  # allocating below: the run's rest goes back
+                    run_seg.alloc.release(run_off, run_left * run_need)
+                    run_left = 0
+                if plan is not None:  # (likewise the plan's)
+                    self._unplan(plan, plan_at, plan_size)
+                    plan = None
+                    frees = [seg.alloc.free for seg in pool]
+                if fast and key not in pending:
+                    j = frees.index(max(frees)) if len(frees) > 1 else 0
+                    seg = pool[j]
+                    alloc = seg.alloc
+                    before = alloc.used
+                    off = alloc.allocate(size)
+                    if off >= 0:
+                        frees[j] = alloc.free
+                        reps = (seg, off)
+                        need = alloc.used - before
+            if reps is not None:
+                used = pool_used[_MEM] + need
+                pool_used[_MEM] = used
+                isize = sizes_get(size)
+                pending[key] = Pending(intern(size) if isize is None else isize, reps, 0,
+                                       None, client_id, now)
+                out[i] = reps
+                if used > high * cap:  # what is carved ahead goes back before evicting
+                    if run_left:
+                        run_seg.alloc.release(run_off, run_left * run_need)
+                        run_left = 0
+                    if plan is not None:
                         self._unplan(plan, plan_at, plan_size)
                         plan = None
-                        self.evict(_MEM)
-                        cap = self.pool_cap[_MEM]
-                        frees = [seg.alloc.free for seg in pool]
-                    continue
-            if run_left:  # the general path below may allocate: the run's rest goes back
-                run_seg.alloc.release(run_off, run_left * run_need)
-                run_left = 0
-            if plan is not None:  # (likewise the plan's)
-                self._unplan(plan, plan_at, plan_size)
-                plan = None
-                frees = [seg.alloc.free for seg in pool]
-            if fast and key not in pending:
-                j = frees.index(max(frees)) if len(frees) > 1 else 0
-                seg = pool[j]
-                alloc = seg.alloc
-                before = alloc.used
-                off = alloc.allocate(size)
-                if off >= 0:
-                    frees[j] = alloc.free
-                    used = pool_used[_MEM] + alloc.used - before
-                    pool_used[_MEM] = used
-                    reps = (seg, off)
-                    if used > high * cap:
-                        self.evict(_MEM)
-                        cap = self.pool_cap[_MEM]
-                        frees = [seg.alloc.free for seg in pool]
-                    isize = sizes_get(size)
-                    pending[key] = Pending(intern(size) if isize is None else isize, reps, 0,
-                                           None, client_id, now)
-                    out[i] = reps
-                    continue
+                    self.evict(_MEM)
+                    cap = self.pool_cap[_MEM]
+                    frees = [seg.alloc.free for seg in pool]
+                continue
             code, p = self.put_start(client_id, key, size)
             if code:
                 codes[i] = int(code)
