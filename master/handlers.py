@@ -472,17 +472,19 @@ class OpHandlers:
         return out
 
     def _described(self, placed: list[Any], sizes: list[int], status: ReplicaStatus,
-                   segs: dict[str, SegmentDescriptor], grants: _Grants
-                   ) -> list[list[ReplicaDescriptor]]:
+                   segs: dict[str, SegmentDescriptor], grants: _Grants, one: bool = False
+                   ) -> list[Any]:
         """:meth:`_replicas` of each key's flat replicas ``placed[i]`` of
         ``sizes[i]`` bytes (None: no replicas), a single replica (the common
         case) inline: the token still filling for its segment is used as
-        :meth:`_Grants.slot` would."""
+        :meth:`_Grants.slot` would. ``one`` (every key placed has one replica):
+        the placed keys' descriptors, in order, not a list per key."""
         slot = grants.slot
         open_get = grants.open.get if grants.signer is not None else _never_open
         full = 2 * MAX_RANGES
         n = len(placed)
-        out: list[list[ReplicaDescriptor]] = [_NO_REPLICAS] * n
+        out: list[Any] = [] if one else [_NO_REPLICAS] * n
+        one_append = out.append
         for i in range(n):
             reps = placed[i]
             if reps is None:
@@ -499,7 +501,10 @@ class OpHandlers:
                 else:
                     cap = entry[0]
                     entry[1].extend((off, size))
-                out[i] = [ReplicaDescriptor(sid, off, size, status, cap)]
+                if one:
+                    one_append(ReplicaDescriptor(sid, off, size, status, cap))
+                else:
+                    out[i] = [ReplicaDescriptor(sid, off, size, status, cap)]
             else:
                 out[i] = self._replicas(reps, size, status, segs, grants)
         return out
@@ -625,18 +630,21 @@ class OpHandlers:
         placed: list[Any] = [None] * count
         self.dir.put_start_many(client_id, keys, sizes, len(prefix) + 32,
                                 self.cfg.max_object_size, got, placed, RESERVED_KEY_PREFIX)
+        names: list[str] = []
         for i in range(count):
             reps = placed[i]
-            if reps is not None and len(reps) != 2:  # not a reservation's shape
+            if reps is None:
+                continue
+            if len(reps) != 2:  # more than one replica: not a reservation's shape
                 self.dir.put_revoke(client_id, keys[i])
                 placed[i] = None
-        grants = self._grants(_CAP_WRITE)
-        segs: dict[str, SegmentDescriptor] = {}
-        described = self._described(placed, sizes, _PROCESSING, segs, grants)
-        names = [keys[i] for i in range(count) if placed[i] is not None]
-        out = [d[0] for d in described if d]
+                continue
+            names.append(keys[i])
         if not names:
             return BatchReserveReply(codes)
+        grants = self._grants(_CAP_WRITE)
+        segs: dict[str, SegmentDescriptor] = {}
+        out = self._described(placed, sizes, _PROCESSING, segs, grants, one=True)
         self._count("reserve", [0] * len(names))
         return BatchReserveReply(codes, names, out, segs, grants.sign(), self._resv_ttl_ms)
 
