@@ -351,23 +351,29 @@ class Directory:
         self.pool_cap[seg.kind] += seg.alloc.capacity
         self.client_segments.setdefault(seg.owner, set()).add(seg.id)
 
-    def _deactivate(self, seg: Segment) -> None:
-        if seg.state == SegState.ACTIVE:
-            self.pools[seg.kind].remove(seg)
-            self.pool_used[seg.kind] -= seg.alloc.used
-            self.pool_cap[seg.kind] -= seg.alloc.capacity
-        owned = self.client_segments.get(seg.owner)
-        if owned is not None:
-            owned.discard(seg.id)
-            if not owned:
-                del self.client_segments[seg.owner]
-
-    def _suspend(self, seg: Segment) -> None:
-        """ACTIVE -> SUSPECT: out of the pools (no new placements), objects kept."""
+    def _unpool(self, seg: Segment) -> None:
+        """Take an ACTIVE segment out of its pool (no new placements)."""
         if seg.state == _ACTIVE:
             self.pools[seg.kind].remove(seg)
             self.pool_used[seg.kind] -= seg.alloc.used
             self.pool_cap[seg.kind] -= seg.alloc.capacity
+
+    @staticmethod
+    def _unlist(index: dict[str, set[str]], seg: Segment) -> None:
+        """Take ``seg`` out of its owner's set in ``index`` (dropping an emptied set)."""
+        ids = index.get(seg.owner)
+        if ids is not None:
+            ids.discard(seg.id)
+            if not ids:
+                del index[seg.owner]
+
+    def _deactivate(self, seg: Segment) -> None:
+        self._unpool(seg)
+        self._unlist(self.client_segments, seg)
+
+    def _suspend(self, seg: Segment) -> None:
+        """ACTIVE -> SUSPECT: out of the pools (no new placements), objects kept."""
+        self._unpool(seg)
         seg.state = _SUSPECT
 
     def mount(self, client_id: str, desc: SegmentDescriptor) -> None:
@@ -447,11 +453,7 @@ class Directory:
             self.records.append([Rec.DROP_SEGMENT, seg.id])
 
     def _forget_awaiting(self, seg: Segment) -> None:
-        ids = self.awaiting.get(seg.owner)
-        if ids is not None:
-            ids.discard(seg.id)
-            if not ids:
-                del self.awaiting[seg.owner]
+        self._unlist(self.awaiting, seg)
 
     def purge_step(self, budget: int) -> int:
         """Remove up to ``budget`` replicas of dropped segments; return the work left."""
@@ -665,6 +667,18 @@ class Directory:
         until = p.started + self.write_window_s
         self.hold_replicas(p.replicas, p.size, until)
 
+    def _preempt(self, key: str, p: Pending, now: float, force: bool = False) -> bool:
+        """Preempt ``p``, the in-flight put of ``key``, when its writer is
+        presumed dead (it started over put_start_discard_timeout_s before
+        ``now``) or ``force``: its space goes back as :meth:`_release_pending`
+        says. False: ``p`` stays in flight."""
+        if not force and now - p.started <= self.cfg.put_start_discard_timeout_s:
+            return False
+        del self.pending[key]
+        self._release_pending(key, p)
+        self.preemptions += 1
+        return True
+
     def _candidates(self, kind: SegmentKind, n: int, preferred: list[str],
                     exclude: list[Segment]) -> Iterator[Segment]:
         for sid in preferred:
@@ -746,13 +760,9 @@ class Directory:
                 flags &= ~SOFT_PIN
                 pin = -1.0
         p = self.pending.get(key)
-        if p is not None:
-            if not replace and now - p.started <= self.cfg.put_start_discard_timeout_s:
-                return ErrorCode.OBJECT_ALREADY_EXISTS, None
-            # the writer is presumed dead, or an upsert takes the key over: preempt its put
-            del self.pending[key]
-            self._release_pending(key, p)
-            self.preemptions += 1
+        # an upsert takes the key over from an in-flight put at once
+        if p is not None and not self._preempt(key, p, now, replace):
+            return ErrorCode.OBJECT_ALREADY_EXISTS, None
         out: list[Any] = []
         if replica_num == 1 and not disk_replica_num and not preferred:
             # fast path (the common case): one memory replica on the most-free segment
@@ -845,6 +855,7 @@ class Directory:
             if not stamped:
                 self.clients[client_id] = now
                 stamped = True
+            reps: Any = None  # placed inline: from the run, the plan or the most-free segment
             if len(frees) == 1 and key not in pending:
                 if not run_left or size != run_size:
                     if run_left:
@@ -854,23 +865,10 @@ class Directory:
                     run_size, run_need = size, run_seg.alloc.aligned(size)
                 if run_left:
                     reps = (run_seg, run_off)
+                    need = run_need
                     run_off += run_need
                     run_left -= 1
-                    used = pool_used[_MEM] + run_need
-                    pool_used[_MEM] = used
-                    isize = sizes_get(size)
-                    pending[key] = Pending(intern(size) if isize is None else isize, reps, 0,
-                                           None, client_id, now)
-                    out[i] = reps
-                    if used > high * cap:
-                        if run_left:
-                            run_seg.alloc.release(run_off, run_left * run_need)
-                            run_left = 0
-                        self.evict(_MEM)
-                        cap = self.pool_cap[_MEM]
-                        frees = [seg.alloc.free for seg in pool]
-                    continue
-            if plan_ok and len(frees) > 1 and key not in pending:
+            elif plan_ok and len(frees) > 1 and key not in pending:
                 if plan is None or plan_at == len(plan) or size != plan_size:
                     if plan is not None:
                         self._unplan(plan, plan_at, plan_size)
@@ -886,47 +884,44 @@ class Directory:
                         plan_ok = False
                 if plan is not None:
                     reps = plan[plan_at]
+                    need = plan_need
                     plan_at += 1
-                    used = pool_used[_MEM] + plan_need
-                    pool_used[_MEM] = used
-                    isize = sizes_get(size)
-                    pending[key] = Pending(intern(size) if isize is None else isize, reps, 0,
-                                           None, client_id, now)
-                    out[i] = reps
-                    if used > high * cap:
+            if reps is None:
+                if run_left:  # allocating below: the run's rest goes back
+                    run_seg.alloc.release(run_off, run_left * run_need)
+                    run_left = 0
+                if plan is not None:  # (likewise the plan's)
+                    self._unplan(plan, plan_at, plan_size)
+                    plan = None
+                    frees = [seg.alloc.free for seg in pool]
+                if fast and key not in pending:
+                    j = frees.index(max(frees)) if len(frees) > 1 else 0
+                    seg = pool[j]
+                    alloc = seg.alloc
+                    before = alloc.used
+                    off = alloc.allocate(size)
+                    if off >= 0:
+                        frees[j] = alloc.free
+                        reps = (seg, off)
+                        need = alloc.used - before
+            if reps is not None:
+                used = pool_used[_MEM] + need
+                pool_used[_MEM] = used
+                isize = sizes_get(size)
+                pending[key] = Pending(intern(size) if isize is None else isize, reps, 0,
+                                       None, client_id, now)
+                out[i] = reps
+                if used > high * cap:  # what is carved ahead goes back before evicting
+                    if run_left:
+                        run_seg.alloc.release(run_off, run_left * run_need)
+                        run_left = 0
+                    if plan is not None:
                         self._unplan(plan, plan_at, plan_size)
                         plan = None
-                        self.evict(_MEM)
-                        cap = self.pool_cap[_MEM]
-                        frees = [seg.alloc.free for seg in pool]
-                    continue
-            if run_left:  # the general path below may allocate: the run's rest goes back
-                run_seg.alloc.release(run_off, run_left * run_need)
-                run_left = 0
-            if plan is not None:  # (likewise the plan's)
-                self._unplan(plan, plan_at, plan_size)
-                plan = None
-                frees = [seg.alloc.free for seg in pool]
-            if fast and key not in pending:
-                j = frees.index(max(frees)) if len(frees) > 1 else 0
-                seg = pool[j]
-                alloc = seg.alloc
-                before = alloc.used
-                off = alloc.allocate(size)
-                if off >= 0:
-                    frees[j] = alloc.free
-                    used = pool_used[_MEM] + alloc.used - before
-                    pool_used[_MEM] = used
-                    reps = (seg, off)
-                    if used > high * cap:
-                        self.evict(_MEM)
-                        cap = self.pool_cap[_MEM]
-                        frees = [seg.alloc.free for seg in pool]
-                    isize = sizes_get(size)
-                    pending[key] = Pending(intern(size) if isize is None else isize, reps, 0,
-                                           None, client_id, now)
-                    out[i] = reps
-                    continue
+                    self.evict(_MEM)
+                    cap = self.pool_cap[_MEM]
+                    frees = [seg.alloc.free for seg in pool]
+                continue
             code, p = self.put_start(client_id, key, size)
             if code:
                 codes[i] = int(code)
@@ -1060,66 +1055,9 @@ class Directory:
                         max_key: int) -> list[int]:
         """:meth:`put_commit` of each ``(placeholders[i], keys[i])`` (INVALID_KEY
         for an empty or too long key), in one pass; the per-key codes."""
-        n = len(keys)
-        if len(placeholders) != n:
+        if len(placeholders) != len(keys):
             raise ValueError("placeholders and keys differ in length")
-        codes = [0] * n
-        bad_key = int(ErrorCode.INVALID_KEY)
-        not_found = int(ErrorCode.OBJECT_NOT_FOUND)
-        exists = int(ErrorCode.OBJECT_ALREADY_EXISTS)
-        pending = self.pending
-        get = pending.get
-        shards, mask = self.objects.shards, self.objects.mask
-        records = self.records if self.journaling else None
-        append = records.append if records is not None else None
-        writer = self._writer(client_id)
-        now = self.clock()
-        discard = self.cfg.put_start_discard_timeout_s
-        stamped = False
-        last_seg: Any = None  # a batch mostly fills one segment: its key set's add at hand
-        seg_add: Any = None
-        # _name_reserved then put_end key by key, inline: one clock read for the
-        # batch, and put_end_many's fast path without naming the pending put first
-        for i in range(n):
-            key = keys[i]
-            if key < KEY_MIN or len(key) > max_key:
-                codes[i] = bad_key
-                continue
-            placeholder = placeholders[i]
-            p = get(placeholder)
-            if p is None or p.client_id != client_id:
-                codes[i] = not_found
-                continue
-            shard = shards[hash(key) & mask]
-            if key in shard:
-                codes[i] = exists
-                continue
-            other = get(key)
-            if other is not None:
-                if now - other.started <= discard:
-                    codes[i] = exists
-                    continue
-                del pending[key]  # its writer is presumed dead, as put_start preempts
-                self._release_pending(key, other)
-                self.preemptions += 1
-            if not stamped:
-                self.clients[client_id] = now
-                stamped = True
-            del pending[placeholder]
-            reps = p.replicas
-            if p.pin or p.group or len(reps) != 2 or reps[0].state == _DEAD:
-                pending[key] = p  # put_end's general path
-                codes[i] = int(self.put_end(client_id, key))
-                continue
-            seg = reps[0]  # a new, unpinned, ungrouped object with one live replica
-            size, flags, checksum = p.size, p.flags, p.checksum
-            shard[key] = Obj(size, reps, flags, checksum, writer)
-            if seg is not last_seg:
-                last_seg, seg_add = seg, seg.keys.add
-            seg_add(key)
-            if append is not None:
-                append([_REC_PUT, key, size, flags, checksum, [seg.id, reps[1]]])
-        return codes
+        return self._commit_many(client_id, placeholders, keys, max_key)
 
     def _name_reserved(self, client_id: str, placeholder: str, key: str) -> int:
         """Make the pending put ``placeholder`` of ``client_id`` that of ``key``
@@ -1131,12 +1069,8 @@ class Directory:
         if key in objects.shards[hash(key) & objects.mask]:
             return ErrorCode.OBJECT_ALREADY_EXISTS
         other = self.pending.get(key)
-        if other is not None:
-            if self.clock() - other.started <= self.cfg.put_start_discard_timeout_s:
-                return ErrorCode.OBJECT_ALREADY_EXISTS
-            del self.pending[key]  # its writer is presumed dead, as put_start preempts
-            self._release_pending(key, other)
-            self.preemptions += 1
+        if other is not None and not self._preempt(key, other, self.clock()):
+            return ErrorCode.OBJECT_ALREADY_EXISTS
         del self.pending[placeholder]
         self.pending[key] = p
         self.clients[client_id] = self.clock()
@@ -1145,35 +1079,72 @@ class Directory:
     def put_end_many(self, client_id: str, keys: list[str], max_key: int) -> list[int]:
         """PUT_END of many keys, as :meth:`put_end` key by key (INVALID_KEY for
         an empty or too long key), in one pass; the per-key codes."""
+        return self._commit_many(client_id, None, keys, max_key)
+
+    def _commit_many(self, client_id: str, placeholders: list[str] | None, keys: list[str],
+                     max_key: int) -> list[int]:
+        """:meth:`put_end` of each key (``placeholders`` None), or
+        :meth:`put_commit` of each ``(placeholders[i], keys[i])``, in one pass;
+        the per-key codes. A new, unpinned, ungrouped object with one live
+        replica (the common case) commits inline: put_end's fast path."""
+        n = len(keys)
+        codes = [0] * n
+        bad_key = int(ErrorCode.INVALID_KEY)
+        not_found = int(ErrorCode.OBJECT_NOT_FOUND)
+        exists = int(ErrorCode.OBJECT_ALREADY_EXISTS)
         pending = self.pending
         get = pending.get
-        objects = self.objects
-        shards, mask = objects.shards, objects.mask
+        shards, mask = self.objects.shards, self.objects.mask
         records = self.records if self.journaling else None
         append = records.append if records is not None else None
         writer = self._writer(client_id)
         put_end = self.put_end
-        bad_key = int(ErrorCode.INVALID_KEY)
-        codes: list[int] = []
-        code_append = codes.append
+        preempt = self._preempt
+        # a commit names its reservation first (_name_reserved inline: one clock
+        # read for the batch, and no naming of a pending put the fast path drops)
+        now = self.clock() if placeholders is not None else 0.0
+        stamped = False
         last_seg: Any = None  # a batch mostly fills one segment: its key set's add at hand
         seg_add: Any = None
-        for key in keys:
+        for i in range(n):
+            key = keys[i]
             if key < KEY_MIN or len(key) > max_key:
-                code_append(bad_key)
+                codes[i] = bad_key
                 continue
-            p = get(key)
-            # a new, unpinned, ungrouped object with one live replica: put_end's fast path
-            if p is None or p.client_id != client_id or p.pin or p.group:
-                code_append(put_end(client_id, key))
-                continue
-            reps = p.replicas
             shard = shards[hash(key) & mask]
-            if len(reps) != 2 or key in shard or reps[0].state == _DEAD:
-                code_append(put_end(client_id, key))
-                continue
-            del pending[key]
-            seg = reps[0]
+            if placeholders is None:
+                p = get(key)
+                if p is None or p.client_id != client_id or p.pin or p.group:
+                    codes[i] = int(put_end(client_id, key))
+                    continue
+                reps = p.replicas
+                if len(reps) != 2 or key in shard or reps[0].state == _DEAD:
+                    codes[i] = int(put_end(client_id, key))
+                    continue
+                del pending[key]
+            else:
+                placeholder = placeholders[i]
+                p = get(placeholder)
+                if p is None or p.client_id != client_id:
+                    codes[i] = not_found
+                    continue
+                if key in shard:
+                    codes[i] = exists
+                    continue
+                other = get(key)
+                if other is not None and not preempt(key, other, now):
+                    codes[i] = exists
+                    continue
+                if not stamped:
+                    self.clients[client_id] = now
+                    stamped = True
+                del pending[placeholder]
+                reps = p.replicas
+                if p.pin or p.group or len(reps) != 2 or reps[0].state == _DEAD:
+                    pending[key] = p  # put_end's general path
+                    codes[i] = int(put_end(client_id, key))
+                    continue
+            seg = reps[0]  # a new, unpinned, ungrouped object with one live replica
             size, flags, checksum = p.size, p.flags, p.checksum
             shard[key] = Obj(size, reps, flags, checksum, writer)
             if seg is not last_seg:
@@ -1181,7 +1152,6 @@ class Directory:
             seg_add(key)
             if append is not None:
                 append([_REC_PUT, key, size, flags, checksum, [seg.id, reps[1]]])
-            code_append(0)
         return codes
 
     def _leave_group(self, key: str) -> None:

@@ -471,6 +471,44 @@ class OpHandlers:
             out.append(ReplicaDescriptor(sid, off, size, status, slot(sid, off, size)))
         return out
 
+    def _described(self, placed: list[Any], sizes: list[int], status: ReplicaStatus,
+                   segs: dict[str, SegmentDescriptor], grants: _Grants, one: bool = False
+                   ) -> list[Any]:
+        """:meth:`_replicas` of each key's flat replicas ``placed[i]`` of
+        ``sizes[i]`` bytes (None: no replicas), a single replica (the common
+        case) inline: the token still filling for its segment is used as
+        :meth:`_Grants.slot` would. ``one`` (every key placed has one replica):
+        the placed keys' descriptors, in order, not a list per key."""
+        slot = grants.slot
+        open_get = grants.open.get if grants.signer is not None else _never_open
+        full = 2 * MAX_RANGES
+        n = len(placed)
+        out: list[Any] = [] if one else [_NO_REPLICAS] * n
+        one_append = out.append
+        for i in range(n):
+            reps = placed[i]
+            if reps is None:
+                continue
+            size = sizes[i]
+            if len(reps) == 2:
+                seg = reps[0]
+                sid = seg.id
+                off = reps[1]
+                entry = open_get(sid)
+                if entry is None or len(entry[1]) >= full:
+                    cap = slot(sid, off, size)
+                    segs[sid] = seg.desc
+                else:
+                    cap = entry[0]
+                    entry[1].extend((off, size))
+                if one:
+                    one_append(ReplicaDescriptor(sid, off, size, status, cap))
+                else:
+                    out[i] = [ReplicaDescriptor(sid, off, size, status, cap)]
+            else:
+                out[i] = self._replicas(reps, size, status, segs, grants)
+        return out
+
     def _granted(self, reps: tuple[Any, ...], size: int, status: ReplicaStatus, op: int
                  ) -> tuple[list[ReplicaDescriptor], dict[str, SegmentDescriptor], list[bytes]]:
         """(replicas, segments, caps) of one key's reply: what :meth:`_replicas`
@@ -533,10 +571,6 @@ class OpHandlers:
         max_key, max_size = self.max_key, self.cfg.max_object_size
         segs: dict[str, SegmentDescriptor] = {}
         grants = self._grants(_CAP_WRITE)
-        slot = grants.slot
-        # the token still filling for a segment, used inline below (as slot() would)
-        open_get = grants.open.get if grants.signer is not None else _never_open
-        full = 2 * MAX_RANGES
         codes = [0] * n
         placed: list[Any] = [None] * n  # the flat replicas of each key put
         if simple:
@@ -558,26 +592,7 @@ class OpHandlers:
                     codes[i] = int(code)
                     continue
                 placed[i] = p.replicas
-        out: list[list[ReplicaDescriptor]] = [_NO_REPLICAS] * n
-        for i in range(n):
-            reps = placed[i]
-            if reps is None:
-                continue
-            size = sizes[i]
-            if len(reps) == 2:  # one replica (the common case), inlined
-                seg = reps[0]
-                sid = seg.id
-                off = reps[1]
-                entry = open_get(sid)
-                if entry is None or len(entry[1]) >= full:
-                    cap = slot(sid, off, size)
-                    segs[sid] = seg.desc
-                else:
-                    cap = entry[0]
-                    entry[1].extend((off, size))
-                out[i] = [ReplicaDescriptor(sid, off, size, _PROCESSING, cap)]
-            else:
-                out[i] = self._replicas(reps, size, _PROCESSING, segs, grants)
+        out = self._described(placed, sizes, _PROCESSING, segs, grants)
         self._count("upsert_start" if replace else "put_start", codes)
         return BatchPutStartReply(codes, out, segs, grants.sign())
 
@@ -611,37 +626,25 @@ class OpHandlers:
         seq = self._resv_seq
         keys = [f"{prefix}{next(seq)}" for _ in range(count)]
         got = [0] * count
+        sizes = [size] * count
         placed: list[Any] = [None] * count
-        self.dir.put_start_many(client_id, keys, [size] * count, len(prefix) + 32,
+        self.dir.put_start_many(client_id, keys, sizes, len(prefix) + 32,
                                 self.cfg.max_object_size, got, placed, RESERVED_KEY_PREFIX)
-        grants = self._grants(_CAP_WRITE)
-        slot = grants.slot
-        # the token still filling for a segment, used inline (as batch_put_start does)
-        open_get = grants.open.get if grants.signer is not None else _never_open
-        full = 2 * MAX_RANGES
-        segs: dict[str, SegmentDescriptor] = {}
         names: list[str] = []
-        out: list[ReplicaDescriptor] = []
-        for key, reps in zip(keys, placed, strict=True):
+        for i in range(count):
+            reps = placed[i]
             if reps is None:
                 continue
             if len(reps) != 2:  # more than one replica: not a reservation's shape
-                self.dir.put_revoke(client_id, key)
+                self.dir.put_revoke(client_id, keys[i])
+                placed[i] = None
                 continue
-            seg = reps[0]
-            sid = seg.id
-            off = reps[1]
-            entry = open_get(sid)
-            if entry is None or len(entry[1]) >= full:
-                cap = slot(sid, off, size)
-                segs[sid] = seg.desc
-            else:
-                cap = entry[0]
-                entry[1].extend((off, size))
-            names.append(key)
-            out.append(ReplicaDescriptor(sid, off, size, _PROCESSING, cap))
+            names.append(keys[i])
         if not names:
             return BatchReserveReply(codes)
+        grants = self._grants(_CAP_WRITE)
+        segs: dict[str, SegmentDescriptor] = {}
+        out = self._described(placed, sizes, _PROCESSING, segs, grants, one=True)
         self._count("reserve", [0] * len(names))
         return BatchReserveReply(codes, names, out, segs, grants.sign(), self._resv_ttl_ms)
 
@@ -742,9 +745,6 @@ class OpHandlers:
         max_key = self.max_key
         segs: dict[str, SegmentDescriptor] = {}
         grants = self._grants(_CAP_READ)
-        slot = grants.slot
-        open_get = grants.open.get if grants.signer is not None else _never_open
-        full = 2 * MAX_RANGES
         codes = [0] * n
         sizes = [0] * n
         objs: list[Any] = [None] * n
@@ -754,32 +754,17 @@ class OpHandlers:
         while i < n:
             on_disk_hit(d, keys[i], objs[i], found[i])
             i = many(keys, i + 1, max_key, codes, objs, found)
-        out: list[list[ReplicaDescriptor]] = [_NO_REPLICAS] * n
         checksums: list[Any] | None = None
         for i in range(n):
-            reps = found[i]
-            if reps is None:
+            if found[i] is None:
                 continue
             obj = objs[i]
-            size = sizes[i] = obj.size
+            sizes[i] = obj.size
             if obj.checksum is not None:
                 if checksums is None:
                     checksums = [None] * n
                 checksums[i] = obj.checksum
-            if len(reps) == 2:  # one replica (the common case), inlined
-                seg = reps[0]
-                sid = seg.id
-                off = reps[1]
-                entry = open_get(sid)
-                if entry is None or len(entry[1]) >= full:
-                    cap = slot(sid, off, size)
-                    segs[sid] = seg.desc
-                else:
-                    cap = entry[0]
-                    entry[1].extend((off, size))
-                out[i] = [ReplicaDescriptor(sid, off, size, _COMPLETE, cap)]
-            else:
-                out[i] = self._replicas(reps, size, _COMPLETE, segs, grants)
+        out = self._described(found, sizes, _COMPLETE, segs, grants)
         self._count("get_replica_list", codes)
         return BatchGetReplicaListReply(codes, sizes, out, self.cfg.lease_ttl_ms,
                                         checksums or [], segs, grants.sign())

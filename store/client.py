@@ -211,6 +211,10 @@ class _Reserved:
     deadline: float  # monotonic time after which no write into it may start
     term: int  # master term that granted it
 
+    @property
+    def placeholders(self) -> list[str]:
+        return [self.placeholder]
+
 
 @dataclass(slots=True)
 class _BatchReserved:
@@ -224,6 +228,10 @@ class _BatchReserved:
     caps: list[bytes]
     deadline: float  # monotonic time after which no write into them may start
     term: int  # master term that granted them
+
+
+# a reservation table's entry: held per size, given back by placeholders
+_Held = TypeVar("_Held", _Reserved, _BatchReserved)
 
 
 @dataclass(slots=True)
@@ -423,8 +431,8 @@ class Client:
         action, kill -9) is released by its guard process."""
         if self._closed:
             return
-        self._give_back_reservations()
-        self._give_back_batch_reservations()
+        self._give_back_reservations(self._reserved, "reservations")
+        self._give_back_reservations(self._batch_reserved, "batch reservations")
         self._closed = True
         with self._rpc_lock:  # a _locator() call either made its pool already or refuses
             pool = self._locate_pool
@@ -656,18 +664,32 @@ class Client:
 
     def _hold(self, size: int, r: _Reserved) -> None:
         """Keep ``r`` for ``size``; what does not fit is given back."""
-        drop: list[_Reserved] = []
+        self._hold_in(self._reserved, _RESERVE_PER_SIZE, size, r)
+
+    def _hold_in(self, table: OrderedDict[int, list[_Held]], per_size: int, size: int,
+                 r: _Held) -> None:
+        """Keep ``r`` for ``size`` in ``table`` (``per_size`` a size and
+        _RESERVE_MAX_SIZES sizes at most); what does not fit is given back."""
+        drop: list[_Held] = []
         with self._reserved_lock:
-            held = self._reserved.pop(size, None) or []
-            if len(held) < _RESERVE_PER_SIZE:
+            held = table.pop(size, None) or []
+            if len(held) < per_size:
                 held.append(r)
             else:
                 drop.append(r)
-            self._reserved[size] = held  # the most recent size last
-            while len(self._reserved) > _RESERVE_MAX_SIZES:
-                drop += self._reserved.popitem(last=False)[1]
+            table[size] = held  # the most recent size last
+            while len(table) > _RESERVE_MAX_SIZES:
+                drop += table.popitem(last=False)[1]
         if drop:
-            self._unreserve([d.placeholder for d in drop])
+            self._unreserve([p for d in drop for p in d.placeholders])
+
+    def _usable(self, r: _Held) -> _Held | None:
+        """``r``, just taken, when it may still be written (within its ttl, in
+        the master term that granted it); else None, and it is given back."""
+        if time.monotonic() >= r.deadline or r.term != self._term():
+            self._unreserve(r.placeholders)
+            return None
+        return r
 
     def _take_reserved(self, size: int) -> _Reserved | None:
         """The reservation held for ``size``, taken (no other put may use it);
@@ -681,10 +703,7 @@ class Client:
             r = held.pop()  # the newest: the longest ttl left
             if not held:
                 del self._reserved[size]
-        if time.monotonic() >= r.deadline or r.term != self._term():
-            self._unreserve([r.placeholder])
-            return None
-        return r
+        return self._usable(r)
 
     def _put_reserved(self, key: str, buffer: Any, size: int, r: _Reserved) -> bool:
         """Put ``key`` through reservation ``r``: write, then PUT_COMMIT (asking
@@ -731,26 +750,22 @@ class Client:
     def _unreserve(self, placeholders: list[str]) -> None:
         """Give reservations back (PUT_REVOKE); one the master swept already
         answers OBJECT_NOT_FOUND, which is fine."""
-        try:
-            if len(placeholders) == 1:
-                self._call(PutRevoke(self.client_id, placeholders[0]))
-            else:
-                self._call(BatchPutRevoke(self.client_id, placeholders))
-        except StoreError as exc:
-            log.debug("giving back %d reservations: %s", len(placeholders), exc)
+        self._revoke(placeholders, reservations=True)
 
-    def _give_back_reservations(self) -> None:
-        """close(): revoke the reservations held (best effort, a short timeout;
-        a client that dies instead has them released with its other puts)."""
+    def _give_back_reservations(self, table: OrderedDict[int, list[_Held]],
+                                what: str) -> None:
+        """close(): revoke the reservations held in ``table`` (best effort, a
+        short timeout; a client that dies instead has them released with its
+        other puts)."""
         with self._reserved_lock:
-            held = [r.placeholder for rs in self._reserved.values() for r in rs]
-            self._reserved.clear()
+            held = [p for rs in table.values() for r in rs for p in r.placeholders]
+            table.clear()
         if not held or not self._started or self._master is None:
             return
         try:
             self._master.call(BatchPutRevoke(self.client_id, held), _RESERVE_CLOSE_TIMEOUT_S)
         except Exception as exc:  # closing regardless
-            log.debug("revoking %d reservations at close: %s", len(held), exc)
+            log.debug("revoking %d %s at close: %s", len(held), what, exc)
 
     def _copy_batch(self, write: bool, jobs: list[tuple[Any, ReplicaDescriptor, int]],
                     timeout: float, caps: list[bytes],
@@ -881,7 +896,9 @@ class Client:
         moved = set(gpu)
         return [j for j in todo if j not in moved]
 
-    def _revoke(self, keys: list[str]) -> None:
+    def _revoke(self, keys: list[str], reservations: bool = False) -> None:
+        """PUT_REVOKE of this client's pending puts ``keys`` (best effort; a
+        failure is logged, at debug level for ``reservations`` given back)."""
         if not keys:
             return
         try:
@@ -890,7 +907,10 @@ class Client:
             else:
                 self._call(BatchPutRevoke(self.client_id, keys))
         except StoreError as exc:
-            log.warning("put_revoke %s failed: %s", keys[:3], exc)
+            if reservations:
+                log.debug("giving back %d reservations: %s", len(keys), exc)
+            else:
+                log.warning("put_revoke %s failed: %s", keys[:3], exc)
 
     @staticmethod
     def _valid_key(key: Any) -> str:
@@ -1175,18 +1195,7 @@ class Client:
         master term ``term`` (the surplus over what is held is given back)."""
         r = _BatchReserved(res.placeholders, res.replicas, res.segments, res.caps,
                            time.monotonic() + res.ttl_ms / 1000.0, term)
-        drop: list[_BatchReserved] = []
-        with self._reserved_lock:
-            held = self._batch_reserved.pop(size, None) or []
-            if len(held) < _BATCH_RESERVE_PER_SIZE:
-                held.append(r)
-            else:
-                drop.append(r)
-            self._batch_reserved[size] = held  # the most recent size last
-            while len(self._batch_reserved) > _RESERVE_MAX_SIZES:
-                drop += self._batch_reserved.popitem(last=False)[1]
-        if drop:
-            self._unreserve([p for d in drop for p in d.placeholders])
+        self._hold_in(self._batch_reserved, _BATCH_RESERVE_PER_SIZE, size, r)
 
     def _take_batch_reserved(self, size: int, n: int) -> _BatchReserved | None:
         """``n`` reservations held for ``size``, taken (no other put may use
@@ -1206,10 +1215,7 @@ class Client:
                                    r.deadline, r.term)
             elif not held:
                 del self._batch_reserved[size]
-        if time.monotonic() >= r.deadline or r.term != self._term():
-            self._unreserve(r.placeholders)
-            return None
-        return r
+        return self._usable(r)
 
     def _batch_put_reserved(self, keys: list[str], buffers: Sequence[Any], size: int,
                             r: _BatchReserved, config: ReplicateConfig | None
@@ -1277,20 +1283,6 @@ class Client:
             for j, code in zip(again, redo, strict=True):
                 codes[j] = code
         return codes
-
-    def _give_back_batch_reservations(self) -> None:
-        """close(): revoke the batch puts' reservations held (best effort, as
-        :meth:`_give_back_reservations`)."""
-        with self._reserved_lock:
-            held = [p for rs in self._batch_reserved.values() for r in rs
-                    for p in r.placeholders]
-            self._batch_reserved.clear()
-        if not held or not self._started or self._master is None:
-            return
-        try:
-            self._master.call(BatchPutRevoke(self.client_id, held), _RESERVE_CLOSE_TIMEOUT_S)
-        except Exception as exc:  # closing regardless
-            log.debug("revoking %d batch reservations at close: %s", len(held), exc)
 
     # ------------------------------------------------------------------ get
 

@@ -219,48 +219,42 @@ class FileIO:
 
     def read(self, off: int, dest: memoryview | np.ndarray) -> None:
         """Fill ``dest`` from absolute file offset ``off``."""
-        d = _as_u8(dest)
-        n = d.nbytes
+        self._io(False, off, dest)
+
+    def write(self, off: int, src: memoryview | np.ndarray | bytes) -> None:
+        """Write all of ``src`` at absolute file offset ``off``."""
+        self._io(True, off, src)
+
+    def _io(self, write: bool, off: int, buf: memoryview | np.ndarray | bytes) -> None:
+        """All of ``buf`` written at, or read from, absolute file offset ``off``."""
+        a = _as_u8(buf)
+        n = a.nbytes
         if n == 0:
             return
-        fd = self._fd_for(off, n, int(d.ctypes.data))
-        mv = d.data
+        fd = self._fd_for(off, n, int(a.ctypes.data))
+        op = os.pwritev if write else os.preadv
+        mv = a.data
         done = 0
         while done < n:
             try:
-                got = os.preadv(fd, [mv[done:]], off + done)
+                got = op(fd, [mv[done:]], off + done)
             except OSError as exc:
                 if exc.errno == errno.EINVAL and fd == self.direct_fd:
                     fd = self.fd  # filesystem refused this direct I/O: buffered
                     continue
-                raise TransferError(f"read {self.path}@{off + done}: {exc}",
-                                    ErrorCode.TRANSFER_FAIL) from exc
-            if got == 0:
+                if not write:
+                    code = ErrorCode.TRANSFER_FAIL
+                elif exc.errno == errno.ENOSPC:
+                    code = ErrorCode.NO_AVAILABLE_HANDLE
+                else:
+                    code = ErrorCode.WRITE_FAIL
+                raise TransferError(f"{'write' if write else 'read'} {self.path}@{off + done}: "
+                                    f"{exc}", code) from exc
+            if got == 0 and not write:
                 raise TransferError(f"read {self.path}@{off + done}: end of file "
                                     f"(file truncated?)", ErrorCode.SEGMENT_MISMATCH,
                                     retryable=False)
             done += got
-
-    def write(self, off: int, src: memoryview | np.ndarray | bytes) -> None:
-        """Write all of ``src`` at absolute file offset ``off``."""
-        s = _as_u8(src)
-        n = s.nbytes
-        if n == 0:
-            return
-        fd = self._fd_for(off, n, int(s.ctypes.data))
-        mv = s.data
-        done = 0
-        while done < n:
-            try:
-                put = os.pwritev(fd, [mv[done:]], off + done)
-            except OSError as exc:
-                if exc.errno == errno.EINVAL and fd == self.direct_fd:
-                    fd = self.fd
-                    continue
-                code = ErrorCode.NO_AVAILABLE_HANDLE if exc.errno == errno.ENOSPC \
-                    else ErrorCode.WRITE_FAIL
-                raise TransferError(f"write {self.path}@{off + done}: {exc}", code) from exc
-            done += put
 
     def sync(self) -> None:
         """fdatasync: make written data durable across a host crash."""

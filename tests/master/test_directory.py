@@ -11,33 +11,10 @@ from typing import Any
 import pytest
 
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.protocol import SegmentKind
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, EvictionPolicy, Obj, SegState
-from support.clock import Clock
-
-MEM = SegmentKind.MEMORY
-FILE = SegmentKind.FILE
-
-
-def make(shard_bits: int = 8, **cfg: Any) -> tuple[Directory, Clock]:
-    clock = Clock()
-    return Directory(MasterConfig(**cfg), clock=clock, shard_bits=shard_bits), clock
-
-
-def mount(d: Directory, sid: str, size: int, kind: SegmentKind = MEM, client: str = "c1") -> None:
-    d.mount(client, SegmentDescriptor(sid, client, "h", kind, size, f"kvpool-{sid}"))
-
-
-def put(d: Directory, key: str, size: int, client: str = "c1", **kw: Any) -> int:
-    code, _ = d.put_start(client, key, size, **kw)
-    if code:
-        return code
-    return d.put_end(client, key)
-
-
-def seg_ids(d: Directory, key: str) -> list[str]:
-    return [s.id for s in d.objects[key].replicas[::2]]
+from support.directory import FILE, MEM, make, mount, put, seg_ids
 
 
 def test_put_get_lifecycle_and_errors() -> None:

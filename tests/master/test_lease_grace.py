@@ -9,32 +9,13 @@ replaced is held until then. Time is a controllable clock.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import SegmentDescriptor, SegmentKind
-from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory, SegState
 from support.clock import Clock
+from support.directory import MEM, make, mount, put
 
-MEM = SegmentKind.MEMORY
 OBJ = 1024
-
-
-def make(**cfg: Any) -> tuple[Directory, Clock]:
-    clock = Clock()
-    return Directory(MasterConfig(**cfg), clock=clock), clock
-
-
-def mount(d: Directory, sid: str, size: int) -> None:
-    d.mount("c1", SegmentDescriptor(sid, "c1", "h", MEM, size, f"kvpool-{sid}"))
-
-
-def put(d: Directory, key: str, size: int, **kw: Any) -> int:
-    code, _ = d.put_start("c1", key, size, **kw)
-    if code:
-        return int(code)
-    return d.put_end("c1", key)
 
 
 def _full_directory() -> tuple[Directory, Clock]:

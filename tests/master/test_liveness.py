@@ -30,7 +30,6 @@ from kvpool.core.protocol import (
     PutStart,
     PutStartReply,
     SegmentDescriptor,
-    SegmentKind,
     Stats,
 )
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
@@ -39,31 +38,8 @@ from kvpool.master.directory import Directory, SegState
 from kvpool.master.tiering import TieringPolicy
 from kvpool.master.tiering_config import TieringConfig
 from support.clock import Clock
+from support.directory import FILE, MEM, make, mount, put, seg_ids
 from support.factories import segment_desc
-
-MEM = SegmentKind.MEMORY
-FILE = SegmentKind.FILE
-
-
-def make(**cfg: Any) -> tuple[Directory, Clock]:
-    clock = Clock()
-    return Directory(MasterConfig(**cfg), clock=clock), clock
-
-
-def mount(d: Directory, sid: str, size: int, kind: SegmentKind = MEM, client: str = "c1") -> None:
-    d.mount(client, SegmentDescriptor(sid, client, "h", kind, size, f"kvpool-{sid}"))
-
-
-def put(d: Directory, key: str, size: int, client: str = "c1", **kw: Any) -> int:
-    code, _ = d.put_start(client, key, size, **kw)
-    if code:
-        return code
-    return d.put_end(client, key)
-
-
-def seg_ids(d: Directory, key: str) -> list[str]:
-    return [s.id for s in d.objects[key].replicas[::2]]
-
 
 # ---------------------------------------------------------------------- directory
 

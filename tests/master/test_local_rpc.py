@@ -46,17 +46,22 @@ from support.factories import segment_desc
 from support.ha_master import HaGroup
 
 
+def _exchange(s: socket.socket, payload: bytes) -> ReplyFrame:
+    """Send one length-prefixed request frame on ``s``; its reply."""
+    s.sendall(len(payload).to_bytes(HEADER, "little") + payload)
+    buf = b""
+    while len(buf) < HEADER or len(buf) < HEADER + int.from_bytes(buf[:HEADER], "little"):
+        chunk = s.recv(65536)
+        assert chunk, "master closed the socket without a reply"
+        buf += chunk
+    return decode_reply(buf[HEADER:])
+
+
 def _raw_call(path: str, payload: bytes) -> ReplyFrame:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(5)
         s.connect(path)
-        s.sendall(len(payload).to_bytes(HEADER, "little") + payload)
-        buf = b""
-        while len(buf) < HEADER or len(buf) < HEADER + int.from_bytes(buf[:HEADER], "little"):
-            chunk = s.recv(65536)
-            assert chunk, "master closed the socket without a reply"
-            buf += chunk
-        return decode_reply(buf[HEADER:])
+        return _exchange(s, payload)
 
 
 def test_client_switches_to_local_socket(master_proc: MasterProcess) -> None:
@@ -168,13 +173,7 @@ def test_off_and_stale_and_taken_paths(tmp_path: Path) -> None:
 
 def _raw_tcp_call(port: int, payload: bytes) -> ReplyFrame:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(len(payload).to_bytes(HEADER, "little") + payload)
-        buf = b""
-        while len(buf) < HEADER or len(buf) < HEADER + int.from_bytes(buf[:HEADER], "little"):
-            chunk = s.recv(65536)
-            assert chunk, "master closed the socket without a reply"
-            buf += chunk
-        return decode_reply(buf[HEADER:])
+        return _exchange(s, payload)
 
 
 def test_tcp_port_for_other_hosts(tmp_path: Path) -> None:

@@ -7,30 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory
 from kvpool.master.tiering import JobStatus, TaskKind, TieringConfig, TieringPolicy
 from support.clock import Clock
-
-MEM = SegmentKind.MEMORY
+from support.directory import MEM, mount, put
 
 
 def make(**cfg: Any) -> tuple[Directory, Clock, TieringPolicy]:
     clock = Clock()
     pol = TieringPolicy(TieringConfig(), clock=clock)
     return Directory(MasterConfig(**cfg), clock=clock, policy=pol, shard_bits=0), clock, pol
-
-
-def mount(d: Directory, sid: str, size: int, client: str = "c1") -> None:
-    d.mount(client, SegmentDescriptor(sid, client, "h", MEM, size, f"kvpool-{sid}"))
-
-
-def put(d: Directory, key: str, size: int, client: str = "c1", **kw: Any) -> int:
-    code, _ = d.put_start(client, key, size, **kw)
-    if code:
-        return int(code)
-    return int(d.put_end(client, key))
 
 
 def where(d: Directory, key: str) -> list[tuple[str, int]]:
@@ -162,7 +149,7 @@ def run_tasks(d: Directory, pol: TieringPolicy, client: str, ok: bool = True) ->
 def test_copy_job_to_named_segments() -> None:
     d, _, pol = make()
     for s, c in (("a", "c1"), ("b", "c2"), ("c", "c3")):
-        mount(d, s, 1 << 20, c)
+        mount(d, s, 1 << 20, client=c)
     assert put(d, "k", 100, preferred=["a"]) == 0
     code, job = pol.create_job(d, "k", ["b", "c", "b"])
     assert code == ErrorCode.OK and job is not None and job.left == 2
@@ -181,7 +168,7 @@ def test_copy_job_to_named_segments() -> None:
 def test_move_job_and_failures() -> None:
     d, clock, pol = make(lease_ttl_ms=1000)
     for s, c in (("a", "c1"), ("b", "c2")):
-        mount(d, s, 1 << 20, c)
+        mount(d, s, 1 << 20, client=c)
     assert put(d, "k", 100, preferred=["a"]) == 0
     assert pol.create_job(d, "nope", ["b"])[0] == ErrorCode.OBJECT_NOT_FOUND
     assert pol.create_job(d, "k", ["zz"])[0] == ErrorCode.INVALID_PARAMS
@@ -210,7 +197,7 @@ def test_move_job_and_failures() -> None:
 def test_job_fails_when_object_replaced_meanwhile() -> None:
     d, _, pol = make()
     for s, c in (("a", "c1"), ("b", "c2")):
-        mount(d, s, 1 << 20, c)
+        mount(d, s, 1 << 20, client=c)
     assert put(d, "k", 100, preferred=["a"]) == 0
     _, job = pol.create_job(d, "k", ["b"])
     assert job is not None

@@ -25,6 +25,7 @@ from kvpool.store.errors import (
     StoreError,
 )
 from kvpool.transfer.segment import shm_tag_prefix
+from support.threads import run_in_threads
 
 Key = Callable[..., str]
 LEASE_TTL_MS = 1000  # the master fixture's lease (conftest.py)
@@ -310,22 +311,13 @@ def test_inline_shm_and_engine_paths_agree(make_client: Callable[..., Client],
 def test_threads_share_one_client(client: Client, key: Key) -> None:
     """Concurrent calls from many threads (each with its own RPC socket) all
     land, and close() releases every socket."""
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            for i in range(10):
-                k = key(f"t{t}/{i}")
-                v = _payload(1000 + t * 10 + i, t * 100 + i)
-                client.put(k, v)
-                assert client.get(k) == v
-        except BaseException as exc:
-            errors.append(exc)
+        for i in range(10):
+            k = key(f"t{t}/{i}")
+            v = _payload(1000 + t * 10 + i, t * 100 + i)
+            client.put(k, v)
+            assert client.get(k) == v
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(30)
-    assert errors == []
+    run_in_threads(work, 6, 30)
     assert 1 < len(client._rpc_all) <= 7

@@ -7,68 +7,33 @@ would, and nothing stays pending after close()."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import BatchPutCommit, BatchPutEnd
 from kvpool.store import Client, ReplicateConfig
 from kvpool.store.errors import StoreError
-from support.factories import client_factory
+from support import reserving
+from support.reserving import pending, spy_requests
+from support.threads import run_in_threads
 
 pytestmark = pytest.mark.timeout(120)
+
+# a master, one node daemon and clients per test (overriding tests/store/conftest.py's)
+master, live, make_client = reserving.master, reserving.live, reserving.make_client
 
 K = 4096
 N = 8
 
 
-@pytest.fixture(scope="module")
-def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterProcess]:
-    d = tmp_path_factory.mktemp("master")
-    with MasterProcess(data_dir=str(d), lease_ttl_ms=5000, client_ttl_s=120) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-def live(master: MasterProcess) -> Iterator[NodeDaemonProcess]:
-    with NodeDaemonProcess(master.address, "32MiB") as d:
-        yield d
-
-
-@pytest.fixture
-def make_client(master: MasterProcess, live: NodeDaemonProcess
-                ) -> Iterator[Callable[..., Client]]:
-    with client_factory(master.address, rpc_timeout_s=5.0) as make:
-        yield make
-
-
-def _spy(c: Client) -> list[str]:
-    """The master requests ``c`` sends from now on, by type name."""
-    sent: list[str] = []
-    real = c._call
-
-    def call(request: Any) -> Any:
-        sent.append(type(request).__name__)
-        return real(request)
-
-    c._call = call  # type: ignore[method-assign]
-    return sent
-
-
 def _vals(seed: int, n: int = N, size: int = K) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
-
-
-def _pending(c: Client) -> int:
-    return c.stats().pending
 
 
 def _held(c: Client, size: int = K) -> int:
@@ -84,8 +49,8 @@ def test_second_batch_is_one_master_call(make_client: Callable[..., Client]) -> 
     watcher = make_client()
     c = make_client()
     tag = uuid.uuid4().hex[:8]
-    before = _pending(watcher)
-    sent = _spy(c)
+    before = pending(watcher)
+    sent = spy_requests(c)
     keys0 = [f"{tag}/0/{i}" for i in range(N)]
     v0 = _vals(0)
     assert c.batch_put_from(keys0, v0) == [ErrorCode.OK] * N
@@ -121,9 +86,9 @@ def test_second_batch_is_one_master_call(make_client: Callable[..., Client]) -> 
     _check(c, [f"{tag}/m/{i}" for i in range(3)] + [f"{tag}/p/{i}" for i in range(2)],
            mixed + pinned)
     assert c.get(f"{tag}/0/0") == pinned[0].tobytes()
-    assert _pending(watcher) == before + _held(c)
+    assert pending(watcher) == before + _held(c)
     c.close()
-    assert _pending(watcher) == before
+    assert pending(watcher) == before
 
 
 def test_taken_and_repeated_keys(make_client: Callable[..., Client]) -> None:
@@ -132,14 +97,14 @@ def test_taken_and_repeated_keys(make_client: Callable[..., Client]) -> None:
     watcher = make_client()
     c = make_client()
     tag = uuid.uuid4().hex[:8]
-    before = _pending(watcher)
+    before = pending(watcher)
     keys = [f"{tag}/{i}" for i in range(N)]
     old = _vals(10)
     assert c.batch_put_from(keys[:N], old) == [ErrorCode.OK] * N
     new = _vals(11)
     fresh = [f"{tag}/new/{i}" for i in range(N)]
     mix = [keys[0], *fresh[1:N - 1], keys[N - 1]]
-    sent = _spy(c)
+    sent = spy_requests(c)
     codes = c.batch_put_from(mix, new)
     assert sent[0] == "BatchPutCommit" and sent[1:] == ["BatchPutRevoke"]
     assert codes == [ErrorCode.OBJECT_ALREADY_EXISTS, *[ErrorCode.OK] * (N - 2),
@@ -150,9 +115,9 @@ def test_taken_and_repeated_keys(make_client: Callable[..., Client]) -> None:
     # a key twice in one batch: the plain path's per-key checks
     codes = c.batch_put_from([f"{tag}/d", f"{tag}/d"], _vals(12, 2))
     assert codes == [ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS]
-    assert _pending(watcher) == before + _held(c)
+    assert pending(watcher) == before + _held(c)
     c.close()
-    assert _pending(watcher) == before
+    assert pending(watcher) == before
 
 
 def test_expired_or_lost_reservations(make_client: Callable[..., Client]) -> None:
@@ -162,10 +127,10 @@ def test_expired_or_lost_reservations(make_client: Callable[..., Client]) -> Non
     watcher = make_client()
     c = make_client()
     tag = uuid.uuid4().hex[:8]
-    before = _pending(watcher)
+    before = pending(watcher)
     assert c.batch_put_from([f"{tag}/a/{i}" for i in range(N)], _vals(20)) == [ErrorCode.OK] * N
     c._batch_reserved[K][-1].deadline = time.monotonic() - 1.0
-    sent = _spy(c)
+    sent = spy_requests(c)
     vals = _vals(21)
     assert c.batch_put_from([f"{tag}/b/{i}" for i in range(N)], vals) == [ErrorCode.OK] * N
     assert sent == ["BatchPutRevoke", "BatchPutStart", "BatchPutEnd"]
@@ -179,15 +144,15 @@ def test_expired_or_lost_reservations(make_client: Callable[..., Client]) -> Non
     assert c.batch_put_from(keys, vals) == [ErrorCode.OK] * N
     assert sent == ["BatchPutCommit", "BatchPutStart", "BatchPutEnd"]
     _check(c, keys, vals)
-    assert _pending(watcher) == before + _held(c)
+    assert pending(watcher) == before + _held(c)
     c.close()
-    assert _pending(watcher) == before
+    assert pending(watcher) == before
 
 
 def test_off_by_config(make_client: Callable[..., Client]) -> None:
     c = make_client(reserve_batch_puts=False)
     tag = uuid.uuid4().hex[:8]
-    sent = _spy(c)
+    sent = spy_requests(c)
     for b in range(2):
         vals = _vals(30 + b)
         keys = [f"{tag}/{b}/{i}" for i in range(N)]
@@ -227,28 +192,19 @@ def test_threads_putting_batches(make_client: Callable[..., Client]) -> None:
     watcher = make_client()
     c = make_client()
     tag = uuid.uuid4().hex[:8]
-    before = _pending(watcher)
-    errors: list[BaseException] = []
+    before = pending(watcher)
 
     def worker(t: int) -> None:
-        try:
-            for b in range(10):
-                keys = [f"{tag}/{t}/{b}/{i}" for i in range(N)]
-                codes = c.batch_put_from(keys, _vals(1000 * t + b))
-                assert codes == [ErrorCode.OK] * N, codes
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        for b in range(10):
+            keys = [f"{tag}/{t}/{b}/{i}" for i in range(N)]
+            codes = c.batch_put_from(keys, _vals(1000 * t + b))
+            assert codes == [ErrorCode.OK] * N, codes
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not errors, errors
+    run_in_threads(worker, 4, 60)
     for t in range(4):
         for b in range(10):
             _check(c, [f"{tag}/{t}/{b}/{i}" for i in range(N)], _vals(1000 * t + b))
     assert 1 <= len(c._batch_reserved[K]) <= 4
-    assert _pending(watcher) == before + _held(c)
+    assert pending(watcher) == before + _held(c)
     c.close()
-    assert _pending(watcher) == before
+    assert pending(watcher) == before

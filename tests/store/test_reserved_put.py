@@ -7,10 +7,9 @@ as it would, and leave nothing pending."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,64 +27,30 @@ from kvpool.core.protocol import (
 )
 from kvpool.store import Client, ReplicateConfig
 from kvpool.store.errors import AlreadyExists, ObjectNotFound, StoreError, TransferFailed
+from support import reserving
 from support.factories import client_factory
+from support.reserving import pending, spy_requests
+from support.threads import run_in_threads
 
 pytestmark = pytest.mark.timeout(120)
+
+# a master, one node daemon and clients per test (overriding tests/store/conftest.py's)
+master, live, make_client = reserving.master, reserving.live, reserving.make_client
 
 FORCE_TCP = {"rules": [{"name": "test-force-tcp", "transports": ["tcp"]}],
              "transports": {"tcp": {"timeout_s": 1.0, "retries": 0}}}
 K = 4096
 
 
-@pytest.fixture(scope="module")
-def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterProcess]:
-    """A killed holder stays mounted (client TTL far past the tests): the
-    master keeps placing on it, as in test_client_failures."""
-    d = tmp_path_factory.mktemp("master")
-    with MasterProcess(data_dir=str(d), lease_ttl_ms=5000, client_ttl_s=120) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-def live(master: MasterProcess) -> Iterator[NodeDaemonProcess]:
-    with NodeDaemonProcess(master.address, "32MiB") as d:
-        yield d
-
-
-@pytest.fixture
-def make_client(master: MasterProcess, live: NodeDaemonProcess
-                ) -> Iterator[Callable[..., Client]]:
-    with client_factory(master.address, rpc_timeout_s=5.0) as make:
-        yield make
-
-
-def _spy(c: Client) -> list[str]:
-    """The master requests ``c`` sends from now on, by type name (the real
-    call still runs)."""
-    sent: list[str] = []
-    real = c._call
-
-    def call(request: Any) -> Any:
-        sent.append(type(request).__name__)
-        return real(request)
-
-    c._call = call  # type: ignore[method-assign]
-    return sent
-
-
 def _val(seed: int, size: int = K) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
-
-
-def _pending(c: Client) -> int:
-    return c.stats().pending
 
 
 def test_second_put_is_one_master_call(make_client: Callable[..., Client]) -> None:
     c = make_client()
     tag = uuid.uuid4().hex[:8]
     vals = [_val(i) for i in range(4)]
-    sent = _spy(c)
+    sent = spy_requests(c)
     c.put_from(f"{tag}/0", vals[0])
     assert sent == ["PutStart", "PutEnd"]  # the first: a plain put, asking for a reservation
     first = c._reserved[K][-1].placeholder
@@ -121,7 +86,7 @@ def test_expired_reservation_is_given_back(make_client: Callable[..., Client]) -
     c.put_from(f"{tag}/a", _val(1))
     held = c._reserved[K][-1]
     held.deadline = time.monotonic() - 1.0  # its ttl ran out
-    sent = _spy(c)
+    sent = spy_requests(c)
     v = _val(2)
     c.put_from(f"{tag}/b", v)
     assert sent == ["PutRevoke", "PutStart", "PutEnd"]
@@ -138,7 +103,7 @@ def test_taken_key_keeps_the_reservation(make_client: Callable[..., Client]) -> 
     old, new = _val(3), _val(4)
     c.put_from(f"{tag}/k", old)
     held = c._reserved[K][-1].placeholder
-    sent = _spy(c)
+    sent = spy_requests(c)
     with pytest.raises(AlreadyExists):
         c.put_from(f"{tag}/k", new)
     assert sent == ["PutCommit"]
@@ -154,12 +119,12 @@ def test_close_gives_reservations_back(make_client: Callable[..., Client]) -> No
     watcher = make_client()
     c = make_client()
     tag = uuid.uuid4().hex[:8]
-    before = _pending(watcher)
+    before = pending(watcher)
     for size in (K, 2 * K, 5 * K):
         c.put_from(f"{tag}/{size}", _val(size, size))
-    assert _pending(watcher) == before + 3
+    assert pending(watcher) == before + 3
     c.close()
-    assert _pending(watcher) == before
+    assert pending(watcher) == before
 
 
 def test_reserved_namespace_refused(make_client: Callable[..., Client]) -> None:
@@ -200,30 +165,21 @@ def test_threads_putting_one_size(make_client: Callable[..., Client]) -> None:
     watcher = make_client()
     c = make_client()
     tag = uuid.uuid4().hex[:8]
-    before = _pending(watcher)
-    errors: list[BaseException] = []
+    before = pending(watcher)
 
     def worker(t: int) -> None:
-        try:
-            for i in range(25):
-                c.put_from(f"{tag}/{t}/{i}", _val(100 * t + i))
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        for i in range(25):
+            c.put_from(f"{tag}/{t}/{i}", _val(100 * t + i))
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not errors, errors
+    run_in_threads(worker, 4, 60)
     for t in range(4):
         for i in range(25):
             assert c.get(f"{tag}/{t}/{i}") == _val(100 * t + i).tobytes()
     held = sum(map(len, c._reserved.values()))
     assert 1 <= held <= 4
-    assert _pending(watcher) == before + held
+    assert pending(watcher) == before + held
     c.close()
-    assert _pending(watcher) == before
+    assert pending(watcher) == before
 
 
 def test_holder_killed_under_a_reservation(master: MasterProcess, live: NodeDaemonProcess,
@@ -237,18 +193,18 @@ def test_holder_killed_under_a_reservation(master: MasterProcess, live: NodeDaem
     with NodeDaemonProcess(master.address, "256MiB", extra_args=["--no-guard"]) as doomed:
         c = make_client(transfer_overrides=FORCE_TCP)
         tag = uuid.uuid4().hex[:8]
-        before = _pending(watcher)
+        before = pending(watcher)
         c.put_from(f"{tag}/a", _val(7))
         held = c._reserved[K][-1]
         assert held.replicas[0].segment_id == doomed.segment_ids[0]  # the most free
         doomed.kill()
-        sent = _spy(c)
+        sent = spy_requests(c)
         v = _val(8)
         with pytest.raises(TransferFailed):
             c.put_from(f"{tag}/b", v)
         assert sent[0] == "PutRevoke" and sent[1:] == ["PutStart", "PutRevoke"]
         assert not c.exists(f"{tag}/b") and not c._reserved
-        assert _pending(watcher) == before
+        assert pending(watcher) == before
         c.put_from(f"{tag}/b", v, ReplicateConfig(preferred_segments=live.segment_ids))
         assert c.get(f"{tag}/b") == v.tobytes()
 

@@ -19,6 +19,8 @@ from kvpool.core.protocol import decode_frame, encode_frame
 from kvpool.transfer import RequestState, TransferOp, TransferRequest, wire
 from kvpool.transfer.peer import fill_pattern
 from kvpool.transfer.server import OP_BULK
+from support.bulk import exchange as raw_exchange
+from support.bulk import frame, split_reply
 from support.wait import wait_until
 
 MiB = 1 << 20
@@ -126,11 +128,6 @@ def test_bulk_peer_killed_mid_transfer(make_engine: Any, make_peer: Any) -> None
         assert s.errors and s.transport == "tcp"
 
 
-def _frame(msg: Any) -> bytes:
-    raw = wire.encode(msg)
-    return len(raw).to_bytes(4, "little") + raw
-
-
 def test_bulk_socket_garbage_and_op_query(make_peer: Any) -> None:
     peer = make_peer(MiB, host_id="far-away")
     peer.cmd("fill 5")
@@ -152,20 +149,7 @@ def test_bulk_socket_garbage_and_op_query(make_peer: Any) -> None:
     seg = peer.segment_id
 
     def exchange(data: bytes) -> bytes:
-        with socket.create_connection((host, rep["bulk"]), timeout=5) as c:
-            c.sendall(data)
-            c.shutdown(socket.SHUT_WR)
-            out = b""
-            try:
-                while chunk := c.recv(65536):
-                    out += chunk
-            except ConnectionResetError:  # closed with our bytes unread: a reset
-                pass
-            return out
-
-    def reply(out: bytes) -> tuple[wire.BulkReply, bytes]:
-        n = int.from_bytes(out[:4], "little")
-        return wire.decode_bulk_reply(out[4:4 + n]), out[4 + n:]
+        return raw_exchange(host, rep["bulk"], data)
 
     # garbage, a huge header length, a map instead of the array header: closed, never served
     assert exchange(b"\xff\xff\xff\xff" + b"x" * 64) == b""
@@ -173,40 +157,40 @@ def test_bulk_socket_garbage_and_op_query(make_peer: Any) -> None:
     old = encode_frame({"op": 1, "id": 2, "seg": seg, "off": 0, "len": 4, "cap": b""})
     assert exchange(len(old).to_bytes(4, "little") + old) == b""
     # an unknown op: every range refused with UNKNOWN_OP, and the stream goes on
-    r, rest = reply(exchange(_frame(wire.BulkRequest(1, 3, [wire.BulkItem(seg, 0, 4)]))))
+    r, rest = split_reply(exchange(frame(wire.BulkRequest(1, 3, [wire.BulkItem(seg, 0, 4)]))))
     assert r.id == 1 and r.codes == [ErrorCode.UNKNOWN_OP] and rest == b""
     # a READ of three ranges, the middle one refused: only the accepted payloads follow
-    r, rest = reply(exchange(_frame(wire.BulkRequest(7, int(R), [
+    r, rest = split_reply(exchange(frame(wire.BulkRequest(7, int(R), [
         wire.BulkItem(seg, 10, 5), wire.BulkItem("nope", 0, 4), wire.BulkItem(seg, MiB - 3, 3)]))))
     assert r.id == 7 and r.codes == [0, ErrorCode.SEGMENT_NOT_FOUND, 0] and "nope" in r.err
     assert rest == pattern[10:15].tobytes() + pattern[MiB - 3:].tobytes()
     # a WRITE with a refused range in the middle: its payload is dropped, the others land,
     # and the next request on the stream is served
-    out = exchange(_frame(wire.BulkRequest(8, int(W), [
+    out = exchange(frame(wire.BulkRequest(8, int(W), [
         wire.BulkItem(seg, 0, 4), wire.BulkItem(seg, MiB - 2, 4), wire.BulkItem(seg, 100, 3)]))
         + b"AAAA" + b"BBBB" + b"CCC"
-        + _frame(wire.BulkRequest(9, int(R), [wire.BulkItem(seg, 0, 4)])))
-    r, rest = reply(out)
+        + frame(wire.BulkRequest(9, int(R), [wire.BulkItem(seg, 0, 4)])))
+    r, rest = split_reply(out)
     assert r.id == 8 and r.codes == [0, ErrorCode.OUT_OF_BOUNDS, 0]
-    r2, rest = reply(rest)
+    r2, rest = split_reply(rest)
     assert r2.id == 9 and r2.codes == [0] and rest == b"AAAA"
     assert peer.crc(100, 3) == zlib.crc32(b"CCC")
     assert peer.crc(MiB - 8, 8) == zlib.crc32(pattern[MiB - 8:].tobytes())
     # a refused WRITE range whose length cannot be trusted: answered, then closed
-    out = exchange(_frame(wire.BulkRequest(10, int(W), [wire.BulkItem("nope", 0, 1 << 62)]))
-                   + _frame(wire.BulkRequest(11, int(R), [wire.BulkItem(seg, 0, 4)])))
-    r, rest = reply(out)
+    out = exchange(frame(wire.BulkRequest(10, int(W), [wire.BulkItem("nope", 0, 1 << 62)]))
+                   + frame(wire.BulkRequest(11, int(R), [wire.BulkItem(seg, 0, 4)])))
+    r, rest = split_reply(out)
     assert r.id == 10 and r.codes == [ErrorCode.SEGMENT_NOT_FOUND] and rest == b""
     # lone ranges (the server's one-range path): an empty WRITE and READ, a WRITE,
     # then a READ of it on the same stream: replies in order, payloads in step
-    out = exchange(_frame(wire.BulkRequest(12, int(W), [wire.BulkItem(seg, 200, 0)]))
-                   + _frame(wire.BulkRequest(13, int(R), [wire.BulkItem(seg, 200, 0)]))
-                   + _frame(wire.BulkRequest(14, int(W), [wire.BulkItem(seg, 200, 6)]))
+    out = exchange(frame(wire.BulkRequest(12, int(W), [wire.BulkItem(seg, 200, 0)]))
+                   + frame(wire.BulkRequest(13, int(R), [wire.BulkItem(seg, 200, 0)]))
+                   + frame(wire.BulkRequest(14, int(W), [wire.BulkItem(seg, 200, 6)]))
                    + b"lone-w"
-                   + _frame(wire.BulkRequest(15, int(R), [wire.BulkItem(seg, 199, 8)])))
+                   + frame(wire.BulkRequest(15, int(R), [wire.BulkItem(seg, 199, 8)])))
     got = []
     while out:
-        r, out = reply(out)
+        r, out = split_reply(out)
         got.append((r.id, r.codes))
         if r.id == 15:
             assert out == pattern[199:200].tobytes() + b"lone-w" + pattern[206:207].tobytes()
@@ -559,18 +543,11 @@ def test_shared_capability_goes_once_per_request(make_engine: Any, make_segment:
     assert all(s.ok for s in st) and len(seen) == 32
     # raw: an index outside the table is refused, the others served, the stream in step
     seen.clear()
-    with socket.create_connection(("127.0.0.1", bulk.port), timeout=5) as c:
-        c.sendall(_frame(wire.BulkRequest(5, int(R), [
-            wire.BulkItem(desc.segment_id, 0, 4, 0), wire.BulkItem(desc.segment_id, 0, 4, 3),
-            wire.BulkItem(desc.segment_id, 4, 4, good)], caps=[good])))
-        c.shutdown(socket.SHUT_WR)
-        out = b""
-        while chunk := c.recv(65536):
-            out += chunk
-    n = int.from_bytes(out[:4], "little")
-    r = wire.decode_bulk_reply(out[4:4 + n])
+    r, data = split_reply(raw_exchange("127.0.0.1", bulk.port, frame(wire.BulkRequest(5, int(R), [
+        wire.BulkItem(desc.segment_id, 0, 4, 0), wire.BulkItem(desc.segment_id, 0, 4, 3),
+        wire.BulkItem(desc.segment_id, 4, 4, good)], caps=[good]))))
     assert r.id == 5 and r.codes == [0, ErrorCode.MALFORMED_FRAME, 0] and "index" in r.err
-    assert out[4 + n:] == src[:8].tobytes()
+    assert data == src[:8].tobytes()
     assert seen == [(0, 4, good), (4, 4, good)]
 
 
@@ -712,13 +689,13 @@ def test_stream_spin_then_block_reads_every_frame() -> None:
     """A reply that comes within the spin window is read by the poll; one that
     comes later by the blocking read; the window is used once, then cleared."""
 
-    from kvpool.transfer.bulk import _frame, _Stream
+    from kvpool.transfer.bulk import _Stream
 
     a, b = socket.socketpair()
     try:
         stream = _Stream(a, 1 << 16)
         deadline = time.monotonic() + 5.0
-        frames = [_frame(wire.BulkReply(k, [0, 0], "")) for k in (1, 2)]
+        frames = [frame(wire.BulkReply(k, [0, 0], "")) for k in (1, 2)]
 
         def send_after(delay: float, data: bytes) -> threading.Thread:
             t = threading.Thread(target=lambda: (time.sleep(delay), b.sendall(data)))

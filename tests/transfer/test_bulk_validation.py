@@ -4,7 +4,6 @@ checks once per segment and request, every range still checked on its own
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import numpy as np
@@ -12,28 +11,10 @@ import numpy as np
 from kvpool.core.capability import CapabilitySigner, CapOp
 from kvpool.core.errors import ErrorCode
 from kvpool.transfer import TransferOp, wire
+from support.bulk import exchange, frame, split_reply
 
 MiB = 1 << 20
 W = TransferOp.WRITE
-
-
-def _exchange(port: int, data: bytes) -> tuple[wire.BulkReply, bytes]:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
-        c.sendall(data)
-        c.shutdown(socket.SHUT_WR)
-        out = b""
-        try:
-            while chunk := c.recv(65536):
-                out += chunk
-        except ConnectionResetError:
-            pass
-    n = int.from_bytes(out[:4], "little")
-    return wire.decode_bulk_reply(out[4:4 + n]), out[4 + n:]
-
-
-def _frame(msg: Any) -> bytes:
-    raw = wire.encode(msg)
-    return len(raw).to_bytes(4, "little") + raw
 
 
 def test_bulk_request_ranges_checked_one_by_one(make_engine: Any, make_segment: Any) -> None:
@@ -71,11 +52,11 @@ def test_bulk_request_ranges_checked_one_by_one(make_engine: Any, make_segment: 
     macs, denied = ver.macs, ver.refused_total
     payload = [np.full(it.len, i + 1, np.uint8).tobytes() for i, it in enumerate(items)]
     # only the segment-checked ranges carry trustworthy lengths: all of them here
-    data = _frame(wire.BulkRequest(3, int(W), items, caps=[tok_a, tok_b, read_a]))
+    data = frame(wire.BulkRequest(3, int(W), items, caps=[tok_a, tok_b, read_a]))
     data += b"".join(payload)
-    data += _frame(wire.BulkRequest(4, int(W), [wire.BulkItem(sa, 4096, 4096, 0)],
+    data += frame(wire.BulkRequest(4, int(W), [wire.BulkItem(sa, 4096, 4096, 0)],
                                     caps=[tok_a])) + b"\xee" * 4096
-    rep, rest = _exchange(server.bulk.port, data)
+    rep, rest = split_reply(exchange("127.0.0.1", server.bulk.port, data))
     assert rep.id == 3 and rep.codes == [int(c) for c in want], rep
     assert rep.err  # the first refusal's reason
     n = int.from_bytes(rest[:4], "little")

@@ -1,0 +1,39 @@
+"""Helpers of the Directory unit tests: a directory on a controllable clock,
+segments mounted without a real region, puts done start to end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import Directory
+from support.clock import Clock
+
+__all__ = ["FILE", "MEM", "make", "mount", "put", "seg_ids"]
+
+MEM = SegmentKind.MEMORY
+FILE = SegmentKind.FILE
+
+
+def make(shard_bits: int = 8, **cfg: Any) -> tuple[Directory, Clock]:
+    """A Directory of ``MasterConfig(**cfg)`` and the clock it reads."""
+    clock = Clock()
+    return Directory(MasterConfig(**cfg), clock=clock, shard_bits=shard_bits), clock
+
+
+def mount(d: Directory, sid: str, size: int, kind: SegmentKind = MEM, client: str = "c1") -> None:
+    d.mount(client, SegmentDescriptor(sid, client, "h", kind, size, f"kvpool-{sid}"))
+
+
+def put(d: Directory, key: str, size: int, client: str = "c1", **kw: Any) -> int:
+    """put_start then put_end of ``key``; the first code that is not OK, or OK."""
+    code, _ = d.put_start(client, key, size, **kw)
+    if code:
+        return int(code)
+    return int(d.put_end(client, key))
+
+
+def seg_ids(d: Directory, key: str) -> list[str]:
+    """The segments holding ``key``'s replicas."""
+    return [s.id for s in d.objects[key].replicas[::2]]
