@@ -377,6 +377,7 @@ class BulkServer:
                 continue
             except OSError:
                 break
+            set_congestion(conn, self._congestion)  # before its first reply is sent
             with self._lock:
                 if self._stop.is_set() or len(self._conns) >= _MAX_CONNS:
                     conn.close()
@@ -389,7 +390,6 @@ class BulkServer:
         stream = _Stream(conn, self.max_header_bytes)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_congestion(conn, self._congestion)
             scratch = memoryview(bytearray(_DISCARD))
             while not self._stop.is_set() and self._serve_one(stream, scratch):
                 pass
