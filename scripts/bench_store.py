@@ -54,8 +54,6 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.transfer.bulk import set_congestion
-
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 SINGLE_OPS = ["put", "get", "put_from", "get_into"]
 BATCH_OPS = ["put_batch", "get_batch", "batch_put_from", "batch_get_into"]
@@ -788,6 +786,14 @@ def _connect(addr: str, port: int) -> socket.socket:
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     set_congestion(s, "auto")  # the limit on the congestion control kvpool uses
     return s
+
+
+def set_congestion(sock: socket.socket, policy: str) -> str:
+    """kvpool's :func:`~kvpool.transfer.bulk.set_congestion`, imported on use:
+    the Mooncake side runs this script in a venv without kvpool."""
+    from kvpool.transfer.bulk import set_congestion as apply
+
+    return apply(sock, policy)
 
 
 def _kv_congestion() -> str:
