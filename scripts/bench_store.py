@@ -123,50 +123,54 @@ def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> 
             c.remove(key, force=True)
         return bufs[(size, batch)]
 
+    def measure(transport: str, op: str, size: int, batch: int, n: int,
+                tag: str) -> dict[str, Any]:
+        c = client(transport)
+        arrs, handles = buffers(c, size, batch)
+        values = [a.tobytes() for a in arrs] if op in ("put", "put_batch") else []
+        lat: list[float] = []
+        cpu0 = time.process_time()  # every thread of this client process
+        t0 = time.perf_counter()
+        for i in range(n):
+            keys = [f"{tag}/{i}/{j}" for j in range(batch)]
+            t = time.perf_counter()
+            if op == "put":
+                c.put(keys[0], values[0])
+            elif op == "put_from":
+                c.put_from(keys[0], handles[0])
+            elif op == "get":
+                c.get(keys[0])
+            elif op == "get_into":
+                c.get_into(keys[0], handles[0])
+            elif op == "put_batch":
+                codes = c.put_batch(keys, values)
+                assert all(x == 0 for x in codes), codes
+            elif op == "batch_put_from":
+                codes = c.batch_put_from(keys, handles)
+                assert all(x == 0 for x in codes), codes
+            elif op == "get_batch":
+                out = c.get_batch(keys)
+                assert all(o is not None for o in out)
+            elif op == "batch_get_into":
+                res = c.batch_get_into(keys, handles)
+                assert all(r == size for r in res), res
+            lat.append(time.perf_counter() - t)
+        total = time.perf_counter() - t0
+        rec = _record(transport, op, size, batch, lat, total)
+        # client CPU per key (all threads; includes building the key strings)
+        rec["client_cpu_us_per_key"] = round(
+            (time.process_time() - cpu0) / (n * batch) * 1e6, 2)
+        return rec
+
     try:
         while True:
             msg = conn.recv()
             if msg[0] == "quit":
                 break
-            _, transport, op, size, batch, n, tag = msg
-            c = client(transport)
-            arrs, handles = buffers(c, size, batch)
-            values = [a.tobytes() for a in arrs] if op in ("put", "put_batch") else []
-            lat: list[float] = []
-            cpu0 = time.process_time()  # every thread of this client process
-            t0 = time.perf_counter()
-            for i in range(n):
-                keys = [f"{tag}/{i}/{j}" for j in range(batch)]
-                t = time.perf_counter()
-                if op == "put":
-                    c.put(keys[0], values[0])
-                elif op == "put_from":
-                    c.put_from(keys[0], handles[0])
-                elif op == "get":
-                    c.get(keys[0])
-                elif op == "get_into":
-                    c.get_into(keys[0], handles[0])
-                elif op == "put_batch":
-                    codes = c.put_batch(keys, values)
-                    assert all(x == 0 for x in codes), codes
-                elif op == "batch_put_from":
-                    codes = c.batch_put_from(keys, handles)
-                    assert all(x == 0 for x in codes), codes
-                elif op == "get_batch":
-                    out = c.get_batch(keys)
-                    assert all(o is not None for o in out)
-                elif op == "batch_get_into":
-                    res = c.batch_get_into(keys, handles)
-                    assert all(r == size for r in res), res
-                lat.append(time.perf_counter() - t)
-            total = time.perf_counter() - t0
-            rec = _record(transport, op, size, batch, lat, total)
-            # client CPU per key (all threads; includes building the key strings)
-            rec["client_cpu_us_per_key"] = round(
-                (time.process_time() - cpu0) / (n * batch) * 1e6, 2)
-            conn.send(rec)
-    except Exception as exc:  # report to the driver instead of hanging it
-        conn.send({"error": repr(exc)})
+            try:
+                conn.send(measure(*msg[1:]))
+            except Exception as exc:  # report it; the next measurement still runs
+                conn.send({"error": repr(exc)})
     finally:
         for c in clients.values():
             c.close()
