@@ -104,6 +104,7 @@ def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> 
         return clients[transport]
 
     warmed: set[tuple[int, int]] = set()  # (client, size) whose data path is warm
+    firsts: dict[tuple[int, int], dict[str, float]] = {}  # its untimed calls' times
 
     def buffers(c: Client, size: int, batch: int) -> tuple[list[np.ndarray], list[Any]]:
         if (size, batch) not in bufs:
@@ -111,16 +112,21 @@ def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> 
                     for i in range(batch)]
             bufs[(size, batch)] = (arrs, [c.register_buffer(a) for a in arrs])
         if (id(c), size) not in warmed:
-            # one untimed put and get of this size first: a client's first
-            # transfers learn the holder's bulk port (going over ZeroMQ
-            # meanwhile) and open its connections, which cost the first two
-            # 16 MiB calls 20-60 ms across hosts and are not the steady state
+            # one put and get of this size first, not in the op's numbers: a
+            # client's first transfers open its connections to the holder (and
+            # learn the segment), not the steady state; their times are
+            # reported once as first_put_ms / first_get_ms (first contact)
             warmed.add((id(c), size))
             key = f"bench-warmup/{uuid.uuid4().hex[:8]}/{size}"
             handle = bufs[(size, batch)][1][0]
+            t = time.perf_counter()
             c.put_from(key, handle)
+            t1 = time.perf_counter()
             c.get_into(key, handle)
+            t2 = time.perf_counter()
             c.remove(key, force=True)
+            firsts[(id(c), size)] = {"first_put_ms": round((t1 - t) * 1e3, 3),
+                                     "first_get_ms": round((t2 - t1) * 1e3, 3)}
         return bufs[(size, batch)]
 
     def measure(transport: str, op: str, size: int, batch: int, n: int,
@@ -157,6 +163,7 @@ def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> 
             lat.append(time.perf_counter() - t)
         total = time.perf_counter() - t0
         rec = _record(transport, op, size, batch, lat, total)
+        rec.update(firsts.pop((id(c), size), {}))  # on the first record of a client and size
         # client CPU per key (all threads; includes building the key strings)
         rec["client_cpu_us_per_key"] = round(
             (time.process_time() - cpu0) / (n * batch) * 1e6, 2)

@@ -142,6 +142,7 @@ class SegmentHost:
             engine.add_local_segment(seg)
             inline.add_own(seg.segment_id, seg.array())
             desc = seg.descriptor(self.client_id, self.host_id, engine.endpoint)
+            desc.extra.update(engine.describe_extra(seg))  # the bulk port, ahead
             self.descs[desc.segment_id] = desc
             self._start_tier_runner()
         self.descs.update(self._create_file_segments(base_id))

@@ -363,15 +363,27 @@ class TransferEngine:
 
     # -- segments and buffers ---------------------------------------------------
     def add_local_segment(self, segment: LocalSegment) -> SegmentDescriptor:
-        """Serve ``segment`` (owned by this process) and make it addressable by id."""
+        """Serve ``segment`` (owned by this process) and make it addressable by id.
+        Returns the descriptor to publish (the master hands it to peers): with
+        :meth:`describe_extra`'s entries."""
         with self._lock:
             if segment.segment_id in self._local and self._local[segment.segment_id] is not segment:
                 raise TransferError(f"segment {segment.segment_id!r} already added",
                                     ErrorCode.SEGMENT_ALREADY_EXISTS, retryable=False)
             self._local[segment.segment_id] = segment
         desc = segment.descriptor(self.client_id, self._host_id, self.endpoint)
+        desc.extra.update(self.describe_extra(segment))
         self._warm_gpu(desc, segment)
         return desc
+
+    def describe_extra(self, segment: LocalSegment) -> dict[str, Any]:
+        """What this process adds to ``segment``'s descriptor ``extra`` for its
+        peers: the transfer server's bulk offer for a memory segment (a peer's
+        first tcp request then goes straight to the bulk socket, instead of
+        over ZeroMQ while it asks for the port)."""
+        if self._server is None or segment.kind != SegmentKind.MEMORY:
+            return {}
+        return self._server.bulk_extra()
 
     def remove_local_segment(self, segment_id: str) -> None:
         """Stop serving the segment (the caller still owns and closes it)."""

@@ -217,13 +217,27 @@ class TransferServer:
             self.requests_refused += 1
             self._reply(sock, ident, rid, exc.code, _msg(exc))
 
+    def bulk_offer(self, rid: int | None = 0) -> wire.BulkOffer:
+        """What ``ServerOp.BULK`` answers: the bulk port (0: none) and its limits.
+        Also published ahead in the ``extra["bulk"]`` of this server's memory
+        segments' descriptors, so a peer's first request need not ask."""
+        return wire.BulkOffer(rid, 0, bulk=self.bulk.port if self.bulk is not None else 0,
+                              max=int(self.config.max_request_bytes),
+                              hdr=int(self.config.max_header_bytes), caps=True)
+
+    def bulk_extra(self) -> dict[str, Any]:
+        """The ``extra`` entry of this server's memory segments' descriptors:
+        ``{"bulk": {...}}`` (see :func:`wire.bulk_hint`), {} without a bulk socket."""
+        if self.bulk is None:
+            return {}
+        o = self.bulk_offer()
+        return {"bulk": {"bulk": o.bulk, "max": o.max, "hdr": o.hdr, "caps": o.caps}}
+
     def _serve_control(self, sock: zmq.Socket, ident: Any, req: ServerRequest) -> None:
         """PING, STATS and BULK: no segment, no payload."""
         rep: wire.ServerReply
         if req.op == ServerOp.BULK:
-            rep = wire.BulkOffer(req.id, 0, bulk=self.bulk.port if self.bulk is not None else 0,
-                                 max=int(self.config.max_request_bytes),
-                                 hdr=int(self.config.max_header_bytes), caps=True)
+            rep = self.bulk_offer(req.id)
         elif req.op == ServerOp.STATS:
             rep = wire.StatsReply(req.id, 0, stats=self.stats())
         else:

@@ -45,6 +45,7 @@ __all__ = [
     "ServerReply",
     "ServerRequest",
     "StatsReply",
+    "bulk_hint",
     "decode_bulk_reply",
     "decode_bulk_request",
     "decode_reply",
@@ -184,6 +185,21 @@ def decode_reply(data: bytes | memoryview, offer: bool = False) -> ServerReply:
         return (_offer_decoder if offer else _rep_decoder).decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise _malformed("reply header", exc) from exc
+
+
+def bulk_hint(extra: Any) -> BulkOffer | None:
+    """The bulk offer a segment descriptor's ``extra["bulk"]`` publishes (the
+    owner's transfer server puts ``{"bulk", "max", "hdr", "caps"}`` there, as
+    :class:`BulkOffer` has them), or None when there is none or it does not
+    parse (the peer is then asked with ``ServerOp.BULK``)."""
+    hint = extra.get("bulk") if isinstance(extra, dict) else None
+    if not isinstance(hint, dict):
+        return None
+    try:
+        offer = msgspec.convert({"id": 0, "code": 0, **hint}, BulkOffer)
+    except (msgspec.ValidationError, TypeError):
+        return None
+    return offer if 0 < offer.bulk < 65536 and offer.max > 0 else None
 
 
 def decode_bulk_request(data: bytes | memoryview) -> BulkRequest:

@@ -9,6 +9,7 @@ import time
 import zlib
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -224,6 +225,52 @@ def test_lone_large_request_goes_over_parallel_stripes(make_engine: Any, make_pe
     assert tcp.stats()["bulk_requests"] == n0 + 4
 
 
+def test_first_request_takes_the_published_bulk_port(make_engine: Any,
+                                                     make_segment: Any) -> None:
+    """A memory segment's descriptor publishes its owner's bulk port: a peer's
+    very first request goes over the bulk socket (no ZeroMQ, no BULK query).
+    A stale port (the owner restarted) or a hint that does not parse costs
+    nothing but the fast path: the request is served over ZeroMQ, intact."""
+    srv = make_engine("host-srv")
+    seg = make_segment(4 * MiB)
+    desc = srv.add_local_segment(seg)
+    assert srv.server is not None and srv.server.bulk is not None
+    assert desc.extra["bulk"]["bulk"] == srv.server.bulk.port
+    assert wire.bulk_hint(desc.extra) == srv.server.bulk_offer()
+    src = np.random.default_rng(5).integers(0, 256, MiB, dtype=np.uint8)
+    cases = (("published", desc.extra),
+             ("stale port", {"bulk": {**desc.extra["bulk"], "bulk": _closed_port()}}),
+             ("unparseable", {"bulk": {"bulk": "x"}}))
+    for k, (what, extra) in enumerate(cases):
+        cli = make_engine(f"host-cli-{k}")
+        tcp = cli.transport("tcp")
+        asked: list[str] = []
+        query = tcp._query_bulk
+        tcp._query_bulk = lambda ep, t, q=query, a=asked: (a.append(ep), q(ep, t))[1]
+        cli.add_peer_segment(msgspec.structs.replace(desc, extra=extra))
+        off = k * MiB
+        for n in (4096, MiB):  # the lone-request path, then the routed one
+            st = cli.transfer([TransferRequest(W, src, desc.segment_id, off, n)], 10)
+            assert st[0].ok, (what, st)
+            assert seg.array()[off:off + n].tobytes() == src[:n].tobytes(), what
+            dst = np.zeros(n, np.uint8)
+            assert cli.transfer([TransferRequest(R, dst, desc.segment_id, off, n)], 10)[0].ok
+            assert dst.tobytes() == src[:n].tobytes(), what
+        bulk = tcp.stats()["bulk_requests"]
+        if what == "published":
+            assert bulk == 4 and asked == [], (what, bulk, asked)
+        else:  # served over ZeroMQ, the peer asked (in the background)
+            assert bulk < 4 and tcp.stats()["bytes_sent"] > 0, (what, bulk)
+            wait_until(lambda a=asked: a == [desc.endpoint], 5, "the BULK query")
+
+
+def _closed_port() -> int:
+    """A local TCP port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_lone_small_request_takes_one_idle_connection(make_engine: Any,
                                                       make_segment: Any) -> None:
     """A lone request to a peer whose bulk port is known goes straight over one
@@ -241,7 +288,8 @@ def test_lone_small_request_takes_one_idle_connection(make_engine: Any,
     assert srv.server is not None and srv.server.bulk is not None
     srv.server.verify_capability = verify
     cli = make_engine("host-cli", overrides={"transports": {"tcp": {"retries": 1}}})
-    cli.add_peer_segment(desc)
+    # a peer that publishes no bulk port in its descriptor (an older one)
+    cli.add_peer_segment(msgspec.structs.replace(desc, extra={}))
     tcp = cli.transport("tcp")
     src = np.random.default_rng(21).integers(0, 256, 2 * MiB, dtype=np.uint8)
     st = cli.transfer([TransferRequest(W, src, desc.segment_id, 0, 4096)], 10)

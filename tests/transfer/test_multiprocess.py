@@ -215,9 +215,10 @@ def test_server_stopped_mid_batch_fails_over_and_completes(make_engine: Any,
     peer.cmd("fill 13")
     e = make_engine("host-test", overrides={
         "rules": [{"name": "tcp-first", "kind": "memory", "transports": ["tcp", "shm"]}],
-        # small chunks, one in flight: the batch takes long enough to be cut mid-way
+        # ZeroMQ (the peer's bulk socket off), small chunks, one in flight: the
+        # batch takes long enough to be cut mid-way
         "transports": {"tcp": {"timeout_s": 10.0, "retries": 0, "chunk_size": "64KiB",
-                               "window": 1, "threads": 1}}})
+                               "window": 1, "threads": 1, "options": {"bulk": False}}}})
     e.add_peer_segment(peer.desc)
     dst = np.zeros(size, np.uint8)
     n = 64

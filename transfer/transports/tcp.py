@@ -6,7 +6,8 @@ sorts a sub-batch into what the peers' bulk sockets can take and the rest;
 plain TCP, in place, many ranges per round trip; one thread per extra peer so
 a silent peer does not hold up a live one); :class:`_ZmqRun` moves the rest
 over ZeroMQ (GPU buffers, peers with CURVE or without a bulk socket, the first
-requests to a peer while its bulk port is being asked). A lone request below
+requests to a peer whose descriptor does not publish its bulk port, while it is
+being asked). A lone request below
 the striping size, or a sub-batch of host-buffer requests that all name one
 segment (the pages of a KV batch), to a peer whose bulk port is known skips
 the steps and goes straight over one idle bulk connection
@@ -164,6 +165,7 @@ class _BulkPeer:
     max_bytes: int = 0  # largest single range
     max_header: int = 4096  # largest request header
     caps_table: bool = False  # takes a request's capability table
+    published: bool = False  # taken from a segment descriptor, not asked
 
 
 class TcpTransport(Transport):
@@ -307,7 +309,7 @@ class TcpTransport(Transport):
                 if ep and bulk_on and seg.kind == SegmentKind.MEMORY:
                     peer = peers.get(ep)
                     if peer is None:
-                        peer = peers[ep] = self._bulk_peer(ep)
+                        peer = peers[ep] = self._bulk_peer(ep, seg)
                     if peer.port > 0:
                         bulk_list = by_ep.setdefault(ep, [])
             if not ep:
@@ -321,22 +323,34 @@ class TcpTransport(Transport):
             rest.append(it)
         return {k: v for k, v in by_ep.items() if v}, rest
 
-    def _bulk_peer(self, endpoint: str) -> _BulkPeer:
+    def _bulk_peer(self, endpoint: str, seg: SegmentDescriptor | None = None) -> _BulkPeer:
         """What is known of the peer's bulk socket (port 0: none, not known yet, or
-        CURVE active towards it). Never blocks: an unknown peer is asked in the
-        background and served over ZeroMQ meanwhile."""
+        CURVE active towards it). Never blocks: a peer first met is taken at the
+        word of its segment descriptor (``extra["bulk"]``, published by its
+        owner), else asked in the background and served over ZeroMQ meanwhile.
+        A peer that failed (refused connection) is asked, not taken at its word."""
         now = time.monotonic()
+        curve = getattr(getattr(self, "ctx", None), "curve", None)
+        plain = curve is None or not curve.active(endpoint)
         with self._lock:
             peer = self._bulk_peers.get(endpoint)
             if peer is not None and (peer.port > 0 or now < peer.retry_at):
                 return peer
+            hint = wire.bulk_hint(seg.extra) if peer is None and seg is not None and plain \
+                else None
+            if hint is not None:
+                peer = self._bulk_peers[endpoint] = _BulkPeer(
+                    hint.bulk, 0.0, hint.max, hint.hdr or 4096, hint.caps, published=True)
+                return peer
             # negative until the answer arrives (or for _BULK_RETRY_S on failure)
             peer = self._bulk_peers[endpoint] = _BulkPeer(retry_at=now + _BULK_RETRY_S)
-        curve = getattr(getattr(self, "ctx", None), "curve", None)
-        if curve is None or not curve.active(endpoint):
-            threading.Thread(target=self._query_bulk, args=(endpoint, 1.0), daemon=True,
-                             name="kvpool-tcp-bulk-query").start()
+        if plain:
+            self._ask_bulk(endpoint)
         return peer
+
+    def _ask_bulk(self, endpoint: str) -> None:
+        threading.Thread(target=self._query_bulk, args=(endpoint, 1.0), daemon=True,
+                         name="kvpool-tcp-bulk-query").start()
 
     def _query_bulk(self, endpoint: str, timeout: float) -> None:
         with self._lock:
@@ -386,6 +400,8 @@ class TcpTransport(Transport):
             with self._lock:
                 self._bulk_peers[endpoint] = _BulkPeer(
                     retry_at=time.monotonic() + _BULK_RETRY_S)
+            if peer.published:  # a stale descriptor (the owner restarted?): ask the peer
+                self._ask_bulk(endpoint)
             return None
         with self._lock:
             if self.closed:
@@ -521,6 +537,8 @@ class TcpTransport(Transport):
         seg = it0.segment
         ep = seg.endpoint
         peer = self._bulk_peers.get(ep) if ep else None
+        if peer is None and ep and "bulk" in seg.extra:  # first met: its descriptor's word
+            peer = self._bulk_peer(ep, seg)
         if peer is None or peer.port <= 0 or seg.kind != SegmentKind.MEMORY \
                 or not self.settings.options.get("bulk", True):
             return False
