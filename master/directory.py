@@ -706,10 +706,12 @@ class Directory:
         attempts = 4
         for attempt in range(attempts):
             excl = list(taken)
+            full = 0  # candidates that had no room (the only shortfall eviction can mend)
             for seg in self._candidates(kind, n, preferred if attempt == 0 else [], excl):
                 before = seg.alloc.used
                 off = seg.alloc.allocate(size)
                 if off < 0:
+                    full += 1
                     continue
                 taken.append(seg)
                 excl.append(seg)
@@ -718,7 +720,10 @@ class Directory:
                 got += 1
                 if got == n:
                     break
-            if got == n or attempt == attempts - 1:
+            if got == n or attempt == attempts - 1 or not full:
+                # (every candidate took a replica: fewer segments than replicas,
+                # e.g. one of two holders suspect. Evicting cannot add a segment;
+                # it would only throw away other objects, put after put)
                 break
             # an allocation failed: make room (LRU eviction) and retry the rest;
             # freed space may be scattered, so each retry frees twice as much

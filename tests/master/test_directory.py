@@ -164,6 +164,29 @@ def test_soft_pinned_evicted_only_after_the_rest() -> None:
     assert d.pool_used[MEM] <= 64
 
 
+def test_more_replicas_than_segments_evicts_nothing() -> None:
+    """A put asking for more memory replicas than there are segments (one of
+    two holders suspect, or simply too few holders) gets what the segments
+    give, with room to spare: nothing else is evicted for the replica no
+    segment can take. (It did evict: each such put threw the previous
+    unleased objects away, put after put.)"""
+    d, _ = make(shard_bits=0)
+    mount(d, "a", 1 << 20)  # the only memory segment taking placements
+    for i in range(8):
+        assert put(d, f"k{i}", 4096, replica_num=2) == 0
+    assert all(f"k{i}" in d.objects for i in range(8))
+    assert all([s.id for s in d.objects[f"k{i}"].replicas[::2]] == ["a"] for i in range(8))
+    # a segment that is really full still makes room (LRU eviction), as before
+    d2, _ = make(shard_bits=0, eviction_high_watermark=1.0, eviction_ratio=0.0)
+    mount(d2, "x", 4096 * 4)
+    mount(d2, "y", 4096 * 8)
+    for i in range(4):
+        assert put(d2, f"k{i}", 4096, replica_num=2) == 0
+    assert put(d2, "new", 4096, replica_num=2) == 0
+    assert sorted(s.id for s in d2.objects["new"].replicas[::2]) == ["x", "y"]
+    assert "k0" not in d2.objects  # evicted on x to make the second replica's room
+
+
 def test_allocation_failure_triggers_eviction() -> None:
     d, _ = make(shard_bits=0, eviction_high_watermark=1.0, eviction_ratio=0.0)
     mount(d, "s", 64 * 4)
