@@ -330,12 +330,13 @@ class TcpTransport(Transport):
         owner), else asked in the background and served over ZeroMQ meanwhile.
         A peer that failed (refused connection) is asked, not taken at its word."""
         now = time.monotonic()
-        curve = getattr(getattr(self, "ctx", None), "curve", None)
-        plain = curve is None or not curve.active(endpoint)
         with self._lock:
             peer = self._bulk_peers.get(endpoint)
             if peer is not None and (peer.port > 0 or now < peer.retry_at):
                 return peer
+            # (the CURVE check only here: a known peer, the common case, skips it)
+            curve = getattr(getattr(self, "ctx", None), "curve", None)
+            plain = curve is None or not curve.active(endpoint)
             hint = wire.bulk_hint(seg.extra) if peer is None and seg is not None and plain \
                 else None
             if hint is not None:
