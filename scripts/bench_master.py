@@ -18,6 +18,9 @@ CPU-second with capabilities on; RSS <= 400 B per object at 1M objects.
   start it (wall and CPU: the key-list copy), the longest serialization slice,
   and the worst PING latency seen during vs. before the snapshot. Wall-clock
   numbers are only meaningful on an idle box (the 1-min load is recorded).
+- ``python_loop_us`` (start, end): a fixed pure-Python loop timed beside the
+  run (scripts/bench_host.py): per-CPU-second numbers of different days
+  compare through it (this VM's speed varies up to ~2x).
 
 Usage: scripts/bench_master.py --json OUT [--objects 1000000] [--seconds 2]
 Profiling: scripts/bench_master.py --quick --batches 128 --ops put --seconds 20
@@ -37,6 +40,7 @@ import time
 from typing import Any
 
 import psutil
+from bench_host import python_loop_us
 
 from kvpool.cluster.processes import MasterProcess
 from kvpool.core.protocol import (
@@ -198,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     op_names = args.ops.split(",")
 
     results: dict[str, Any] = {"targets": TARGETS, "objects": args.objects,
-                               "key_length": 40, "cpus": os.cpu_count()}
+                               "key_length": 40, "cpus": os.cpu_count(),
+                               "python_loop_us_start": python_loop_us()}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-master-") as data:
         with MasterProcess(data_dir=data, client_ttl_s=3600, start_timeout_s=300,
                            extra_args=["--snapshot-interval-s", "0", "--journal-fsync",
@@ -227,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             results["ops"] = phases
             if args.quick:
                 print(json.dumps(phases, indent=2))
+                print(f"python_loop {results['python_loop_us_start']} us at the start, "
+                      f"{python_loop_us()} us at the end (bench_host)", file=sys.stderr)
                 return 0
             c.call(RemoveAll(force=True))
             time.sleep(0.2)
@@ -277,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "snapshot_max_slice_ms": results["snapshot"]["max_step_ms"],
         "snapshot_max_slice_cpu_ms": results["snapshot"]["max_step_cpu_ms"],
         "loadavg_1m": os.getloadavg()[0],
+        "python_loop_us": [results["python_loop_us_start"], python_loop_us()],
         "snapshot_ping_max_ms": results["snapshot"]["ping_max_ms_during"],
     }
     out = json.dumps(results, indent=2)

@@ -10,7 +10,11 @@ another process) are measured in the same run as the limits.
 
 Writes a JSON list of records ``{transport, op, size, batch, gbps, ops_per_s,
 p50_us, p99_us}`` (limits have transport ``memcpy`` / ``socket``), prints a
-table and the targets:
+table and the targets. The store's records also carry ``client_cpu_us_per_key``
+and ``host_steal_pct`` (the share of the VM's CPU time its hypervisor gave to
+others during the measurement); two records of transport ``host``, op
+``python_loop`` (at the start and the end) time a fixed pure-Python loop, so
+runs on machines or days of different speed compare. Targets:
 
 - 16 MiB shm get_into >= 0.7x memcpy; 16 MiB tcp get_into >= 0.8x socket;
 - 4 KiB shm batch (batch_get_into / batch_put_from) >= 100k keys/s;
@@ -53,6 +57,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+from bench_host import host_cpu, python_loop_us, steal_pct
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 SINGLE_OPS = ["put", "get", "put_from", "get_into"]
@@ -64,6 +69,28 @@ WRITE_OF = {"get": "put", "get_into": "put_from", "get_batch": "put_batch",
 
 def _iters(size: int, budget_bytes: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, budget_bytes // size))
+
+
+def python_loop_record(when: str) -> dict[str, Any]:
+    """bench_host.python_loop_us as a record (transport "host", op "python_loop",
+    p50_us the loop's time): runs on days or minutes of different speed compare
+    through it."""
+    us = python_loop_us()
+    return {"transport": "host", "op": "python_loop", "size": 0, "batch": 1, "gbps": 0.0,
+            "ops_per_s": round(1e6 / us, 1), "p50_us": us, "p99_us": us, "when": when}
+
+
+def _host_info(records: list[dict[str, Any]]) -> list[tuple[str, float, float, bool]]:
+    """Info lines (not targets) on the machine during the run: the worst CPU steal
+    of a kvpool measurement, and the python_loop time at the start and end."""
+    out: list[tuple[str, float, float, bool]] = []
+    steals = [r["host_steal_pct"] for r in records if "host_steal_pct" in r]
+    if steals:
+        out.append(("host CPU stolen, worst measurement % (info)", max(steals), 0.0, True))
+    for r in records:
+        if r["transport"] == "host" and r["op"] == "python_loop":
+            out.append((f"python_loop us at {r['when']} (info)", r["p50_us"], 0.0, True))
+    return out
 
 
 def _record(transport: str, op: str, size: int, batch: int, lat: list[float],
@@ -136,6 +163,7 @@ def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> 
         values = [a.tobytes() for a in arrs] if op in ("put", "put_batch") else []
         lat: list[float] = []
         cpu0 = time.process_time()  # every thread of this client process
+        host0 = host_cpu()
         t0 = time.perf_counter()
         for i in range(n):
             keys = [f"{tag}/{i}/{j}" for j in range(batch)]
@@ -167,6 +195,7 @@ def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> 
         # client CPU per key (all threads; includes building the key strings)
         rec["client_cpu_us_per_key"] = round(
             (time.process_time() - cpu0) / (n * batch) * 1e6, 2)
+        rec["host_steal_pct"] = steal_pct(host0, host_cpu())
         return rec
 
     try:
@@ -520,7 +549,7 @@ def targets(records: list[dict[str, Any]], batch: int) -> list[tuple[str, float,
     r = _find(records, "shm", "put", 4096)
     if r:
         out.append(("4KiB shm put p50 us", r["p50_us"], 80, r["p50_us"] <= 80))
-    return out
+    return out + _host_info(records)
 
 
 def table(records: list[dict[str, Any]]) -> str:
@@ -1389,7 +1418,7 @@ def xhost_targets(records: list[dict[str, Any]], batch: int) -> list[tuple[str, 
                     ref is None or per_gib["tcp"] <= 1.5 * ref))
         if "mooncake" in per_gib:
             out.append(("Mooncake retransmits per GiB (info)", per_gib["mooncake"], 0.0, True))
-    return out
+    return out + _host_info(records)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1438,7 +1467,9 @@ def main(argv: list[str] | None = None) -> int:
     args.transports = [t for t in args.transports.split(",") if t]
     args.bytes_per_op = parse_size(args.bytes_per_op)
     args.ops = [o for o in args.ops.split(",") if o]
+    calib = python_loop_record("start")
     records = run_cross_host(args) if args.cross_host else run(args)
+    records = [calib, *records, python_loop_record("end")]
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(records, f, indent=1)
