@@ -57,7 +57,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-from bench_host import host_cpu, python_loop_us, steal_pct
+from bench_host import host_cpu, process_cpu_s, python_loop_us, steal_pct
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 SINGLE_OPS = ["put", "get", "put_from", "get_into"]
@@ -1181,17 +1181,6 @@ class _MooncakeSide:
             self.topo.kill(p)
 
 
-def _proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system, all threads) of a process so far; 0 if gone.
-    Processes in other network namespaces share this one's /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _xhost_ops(topo: Any, args: argparse.Namespace, transport: str,
                workers: dict[str, _NsProc], remove_all: Any, holder_bytes: int,
                size: int, cpu_pids: dict[str, int] | None = None) -> list[dict[str, Any]]:
@@ -1216,7 +1205,7 @@ def _xhost_ops(topo: Any, args: argparse.Namespace, transport: str,
                 tag = f"x/{op}/{size}/{batch}"
                 role = "putter"
             ctr = _Counters(hosts)
-            cpu0 = {r: _proc_cpu(pid) for r, pid in cpu_pids.items()}
+            cpu0 = {r: process_cpu_s(pid) for r, pid in cpu_pids.items()}
             try:
                 rec = workers[role].ask("run", transport, op, size, batch, n, tag,
                                         timeout=args.op_timeout)
@@ -1228,7 +1217,7 @@ def _xhost_ops(topo: Any, args: argparse.Namespace, transport: str,
                                 "error": str(exc)})
                 continue
             for r, pid in cpu_pids.items():  # includes the worker's own setup calls
-                rec[f"{r}_cpu_us_per_key"] = round((_proc_cpu(pid) - cpu0[r]) / (n * batch)
+                rec[f"{r}_cpu_us_per_key"] = round((process_cpu_s(pid) - cpu0[r]) / (n * batch)
                                                    * 1e6, 2)
             rec["tcp"] = ctr.delta()
             rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
