@@ -232,8 +232,13 @@ def main(argv: list[str] | None = None) -> int:
             results["ops"] = phases
             if args.quick:
                 print(json.dumps(phases, indent=2))
-                print(f"python_loop {results['python_loop_us_start']} us at the start, "
-                      f"{python_loop_us()} us at the end (bench_host)", file=sys.stderr)
+                results["python_loop_us"] = [results["python_loop_us_start"], python_loop_us()]
+                print(f"python_loop {results['python_loop_us'][0]} us at the start, "
+                      f"{results['python_loop_us'][1]} us at the end (bench_host)",
+                      file=sys.stderr)
+                if args.json:  # the phases only: no RSS, snapshot or targets
+                    with open(args.json, "w") as f:
+                        f.write(json.dumps(results, indent=2) + "\n")
                 return 0
             c.call(RemoveAll(force=True))
             time.sleep(0.2)
