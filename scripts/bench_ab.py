@@ -1,11 +1,11 @@
 """Interleaved A/B runs of the benchmarks: a base tree against the working tree.
 
 The machines these benchmarks run on change speed by up to 2x within minutes
-(docs/BENCHMARKS.md, "How fast the machine is"), so two trees compare only
+(docs/BENCHMARKS.md, "The machine's speed"), so two trees compare only
 when their runs interleave: base, head, base, head, ... for N rounds, each
 benchmark in turn. Each tree runs its *own* scripts against its *own* kvpool,
 under this interpreter and its installed dependencies: a link tree
-``<work>/<side>/py/kvpool/<layer> -> <tree>/<folder>``, built from the tree's
+``<work>/<side>-py/kvpool/<layer> -> <tree>/<folder>``, built from the tree's
 ``pyproject.toml`` package-dir mapping, goes first on PYTHONPATH (inherited by
 every process a benchmark starts), where it wins over an installed or
 editable kvpool. So the base needs no venv and no install: this runs offline
