@@ -157,6 +157,14 @@ class Row:
             return None
         return h / b
 
+    @property
+    def overlap(self) -> bool | None:
+        """Whether the two sides' ranges overlap (a verdict that may be the
+        machine's, not the code's); None with fewer than two runs a side."""
+        if len(self.base) < 2 or len(self.head) < 2:
+            return None
+        return max(self.base) >= min(self.head) and max(self.head) >= min(self.base)
+
     def verdict(self, band: float) -> str:
         if self.kind != "code":
             return f"({self.kind})"
@@ -167,7 +175,7 @@ class Row:
                 "kind": self.kind, "base": self.base, "head": self.head,
                 "base_median": self.base_median, "head_median": self.head_median,
                 "ratio": None if self.ratio is None else round(self.ratio, 4),
-                "verdict": self.verdict(band)}
+                "verdict": self.verdict(band), "ranges_overlap": self.overlap}
 
 
 def verdict(metric: str, base: float | None, head: float | None, band: float) -> str:
@@ -313,8 +321,9 @@ def _fmt(v: float | None) -> str:
 
 def format_table(rows: Sequence[Row], band: float) -> str:
     """Markdown: per benchmark a heading and a table of record, metric, base median
-    [min-max], head median [min-max], head / base and verdict; the judged rows
-    first, then the limits and the machine yardsticks."""
+    [min-max], head median [min-max], head / base, verdict and whether the two
+    ranges overlap; the judged rows first, then the limits and the machine
+    yardsticks."""
     order = {"code": 0, "limit": 1, "machine": 2}
     out: list[str] = []
 
@@ -327,11 +336,12 @@ def format_table(rows: Sequence[Row], band: float) -> str:
     for bench in dict.fromkeys(r.bench for r in rows):
         out += [f"### {bench}", "",
                 "| record | metric | base median [range] | head median [range] | head/base "
-                "| verdict |", "|---|---|---|---|---|---|"]
+                "| verdict | ranges overlap |", "|---|---|---|---|---|---|---|"]
         for r in sorted((r for r in rows if r.bench == bench), key=lambda r: order[r.kind]):
             ratio = "-" if r.ratio is None else f"{r.ratio:.3f}"
+            overlap = {None: "-", True: "yes", False: "no"}[r.overlap]
             out.append(f"| {r.record} | {r.metric} | {side(r.base)} | {side(r.head)} | "
-                       f"{ratio} | {r.verdict(band)} |")
+                       f"{ratio} | {r.verdict(band)} | {overlap} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
 
@@ -533,6 +543,12 @@ def main(argv: list[str] | None = None) -> int:
                   for v in ("within", "better", "WORSE", "missing", "?")}
         summary = (f"{len(judged)} judged rows, band +-{args.band:.0%}: "
                    + ", ".join(f"{n} {v}" for v, n in counts.items() if n))
+        drift = [r for r in rows if r.record.startswith("ab python_loop")
+                 and r.ratio is not None and abs(r.ratio - 1) > args.band]
+        if drift:
+            summary += ("; the machine's speed differed between the sides (python_loop "
+                        + ", ".join(f"{_fmt(r.base_median)} vs {_fmt(r.head_median)} us"
+                                    for r in drift) + "): more rounds, or --abba")
         print(summary)
         if args.markdown:
             args.markdown.write_text(table + "\n\n" + summary + "\n")

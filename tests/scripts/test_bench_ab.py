@@ -116,12 +116,14 @@ def test_summarize_medians_ratios_and_kinds(ab: ModuleType) -> None:
     table = ab.format_table(ab.summarize(runs), 0.05)
     lines = table.splitlines()
     assert lines[0] == f"### {bench}"
-    judged = [i for i, line in enumerate(lines) if line.endswith(("| better |", "| within |",
-                                                                  "| WORSE |"))]
-    shown = [i for i, line in enumerate(lines) if line.endswith(("(limit) |", "(machine) |"))]
+    judged = [i for i, line in enumerate(lines)
+              if any(f"| {v} |" in line for v in ("better", "within", "WORSE"))]
+    shown = [i for i, line in enumerate(lines) if "(limit) |" in line or "(machine) |" in line]
     assert judged and shown and max(judged) < min(shown)  # judged rows first
     assert "| tcp batch_put_from 4K x32 | ops_per_s | 30,000 [28,000-32,000] | " \
-           "37,000 [36,000-38,000] | 1.233 | better |" in lines
+           "37,000 [36,000-38,000] | 1.233 | better | no |" in lines
+    assert put.overlap is False and p50.overlap is False
+    assert rows[("tcp get_into 16M", "gbps")].overlap is True
 
 
 def test_bench_command_line(ab: ModuleType, tmp_path: Path) -> None:
