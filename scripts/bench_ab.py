@@ -47,6 +47,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench_host import python_loop_us  # scripts/ is sys.path[0] when run as a script
+
 __all__ = [
     "DEFAULT_BENCHES",
     "HIGHER_BETTER",
@@ -408,17 +410,6 @@ def link_tree(tree: Path, dest: Path) -> Path:
     for layer, folder in layers.items():
         (pkg / layer).symlink_to((tree / folder).resolve(), target_is_directory=True)
     return dest
-
-
-def python_loop_us() -> float:
-    """``sum(range(1000))`` in µs, best of 5 x 2000 (scripts/bench_host.py's yardstick)."""
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(2000):
-            sum(range(1000))
-        best = min(best, (time.perf_counter() - t) / 2000)
-    return round(best * 1e6, 2)
 
 
 def _load_output(json_path: Path, stdout: str) -> Any:

@@ -17,6 +17,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_ab.py"
 
 @pytest.fixture(scope="module")
 def ab() -> ModuleType:
+    if str(SCRIPT.parent) not in sys.path:  # bench_ab imports bench_host beside it
+        sys.path.append(str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("bench_ab", SCRIPT)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
