@@ -89,12 +89,13 @@ class _Trace:
 
     STEPS = (("kvpool.connector.load", "LoadPipeline",
               ("start", "plan", "fetch", "_prepare_scatter", "finish_group", "_scatter")),
-             ("kvpool.store.client", "Client",
-              ("batch_get_into_parts", "_locate_many", "_plan_reads", "_read_plans")),
+             ("kvpool.store.pipelined", "Pipelined", ("read",)),
+             ("kvpool.store.session", "MasterSession", ("locate",)),
+             ("kvpool.store.reads", "Reads", ("locations", "read")),
              ("kvpool.core.rpc_client", "MasterClient", ("call",)),
              ("kvpool.connector.layout", "ObjectLayout",
               ("scatter", "prepare_scatter", "_run_view", "_index")),
-             ("kvpool.transfer.engine", "TransferEngine", ("copy_gpu_shm",)))
+             ("kvpool.transfer.runner", "BatchRunner", ("run",)))
 
     def __init__(self) -> None:
         import importlib
@@ -428,9 +429,6 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
     import kvpool.connector.geometry as geometry
 
     ramped = geometry.layer_ranges
-    import kvpool.store.client as store_client
-
-    split = store_client.SPLIT_PART_LOCATE
     import kvpool.connector.load as load_mod
 
     handoff_max = load_mod.HANDOFF_MAX_S
@@ -446,12 +444,12 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
         load_mod.HANDOFF_MAX_S = handoff_max if handoff == "scatter" else 0.0
         # "even": the same run with equal layer groups, for comparison
         geometry.layer_ranges = ramped if layout == "short-first" else _even_layer_ranges
-        # "split": part 0's keys located first, the rest's while it moves; "one": one RPC
-        store_client.SPLIT_PART_LOCATE = locate == "split"
         ks = KeySpace(f"gpu-pipe-g{groups}-{layout}-{locate}-w{word}-{handoff}-{first_copy}"
                       f"-{lookup}", "bfloat16", N, ct)
+        # "split": part 0's keys located first, the rest's while it moves; "one": one RPC
         cfg = ConnectorConfig(master_address=address, chunk_size=ct, layer_groups=groups,
-                              load_or_recompute=False, load_timeout_s=30.0)
+                              load_or_recompute=False, load_timeout_s=30.0,
+                              client_overrides={"split_first_locate": locate == "split"})
         w = KVPoolWorker(cfg, ks, StoreAccess(cfg), heads=HeadSpec(0, H, H, True))
         w.register_kv_caches(caches)
         objects = w.geo.objects if w.geo else None
@@ -592,7 +590,6 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
         if sched is not None:
             sched.store.close()
     geometry.layer_ranges = ramped
-    store_client.SPLIT_PART_LOCATE = split
     load_mod.HANDOFF_MAX_S = handoff_max
     load_mod.FIRST_COPY_AHEAD = True
     return out

@@ -46,7 +46,8 @@ def _put_breakdown(c: Any, transport: str, hs: list[Any]) -> dict[str, float]:
     """Median microseconds per single put_from spent in master calls and in the
     copy (the client's own methods wrapped with timers), and in total."""
     phases: dict[str, list[float]] = {"master": [], "copy": [], "total": []}
-    orig_call, orig_copy = c._call, c._copy_batch
+    session, writes = c._parts.session, c._parts.writes
+    orig_call, orig_copy = session.call, writes._write
 
     def timed(name: str, fn: Any) -> Any:
         def run(*a: Any, **k: Any) -> Any:
@@ -57,14 +58,14 @@ def _put_breakdown(c: Any, transport: str, hs: list[Any]) -> dict[str, float]:
                 phases[name].append(time.perf_counter() - t0)
         return run
 
-    c._call, c._copy_batch = timed("master", orig_call), timed("copy", orig_copy)
+    session.call, writes._write = timed("master", orig_call), timed("copy", orig_copy)
     try:
         for i in range(ITERS):
             t = time.perf_counter()
             c.put_from(f"{transport}/timed/{i}", hs[i % BATCH])
             phases["total"].append(time.perf_counter() - t)
     finally:
-        c._call, c._copy_batch = orig_call, orig_copy
+        del session.call, writes._write
     calls = len(phases["master"]) / ITERS
     out = {k: round(1e6 * statistics.median(v), 1) for k, v in phases.items() if v}
     out["master_calls_per_put"] = calls

@@ -20,12 +20,14 @@ __all__ = [
     "alloc_bytes",
     "buffer_nbytes",
     "checksum_of",
+    "host_array",
     "host_view",
     "is_gpu_buffer",
     "resolve_checksum_algo",
 ]
 
 _ndarray = np.ndarray
+_U8 = np.dtype(np.uint8)
 # Offset of ob_sval inside a CPython bytes object (header size of b"" minus its NUL).
 _BYTES_HEADER = sys.getsizeof(b"") - 1
 
@@ -102,6 +104,41 @@ def alloc_bytes(n: int) -> tuple[bytes, tuple[int, int]]:
     """
     b = bytes(n)
     return b, (id(b) + _BYTES_HEADER, n)
+
+
+def host_array(buf: Any) -> np.ndarray | None:
+    """A flat uint8 numpy view of a host buffer, or None (GPU, non-contiguous, unknown)."""
+    try:
+        if type(buf) is np.ndarray and buf.dtype is _U8 and buf.ndim == 1 \
+                and buf.strides[0] == 1:  # the common case: a flat uint8 array
+            return buf
+        if type(buf) is BufferHandle:  # a registered buffer (the other common case)
+            arr = buf.array
+            if buf.device == "cuda" or not isinstance(arr, np.ndarray):
+                return None
+            return arr if arr.size == buf.length else buf.host_view(0, buf.length)
+        if isinstance(buf, bytes | bytearray):
+            return np.frombuffer(buf, dtype=np.uint8)
+        if isinstance(buf, np.ndarray):
+            if not buf.flags.c_contiguous:
+                return None
+            return buf.reshape(-1).view(np.uint8)
+        if isinstance(buf, tuple) and len(buf) == 2:
+            addr, n = int(buf[0]), int(buf[1])
+            if n == 0:
+                return np.empty(0, np.uint8)
+            return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
+        if isinstance(buf, memoryview):
+            return np.frombuffer(buf, dtype=np.uint8) if buf.c_contiguous else None
+        host_view = getattr(buf, "host_view", None)
+        if host_view is not None and hasattr(buf, "is_gpu"):  # transfer BufferHandle
+            arr = getattr(buf, "array", None)
+            if buf.is_gpu or not isinstance(arr, np.ndarray):
+                return None
+            return arr if arr.size == buf.length else host_view(0, buf.length)
+    except (TypeError, ValueError, AttributeError, BufferError):
+        return None
+    return None
 
 
 def resolve_checksum_algo(name: str) -> str | None:

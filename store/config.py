@@ -109,11 +109,13 @@ class ClientConfig:
     verify_checksum: bool = setting(
         True, help="verify a recorded checksum on every get (host buffers)")
     inline_shm: bool = setting(
-        True, help="same-host shared-memory copies of host buffers run inline in the calling "
-        "thread (the shm transport's memcpy minus its thread hop) whenever the selector rules "
-        "would pick shm first; false = always the transfer engine. The inline path maps "
-        "same-host segments directly and carries no capability: shm segments are mode 0600, so "
-        "only the same user on the same host can map them (docs/security.md)")
+        True, help="deprecated, ignored: a same-host shared-memory copy runs on the "
+        "calling thread whenever the caller waits for it (the transfer engine's one path)")
+    split_first_locate: bool = setting(
+        True, help="pipelined reads (batch_get_into_parts: the vLLM connector's loads) "
+        "locate the first stage's keys by a master call of their own and the rest by a "
+        "second call from a helper thread while the first stage moves; false = one call "
+        "for all")
     curve: CurveConfig = setting(
         default_factory=CurveConfig,
         help="authentication (ZeroMQ CURVE towards the master and on/towards transfer "

@@ -1,6 +1,13 @@
-"""Keys located once, read later, possibly by another process of the same host.
+"""Located objects: where a key's bytes can be read from, until when.
 
-A :class:`Located` is one BATCH_GET_REPLICA_LIST reply with the keys it
+A :class:`Location` is one key as every read sees it: its code (OK, or why it
+cannot be read), size, checksum, the end of its read lease, its complete
+replicas nearest first and the capability tokens they point at. Every read
+form of the store client locates its keys into Locations and reads them with
+one loop (:mod:`kvpool.store.reads`).
+
+Keys located once may be read later, possibly by another process of the same
+host. A :class:`Located` is one BATCH_GET_REPLICA_LIST reply with the keys it
 answers and the end of the read lease it granted. The reply carries every
 replica's descriptor and the capability tokens (bearer grants) that cover
 them, so whoever holds it can read those keys without asking the master
@@ -21,9 +28,25 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
+from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import BatchGetReplicaListReply, ReplicaDescriptor
 
-__all__ = ["Located", "boot_id"]
+__all__ = ["Located", "Location", "boot_id"]
+
+
+class Location(msgspec.Struct):
+    """One located key: ``code`` OK with its ``size``, ``checksum``, read-lease
+    ``deadline`` (``time.monotonic()``), complete ``replicas`` nearest first
+    and the capability tokens (``caps``) they point at; or why not."""
+
+    code: ErrorCode
+    size: int = 0
+    checksum: str | None = None
+    deadline: float = 0.0
+    replicas: list[ReplicaDescriptor] = msgspec.field(default_factory=list)
+    caps: list[bytes] = msgspec.field(default_factory=list)
 
 _BOOT_ID: str | None = None
 

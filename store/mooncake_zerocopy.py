@@ -428,7 +428,8 @@ class ZeroCopyCalls(MooncakeCore):
                     continue
                 out[i] = sum(int(s) for s in sizes)
                 for p, s, o in zip(ptrs, sizes, offs, strict=True):
-                    writes.append(RangeWrite(self._slice(p, s), rv.replicas, int(o), int(s)))
+                    writes.append(RangeWrite(self._slice(p, s), rv.replicas, int(o), int(s),
+                                             rv.caps))
                     owner.append(i)
             done = client.write_ranges(writes) if writes else []
         except KVPoolError as exc:

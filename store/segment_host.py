@@ -30,7 +30,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -58,37 +57,27 @@ _GUARD_RESPAWN_S = 10.0  # a guard that died is replaced at most this often
 _GUARD_READY_S = 30.0  # ... as is one that has not answered `ready` by then
 
 
-def _weak_callable(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any] | None]:
-    """A weak reference to ``fn`` (a bound method: weak to its object)."""
-    if hasattr(fn, "__self__"):
-        return weakref.WeakMethod(fn)  # type: ignore[arg-type]
-    return lambda: fn
-
-
 class SegmentHost:
     """Segments one client owns, their mount, liveness and release (module docstring).
 
-    ``new_master()`` makes a master RPC stub; ``learn_segments(descs)`` hands
-    peer segment descriptors (``{segment_id: descriptor}``) to the client's cache
-    (held weakly). Lifecycle: :meth:`create_segments` (optional),
+    ``new_master()`` makes a master RPC stub. The descriptors of the segments
+    it owns are the engine's segment registry's (``descs``). Lifecycle:
+    :meth:`create_segments` (optional),
     :meth:`start`, then :meth:`stop`, :meth:`unmount`, :meth:`detach`,
     :meth:`release_segments`, :meth:`close_stubs` (the client's close).
     """
 
     def __init__(self, config: ClientConfig, client_id: str, host_id: str,
-                 new_master: Callable[[], MasterClient],
-                 learn_segments: Callable[[dict[str, SegmentDescriptor]], None]) -> None:
+                 new_master: Callable[[], MasterClient]) -> None:
         self.config = config
         self.client_id = client_id
         self.host_id = host_id
         self.pid = os.getpid()  # a forked child's copy releases nothing of ours
         self._new_master = new_master
-        self._learn_ref = _weak_callable(learn_segments)
         self.master: MasterClient | None = None  # mounts and unmounts
         self.ping_master: MasterClient | None = None  # the ping thread's own stub
         self.engine: Any = None
         self.segments: list[Any] = []  # MemorySegment / FileSegment we own
-        self.descs: dict[str, SegmentDescriptor] = {}
         self.tier_runner: Any = None  # store.tier_tasks.TierTaskRunner (segment owners)
         self._stop = threading.Event()
         self._wake = threading.Event()  # ping now (the tier runner drained its tasks)
@@ -100,6 +89,11 @@ class SegmentHost:
         self.orphans_reaped = 0
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def descs(self) -> dict[str, SegmentDescriptor]:
+        """The descriptors of the segments this client owns, as published."""
+        return {} if self.engine is None else self.engine.registry.own()  # type: ignore[no-any-return]
 
     @property
     def segment_ids(self) -> list[str]:
@@ -117,16 +111,11 @@ class SegmentHost:
             self.ping_master = self._new_master()
         self.ping_master.call(Ping(self.client_id))
 
-    def _learn(self, descs: dict[str, SegmentDescriptor]) -> None:
-        fn = self._learn_ref()
-        if fn is not None:
-            fn(descs)
-
-    def create_segments(self, engine: Any, inline: Any, base_id: str) -> None:
+    def create_segments(self, engine: Any, base_id: str) -> None:
         """Create the memory and file segments the config asks for and add
-        them to ``engine`` (and ``inline``'s own-segment table). A
-        segment-owning client first starts its guard process (its start-up
-        overlaps the segment's pre-fault) and removes orphans on this host."""
+        them to ``engine``. A segment-owning client first starts its guard
+        process (its start-up overlaps the segment's pre-fault) and removes
+        orphans on this host."""
         import kvpool.transfer as transfer
 
         cfg = self.config
@@ -136,18 +125,13 @@ class SegmentHost:
             self._spawn_guard()
         if cfg.memory_size > 0:
             self.reap_orphans()
-        if cfg.memory_size > 0:
             seg = transfer.MemorySegment.create(base_id, cfg.memory_size, prefault=cfg.prefault)
             self.segments.append(seg)
-            engine.add_local_segment(seg)
-            inline.add_own(seg.segment_id, seg.array())
-            desc = seg.descriptor(self.client_id, self.host_id, engine.endpoint)
-            desc.extra.update(engine.describe_extra(seg))  # the bulk port, ahead
-            self.descs[desc.segment_id] = desc
+            engine.add_local_segment(seg)  # published with the bulk port, ahead
             self._start_tier_runner()
-        self.descs.update(self._create_file_segments(base_id))
+        self._create_file_segments(base_id)
 
-    def _create_file_segments(self, base_id: str) -> dict[str, SegmentDescriptor]:
+    def _create_file_segments(self, base_id: str) -> None:
         """Create or reopen the SSD-tier FILE segment (``disk_dir``/``disk_size``).
 
         An existing segment file in ``disk_dir`` is reopened (warm restart:
@@ -157,27 +141,23 @@ class SegmentHost:
         """
         cfg = self.config
         if not cfg.disk_dir or cfg.disk_size <= 0:
-            return {}
+            return
         from kvpool.transfer.file_segment import FileSegment
 
         seg = FileSegment.create(f"{base_id}:disk", cfg.disk_dir, cfg.disk_size)
         self.segments.append(seg)
         self.engine.add_local_segment(seg)
-        desc = seg.descriptor(self.client_id, self.host_id, self.engine.endpoint)
         if self.tier_runner is None:
             self._start_tier_runner()
-        return {desc.segment_id: desc}
 
     def _start_tier_runner(self) -> None:
         """The node side of the SSD tier: run the copy tasks (offload,
         promotion) the master hands out in PING replies."""
         from kvpool.store.tier_tasks import TierTaskRunner
 
-        learn = self._learn
         self.tier_runner = TierTaskRunner(
             self.engine, self._new_master(),
             self.client_id,
-            learn_segment=lambda d: learn({d.segment_id: d}),
             transfer_timeout_s=self.config.transfer_timeout_s,
             on_drained=self._wake.set)  # fetch the next tasks without waiting a ping interval
 
@@ -362,8 +342,8 @@ class SegmentHost:
         """Unmount the memory segments at the master (best effort)."""
         if self.master is None:
             return
-        for seg_id in list(self.descs):
-            if self.descs[seg_id].kind == SegmentKind.FILE:
+        for seg_id, desc in self.descs.items():
+            if desc.kind == SegmentKind.FILE:
                 # the SSD tier outlives this process: the master keeps the
                 # segment awaiting us and a restart on the same disk dir
                 # re-adopts its objects (warm restart)

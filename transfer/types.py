@@ -7,9 +7,10 @@ an offset inside the segment's usable region and a length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Any
+
+import msgspec
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 
@@ -54,15 +55,26 @@ class TransferError(KVPoolError):
         self.retryable = retryable
 
 
-@dataclass(slots=True)
-class TransferRequest:
-    """One copy between a buffer slice and a segment range.
+class TransferRequest(msgspec.Struct, eq=False):
+    """One copy between a buffer slice and a segment range: the one request
+    form from the caller to the transports (and, for tcp, the wire).
 
-    ``offset`` is relative to the segment's usable region (the engine adds the
-    descriptor's ``base_offset``). ``buffer`` is anything
+    The caller sets the first eight fields. ``offset`` is relative to the
+    segment's usable region (add the descriptor's ``base_offset`` for the
+    absolute position). ``buffer`` is anything
     :func:`kvpool.transfer.buffers.as_buffer` accepts, or a ``BufferHandle``.
     ``transport`` forces a transport by name (overrides the selector rules).
-    ``capability`` is an opaque token the segment owner may verify (docs/security.md).
+    ``capability`` is an opaque token the segment owner may verify
+    (docs/security.md).
+
+    The engine *resolves* a request when it takes it: it replaces ``buffer``
+    by its ``BufferHandle`` and fills in the rest, which the transports read:
+    ``index`` (the position in its batch), ``segment`` (the descriptor the
+    request goes by), ``same_host``, ``local`` (the segment object when this
+    process owns it) and ``independent`` (the batch was submitted inside
+    :func:`kvpool.transfer.gpu.independent_copies`). A request belongs to one
+    batch at a time. (A msgspec Struct: made per key on hot paths, it costs
+    a third of a dataclass.)
     """
 
     op: TransferOp
@@ -73,10 +85,20 @@ class TransferRequest:
     buffer_offset: int = 0
     transport: str | None = None
     capability: bytes = b""
+    # resolved by the engine (see above)
+    index: int = 0
+    segment: Any = None  # SegmentDescriptor
+    same_host: bool = False
+    local: Any = None  # LocalSegment | None
+    independent: bool = False
+
+    @property
+    def device(self) -> str:
+        """"cpu" or "cuda": where the (resolved) buffer lives."""
+        return self.buffer.device  # type: ignore[no-any-return]
 
 
-@dataclass(slots=True)
-class RequestStatus:
+class RequestStatus(msgspec.Struct, eq=False):
     """Where one request stands: ``transport`` is the one that served it (DONE)
     or tried last (FAILED); ``errors`` lists every failed attempt in order as
     ``"<transport>: <message>"``; ``code`` is OK when DONE, else the last error."""
@@ -84,7 +106,7 @@ class RequestStatus:
     state: RequestState = RequestState.PENDING
     transport: str | None = None
     code: ErrorCode = ErrorCode.OK
-    errors: list[str] = field(default_factory=list)
+    errors: list[str] = msgspec.field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -102,7 +102,7 @@ def write_main(url: str, bind_host: str) -> int:
             except KVPoolError as exc:
                 ok, code = False, int(exc.code)
                 log.info("put %s: %s", key, exc)
-            stub = client._rpc_local.master  # the stub this thread's calls went through
+            stub = client._parts.session.stub()  # the stub this thread's calls went through
             emit({"put": key, "t0": t0, "t1": time.monotonic(), "ok": ok, "code": code,
                   "addr": stub.address.split("://")[-1], "epoch": stub._epoch})
             if not ok:
@@ -121,7 +121,8 @@ def write_main(url: str, bind_host: str) -> int:
                         bad.append([key, "wrong bytes"])
                 except KVPoolError as exc:
                     bad.append([key, str(exc)])
-            missing = [k for k in msg["exist"] if not client._call(Exist(key=k)).exists]
+            call = client._parts.session.call
+            missing = [k for k in msg["exist"] if not call(Exist(key=k)).exists]
             emit({"bad": bad, "missing": missing})
     return 0
 

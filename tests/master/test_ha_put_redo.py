@@ -40,27 +40,24 @@ def _value(key: str, size: int, salt: bytes = b"") -> bytes:
 
 
 class _AfterCopy:
-    """Wraps a client's write step (``_copy_batch``, or ``write_ranges``
-    for multi-part puts, whose small parts are gathered straight into the
-    segment before it): once the first one has copied its bytes, runs
-    ``action`` before the put goes on to its commit."""
+    """Wraps a client's write step (``Writes._write``: every put form's one
+    transfer batch into the granted space): once the first one has written
+    its bytes, runs ``action`` before the put goes on to its commit."""
 
-    def __init__(self, client: Client, method: str, action: Callable[[], None]) -> None:
+    def __init__(self, client: Client, action: Callable[[], None]) -> None:
         self.action = action
         self.fired = False
         self.writes = 0
-        self._write_arg = method == "_copy_batch"
-        self._inner = getattr(client, method)
-        setattr(client, method, self)
+        writes = client._parts.writes
+        self._inner = writes._write
+        writes._write = self  # type: ignore[method-assign]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self._inner(*args, **kwargs)
-        write = args[0] if self._write_arg else True
-        if write:
-            self.writes += 1
-        if write and not self.fired:
+        self.writes += 1
+        if not self.fired:
             self.fired = True
-            assert all(ok for ok, _err in out), out  # the bytes are in the grant's space
+            assert not any(out), out  # the bytes are in the grant's space
             self.action()
         return out
 
@@ -96,13 +93,13 @@ def test_put_whose_leader_died_before_its_commit_succeeds_at_the_new_leader(
             salt = b"new"
         if path == "reserved":  # a put whose commit's reply holds a reservation of the size
             client.put("warm", _value("warm", sizes[0]))
-            assert list(client._reserved) == [sizes[0]]
+            assert list(client._parts.writes.spares.by_size) == [sizes[0]]
         sent: list[str] = []
-        call = client._call
-        client._call = lambda req: (sent.append(type(req).__name__), call(req))[1]  # type: ignore
+        call = client._parts.session.call
+        client._parts.session.call = (  # type: ignore[method-assign]
+            lambda req: (sent.append(type(req).__name__), call(req))[1])
         values = [_value(k, n, salt) for k, n in zip(keys, sizes, strict=True)]
-        hook = _AfterCopy(client, "write_ranges" if path == "batch_put_parts" else "_copy_batch",
-                          _failover(group, leader))
+        hook = _AfterCopy(client, _failover(group, leader))
         t0 = time.monotonic()
         if path in ("put", "reserved"):  # reserved: its write into the reservation
             client.put(keys[0], values[0])     # and a PUT_COMMIT the successor refuses
@@ -132,7 +129,8 @@ def test_put_whose_leader_died_before_its_commit_succeeds_at_the_new_leader(
         with MasterClient(group.url, timeout_s=3.0) as mc:
             st = mc.call(Stats())
             # the redo's commit asked the new leader for a reservation: the only pending put
-            held = sum(map(len, client._reserved.values()))
+            held = sum(len(x.placeholders)
+                       for g in client._parts.writes.spares.by_size.values() for x in g)
             assert st.pending == held and st.objects == len(keys), st
             for key in keys:
                 mc.call(Remove(key=key, force=True))
@@ -165,7 +163,7 @@ def test_put_whose_commit_outcome_was_unknown_is_committed_again(
                 os.kill(pid, signal.SIGSTOP)
                 thaw.start()  # after the leader gave up on it (sync_timeout_s 0.5 s, twice)
 
-            hook = _AfterCopy(client, "_copy_batch", lambda: freeze())
+            hook = _AfterCopy(client, lambda: freeze())
             value = _value("unknown", 10000)
             try:
                 t0 = time.monotonic()
@@ -183,4 +181,5 @@ def test_put_whose_commit_outcome_was_unknown_is_committed_again(
                 st = mc.call(Stats())
                 # the only pending put: the reservation the applied first PUT_END made,
                 # whose reply was lost (the resend asks for none); swept at its write window
-                assert st.pending == 1 and st.objects == 1 and not client._reserved, st
+                spared = client._parts.writes.spares.by_size
+                assert st.pending == 1 and st.objects == 1 and not spared, st

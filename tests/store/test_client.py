@@ -165,7 +165,7 @@ def test_batch_put_from_registered_buffers_of_any_byte_layout(
     assert np.array_equal(outs[0], u8) and np.array_equal(outs[1], i8)
     assert client.get_into(keys[0], reg[1]) == 4096
     assert outs[1].tobytes() == u8.tobytes()
-    assert client._inline is not None and client._inline.copies >= 6
+    assert client.engine.transport("shm").bytes_copied >= 6 * 4096
 
 
 def test_batch_put_from_get_into(client: Client, key: Key) -> None:
@@ -222,8 +222,8 @@ def test_no_space_for_value_larger_than_any_segment(client: Client, key: Key) ->
 def test_checksum_mismatch_detected(client: Client, key: Key,
                                     daemons: list[NodeDaemonProcess]) -> None:
     client.put(key(), b"A" * 8192)
-    plan = client._locate(key())
-    (rep,) = plan.replicas
+    (loc,) = client.batch_locate([key()])
+    (rep,) = loc.replicas
     owner = next(d for d in daemons if rep.segment_id in d.segment_ids)
     name = owner.info["shm_names"][owner.segment_ids.index(rep.segment_id)]
     fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
@@ -288,14 +288,14 @@ def test_remove_all(make_client: Callable[..., Client], daemons: list[NodeDaemon
     assert c.batch_exists([key(str(i)) for i in range(5)]) == [False] * 5
 
 
-@pytest.mark.parametrize("inline", [True, False])
-def test_inline_shm_and_engine_paths_agree(make_client: Callable[..., Client],
-                                           daemons: list[NodeDaemonProcess], key: Key,
-                                           inline: bool) -> None:
-    """Same-host copies run inline by default and through the engine's shm
-    transport with inline_shm=False; both give the same bytes."""
-    c = make_client(inline_shm=inline, checksum="crc32")
-    vals = [_payload(n, n) for n in (10, 70_000, 2 << 20)]
+def test_same_host_copies_of_every_size_through_shm(make_client: Callable[..., Client],
+                                                    daemons: list[NodeDaemonProcess],
+                                                    key: Key) -> None:
+    """Same-host copies of small, middle and large values (memoryview copies,
+    numpy copies, copies split across threads) go through the shm transport
+    on the calling thread, checksummed; every form reads the same bytes."""
+    c = make_client(checksum="crc32")
+    vals = [_payload(n, n) for n in (10, 70_000, 5 << 20)]
     keys = [key(str(i)) for i in range(3)]
     assert c.put_batch(keys[:2], vals[:2], ReplicateConfig(replica_num=2)) == [ErrorCode.OK] * 2
     c.put(keys[2], vals[2])
@@ -304,8 +304,9 @@ def test_inline_shm_and_engine_paths_agree(make_client: Callable[..., Client],
     dst = [np.zeros(len(v), np.uint8) for v in vals]
     assert c.batch_get_into(keys, dst) == [len(v) for v in vals]
     assert [d.tobytes() for d in dst] == vals
-    assert c._inline is not None
-    assert (c._inline.copies > 0) is inline
+    shm = c.engine.transport("shm")
+    assert shm.bytes_copied >= 2 * sum(map(len, vals))
+    assert shm.stats()["mapped_segments"] == len(daemons)  # one mapping per peer's file
 
 
 def test_threads_share_one_client(client: Client, key: Key) -> None:
@@ -320,4 +321,4 @@ def test_threads_share_one_client(client: Client, key: Key) -> None:
             assert client.get(k) == v
 
     run_in_threads(work, 6, 30)
-    assert 1 < len(client._rpc_all) <= 7
+    assert 1 < len(client._parts.session._all) <= 7

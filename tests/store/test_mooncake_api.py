@@ -14,6 +14,7 @@ import inspect
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -77,23 +78,27 @@ class Counting:
         self.ops: list[str] = []
 
     def __enter__(self) -> Counting:
-        call, copy = self.client._call, self.client._copy_batch
+        session, engine = self.client._parts.session, self.client.engine
+        call, run, transfer = session.call, engine.run, engine.transfer
 
         def counted_call(request: object) -> object:
             self.rpcs += 1
             self.ops.append(type(request).__name__)
             return call(request)  # type: ignore[arg-type]
 
-        def counted_copy(*a: object, **k: object) -> object:
-            self.batches += 1
-            return copy(*a, **k)  # type: ignore[arg-type]
+        def counted(fn: Any) -> Any:
+            def batch(*a: object, **k: object) -> object:
+                self.batches += 1
+                return fn(*a, **k)
+            return batch
 
-        self.client._call = counted_call  # type: ignore[method-assign]
-        self.client._copy_batch = counted_copy  # type: ignore[method-assign]
+        session.call = counted_call  # type: ignore[method-assign]
+        engine.run, engine.transfer = counted(run), counted(transfer)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        del self.client._call, self.client._copy_batch
+        engine = self.client.engine
+        del self.client._parts.session.call, engine.run, engine.transfer
 
 
 # ---------------------------------------------------------------------- the surface
@@ -373,13 +378,13 @@ def test_multi_buffer_calls_cost_one_rpc_and_one_transfer_batch_each(
                 keys, [[int(b.ctypes.data) for b in bs] for bs in src],
                 [[4096] * 8 for _ in keys]) == [0] * 32
         assert w.ops == ["BatchPutStart", "BatchPutEnd"]
-        # shm: the parts of each object are gathered in one copy, no engine batch at all
-        assert w.batches == (1 if path == "tcp" else 0)
+        # the parts of each object gathered into one range: one transfer batch
+        assert w.batches == 1
         with Counting(reader) as r:
             assert reader.batch_get_into_multi_buffers(
                 keys, [[int(b.ctypes.data) for b in bs] for bs in dst],
                 [[4096] * 8 for _ in keys]) == [8 * 4096] * 32
-        assert r.ops == ["BatchGetReplicaList"] and r.batches == (1 if path == "tcp" else 0)
+        assert r.ops == ["BatchGetReplicaList"] and r.batches == 1
         for i in range(32):
             for j in range(8):
                 assert np.array_equal(dst[i][j], src[i][j])

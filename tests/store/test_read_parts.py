@@ -30,14 +30,14 @@ def test_two_lookups_first_part_first(daemons: Any, make_client: Callable[..., C
     c = make_client()
     keys, vals = _stored(c, key, 6)
     asked: list[list[str]] = []
-    real_call = c._call
+    real_call = c._parts.session.call
 
     def recording(req: Any) -> Any:
         if isinstance(req, BatchGetReplicaList):
             asked.append(list(req.keys))
         return real_call(req)
 
-    c._call = recording  # type: ignore[method-assign]
+    c._parts.session.call = recording  # type: ignore[method-assign]
     bufs = [np.zeros(4000, np.uint8) for _ in keys]
     seen: list[tuple[int, list[int]]] = []
     # key 1 is in parts 0 and 1 (read once, reported twice); key 5 in no part
@@ -59,7 +59,7 @@ def test_failed_second_lookup_fails_only_later_parts(daemons: Any,
                                                      key: Callable[[str], str]) -> None:
     c = make_client()
     keys, vals = _stored(c, key, 4)
-    real_locate = c._locate_many
+    real_locate = c._parts.session.locate
     calls: list[int] = []
 
     def second_fails(ks: list[str]) -> Any:
@@ -68,7 +68,7 @@ def test_failed_second_lookup_fails_only_later_parts(daemons: Any,
             raise MasterUnreachable("injected: master unreachable", ErrorCode.RPC_FAIL)
         return real_locate(ks)
 
-    c._locate_many = second_fails  # type: ignore[method-assign]
+    c._parts.session.locate = second_fails  # type: ignore[method-assign]
     bufs = [np.zeros(4000, np.uint8) for _ in keys]
     seen: list[tuple[int, list[int]]] = []
     res = c.batch_get_into_parts(keys, bufs, [[0, 1], [2, 3]],
@@ -114,24 +114,24 @@ def test_second_lookups_reuse_their_threads_and_stop_at_close(
     locators = {t.name for t in threading.enumerate()} - before
     assert locators and all(n.startswith("kvpool-locate") for n in locators)
     assert len(locators) <= 2
-    pool = c._locate_pool
+    pool = c._parts.session._locate_pool
     c.close()
     assert pool is not None and pool._shutdown
     with pytest.raises(StoreError) as ei:
-        c._locator()
+        c._parts.session.locate_later([keys[0]])
     assert ei.value.code == ErrorCode.CLOSED
 
 
 def _counting_locates(c: Client) -> list[list[str]]:
     """Record the keys of every locate RPC ``c`` sends."""
     asked: list[list[str]] = []
-    real = c._locate_many
+    real = c._parts.session.locate
 
     def counting(ks: list[str]) -> Any:
         asked.append(list(ks))
         return real(ks)
 
-    c._locate_many = counting  # type: ignore[method-assign]
+    c._parts.session.locate = counting  # type: ignore[method-assign]
     return asked
 
 
@@ -180,7 +180,7 @@ def test_located_ignored_when_short_stale_or_foreign(daemons: Any,
         assert asked[0] == keys[:2], why
         assert res == [len(v) for v in vals], why
         assert all(b[:len(v)].tobytes() == v for b, v in zip(bufs, vals, strict=True)), why
-        del c._locate_many  # back to the class's method
+        del c._parts.session.locate  # back to the class's method
 
 
 def test_merged_located_rebases_capabilities(daemons: Any,

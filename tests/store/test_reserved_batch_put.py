@@ -19,7 +19,7 @@ from kvpool.core.protocol import BatchPutCommit, BatchPutEnd
 from kvpool.store import Client, ReplicateConfig
 from kvpool.store.errors import StoreError
 from support import reserving
-from support.reserving import pending, spy_requests
+from support.reserving import pending, spares, spy_requests
 from support.threads import run_in_threads
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,7 +37,7 @@ def _vals(seed: int, n: int = N, size: int = K) -> list[np.ndarray]:
 
 
 def _held(c: Client, size: int = K) -> int:
-    return sum(len(r.placeholders) for r in c._batch_reserved.get(size, []))
+    return sum(len(r.placeholders) for r in spares(c).get(size, []))
 
 
 def _check(c: Client, keys: list[str], vals: list[np.ndarray]) -> None:
@@ -56,7 +56,7 @@ def test_second_batch_is_one_master_call(make_client: Callable[..., Client]) -> 
     assert c.batch_put_from(keys0, v0) == [ErrorCode.OK] * N
     assert sent == ["BatchPutStart", "BatchPutEnd"]  # the first asks for reservations
     assert _held(c) == N
-    first = list(c._batch_reserved[K][-1].placeholders)
+    first = list(spares(c)[K][-1].placeholders)
     for b in (1, 2):
         sent.clear()
         keys = [f"{tag}/{b}/{i}" for i in range(N)]
@@ -64,7 +64,7 @@ def test_second_batch_is_one_master_call(make_client: Callable[..., Client]) -> 
         assert c.batch_put_from(keys, vals) == [ErrorCode.OK] * N
         assert sent == ["BatchPutCommit"]
         _check(c, keys, vals)
-    assert _held(c) == N and not set(first) & set(c._batch_reserved[K][-1].placeholders)
+    assert _held(c) == N and not set(first) & set(spares(c)[K][-1].placeholders)
     _check(c, keys0, v0)
     # a smaller batch takes part of the group; the rest stays for the next one
     sent.clear()
@@ -73,7 +73,7 @@ def test_second_batch_is_one_master_call(make_client: Callable[..., Client]) -> 
     assert sent == ["BatchPutCommit"]
     _check(c, [f"{tag}/s/{i}" for i in range(3)], small)
     # what was left of the old group and a new one of 3
-    assert [len(r.placeholders) for r in c._batch_reserved[K]] == [N - 3, 3]
+    assert [len(r.placeholders) for r in spares(c)[K]] == [N - 3, 3]
     # mixed sizes, a non-default config, an upsert: the plain path, reservations untouched
     sent.clear()
     mixed = [*_vals(4, 2), *_vals(5, 1, 2 * K)]
@@ -82,7 +82,8 @@ def test_second_batch_is_one_master_call(make_client: Callable[..., Client]) -> 
     assert c.batch_put_from([f"{tag}/p/{i}" for i in range(2)], pinned,
                             ReplicateConfig(with_hard_pin=True)) == [ErrorCode.OK] * 2
     assert c.batch_put_from([f"{tag}/0/0"], [pinned[0]], upsert=True) == [ErrorCode.OK]
-    assert sent == ["BatchPutStart", "BatchPutEnd"] * 2 + ["BatchUpsertStart", "BatchPutEnd"]
+    # (a batch of one key goes as the single-key ops)
+    assert sent == ["BatchPutStart", "BatchPutEnd"] * 2 + ["UpsertStart", "PutEnd"]
     _check(c, [f"{tag}/m/{i}" for i in range(3)] + [f"{tag}/p/{i}" for i in range(2)],
            mixed + pinned)
     assert c.get(f"{tag}/0/0") == pinned[0].tobytes()
@@ -93,7 +94,8 @@ def test_second_batch_is_one_master_call(make_client: Callable[..., Client]) -> 
 
 def test_taken_and_repeated_keys(make_client: Callable[..., Client]) -> None:
     """A key that exists keeps its value (OBJECT_ALREADY_EXISTS) and its
-    reservation is given back; the others of the batch are stored."""
+    spare goes back to the cache (still reserved at the master: a later put of
+    that size uses it); the others of the batch are stored."""
     watcher = make_client()
     c = make_client()
     tag = uuid.uuid4().hex[:8]
@@ -106,7 +108,7 @@ def test_taken_and_repeated_keys(make_client: Callable[..., Client]) -> None:
     mix = [keys[0], *fresh[1:N - 1], keys[N - 1]]
     sent = spy_requests(c)
     codes = c.batch_put_from(mix, new)
-    assert sent[0] == "BatchPutCommit" and sent[1:] == ["BatchPutRevoke"]
+    assert sent == ["BatchPutCommit"]
     assert codes == [ErrorCode.OBJECT_ALREADY_EXISTS, *[ErrorCode.OK] * (N - 2),
                      ErrorCode.OBJECT_ALREADY_EXISTS]
     _check(c, keys, old)  # unchanged
@@ -129,15 +131,15 @@ def test_expired_or_lost_reservations(make_client: Callable[..., Client]) -> Non
     tag = uuid.uuid4().hex[:8]
     before = pending(watcher)
     assert c.batch_put_from([f"{tag}/a/{i}" for i in range(N)], _vals(20)) == [ErrorCode.OK] * N
-    c._batch_reserved[K][-1].deadline = time.monotonic() - 1.0
+    spares(c)[K][-1].deadline = time.monotonic() - 1.0
     sent = spy_requests(c)
     vals = _vals(21)
     assert c.batch_put_from([f"{tag}/b/{i}" for i in range(N)], vals) == [ErrorCode.OK] * N
     assert sent == ["BatchPutRevoke", "BatchPutStart", "BatchPutEnd"]
     _check(c, [f"{tag}/b/{i}" for i in range(N)], vals)
     # the master forgets half of the group (as a failover or the sweep would)
-    group = c._batch_reserved[K][-1]
-    c._unreserve(group.placeholders[: N // 2])
+    group = spares(c)[K][-1]
+    c._parts.writes.spares.give_back(group.placeholders[: N // 2])
     sent.clear()
     vals = _vals(22)
     keys = [f"{tag}/c/{i}" for i in range(N)]
@@ -159,7 +161,7 @@ def test_off_by_config(make_client: Callable[..., Client]) -> None:
         assert c.batch_put_from(keys, vals) == [ErrorCode.OK] * N
         assert sent[-2:] == ["BatchPutStart", "BatchPutEnd"]
         _check(c, keys, vals)
-    assert not c._batch_reserved
+    assert not spares(c)
 
 
 def test_batch_put_commit_refusals(make_client: Callable[..., Client]) -> None:
@@ -169,21 +171,22 @@ def test_batch_put_commit_refusals(make_client: Callable[..., Client]) -> None:
     other = make_client()
     tag = uuid.uuid4().hex[:8]
     assert c.batch_put_from([f"{tag}/a/{i}" for i in range(N)], _vals(40)) == [ErrorCode.OK] * N
-    ph = c._batch_reserved[K][-1].placeholders
-    end = other._call(BatchPutCommit(other.client_id, ph[:2], [f"{tag}/x", f"{tag}/y"]))
+    ph = spares(c)[K][-1].placeholders
+    end = other._parts.session.call(BatchPutCommit(other.client_id, ph[:2],
+                                                   [f"{tag}/x", f"{tag}/y"]))
     assert end.codes == [ErrorCode.OBJECT_NOT_FOUND] * 2
-    end = c._call(BatchPutCommit(c.client_id, ["\x00resv/elsewhere/1", ph[0]],
+    end = c._parts.session.call(BatchPutCommit(c.client_id, ["\x00resv/elsewhere/1", ph[0]],
                                  [f"{tag}/x", "\x00resv/z"]))
     assert end.codes == [ErrorCode.OBJECT_NOT_FOUND, ErrorCode.INVALID_KEY]
     with pytest.raises(StoreError) as err:
-        c._call(BatchPutCommit(c.client_id, ph[:1], [f"{tag}/x", f"{tag}/y"]))
+        c._parts.session.call(BatchPutCommit(c.client_id, ph[:1], [f"{tag}/x", f"{tag}/y"]))
     assert err.value.code == ErrorCode.INVALID_PARAMS
     assert not c.exists(f"{tag}/x") and not c.exists(f"{tag}/y")
     # a commit asking for reservations gets at most one per key it commits
-    assert not c._call(BatchPutEnd(c.client_id, [], K, 10 ** 6)).placeholders
-    end = c._call(BatchPutEnd(c.client_id, [f"{tag}/a/0", f"{tag}/a/1"], K, 10 ** 6))
+    assert not c._parts.session.call(BatchPutEnd(c.client_id, [], K, 10 ** 6)).placeholders
+    end = c._parts.session.call(BatchPutEnd(c.client_id, [f"{tag}/a/0", f"{tag}/a/1"], K, 10 ** 6))
     assert end.codes == [0, 0] and len(end.placeholders) == len(end.replicas) == 2
-    c._unreserve(end.placeholders)
+    c._parts.writes.spares.give_back(end.placeholders)
 
 
 def test_threads_putting_batches(make_client: Callable[..., Client]) -> None:
@@ -204,7 +207,7 @@ def test_threads_putting_batches(make_client: Callable[..., Client]) -> None:
     for t in range(4):
         for b in range(10):
             _check(c, [f"{tag}/{t}/{b}/{i}" for i in range(N)], _vals(1000 * t + b))
-    assert 1 <= len(c._batch_reserved[K]) <= 4
+    assert 1 <= len(spares(c)[K]) <= 4
     assert pending(watcher) == before + _held(c)
     c.close()
     assert pending(watcher) == before

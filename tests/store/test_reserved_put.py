@@ -29,7 +29,7 @@ from kvpool.store import Client, ReplicateConfig
 from kvpool.store.errors import AlreadyExists, ObjectNotFound, StoreError, TransferFailed
 from support import reserving
 from support.factories import client_factory
-from support.reserving import pending, spy_requests
+from support.reserving import held, pending, spares, spy_requests
 from support.threads import run_in_threads
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,16 +53,16 @@ def test_second_put_is_one_master_call(make_client: Callable[..., Client]) -> No
     sent = spy_requests(c)
     c.put_from(f"{tag}/0", vals[0])
     assert sent == ["PutStart", "PutEnd"]  # the first: a plain put, asking for a reservation
-    first = c._reserved[K][-1].placeholder
+    first = spares(c)[K][-1].placeholders[0]
     sent.clear()
     c.put_from(f"{tag}/1", vals[1])
     assert sent == ["PutCommit"]
-    second = c._reserved[K][-1].placeholder
+    second = spares(c)[K][-1].placeholders[0]
     assert second != first
     sent.clear()
     c.put(f"{tag}/2", vals[2].tobytes())  # the reservation of the second's reply
     assert sent == ["PutCommit"]
-    assert c._reserved[K][-1].placeholder != second
+    assert spares(c)[K][-1].placeholders[0] != second
     for i in range(3):
         assert c.get(f"{tag}/{i}") == vals[i].tobytes()
     # another size: its own reservation, next to the first
@@ -70,8 +70,8 @@ def test_second_put_is_one_master_call(make_client: Callable[..., Client]) -> No
     c.put_from(f"{tag}/big0", big)
     sent.clear()
     c.put_from(f"{tag}/big1", big)
-    assert sent == ["PutCommit"] and sorted(c._reserved) == [K, 3 * K]
-    assert [len(v) for v in c._reserved.values()] == [1, 1]  # one used, one granted
+    assert sent == ["PutCommit"] and sorted(spares(c)) == [K, 3 * K]
+    assert [len(v) for v in spares(c).values()] == [1, 1]  # one used, one granted
     assert c.get(f"{tag}/big1") == big.tobytes()
     # a non-default put takes the plain path and leaves the reservations alone
     sent.clear()
@@ -84,17 +84,17 @@ def test_expired_reservation_is_given_back(make_client: Callable[..., Client]) -
     c = make_client()
     tag = uuid.uuid4().hex[:8]
     c.put_from(f"{tag}/a", _val(1))
-    held = c._reserved[K][-1]
+    held = spares(c)[K][-1]
     held.deadline = time.monotonic() - 1.0  # its ttl ran out
     sent = spy_requests(c)
     v = _val(2)
     c.put_from(f"{tag}/b", v)
     assert sent == ["PutRevoke", "PutStart", "PutEnd"]
     assert c.get(f"{tag}/b") == v.tobytes()
-    assert c._reserved[K][-1].placeholder != held.placeholder
+    assert spares(c)[K][-1].placeholders[0] != held.placeholders[0]
     # the master no longer holds the expired one
     with pytest.raises(ObjectNotFound):
-        c._call(PutCommit(c.client_id, held.placeholder, f"{tag}/c"))
+        c._parts.session.call(PutCommit(c.client_id, held.placeholders[0], f"{tag}/c"))
 
 
 def test_taken_key_keeps_the_reservation(make_client: Callable[..., Client]) -> None:
@@ -102,13 +102,13 @@ def test_taken_key_keeps_the_reservation(make_client: Callable[..., Client]) -> 
     tag = uuid.uuid4().hex[:8]
     old, new = _val(3), _val(4)
     c.put_from(f"{tag}/k", old)
-    held = c._reserved[K][-1].placeholder
+    held = spares(c)[K][-1].placeholders[0]
     sent = spy_requests(c)
     with pytest.raises(AlreadyExists):
         c.put_from(f"{tag}/k", new)
     assert sent == ["PutCommit"]
     assert c.get(f"{tag}/k") == old.tobytes()  # unchanged
-    assert c._reserved[K][-1].placeholder == held  # still reserved, still usable
+    assert spares(c)[K][-1].placeholders[0] == held  # still reserved, still usable
     sent.clear()
     c.put_from(f"{tag}/other", new)
     assert sent == ["PutCommit"]
@@ -136,7 +136,7 @@ def test_reserved_namespace_refused(make_client: Callable[..., Client]) -> None:
             c.put(bad, b"x")
         assert err.value.code == ErrorCode.INVALID_KEY
     c.put_from(f"{tag}/a", _val(5))
-    placeholder = c._reserved[K][-1].placeholder
+    placeholder = spares(c)[K][-1].placeholders[0]
     assert placeholder.startswith("\x00")
     # the master refuses the namespace itself, whoever sends it: no commit of a
     # placeholder as an object, no read of one, no plain put into it
@@ -144,13 +144,13 @@ def test_reserved_namespace_refused(make_client: Callable[..., Client]) -> None:
                 Exist(placeholder), PutStart(c.client_id, "\x00resv/y", 8),
                 PutCommit(c.client_id, placeholder, "\x00resv/z")):
         with pytest.raises(StoreError) as err:
-            c._call(req)
+            c._parts.session.call(req)
         assert err.value.code == ErrorCode.INVALID_KEY, req
     # another client cannot use or revoke it
     with pytest.raises(ObjectNotFound):
-        other._call(PutCommit(other.client_id, placeholder, f"{tag}/stolen"))
+        other._parts.session.call(PutCommit(other.client_id, placeholder, f"{tag}/stolen"))
     with pytest.raises(StoreError) as err:
-        other._call(PutRevoke(other.client_id, placeholder))
+        other._parts.session.call(PutRevoke(other.client_id, placeholder))
     assert err.value.code == ErrorCode.INVALID_WRITE
     assert not c.exists(f"{tag}/stolen")
     v = _val(6)
@@ -175,9 +175,9 @@ def test_threads_putting_one_size(make_client: Callable[..., Client]) -> None:
     for t in range(4):
         for i in range(25):
             assert c.get(f"{tag}/{t}/{i}") == _val(100 * t + i).tobytes()
-    held = sum(map(len, c._reserved.values()))
-    assert 1 <= held <= 4
-    assert pending(watcher) == before + held
+    n = held(c)
+    assert 1 <= n <= 4
+    assert pending(watcher) == before + n
     c.close()
     assert pending(watcher) == before
 
@@ -195,7 +195,7 @@ def test_holder_killed_under_a_reservation(master: MasterProcess, live: NodeDaem
         tag = uuid.uuid4().hex[:8]
         before = pending(watcher)
         c.put_from(f"{tag}/a", _val(7))
-        held = c._reserved[K][-1]
+        held = spares(c)[K][-1]
         assert held.replicas[0].segment_id == doomed.segment_ids[0]  # the most free
         doomed.kill()
         sent = spy_requests(c)
@@ -203,7 +203,7 @@ def test_holder_killed_under_a_reservation(master: MasterProcess, live: NodeDaem
         with pytest.raises(TransferFailed):
             c.put_from(f"{tag}/b", v)
         assert sent[0] == "PutRevoke" and sent[1:] == ["PutStart", "PutRevoke"]
-        assert not c.exists(f"{tag}/b") and not c._reserved
+        assert not c.exists(f"{tag}/b") and not spares(c)
         assert pending(watcher) == before
         c.put_from(f"{tag}/b", v, ReplicateConfig(preferred_segments=live.segment_ids))
         assert c.get(f"{tag}/b") == v.tobytes()
@@ -219,7 +219,8 @@ c.setup()
 for size in (4096, 8192, 20480):
     c.put_from(f"{sys.argv[2]}/{size}",
                np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8))
-print(sum(map(len, c._reserved.values())), flush=True)
+print(sum(len(x.placeholders) for g in c._parts.writes.spares.by_size.values()
+          for x in g), flush=True)
 time.sleep(300)  # until killed
 """
 

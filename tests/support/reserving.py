@@ -6,6 +6,7 @@ overrides tests/store/conftest.py's."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 from kvpool.store import Client
+from kvpool.store.spares import Spare
 from support.factories import client_factory
 
 __all__ = ["live", "make_client", "master", "pending", "spy_requests"]
@@ -44,14 +46,25 @@ def spy_requests(c: Client) -> list[str]:
     """The master requests ``c`` sends from now on, by type name (the real
     call still runs)."""
     sent: list[str] = []
-    real = c._call
+    session = c._parts.session
+    real = session.call
 
     def call(request: Any) -> Any:
         sent.append(type(request).__name__)
         return real(request)
 
-    c._call = call  # type: ignore[method-assign]
+    session.call = call  # type: ignore[method-assign]
     return sent
+
+
+def spares(c: Client) -> OrderedDict[int, list[Spare]]:
+    """The spare allocations ``c`` holds, by value size (groups, newest last)."""
+    return c._parts.writes.spares.by_size
+
+
+def held(c: Client) -> int:
+    """How many spare allocations ``c`` holds in all."""
+    return sum(len(s.placeholders) for group in spares(c).values() for s in group)
 
 
 def pending(c: Client) -> int:

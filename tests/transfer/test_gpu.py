@@ -76,7 +76,8 @@ def test_selector_picks_shm_for_same_host_gpu(make_engine: Any, make_peer: Any) 
 
 
 def test_direct_gpu_shm_copies(make_engine: Any, make_peer: Any) -> None:
-    """copy_gpu_shm on a real GPU: adjacent ranges merged, others apart, both ways."""
+    """GPU <-> same-host shm through the engine on a real GPU: adjacent ranges
+    merged, others apart, both ways."""
     if "torch" not in _libs():
         pytest.skip("torch with CUDA is not importable")
     import torch
@@ -89,12 +90,14 @@ def test_direct_gpu_shm_copies(make_engine: Any, make_peer: Any) -> None:
     src = torch.from_numpy(data).cuda()
     hs = [as_buffer(src[k * n:(k + 1) * n]) for k in range(3)]
     offs = [0, n, 5 * n]  # objects 0 and 1 adjacent in the segment
-    assert e.copy_gpu_shm([(h, peer.segment_id, o, n) for h, o in zip(hs, offs, strict=True)],
-                          write=True)
+    st = e.transfer([TransferRequest(TransferOp.WRITE, h, peer.segment_id, o, n)
+                     for h, o in zip(hs, offs, strict=True)], 10)
+    assert all(x.ok and x.transport == "shm" for x in st), st
     for k, o in enumerate(offs):
         assert peer.crc(o, n) == zlib.crc32(data[k * n:(k + 1) * n].tobytes())
     dst = torch.zeros(3 * n, dtype=torch.uint8, device="cuda")
     hd = [as_buffer(dst[k * n:(k + 1) * n]) for k in range(3)]
-    assert e.copy_gpu_shm([(h, peer.segment_id, o, n) for h, o in zip(hd, offs, strict=True)],
-                          write=False)
+    st = e.run([TransferRequest(TransferOp.READ, h, peer.segment_id, o, n)
+                for h, o in zip(hd, offs, strict=True)], 10)
+    assert all(x.ok and x.transport == "shm" for x in st), st
     assert torch.equal(dst, src)

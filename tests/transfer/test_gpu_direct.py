@@ -1,13 +1,12 @@
-"""The engine's direct GPU <-> same-host shm copies (``copy_gpu_shm``) and the
-store's use of them.
+"""GPU buffers <-> same-host shm segments through the engine's shm transport.
 
 This machine has no GPU: :class:`support.cuda_double.HostCudaDouble` stands
 in for the CUDA runtime (hardware this machine lacks). Its "device memory" is
 host memory and a cudaMemcpyAsync is a memmove, so what is tested here for real is
 everything around the DMA: a real peer process's shm segment mapped and
 registered once, range checks, adjacent ranges merged into one copy, one
-wait per call, the selector's say, and the store's fallback to the engine.
-The same paths on a real GPU: tests/transfer/test_gpu.py (run on the H200).
+wait per batch, the selector's say. The same paths on a real GPU:
+tests/transfer/test_gpu.py (run on the H200).
 """
 
 from __future__ import annotations
@@ -16,12 +15,13 @@ import zlib
 from typing import Any
 
 import numpy as np
-import pytest
 
 from kvpool.core.errors import ErrorCode
 from kvpool.transfer.buffers import BufferHandle
-from kvpool.transfer.types import TransferError
+from kvpool.transfer.types import TransferOp, TransferRequest
 from support.cuda_double import HostCudaDouble
+
+R, W = TransferOp.READ, TransferOp.WRITE
 
 
 def _device_buffer(data: np.ndarray) -> BufferHandle:
@@ -43,9 +43,10 @@ def test_adjacent_ranges_are_one_copy_and_read_back(cuda_double: HostCudaDouble,
     parts = [BufferHandle(ptr=int(staging.ctypes.data) + k * 4096, length=4096,
                           device="cuda", owner=staging) for k in range(3)]
     # objects 0 and 1 adjacent in the segment too; object 2 elsewhere
-    jobs = [(parts[0], peer.segment_id, 8192, 4096), (parts[1], peer.segment_id, 12288, 4096),
-            (parts[2], peer.segment_id, 65536, 4096)]
-    assert e.copy_gpu_shm(jobs, write=True)
+    where = [8192, 12288, 65536]
+    st = e.transfer([TransferRequest(W, p, peer.segment_id, off, 4096)
+                     for p, off in zip(parts, where, strict=True)], 5)
+    assert all(x.ok and x.transport == "shm" for x in st), st
     assert cuda_double.async_sizes == [8192, 4096]  # 0+1 merged
     assert len(cuda_double.syncs) == 1
     assert len(cuda_double.registered) == 1  # the mapping, page-locked once
@@ -55,44 +56,49 @@ def test_adjacent_ranges_are_one_copy_and_read_back(cuda_double: HostCudaDouble,
     outs = [BufferHandle(ptr=int(back.ctypes.data) + k * 4096, length=4096, device="cuda",
                          owner=back) for k in range(3)]
     cuda_double.async_sizes.clear()
-    assert e.copy_gpu_shm([(o, sid, off, n) for o, (_p, sid, off, n) in zip(outs, jobs,
-                                                                              strict=True)],
-                          write=False)
+    st = e.run([TransferRequest(R, o, peer.segment_id, off, 4096)
+                for o, off in zip(outs, where, strict=True)], 5)
+    assert all(x.ok for x in st)
     assert cuda_double.async_sizes == [8192, 4096]
     assert np.array_equal(back, staging)
     assert len(cuda_double.registered) == 1
 
 
-def test_out_of_range_raises_before_any_copy(cuda_double: HostCudaDouble, make_engine: Any,
-                                             make_peer: Any) -> None:
+def test_out_of_range_fails_alone_before_any_copy(cuda_double: HostCudaDouble,
+                                                  make_engine: Any, make_peer: Any) -> None:
     peer = make_peer(1 << 20)
     e = make_engine("host-test")
     e.add_peer_segment(peer.desc)
     src = _device_buffer(_rand(8192, 2))
-    before = peer.crc(0, 1 << 20)
-    with pytest.raises(TransferError) as info:
-        e.copy_gpu_shm([(src, peer.segment_id, 0, 4096),
-                        (src, peer.segment_id, (1 << 20) - 4096, 8192)], write=True)
-    assert info.value.code == ErrorCode.OUT_OF_BOUNDS
-    assert cuda_double.async_copies == []
-    assert peer.crc(0, 1 << 20) == before
+    before = peer.crc(4096, (1 << 20) - 4096)
+    st = e.transfer([TransferRequest(W, src, peer.segment_id, 0, 4096),
+                     TransferRequest(W, src, peer.segment_id, (1 << 20) - 4096, 8192)], 5)
+    assert st[0].ok and st[1].code == ErrorCode.OUT_OF_BOUNDS, st
+    assert cuda_double.async_sizes == [4096]  # the refused one never reached CUDA
+    assert peer.crc(0, 4096) == zlib.crc32(_rand(8192, 2)[:4096].tobytes())
+    assert peer.crc(4096, (1 << 20) - 4096) == before
 
 
-def test_not_taken_when_it_does_not_apply(cuda_double: HostCudaDouble, make_engine: Any,
-                                          make_peer: Any) -> None:
+def test_only_gpu_buffers_to_same_host_memory_take_cuda(cuda_double: HostCudaDouble,
+                                                        make_engine: Any,
+                                                        make_peer: Any) -> None:
+    """Host buffers copy on the host; a segment of another host goes over tcp
+    (staged); a rule that puts tcp first for GPU buffers is obeyed."""
     peer = make_peer(1 << 20)
     e = make_engine("host-test")
     e.add_peer_segment(peer.desc)
     data = _rand(4096, 3)
     host = BufferHandle(ptr=int(data.ctypes.data), length=4096, array=data)
-    assert not e.copy_gpu_shm([(host, peer.segment_id, 0, 4096)], write=True)  # host memory
-    assert not e.copy_gpu_shm([(_device_buffer(data), "no-such-segment", 0, 4096)], write=True)
-    other = make_peer(1 << 20, host_id="host-elsewhere")
-    e.add_peer_segment(other.desc)  # another host: not shm
-    assert not e.copy_gpu_shm([(_device_buffer(data), other.segment_id, 0, 4096)], write=True)
+    (st,) = e.transfer([TransferRequest(W, host, peer.segment_id, 0, 4096)], 5)
+    assert st.ok and st.transport == "shm" and cuda_double.async_copies == []
+    (st,) = e.transfer([TransferRequest(W, _device_buffer(data), "no-such-segment", 0, 4096)],
+                       5)
+    assert st.code == ErrorCode.SEGMENT_NOT_FOUND
     tcp_first = make_engine("host-test", {"rules": [{"name": "gpu-tcp", "device": "cuda",
                                                      "transports": ["tcp", "shm"]}]})
     tcp_first.add_peer_segment(peer.desc)
-    assert not tcp_first.copy_gpu_shm([(_device_buffer(data), peer.segment_id, 0, 4096)],
-                                      write=True)
+    (st,) = tcp_first.transfer([TransferRequest(W, _device_buffer(data), peer.segment_id,
+                                                8192, 4096)], 5)
+    assert st.ok and st.transport == "tcp", st
     assert cuda_double.async_copies == []
+    assert peer.crc(8192, 4096) == zlib.crc32(data.tobytes())

@@ -221,7 +221,7 @@ def test_rdma_unavailable_falls_back_to_tcp_with_one_log_line(
     assert reason.startswith("pyverbs not importable") or reason.startswith("no RDMA device")
     peer = make_peer(256 * KiB)
     peer.cmd("fill 5")
-    with caplog.at_level(logging.INFO, logger="kvpool.transfer.engine"):
+    with caplog.at_level(logging.INFO, logger="kvpool.transfer.selection"):
         eng = TransferEngine(load_transfer_config(), "host-local")
     try:
         lines = [r for r in caplog.records if "transport rdma skipped" in r.getMessage()]

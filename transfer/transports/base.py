@@ -22,49 +22,22 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
-from kvpool.transfer.buffers import BufferHandle
-from kvpool.transfer.types import TransferError, TransferOp
+from kvpool.transfer.types import TransferError, TransferRequest
 
 if TYPE_CHECKING:
     from kvpool.transfer.config import TransportSettings
+    from kvpool.transfer.registry import SegmentRegistry
     from kvpool.transfer.segment import LocalSegment
 
 __all__ = ["EngineContext", "PeerFiles", "ReportFn", "Transport", "WorkItem", "report_done"]
 
 
-@dataclass(slots=True, eq=False)
-class WorkItem:
-    """One request after resolution, as a transport sees it.
-
-    ``offset`` is relative to the segment's usable region (add
-    ``segment.base_offset`` for the absolute position in the region).
-    ``local`` is the segment object when this process owns it.
-    ``index`` is the request's position in its batch. ``independent``: the
-    batch was submitted inside :func:`kvpool.transfer.gpu.independent_copies`
-    (GPU copies run on the copying thread's non-blocking stream).
-    """
-
-    index: int
-    op: TransferOp
-    buffer: BufferHandle
-    buffer_offset: int
-    length: int
-    segment: SegmentDescriptor
-    offset: int
-    same_host: bool
-    local: LocalSegment | None = None
-    capability: bytes = b""
-    independent: bool = False
-
-    @property
-    def device(self) -> str:
-        return self.buffer.device
-
+#: a request as a transport sees it: resolved by the engine (see TransferRequest)
+WorkItem = TransferRequest
 
 ReportFn = Callable[[WorkItem, TransferError | None], None]
 
@@ -142,6 +115,11 @@ class EngineContext(Protocol):
         ...
 
     def local_segment(self, segment_id: str) -> LocalSegment | None: ...
+
+    @property
+    def registry(self) -> SegmentRegistry:
+        """The process's segment registry (descriptors, shm mappings)."""
+        ...
 
 
 class Transport(ABC):

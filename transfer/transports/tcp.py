@@ -27,7 +27,6 @@ discarded so no stale request is delivered later. Headers:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import queue
@@ -38,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -517,7 +517,7 @@ class TcpTransport(Transport):
         state: dict[str, Any] = {"left": 0, "reported": False}
         out = []
         for off in range(0, it.length, step):
-            sub = dataclasses.replace(it, offset=it.offset + off,
+            sub = msgspec.structs.replace(it, offset=it.offset + off,
                                       buffer_offset=it.buffer_offset + off,
                                       length=min(step, it.length - off))
             parts[id(sub)] = [it, state]

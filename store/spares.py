@@ -1,0 +1,138 @@
+"""Spare allocations: space the master placed ahead for this client's next puts.
+
+A commit (PUT_END, BATCH_PUT_END, PUT_COMMIT, BATCH_PUT_COMMIT) may ask the
+master for *spare allocations* of the size just put: pending puts under
+placeholder keys, placed and granted (the wire calls them reservations).
+The next put of that size and at most as many keys writes into them and names
+its keys with one PUT_COMMIT / BATCH_PUT_COMMIT: two round trips instead of
+three. A :class:`SpareCache` holds them per size, a few groups per size and a
+few sizes, the size granted least recently given back first. A spare is used
+once (taken out of the cache before the write), only before its deadline and
+in the master term that granted it; whatever goes wrong with one, the put is
+done from the start as if there had been none. ``close()`` gives every spare
+back (best effort: a client that dies has them released with its other puts).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import msgspec
+
+from kvpool.core.protocol import BatchPutRevoke, ReplicaDescriptor
+from kvpool.store.session import MasterSession
+
+__all__ = ["MAX_SPARE_BYTES", "Spare", "SpareCache"]
+
+log = logging.getLogger(__name__)
+
+#: a put asks for spares when its values are of one size and at most this many bytes in all
+#: (the round trip saved matters less as the bytes grow)
+MAX_SPARE_BYTES = 1 << 20
+_MAX_SIZES = 8  # sizes held at most
+_PER_SIZE = 4  # groups held per size (threads putting the same size at once each find one)
+_CLOSE_TIMEOUT_S = 0.5
+
+
+class Spare(msgspec.Struct):
+    """A group of spare allocations of one size: ``placeholders[i]`` is to be
+    written at ``replicas[i]`` (one memory replica each; ``caps`` are the
+    WRITE tokens they point at) before ``deadline`` (monotonic), in master
+    term ``term``."""
+
+    placeholders: list[str]
+    replicas: list[ReplicaDescriptor]
+    caps: list[bytes]
+    deadline: float
+    term: int
+
+    def split(self, n: int) -> tuple[Spare, Spare]:
+        """The first ``n`` allocations and the rest, as two groups."""
+        return (Spare(self.placeholders[:n], self.replicas[:n], self.caps, self.deadline,
+                      self.term),
+                Spare(self.placeholders[n:], self.replicas[n:], self.caps, self.deadline,
+                      self.term))
+
+
+class SpareCache:
+    """The spare allocations of one client, by value size (module docstring)."""
+
+    def __init__(self, session: MasterSession) -> None:
+        self.session = session
+        self.by_size: OrderedDict[int, list[Spare]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def keep(self, size: int, placeholders: list[str], replicas: list[ReplicaDescriptor],
+             caps: list[bytes], ttl_ms: int, term: int) -> None:
+        """Hold a commit reply's spares for values of ``size`` bytes; what
+        does not fit is given back."""
+        if not placeholders:
+            return
+        self._hold(size, Spare(placeholders, replicas, caps,
+                               time.monotonic() + ttl_ms / 1000.0, term))
+
+    def _hold(self, size: int, spare: Spare) -> None:
+        drop: list[Spare] = []
+        with self._lock:
+            held = self.by_size.pop(size, None) or []
+            if len(held) < _PER_SIZE:
+                held.append(spare)
+            else:
+                drop.append(spare)
+            self.by_size[size] = held  # the most recent size last
+            while len(self.by_size) > _MAX_SIZES:
+                drop += self.by_size.popitem(last=False)[1]
+        if drop:
+            self.give_back([p for d in drop for p in d.placeholders])
+
+    def put_back(self, size: int, spare: Spare) -> None:
+        """Return a taken group that is still reserved at the master (its key
+        existed already): usable for another put."""
+        self._hold(size, spare)
+
+    def take(self, size: int, n: int) -> Spare | None:
+        """``n`` spares for values of ``size`` bytes, taken (no other put may
+        use them; the rest of their group stays held); None when no group of
+        at least ``n`` is still usable (an expired one is given back)."""
+        if not self.by_size:
+            return None
+        with self._lock:
+            held = self.by_size.get(size)
+            if not held or len(held[-1].placeholders) < n:
+                return None
+            spare = held.pop()  # the newest: the longest ttl left
+            if len(spare.placeholders) > n:
+                spare, rest = spare.split(n)
+                held.append(rest)
+            elif not held:
+                del self.by_size[size]
+        if time.monotonic() >= spare.deadline or spare.term != self.session.term:
+            self.give_back(spare.placeholders)
+            return None
+        return spare
+
+    def held(self, size: int) -> int:
+        """How many spares are held for ``size``."""
+        with self._lock:
+            return sum(len(s.placeholders) for s in self.by_size.get(size, []))
+
+    def give_back(self, placeholders: list[str]) -> None:
+        """PUT_REVOKE spares (one the master swept already answers
+        OBJECT_NOT_FOUND, which is fine)."""
+        self.session.revoke(placeholders, quiet=True)
+
+    def close(self) -> None:
+        """Give every spare back (best effort, a short timeout)."""
+        with self._lock:
+            held = [p for group in self.by_size.values() for s in group for p in s.placeholders]
+            self.by_size.clear()
+        if not held or not self.session.started or self.session.closed:
+            return
+        try:
+            self.session.call_quick(BatchPutRevoke(self.session.client_id, held),
+                                    _CLOSE_TIMEOUT_S)
+        except Exception as exc:  # closing regardless
+            log.debug("giving back %d spare allocations at close: %s", len(held), exc)

@@ -1,0 +1,173 @@
+"""A submitted batch: its requests' statuses and its sub-batches.
+
+A :class:`BatchHandle` is what :meth:`kvpool.transfer.TransferEngine.submit`
+returns. Each attempt of one transport on some of the batch's requests is a
+:class:`SubBatch` with its own state (PENDING -> RUNNING -> DONE | FAILED),
+counters and first error. A request's :class:`RequestStatus` is made when
+it becomes terminal; the failover bookkeeping of a request (:class:`Track`:
+transports tried, attempts, errors) is made only when it first fails, so a
+batch whose requests all succeed at once costs no per-request state beyond
+its final statuses.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvpool.core.errors import ErrorCode
+from kvpool.transfer.types import RequestState, RequestStatus, TransferError, TransferRequest
+
+__all__ = ["BatchHandle", "SubBatch", "SubBatchState", "Track"]
+
+_DONE, _FAILED = RequestState.DONE, RequestState.FAILED
+_OK = ErrorCode.OK
+
+
+class SubBatchState(Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"  # at least one of its requests failed on this transport
+
+
+@dataclass(eq=False)
+class SubBatch:
+    """The requests of one batch that one transport serves in one attempt."""
+
+    id: int
+    transport: str
+    items: list[TransferRequest]
+    state: SubBatchState = SubBatchState.PENDING
+    done: int = 0
+    failed: int = 0
+    error: str = ""
+    started: float = 0.0
+    finished: float = 0.0
+    slices_left: int = 0
+    failures: list[tuple[TransferRequest, TransferError]] = field(default_factory=list)
+    reported: set[int] = field(default_factory=set)
+
+
+class Track:
+    """A request's failover bookkeeping, made at its first failure:
+    ``candidates`` (its rule's transports, shared and read only), ``tried``
+    (every transport it was given to, in order), failed ``attempts`` per
+    transport, ``failovers`` made, the ``errors`` of every failed attempt and
+    the ``code`` of the last one."""
+
+    __slots__ = ("attempts", "candidates", "code", "errors", "failovers", "tried")
+
+    def __init__(self, candidates: Sequence[str], first: str) -> None:
+        self.candidates = candidates
+        self.tried: list[str] = [first]
+        self.attempts: dict[str, int] = {}
+        self.failovers = 0
+        self.errors: list[str] = []
+        self.code = _OK
+
+
+class BatchHandle:
+    """Handle of a submitted batch: :meth:`wait`, :meth:`status`, :attr:`ok`;
+    ``sub_batches`` lists every sub-batch attempt (for inspection and tests)."""
+
+    def __init__(self, n: int) -> None:
+        # the condition's own lock, entered directly on hot paths (a C-level
+        # context manager; Condition.__enter__ is a Python call per use)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._status: list[RequestStatus | None] = [None] * n  # None: not terminal yet
+        self._tracks: dict[int, Track] = {}
+        self._remaining = n
+        self.sub_batches: list[SubBatch] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every request is DONE or FAILED; False on timeout."""
+        with self._lock:
+            if self._remaining == 0:  # a batch run on the caller's thread: finished already
+                return True
+            return self._cond.wait_for(lambda: self._remaining == 0, timeout)
+
+    def status(self) -> list[RequestStatus]:
+        """A snapshot (copies) of every request's status, in request order."""
+        with self._lock:
+            running: dict[int, str] = {}
+            for sb in self.sub_batches:
+                for it in sb.items:
+                    running[it.index] = sb.transport
+            out = []
+            for i, st in enumerate(self._status):
+                if st is None:
+                    t = self._tracks.get(i)
+                    name = running.get(i)
+                    st = RequestStatus(RequestState.RUNNING if name else RequestState.PENDING,
+                                       name, t.code if t is not None else _OK,
+                                       t.errors if t is not None else [])
+                out.append(RequestStatus(st.state, st.transport, st.code, list(st.errors)))
+            return out
+
+    def statuses(self) -> list[RequestStatus]:
+        """The terminal statuses (the batch is done: terminal statuses never change)."""
+        with self._lock:
+            return self._status  # type: ignore[return-value]
+
+    @property
+    def done(self) -> bool:
+        with self._lock:
+            return self._remaining == 0
+
+    @property
+    def ok(self) -> bool:
+        with self._lock:
+            return all(st is not None and st.state is _DONE for st in self._status)
+
+    # -- engine side ------------------------------------------------------------
+    def track(self, idx: int, candidates: Sequence[str], first: str) -> Track:
+        """Request ``idx``'s track, made on first use (its first transport
+        ``first``); call with the lock held."""
+        t = self._tracks.get(idx)
+        if t is None:
+            t = self._tracks[idx] = Track(candidates, first)
+        return t
+
+    def finish(self, idx: int, state: RequestState, transport: str | None,
+               code: ErrorCode = _OK, error: str | None = None) -> None:
+        with self._lock:
+            self.finish_locked(idx, state, transport, code, error)
+
+    def finish_locked(self, idx: int, state: RequestState, transport: str | None,
+                      code: ErrorCode = _OK, error: str | None = None) -> None:
+        """Make request ``idx`` terminal (once; later calls are ignored);
+        its status lists the errors of its track and ``error``."""
+        if self._status[idx] is not None:
+            return
+        t = self._tracks.get(idx)
+        errors = t.errors if t is not None else []
+        if error:
+            errors.append(error)
+        self._status[idx] = RequestStatus(state, transport, code, errors)
+        self._remaining -= 1
+        if self._remaining == 0:
+            self._cond.notify_all()
+
+    def finish_many_locked(self, items: Sequence[TransferRequest], transport: str) -> None:
+        """Requests ``items`` DONE on ``transport`` (the lock held)."""
+        status = self._status
+        tracks = self._tracks
+        n = 0
+        for it in items:
+            idx = it.index
+            if status[idx] is not None:
+                continue
+            t = tracks.get(idx) if tracks else None
+            status[idx] = RequestStatus(_DONE, transport, _OK, t.errors if t is not None else [])
+            n += 1
+        self._remaining -= n
+        if self._remaining == 0:
+            self._cond.notify_all()
+
+    def failed(self, idx: int) -> bool:
+        st = self._status[idx]
+        return st is not None and st.state is _FAILED

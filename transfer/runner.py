@@ -1,0 +1,349 @@
+"""The batch runner: resolve, group by transport, run, fail over.
+
+One path for every batch. :meth:`BatchRunner.submit` resolves each request
+(buffer, segment, bounds; requests alike in segment, device and length as an
+earlier one of the batch are checked inline against what it resolved to),
+asks the selector for its transport and groups the requests into one
+sub-batch per transport. A sub-batch runs in slices on its transport's worker
+pool (``threads`` slices in parallel when it is large), or on the calling
+thread: a batch the caller waits for (:meth:`run`, :meth:`transfer`) that one
+transport serves in one slice, and any slice of at most the transport's
+``inline_max_bytes``. A request that fails retryably is retried on the same
+transport (``retries``), then re-planned onto the next transport its rule
+allows (up to ``max_failover``); every failed attempt counts towards the
+transport's health (:mod:`kvpool.transfer.selection`). Requests that succeed
+at once cost no bookkeeping beyond their final status (:mod:`kvpool.transfer.batch`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import time
+from collections.abc import Sequence
+
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentDescriptor
+from kvpool.transfer.batch import BatchHandle, SubBatch, SubBatchState, Track
+from kvpool.transfer.buffers import BufferHandle, as_buffer
+from kvpool.transfer.config import TransferConfig
+from kvpool.transfer.gpu import copies_independent
+from kvpool.transfer.registry import SegmentRegistry
+from kvpool.transfer.segment import LocalSegment
+from kvpool.transfer.selection import Transports, TransportSlot, peer_key
+from kvpool.transfer.types import (
+    RequestState,
+    RequestStatus,
+    TransferError,
+    TransferOp,
+    TransferRequest,
+)
+
+__all__ = ["BatchRunner"]
+
+log = logging.getLogger(__name__)
+
+_DONE, _FAILED = RequestState.DONE, RequestState.FAILED
+_READ = TransferOp.READ
+_LENGTH = operator.attrgetter("length")
+#: a sub-batch is split across a transport's threads only in slices of at least this
+#: many bytes (below it one thread finishes sooner than two threads start)
+_MIN_SLICE_BYTES = 4 << 20
+
+_Resolved = tuple[SegmentDescriptor, "LocalSegment | None"]
+
+
+class BatchRunner:
+    """Runs batches of :class:`TransferRequest` over ``transports`` (module docstring)."""
+
+    def __init__(self, config: TransferConfig, registry: SegmentRegistry,
+                 transports: Transports) -> None:
+        self.config = config
+        self.registry = registry
+        self.transports = transports
+        self.closed = False
+        self._sb_ids = itertools.count(1)
+
+    # -- the caller's entry points ------------------------------------------------
+    def run(self, requests: Sequence[TransferRequest], timeout: float) -> list[RequestStatus]:
+        """Run a batch and wait at most ``timeout`` seconds. Never raises for a
+        slow batch: a request still unfinished then is reported FAILED with
+        TIMEOUT (a reader moves on to another replica instead of waiting on a
+        dead peer)."""
+        deadline = time.monotonic() + timeout
+        handle = self.submit(requests, True, deadline)
+        if handle._remaining:
+            handle.wait(max(0.0, deadline - time.monotonic()))
+        with handle._lock:
+            if not handle._remaining:
+                return handle._status  # type: ignore[return-value]  # all terminal
+            now = handle.status()
+            return [st if st is not None else RequestStatus(
+                        _FAILED, now[i].transport, ErrorCode.TIMEOUT,
+                        [*now[i].errors, f"no answer within {timeout:.2f}s"])
+                    for i, st in enumerate(handle._status)]
+
+    def transfer(self, requests: Sequence[TransferRequest],
+                 timeout: float | None = None) -> list[RequestStatus]:
+        """Run a batch and wait for it. Raises ``TransferError(TIMEOUT)`` if
+        not every request is terminal within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        handle = self.submit(requests, True, deadline)
+        finished = True
+        if handle._remaining:
+            finished = handle.wait(None if deadline is None
+                                   else max(0.0, deadline - time.monotonic()))
+        if deadline is not None and time.monotonic() >= deadline and not handle.ok:
+            finished = False  # a slice on this thread was cut short by the deadline
+        if not finished:
+            raise TransferError(f"batch of {len(requests)} not finished within {timeout}s",
+                                ErrorCode.TIMEOUT)
+        return handle.statuses()
+
+    def submit(self, requests: Sequence[TransferRequest], sync: bool = False,
+               deadline: float | None = None) -> BatchHandle:
+        """Start a batch (``sync``: the caller waits for it, so a sub-batch of
+        one slice runs on its thread). Invalid requests fail at once with
+        their code; the others run in per-transport sub-batches."""
+        if self.closed:
+            raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
+        handle = BatchHandle(len(requests))
+        groups: dict[str, list[TransferRequest]] = {}
+        # (candidates, descriptor, device) -> the selector's answer, within this batch
+        choice: dict[tuple[int, int, str], tuple[str | None, str]] = {}
+        # (segment id, device, length) -> what the first such request resolved to:
+        # later ones alike skip resolution and selection (the same checks, inline)
+        alike: dict[tuple[str, str, int],
+                    tuple[SegmentDescriptor, LocalSegment | None, bool, list[TransferRequest]]] = {}
+        segs: dict[str, _Resolved] = {}
+        independent = copies_independent()
+        for i, req in enumerate(requests):
+            buf = req.buffer
+            if type(req) is TransferRequest and type(buf) is BufferHandle and not req.transport:
+                length = req.length
+                known = alike.get((req.segment_id, buf.device, length))
+                if known is not None:
+                    desc, local, same_host, group = known
+                    op, offset, boff = req.op, req.offset, req.buffer_offset
+                    if type(offset) is int and type(boff) is int and type(op) is TransferOp \
+                            and 0 <= offset and offset + length <= desc.size \
+                            and 0 <= boff and boff + length <= buf.length \
+                            and (op is not _READ or not buf.readonly):
+                        if type(req.capability) is not bytes:
+                            req.capability = bytes(req.capability or b"")
+                        req.index = i
+                        req.segment = desc
+                        req.same_host = same_host
+                        req.local = local
+                        req.independent = independent
+                        group.append(req)
+                        continue
+            try:
+                candidates = self._resolve(i, req, segs, independent)
+            except TransferError as exc:
+                handle.finish(i, _FAILED, None, exc.code, str(exc))
+                continue
+            except Exception as exc:  # a bad buffer object etc.
+                handle.finish(i, _FAILED, None, ErrorCode.INVALID_PARAMS,
+                              f"{type(exc).__name__}: {exc}")
+                continue
+            if req.length == 0:
+                handle.finish(i, _DONE, None)
+                continue
+            key = (id(candidates), id(req.segment), req.buffer.device)
+            found = choice.get(key)
+            if found is None:
+                found = choice[key] = self.transports.next_transport(req, candidates, ())
+            name, why = found
+            if name is None:
+                handle.finish(i, _FAILED, None, ErrorCode.TRANSPORT_UNAVAILABLE,
+                              f"no usable transport: {why}")
+                continue
+            group = groups.setdefault(name, [])
+            group.append(req)
+            if not req.transport:
+                alike[(req.segment_id, req.buffer.device, req.length)] = (
+                    req.segment, req.local, req.same_host, group)
+        self._launch(handle, groups, sync, deadline)
+        return handle
+
+    # -- resolution -------------------------------------------------------------
+    def _resolve(self, i: int, req: TransferRequest, segs: dict[str, _Resolved],
+                 independent: bool) -> Sequence[str]:
+        """Check request ``i`` and fill in its resolved fields; its candidate
+        transports. ``segs`` memoizes segment lookups within one batch."""
+        if not isinstance(req, TransferRequest):
+            raise TransferError(f"request {i} is not a TransferRequest", ErrorCode.INVALID_PARAMS,
+                                retryable=False)
+        op = req.op if type(req.op) is TransferOp else TransferOp(req.op)
+        buf = req.buffer if type(req.buffer) is BufferHandle else as_buffer(req.buffer)
+        sid = req.segment_id
+        found = segs.get(sid)
+        if found is None:
+            found = segs[sid] = self.registry.resolve(sid)
+        desc, local = found
+        offset, length, boff = req.offset, req.length, req.buffer_offset
+        if not (type(offset) is int and type(length) is int and type(boff) is int) \
+                and not all(isinstance(x, int) for x in (offset, length, boff)):
+            raise TransferError("offset/length must be integers", ErrorCode.INVALID_PARAMS,
+                                retryable=False)
+        if offset < 0 or length < 0 or offset + length > desc.size:
+            raise TransferError(
+                f"range [{offset}, {offset + length}) outside segment "
+                f"{sid!r} of {desc.size} bytes", ErrorCode.OUT_OF_BOUNDS, retryable=False)
+        if boff < 0 or boff + length > buf.length:
+            buf.check_range(boff, length)
+        if op is _READ and buf.readonly:
+            raise TransferError("READ into a read-only buffer", ErrorCode.INVALID_PARAMS,
+                                retryable=False)
+        cap = req.capability
+        req.op = op
+        req.buffer = buf
+        req.index = i
+        req.segment = desc
+        req.same_host = desc.host_id == self.registry.host_id
+        req.local = local
+        req.capability = cap if type(cap) is bytes else bytes(cap or b"")
+        req.independent = independent
+        return self.transports.candidates(req)
+
+    # -- running ----------------------------------------------------------------
+    def _launch(self, handle: BatchHandle, groups: dict[str, list[TransferRequest]],
+                sync: bool = False, deadline: float | None = None) -> None:
+        slots = self.transports.slots
+        for name, items in groups.items():
+            slot = slots[name]
+            sb = SubBatch(next(self._sb_ids), name, items)
+            total = sum(map(_LENGTH, items))
+            with handle._lock:
+                handle.sub_batches.append(sb)
+            # a second slice costs a thread hop: only a large sub-batch gains from it
+            n = max(1, min(slot.settings.threads, len(items), total // _MIN_SLICE_BYTES))
+            step = (len(items) + n - 1) // n
+            slices = [items[k:k + step] for k in range(0, len(items), step)] if n > 1 \
+                else [items]
+            sb.slices_left = len(slices)
+            # no thread hop for one slice (the caller waits anyway, or the copy is tiny)
+            inline = (sync and len(groups) == 1) or (
+                len(slices) == 1 and total <= int(slot.settings.inline_max_bytes))
+            for part in slices[:-1] if inline else slices:
+                try:
+                    slot.pool.submit(self._run_slice, handle, sb, slot, part, None)
+                except RuntimeError as exc:  # pool shut down (engine closing)
+                    self._slice_done(handle, sb, slot, part,
+                                     TransferError(str(exc), ErrorCode.CLOSED, retryable=False))
+            if inline:
+                self._run_slice(handle, sb, slot, slices[-1], deadline)
+
+    def _run_slice(self, handle: BatchHandle, sb: SubBatch, slot: TransportSlot,
+                   part: list[TransferRequest], caller_deadline: float | None) -> None:
+        lock = handle._lock
+        with lock:
+            if sb.state is SubBatchState.PENDING:
+                sb.state = SubBatchState.RUNNING
+                sb.started = time.monotonic()
+        deadline = time.monotonic() + slot.settings.timeout_s
+        if caller_deadline is not None and caller_deadline < deadline:
+            deadline = caller_deadline
+        reported, name = sb.reported, sb.transport
+        finish = handle.finish_locked
+
+        def report(item: TransferRequest, err: TransferError | None) -> None:  # once per item
+            idx = item.index
+            with lock:
+                if idx in reported:
+                    return
+                reported.add(idx)
+                if err is None:
+                    sb.done += 1
+                    finish(idx, _DONE, name)
+                else:
+                    sb.failed += 1
+                    sb.failures.append((item, err))
+
+        def report_many(items: Sequence[TransferRequest]) -> None:  # successes, one lock
+            with lock:
+                fresh = [it for it in items if it.index not in reported]
+                reported.update([it.index for it in fresh])
+                sb.done += len(fresh)
+                handle.finish_many_locked(fresh, name)
+
+        report.many = report_many  # type: ignore[attr-defined]  # see base.report_done
+        crash: TransferError | None = None
+        try:
+            slot.transport.execute(part, deadline, report)
+        except TransferError as exc:
+            crash = exc
+        except Exception as exc:
+            log.exception("transport %s crashed on a sub-batch", name)
+            crash = TransferError(f"{type(exc).__name__}: {exc}", ErrorCode.TRANSFER_FAIL)
+        self._slice_done(handle, sb, slot, part, crash)
+
+    def _slice_done(self, handle: BatchHandle, sb: SubBatch, slot: TransportSlot,
+                    part: list[TransferRequest], crash: TransferError | None) -> None:
+        with handle._lock:
+            for it in part:  # items the transport never reported
+                if it.index not in sb.reported:
+                    sb.reported.add(it.index)
+                    sb.failed += 1
+                    sb.failures.append((it, crash or TransferError(
+                        "transport returned without reporting the request",
+                        ErrorCode.TRANSFER_FAIL)))
+            sb.slices_left -= 1
+            if sb.slices_left > 0:
+                return
+            sb.finished = time.monotonic()
+            failures = list(sb.failures)
+            sb.state = SubBatchState.FAILED if failures else SubBatchState.DONE
+            if failures:
+                sb.error = str(failures[0][1])
+        self.transports.update_health(slot, sb, failures)
+        if not failures:
+            return
+        groups: dict[str, list[TransferRequest]] = {}
+        name = sb.transport
+        for item, err in failures:
+            idx = item.index
+            with handle._lock:
+                track = handle._tracks.get(idx)
+                if track is None:
+                    track = handle.track(idx, self._candidates(item), name)
+                track.errors.append(f"{name}: {err}")
+                track.code = err.code
+                track.attempts[name] = track.attempts.get(name, 0) + 1
+            if not err.retryable or self.closed:
+                handle.finish(idx, _FAILED, name, err.code)
+                continue
+            if track.attempts[name] <= slot.settings.retries \
+                    and not slot.paused(peer_key(item)):
+                groups.setdefault(name, []).append(item)
+                continue
+            if track.failovers >= self.config.max_failover:
+                handle.finish(idx, _FAILED, name, err.code)
+                continue
+            before = len(track.tried)
+            self._plan(handle, item, track, groups, err)
+            if len(track.tried) > before:
+                track.failovers += 1
+                log.info("request %d failed on %s (%s); failing over to %s", idx, name, err,
+                         track.tried[-1])
+        if groups:
+            self._launch(handle, groups)
+
+    def _candidates(self, item: TransferRequest) -> Sequence[str]:
+        try:
+            return self.transports.candidates(item)
+        except TransferError:
+            return ()
+
+    def _plan(self, handle: BatchHandle, item: TransferRequest, track: Track,
+              groups: dict[str, list[TransferRequest]], last_error: TransferError) -> None:
+        """Put ``item`` into the group of its next transport, or fail it."""
+        name, _why = self.transports.next_transport(item, track.candidates, track.tried)
+        if name is None:
+            handle.finish(item.index, _FAILED, track.tried[-1], last_error.code)
+            return
+        track.tried.append(name)
+        groups.setdefault(name, []).append(item)
+
