@@ -38,7 +38,7 @@ from kvpool.store.replicas import SUSPECT_S, nearest_first
 from kvpool.store.session import MasterSession
 from kvpool.transfer.buffers import BufferHandle
 from kvpool.transfer.registry import SegmentRegistry
-from kvpool.transfer.types import TransferOp, TransferRequest
+from kvpool.transfer.types import RequestState, TransferOp, TransferRequest
 
 __all__ = ["RangeRead", "Reads", "code_of", "valid_key"]
 
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 _OK = ErrorCode.OK
 _COMPLETE = ReplicaStatus.COMPLETE
 _READ = TransferOp.READ
+_DONE = RequestState.DONE
 _STALE = int(ErrorCode.STALE_EPOCH)
 _EXPIRED = int(ErrorCode.LEASE_EXPIRED)
 _UNREAD = int(ErrorCode.INTERNAL_ERROR)  # a read's result before it is decided
@@ -197,13 +198,9 @@ class Reads:
             statuses = run(reqs, timeout)
             end = time.monotonic()
             pending = []
-            if end <= first_deadline and not verify and all(st.ok for st in statuses):
-                for req, j in zip(reqs, owners, strict=True):  # the common case
-                    results[j] = req.length
-                break
+            late = end > first_deadline  # some read may have ended after its lease
             for req, j, st in zip(reqs, owners, statuses, strict=True):
-                loc = locs[j]
-                if not st.ok:
+                if st.state is not _DONE:
                     if errors is not None:
                         errors.append(f"{req.segment_id}: " + ("; ".join(st.errors)
                                                                or st.code.name))
@@ -212,10 +209,10 @@ class Reads:
                     else:
                         self.registry.suspect(req.segment_id, SUSPECT_S)
                     pending.append(j)
-                elif end > loc.deadline:
+                elif late and end > locs[j].deadline:
                     results[j] = _EXPIRED
-                elif verify and loc.checksum is not None and self.config.verify_checksum:
-                    results[j] = self._verified(loc, bufs[j])
+                elif verify and locs[j].checksum is not None and self.config.verify_checksum:
+                    results[j] = self._verified(locs[j], bufs[j])
                 else:
                     results[j] = req.length
             attempt += 1

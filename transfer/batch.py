@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from enum import Enum
 
 from kvpool.core.errors import ErrorCode
@@ -33,22 +32,56 @@ class SubBatchState(Enum):
     FAILED = "failed"  # at least one of its requests failed on this transport
 
 
-@dataclass(eq=False)
 class SubBatch:
-    """The requests of one batch that one transport serves in one attempt."""
+    """The requests of one batch that one transport serves in one attempt.
 
-    id: int
-    transport: str
-    items: list[TransferRequest]
-    state: SubBatchState = SubBatchState.PENDING
-    done: int = 0
-    failed: int = 0
-    error: str = ""
-    started: float = 0.0
-    finished: float = 0.0
-    slices_left: int = 0
-    failures: list[tuple[TransferRequest, TransferError]] = field(default_factory=list)
-    reported: set[int] = field(default_factory=set)
+    It is also the transport's ``report(item, error)`` for its slices
+    (exactly once per item; ``many(items)`` reports successes under one lock
+    acquisition): a success finishes its request at once, a failure waits
+    for the failover decision made when the sub-batch ends."""
+
+    __slots__ = ("done", "error", "failed", "failed_idx", "failures", "finished", "handle", "id",
+                 "items", "slices_left", "started", "state", "transport")
+
+    def __init__(self, handle: BatchHandle, id: int, transport: str,
+                 items: list[TransferRequest]) -> None:
+        self.handle = handle
+        self.id = id
+        self.transport = transport
+        self.items = items
+        self.state = SubBatchState.PENDING
+        self.done = 0
+        self.failed = 0
+        self.error = ""
+        self.started = 0.0
+        self.finished = 0.0
+        self.slices_left = 0
+        self.failures: list[tuple[TransferRequest, TransferError]] = []
+        self.failed_idx: set[int] = set()
+
+    def __call__(self, item: TransferRequest, err: TransferError | None) -> None:
+        if err is None:
+            self.many((item,))
+            return
+        idx = item.index
+        with self.handle._lock:
+            if idx in self.failed_idx or self.handle._status[idx] is not None:
+                return  # reported already
+            self.failed_idx.add(idx)
+            self.failed += 1
+            self.failures.append((item, err))
+
+    def many(self, items: Sequence[TransferRequest]) -> None:
+        """Report ``items`` done (those reported before are ignored)."""
+        handle = self.handle
+        with handle._lock:
+            if self.failed_idx:
+                items = [it for it in items if it.index not in self.failed_idx]
+            self.done += handle.finish_many_locked(items, self.transport)
+
+    def reported(self, item: TransferRequest) -> bool:
+        """Whether ``item`` was reported (done or failed); the lock held."""
+        return self.handle._status[item.index] is not None or item.index in self.failed_idx
 
 
 class Track:
@@ -73,11 +106,13 @@ class BatchHandle:
     """Handle of a submitted batch: :meth:`wait`, :meth:`status`, :attr:`ok`;
     ``sub_batches`` lists every sub-batch attempt (for inspection and tests)."""
 
+    __slots__ = ("_cond", "_lock", "_remaining", "_status", "_tracks", "sub_batches")
+
     def __init__(self, n: int) -> None:
-        # the condition's own lock, entered directly on hot paths (a C-level
-        # context manager; Condition.__enter__ is a Python call per use)
-        self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
+        # entered directly on hot paths (a C-level context manager); the
+        # condition on it is made only when someone has to wait
+        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None
         self._status: list[RequestStatus | None] = [None] * n  # None: not terminal yet
         self._tracks: dict[int, Track] = {}
         self._remaining = n
@@ -88,6 +123,8 @@ class BatchHandle:
         with self._lock:
             if self._remaining == 0:  # a batch run on the caller's thread: finished already
                 return True
+            if self._cond is None:
+                self._cond = threading.Condition(self._lock)
             return self._cond.wait_for(lambda: self._remaining == 0, timeout)
 
     def status(self) -> list[RequestStatus]:
@@ -149,25 +186,32 @@ class BatchHandle:
             errors.append(error)
         self._status[idx] = RequestStatus(state, transport, code, errors)
         self._remaining -= 1
-        if self._remaining == 0:
+        if self._remaining == 0 and self._cond is not None:
             self._cond.notify_all()
 
-    def finish_many_locked(self, items: Sequence[TransferRequest], transport: str) -> None:
-        """Requests ``items`` DONE on ``transport`` (the lock held)."""
+    def finish_many_locked(self, items: Sequence[TransferRequest], transport: str) -> int:
+        """Requests ``items`` DONE on ``transport`` (the lock held; those
+        terminal already are left as they are): how many were finished."""
         status = self._status
         tracks = self._tracks
         n = 0
-        for it in items:
-            idx = it.index
-            if status[idx] is not None:
-                continue
-            t = tracks.get(idx) if tracks else None
-            status[idx] = RequestStatus(_DONE, transport, _OK, t.errors if t is not None else [])
-            n += 1
+        if not tracks:  # nothing failed before (the common case)
+            for it in items:
+                idx = it.index
+                if status[idx] is None:
+                    status[idx] = RequestStatus(_DONE, transport, _OK)
+                    n += 1
+        else:
+            for it in items:
+                idx = it.index
+                if status[idx] is not None:
+                    continue
+                t = tracks.get(idx)
+                status[idx] = RequestStatus(_DONE, transport, _OK,
+                                            t.errors if t is not None else [])
+                n += 1
         self._remaining -= n
-        if self._remaining == 0:
+        if self._remaining == 0 and self._cond is not None:
             self._cond.notify_all()
+        return n
 
-    def failed(self, idx: int) -> bool:
-        st = self._status[idx]
-        return st is not None and st.state is _FAILED

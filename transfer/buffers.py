@@ -17,7 +17,6 @@ is given.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,9 +31,9 @@ _KDL_CUDA = 2
 _KDL_CUDA_HOST = 3
 _KDL_CUDA_MANAGED = 13
 _C_VOID_P = ctypes.c_void_p
+_U8 = np.dtype(np.uint8)
 
 
-@dataclass(eq=False)
 class BufferHandle:
     """A contiguous byte range of host (``device="cpu"``) or GPU memory.
 
@@ -42,18 +41,51 @@ class BufferHandle:
     ``array`` is a 1-D uint8 numpy view for host buffers (None for GPU).
     ``readonly`` buffers may only be WRITE sources. ``registered`` is set by
     ``TransferEngine.register_buffer``; transports may cache per-handle state
-    (e.g. CUDA registration) in ``cache``.
+    (e.g. CUDA registration) in ``cache``. A host handle made from an array
+    learns its address on first use of ``ptr`` (finding it costs more than
+    the copies most host requests make).
     """
 
-    ptr: int
-    length: int
-    device: str = "cpu"
-    device_index: int = 0
-    readonly: bool = False
-    array: np.ndarray | None = None
-    owner: Any = None
-    registered: bool = False
-    cache: dict[str, Any] = field(default_factory=dict)
+    __slots__ = ("__weakref__", "_cache", "_ptr", "array", "device", "device_index", "length",
+                 "owner", "readonly", "registered")
+
+    def __init__(self, ptr: int | None = 0, length: int = 0, device: str = "cpu",
+                 device_index: int = 0, readonly: bool = False, array: np.ndarray | None = None,
+                 owner: Any = None, registered: bool = False,
+                 cache: dict[str, Any] | None = None) -> None:
+        self._ptr = ptr
+        self.length = length
+        self.device = device
+        self.device_index = device_index
+        self.readonly = readonly
+        self.array = array
+        self.owner = owner
+        self.registered = registered
+        self._cache = cache
+
+    @property
+    def ptr(self) -> int:
+        ptr = self._ptr
+        if ptr is None:
+            arr = self.array
+            ptr = self._ptr = int(arr.ctypes.data) if arr is not None and arr.size else 0
+        return ptr
+
+    @ptr.setter
+    def ptr(self, value: int) -> None:
+        self._ptr = value
+
+    @property
+    def cache(self) -> dict[str, Any]:
+        cache = self._cache
+        if cache is None:
+            cache = self._cache = {}
+        return cache
+
+    def __repr__(self) -> str:
+        return (f"BufferHandle(ptr={self.ptr}, length={self.length}, device={self.device!r}, "
+                f"device_index={self.device_index}, readonly={self.readonly}, "
+                f"registered={self.registered})")
 
     @property
     def is_gpu(self) -> bool:
@@ -79,7 +111,8 @@ class BufferHandle:
         """Drop the reference to the underlying object."""
         self.owner = None
         self.array = None
-        self.cache.clear()
+        if self._cache is not None:
+            self._cache.clear()
 
 
 def _host_from_address(ptr: int, length: int, owner: Any) -> BufferHandle:
@@ -163,6 +196,12 @@ def as_buffer(obj: Any, length: int | None = None, device: str | None = None) ->
 
 def _as_buffer(obj: Any, length: int | None, device: str | None) -> BufferHandle:
     kind = type(obj)
+    if kind is np.ndarray and device is None and obj.flags.c_contiguous:
+        # the common host buffer: no probing for the other forms (its address is
+        # found when a transport asks for it)
+        arr = obj if obj.dtype is _U8 and obj.ndim == 1 else obj.reshape(-1).view(np.uint8)
+        return BufferHandle(ptr=None, length=arr.nbytes, device="cpu",
+                            readonly=not obj.flags.writeable, array=arr, owner=obj)
     if (kind is bytes or kind is bytearray) and device is None:
         # the common value of a single put: no probing for GPU and raw-address forms
         arr = np.frombuffer(obj, dtype=np.uint8)

@@ -51,7 +51,6 @@ _LENGTH = operator.attrgetter("length")
 #: many bytes (below it one thread finishes sooner than two threads start)
 _MIN_SLICE_BYTES = 4 << 20
 
-_Resolved = tuple[SegmentDescriptor, "LocalSegment | None"]
 
 
 class BatchRunner:
@@ -75,14 +74,12 @@ class BatchRunner:
         handle = self.submit(requests, True, deadline)
         if handle._remaining:
             handle.wait(max(0.0, deadline - time.monotonic()))
-        with handle._lock:
-            if not handle._remaining:
-                return handle._status  # type: ignore[return-value]  # all terminal
-            now = handle.status()
-            return [st if st is not None else RequestStatus(
-                        _FAILED, now[i].transport, ErrorCode.TIMEOUT,
-                        [*now[i].errors, f"no answer within {timeout:.2f}s"])
-                    for i, st in enumerate(handle._status)]
+        if not handle._remaining:
+            return handle._status  # type: ignore[return-value]  # all terminal, never changed
+        now = handle.status()
+        return [st if st.state is _DONE or st.state is _FAILED else RequestStatus(
+                    _FAILED, st.transport, ErrorCode.TIMEOUT,
+                    [*st.errors, f"no answer within {timeout:.2f}s"]) for st in now]
 
     def transfer(self, requests: Sequence[TransferRequest],
                  timeout: float | None = None) -> list[RequestStatus]:
@@ -110,17 +107,15 @@ class BatchRunner:
             raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
         handle = BatchHandle(len(requests))
         groups: dict[str, list[TransferRequest]] = {}
-        # (candidates, descriptor, device) -> the selector's answer, within this batch
-        choice: dict[tuple[int, int, str], tuple[str | None, str]] = {}
         # (segment id, device, length) -> what the first such request resolved to:
         # later ones alike skip resolution and selection (the same checks, inline)
         alike: dict[tuple[str, str, int],
                     tuple[SegmentDescriptor, LocalSegment | None, bool, list[TransferRequest]]] = {}
-        segs: dict[str, _Resolved] = {}
         independent = copies_independent()
         for i, req in enumerate(requests):
             buf = req.buffer
-            if type(req) is TransferRequest and type(buf) is BufferHandle and not req.transport:
+            if alike and type(req) is TransferRequest and type(buf) is BufferHandle \
+                    and not req.transport:
                 length = req.length
                 known = alike.get((req.segment_id, buf.device, length))
                 if known is not None:
@@ -140,7 +135,7 @@ class BatchRunner:
                         group.append(req)
                         continue
             try:
-                candidates = self._resolve(i, req, segs, independent)
+                name = self._resolve(i, req, independent)
             except TransferError as exc:
                 handle.finish(i, _FAILED, None, exc.code, str(exc))
                 continue
@@ -148,41 +143,34 @@ class BatchRunner:
                 handle.finish(i, _FAILED, None, ErrorCode.INVALID_PARAMS,
                               f"{type(exc).__name__}: {exc}")
                 continue
-            if req.length == 0:
+            if not name:  # an empty request
                 handle.finish(i, _DONE, None)
                 continue
-            key = (id(candidates), id(req.segment), req.buffer.device)
-            found = choice.get(key)
-            if found is None:
-                found = choice[key] = self.transports.next_transport(req, candidates, ())
-            name, why = found
-            if name is None:
-                handle.finish(i, _FAILED, None, ErrorCode.TRANSPORT_UNAVAILABLE,
-                              f"no usable transport: {why}")
-                continue
-            group = groups.setdefault(name, [])
-            group.append(req)
+            grouped = groups.get(name)
+            if grouped is None:
+                grouped = groups[name] = []
+            grouped.append(req)
             if not req.transport:
                 alike[(req.segment_id, req.buffer.device, req.length)] = (
-                    req.segment, req.local, req.same_host, group)
+                    req.segment, req.local, req.same_host, grouped)
         self._launch(handle, groups, sync, deadline)
         return handle
 
     # -- resolution -------------------------------------------------------------
-    def _resolve(self, i: int, req: TransferRequest, segs: dict[str, _Resolved],
-                 independent: bool) -> Sequence[str]:
-        """Check request ``i`` and fill in its resolved fields; its candidate
-        transports. ``segs`` memoizes segment lookups within one batch."""
+    def _resolve(self, i: int, req: TransferRequest, independent: bool) -> str:
+        """Check request ``i``, fill in its resolved fields and pick its first
+        transport: its name; "" when the request needs none (empty: DONE) or
+        none can take it (FAILED with the reason)."""
         if not isinstance(req, TransferRequest):
             raise TransferError(f"request {i} is not a TransferRequest", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
         op = req.op if type(req.op) is TransferOp else TransferOp(req.op)
         buf = req.buffer if type(req.buffer) is BufferHandle else as_buffer(req.buffer)
         sid = req.segment_id
-        found = segs.get(sid)
-        if found is None:
-            found = segs[sid] = self.registry.resolve(sid)
-        desc, local = found
+        registry = self.registry
+        desc = registry._descs.get(sid)  # (SegmentRegistry.resolve, without its frame)
+        if desc is None:
+            desc = registry.resolve(sid)[0]  # raises SEGMENT_NOT_FOUND
         offset, length, boff = req.offset, req.length, req.buffer_offset
         if not (type(offset) is int and type(length) is int and type(boff) is int) \
                 and not all(isinstance(x, int) for x in (offset, length, boff)):
@@ -202,11 +190,18 @@ class BatchRunner:
         req.buffer = buf
         req.index = i
         req.segment = desc
-        req.same_host = desc.host_id == self.registry.host_id
-        req.local = local
+        req.same_host = desc.host_id == registry.host_id
+        req.local = registry._local.get(sid)
         req.capability = cap if type(cap) is bytes else bytes(cap or b"")
         req.independent = independent
-        return self.transports.candidates(req)
+        candidates = self.transports.candidates(req)
+        if length == 0:
+            return ""
+        name, why = self.transports.next_transport(req, candidates, ())
+        if name is None:
+            raise TransferError(f"no usable transport: {why}", ErrorCode.TRANSPORT_UNAVAILABLE,
+                                retryable=False)
+        return name
 
     # -- running ----------------------------------------------------------------
     def _launch(self, handle: BatchHandle, groups: dict[str, list[TransferRequest]],
@@ -214,19 +209,21 @@ class BatchRunner:
         slots = self.transports.slots
         for name, items in groups.items():
             slot = slots[name]
-            sb = SubBatch(next(self._sb_ids), name, items)
-            total = sum(map(_LENGTH, items))
-            with handle._lock:
-                handle.sub_batches.append(sb)
+            sb = SubBatch(handle, next(self._sb_ids), name, items)
+            handle.sub_batches.append(sb)  # (list.append is atomic)
+            total = items[0].length if len(items) == 1 else sum(map(_LENGTH, items))
             # a second slice costs a thread hop: only a large sub-batch gains from it
-            n = max(1, min(slot.settings.threads, len(items), total // _MIN_SLICE_BYTES))
-            step = (len(items) + n - 1) // n
-            slices = [items[k:k + step] for k in range(0, len(items), step)] if n > 1 \
-                else [items]
+            n = 1 if total < 2 * _MIN_SLICE_BYTES else \
+                max(1, min(slot.settings.threads, len(items), total // _MIN_SLICE_BYTES))
+            if n > 1:
+                step = (len(items) + n - 1) // n
+                slices = [items[k:k + step] for k in range(0, len(items), step)]
+            else:
+                slices = [items]
             sb.slices_left = len(slices)
             # no thread hop for one slice (the caller waits anyway, or the copy is tiny)
             inline = (sync and len(groups) == 1) or (
-                len(slices) == 1 and total <= int(slot.settings.inline_max_bytes))
+                n == 1 and total <= int(slot.settings.inline_max_bytes))
             for part in slices[:-1] if inline else slices:
                 try:
                     slot.pool.submit(self._run_slice, handle, sb, slot, part, None)
@@ -238,67 +235,52 @@ class BatchRunner:
 
     def _run_slice(self, handle: BatchHandle, sb: SubBatch, slot: TransportSlot,
                    part: list[TransferRequest], caller_deadline: float | None) -> None:
-        lock = handle._lock
-        with lock:
-            if sb.state is SubBatchState.PENDING:
-                sb.state = SubBatchState.RUNNING
-                sb.started = time.monotonic()
-        deadline = time.monotonic() + slot.settings.timeout_s
+        now = time.monotonic()
+        if sb.state is SubBatchState.PENDING:  # (a benign race: any slice's start will do)
+            sb.state = SubBatchState.RUNNING
+            sb.started = now
+        deadline = now + slot.settings.timeout_s
         if caller_deadline is not None and caller_deadline < deadline:
             deadline = caller_deadline
-        reported, name = sb.reported, sb.transport
-        finish = handle.finish_locked
-
-        def report(item: TransferRequest, err: TransferError | None) -> None:  # once per item
-            idx = item.index
-            with lock:
-                if idx in reported:
-                    return
-                reported.add(idx)
-                if err is None:
-                    sb.done += 1
-                    finish(idx, _DONE, name)
-                else:
-                    sb.failed += 1
-                    sb.failures.append((item, err))
-
-        def report_many(items: Sequence[TransferRequest]) -> None:  # successes, one lock
-            with lock:
-                fresh = [it for it in items if it.index not in reported]
-                reported.update([it.index for it in fresh])
-                sb.done += len(fresh)
-                handle.finish_many_locked(fresh, name)
-
-        report.many = report_many  # type: ignore[attr-defined]  # see base.report_done
         crash: TransferError | None = None
         try:
-            slot.transport.execute(part, deadline, report)
+            slot.transport.execute(part, deadline, sb)
         except TransferError as exc:
             crash = exc
         except Exception as exc:
-            log.exception("transport %s crashed on a sub-batch", name)
+            log.exception("transport %s crashed on a sub-batch", sb.transport)
             crash = TransferError(f"{type(exc).__name__}: {exc}", ErrorCode.TRANSFER_FAIL)
         self._slice_done(handle, sb, slot, part, crash)
 
     def _slice_done(self, handle: BatchHandle, sb: SubBatch, slot: TransportSlot,
                     part: list[TransferRequest], crash: TransferError | None) -> None:
         with handle._lock:
-            for it in part:  # items the transport never reported
-                if it.index not in sb.reported:
-                    sb.reported.add(it.index)
+            failures: list[tuple[TransferRequest, TransferError]] = []
+            if crash is None and not sb.failures and sb.slices_left == 1 \
+                    and sb.done == len(sb.items):
+                # the common case: the sub-batch's one slice, every request done
+                sb.slices_left = 0
+                sb.finished = time.monotonic()
+                sb.state = SubBatchState.DONE
+            else:
+                for it in part:  # items the transport never reported
+                    if sb.reported(it):
+                        continue
+                    sb.failed_idx.add(it.index)
                     sb.failed += 1
                     sb.failures.append((it, crash or TransferError(
                         "transport returned without reporting the request",
                         ErrorCode.TRANSFER_FAIL)))
-            sb.slices_left -= 1
-            if sb.slices_left > 0:
-                return
-            sb.finished = time.monotonic()
-            failures = list(sb.failures)
-            sb.state = SubBatchState.FAILED if failures else SubBatchState.DONE
-            if failures:
-                sb.error = str(failures[0][1])
-        self.transports.update_health(slot, sb, failures)
+                sb.slices_left -= 1
+                if sb.slices_left > 0:
+                    return
+                sb.finished = time.monotonic()
+                failures = list(sb.failures)
+                sb.state = SubBatchState.FAILED if failures else SubBatchState.DONE
+                if failures:
+                    sb.error = str(failures[0][1])
+        if failures or slot.health:
+            self.transports.update_health(slot, sb, failures)
         if not failures:
             return
         groups: dict[str, list[TransferRequest]] = {}

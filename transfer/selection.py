@@ -67,6 +67,9 @@ class Transports:
         self.slots: dict[str, TransportSlot] = {}
         self.unavailable: dict[str, str] = {}
         self._rule_cache: dict[tuple[SegmentKind, bool, str, int], RuleConfig | None] = {}
+        # (rule's transport list, segment kind, same host, device) -> the loaded ones that
+        # support such a request, in order (rules live as long as the config)
+        self._usable: dict[tuple[int, SegmentKind, bool, str], list[str]] = {}
 
     def load(self, ctx: EngineContext) -> None:
         """Load every transport the rules and ``transports`` section name.
@@ -111,6 +114,7 @@ class Transports:
             old = self.slots.pop(transport.name, None)
             self.slots[transport.name] = TransportSlot(transport, settings or transport.settings)
             self.unavailable.pop(transport.name, None)
+            self._usable.clear()
         if old is not None:
             old.close()
 
@@ -169,6 +173,19 @@ class Transports:
         """The first of ``candidates`` not in ``tried`` that is loaded,
         supports the item and is not paused towards its peer: ``(name, "")``,
         or ``(None, why none)``."""
+        if not tried and not item.transport:
+            key = (id(candidates), item.segment.kind, item.same_host, item.buffer.device)
+            usable = self._usable.get(key)
+            if usable is None:
+                usable = [n for n in candidates if n in self.slots and self.slots[n].transport
+                          .supports(key[1], key[2], key[3])]
+                if len(self._usable) >= _RULE_CACHE:
+                    self._usable.clear()
+                self._usable[key] = usable
+            for name in usable:
+                slot = self.slots.get(name)
+                if slot is not None and not (slot.health and slot.paused(peer_key(item))):
+                    return name, ""
         why: list[str] = []
         for name in candidates:
             if name in tried:

@@ -141,7 +141,7 @@ class Transport(ABC):
             settings = TransportSettings()
         self.settings = settings
         self.ctx: EngineContext | None = None
-        self._closed = threading.Event()
+        self._closed = False
 
     def attach(self, ctx: EngineContext) -> None:
         """Called by the engine before first use."""
@@ -178,8 +178,8 @@ class Transport(ABC):
 
     @property
     def closed(self) -> bool:
-        return self._closed.is_set()
+        return self._closed
 
     def close(self) -> None:
         """Release sockets/mappings. Idempotent."""
-        self._closed.set()
+        self._closed = True

@@ -118,6 +118,8 @@ class ShmTransport(Transport):
             for item in items:
                 report(item, TransferError("shm transport closed", ErrorCode.CLOSED))
             return
+        assert self.ctx is not None, "attach() first"
+        mapping = self.ctx.registry.mapping
         done: list[WorkItem] = []
         gpu: list[WorkItem] = []
         split_min = self._split_min
@@ -134,7 +136,7 @@ class ShmTransport(Transport):
             sid = item.segment_id
             if sid != last:
                 try:
-                    region = self._mapping(item.segment, item.local).array
+                    region = mapping(item.segment, item.local).array
                 except TransferError as exc:
                     report(item, exc)
                     last = None
