@@ -51,21 +51,12 @@ import msgspec
 import zmq
 
 from kvpool.core import spin as _spin
+from kvpool.core.codec import LOCAL_FRAME_HEADER as HEADER
+from kvpool.core.codec import OPS, Op, Reply, ReplyFrame, Request, decode_reply, encode_request
 from kvpool.core.config import ConfigError, setting
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.etcd import EtcdError, LeaderResolver, is_etcd_url, shared_resolver
-from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
-from kvpool.core.protocol import (
-    OPS,
-    LocalEndpoint,
-    LocalEndpointReply,
-    Op,
-    Reply,
-    ReplyFrame,
-    Request,
-    decode_reply,
-    encode_request,
-)
+from kvpool.core.ops import LocalEndpoint, LocalEndpointReply
 
 __all__ = ["MasterClient", "MasterRPCError", "RpcPollConfig"]
 
