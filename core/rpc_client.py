@@ -53,7 +53,7 @@ import zmq
 from kvpool.core import spin as _spin
 from kvpool.core.codec import LOCAL_FRAME_HEADER as HEADER
 from kvpool.core.codec import OPS, Op, Reply, ReplyFrame, Request, decode_reply, encode_request
-from kvpool.core.config import ConfigError, setting
+from kvpool.core.config import check_settings, setting
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.etcd import EtcdError, LeaderResolver, is_etcd_url, shared_resolver
 from kvpool.core.ops import LocalEndpoint, LocalEndpointReply
@@ -102,17 +102,16 @@ class RpcPollConfig:
     sleeps (see the module doc). A config that makes stubs nests it."""
 
     spin_us: int = setting(
-        50, help="microseconds a master call over the direct socket polls for its reply "
+        50, ge=0, help="microseconds a master call over the direct socket polls for its reply "
         "before sleeping (yielding the CPU between tries, and only while replies have of late "
         "come that soon); 0 = sleep at once, no poll for any call")
     spin_small_us: int = setting(
-        150, help="the same for a one-key request that is not a batch op (PUT_START, PUT_END, "
-        "GET_REPLICA_LIST, ...), whose reply is near; the larger of the two applies")
+        150, ge=0, help="the same for a one-key request that is not a batch op (PUT_START, "
+        "PUT_END, GET_REPLICA_LIST, ...), whose reply is near; the larger of the two applies")
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on a negative window."""
-        if self.spin_us < 0 or self.spin_small_us < 0:
-            raise ConfigError("spin_us and spin_small_us must be >= 0")
+        check_settings(self)
 
 
 _DEFAULT_POLL = RpcPollConfig()
