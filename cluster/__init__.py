@@ -8,8 +8,9 @@ operator subcommands (``status``, ``demo``, ``keygen``).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvpool.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvpool.cluster.local import LocalCluster
@@ -23,17 +24,8 @@ if TYPE_CHECKING:
 __all__ = ["LocalCluster", "ManagedProcess", "MasterProcess", "NodeDaemonProcess",
            "find_free_port"]
 
-_WHERE = {
-    "LocalCluster": "kvpool.cluster.local",
-    "ManagedProcess": "kvpool.cluster.processes",
-    "MasterProcess": "kvpool.cluster.processes",
-    "NodeDaemonProcess": "kvpool.cluster.processes",
-    "find_free_port": "kvpool.cluster.processes",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvpool.cluster' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, {
+    "kvpool.cluster.local": ["LocalCluster"],
+    "kvpool.cluster.processes": ["ManagedProcess", "MasterProcess", "NodeDaemonProcess",
+                                 "find_free_port"],
+})

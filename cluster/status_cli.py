@@ -9,6 +9,11 @@ With ``--master etcd://HOST:PORT[;...][/ID]`` (a master group, docs/ha.md)
 it first lists every instance registered in etcd with its role, epoch,
 replicated journal position and lag behind the leader (from each
 instance's ``GET /health``), then the leader's segments.
+
+``--json`` prints :func:`status_document`: a documented shape
+(docs/status_json.md) with a ``schema`` version, :data:`STATUS_SCHEMA`, raised
+with every change of a key or a value's type (tests/cluster/test_status_json.py
+holds the shape and fails on a change the version does not announce).
 """
 
 from __future__ import annotations
@@ -20,7 +25,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvpool.core.protocol import SegmentInfo, StatsReply
 
-__all__ = ["format_instances", "format_status", "group_instances", "register"]
+__all__ = ["STATUS_SCHEMA", "format_instances", "format_status", "group_instances", "register",
+           "status_document"]
+
+#: the version of ``kvpool status --json``'s shape (docs/status_json.md)
+STATUS_SCHEMA = 1
+#: the keys of one ``instances`` row (None where unknown)
+_INSTANCE_KEYS = ("instance_id", "address", "role", "epoch", "lsn", "objects", "lag", "error")
 
 
 def register(subparsers: Any) -> None:
@@ -71,10 +82,33 @@ def format_status(stats: StatsReply, segments: list[SegmentInfo]) -> str:
     return "\n".join(lines)
 
 
+def status_document(stats: StatsReply, segments: list[SegmentInfo],
+                    instances: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``kvpool status --json``: ``schema`` (:data:`STATUS_SCHEMA`), ``stats``
+    (every counter, flat), ``segments`` (usage and state, the descriptor's map
+    form under ``descriptor``, its ids also at the top) and, for a master
+    group, ``instances`` (:func:`group_instances`). docs/status_json.md has
+    every key."""
+    rows = []
+    for s in segments:
+        d = s.descriptor
+        rows.append({"segment_id": d.segment_id, "client_id": d.client_id,
+                     "host_id": d.host_id, "state": s.state, "used": s.used,
+                     "capacity": s.capacity, "fragmentation": s.fragmentation,
+                     "free_blocks": s.free_blocks, "objects": s.objects,
+                     "descriptor": d.to_wire()})
+    doc: dict[str, Any] = {"schema": STATUS_SCHEMA, "stats": stats.as_dict(), "segments": rows}
+    if instances is not None:
+        doc["instances"] = instances
+    return doc
+
+
 def group_instances(address: str, timeout_s: float = 2.0) -> list[dict[str, Any]]:
-    """Every instance of the master group ``address`` (``etcd://...``): its
-    id, RPC address and ``/health`` (role, epoch, lsn; ``lag`` behind the
-    leader's lsn; ``role: "unreachable"`` when its health does not answer)."""
+    """Every instance of the master group ``address`` (``etcd://...``), leader
+    first: its ``instance_id``, RPC ``address`` and ``/health`` (``role``,
+    ``epoch``, ``lsn``, ``objects``; ``lag`` behind the leader's lsn;
+    ``role: "unreachable"`` and ``error`` when its health does not answer).
+    Every row has every key; None where unknown."""
     import urllib.request
 
     from kvpool.core.etcd import LeaderResolver
@@ -83,7 +117,8 @@ def group_instances(address: str, timeout_s: float = 2.0) -> list[dict[str, Any]
         members = r.members()
     out: list[dict[str, Any]] = []
     for m, _is_leader in members:
-        row: dict[str, Any] = {"instance_id": m.instance_id, "address": m.address}
+        row: dict[str, Any] = dict.fromkeys(_INSTANCE_KEYS)
+        row.update(instance_id=m.instance_id, address=m.address)
         try:
             with urllib.request.urlopen(f"http://{m.metrics}/health", timeout=timeout_s) as f:
                 h = json.load(f)
@@ -101,19 +136,22 @@ def group_instances(address: str, timeout_s: float = 2.0) -> list[dict[str, Any]
 
 
 def format_instances(rows: list[dict[str, Any]]) -> str:
+    """Render :func:`group_instances`' rows as a text table ("-": unknown)."""
+
+    def cell(r: dict[str, Any], key: str) -> str:
+        v = r.get(key)
+        return "-" if v is None else str(v)
+
     table = [("INSTANCE", "ROLE", "EPOCH", "LSN", "LAG", "OBJECTS")]
     for r in rows:
-        table.append((r["instance_id"], str(r.get("role")), str(r.get("epoch", "-")),
-                      str(r.get("lsn", "-")), str(r.get("lag", "-")),
-                      str(r.get("objects", "-"))))
+        table.append((r["instance_id"], cell(r, "role"), cell(r, "epoch"), cell(r, "lsn"),
+                      cell(r, "lag"), cell(r, "objects")))
     widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(t, widths, strict=True)).rstrip()
                      for t in table)
 
 
 def _main(args: argparse.Namespace) -> int:
-    import msgspec
-
     from kvpool.core.errors import KVPoolError
     from kvpool.core.etcd import is_etcd_url
     from kvpool.core.protocol import ListSegments, Stats
@@ -137,12 +175,7 @@ def _main(args: argparse.Namespace) -> int:
             print(f"kvpool status: master {args.master}: {exc}")
             return 1
     if args.json:
-        rows = [{**msgspec.structs.asdict(s), "descriptor": s.descriptor.to_wire()}
-                for s in segments]
-        doc: dict[str, Any] = {"stats": stats.as_dict(), "segments": rows}
-        if instances is not None:
-            doc["instances"] = instances
-        print(json.dumps(doc, indent=2, default=str))
+        print(json.dumps(status_document(stats, segments, instances), indent=2, default=str))
     else:
         print(format_status(stats, segments))
     return 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from kvpool.core.config import ConfigError, load_dataclass, setting
+from kvpool.core.config import ConfigError, check_settings, load_dataclass, setting
 
 __all__ = ["ConnectorConfig", "LoadFailurePolicy"]
 
@@ -56,7 +56,7 @@ class ConnectorConfig:
         default_factory=dict, help="extra client keys, e.g. `{\"memory_size\": \"8GiB\"}` to "
         "also contribute memory from the vLLM process")
     chunk_size: int = setting(
-        256, help="tokens per stored chunk; a multiple of vLLM's `--block-size` (CPU: block "
+        256, gt=0, help="tokens per stored chunk; a multiple of vLLM's `--block-size` (CPU: block "
         "size multiple of 32)")
     save_decode: bool = setting(
         False, help="also store chunks completed by generated tokens (multi-turn chat)")
@@ -68,13 +68,14 @@ class ConnectorConfig:
         None, help="key namespace; null: vLLM's model name (set it when the same weights are "
         "served under different paths)")
     rpc_timeout_s: float = setting(
-        2.0, help="master RPC timeout of the connector's client (short, so a dead master costs "
+        2.0, gt=0,
+        help="master RPC timeout of the connector's client (short, so a dead master costs "
         "little)")
     retry_interval_s: float = setting(
-        5.0, help="after a store failure the connector skips kvpool this long")
-    replica_num: int = setting(1, help="memory replicas per stored object")
+        5.0, ge=0, help="after a store failure the connector skips kvpool this long")
+    replica_num: int = setting(1, ge=1, help="memory replicas per stored object")
     staging_mib: float = setting(
-        512, help="size of each of the worker's two staging buffers (save, load) on the KV "
+        512, gt=0, help="size of each of the worker's two staging buffers (save, load) on the KV "
         "cache's device, MiB; a chunk's blocks are gathered there and moved as one object. "
         "Steps larger than it move in batches of whole chunks (and load before the forward "
         "instead of layer-wise)")
@@ -88,20 +89,22 @@ class ConnectorConfig:
         "own setting (its default, \"fail\", ends such a request with "
         "`finish_reason=error`)")
     load_timeout_s: float = setting(
-        2.0, help="a request's load still running after this long is abandoned and its "
+        2.0, gt=0, le=60,
+        help="a request's load still running after this long is abandoned and its "
         "missing blocks recomputed (below the master's 10 s read lease, so no read outlives "
         "its lease)")
     load_or_recompute: bool = setting(
         True, help="decide per request from measured speeds whether to load a hit or compute "
         "it (kvpool.connector.estimate); false loads every hit, bounded by `load_timeout_s`")
     probe_fraction: float = setting(
-        0.25, help="a load from a peer not measured yet may take this fraction of the "
+        0.25, gt=0, le=1, help="a load from a peer not measured yet may take this fraction of the "
         "request's recompute time")
     reprobe_s: float = setting(
-        30.0, help="how long a peer's measured speed (or failure) stands before it is probed "
+        30.0, gt=0, help="how long a peer's measured speed (or failure) stands before it is probed "
         "again")
     layer_groups: int = setting(
-        8, help="objects per chunk along the layers; loads are pipelined per group (group "
+        8, ge=1, le=1024,
+        help="objects per chunk along the layers; loads are pipelined per group (group "
         "g + 1 moves while group g computes). Part of the keys: engines sharing chunks use the "
         "same value")
     layerwise: bool = setting(
@@ -117,34 +120,15 @@ class ConnectorConfig:
         return load_dataclass(cls, extra or {}, prefix="kv_connector_extra_config.")
 
     def validate(self, block_size: int | None = None) -> None:
-        """Raise :class:`ConfigError` on values that cannot work."""
-        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
-            raise ConfigError(f"chunk_size must be a positive int, got {self.chunk_size!r}")
+        """Raise :class:`ConfigError` on values that cannot work: a field of a
+        wrong type or out of its bounds (:func:`check_settings`), a policy that
+        is none, a chunk that is not whole blocks of ``block_size``."""
+        check_settings(self)
         if block_size is not None and self.chunk_size % block_size:
             raise ConfigError(
                 f"chunk_size {self.chunk_size} must be a multiple of the block size {block_size}"
             )
-        if not 0 < self.probe_fraction <= 1 or self.reprobe_s <= 0:
-            raise ConfigError("probe_fraction must be in (0, 1] and reprobe_s > 0")
-        if not isinstance(self.layer_groups, int) or not 1 <= self.layer_groups <= 1024:
-            raise ConfigError(f"layer_groups must be an int in 1..1024, got {self.layer_groups!r}")
-        for name in ("save_decode", "load_async", "lookup_all_layers", "load_or_recompute",
-                     "layerwise"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be a bool")
-        if self.rpc_timeout_s <= 0 or self.retry_interval_s < 0:
-            raise ConfigError("rpc_timeout_s must be > 0 and retry_interval_s >= 0")
-        if (not isinstance(self.staging_mib, int | float) or isinstance(self.staging_mib, bool)
-                or self.staging_mib <= 0):
-            raise ConfigError(f"staging_mib must be a positive number, got {self.staging_mib!r}")
         if self.load_failure_policy not in {p.value for p in LoadFailurePolicy}:
             raise ConfigError(f"load_failure_policy must be one of "
                               f"{[p.value for p in LoadFailurePolicy]}, "
                               f"got {self.load_failure_policy!r}")
-        t = self.load_timeout_s
-        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 < t <= 60:
-            raise ConfigError(f"load_timeout_s must be in (0, 60], got {self.load_timeout_s!r}")
-        if self.replica_num < 1:
-            raise ConfigError("replica_num must be >= 1")
-        if not isinstance(self.client_overrides, dict):
-            raise ConfigError("client_overrides must be a mapping")

@@ -18,6 +18,7 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = [
     "ConfigError",
+    "check_settings",
     "exact_size",
     "format_size",
     "is_size_field",
@@ -101,7 +102,9 @@ def format_size(n: int) -> str:
 def setting(default: Any = dataclasses.MISSING, *, help: str,
             default_factory: Any = dataclasses.MISSING, flag: str | None = None,
             aliases: tuple[str, ...] = (), choices: Mapping[str, Any] | None = None,
-            size: bool = False, cli: bool = True) -> Any:
+            size: bool = False, cli: bool = True, gt: float | None = None,
+            ge: float | None = None, lt: float | None = None,
+            le: float | None = None) -> Any:
     """A config dataclass field that carries its own description.
 
     The default is written here and nowhere else; ``help`` is the one
@@ -111,10 +114,13 @@ def setting(default: Any = dataclasses.MISSING, *, help: str,
     ``aliases`` further spellings, ``choices`` maps command-line words onto
     values (``{"auto": None, "on": True}``), ``size`` marks a byte count, which
     also accepts size strings such as ``4GiB``; ``cli=False`` keeps it off
-    the command line (YAML only).
+    the command line (YAML only). ``gt``/``ge``/``lt``/``le`` bound a number
+    (> / >= / < / <=), checked by :func:`check_settings`.
     """
     metadata = {"help": help, "flag": flag, "aliases": aliases, "choices": choices,
-                "size": size, "cli": cli}  # "size" present: the name heuristic is off
+                "size": size, "cli": cli,  # "size" present: the name heuristic is off
+                "bounds": tuple((op, v) for op, v in (("gt", gt), ("ge", ge), ("lt", lt),
+                                                       ("le", le)) if v is not None)}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -126,6 +132,49 @@ def is_size_field(f: dataclasses.Field[Any]) -> bool:
     if "size" in f.metadata:
         return bool(f.metadata["size"])
     return f.name.endswith(("_size", "_bytes")) or f.name in ("memory", "disk")
+
+
+_BOUND_CHECKS = {"gt": (float.__gt__, ">"), "ge": (float.__ge__, ">="),
+                 "lt": (float.__lt__, "<"), "le": (float.__le__, "<=")}
+
+
+def _has_type(value: Any, tp: Any) -> bool:
+    """Whether ``value`` is of config field type ``tp`` as a built config holds
+    it (no conversion: ``"64"`` is not an int; an int is a float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, a) for a in typing.get_args(tp))
+    if tp is Any:
+        return True
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return type(value) is bool
+    if tp is int:
+        return isinstance(value, int) and type(value) is not bool
+    if tp is float:
+        return isinstance(value, int | float) and type(value) is not bool
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(tp, type) and isinstance(value, tp)
+
+
+def check_settings(obj: Any) -> None:
+    """Raise :class:`ConfigError` naming the first field of config dataclass
+    ``obj`` whose value is not of its declared type or lies outside the bounds
+    its :func:`setting` declares. A ``validate()`` method calls it first and
+    keeps only the checks that span fields."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not _has_type(value, hints[f.name]):
+            tp = hints[f.name]
+            name = tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+            raise ConfigError(f"{f.name}: expected {name}, got {value!r}")
+        for op, bound in f.metadata.get("bounds", ()):
+            check, sign = _BOUND_CHECKS[op]
+            if value is not None and not check(float(value), float(bound)):
+                raise ConfigError(f"{f.name} must be {sign} {bound:g}, got {value!r}")
 
 
 def merge_settings(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

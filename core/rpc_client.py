@@ -8,22 +8,20 @@ Direct path (``local="auto"``, the default): after the first successful
 call the client asks the master for its direct RPC sockets
 (``Op.LOCAL_ENDPOINT``, :mod:`kvpool.master.local_rpc`): the Unix socket when
 the master is on this host, else its TCP port; when that socket answers with
-the same master instance, every later call goes over it (~4x shorter round
-trips than ZeroMQ on one host, ~3x across hosts). If it breaks (master
+the same master instance, every later call goes over it (several times shorter
+round trips than ZeroMQ, on one host and across hosts). If it breaks (master
 restarted, link cut), calls go over ZeroMQ again and the socket is looked up
 anew after a pause. Never used with CURVE (``local="off"`` forces ZeroMQ).
 After sending over the direct socket the caller polls for the reply
-without sleeping for up to ``spin_s`` (default 50 µs,
-env ``KVPOOL_RPC_SPIN_US``; 0 = block at once): the master usually answers in
-~15 µs, and waking a sleeping thread on a loaded host costs more than that
-(EXIST round trip 83 -> 33 µs, 4 KiB put p50 ~200-275 -> ~105-125 µs here).
-A small request that is not a batch op (PUT_START, PUT_END,
-GET_REPLICA_LIST, ... of one key) spins for up to ``spin_small_s`` instead
-(default 150 µs, env ``KVPOOL_RPC_SPIN_SMALL_US``; no spin at all when
-``spin_s`` is 0): on a busy host its reply often comes after 50 µs, and the
-wake-up then added 20-50 µs to each of a put's two master legs. A batch op
-keeps the short window: its reply takes 200+ µs across hosts, and a longer
-spin would only take ~100 µs more CPU per call from the master and the node.
+without sleeping for up to ``spin_us`` (:class:`RpcPollConfig`; 0 = block at
+once): the master usually answers within one handling time, and waking a
+sleeping thread on a loaded host costs more than that. A small request that
+is not a batch op (PUT_START, PUT_END, GET_REPLICA_LIST, ... of one key)
+polls for up to ``spin_small_us`` instead (no poll at all when ``spin_us`` is
+0): on a busy host its reply often comes later than the short window, and the
+wake-up then added to each of a put's two master legs. A batch op keeps the
+short window: its reply takes longer across hosts, and a longer poll would
+only take more CPU per call from the master and the node.
 The poll yields the CPU between tries (``sched_yield``: on a loaded host the
 master or a node may be waiting for this very CPU; a yield that comes back
 late, another task having run for a time slice, stops the polls of the
@@ -33,41 +31,34 @@ the window (a moving average of the reply waits, each capped at twice the
 window so that one stall does not stop the polls, a wait slept through at
 the window; a shut gate still polls once in 8 calls to learn whether polls
 would pay again: :mod:`kvpool.core.spin`): when they come later the poll
-would only burn CPU before the thread sleeps anyway.
+would only burn CPU before the thread sleeps anyway. docs/BENCHMARKS.md has
+what the polls measured.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import select
 import socket
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 import zmq
 
 from kvpool.core import spin as _spin
+from kvpool.core.codec import LOCAL_FRAME_HEADER as HEADER
+from kvpool.core.codec import OPS, Op, Reply, ReplyFrame, Request, decode_reply, encode_request
+from kvpool.core.config import check_settings, setting
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.etcd import EtcdError, LeaderResolver, is_etcd_url, shared_resolver
-from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
-from kvpool.core.protocol import (
-    OPS,
-    LocalEndpoint,
-    LocalEndpointReply,
-    Op,
-    Reply,
-    ReplyFrame,
-    Request,
-    decode_reply,
-    encode_request,
-)
+from kvpool.core.ops import LocalEndpoint, LocalEndpointReply
 
-__all__ = ["MasterClient", "MasterRPCError"]
+__all__ = ["MasterClient", "MasterRPCError", "RpcPollConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +90,31 @@ R = TypeVar("R", bound=Reply)
 _FOLLOW = frozenset({ErrorCode.NOT_LEADER, ErrorCode.NO_LEADER, ErrorCode.RPC_FAIL,
                      ErrorCode.COORDINATION_UNAVAILABLE})
 _LEADER_CHANGED = "the master group's leader changed while waiting for the reply"
-_SPIN_S = float(os.environ.get("KVPOOL_RPC_SPIN_US", "50")) / 1e6
-_SPIN_SMALL_S = float(os.environ.get("KVPOOL_RPC_SPIN_SMALL_US", "150")) / 1e6
 #: a request at most this large that is not a batch op names one key
 _SMALL_REQUEST = 256
 #: ops whose master work grows with the keys they carry (the short spin)
 _BATCH_OPS = frozenset(o for o in Op if o.name.startswith("BATCH_"))
+
+
+@dataclass
+class RpcPollConfig:
+    """How long a master RPC stub polls its direct socket for a reply before it
+    sleeps (see the module doc). A config that makes stubs nests it."""
+
+    spin_us: int = setting(
+        50, ge=0, help="microseconds a master call over the direct socket polls for its reply "
+        "before sleeping (yielding the CPU between tries, and only while replies have of late "
+        "come that soon); 0 = sleep at once, no poll for any call")
+    spin_small_us: int = setting(
+        150, ge=0, help="the same for a one-key request that is not a batch op (PUT_START, "
+        "PUT_END, GET_REPLICA_LIST, ...), whose reply is near; the larger of the two applies")
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` on a negative window."""
+        check_settings(self)
+
+
+_DEFAULT_POLL = RpcPollConfig()
 
 
 class MasterRPCError(KVPoolError):
@@ -146,6 +156,8 @@ class MasterClient:
     at a leader that could not replicate it), is resent only if etcd names a
     newer leader within that budget (a dead leader is silent until its lease
     lapses).
+    ``poll``: the reply poll of the direct socket (:class:`RpcPollConfig`;
+    None = its defaults); ``spin_s`` / ``spin_small_s`` hold it in seconds.
     A request resent after its leader died may have taken effect there
     (and, if replicated, at the new leader): a retried put can then answer
     as a conflict, never silently succeed twice.
@@ -160,6 +172,7 @@ class MasterClient:
         curve_keypair: tuple[bytes, bytes] | None = None,
         local: str = "auto",
         failover_timeout_s: float = 6.0,
+        poll: RpcPollConfig | None = None,
     ) -> None:
         if local not in ("auto", "off"):
             raise ValueError(f"local must be 'auto' or 'off', not {local!r}")
@@ -194,10 +207,11 @@ class MasterClient:
         self.local_calls = 0
         self._rbuf = bytearray(64 << 10)
         self._utimeout = -1.0  # the kernel send/recv timeout set on the Unix socket
+        poll = poll or _DEFAULT_POLL
         #: seconds to poll the local socket for a reply before blocking (see _call_local)
-        self.spin_s = _SPIN_S
+        self.spin_s = poll.spin_us / 1e6
         #: the same for a small one-key request (see the module doc)
-        self.spin_small_s = _SPIN_SMALL_S
+        self.spin_small_s = poll.spin_small_us / 1e6
         #: moving average of the reply wait, [batch-or-large, small one-key] (seconds)
         self._reply_wait = [0.0, 0.0]
         self._skipped = [0, 0]  # waits not polled since the last probe (core/spin.probe)

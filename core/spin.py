@@ -1,19 +1,18 @@
 """Polling for a near reply without sleeping: when to poll, when to stop.
 
-A thread that expects a reply within ~100 µs may poll for it instead of
-sleeping (the RPC stub, the bulk client, the master's loop after an answer).
-On a VM whose idle vCPUs halt, waking a sleeping thread on a halted vCPU
-costs tens of µs: a 4 KiB socket round trip between two network namespaces
-on the 2-vCPU test box took ~17 µs with both ends on one vCPU, ~105 µs on
-two halting ones, ~11 µs with both ends polling. A poll keeps its vCPU
-awake, so a peer woken onto it runs at once; each try yields the CPU
-(``sched_yield``) so that such a peer gets it.
+A thread that expects a reply within about a hundred µs may poll for it
+instead of sleeping (the RPC stub, the bulk client, the master's loop after an
+answer). On a VM whose idle vCPUs halt, waking a sleeping thread on a halted
+vCPU costs tens of µs, several times a small round trip between polling ends
+(docs/BENCHMARKS.md). A poll keeps its vCPU awake, so a peer woken onto it
+runs at once; each try yields the CPU (``sched_yield``) so that such a peer
+gets it.
 
 Two things go wrong with a plain poll there:
 
 - **A busy CPU.** With another runnable task on the CPU (a CPU-bound
-  process), ``sched_yield`` hands it the CPU for its time slice (measured:
-  0.7 µs p99 alone, 4 ms p90 beside a ``yes``), and a reply that arrives
+  process), ``sched_yield`` hands it the CPU for its time slice (milliseconds,
+  where a yield alone takes about a µs), and a reply that arrives
   meanwhile waits for it, where a sleeping thread would have been woken at
   once. :func:`yield_cpu` ends a poll whose yield came back late; a second
   late yield within ``_BURST_S`` of the first (a busy CPU, not a passing
@@ -41,7 +40,7 @@ __all__ = ["polling", "probe", "recv_polling", "wait_sample", "yield_cpu"]
 
 # a yield that took this long ran another task for a time slice (the scheduler's
 # slices are ~0.75-4 ms; a peer serving a one-key request runs for ~20-80 µs)
-_BUSY_S = float(os.environ.get("KVPOOL_SPIN_BUSY_US", "300")) / 1e6
+_BUSY_S = 300e-6
 _BURST_S = 0.02  # two late yields this close: the CPU is busy (pause)
 _PAUSE_S = 0.5  # no polling for this long then
 _PROBE_EVERY = 8  # a shut gate still polls once in this many waits

@@ -7,6 +7,8 @@ on ``exc.code`` (the same integer the Mooncake-compatible API returns).
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvpool.core.errors import ErrorCode, KVPoolError
 
 __all__ = [
@@ -26,87 +28,67 @@ __all__ = [
 
 
 class StoreError(KVPoolError):
-    """Base of every store-client error."""
+    """Base of every store-client error.
+
+    A subclass names the code it stands for (``class X(StoreError,
+    code=ErrorCode.Y)``) and, with ``also``, further codes it is raised for:
+    :func:`error_for_code` finds it by any of them."""
 
     code = ErrorCode.INTERNAL_ERROR
 
+    def __init_subclass__(cls, code: ErrorCode | None = None,
+                          also: tuple[ErrorCode, ...] = (), **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+            for c in (code, *also):
+                _BY_CODE[c] = cls
 
-class ObjectNotFound(StoreError):
+
+_BY_CODE: dict[ErrorCode, type[StoreError]] = {}
+
+
+class ObjectNotFound(StoreError, code=ErrorCode.OBJECT_NOT_FOUND):
     """The key has no complete replica (never put, removed, evicted or its holder left)."""
 
-    code = ErrorCode.OBJECT_NOT_FOUND
 
-
-class BufferTooSmall(StoreError):
+class BufferTooSmall(StoreError, code=ErrorCode.BUFFER_OVERFLOW):
     """The destination buffer is smaller than the stored object."""
 
-    code = ErrorCode.BUFFER_OVERFLOW
 
-
-class NoSpace(StoreError):
+class NoSpace(StoreError, code=ErrorCode.NO_AVAILABLE_HANDLE):
     """The master could not allocate the requested replicas (pool full, nothing evictable)."""
 
-    code = ErrorCode.NO_AVAILABLE_HANDLE
 
-
-class AlreadyExists(StoreError):
+class AlreadyExists(StoreError, code=ErrorCode.OBJECT_ALREADY_EXISTS):
     """A put of a key that already exists; the stored value was left unchanged."""
 
-    code = ErrorCode.OBJECT_ALREADY_EXISTS
 
-
-class TransferFailed(StoreError):
+class TransferFailed(StoreError, code=ErrorCode.TRANSFER_FAIL, also=(ErrorCode.WRITE_FAIL,)):
     """Moving the bytes failed on every replica that was tried."""
 
-    code = ErrorCode.TRANSFER_FAIL
 
-
-class StoreTimeout(StoreError):
+class StoreTimeout(StoreError, code=ErrorCode.TIMEOUT):
     """A call did not finish within its timeout."""
 
-    code = ErrorCode.TIMEOUT
 
-
-class MasterUnreachable(StoreError):
+# WRITE_OUTCOME_UNKNOWN is a timeout: the call may have been applied
+class MasterUnreachable(StoreError, code=ErrorCode.RPC_FAIL,
+                        also=(ErrorCode.RPC_TIMEOUT, ErrorCode.WRITE_OUTCOME_UNKNOWN)):
     """The master did not answer (RPC_TIMEOUT) or could not be reached (RPC_FAIL)."""
 
-    code = ErrorCode.RPC_FAIL
 
-
-class LeaseExpired(StoreError):
+class LeaseExpired(StoreError, code=ErrorCode.LEASE_EXPIRED):
     """The read lease ran out before the bytes were read; they may have been evicted."""
 
-    code = ErrorCode.LEASE_EXPIRED
 
-
-class ChecksumMismatch(StoreError):
+class ChecksumMismatch(StoreError, code=ErrorCode.CHECKSUM_MISMATCH):
     """The bytes read do not match the checksum recorded at put time."""
 
-    code = ErrorCode.CHECKSUM_MISMATCH
 
-
-class StaleEpoch(StoreError):
+class StaleEpoch(StoreError, code=ErrorCode.STALE_EPOCH):
     """A node daemon refused a capability of an older master term (HA
     failover): retryable, a fresh grant from the current leader passes."""
-
-    code = ErrorCode.STALE_EPOCH
-
-
-_BY_CODE: dict[ErrorCode, type[StoreError]] = {
-    ErrorCode.OBJECT_NOT_FOUND: ObjectNotFound,
-    ErrorCode.BUFFER_OVERFLOW: BufferTooSmall,
-    ErrorCode.NO_AVAILABLE_HANDLE: NoSpace,
-    ErrorCode.OBJECT_ALREADY_EXISTS: AlreadyExists,
-    ErrorCode.TRANSFER_FAIL: TransferFailed,
-    ErrorCode.WRITE_FAIL: TransferFailed,
-    ErrorCode.TIMEOUT: StoreTimeout,
-    ErrorCode.RPC_FAIL: MasterUnreachable,
-    ErrorCode.RPC_TIMEOUT: MasterUnreachable,
-    ErrorCode.WRITE_OUTCOME_UNKNOWN: MasterUnreachable,  # as a timeout: may have applied
-    ErrorCode.LEASE_EXPIRED: LeaseExpired,
-    ErrorCode.CHECKSUM_MISMATCH: ChecksumMismatch,
-    ErrorCode.STALE_EPOCH: StaleEpoch,
-}
 
 
 def error_for_code(code: ErrorCode | int, message: str = "") -> StoreError:

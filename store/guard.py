@@ -20,19 +20,23 @@ The guard (``python -m kvpool.store.guard``, spawned by the client's
   instead of after the master's grace period). File segments (the SSD tier)
   are left for a warm restart, as ``close()`` leaves them.
 
-Protocol on the guard's stdin (a socket) and stdout: the parent writes one
-JSON line (the :class:`GuardSpec`), the guard answers ``ready`` once it
-watches the parent; a later ``close`` line (the parent has released
-everything itself) or EOF while the parent lives ends the guard quietly.
+Protocol on the guard's stdin (a socket) and stdout: JSON lines, each a
+message tagged by its ``op`` field (:data:`GuardMessage`): ``spec`` (the
+:class:`GuardSpec`), answered ``ready`` on stdout once the guard watches the
+parent, and ``close`` (:class:`GuardClose`: the parent has released
+everything itself, or never got as far as sending the spec). A close, or EOF
+while the parent lives, ends the guard quietly, whether or not a spec came
+first; a line that is not such a message (or a second spec) is logged at
+warning and skipped.
 It ignores SIGINT and SIGTERM (it runs in its own session, so a terminal's
 Ctrl-C or a process-group kill reaches only the parent): it outlives the
 parent by design, for as long as the cleanup takes, then exits.
 
-Measured here (2 cores, loaded, Python 3.11; ``scripts/bench_lifecycle.py``):
-spawn to ``ready`` 0.25 s (2.2x a bare ``python -c pass``), off the client's
-setup path (setup does not wait for it); RSS 21 MiB (Python + pyzmq); one
-PING per ``ping_interval_s``; after kill -9 of its parent the shm file is
-gone in 17 ms and the segment unmounted in 23 ms.
+Its cost (``scripts/bench_lifecycle.py``, docs/BENCHMARKS.md): an
+interpreter start, off the client's setup path (setup does not wait for its
+answer); the memory of Python and pyzmq; one PING per ``ping_interval_s``;
+after kill -9 of its parent the shm file is gone and the segment unmounted
+within milliseconds.
 
 Not covered: the guard killed together with its parent (kill -9 of both, a
 cgroup OOM kill): every segment-owning process on the host removes such
@@ -44,9 +48,8 @@ covers that.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import dataclasses
-import json
 import logging
 import os
 import select
@@ -56,41 +59,42 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
+
+import msgspec
 
 if TYPE_CHECKING:
     from kvpool.core.auth import CurveConfig
-    from kvpool.core.rpc_client import MasterClient
+    from kvpool.core.rpc_client import MasterClient, RpcPollConfig
 
-__all__ = ["Guard", "GuardSpec", "master_stub"]
+__all__ = ["Guard", "GuardClose", "GuardMessage", "GuardSpec", "master_stub"]
 
 log = logging.getLogger(__name__)
 
 _READY = b"ready\n"
-_CLOSE = b'{"op": "close"}\n'
 _UNMOUNT_RETRY_S = 30.0  # how long a dead parent's unmounts are retried (master away)
 
 
-def master_stub(address: str, timeout_s: float, curve: CurveConfig) -> MasterClient:
+def master_stub(address: str, timeout_s: float, curve: CurveConfig,
+                poll: RpcPollConfig | None = None) -> MasterClient:
     """A master RPC stub; with CURVE when the policy makes it active for the
-    master's address (off for loopback unless forced, on otherwise)."""
+    master's address (off for loopback unless forced, on otherwise).
+    ``poll``: its reply poll (None: the defaults)."""
     from kvpool.core.etcd import policy_address
     from kvpool.core.rpc_client import MasterClient
 
     addr = policy_address(address)
     addr = addr if "://" in addr else f"tcp://{addr}"
     if not curve.active(addr):
-        return MasterClient(address, timeout_s=timeout_s)
+        return MasterClient(address, timeout_s=timeout_s, poll=poll)
     kp = curve.keypair()
     return MasterClient(address, timeout_s=timeout_s,
                         curve_server_key=curve.server_public_key(),
-                        curve_keypair=(kp.public, kp.secret))
+                        curve_keypair=(kp.public, kp.secret), poll=poll)
 
 
-@dataclass
-class GuardSpec:
-    """What the guard needs (sent as one JSON line)."""
+class GuardSpec(msgspec.Struct, tag_field="op", tag="spec", kw_only=True):
+    """What the guard needs: the ``spec`` message (one JSON line)."""
 
     parent_pid: int
     client_id: str
@@ -98,10 +102,21 @@ class GuardSpec:
     rpc_timeout_s: float
     interval_s: float
     # memory segments: segment id -> /dev/shm name
-    shm: dict[str, str] = field(default_factory=dict)
-    curve: dict[str, Any] = field(default_factory=dict)  # CurveConfig fields
-    curve_active: bool = False  # False: the guard need not import CURVE support (~0.1 s)
+    shm: dict[str, str] = {}
+    curve: dict[str, Any] = {}  # CurveConfig fields
+    curve_active: bool = False  # False: the guard need not import CURVE support
     log_level: int = logging.WARNING
+
+
+class GuardClose(msgspec.Struct, tag_field="op", tag="close"):
+    """The ``close`` message: the parent released everything itself (or has
+    nothing for the guard to guard); the guard exits quietly."""
+
+
+#: every line the parent writes is one of these, told apart by ``op``
+GuardMessage = GuardSpec | GuardClose
+_CLOSE = msgspec.json.encode(GuardClose()) + b"\n"
+_MAX_LINE = 1 << 20  # a longer line is not a message (skipped, with a warning)
 
 
 class Guard:
@@ -121,7 +136,9 @@ class Guard:
         self._answer = b""
 
     @classmethod
-    def spawn(cls) -> Guard:
+    def spawn(cls, stderr: int | IO[Any] | None = None) -> Guard:
+        """Start a guard process (it waits for :meth:`start`'s spec). Its
+        stderr, where it logs, is ours unless ``stderr`` names another."""
         # stdin is a socket pair rather than a pipe: the parent writes with
         # MSG_NOSIGNAL, so a guard that died can never kill an application
         # that restored SIGPIPE's default action
@@ -129,7 +146,7 @@ class Guard:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvpool.store.guard"],
-                stdin=theirs.fileno(), stdout=subprocess.PIPE, stderr=None,
+                stdin=theirs.fileno(), stdout=subprocess.PIPE, stderr=stderr,
                 close_fds=True,  # no segment lock fd, no other pipe end leaks in
                 start_new_session=True,  # Ctrl-C / killpg of the parent's group spare it
             )
@@ -154,7 +171,7 @@ class Guard:
         """Send ``spec`` (a pipe write; no waiting: the guard watches the parent
         from its first instruction on, so nothing is lost before it answers).
         Raises OSError when the guard is already gone."""
-        self._send(json.dumps(dataclasses.asdict(spec)).encode() + b"\n")
+        self._send(msgspec.json.encode(spec) + b"\n")
 
     @property
     def is_ready(self) -> bool:
@@ -207,7 +224,47 @@ def _pidfd(pid: int) -> int:
         return -1
 
 
+class _Messages:
+    """The parent's messages on ``fd``: each complete line decoded as a
+    :data:`GuardMessage`; a line that is not one is logged at warning and
+    dropped (no line ever ends the guard)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.eof = False
+        self._buf = b""
+        self._ready: collections.deque[GuardMessage] = collections.deque()
+        self._decode = msgspec.json.Decoder(GuardMessage).decode
+
+    def read(self) -> bool:
+        """Read what is there (blocking until something is) and decode its
+        complete lines; False at EOF."""
+        chunk = os.read(self.fd, 65536)
+        if not chunk:
+            self.eof = True
+            return False
+        *lines, self._buf = (self._buf + chunk).split(b"\n")
+        if len(self._buf) > _MAX_LINE:
+            log.warning("guard: a line longer than %d bytes skipped", _MAX_LINE)
+            self._buf = b""
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                self._ready.append(self._decode(line))
+            except msgspec.DecodeError as exc:  # not JSON, unknown op, wrong field types
+                log.warning("guard: line skipped (%s): %r", exc, line[:200])
+        return True
+
+    def take(self) -> GuardMessage | None:
+        """The oldest message read and not yet taken (None: none)."""
+        return self._ready.popleft() if self._ready else None
+
+
 class _GuardProcess:
+    """The guard's side, once it has its spec: heartbeats, watching the
+    parent, and the release of a dead parent's memory."""
+
     def __init__(self, spec: GuardSpec) -> None:
         self.spec = spec
         self.stop = threading.Event()
@@ -235,30 +292,31 @@ class _GuardProcess:
             except MasterRPCError as exc:
                 log.debug("heartbeat failed: %s", exc)
 
-    def watch(self, stdin_fd: int, buf: bytes = b"") -> bool:
+    def watch(self, messages: _Messages) -> bool:
         """Block until the parent exits (True) or says it is done (False)."""
         parent = self.spec.parent_pid
         pidfd = _pidfd(parent)
         if os.getppid() != parent:
             return True  # gone before we could watch it
         poller = select.poll()
-        poller.register(stdin_fd, select.POLLIN)
+        poller.register(messages.fd, select.POLLIN)
         if pidfd >= 0:
             poller.register(pidfd, select.POLLIN)
-        while _CLOSE.strip() not in buf:
+        while True:
+            while (msg := messages.take()) is not None:
+                if type(msg) is GuardClose:
+                    return False
+                log.warning("guard: a second spec ignored")
             events = poller.poll(None if pidfd >= 0 else 200)
             if pidfd < 0 and os.getppid() != parent:
                 return True
             for fd, _ev in events:
                 if fd == pidfd:
                     return True
-                chunk = os.read(stdin_fd, 4096)
-                if not chunk:
+                if not messages.read():
                     # every write end closed: the parent died (its files close
                     # just before its exit is signalled) or let go of us
                     return self._exits_soon(pidfd, parent)
-                buf += chunk
-        return False
 
     @staticmethod
     def _exits_soon(pidfd: int, parent: int, within_s: float = 1.0) -> bool:
@@ -307,15 +365,14 @@ class _GuardProcess:
                       pending)
 
 
-def _serve(spec: GuardSpec, stdin_fd: int, stdout_fd: int, rest: bytes) -> int:
-    guard = _GuardProcess(spec)
+def _serve(guard: _GuardProcess, messages: _Messages, stdout_fd: int) -> int:
     beat = threading.Thread(target=guard.heartbeats, name="kvpool-guard-beat", daemon=True)
     beat.start()
     try:
         os.write(stdout_fd, _READY)
     except OSError:
         pass  # the parent is gone already (it does not wait for this answer): watch() sees it
-    died = guard.watch(stdin_fd, rest)
+    died = guard.watch(messages)
     guard.stop.set()
     if died:
         guard.release()
@@ -323,23 +380,37 @@ def _serve(spec: GuardSpec, stdin_fd: int, stdout_fd: int, rest: bytes) -> int:
     return 0
 
 
+def _first_spec(messages: _Messages) -> _GuardProcess | None:
+    """Wait for the parent's spec and build the guard from it; None when a
+    close or EOF comes first (nothing to guard)."""
+    while True:
+        msg = messages.take()
+        if msg is None:
+            if not messages.read():
+                return None
+        elif isinstance(msg, GuardClose):
+            return None
+        else:
+            try:
+                return _GuardProcess(msg)
+            except Exception as exc:  # e.g. bad curve fields: the guard never dies of its input
+                log.warning("guard: unusable spec skipped: %s", exc)
+
+
 def main() -> int:
-    """Entry point of ``python -m kvpool.store.guard`` (see the module docstring)."""
+    """Entry point of ``python -m kvpool.store.guard`` (see the module docstring).
+    Exits 0 after a close or the cleanup, 1 when its stdin ended before a spec."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    stdin_fd, stdout_fd = sys.stdin.fileno(), sys.stdout.fileno()
-    data = b""
-    while b"\n" not in data:
-        chunk = os.read(stdin_fd, 65536)
-        if not chunk:
-            return 1  # the parent went away before sending the spec
-        data += chunk
-    line, _, rest = data.partition(b"\n")
-    spec = GuardSpec(**json.loads(line))
-    logging.basicConfig(level=spec.log_level,
+    logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s kvpool-guard[{os.getpid()}] %(levelname)s "
                                "%(message)s")
-    return _serve(spec, stdin_fd, stdout_fd, rest)
+    messages = _Messages(sys.stdin.fileno())
+    guard = _first_spec(messages)
+    if guard is None:
+        return 1 if messages.eof else 0
+    logging.getLogger().setLevel(guard.spec.log_level)
+    return _serve(guard, messages, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -36,3 +36,15 @@ def test_reply_poll_follows_the_reply_wait(tmp_path: Path) -> None:
         assert c.call(Exist(key="a")) == ExistReply(exists=False)
         assert c.call(BatchExist(keys=["a"])).exists == [False]
         assert c._reply_wait == before
+
+
+def test_poll_windows_are_settings() -> None:
+    from kvpool.core.config import ConfigError, load_dataclass
+    from kvpool.core.rpc_client import MasterClient, RpcPollConfig
+
+    cfg = load_dataclass(RpcPollConfig, {"spin_us": 0, "spin_small_us": "70"})
+    with MasterClient("127.0.0.1:1", poll=cfg) as c, MasterClient("127.0.0.1:1") as d:
+        assert (c.spin_s, c.spin_small_s) == (0.0, 70e-6)
+        assert (d.spin_s, d.spin_small_s) == (50e-6, 150e-6)  # RpcPollConfig's defaults
+    with pytest.raises(ConfigError):
+        load_dataclass(RpcPollConfig, {"spin_us": -1})
