@@ -689,18 +689,18 @@ def test_frozen_peer_times_out_on_the_bulk_socket(make_engine: Any, make_peer: A
 
 
 def test_stream_read_into_waits_for_pieces_and_sees_eof_and_timeouts() -> None:
-    """``_Stream.read_into`` of many small views (one ``MSG_WAITALL`` syscall for
+    """``BulkStream.read_into`` of many small views (one ``MSG_WAITALL`` syscall for
     what the buffer does not hold): a payload that trickles in as pieces of odd
     sizes lands whole and in order; a peer that stops sending runs into the
     deadline (TimeoutError); one that closes mid-payload gives False."""
-    from kvpool.transfer.bulk import _Stream
+    from kvpool.transfer.bulk import BulkStream
 
     payload = np.random.default_rng(11).integers(0, 256, 32 * 4096, dtype=np.uint8).tobytes()
     frame = (3).to_bytes(4, "little") + b"hdr"
     for cut, close in ((len(payload), False), (50_000, False), (50_000, True)):
         a, b = socket.socketpair()
         try:
-            stream = _Stream(b, 1 << 16)
+            stream = BulkStream(b, 1 << 16)
 
             def send(a: socket.socket = a, cut: int = cut, close: bool = close) -> None:
                 a.sendall(frame + payload[:1000])
@@ -737,11 +737,11 @@ def test_stream_spin_then_block_reads_every_frame() -> None:
     """A reply that comes within the spin window is read by the poll; one that
     comes later by the blocking read; the window is used once, then cleared."""
 
-    from kvpool.transfer.bulk import _Stream
+    from kvpool.transfer.bulk import BulkStream
 
     a, b = socket.socketpair()
     try:
-        stream = _Stream(a, 1 << 16)
+        stream = BulkStream(a, 1 << 16)
         deadline = time.monotonic() + 5.0
         frames = [frame(wire.BulkReply(k, [0, 0], "")) for k in (1, 2)]
 
@@ -809,9 +809,10 @@ def test_congestion_policy_on_both_ends(make_engine: Any, make_peer: Any) -> Non
     """``tcp_congestion`` reaches the bulk sockets of both ends: the server's
     accepted connection and the client's, in process and through the engine's
     config; data still arrives byte-exact."""
-    from kvpool.transfer.bulk import BulkClient, BulkServer
+    from kvpool.transfer.bulk_client import BulkClient
+    from kvpool.transfer.bulk_server import BulkServer
 
-    srv = BulkServer("127.0.0.1", lambda op, items, caps: ([], [], ""), lambda ok, n: None,
+    srv = BulkServer("127.0.0.1", lambda op, items, caps: ([], [], None), lambda ok, bad: None,
                      4096, MiB, congestion="reno")
     try:
         cl = BulkClient("127.0.0.1", srv.port, 2.0, congestion="reno")

@@ -44,7 +44,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer import wire
-from kvpool.transfer.bulk import BulkClient
+from kvpool.transfer.bulk_client import BulkClient
 from kvpool.transfer.gpu import CudaRuntime, PinnedPool, cuda_runtime
 from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem, report_done
