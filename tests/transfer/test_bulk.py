@@ -18,10 +18,10 @@ from kvpool.core.capability import CapabilitySigner, CapOp, DenyReason
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import decode_frame, encode_frame
 from kvpool.transfer import RequestState, TransferOp, TransferRequest, wire
-from kvpool.transfer.peer import fill_pattern
 from kvpool.transfer.server import OP_BULK
 from support.bulk import exchange as raw_exchange
 from support.bulk import frame, split_reply
+from support.peer import fill_pattern
 from support.wait import wait_until
 
 MiB = 1 << 20
