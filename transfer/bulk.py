@@ -122,8 +122,8 @@ class BulkStream:
     stays in the socket and is received straight into its destination. Many
     small pieces go out in one ``sendmsg`` and come in with one
     ``recvmsg_into``; one large piece goes through ``send``/``recv_into``.
-    (A non-blocking socket with Python-level retry loops cost 2x the system
-    time per 1 MiB request here.)
+    (A non-blocking socket with Python-level retry loops cost markedly more
+    system time per large request.)
     """
 
     def __init__(self, sock: socket.socket, max_header: int) -> None:

@@ -211,8 +211,8 @@ class TcpTransport(Transport):
                  ) -> list[list[WorkItem]]:
         """``items`` as one list, or, for a lone item of at least ``_STRIPE_MIN``
         bytes, as ``threads`` stripes of it, each to go over its own connection
-        (one TCP stream of one thread is slower than the link here: a single
-        16 MiB put reached ~0.7x of 2-stream iperf3). ``parts`` maps each stripe
+        (one TCP stream of one thread is slower than the link: docs/BENCHMARKS.md).
+        ``parts`` maps each stripe
         to the whole item."""
         n = int(self.settings.threads)
         if n < 2 or len(items) != 1 or items[0].length < _STRIPE_MIN:
@@ -236,8 +236,8 @@ class TcpTransport(Transport):
         """Small requests that all name one segment (a lone request, or the
         pages of a KV batch) to a peer whose bulk port is known, over one idle
         bulk connection, without the routing and fan-out steps of a sub-batch
-        (they cost a single 4 KiB put or get about a third of its client
-        CPU). False, having done nothing, where that does not apply: the
+        (they cost a single small put or get much of its client CPU). False,
+        having done nothing, where that does not apply: the
         general steps then serve them."""
         it0 = items[0]
         seg = it0.segment
