@@ -49,7 +49,7 @@ from kvpool.master.directory import Directory
 from kvpool.master.handlers import OpHandlers
 from kvpool.master.tiering import TieringConfig, TieringPolicy
 from kvpool.transfer import MemorySegment, TransferEngine, TransferOp, load_transfer_config, wire
-from kvpool.transfer.bulk import _frame, _Stream
+from kvpool.transfer.bulk import BulkStream, bulk_frame
 
 SIZE = 4096
 
@@ -83,7 +83,7 @@ class _Holder:
         tok = self.signer.grant_ranges(self.sid, flat, int(CapOp.WRITE),
                                        self.signer.expiry(600_000))
         items = [wire.BulkItem(self.sid, off0 + i * SIZE, SIZE, 0) for i in range(ranges)]
-        return _frame(wire.BulkRequest(rid, int(TransferOp.WRITE), items, caps=[tok]))
+        return bulk_frame(wire.BulkRequest(rid, int(TransferOp.WRITE), items, caps=[tok]))
 
     def close(self) -> None:
         self.engine.close()
@@ -119,7 +119,7 @@ def bench_serve(h: _Holder, ranges: int, rounds: int, per_round: int) -> dict[st
     out: list[float] = []
 
     def serve() -> None:
-        stream = _Stream(b, 1 << 16)
+        stream = BulkStream(b, 1 << 16)
         scratch = memoryview(bytearray(1 << 16))
         for _ in range(rounds):
             t0 = time.thread_time()

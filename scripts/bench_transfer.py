@@ -4,7 +4,7 @@ physical limits measured in the same run.
 
 For each size (4 KiB, 64 KiB, 1 MiB, 16 MiB) and batch (1, 32): READ and WRITE
 GB/s, ops/s and p50/p99 latency of one batch (µs) per transport, from this
-process to a peer process (``python -m kvpool.transfer.peer``) that owns a
+process to a peer process (``tests/support/peer.py``) that owns a
 prefaulted shm segment and runs a transfer server. Limits: ``memcpy`` (numpy
 copy of the same bytes in one process) and ``socket`` (a raw loopback TCP
 socket between two processes, Python ``sendall``/``recv_into``), and
@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,8 @@ from kvpool.core.protocol import SegmentDescriptor
 from kvpool.transfer import TransferEngine, TransferOp, TransferRequest, load_transfer_config
 from kvpool.transfer.segment import map_shm
 
+#: the peer process (test scaffolding: tests/support/peer.py, run as a script)
+PEER_SCRIPT = str(Path(__file__).resolve().parent.parent / "tests" / "support" / "peer.py")
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 BATCHES = [1, 32]
 
@@ -138,7 +141,7 @@ class _SocketLimit:
 def _start_peer(seg_id: str, region: int, host: str,
                 extra: list[str]) -> tuple[subprocess.Popen[str], SegmentDescriptor]:
     peer = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.transfer.peer", "--segment-id", seg_id,
+        [sys.executable, PEER_SCRIPT, "--segment-id", seg_id,
          "--size", str(region), "--host-id", host, *extra],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert peer.stdout is not None and peer.stdin is not None

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,8 @@ from kvpool.core.protocol import SegmentDescriptor
 from kvpool.transfer import TransferEngine, TransferOp, TransferRequest, load_transfer_config
 from kvpool.transfer.gpu import PinnedPool, cuda_runtime
 
+#: the peer process (test scaffolding: tests/support/peer.py, run as a script)
+PEER_SCRIPT = str(Path(__file__).resolve().parent.parent / "tests" / "support" / "peer.py")
 CHUNK = 16 << 20
 BATCH = 16  # 256 MiB per batch
 ITERS = 5
@@ -166,7 +169,7 @@ def run(report: dict[str, Any]) -> None:
     total = CHUNK * BATCH
     host_id = "gpu-check-host"
     peer = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.transfer.peer", "--segment-id", "gpu-check",
+        [sys.executable, PEER_SCRIPT, "--segment-id", "gpu-check",
          "--size", str(total), "--host-id", host_id],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert peer.stdin is not None and peer.stdout is not None

@@ -5,8 +5,8 @@ One engine per process moves bytes between caller buffers and segments
 
 - the segment registry (:mod:`kvpool.transfer.registry`): every segment the
   process can address, and one mapping per same-host shm file;
-- this process's transfer server (:mod:`kvpool.transfer.server`), which
-  serves the owned segments to peers, behind capability checks;
+- the segment server (:mod:`kvpool.transfer.segment_server`), which serves
+  the owned segments to peers, behind capability checks;
 - the transports and the selector over them (:mod:`kvpool.transfer.selection`);
 - the batch runner (:mod:`kvpool.transfer.runner`): one path for every
   batch, from a lone request run on the caller's thread to a large batch
@@ -25,9 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from kvpool.core.auth import CurveConfig
-from kvpool.core.capability import CapabilityVerifier as CapVerifier
-from kvpool.core.capability import CapOp
-from kvpool.core.errors import ErrorCode
+from kvpool.core.capability import CapabilityVerifier
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.batch import BatchHandle, SubBatch, SubBatchState
 from kvpool.transfer.buffers import BufferHandle, as_buffer
@@ -35,15 +33,14 @@ from kvpool.transfer.config import TransferConfig, TransportSettings
 from kvpool.transfer.registry import SegmentRegistry
 from kvpool.transfer.runner import BatchRunner
 from kvpool.transfer.segment import LocalSegment
+from kvpool.transfer.segment_server import SegmentServer
 from kvpool.transfer.selection import Transports
-from kvpool.transfer.server import TransferServer
 from kvpool.transfer.transports.base import Transport
-from kvpool.transfer.types import RequestStatus, TransferOp, TransferRequest
+from kvpool.transfer.types import RequestStatus, TransferRequest
 
 __all__ = ["BatchHandle", "SubBatch", "SubBatchState", "TransferEngine"]
 
 log = logging.getLogger(__name__)
-_CAP_OPS = {TransferOp.READ: CapOp.READ, TransferOp.WRITE: CapOp.WRITE}
 
 
 class TransferEngine:
@@ -58,10 +55,6 @@ class TransferEngine:
         self.config = config
         #: CURVE policy for the server socket and the tcp transport's client sockets
         self.curve = curve
-        # capability keys of local segments (docs/security.md); refusals counted by reason
-        scfg = config.server
-        self.capabilities = CapVerifier(required=scfg.capabilities == "on",
-                                        leeway_ms=scfg.capability_leeway_ms)
         self.client_id = client_id
         self._lock = threading.RLock()
         #: every segment this process can address (shared with the store client)
@@ -72,22 +65,16 @@ class TransferEngine:
         self._warm_pool: ThreadPoolExecutor | None = None
         self._warm_futures: list[Future[None]] = []
         self._closed = False
-        self._server: TransferServer | None = None
-        if config.server.enabled:
-            self._server = TransferServer(self.local_segment, bind_host, port, config.server,
-                                          curve=curve, tcp_congestion=config.tcp_congestion)
-            self._server.stats_hook = self.capability_stats
-            if scfg.capabilities == "on":
-                self._server.set_capability_check(self._verify_capability,
-                                                   self._verify_capability_many)
-            self.registry.endpoint = self._server.endpoint
+        #: serves the local segments to peers and checks their capabilities
+        self.segment_server = SegmentServer(self.local_segment, config.server, bind_host, port,
+                                            curve=curve, tcp_congestion=config.tcp_congestion)
+        self.registry.endpoint = self.segment_server.endpoint
         self.registry.on_forget.append(self._transports.forget_segment)
         self.registry.on_learn.append(self._warm_gpu)
         try:
             self._transports.load(self)
         except BaseException:
-            if self._server is not None:
-                self._server.close()
+            self.segment_server.close()
             raise
 
     # -- EngineContext ----------------------------------------------------------
@@ -98,12 +85,17 @@ class TransferEngine:
     @property
     def endpoint(self) -> str:
         """``tcp://host:port`` of this process's transfer server ("" if disabled)."""
-        return self._server.endpoint if self._server is not None else ""
+        return self.segment_server.endpoint
 
     @property
-    def server(self) -> TransferServer | None:
-        """The transfer server (capability checking sets ``server.verify_capability``)."""
-        return self._server
+    def server(self) -> SegmentServer | None:
+        """The segment server while it serves (None with ``server.enabled`` false)."""
+        return self.segment_server if self.segment_server.serving else None
+
+    @property
+    def capabilities(self) -> CapabilityVerifier:
+        """The capability verifier of the local segments (the segment server's)."""
+        return self.segment_server.capabilities
 
     @property
     def tcp_congestion(self) -> str:
@@ -115,52 +107,19 @@ class TransferEngine:
 
     # -- capabilities (docs/security.md) ------------------------------------------------
     def set_capability_key(self, segment_id: str, key: bytes) -> None:
-        """Install the key the master handed over at (re-)mount for a local
-        segment. From then on (unless ``server.capabilities: off``) the
-        transfer server refuses every READ/WRITE of it without a capability
-        signed with this key (PERMISSION_DENIED)."""
-        if self.config.server.capabilities == "off":
-            return
-        self.capabilities.set_key(segment_id, key)
-        if self._server is not None:
-            self._server.set_capability_check(self._verify_capability,
-                                               self._verify_capability_many)
+        """See :meth:`SegmentServer.set_capability_key`."""
+        self.segment_server.set_capability_key(segment_id, key)
 
     def remove_capability_key(self, segment_id: str) -> None:
-        self.capabilities.remove_key(segment_id)
+        self.segment_server.remove_capability_key(segment_id)
 
     def observe_master_epoch(self, epoch: int) -> None:
-        """The master's leader epoch (from its PING reply): capabilities signed
-        in an older term are refused from now on (STALE_EPOCH, docs/ha.md)."""
-        if self.capabilities.observe_epoch(epoch):
-            log.info("capability epoch raised to %d by the master", epoch)
-
-    def _verify_capability(self, seg: LocalSegment, op: TransferOp, off: int, n: int,
-                           cap: bytes) -> ErrorCode | None:
-        """The server hook: raises CapabilityError (PERMISSION_DENIED + reason)."""
-        v = self.capabilities
-        if not v.required and not v.has_key(seg.segment_id):
-            return None  # auto mode: the master gave this segment no key
-        # a CapOp spares the verifier's by-name coercion of each range's op
-        v.check(cap, seg.segment_id, off, n, _CAP_OPS.get(op, op), required=True)
-        return None
-
-    def _verify_capability_many(self, seg: LocalSegment, op: TransferOp, offsets: list[int],
-                                lengths: list[int], cap: bytes) -> bool:
-        """The server's batch hook: True when ``cap`` allows every range (one
-        token lookup for all of them); False sends the caller to the per-range
-        hook, which refuses with the reason."""
-        v = self.capabilities
-        if not v.required and not v.has_key(seg.segment_id):
-            return True  # auto mode: the master gave this segment no key
-        want = _CAP_OPS.get(op)
-        return want is not None and v.check_many(cap, seg.segment_id, offsets, lengths, want)
+        """See :meth:`SegmentServer.observe_master_epoch`."""
+        self.segment_server.observe_master_epoch(epoch)
 
     def capability_stats(self) -> dict[str, Any]:
-        """``capability_refusals`` by reason and ``capability_accepted``."""
-        v = self.capabilities
-        return {"capability_refusals": {r.value: n for r, n in v.refusals.items()},
-                "capability_accepted": v.accepted, "capability_epoch": v.epoch}
+        """See :meth:`SegmentServer.capability_stats`."""
+        return self.segment_server.capability_stats()
 
     # -- transports -------------------------------------------------------------
     def register_transport(self, transport: Transport,
@@ -192,14 +151,14 @@ class TransferEngine:
         peers: the transfer server's bulk offer for a memory segment (a peer's
         first tcp request then goes straight to the bulk socket, instead of
         over ZeroMQ while it asks for the port)."""
-        if self._server is None or segment.kind != SegmentKind.MEMORY:
+        if segment.kind != SegmentKind.MEMORY:
             return {}
-        return self._server.bulk_extra()
+        return self.segment_server.bulk_extra()
 
     def remove_local_segment(self, segment_id: str) -> None:
         """Stop serving the segment (the caller still owns and closes it)."""
         self.registry.remove_local(segment_id)
-        self.capabilities.remove_key(segment_id)
+        self.segment_server.remove_capability_key(segment_id)
         self._transports.forget_segment(segment_id)
 
     def add_peer_segment(self, desc: SegmentDescriptor) -> None:
@@ -291,8 +250,7 @@ class TransferEngine:
         self._closed = self._runner.closed = True
         if self._warm_pool is not None:
             self._warm_pool.shutdown(wait=True, cancel_futures=True)
-        if self._server is not None:
-            self._server.close()
+        self.segment_server.close()
         self._transports.close()
         self.registry.close()
 

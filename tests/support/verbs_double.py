@@ -59,22 +59,11 @@ EINVAL = 22
 
 
 @dataclass
-class _Mr:
-    dev: int
-    addr: int
-    length: int
-    access: Access
-
-    def covers(self, addr: int, n: int) -> bool:
-        return self.addr <= addr and addr + n <= self.addr + self.length
-
-
-@dataclass
 class LoopbackFabric:
     """Shared state of every double device in this process (the 'wire')."""
 
     lock: threading.RLock = field(default_factory=threading.RLock)
-    mrs: dict[int, _Mr] = field(default_factory=dict)
+    mrs: dict[int, _DMr] = field(default_factory=dict)
     qps: dict[int, _DQp] = field(default_factory=dict)
     stall: bool = False
     #: ranges reg_mr refuses with EFAULT, like device memory without a
@@ -137,9 +126,15 @@ class LoopbackFabric:
 
 
 class _DMr(MemoryRegion):
-    def __init__(self, fabric: LoopbackFabric, key: int, addr: int, length: int) -> None:
+    """A registration: the range, its keys, its device and access (the
+    fabric's table holds these until closed)."""
+
+    def __init__(self, fabric: LoopbackFabric, key: int, addr: int, length: int, dev: int,
+                 access: Access) -> None:
         self._fabric = fabric
         self.addr, self.length, self.lkey, self.rkey = addr, length, key, key
+        self.dev = dev
+        self.access = access
 
     def close(self) -> None:
         with self._fabric.lock:
@@ -259,8 +254,9 @@ class _DDevice(VerbsDevice):
                 raise VerbsError(f"reg_mr({addr:#x}, {length}): Bad address", EFAULT)
         with self.fabric.lock:
             key = next(self.fabric._keys)
-            self.fabric.mrs[key] = _Mr(self.index, addr, length, Access(access))
-        return _DMr(self.fabric, key, addr, length)
+            mr = self.fabric.mrs[key] = _DMr(self.fabric, key, addr, length, self.index,
+                                             Access(access))
+        return mr
 
     def create_cq(self, depth: int) -> CompletionQueue:
         return _DCq(self.fabric, depth)

@@ -2,7 +2,7 @@
 TransferEngine's transfer server (run as ``python tests/tier/file_peer.py``).
 
 Prints one JSON line (the segment descriptor), then answers stdin commands,
-one reply line each (kvpool.transfer.peer.serve_stdin, shared with the
+one reply line each (support.peer.serve_stdin, shared with the
 memory-segment peer): ``crc OFF LEN`` -> ``ok <crc32>``, ``fill SEED`` ->
 ``ok`` (deterministic bytes over the whole segment), ``exit``.
 """
@@ -10,12 +10,15 @@ memory-segment peer): ``crc OFF LEN`` -> ``ok <crc32>``, ``fill SEED`` ->
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 from kvpool.core.config import parse_size
 from kvpool.transfer import TransferEngine, load_transfer_config
 from kvpool.transfer.file_segment import FileSegment
-from kvpool.transfer.peer import serve_stdin
+from support.peer import serve_stdin
 
 
 def main() -> int:

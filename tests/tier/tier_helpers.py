@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from kvpool.transfer.peer import PeerProcess
+from support.peer import PeerProcess
 
 __all__ = ["FilePeer", "aligned_empty", "pattern"]
 

@@ -11,18 +11,19 @@ from typing import Any
 import pytest
 
 from kvpool.transfer import MemorySegment, TransferEngine, load_transfer_config
-from kvpool.transfer.peer import PeerProcess
 from support.cuda_double import cuda_double  # noqa: F401 (a fixture of the GPU-path tests)
 from support.factories import closing_factory
+from support.peer import SCRIPT as PEER_SCRIPT
+from support.peer import PeerProcess
 
 
 class Peer(PeerProcess):
-    """A ``python -m kvpool.transfer.peer`` child owning one shm segment."""
+    """A ``tests/support/peer.py`` child owning one shm segment."""
 
     def __init__(self, size: int, host_id: str = "host-test", segment_id: str | None = None,
                  prefault: bool = True) -> None:
         self.segment_id = segment_id or f"peer-{uuid.uuid4().hex[:8]}"
-        cmd = [sys.executable, "-m", "kvpool.transfer.peer", "--segment-id", self.segment_id,
+        cmd = [sys.executable, PEER_SCRIPT, "--segment-id", self.segment_id,
                "--size", str(size), "--host-id", host_id]
         if not prefault:
             cmd.append("--no-prefault")

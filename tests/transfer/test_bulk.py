@@ -18,10 +18,10 @@ from kvpool.core.capability import CapabilitySigner, CapOp, DenyReason
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import decode_frame, encode_frame
 from kvpool.transfer import RequestState, TransferOp, TransferRequest, wire
-from kvpool.transfer.peer import fill_pattern
 from kvpool.transfer.server import OP_BULK
 from support.bulk import exchange as raw_exchange
 from support.bulk import frame, split_reply
+from support.peer import fill_pattern
 from support.wait import wait_until
 
 MiB = 1 << 20
@@ -45,8 +45,8 @@ def _bulk_ready(e: Any, peer: Any) -> Any:
 def _bulk_port_known(e: Any, endpoint: str) -> None:
     """Wait (5 s at most) until the engine learned the bulk port of ``endpoint``
     (asked in the background)."""
-    wait_until(lambda: e.transport("tcp")._bulk_peer(endpoint).port, 5, "the peer's bulk port",
-               interval_s=0.02)
+    wait_until(lambda: e.transport("tcp").bulk_peers.peer(endpoint).port, 5,
+               "the peer's bulk port", interval_s=0.02)
 
 
 def test_bulk_data_checksums_and_refusals(make_engine: Any, make_peer: Any) -> None:
@@ -245,8 +245,8 @@ def test_first_request_takes_the_published_bulk_port(make_engine: Any,
         cli = make_engine(f"host-cli-{k}")
         tcp = cli.transport("tcp")
         asked: list[str] = []
-        query = tcp._query_bulk
-        tcp._query_bulk = lambda ep, t, q=query, a=asked: (a.append(ep), q(ep, t))[1]
+        query = tcp.bulk_peers.query
+        tcp.bulk_peers.query = lambda ep, t, q=query, a=asked: (a.append(ep), q(ep, t))[1]
         cli.add_peer_segment(msgspec.structs.replace(desc, extra=extra))
         off = k * MiB
         for n in (4096, MiB):  # the lone-request path, then the routed one
@@ -314,7 +314,7 @@ def test_lone_small_request_takes_one_idle_connection(make_engine: Any,
         assert st[0].ok, st
         assert dst[9:].tobytes() == src[boff:boff + n].tobytes()
         assert tcp.stats()["bulk_requests"] == n0 + 2
-    assert len(tcp._bulk_all) == 1 and routed == []  # one connection, straight
+    assert len(tcp.bulk_peers.clients) == 1 and routed == []  # one connection, straight
     # a batch of small requests to the one segment goes the same way, as one
     # bulk request: every range's bytes and code (one refused range: its own
     # code, not retried; the others DONE once)
@@ -338,7 +338,7 @@ def test_lone_small_request_takes_one_idle_connection(make_engine: Any,
         assert [x.ok for x in st] == [k != 3 for k in range(16)], st
         assert st[3].code == ErrorCode.PERMISSION_DENIED and len(st[3].errors) == 1
         assert tcp.stats()["bulk_requests"] == n0 + 48
-    assert len(tcp._bulk_all) == 1 and routed == []
+    assert len(tcp.bulk_peers.clients) == 1 and routed == []
     n0 = tcp.stats()["bulk_requests"]
     st = cli.transfer([TransferRequest(W, src, desc.segment_id, 3 * MiB, 4096)], 10)
     assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.PERMISSION_DENIED
@@ -455,8 +455,8 @@ def test_large_item_one_connection_cut_fails_once(make_engine: Any,
         assert st[0].state is RequestState.FAILED and st[0].code == ErrorCode.TRANSFER_FAIL, st
         assert len(st[0].errors) == 1 and st[0].transport == "tcp", st
         arm.clear()
-        with tcp._lock:  # the cut connection is never offered again
-            assert all(not bc.broken for bcs in tcp._bulk_idle.values() for bc in bcs)
+        with tcp.bulk_peers._lock:  # the cut connection is never offered again
+            assert all(not bc.broken for bcs in tcp.bulk_peers.idle.values() for bc in bcs)
         if op is W:
             st = cli.transfer([TransferRequest(W, src, desc.segment_id, 0, n)], 30)
             assert st[0].ok, st
@@ -689,18 +689,18 @@ def test_frozen_peer_times_out_on_the_bulk_socket(make_engine: Any, make_peer: A
 
 
 def test_stream_read_into_waits_for_pieces_and_sees_eof_and_timeouts() -> None:
-    """``_Stream.read_into`` of many small views (one ``MSG_WAITALL`` syscall for
+    """``BulkStream.read_into`` of many small views (one ``MSG_WAITALL`` syscall for
     what the buffer does not hold): a payload that trickles in as pieces of odd
     sizes lands whole and in order; a peer that stops sending runs into the
     deadline (TimeoutError); one that closes mid-payload gives False."""
-    from kvpool.transfer.bulk import _Stream
+    from kvpool.transfer.bulk import BulkStream
 
     payload = np.random.default_rng(11).integers(0, 256, 32 * 4096, dtype=np.uint8).tobytes()
     frame = (3).to_bytes(4, "little") + b"hdr"
     for cut, close in ((len(payload), False), (50_000, False), (50_000, True)):
         a, b = socket.socketpair()
         try:
-            stream = _Stream(b, 1 << 16)
+            stream = BulkStream(b, 1 << 16)
 
             def send(a: socket.socket = a, cut: int = cut, close: bool = close) -> None:
                 a.sendall(frame + payload[:1000])
@@ -737,11 +737,11 @@ def test_stream_spin_then_block_reads_every_frame() -> None:
     """A reply that comes within the spin window is read by the poll; one that
     comes later by the blocking read; the window is used once, then cleared."""
 
-    from kvpool.transfer.bulk import _Stream
+    from kvpool.transfer.bulk import BulkStream
 
     a, b = socket.socketpair()
     try:
-        stream = _Stream(a, 1 << 16)
+        stream = BulkStream(a, 1 << 16)
         deadline = time.monotonic() + 5.0
         frames = [frame(wire.BulkReply(k, [0, 0], "")) for k in (1, 2)]
 
@@ -788,7 +788,7 @@ def test_small_request_poll_follows_the_reply_wait(make_engine: Any, make_peer: 
     for k in range(8):
         st = e.transfer([TransferRequest(R, dst, peer.segment_id, k * 4096, 4096)], 10)
         assert st[0].ok and np.array_equal(dst, pattern[k * 4096:(k + 1) * 4096])
-    (bc,) = [c for cs in tcp._bulk_idle.values() for c in cs]
+    (bc,) = [c for cs in tcp.bulk_peers.idle.values() for c in cs]
     assert 0.0 < bc._reply_wait < 1.0
     bc._reply_wait = 1.0  # "replies came late": block at once
     st = e.transfer([TransferRequest(R, dst, peer.segment_id, 8192, 4096)], 10)
@@ -809,9 +809,10 @@ def test_congestion_policy_on_both_ends(make_engine: Any, make_peer: Any) -> Non
     """``tcp_congestion`` reaches the bulk sockets of both ends: the server's
     accepted connection and the client's, in process and through the engine's
     config; data still arrives byte-exact."""
-    from kvpool.transfer.bulk import BulkClient, BulkServer
+    from kvpool.transfer.bulk_client import BulkClient
+    from kvpool.transfer.bulk_server import BulkServer
 
-    srv = BulkServer("127.0.0.1", lambda op, items, caps: ([], [], ""), lambda ok, n: None,
+    srv = BulkServer("127.0.0.1", lambda op, items, caps: ([], [], None), lambda ok, bad: None,
                      4096, MiB, congestion="reno")
     try:
         cl = BulkClient("127.0.0.1", srv.port, 2.0, congestion="reno")
@@ -830,8 +831,8 @@ def test_congestion_policy_on_both_ends(make_engine: Any, make_peer: Any) -> Non
     src = np.random.default_rng(3).integers(0, 256, 4 * MiB, dtype=np.uint8)
     assert e.transfer([TransferRequest(W, src, peer.segment_id, 0, 4 * MiB)], 30)[0].ok
     assert peer.crc(0, 4 * MiB) == zlib.crc32(src)
-    with tcp._lock:
-        clients = list(tcp._bulk_all)
+    with tcp.bulk_peers._lock:
+        clients = list(tcp.bulk_peers.clients)
     assert clients and all(_congestion(c.stream.sock) == "reno" for c in clients)
 
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import zmq
 
 from kvpool.core.capability import CapabilitySigner, CapOp
 from kvpool.core.errors import ErrorCode
 from kvpool.transfer import TransferOp, wire
 from support.bulk import exchange, frame, split_reply
+from support.wait import wait_until
 
 MiB = 1 << 20
 W = TransferOp.WRITE
@@ -71,3 +73,61 @@ def test_bulk_request_ranges_checked_one_by_one(make_engine: Any, make_segment: 
     # three tokens, each verified once (the second request's tok_a from the cache)
     assert ver.macs - macs == 3
     assert ver.refused_total - denied == 3  # out of range, wrong op, wrong segment
+
+
+def test_zeromq_and_bulk_requests_get_the_same_verdicts(make_engine: Any,
+                                                        make_segment: Any) -> None:
+    """One validator serves both loops: every range sent alone over ZeroMQ and
+    all of them in one bulk request get the same code, and the counters move
+    alike (an unknown op included)."""
+    srv = make_engine("host-srv")
+    a, ro = make_segment(MiB), make_segment(MiB)
+    sa, sro = srv.add_local_segment(a).segment_id, srv.add_local_segment(ro).segment_id
+    ro.allowed_ops = frozenset({W})  # READ refused
+    signer = CapabilitySigner()
+    srv.set_capability_key(sa, signer.key_for(sa))
+    tok = signer.grant_ranges(sa, [0, 4096, 8192, 4096], int(CapOp.READ), signer.expiry())
+    cases = [
+        ((sa, 0, 4096, tok), 0),
+        ((sa, 4096, 4096, tok), ErrorCode.PERMISSION_DENIED),  # outside the grant
+        ((sa, MiB - 16, 32, tok), ErrorCode.OUT_OF_BOUNDS),
+        (("nope", 0, 16, tok), ErrorCode.SEGMENT_NOT_FOUND),
+        ((sro, 0, 16, b""), ErrorCode.PERMISSION_DENIED),  # READ not allowed there
+        ((sa, 0, 128 * MiB, tok), ErrorCode.FRAME_TOO_LARGE),
+        ((sa, 8192, 4096, b""), ErrorCode.PERMISSION_DENIED),  # no capability
+        ((sa, 8192, 4096, tok), 0),
+    ]
+    server = srv.server
+    assert server is not None and server.bulk is not None
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(srv.endpoint)
+
+    def over_zmq(op: int, seg: str, off: int, n: int, cap: bytes) -> int:
+        s.send(wire.encode(wire.ServerRequest(op, 1, seg, off, n, cap)))
+        return wire.decode_reply(s.recv_multipart()[0]).code
+
+    def over_bulk(op: int) -> list[int]:
+        items = [wire.BulkItem(*c) for c, _ in cases]
+        rep, _ = split_reply(exchange("127.0.0.1", server.bulk.port,
+                                      frame(wire.BulkRequest(2, op, items))))
+        return rep.codes
+
+    try:
+        for op, want in ((int(TransferOp.READ), [int(c) for _, c in cases]),
+                         (9, [int(ErrorCode.UNKNOWN_OP)] * len(cases))):
+            served, refused = server.requests_served, server.requests_refused
+            got = [over_zmq(op, *c) for c, _ in cases]
+            assert got == want
+            ok = want.count(0)  # (a reply may come before its request is counted)
+            wait_until(lambda s0=served, k=ok: server.requests_served - s0 == k, 5,
+                       "the ZeroMQ requests counted")
+            assert server.requests_refused - refused == len(want) - ok
+            assert over_bulk(op) == want
+            assert server.requests_served - served == 2 * ok
+            assert server.requests_refused - refused == 2 * (len(want) - ok)
+    finally:
+        s.close(0)
+        ctx.term()

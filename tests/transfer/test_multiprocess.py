@@ -1,5 +1,5 @@
 """Transfers between real processes: a peer child owns a /dev/shm segment and
-runs its transfer server (python -m kvpool.transfer.peer)."""
+runs its transfer server (tests/support/peer.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from kvpool.core.errors import ErrorCode
 from kvpool.transfer import RequestState, TransferOp, TransferRequest
-from kvpool.transfer.peer import fill_pattern
+from support.peer import fill_pattern
 
 R, W = TransferOp.READ, TransferOp.WRITE
 MiB = 1 << 20

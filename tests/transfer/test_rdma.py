@@ -33,7 +33,6 @@ from kvpool.transfer import (
     load_transfer_config,
 )
 from kvpool.transfer.config import TransportSettings
-from kvpool.transfer.peer import fill_pattern
 from kvpool.transfer.rdma_proto import (
     MAX_QPS_PER_CONNECT,
     MAX_SEGMENTS_PER_CONNECT,
@@ -52,6 +51,7 @@ from kvpool.transfer.transports.rdma import (
     completion_error,
     plan_work_requests,
 )
+from support.peer import fill_pattern
 from support.verbs_double import LoopbackFabric, LoopbackVerbsDouble
 
 GID = "fe80:0000:0000:0000:0000:0000:0000:0001"

@@ -137,3 +137,20 @@ def test_removed_segment_is_no_longer_served(served: Any) -> None:
     e.remove_local_segment(seg.segment_id)
     r, _ = _call(s, _hdr(seg=seg.segment_id))
     assert r["code"] == int(ErrorCode.SEGMENT_NOT_FOUND)
+
+
+def test_engine_without_server_keeps_its_capability_state(make_engine: Any,
+                                                          make_segment: Any) -> None:
+    """With ``server.enabled`` false nothing listens (no server, no endpoint, no
+    bulk offer in descriptors), yet the segment server keeps the capability
+    state the store hands it: keys, the master's epoch, the stats."""
+    e = make_engine(overrides={"server": {"enabled": False}})
+    assert e.server is None and e.endpoint == ""
+    desc = e.add_local_segment(make_segment(4096))
+    assert "bulk" not in desc.extra and desc.endpoint == ""
+    e.set_capability_key(desc.segment_id, b"k" * 32)
+    assert e.capabilities.has_key(desc.segment_id)
+    e.observe_master_epoch(3)
+    assert e.capability_stats()["capability_epoch"] == 3
+    e.remove_local_segment(desc.segment_id)
+    assert not e.capabilities.has_key(desc.segment_id)

@@ -1,9 +1,9 @@
-"""A standalone segment owner: ``python -m kvpool.transfer.peer``.
+"""A standalone segment owner for multi-process tests and benchmarks:
+``python tests/support/peer.py`` (:data:`SCRIPT`).
 
 Creates one memory segment, serves it through a TransferEngine's transfer
 server and prints one JSON line with the segment descriptor. Then it answers
-line commands on stdin (one reply line each), for multi-process tests and
-benchmarks:
+line commands on stdin (one reply line each):
 
 - ``fill SEED``       fill the segment with deterministic bytes -> ``ok``
 - ``crc OFF LEN``     crc32 of a range -> ``ok <crc>``
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -28,7 +29,10 @@ from kvpool.transfer.config import load_transfer_config
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.segment import LocalSegment, MemorySegment
 
-__all__ = ["PeerProcess", "fill_pattern", "main", "serve_stdin"]
+__all__ = ["SCRIPT", "PeerProcess", "fill_pattern", "main", "serve_stdin"]
+
+#: the path to run this module as a script (it imports only kvpool)
+SCRIPT = os.path.abspath(__file__)
 
 
 def fill_pattern(seed: int, n: int) -> np.ndarray:
