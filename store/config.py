@@ -25,6 +25,7 @@ from typing import Any
 from kvpool.core.auth import CurveConfig, is_loopback
 from kvpool.core.config import ConfigError, load_dataclass, load_yaml_mapping, setting
 from kvpool.core.etcd import policy_address
+from kvpool.core.rpc_client import RpcPollConfig
 
 __all__ = [
     "CHECKSUM_ALGOS",
@@ -122,6 +123,9 @@ class ClientConfig:
         "servers; see docs/security.md). Entry points without flags (the Mooncake-compatible "
         "class, the vLLM connector) read this file from $KVPOOL_CONFIG and the cluster key "
         "from $KVPOOL_CURVE_KEY_DIR")
+    rpc_poll: RpcPollConfig = setting(
+        default_factory=RpcPollConfig,
+        help="how the client's master RPC stubs poll for a reply before sleeping")
     reserve_single_puts: bool = setting(
         True, help="a single put of a small value (default options, no checksum, host "
         "buffer, under 1MiB) asks its commit's reply for a reservation of the same size; the "

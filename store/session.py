@@ -71,7 +71,7 @@ class MasterSession:
     def new_stub(self) -> MasterClient:
         """A master RPC stub (CURVE per the config's policy)."""
         cfg = self.config
-        return master_stub(cfg.master_address, cfg.rpc_timeout_s, cfg.curve)
+        return master_stub(cfg.master_address, cfg.rpc_timeout_s, cfg.curve, cfg.rpc_poll)
 
     def open(self) -> MasterClient:
         """Make the first stub (the setup thread's) and mark the session started."""

@@ -12,7 +12,6 @@ pass. Stream mechanics: :mod:`kvpool.transfer.bulk`.
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -30,13 +29,13 @@ __all__ = ["BulkClient"]
 _MAX_ITEMS = 256  # ranges per request
 _REPLY_MAX = 1 << 16  # largest reply header a client accepts
 # a client polls for the reply to a small request (one request of at most
-# _SPIN_BYTES of payload) for up to _SPIN_S before it sleeps in recv: the reply
+# _SPIN_BYTES of payload) for up to ``spin_s`` before it sleeps in recv: the reply
 # to a small put or get comes soon after the request, and on a busy host waking
 # a sleeping thread adds to that. The poll yields the CPU between tries (a late
 # yield, on a busy CPU, stops the polls of the process for a while:
 # core/spin.py), and a connection polls only while its small replies have of
 # late come within the window (a moving average): later ones would only burn CPU
-_SPIN_S = float(os.environ.get("KVPOOL_BULK_SPIN_US", "150")) / 1e6
+DEFAULT_SPIN_US = 150  # transports.tcp.options.reply_spin_us
 _SPIN_BYTES = 64 << 10
 _MV = "bulk_mv"  # BufferHandle.cache key of the buffer's byte memoryview (_bytes_view)
 
@@ -49,10 +48,13 @@ class BulkClient:
     requests below it. ``caps_table``: the peer takes a request's capability
     table (each distinct token sent once per request, items name it by index).
     ``congestion``: the ``tcp_congestion`` policy (:func:`set_congestion`).
+    ``spin_us``: how long it polls for the reply to a small request before
+    sleeping (0: never).
     """
 
     def __init__(self, host: str, port: int, timeout: float, max_header: int = 4096,
-                 caps_table: bool = False, congestion: str = "auto") -> None:
+                 caps_table: bool = False, congestion: str = "auto",
+                 spin_us: float = DEFAULT_SPIN_US) -> None:
         sock = socket.create_connection((host, port), timeout=max(0.01, timeout))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         set_congestion(sock, congestion)
@@ -60,6 +62,7 @@ class BulkClient:
         self.broken = False
         self.max_header = max(256, max_header)
         self.caps_table = caps_table
+        self.spin_s = spin_us / 1e6
         self._ids = itertools.count(1)
         self._reply_wait = 0.0  # seconds: see _run_group
         self._skipped = [0]  # lone waits not polled since the last probe (_run_single)
@@ -162,15 +165,16 @@ class BulkClient:
                             views.append(_bytes_view(it.buffer)[off:off + n])
                 stream.write_views(views, deadline)
             sent = 0.0
-            if len(reqs) == 1 and _SPIN_S and sum(it.length for it in items) <= _SPIN_BYTES:
+            if len(reqs) == 1 and self.spin_s and \
+                    sum(it.length for it in items) <= _SPIN_BYTES:
                 sent = time.perf_counter()
-                if self._reply_wait < _SPIN_S:  # replies come within the window of late
-                    stream.spin_until = sent + _SPIN_S
+                if self._reply_wait < self.spin_s:  # replies come within the window of late
+                    stream.spin_until = sent + self.spin_s
             for part, rid, _ in reqs:
                 raw = stream.read_frame(_REPLY_MAX, deadline)
                 if sent:  # how long small replies take, of late: a moving average
                     # of waits capped at twice the window (one stall does not stop polls)
-                    wait = min(time.perf_counter() - sent, 2 * _SPIN_S)
+                    wait = min(time.perf_counter() - sent, 2 * self.spin_s)
                     self._reply_wait += (wait - self._reply_wait) * 0.125
                 rep = wire.decode_bulk_reply(raw) if raw is not None else None
                 if rep is None or rep.id != rid or len(rep.codes) != len(part):
@@ -251,17 +255,17 @@ class BulkClient:
                 rid = self._send_single(it, deadline)
             sent = 0.0
             polled = False
-            if _SPIN_S and n <= _SPIN_BYTES:
+            if self.spin_s and n <= _SPIN_BYTES:
                 sent = time.perf_counter()
                 # see _run_group; a shut gate still polls now and then, and a
                 # wait slept through counts as the window (core/spin.py)
-                if _spin.polling() and (self._reply_wait < _SPIN_S
+                if _spin.polling() and (self._reply_wait < self.spin_s
                                         or _spin.probe(self._skipped, 0)):
                     polled = True
-                    stream.spin_until = sent + _SPIN_S
+                    stream.spin_until = sent + self.spin_s
             raw = stream.read_frame(_REPLY_MAX, deadline)
             if sent:
-                wait = _spin.wait_sample(time.perf_counter() - sent, polled, _SPIN_S)
+                wait = _spin.wait_sample(time.perf_counter() - sent, polled, self.spin_s)
                 self._reply_wait += (wait - self._reply_wait) * 0.125
             rep = wire.decode_bulk_reply(raw) if raw is not None else None
             if rep is None or rep.id != rid or len(rep.codes) != 1:

@@ -16,6 +16,7 @@ import yaml
 from kvpool.core.config import load_dataclass, parse_size
 from kvpool.master.config import MasterConfig
 from kvpool.store.config import ClientConfig
+from kvpool.transfer.bulk_client import DEFAULT_SPIN_US
 from kvpool.transfer.config import (
     DEFAULT_RULES,
     ServerConfig,
@@ -96,6 +97,7 @@ def test_transfer_yaml_documents_exactly_the_fields_and_defaults() -> None:
     shm = data["transports"]["shm"]["options"]
     assert shm == {"copy_threads": 0, "split_min_bytes": "4MiB"}
     assert parse_size(shm["split_min_bytes"]) == DEFAULT_SPLIT_MIN_BYTES
+    assert data["transports"]["tcp"]["options"] == {"reply_spin_us": DEFAULT_SPIN_US}
     # transports: sections use TransportSettings keys; the comment block lists
     # every key with the dataclass default
     ts_fields = {f.name for f in dataclasses.fields(TransportSettings)}

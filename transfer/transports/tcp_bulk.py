@@ -26,7 +26,7 @@ import zmq
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor
 from kvpool.transfer import wire
-from kvpool.transfer.bulk_client import BulkClient
+from kvpool.transfer.bulk_client import DEFAULT_SPIN_US, BulkClient
 
 if TYPE_CHECKING:
     from kvpool.transfer.transports.tcp import TcpTransport
@@ -59,6 +59,9 @@ class BulkPeers:
 
     def __init__(self, tcp: TcpTransport) -> None:
         self._tcp = tcp
+        # transports.tcp.options.reply_spin_us: how long a connection polls for the
+        # reply to a small request before sleeping
+        self.spin_us = float(tcp.settings.options.get("reply_spin_us", DEFAULT_SPIN_US))
         self._lock = threading.Lock()
         self.known: dict[str, BulkPeer] = {}
         self.clients: set[BulkClient] = set()  # every open connection
@@ -128,7 +131,8 @@ class BulkPeers:
             ctx = self._tcp.ctx
             bc = BulkClient(host, peer.port, min(2.0, deadline - time.monotonic()),
                             peer.max_header, peer.caps_table,
-                            ctx.tcp_congestion if ctx is not None else "auto")
+                            ctx.tcp_congestion if ctx is not None else "auto",
+                            self.spin_us)
         except OSError as exc:
             log.debug("tcp: bulk connect %s:%d: %s", host, peer.port, exc)
             with self._lock:
