@@ -36,34 +36,26 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class TierTask:
-    """One task as the master sends it (``to_wire`` of master.tiering.CopyTask)."""
+    """A tier task as this node runs it: the master's task (``wire``), the
+    WRITE capability on the destination that it points at, and when it came."""
 
-    id: int
-    kind: int
-    key: str
-    size: int
-    src_id: str
-    src_off: int
-    dst_id: str
-    dst_off: int
-    capability: bytes = b""  # WRITE capability on the destination, if any
-    ttl_ms: int = 0  # the master gives up after this (0: no limit sent)
+    wire: WireTask
+    capability: bytes = b""
     received: float = 0.0  # monotonic time this node got it
 
     @classmethod
     def from_reply(cls, w: WireTask, caps: list[bytes]) -> TierTask:
         """A task of a PING reply (``caps``: the reply's capability tokens)."""
-        return cls(w.id, w.kind, w.key, w.size, w.src_id, w.src_off, w.dst_id, w.dst_off,
-                   caps[w.cap] if 0 <= w.cap < len(caps) else b"", w.ttl_ms, time.monotonic())
+        return cls(w, caps[w.cap] if 0 <= w.cap < len(caps) else b"", time.monotonic())
 
     @classmethod
     def from_wire(cls, w: dict[str, Any]) -> TierTask:
         """A task from its map form (``master.tiering.CopyTask.to_wire`` plus ``cap``)."""
         try:
-            return cls(int(w["id"]), int(w["kind"]), str(w["key"]), int(w["size"]),
-                       str(w["src"][0]), int(w["src"][1]), str(w["dst"][0]), int(w["dst"][1]),
-                       bytes(w.get("cap") or b""), int(w.get("ttl_ms") or 0),
-                       time.monotonic())
+            wire = WireTask(int(w["id"]), int(w["kind"]), str(w["key"]), int(w["size"]),
+                            str(w["src"][0]), int(w["src"][1]), str(w["dst"][0]),
+                            int(w["dst"][1]), int(w.get("ttl_ms") or 0))
+            return cls(wire, bytes(w.get("cap") or b""), time.monotonic())
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise KVPoolError(f"bad tier task {w!r}: {exc}", ErrorCode.INVALID_PARAMS) from exc
 
@@ -132,23 +124,25 @@ class TierTaskRunner:
             ok, err = True, ""
             try:
                 timeout = self.timeout_s
-                if task.ttl_ms:
+                if task.wire.ttl_ms:
                     # start no copy after half the master's timeout: past its
                     # deadline it frees the destination for reuse
-                    left = task.received + task.ttl_ms / 2000.0 - time.monotonic()
+                    left = task.received + task.wire.ttl_ms / 2000.0 - time.monotonic()
                     if left <= 0:
                         raise KVPoolError("task arrived too long ago", ErrorCode.TIMEOUT)
                     timeout = min(timeout, left)
                 self._execute(task, segs, timeout)
             except Exception as exc:  # report every failure to the master
                 ok, err = False, f"{type(exc).__name__}: {exc}"
-                log.info("tier task %d (%s) failed: %s", task.id, task.key[:64], err)
+                log.info("tier task %d (%s) failed: %s", task.wire.id, task.wire.key[:64], err)
             self._report(task, ok, err)
             if self._q.empty() and self.on_drained is not None:
                 self.on_drained()  # the master may have more for us: ask now
 
-    def _execute(self, t: TierTask, segs: dict[str, SegmentDescriptor], timeout: float) -> None:
+    def _execute(self, task: TierTask, segs: dict[str, SegmentDescriptor], timeout: float
+                 ) -> None:
         engine = self.engine
+        t = task.wire
         src = engine.local_segment(t.src_id)
         if src is None:
             raise KVPoolError(f"source segment {t.src_id} is not ours", ErrorCode.SEGMENT_NOT_FOUND)
@@ -169,7 +163,7 @@ class TierTaskRunner:
         from kvpool.transfer import TransferOp, TransferRequest
 
         st = engine.transfer([TransferRequest(TransferOp.WRITE, data, t.dst_id, t.dst_off,
-                                              t.size, capability=t.capability)],
+                                              t.size, capability=task.capability)],
                              timeout=timeout)
         if not st[0].ok:
             raise KVPoolError(f"copy to {t.dst_id} failed: {st[0].errors}", st[0].code)
@@ -180,10 +174,10 @@ class TierTaskRunner:
         else:
             self.failed += 1
         try:
-            self.master.call(TierTaskDone(self.client_id, t.id, ok, err[:500]))
+            self.master.call(TierTaskDone(self.client_id, t.wire.id, ok, err[:500]))
         except MasterRPCError as exc:
             # the master times the task out and frees its allocation itself
-            log.debug("reporting tier task %d failed: %s", t.id, exc)
+            log.debug("reporting tier task %d failed: %s", t.wire.id, exc)
 
     def close(self) -> None:
         """Stop after the current task (queued ones are dropped; the master

@@ -95,7 +95,8 @@ def test_bad_tasks_fail_without_killing_the_runner(node):
 
 def test_task_wire_roundtrip():
     t = TierTask.from_wire({**_task(5, 2, 77, ("a", 1), ("b", 2)), "cap": b"token"})
-    assert (t.id, t.kind, t.key, t.size, t.src_id, t.src_off, t.dst_id, t.dst_off,
+    w = t.wire
+    assert (w.id, w.kind, w.key, w.size, w.src_id, w.src_off, w.dst_id, w.dst_off,
             t.capability) == (5, 2, "k5", 77, "a", 1, "b", 2, b"token")
     assert TierTask.from_wire(_task(5, 2, 77, ("a", 1), ("b", 2))).capability == b""
 

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from kvpool.transfer.registry import SegmentRegistry
     from kvpool.transfer.segment import LocalSegment
 
-__all__ = ["EngineContext", "PeerFiles", "ReportFn", "Transport", "WorkItem", "report_done"]
+__all__ = ["EngineContext", "PeerFiles", "ReportFn", "Transport", "WorkItem", "as_transfer_error",
+           "report_done"]
 
 
 #: a request as a transport sees it: resolved by the engine (see TransferRequest)
@@ -52,6 +53,14 @@ def report_done(report: ReportFn, items: Sequence[WorkItem]) -> None:
         return
     for it in items:
         report(it, None)
+
+def as_transfer_error(exc: BaseException, what: str) -> TransferError:
+    """What a transport reports for ``exc``: itself when it is a
+    TransferError, else a retryable TRANSFER_FAIL "``what`` failed: ..."."""
+    if isinstance(exc, TransferError):
+        return exc
+    return TransferError(f"{what} failed: {exc}", ErrorCode.TRANSFER_FAIL)
+
 
 _H = TypeVar("_H")
 

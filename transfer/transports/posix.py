@@ -33,7 +33,13 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.file_segment import FileIO, FileSegment, check_peer_header
 from kvpool.transfer.gpu import PinnedPool, cuda_runtime
-from kvpool.transfer.transports.base import PeerFiles, ReportFn, Transport, WorkItem
+from kvpool.transfer.transports.base import (
+    PeerFiles,
+    ReportFn,
+    Transport,
+    WorkItem,
+    as_transfer_error,
+)
 from kvpool.transfer.types import TransferError, TransferOp
 
 __all__ = ["PosixTransport", "open_peer_file"]
@@ -106,11 +112,8 @@ class PosixTransport(Transport):
                 continue
             try:
                 self._one(item, deadline)
-            except TransferError as exc:
-                report(item, exc)
-                continue
-            except (OSError, ValueError) as exc:
-                report(item, TransferError(f"posix I/O failed: {exc}", ErrorCode.TRANSFER_FAIL))
+            except (TransferError, OSError, ValueError) as exc:
+                report(item, as_transfer_error(exc, "posix I/O"))
                 continue
             if item.op is TransferOp.READ:
                 self.bytes_read += item.length

@@ -34,7 +34,13 @@ from kvpool.transfer.copy import DEFAULT_SPLIT_MIN_BYTES, parallel_copyto
 from kvpool.transfer.gpu import LEGACY_STREAM, CudaRuntime, cuda_runtime
 from kvpool.transfer.registry import ShmMapping
 from kvpool.transfer.segment import SHM_DIR, LocalSegment, MemorySegment
-from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem, report_done
+from kvpool.transfer.transports.base import (
+    ReportFn,
+    Transport,
+    WorkItem,
+    as_transfer_error,
+    report_done,
+)
 from kvpool.transfer.types import TransferError, TransferOp
 
 __all__ = ["ShmTransport"]
@@ -137,13 +143,8 @@ class ShmTransport(Transport):
             if sid != last:
                 try:
                     region = mapping(item.segment, item.local).array
-                except TransferError as exc:
-                    report(item, exc)
-                    last = None
-                    continue
-                except (OSError, ValueError) as exc:
-                    report(item, TransferError(f"shm copy failed: {exc}",
-                                               ErrorCode.TRANSFER_FAIL))
+                except (TransferError, OSError, ValueError) as exc:
+                    report(item, as_transfer_error(exc, "shm copy"))
                     last = None
                     continue
                 last, size = sid, region.size
@@ -209,11 +210,8 @@ class ShmTransport(Transport):
                     raise TransferError("range outside mapped segment", ErrorCode.OUT_OF_BOUNDS,
                                         retryable=False)
                 self._ensure_registered(m, rt, item.local)
-            except TransferError as exc:
-                report(item, exc)
-                continue
-            except (OSError, ValueError) as exc:
-                report(item, TransferError(f"shm copy failed: {exc}", ErrorCode.TRANSFER_FAIL))
+            except (TransferError, OSError, ValueError) as exc:
+                report(item, as_transfer_error(exc, "shm copy"))
                 continue
             buf = item.buffer
             stream = rt.side_stream(buf.device_index) if item.independent else LEGACY_STREAM
@@ -239,10 +237,8 @@ class ShmTransport(Transport):
                     else:
                         rt.memcpy_async(addr, ptr, n, stream)
                 rt.stream_synchronize(stream)
-            except TransferError as exc:
-                err = exc
-            except Exception as exc:  # a backend's own error type
-                err = TransferError(f"CUDA copy failed: {exc}", ErrorCode.TRANSFER_FAIL)
+            except Exception as exc:  # TransferError, or a backend's own error type
+                err = as_transfer_error(exc, "CUDA copy")
             if err is not None:
                 for item in its:
                     report(item, err)
