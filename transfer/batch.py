@@ -38,12 +38,15 @@ class SubBatch:
     It is also the transport's ``report(item, error)`` for its slices
     (exactly once per item; ``many(items)`` reports successes under one lock
     acquisition): a success finishes its request at once, a failure waits
-    for the failover decision made when the sub-batch ends."""
+    for the failover decision made when the sub-batch ends. A sub-batch
+    made without a handle is a batch's first attempt on the caller's
+    thread: it only records what it is told (no lock: one thread) until
+    :meth:`adopt` hands it to the handle the failover needs."""
 
     __slots__ = ("done", "error", "failed", "failed_idx", "failures", "finished", "handle", "id",
-                 "items", "slices_left", "started", "state", "transport")
+                 "items", "ok", "slices_left", "started", "state", "transport")
 
-    def __init__(self, handle: BatchHandle, id: int, transport: str,
+    def __init__(self, handle: BatchHandle | None, id: int, transport: str,
                  items: list[TransferRequest]) -> None:
         self.handle = handle
         self.id = id
@@ -55,17 +58,25 @@ class SubBatch:
         self.error = ""
         self.started = 0.0
         self.finished = 0.0
-        self.slices_left = 0
+        self.slices_left = 1
         self.failures: list[tuple[TransferRequest, TransferError]] = []
         self.failed_idx: set[int] = set()
+        self.ok: set[int] | None = None if handle is not None else set()  # an attempt's
 
     def __call__(self, item: TransferRequest, err: TransferError | None) -> None:
         if err is None:
             self.many((item,))
             return
         idx = item.index
-        with self.handle._lock:
-            if idx in self.failed_idx or self.handle._status[idx] is not None:
+        handle = self.handle
+        if handle is None:
+            if idx not in self.failed_idx and idx not in self.ok:  # type: ignore[operator]
+                self.failed_idx.add(idx)
+                self.failed += 1
+                self.failures.append((item, err))
+            return
+        with handle._lock:
+            if idx in self.failed_idx or handle._status[idx] is not None:
                 return  # reported already
             self.failed_idx.add(idx)
             self.failed += 1
@@ -74,13 +85,34 @@ class SubBatch:
     def many(self, items: Sequence[TransferRequest]) -> None:
         """Report ``items`` done (those reported before are ignored)."""
         handle = self.handle
+        if handle is None:
+            ok = self.ok
+            assert ok is not None
+            before = len(ok)
+            ok.update([it.index for it in items if it.index not in self.failed_idx])
+            self.done += len(ok) - before
+            return
         with handle._lock:
             if self.failed_idx:
                 items = [it for it in items if it.index not in self.failed_idx]
             self.done += handle.finish_many_locked(items, self.transport)
 
+    def adopt(self, handle: BatchHandle, id: int) -> None:
+        """An attempt is handed to ``handle``: its successes are finished
+        there, its failures wait for :meth:`BatchRunner._slice_done`."""
+        self.handle = handle
+        self.id = id
+        handle.sub_batches.append(self)
+        ok = self.ok
+        if ok:
+            with handle._lock:
+                handle.finish_many_locked([it for it in self.items if it.index in ok],
+                                          self.transport)
+        self.ok = None
+
     def reported(self, item: TransferRequest) -> bool:
         """Whether ``item`` was reported (done or failed); the lock held."""
+        assert self.handle is not None
         return self.handle._status[item.index] is not None or item.index in self.failed_idx
 
 

@@ -205,13 +205,7 @@ def _as_buffer(obj: Any, length: int | None, device: str | None) -> BufferHandle
     if (kind is bytes or kind is bytearray) and device is None:
         # the common value of a single put: no probing for GPU and raw-address forms
         arr = np.frombuffer(obj, dtype=np.uint8)
-        if not arr.size:
-            ptr = 0
-        elif kind is bytes:  # ctypes passes bytes as the address of their data: 2x faster
-            ptr = ctypes.cast(obj, _C_VOID_P).value or 0  # type: ignore[arg-type]
-        else:
-            ptr = int(arr.ctypes.data)
-        return BufferHandle(ptr=ptr, length=arr.nbytes, device="cpu", readonly=kind is bytes,
+        return BufferHandle(ptr=None, length=arr.nbytes, device="cpu", readonly=kind is bytes,
                             array=arr, owner=obj)
     if device not in (None, "cpu", "cuda"):
         raise TransferError(f"unknown device {device!r}", ErrorCode.INVALID_PARAMS, retryable=False)

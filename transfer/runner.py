@@ -22,6 +22,7 @@ import logging
 import operator
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor
@@ -46,7 +47,10 @@ log = logging.getLogger(__name__)
 
 _DONE, _FAILED = RequestState.DONE, RequestState.FAILED
 _READ = TransferOp.READ
+_OK = ErrorCode.OK
 _LENGTH = operator.attrgetter("length")
+# a request settled before it reaches a transport: (index, state, code, error)
+_Early = tuple[int, RequestState, ErrorCode, str | None]
 #: a sub-batch is split across a transport's threads only in slices of at least this
 #: many bytes (below it one thread finishes sooner than two threads start)
 _MIN_SLICE_BYTES = 4 << 20
@@ -71,7 +75,10 @@ class BatchRunner:
         TIMEOUT (a reader moves on to another replica instead of waiting on a
         dead peer)."""
         deadline = time.monotonic() + timeout
-        handle = self.submit(requests, True, deadline)
+        got = self._sync(requests, deadline)
+        if type(got) is list:
+            return got
+        handle = cast(BatchHandle, got)
         if handle._remaining:
             handle.wait(max(0.0, deadline - time.monotonic()))
         if not handle._remaining:
@@ -86,7 +93,10 @@ class BatchRunner:
         """Run a batch and wait for it. Raises ``TransferError(TIMEOUT)`` if
         not every request is terminal within ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        handle = self.submit(requests, True, deadline)
+        got = self._sync(requests, deadline)
+        if type(got) is list:
+            return got
+        handle = cast(BatchHandle, got)
         finished = True
         if handle._remaining:
             finished = handle.wait(None if deadline is None
@@ -103,21 +113,68 @@ class BatchRunner:
         """Start a batch (``sync``: the caller waits for it, so a sub-batch of
         one slice runs on its thread). Invalid requests fail at once with
         their code; the others run in per-transport sub-batches."""
+        groups, early = self._group(requests)
+        handle = BatchHandle(len(requests))
+        for i, state, code, error in early:
+            handle.finish(i, state, None, code, error)
+        self._launch(handle, groups, sync, deadline)
+        return handle
+
+    def _sync(self, requests: Sequence[TransferRequest], deadline: float | None
+              ) -> list[RequestStatus] | BatchHandle:
+        """A batch the caller waits for. One that one transport serves in one
+        slice runs on this thread before any bookkeeping is made: its
+        statuses when every request succeeded; else the batch handle, made
+        then, to which the attempt is handed as the general path's first
+        (the same retries, failover and health accounting). Any other batch:
+        :meth:`submit`'s handle."""
+        groups, early = self._group(requests)
+        if len(groups) == 1 and not early:
+            ((name, items),) = groups.items()
+            slot = self.transports.slots[name]
+            total = items[0].length if len(items) == 1 else sum(map(_LENGTH, items))
+            if _slices(slot, total, len(items)) == 1:
+                sb = SubBatch(None, 0, name, items)  # an attempt: no handle yet
+                crash = self._execute(sb, slot, items, deadline)
+                if crash is None and not sb.failures and sb.done == len(items):
+                    if slot.health:  # a success towards a peer clears its failure count
+                        self.transports.update_health(slot, sb, [])
+                    return [RequestStatus(_DONE, name, _OK) for _ in items]
+                handle = BatchHandle(len(requests))
+                sb.adopt(handle, next(self._sb_ids))
+                self._slice_done(handle, sb, slot, items, crash)
+                return handle
+        handle = BatchHandle(len(requests))
+        for i, state, code, error in early:
+            handle.finish(i, state, None, code, error)
+        self._launch(handle, groups, True, deadline)
+        return handle
+
+    def _group(self, requests: Sequence[TransferRequest]
+               ) -> tuple[dict[str, list[TransferRequest]], list[_Early]]:
+        """Resolve every request and group the valid ones by their first
+        transport; the others as ``(index, state, code, error)`` (empty:
+        DONE; invalid or without a transport: FAILED)."""
         if self.closed:
             raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
-        handle = BatchHandle(len(requests))
         groups: dict[str, list[TransferRequest]] = {}
+        early: list[_Early] = []
         # (segment id, device, length) -> what the first such request resolved to:
         # later ones alike skip resolution and selection (the same checks, inline)
         alike: dict[tuple[str, str, int],
                     tuple[SegmentDescriptor, LocalSegment | None, bool, list[TransferRequest]]] = {}
         independent = copies_independent()
         for i, req in enumerate(requests):
-            buf = req.buffer
-            if alike and type(req) is TransferRequest and type(buf) is BufferHandle \
-                    and not req.transport:
+            if alike and type(req) is TransferRequest and not req.transport:
+                buf = req.buffer
+                if type(buf) is not BufferHandle:
+                    try:
+                        buf = req.buffer = as_buffer(buf)
+                    except Exception:  # resolved (and refused) below
+                        buf = None
                 length = req.length
-                known = alike.get((req.segment_id, buf.device, length))
+                known = alike.get((req.segment_id, buf.device, length)) \
+                    if buf is not None else None
                 if known is not None:
                     desc, local, same_host, group = known
                     op, offset, boff = req.op, req.offset, req.buffer_offset
@@ -137,14 +194,14 @@ class BatchRunner:
             try:
                 name = self._resolve(i, req, independent)
             except TransferError as exc:
-                handle.finish(i, _FAILED, None, exc.code, str(exc))
+                early.append((i, _FAILED, exc.code, str(exc)))
                 continue
             except Exception as exc:  # a bad buffer object etc.
-                handle.finish(i, _FAILED, None, ErrorCode.INVALID_PARAMS,
-                              f"{type(exc).__name__}: {exc}")
+                early.append((i, _FAILED, ErrorCode.INVALID_PARAMS,
+                              f"{type(exc).__name__}: {exc}"))
                 continue
             if not name:  # an empty request
-                handle.finish(i, _DONE, None)
+                early.append((i, _DONE, _OK, None))
                 continue
             grouped = groups.get(name)
             if grouped is None:
@@ -153,8 +210,7 @@ class BatchRunner:
             if not req.transport:
                 alike[(req.segment_id, req.buffer.device, req.length)] = (
                     req.segment, req.local, req.same_host, grouped)
-        self._launch(handle, groups, sync, deadline)
-        return handle
+        return groups, early
 
     # -- resolution -------------------------------------------------------------
     def _resolve(self, i: int, req: TransferRequest, independent: bool) -> str:
@@ -212,9 +268,7 @@ class BatchRunner:
             sb = SubBatch(handle, next(self._sb_ids), name, items)
             handle.sub_batches.append(sb)  # (list.append is atomic)
             total = items[0].length if len(items) == 1 else sum(map(_LENGTH, items))
-            # a second slice costs a thread hop: only a large sub-batch gains from it
-            n = 1 if total < 2 * _MIN_SLICE_BYTES else \
-                max(1, min(slot.settings.threads, len(items), total // _MIN_SLICE_BYTES))
+            n = _slices(slot, total, len(items))
             if n > 1:
                 step = (len(items) + n - 1) // n
                 slices = [items[k:k + step] for k in range(0, len(items), step)]
@@ -235,6 +289,12 @@ class BatchRunner:
 
     def _run_slice(self, handle: BatchHandle, sb: SubBatch, slot: TransportSlot,
                    part: list[TransferRequest], caller_deadline: float | None) -> None:
+        self._slice_done(handle, sb, slot, part, self._execute(sb, slot, part, caller_deadline))
+
+    @staticmethod
+    def _execute(sb: SubBatch, slot: TransportSlot, part: list[TransferRequest],
+                 caller_deadline: float | None) -> TransferError | None:
+        """One slice on ``sb``'s transport, reporting to ``sb``; what it raised."""
         now = time.monotonic()
         if sb.state is SubBatchState.PENDING:  # (a benign race: any slice's start will do)
             sb.state = SubBatchState.RUNNING
@@ -242,15 +302,14 @@ class BatchRunner:
         deadline = now + slot.settings.timeout_s
         if caller_deadline is not None and caller_deadline < deadline:
             deadline = caller_deadline
-        crash: TransferError | None = None
         try:
             slot.transport.execute(part, deadline, sb)
         except TransferError as exc:
-            crash = exc
+            return exc
         except Exception as exc:
             log.exception("transport %s crashed on a sub-batch", sb.transport)
-            crash = TransferError(f"{type(exc).__name__}: {exc}", ErrorCode.TRANSFER_FAIL)
-        self._slice_done(handle, sb, slot, part, crash)
+            return TransferError(f"{type(exc).__name__}: {exc}", ErrorCode.TRANSFER_FAIL)
+        return None
 
     def _slice_done(self, handle: BatchHandle, sb: SubBatch, slot: TransportSlot,
                     part: list[TransferRequest], crash: TransferError | None) -> None:
@@ -329,3 +388,11 @@ class BatchRunner:
         track.tried.append(name)
         groups.setdefault(name, []).append(item)
 
+
+def _slices(slot: TransportSlot, total: int, count: int) -> int:
+    """How many slices a sub-batch of ``count`` requests and ``total`` bytes
+    is cut into: a second slice costs a thread hop, so only a large
+    sub-batch gains from it."""
+    if total < 2 * _MIN_SLICE_BYTES:
+        return 1
+    return max(1, min(slot.settings.threads, count, total // _MIN_SLICE_BYTES))

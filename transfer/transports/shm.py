@@ -166,6 +166,8 @@ class ShmTransport(Transport):
                     try:
                         if item.op is _READ:
                             arr.data[boff:boff + n] = rview[off:off + n]  # type: ignore[index]
+                        elif boff == 0 and n == arr.size:  # a whole buffer: no slice of it
+                            rview[off:off + n] = arr  # type: ignore[index]
                         else:
                             rview[off:off + n] = arr.data[boff:boff + n]  # type: ignore[index]
                     except (ValueError, TypeError):
