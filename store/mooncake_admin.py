@@ -19,12 +19,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import SegmentKind
 from kvpool.store.client import Location
-from kvpool.store.mooncake_core import NOT_SUPPORTED, MooncakeCore, code_of, log, mooncake_code
+from kvpool.store.mooncake_codes import INVALID, NOT_SUPPORTED, code_of, log
+from kvpool.store.mooncake_core import MooncakeCore
 from kvpool.store.mooncake_types import (
     Descriptor,
     DiskDescriptor,
@@ -36,7 +36,7 @@ from kvpool.store.mooncake_types import (
     TaskType,
 )
 
-__all__ = ["AdminCalls"]
+__all__ = ["AdminCalls", "not_supported"]
 
 _NO_TASK = (0, 0)
 
@@ -50,63 +50,33 @@ def _uuid_pair(hex_id: str) -> tuple[int, int]:
     return n >> 64, n & ((1 << 64) - 1)
 
 
-def _unsupported(what: str, why: str) -> int:
-    log.warning("%s is not supported on kvpool: %s", what, why)
+# why each call without a kvpool model returns NOT_SUPPORTED
+_UNSUPPORTED = {
+    "mount_segment": "segments are created by kvpool (memory: setup's global_segment_size; "
+                     "disk: kvpool client --disk-dir)",
+    "unmount_segment": "no segment was mounted by mount_segment",
+    "allocate_and_mount_segment": "a client's memory segment is sized at setup",
+    "unmount_and_free_segment": "see allocate_and_mount_segment",
+    "unmount_local_disk_segment": "the SSD tier is mounted for the client's lifetime",
+}
+
+
+def not_supported(call: str) -> int:
+    """NOT_SUPPORTED for Mooncake's ``call``, after a log line saying why."""
+    log.warning("%s is not supported on kvpool: %s", call, _UNSUPPORTED[call])
     return NOT_SUPPORTED
 
 
-class AdminCalls(MooncakeCore):
-    """Segment, replica-descriptor and task calls (module docstring)."""
+class AdminCalls:
+    """Replica-descriptor and task calls of one store (module docstring)."""
 
-    # ------------------------------------------------------------------ segments
-
-    def mount_segment(self, path: str, size: int, offset: int = 0, protocol: str = "tcp",
-                      location: str = "") -> dict[str, Any]:
-        """Mooncake mounts an arbitrary file or shm region. kvpool's segments are
-        its own shared memory and checked SSD-tier files: NOT_SUPPORTED
-        (``{"ret": -1012, "segment_ids": []}``)."""
-        return {"ret": _unsupported("mount_segment", "segments are created by kvpool "
-                                    "(memory: setup's global_segment_size; disk: "
-                                    "kvpool client --disk-dir)"), "segment_ids": []}
-
-    def unmount_segment(self, segment_ids: Sequence[str], grace_period_seconds: int = 0) -> int:
-        """Counterpart of :meth:`mount_segment`: NOT_SUPPORTED."""
-        return _unsupported("unmount_segment", "no segment was mounted by mount_segment")
-
-    def allocate_and_mount_segment(self, size: int, protocol: str = "tcp",
-                                   location: str = "") -> dict[str, Any]:
-        """Mooncake adds a memory segment to a running client; a kvpool client
-        contributes one segment sized at setup: NOT_SUPPORTED."""
-        return {"ret": _unsupported("allocate_and_mount_segment",
-                                    "a client's memory segment is sized at setup"),
-                "segment_ids": [], "allocated_size": 0}
-
-    def unmount_and_free_segment(self, segment_ids: Sequence[str],
-                                 grace_period_seconds: int = 0) -> int:
-        """Counterpart of :meth:`allocate_and_mount_segment`: NOT_SUPPORTED."""
-        return _unsupported("unmount_and_free_segment", "see allocate_and_mount_segment")
-
-    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
-        """Mooncake detaches the client's local SSD segment. A kvpool SSD tier
-        stays mounted for its owner's lifetime (close() keeps it for a warm
-        restart): NOT_SUPPORTED."""
-        return _unsupported("unmount_local_disk_segment",
-                            "the SSD tier is mounted for the client's lifetime")
-
-    def get_offload_rpc_read_count(self) -> int:
-        """Mooncake counts reads served by its offload RPC; kvpool reads disk
-        replicas through the transfer engine: 0."""
-        return 0
-
-    def _get_pyclient_capsule(self) -> Any:
-        """Mooncake-internal handle of the C++ client; here the kvpool Client
-        (None when not set up)."""
-        return self._client
+    def __init__(self, core: MooncakeCore) -> None:
+        self._core = core
 
     # ------------------------------------------------------------------ replica descriptors
 
     def _descriptors(self, loc: Location) -> list[ReplicaDescriptor]:
-        client = self._c()
+        client = self._core.live()
         out: list[ReplicaDescriptor] = []
         for r in loc.replicas:
             desc = client.describe_segment(r.segment_id)
@@ -129,20 +99,16 @@ class AdminCalls(MooncakeCore):
                     memory=MemoryDescriptor(Descriptor(r.length, r.offset, endpoint))))
         return out
 
-    def get_replica_desc(self, key: str) -> list[ReplicaDescriptor]:
-        """The complete replicas of ``key``, nearest first ([] when missing)."""
-        return self.batch_get_replica_desc([key]).get(key, [])
-
     def batch_get_replica_desc(self, keys: Sequence[str]) -> dict[str, list[ReplicaDescriptor]]:
         """``{key: replicas}`` for the keys that exist (one master RPC)."""
-        valid = [(key, k) for key, k in ((key, self._k_or_none(key)) for key in keys)
-                 if k is not None]
-        if not valid or self._client is None:
+        valid = self._core.valid_keys(keys)
+        client = self._core.client
+        if not valid or client is None:
             return {}
         try:
-            locs = self._client.batch_locate([k for _, k in valid])
-            return {key: self._descriptors(loc) for (key, _k), loc in zip(valid, locs,
-                                                                           strict=True)
+            locs = client.batch_locate([k for _, k in valid])
+            return {keys[i]: self._descriptors(loc) for (i, _k), loc in zip(valid, locs,
+                                                                             strict=True)
                     if loc.code == ErrorCode.OK}
         except KVPoolError as exc:
             log.debug("batch_get_replica_desc: %s", exc)
@@ -154,24 +120,24 @@ class AdminCalls(MooncakeCore):
         too). As Mooncake: only keys this store wrote, whose read lease has
         ended; the others (and missing or invalid keys) are skipped. Returns
         the keys cleared (one master RPC)."""
-        if not keys or self._client is None:
+        client = self._core.client
+        if not keys or client is None:
             return []
-        valid = [(key, k) for key, k in ((key, self._k_or_none(key)) for key in keys)
-                 if k is not None]
+        valid = self._core.valid_keys(keys)
         try:
-            codes = self._client.batch_replica_clear([k for _, k in valid], segment_name)
+            codes = client.batch_replica_clear([k for _, k in valid], segment_name)
         except KVPoolError as exc:
             log.debug("batch_replica_clear: %s", exc)
             return []
-        return [key for (key, _k), c in zip(valid, codes, strict=True) if c == ErrorCode.OK]
+        return [keys[i] for (i, _k), c in zip(valid, codes, strict=True) if c == ErrorCode.OK]
 
     # ------------------------------------------------------------------ copy / move tasks
 
     def _start_task(self, key: str, targets: Sequence[str],
                     source: str = "") -> tuple[tuple[int, int], int]:
         try:
-            client = self._c()
-            k = self._k(key)
+            client = self._core.live()
+            k = self._core.key(key)
             if source:
                 tid = client.create_move_task(k, source, targets[0])
             else:
@@ -194,7 +160,7 @@ class AdminCalls(MooncakeCore):
         :meth:`create_copy_task`; -600 also when ``source`` holds no replica or
         equals ``target``."""
         if not source:
-            return _NO_TASK, mooncake_code(ErrorCode.INVALID_PARAMS)
+            return _NO_TASK, INVALID
         return self._start_task(key, [target], source)
 
     def query_task(self, task_id: tuple[int, int]) -> tuple[QueryTaskResponse | None, int]:
@@ -204,9 +170,9 @@ class AdminCalls(MooncakeCore):
             hi, lo = (int(x) for x in task_id)
             if hi:
                 raise KVPoolError(f"no task {task_id}", ErrorCode.TASK_NOT_FOUND)
-            r = self._c().query_task(lo)
+            r = self._core.live().query_task(lo)
         except (TypeError, ValueError):
-            return None, mooncake_code(ErrorCode.INVALID_PARAMS)
+            return None, INVALID
         except KVPoolError as exc:
             return None, code_of(exc)
         return QueryTaskResponse(

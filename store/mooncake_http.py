@@ -11,27 +11,26 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any
+
+from kvpool.store.mooncake_core import MooncakeCore
 
 __all__ = ["ClientHttpServer"]
 
 log = logging.getLogger(__name__)
 
 
-class _Store(Protocol):
-    _client: Any
-
-    def health_check(self) -> int: ...
-
-    def get_hostname(self) -> str: ...
-
-
 class ClientHttpServer:
     """A small threaded HTTP server for one store; ``close()`` stops it."""
 
-    def __init__(self, store: _Store, host: str, port: int) -> None:
-        self._store = store
+    def __init__(self, core: MooncakeCore, health: Callable[[], int], host: str,
+                 port: int) -> None:
+        """Serve the store of ``core`` (``health``: its ``health_check``) on
+        ``host:port``. Raises OSError when the port cannot be bound."""
+        self._core = core
+        self._health = health
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -54,9 +53,9 @@ class ClientHttpServer:
         return int(self._httpd.server_address[1])
 
     def _summary(self) -> dict[str, Any]:
-        code = self._store.health_check()
-        out: dict[str, Any] = {"health": code, "hostname": self._store.get_hostname()}
-        client = self._store._client
+        code = self._health()
+        out: dict[str, Any] = {"health": code, "hostname": self._core.hostname}
+        client = self._core.client
         if client is not None and code == 0:
             try:
                 stats = client.stats()
@@ -69,7 +68,7 @@ class ClientHttpServer:
     def _serve(self, req: BaseHTTPRequestHandler) -> None:
         path = req.path.split("?", 1)[0].rstrip("/")
         if path == "/health":
-            code = self._store.health_check()
+            code = self._health()
             self._reply(req, 200 if code == 0 else 503, "OK" if code == 0 else f"{code}\n")
         elif path == "/metrics":
             s = self._summary()

@@ -56,7 +56,7 @@ def make_store(master: MasterProcess) -> Iterator[Callable[..., MooncakeDistribu
 
     yield make
     for s in made:
-        s.remove_all(True) if s._client is not None and not s._prefix else None
+        s.remove_all(True) if s._client is not None and not s._core.prefix else None
         assert s.close() == 0
 
 
@@ -357,17 +357,24 @@ def test_multi_buffers_concatenate_and_scatter(store: MooncakeDistributedStore) 
     assert store.batch_get_into_multi_buffers(["m1", "m2"], [[out]], [[4]]) == [INVALID] * 2
 
 
-@pytest.mark.parametrize("path", ["shm", "tcp"])
-def test_multi_buffer_calls_cost_one_rpc_and_one_transfer_batch_each(
-        master: MasterProcess, path: str) -> None:
+def _holder_and_client(master: MasterProcess, tcp: bool) -> list[MooncakeDistributedStore]:
+    """A store holding memory and a pure client; ``tcp``: every transfer over
+    tcp (the transfer servers), else the default rules (shared memory here)."""
     force = {"transfer_overrides": {"rules": [{"name": "all-tcp", "transports": ["tcp"]}]}}
     stores = []
     for seg in (SEG, 0):
         s = MooncakeDistributedStore()
         assert s.setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE",
                         "global_segment_size": seg, "master_server_addr": master.address,
-                        **(force if path == "tcp" else {})}) == 0
+                        **(force if tcp else {})}) == 0
         stores.append(s)
+    return stores
+
+
+@pytest.mark.parametrize("path", ["shm", "tcp"])
+def test_multi_buffer_calls_cost_one_rpc_and_one_transfer_batch_each(
+        master: MasterProcess, path: str) -> None:
+    stores = _holder_and_client(master, tcp=path == "tcp")
     writer, reader = stores
     try:
         keys = [f"mb-{path}-{i}" for i in range(32)]
@@ -458,6 +465,30 @@ def test_sessions_put_and_get_ranges_without_master_rpcs(
     assert store.is_exist("rv") == 0
     assert store.batch_put_session_start(["block0"], [page]) == [
         int(ErrorCode.OBJECT_ALREADY_EXISTS)]
+
+
+def test_session_ranges_reach_another_store_over_tcp(master: MasterProcess) -> None:
+    # a pure client writes and reads session ranges of objects in another
+    # store's segment through the transfer server (the writes carry the
+    # reservation's capabilities)
+    stores = _holder_and_client(master, tcp=True)
+    holder, client = stores
+    try:
+        src, dst = arr(2048, 11), np.zeros(1024, np.uint8)
+        assert client.batch_put_session_start(["tcp-sess"], [2048]) == [0]
+        assert client.batch_put_from_multi_buffer_ranges(
+            ["tcp-sess"], [[src.ctypes.data, src.ctypes.data + 1024]], [[1024, 1024]],
+            [[0, 1024]]) == [2048]
+        assert client.batch_put_session_end(["tcp-sess"]) == [0]
+        assert holder.get("tcp-sess") == src.tobytes()
+        assert client.batch_get_session_start(["tcp-sess"]) == [0]
+        assert client.batch_get_into_multi_buffer_ranges(
+            ["tcp-sess"], [[dst.ctypes.data]], [[1024]], [[512]]) == [1024]
+        assert dst.tobytes() == src[512:1536].tobytes()
+        assert holder.remove("tcp-sess", True) == 0
+    finally:
+        for s in stores:
+            s.close()
 
 
 def test_session_read_after_lease_expiry_is_refused(store: MooncakeDistributedStore) -> None:
