@@ -252,17 +252,22 @@ def run_batch(d: Directory, clock: Clock, op: list[Any]) -> Any:
 
 
 def run_common(d: Directory, clock: Clock, op: list[Any]) -> Any:
-    """The ops with one form only."""
+    """The ops whose single-key and batch forms were one loop over one
+    per-key step (a key checked as the batch handler checks it)."""
     kind = op[0]
-    if kind == "revoke":
+    if kind == "revoke":  # the caller's own puts: a placeholder too
+        if not op[2] or len(op[2]) > MAX_KEY:
+            return _INVALID_KEY
         return int(d.put_revoke(op[1], op[2]))
     if kind == "size":
+        if not _valid(op[1]):
+            return [_INVALID_KEY, 0]
         code, size = d.get_size(op[1])
-        return [int(code), size]
+        return [int(code), size or 0]
     if kind == "remove":
-        return int(d.remove(op[1], op[2]))
+        return int(d.remove(op[1], op[2])) if _valid(op[1]) else _INVALID_KEY
     if kind == "clear":
-        return int(d.replica_clear(op[1], op[2], op[3]))
+        return int(d.replica_clear(op[1], op[2], op[3])) if _valid(op[2]) else _INVALID_KEY
     if kind == "ping":
         remount, ids = d.ping(op[1])
         return [remount, ids]
