@@ -65,15 +65,9 @@ from typing import Any
 
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
-from kvpool.master.directory import (
-    HARD_PIN,
-    Directory,
-    EvictionPolicy,
-    Obj,
-    Rec,
-    Segment,
-    SegState,
-)
+from kvpool.master.directory import Directory, TierHooks
+from kvpool.master.objects import HARD_PIN, Obj
+from kvpool.master.segments import Segment, SegState
 from kvpool.master.tiering_config import TieringConfig
 
 __all__ = ["CopyTask", "JobStatus", "ReplicaJob", "TaskKind", "TieringConfig", "TieringPolicy"]
@@ -159,10 +153,10 @@ class CopyTask:
 _NEEDS_SOURCE = frozenset({TaskKind.OFFLOAD, TaskKind.REPLICA_COPY, TaskKind.REPLICA_MOVE})
 
 
-class TieringPolicy(EvictionPolicy):
+class TieringPolicy(TierHooks):
     """Eviction policy + task book-keeping of the SSD tier (see module doc).
 
-    Implements the directory's ``EvictionPolicy.on_evict`` hook, plus
+    Implements the directory's tier hooks (``TierHooks``: ``on_evict``, ...
     ``on_disk_hit`` (reads), ``on_owner_lost``/``can_take_over``
     (segments), ``tasks_for``/``complete``/``tick``
     (the task protocol and timers) and ``stats``.
@@ -239,18 +233,13 @@ class TieringPolicy(EvictionPolicy):
 
     @staticmethod
     def _free_dst(d: Directory, t: CopyTask) -> None:
-        d._free_replicas((t.dst, t.dst_off), t.size)
+        d.segtab.free((t.dst, t.dst_off), t.size)
 
-    def _journal_replicas(self, d: Directory, key: str, obj: Obj) -> None:
-        """Record the object's whole replica set (replay: remove + re-add)."""
-        if not d.journaling:
-            return
-        wire: list[Any] = []
-        reps = obj.replicas
-        for i in range(0, len(reps), 2):
-            if reps[i].state != SegState.DEAD:
-                wire += (reps[i].id, reps[i + 1])
-        d.records.append([Rec.PUT, key, obj.size, obj.flags, obj.checksum, wire])
+    @staticmethod
+    def _journal_replicas(d: Directory, key: str, obj: Obj) -> None:
+        """Record the object's whole replica set (replay: a PUT replaces)."""
+        if d.journaling:
+            d.records.append(d.objects.put_record(key, obj))
 
     def _remember_failed(self, key: str) -> None:
         self._failed[key] = None
@@ -284,11 +273,11 @@ class TieringPolicy(EvictionPolicy):
             return False
         out: list[Any] = []
         pref = self._same_host(d, _FILE, src[0].desc.host_id)
-        if not d._place(obj.size, 1, _FILE, pref, out):
+        if not d.placement.place(obj.size, 1, _FILE, pref, out):
             self.counters["offload_no_space"] += 1
             return False
         if d.objects.get(key) is not obj:  # making room on disk removed it
-            d._free_replicas(tuple(out), obj.size)
+            d.segtab.free(tuple(out), obj.size)
             return True
         self._new_task(TaskKind.OFFLOAD, key, obj, src, (out[0], out[1]))
         self.counters["offload_started"] += 1
@@ -325,12 +314,12 @@ class TieringPolicy(EvictionPolicy):
             if src is None:
                 continue
             out: list[Any] = []
-            if not d._place(obj.size, 1, _FILE, self._same_host(d, _FILE, src[0].desc.host_id),
-                            out):
+            pref = self._same_host(d, _FILE, src[0].desc.host_id)
+            if not d.placement.place(obj.size, 1, _FILE, pref, out):
                 self.counters["offload_no_space"] += 1
                 break
             if d.objects.get(key) is not obj:
-                d._free_replicas(tuple(out), obj.size)
+                d.segtab.free(tuple(out), obj.size)
                 continue
             self._new_task(TaskKind.COPY, key, obj, src, (out[0], out[1]))
             self.counters["copy_ahead_started"] += 1
@@ -358,10 +347,10 @@ class TieringPolicy(EvictionPolicy):
             return
         out: list[Any] = []
         pref = self._same_host(d, _MEM, src[0].desc.host_id)
-        if not d._place(obj.size, 1, _MEM, pref, out):
+        if not d.placement.place(obj.size, 1, _MEM, pref, out):
             return
         if d.objects.get(key) is not obj:
-            d._free_replicas(tuple(out), obj.size)
+            d.segtab.free(tuple(out), obj.size)
             return
         self._new_task(TaskKind.PROMOTE, key, obj, src, (out[0], out[1]))
         self.counters["promote_started"] += 1
@@ -447,7 +436,8 @@ class TieringPolicy(EvictionPolicy):
         elif t.kind is TaskKind.COPY:
             obj.replicas = (*reps, t.dst, t.dst_off)
             self.counters["copy_ahead_done"] += 1
-        elif t.kind is TaskKind.OFFLOAD and max(obj.lease, d.lease_grace_until) > self.clock():
+        elif t.kind is TaskKind.OFFLOAD \
+                and max(obj.lease, d.objects.lease_grace_until) > self.clock():
             # read meanwhile (a reader may be copying the memory replica): keep
             # both; the next eviction round frees the memory replica plainly
             obj.replicas = (*reps, t.dst, t.dst_off)
@@ -461,9 +451,9 @@ class TieringPolicy(EvictionPolicy):
             if not any(s is t.src for s in obj.replicas[::2]):
                 t.src.keys.discard(t.key)
             before = d.pool_used[_MEM]
-            d._free_replicas((t.src, t.src_off), t.size)
-            d.evictions += 1
-            d.evicted_bytes += before - d.pool_used[_MEM]
+            d.segtab.free((t.src, t.src_off), t.size)
+            d.evictor.evictions += 1
+            d.evictor.evicted_bytes += before - d.pool_used[_MEM]
             self.counters["offload_done"] += 1
         else:
             obj.replicas = (*reps, t.dst, t.dst_off)
@@ -519,7 +509,7 @@ class TieringPolicy(EvictionPolicy):
                 kept += (reps[i], reps[i + 1])
         obj.replicas = tuple(kept)
         src.keys.discard(key)
-        d.hold_replicas((src, src_off), obj.size, max(obj.lease, d.lease_grace_until))
+        d.writes.hold((src, src_off), obj.size, max(obj.lease, d.objects.lease_grace_until))
 
     def _job(self, key: str, move: bool, executor: str) -> ReplicaJob:
         now_ms = time.time_ns() // 1_000_000
@@ -580,12 +570,12 @@ class TieringPolicy(EvictionPolicy):
             return ErrorCode.OK, job
         placed: list[tuple[Segment, int]] = []
         for seg in todo:
-            off = d.allocate_on(seg, obj.size)
+            off = d.placement.allocate_on(seg, obj.size)
             if off < 0 or d.objects.get(key) is not obj:  # room-making evicted the object
                 if off >= 0:
                     placed.append((seg, off))
                 for s, o in placed:
-                    d._free_replicas((s, o), obj.size)
+                    d.segtab.free((s, o), obj.size)
                 del self.jobs[job.id]
                 return (ErrorCode.NO_AVAILABLE_HANDLE if off < 0
                         else ErrorCode.OBJECT_NOT_FOUND), None
@@ -608,10 +598,10 @@ class TieringPolicy(EvictionPolicy):
         if seg.kind != _FILE or self.cfg.file_owner_ttl_s <= 0:
             return False
         if seg.state in (SegState.ACTIVE, SegState.SUSPECT):
-            d._deactivate(seg)
+            d.segtab.deactivate(seg)
             seg.state = SegState.AWAITING
         elif seg.state == SegState.AWAITING:
-            d._forget_awaiting(seg)  # restored after a master restart, owner not back yet
+            d.segtab.forget_awaiting(seg)  # restored after a master restart, owner not back yet
         else:
             return False
         now = self.clock()
@@ -665,7 +655,7 @@ class TieringPolicy(EvictionPolicy):
                 continue
             if d.clients.get(seg.owner, -1.0) > since:
                 del self.file_awaiting[sid]
-                d._activate(seg)
+                d.segtab.activate(seg)
                 log.info("owner %s is back: file segment %s active again", seg.owner, sid)
             elif now > deadline:
                 del self.file_awaiting[sid]

@@ -48,7 +48,7 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.etcd import LeaderInfo, MemberInfo, parse_etcd_url
 from kvpool.core.protocol import Op, encode_error, peek_id
 from kvpool.master.config import MasterConfig, ReplicationTransport
-from kvpool.master.directory import SOFT_PIN, Directory, Rec
+from kvpool.master.directory import SOFT_PIN, Directory
 from kvpool.master.durability import StreamPosition
 from kvpool.master.ha.election import ElectionConfig, Elector, Role, SyncWriter
 from kvpool.master.ha.replication import (
@@ -60,6 +60,7 @@ from kvpool.master.ha.replication import (
     promote_directory,
 )
 from kvpool.master.ha.transport import SOCKET_SCHEME, listen_tcp
+from kvpool.master.records import DirRecord, Put
 from kvpool.master.stats import HaStandbyStats, HaStats
 
 __all__ = ["KEYS_RECORD", "SOFT_PINS_RECORD", "HaNode"]
@@ -79,7 +80,6 @@ _WRITES = frozenset(int(o) for o in (
     Op.BATCH_PUT_END, Op.BATCH_PUT_COMMIT,
     Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE, Op.BATCH_UPSERT_START, Op.BATCH_REPLICA_CLEAR,
     Op.TIER_TASK_DONE, Op.CREATE_COPY_TASK, Op.CREATE_MOVE_TASK))
-_REC_PUT = int(Rec.PUT)
 _REBIND_S = 2.0  # how long promote waits for the replication port to be free
 _RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hello again
 _SYNC_RETRY_S = 0.1  # after a failed write of the in-sync set, the next one waits this long
@@ -345,7 +345,7 @@ class HaNode:
         # copying any object, so every object counts as leased for one lease TTL
         # (the old leader granted its last lease before its fencing deadline,
         # which passed before this election)
-        d.lease_grace_until = d.clock() + d.lease_s
+        d.objects.lease_grace_until = d.clock() + d.lease_s
         self.epoch = st.epoch
         self.source = self._bind_source(d, st.epoch)
         self._pending.clear()
@@ -444,7 +444,7 @@ class HaNode:
     def set_released(self, commit_no: int) -> None:
         self._released = commit_no
 
-    def on_commit(self, records: list[list[Any]], frames: bytes, commit_no: int) -> None:
+    def on_commit(self, records: list[DirRecord], frames: bytes, commit_no: int) -> None:
         """Frame listener: ship the group commit (``frames``: the bytes the
         journal wrote for ``records``, sent as they are) to the standbys."""
         src = self.source
@@ -456,7 +456,7 @@ class HaNode:
             extras.append([KEYS_RECORD, self.signer.keys()])
         d = src.dir
         if d.soft_until:  # none soft-pinned: no PUT record can carry the flag
-            pinned = [r[1] for r in records if r[0] == _REC_PUT and r[3] & SOFT_PIN]
+            pinned = [r.key for r in records if type(r) is Put and r.flags & SOFT_PIN]
             if pinned:
                 extras.append(self._soft_pins(d, pinned))
         lsn = src.publish(records, extras, frames)

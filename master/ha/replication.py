@@ -78,6 +78,7 @@ from kvpool.master.ha.transport import (
     host_of,
 )
 from kvpool.master.journal import check_frames, encode_frames, iter_frame_payloads
+from kvpool.master.records import decode_frame
 
 __all__ = [
     "REPLICATION_PROTOCOL",
@@ -610,14 +611,14 @@ class ReplicationSource:
         self.standbys[instance_id] = sb
         self._count_snapshots()
         self._send(ident, _pack([MsgType.SNAP_BEGIN, self.epoch, self.log.last_lsn,
-                                 d.segment_wires(), self.log.history]))
+                                 d.segtab.wires(), self.log.history]))
         self.snapshots_sent += 1
         log.info("standby %s (last %d/%d): sending a snapshot at lsn %d", instance_id,
                  last_epoch, last_lsn, self.log.last_lsn)
 
     def _snapshot_step(self, sb: _Standby) -> None:
         deadline = time.perf_counter() + self.snapshot_slice_s
-        record_of = self.dir.snapshot_record
+        record_of = self.dir.replay.snapshot_record
         assert sb.chunks is not None
         while time.perf_counter() < deadline:
             keys = next(sb.chunks, None)
@@ -776,7 +777,7 @@ class ReplicaSink:
             if b.frames:
                 payloads = list(iter_frame_payloads(b.frames))
                 for pi, payload in enumerate(payloads):
-                    recs = _decode(payload)
+                    recs = decode_frame(payload)
                     for i in range(0, len(recs), _APPLY_SLICE):
                         for rec, exc in d.apply_records(recs[i:i + _APPLY_SLICE]
                                                         if len(recs) > _APPLY_SLICE else recs):
@@ -968,7 +969,7 @@ class ReplicaSink:
             self.state = SinkState.SNAPSHOT
             return
         if kind == MsgType.SNAP_CHUNK and self.state is SinkState.SNAPSHOT:
-            restore = self.directory.restore_object
+            restore = self.directory.replay.restore_object
             for key, size, flags, checksum, wire in msg[2]:
                 restore(key, int(size), int(flags), checksum, list(wire))
             return
@@ -1046,10 +1047,10 @@ def promote_directory(d: Directory, now: float | None = None) -> int:
     n = 0
     for seg in d.segments.values():
         if seg.state == SegState.AWAITING:
-            d._activate(seg)
+            d.segtab.activate(seg)
             n += 1
         d.clients[seg.owner] = t
-    d.awaiting.clear()
+    d.segtab.awaiting.clear()
     d.journaling = True
     d.records.clear()
     return n

@@ -2,7 +2,7 @@
 
 Random operation sequences (seeded) run against two directories on equal
 hand-driven clocks: one through the single-key entries (``put_start``,
-``put_end``, ``put_commit``, ``get_replicas``, ``exist``, ``apply_record``),
+``put_end``, ``put_commit``, ``get_replicas``, ``remove``, ``apply_record``),
 the other through the batch forms with a batch of one. After every step the
 two must agree on codes, placements (segment and offset of every replica),
 the journal records emitted and the whole state (objects, LRU order, pending
@@ -33,6 +33,7 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import RESERVED_KEY_PREFIX, SegmentDescriptor, SegmentKind
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory
+from kvpool.master.writes import PutSpec
 from support.clock import Clock
 
 MAX_KEY = 32
@@ -42,7 +43,6 @@ SEEDS = (1, 2, 3, 4)
 STEPS = 250
 GOLDEN = Path(__file__).parent / "data" / "batch_of_one.json.gz"
 _INVALID_KEY = int(ErrorCode.INVALID_KEY)
-_INVALID_PARAMS = int(ErrorCode.INVALID_PARAMS)
 _RESV = f"{RESERVED_KEY_PREFIX}resv/test/"
 
 
@@ -61,7 +61,8 @@ def make() -> tuple[Directory, Clock]:
     clock = Clock()
     cfg = MasterConfig(eviction_high_watermark=0.85, eviction_ratio=0.2,
                        put_start_discard_timeout_s=5.0, put_start_release_timeout_s=20.0,
-                       client_ttl_s=30.0, client_grace_s=30.0, max_key_length=MAX_KEY)
+                       client_ttl_s=30.0, client_grace_s=30.0, max_key_length=MAX_KEY,
+                       max_object_size=MAX_SIZE)
     d = Directory(cfg, clock=clock)
     for sid, client, kind, size in _segments():
         d.mount(client, _desc(sid, client, kind, size))
@@ -168,106 +169,94 @@ def _placement(reps: Any) -> list[Any] | None:
     return [[reps[i].id, reps[i + 1]] for i in range(0, len(reps), 2)]
 
 
-def _valid(key: str) -> bool:
-    return bool(key) and key[0] != RESERVED_KEY_PREFIX and len(key) <= MAX_KEY
-
-
 def run_single(d: Directory, clock: Clock, op: list[Any]) -> Any:
     """``op`` through the single-key entries (what the single-key handlers call)."""
     kind = op[0]
     if kind == "put":
         _, client, key, size = op
-        if not _valid(key):
-            return [_INVALID_KEY, None]
-        if size <= 0 or size > MAX_SIZE:
-            return [_INVALID_PARAMS, None]
         code, p = d.put_start(client, key, size)
         return [int(code), None if code else _placement(p.replicas)]
     if kind == "put_opts":
         _, client, key, size, opts = op
-        if not _valid(key):
-            return [_INVALID_KEY, None]
         o = dict(opts)
         code, p = d.put_start(client, key, size, o.pop("replica_num", 1),
                               o.pop("preferred", None), **o)
         return [int(code), None if code else _placement(p.replicas)]
     if kind == "end":
         _, client, key = op
-        return _INVALID_KEY if not _valid(key) else int(d.put_end(client, key))
+        return int(d.put_end(client, key))
     if kind == "reserve":
-        _, client, placeholder, size = op
-        code, p = d.put_start(client, placeholder, size)
-        return [int(code), None if code else _placement(p.replicas)]
+        return run_batch(d, clock, op)  # (a placeholder: the batch form only)
     if kind == "commit":
         _, client, placeholder, key = op
-        return _INVALID_KEY if not _valid(key) else int(d.put_commit(client, placeholder, key))
+        return int(d.put_commit(client, placeholder, key))
     if kind == "get":
         key = op[1]
-        if not _valid(key):
-            return [_INVALID_KEY, 0, None]
         code, val = d.get_replicas(key)
         return [int(code), 0, None] if code else [0, val[0].size, _placement(val[1])]
     if kind == "exist":
-        key = op[1]
-        return [_INVALID_KEY, False] if not _valid(key) else [0, d.exist(key)]
+        return run_batch(d, clock, op)  # (the batch form only)
+    if kind == "remove":
+        return int(d.remove(op[1], op[2]))
     return run_common(d, clock, op)
 
 
 def run_batch(d: Directory, clock: Clock, op: list[Any]) -> Any:
     """``op`` through the batch forms, a batch of one key."""
     kind = op[0]
+    w = d.writes
     if kind == "put":
         _, client, key, size = op
         codes, out = [0], [None]
-        d.put_start_many(client, [key], [size], MAX_KEY, MAX_SIZE, codes, out)
+        w.put_start_many(client, [key], [size], codes, out)
         return [codes[0], _placement(out[0])]
     if kind == "put_opts":
         _, client, key, size, opts = op
-        if not _valid(key):
-            return [_INVALID_KEY, None]
         o = dict(opts)
-        code, p = d.put_start(client, key, size, o.pop("replica_num", 1),
-                              o.pop("preferred", None), **o)
-        return [int(code), None if code else _placement(p.replicas)]
+        spec = PutSpec(o.pop("replica_num", 1), o.pop("disk_replica_num", 0),
+                       o.pop("preferred", None) or (), o.pop("flags", 0),
+                       o.pop("soft_pin_ms", -1), o.pop("replace", False), o.pop("unpin", False))
+        codes, out = [0], [None]
+        checksum, group = o.pop("checksum", None), o.pop("group", None)
+        assert not o, o
+        w.put_start_many(client, [key], [size], codes, out, spec,
+                         None if checksum is None else [checksum],
+                         None if group is None else [group])
+        return [codes[0], _placement(out[0])]
     if kind == "end":
         _, client, key = op
-        return d.put_end_many(client, [key], MAX_KEY)[0]
+        return w.commit_many(client, [key])[0]
     if kind == "reserve":
         _, client, placeholder, size = op
         codes, out = [0], [None]
-        d.put_start_many(client, [placeholder], [size], len(_RESV) + 32, MAX_SIZE, codes, out,
-                         RESERVED_KEY_PREFIX)
+        w.put_start_many(client, [placeholder], [size], codes, out,
+                         key_min=RESERVED_KEY_PREFIX)
         return [codes[0], _placement(out[0])]
     if kind == "commit":
         _, client, placeholder, key = op
-        return d.put_commit_many(client, [placeholder], [key], MAX_KEY)[0]
+        return w.commit_many(client, [key], [placeholder])[0]
     if kind == "get":
         codes, objs, reps = [0], [None], [None]
-        d.get_replicas_many([op[1]], 0, MAX_KEY, codes, objs, reps)
+        d.reads.get_replicas_many([op[1]], 0, codes, objs, reps)
         return [codes[0], 0, None] if codes[0] else [0, objs[0].size, _placement(reps[0])]
     if kind == "exist":
-        codes, found = d.exist_many([op[1]], MAX_KEY)
+        codes, found = d.reads.exist_many([op[1]])
         return [codes[0], found[0]]
+    if kind == "remove":
+        return d.removal.remove_many([op[1]], op[2])[0]
     return run_common(d, clock, op)
 
 
 def run_common(d: Directory, clock: Clock, op: list[Any]) -> Any:
-    """The ops whose single-key and batch forms were one loop over one
-    per-key step (a key checked as the batch handler checks it)."""
+    """The ops with a batch form only."""
     kind = op[0]
     if kind == "revoke":  # the caller's own puts: a placeholder too
-        if not op[2] or len(op[2]) > MAX_KEY:
-            return _INVALID_KEY
-        return int(d.put_revoke(op[1], op[2]))
+        return d.writes.revoke_many(op[1], [op[2]])[0]
     if kind == "size":
-        if not _valid(op[1]):
-            return [_INVALID_KEY, 0]
-        code, size = d.get_size(op[1])
-        return [int(code), size or 0]
-    if kind == "remove":
-        return int(d.remove(op[1], op[2])) if _valid(op[1]) else _INVALID_KEY
+        codes, sizes = d.reads.sizes_many([op[1]])
+        return [codes[0], sizes[0]]
     if kind == "clear":
-        return int(d.replica_clear(op[1], op[2], op[3])) if _valid(op[2]) else _INVALID_KEY
+        return d.removal.clear_many(op[1], [op[2]], op[3])[0]
     if kind == "ping":
         remount, ids = d.ping(op[1])
         return [remount, ids]
@@ -285,7 +274,7 @@ def run_common(d: Directory, clock: Clock, op: list[Any]) -> Any:
         return op[2]
     assert kind == "tick", op
     clock.t += op[1]
-    return [d.sweep_pending(), d.expire_step(), d.evict_step(), d.purge_step(1 << 20)]
+    return [d.writes.sweep(), d.liveness.expire_step(), d.evictor.step(), d.purge_step(1 << 20)]
 
 
 # ---------------------------------------------------------------- what is compared

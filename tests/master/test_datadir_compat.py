@@ -80,7 +80,7 @@ def write_datadir(data_dir: str, snapshot: bool) -> None:
         dur.tick(d, 0.0)  # rotates to journal 2 and starts the snapshot
     for i in range(40, 60):  # changes while the snapshot is being written
         put("c2", f"b{i}", 4096)
-    assert d.replica_clear("c1", "two", "m1") == 0  # DROP_REPLICA
+    assert d.removal.clear_many("c1", ["two"], "m1") == [0]  # DROP_REPLICA
     commit()
     while dur.busy:
         dur.tick(d, 0.0)

@@ -90,7 +90,7 @@ class Leader:
 
 def state(d: Directory) -> tuple[Any, ...]:
     segs = sorted((s.id, s.alloc.used) for s in d.segments.values())
-    objs = {k: d.snapshot_record(k) for k in d.objects}
+    objs = {k: d.replay.snapshot_record(k) for k in d.objects}
     return segs, objs
 
 
