@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpool.master.ha.replication import SinkState
+from kvpool.master.ha.sink import SinkState
 from kvpool.master.stats import HaStats, MasterStats, copy_retrying
 
 __all__ = ["MasterCollector", "StatsSource", "make_handler", "make_registry"]

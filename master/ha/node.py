@@ -4,7 +4,7 @@ into the master's event loop (docs/ha.md).
 :class:`HaNode` is created by :class:`kvpool.master.server.MasterServer`
 when ``MasterConfig.etcd`` is set. The server's loop then alternates:
 
-- **follower**: a :class:`~.replication.ReplicaSink` follows the leader
+- **follower**: a :class:`~.sink.ReplicaSink` follows the leader
   named in etcd and applies its journal batches to a directory held in
   memory; every client request is answered ``NOT_LEADER`` (the message
   names the leader's address and epoch). No timer mutates the directory.
@@ -51,14 +51,9 @@ from kvpool.master.config import MasterConfig, ReplicationTransport
 from kvpool.master.directory import SOFT_PIN, Directory
 from kvpool.master.durability import StreamPosition
 from kvpool.master.ha.election import ElectionConfig, Elector, Role, SyncWriter
-from kvpool.master.ha.replication import (
-    ReplicaSink,
-    ReplicaStore,
-    ReplicationLog,
-    ReplicationSource,
-    SinkState,
-    promote_directory,
-)
+from kvpool.master.ha.replication import ReplicationLog
+from kvpool.master.ha.sink import ReplicaSink, ReplicaStore, SinkState, promote_directory
+from kvpool.master.ha.source import ReplicationSource
 from kvpool.master.ha.transport import SOCKET_SCHEME, listen_tcp
 from kvpool.master.records import DirRecord, Put
 from kvpool.master.stats import HaStandbyStats, HaStats
@@ -85,7 +80,7 @@ _RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hell
 _SYNC_RETRY_S = 0.1  # after a failed write of the in-sync set, the next one waits this long
 #: batches for a standby outside the in-sync set are sent together, at most this
 #: long after the first (ReplicationSource.lazy_send_s): such a standby wakes
-#: once for several; it acks lazily within as long (replication._LAZY_ACK_S)
+#: once for several; it acks lazily within as long (sink.LAZY_ACK_S)
 LAZY_SEND_S = 0.01
 
 
