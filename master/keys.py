@@ -1,22 +1,44 @@
-"""The master's one key check.
+"""A batch's keys: the master's one key check, and the per-key result codes.
 
 A key is valid when it is non-empty, at most ``max_key_length`` characters
 and does not start with NUL (``RESERVED_KEY_PREFIX``: the master's own
 placeholder keys, refused by every op that names a user's key). A batch is
 checked at once at C speed (``min`` and ``max`` over the batch), key by key
 only when that finds a bad one; each op's loop then skips the keys marked.
+
+A batch answers a code per key; the codes are plain ints (the list is
+encoded into the reply as it is), named here once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import KEY_MIN
 
-__all__ = ["check_key", "mark_bad_keys"]
+__all__ = [
+    "DENIED",
+    "EXISTS",
+    "HAS_LEASE",
+    "INVALID_KEY",
+    "INVALID_PARAMS",
+    "INVALID_WRITE",
+    "NOT_FOUND",
+    "NOT_READY",
+    "check_key",
+    "mark_bad_keys",
+    "valid_keys",
+]
 
-_INVALID_KEY = int(ErrorCode.INVALID_KEY)
+INVALID_KEY = int(ErrorCode.INVALID_KEY)
+INVALID_PARAMS = int(ErrorCode.INVALID_PARAMS)
+EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
+NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
+NOT_READY = int(ErrorCode.REPLICA_IS_NOT_READY)
+INVALID_WRITE = int(ErrorCode.INVALID_WRITE)
+HAS_LEASE = int(ErrorCode.OBJECT_HAS_LEASE)
+DENIED = int(ErrorCode.PERMISSION_DENIED)
 
 
 def mark_bad_keys(keys: Sequence[str], max_key: int, codes: list[int],
@@ -29,9 +51,19 @@ def mark_bad_keys(keys: Sequence[str], max_key: int, codes: list[int],
     bad = False
     for i, key in enumerate(keys):
         if key < key_min or len(key) > max_key:
-            codes[i] = _INVALID_KEY
+            codes[i] = INVALID_KEY
             bad = True
     return bad
+
+
+def valid_keys(keys: Sequence[str], max_key: int, codes: list[int],
+               key_min: str = KEY_MIN) -> Iterable[tuple[int, str]]:
+    """``(i, key)`` of each valid key of a batch, INVALID_KEY set in ``codes``
+    for the others (:func:`mark_bad_keys`): the loop of an op whose per-key
+    step is not a hot path."""
+    if mark_bad_keys(keys, max_key, codes, key_min):
+        return [(i, k) for i, k in enumerate(keys) if not codes[i]]
+    return enumerate(keys)
 
 
 def check_key(key: str, max_key: int) -> str:

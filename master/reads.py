@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentKind
 from kvpool.master.config import MasterConfig
-from kvpool.master.keys import mark_bad_keys
+from kvpool.master.keys import INVALID_KEY, NOT_FOUND, NOT_READY, mark_bad_keys, valid_keys
 from kvpool.master.objects import TICKS, Obj, ObjectTable
 from kvpool.master.segments import SegState
 
@@ -28,9 +27,6 @@ _FILE = SegmentKind.FILE
 _ACTIVE = SegState.ACTIVE
 _SUSPECT = SegState.SUSPECT
 _DEAD = SegState.DEAD
-_INVALID_KEY = int(ErrorCode.INVALID_KEY)
-_NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
-_NOT_READY = int(ErrorCode.REPLICA_IS_NOT_READY)
 
 
 class Reads:
@@ -63,7 +59,7 @@ class Reads:
         found: list[Any] = [None] * n
         self._read(keys, 0, codes, [None] * n, found, True)
         if any(codes):
-            codes = [c if c == _INVALID_KEY else 0 for c in codes]
+            codes = [c if c == INVALID_KEY else 0 for c in codes]
         return codes, [r is not None for r in found]
 
     def _read(self, keys: Sequence[str], start: int, codes: list[int], objs: list[Any],
@@ -90,7 +86,7 @@ class Reads:
             shard = shards[hash(key) & mask]
             obj = shard.get(key)
             if obj is None:
-                codes[i] = _NOT_READY if key in pending else _NOT_FOUND
+                codes[i] = NOT_READY if key in pending else NOT_FOUND
                 continue
             reps = obj.replicas
             if len(reps) != 2 or (seg := reps[0]).state is not _ACTIVE or seg.kind is _FILE:
@@ -116,7 +112,7 @@ class Reads:
         reps = obj.replicas
         if exist:
             if not any(s.state != _DEAD for s in reps[::2]):
-                return _NOT_FOUND, None
+                return NOT_FOUND, None
             return 0, reps
         if len(reps) != 2 or reps[0].state != _ACTIVE:
             reps = tuple(x for i in range(0, len(reps), 2) if reps[i].state == _ACTIVE
@@ -130,8 +126,8 @@ class Reads:
                              for x in (all_reps[i], all_reps[i + 1]))
             if not reps:
                 if all(r.state == _DEAD for r in obj.replicas[::2]):
-                    return _NOT_FOUND, None
-                return _NOT_READY, None
+                    return NOT_FOUND, None
+                return NOT_READY, None
         return 0, reps
 
     def sizes_many(self, keys: Sequence[str]) -> tuple[list[int], list[int]]:
@@ -140,15 +136,12 @@ class Reads:
         n = len(keys)
         codes = [0] * n
         sizes = [0] * n
-        bad = mark_bad_keys(keys, self.max_key, codes)
         get = self.objects.get
         pending = self.objects.pending
-        for i, key in enumerate(keys):
-            if bad and codes[i]:
-                continue
+        for i, key in valid_keys(keys, self.max_key, codes):
             obj = get(key)
             if obj is None:
-                codes[i] = _NOT_READY if key in pending else _NOT_FOUND
+                codes[i] = NOT_READY if key in pending else NOT_FOUND
             else:
                 sizes[i] = obj.size
         return codes, sizes

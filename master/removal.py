@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.core.errors import ErrorCode
 from kvpool.master.config import MasterConfig
-from kvpool.master.keys import mark_bad_keys
+from kvpool.master.keys import DENIED, HAS_LEASE, NOT_FOUND, NOT_READY, valid_keys
 from kvpool.master.objects import Obj, ObjectTable
 from kvpool.master.records import DropReplica
 from kvpool.master.segments import SegState
@@ -22,10 +21,6 @@ from kvpool.master.segments import SegState
 __all__ = ["Removal"]
 
 _DEAD = SegState.DEAD
-_NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
-_NOT_READY = int(ErrorCode.REPLICA_IS_NOT_READY)
-_HAS_LEASE = int(ErrorCode.OBJECT_HAS_LEASE)
-_DENIED = int(ErrorCode.PERMISSION_DENIED)
 
 
 class Removal:
@@ -49,16 +44,13 @@ class Removal:
         OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY: its put is in flight,
         OBJECT_HAS_LEASE: read-leased and not ``force``)."""
         codes = [0] * len(keys)
-        bad = mark_bad_keys(keys, self.cfg.max_key_length, codes)
         objects = self.objects
-        for i, key in enumerate(keys):
-            if bad and codes[i]:
-                continue
+        for i, key in valid_keys(keys, self.cfg.max_key_length, codes):
             obj = objects.get(key)
             if obj is None:
-                codes[i] = _NOT_READY if key in objects.pending else _NOT_FOUND
+                codes[i] = NOT_READY if key in objects.pending else NOT_FOUND
             elif not force and self._leased(obj):
-                codes[i] = _HAS_LEASE
+                codes[i] = HAS_LEASE
             else:
                 objects.remove(key, obj)
         return codes
@@ -72,21 +64,19 @@ class Removal:
         flight), or holding no replica on the segment. The last replica's
         clear removes the object."""
         codes = [0] * len(keys)
-        bad = mark_bad_keys(keys, self.cfg.max_key_length, codes)
-        for i, key in enumerate(keys):
-            if not (bad and codes[i]):
-                codes[i] = self._clear(client_id, key, segment_id)
+        for i, key in valid_keys(keys, self.cfg.max_key_length, codes):
+            codes[i] = self._clear(client_id, key, segment_id)
         return codes
 
     def _clear(self, client_id: str, key: str, segment_id: str) -> int:
         objects = self.objects
         obj = objects.get(key)
         if obj is None:
-            return _NOT_FOUND
+            return NOT_FOUND
         if obj.writer and obj.writer != client_id:
-            return _DENIED
+            return DENIED
         if self._leased(obj):
-            return _HAS_LEASE
+            return HAS_LEASE
         if not segment_id:
             objects.remove(key, obj)
             return 0
@@ -100,7 +90,7 @@ class Removal:
             elif seg.state != _DEAD:
                 kept += (seg, reps[i + 1])
         if not gone:
-            return _NOT_FOUND
+            return NOT_FOUND
         if not kept:
             objects.remove(key, obj)
             return 0

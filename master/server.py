@@ -395,8 +395,6 @@ class MasterServer:
         commit = durability.commit
         d = self.dir
         records = d.records
-        objects = d.objects
-        evictor = d.evictor
         loop_stats = self.info.loop
         local = self.local_rpc
         publisher = self.events
@@ -432,7 +430,7 @@ class MasterServer:
             # held replies wait for acks, which wake the poll; the timeout only
             # bounds how late a fencing deadline or a change of the in-sync set
             # is seen while they wait
-            timeout = 0 if (timers and (objects.purge_pending or evictor.evicting)) \
+            timeout = 0 if (timers and (d.objects.purge_pending or d.evictor.evicting)) \
                 or durability.busy \
                 else _HELD_POLL_MS if held \
                 else _LAZY_POLL_MS if source is not None and source.lazy_due else 50
@@ -499,10 +497,10 @@ class MasterServer:
                 continue
             next_full = now + _FULL_TURN_S
             if unfenced():
-                if objects.purge_pending:
-                    objects.purge_step(self.cfg.purge_slice)
-                if evictor.evicting:
-                    evictor.step()
+                if d.objects.purge_pending:
+                    d.purge_step(self.cfg.purge_slice)
+                if d.evictor.evicting:
+                    d.evictor.step()
                 if now >= next_expiry:
                     next_expiry = now + 0.1
                     d.liveness.expire_step()

@@ -194,23 +194,25 @@ class WriteOps(OpGroup):
 
     # ================================================================ commit
     def put_end(self, req: PutEnd) -> ReserveReply:
-        client_id = self.check_client(req.client_id)
-        key = check_key(req.key, self.max_key)
-        code = self.dir.writes.commit_many(client_id, (key,))[0]
-        self.count_one("put_end")
-        self.fail(code, "put_end", key)
-        return self._reserve(client_id, req.reserve) if req.reserve else _NO_RESERVATION
+        return self._commit(req.client_id, req.key, None, req.reserve)
 
     def put_commit(self, req: PutCommit) -> ReserveReply:
         client_id = self.check_client(req.client_id)
-        placeholder = req.placeholder
-        if not placeholder.startswith(self._resv_prefix):  # not this master's: lost
+        if not req.placeholder.startswith(self._resv_prefix):  # not this master's: lost
             raise KVPoolError("no such reservation", ErrorCode.OBJECT_NOT_FOUND)
-        key = check_key(req.key, self.max_key)
-        code = self.dir.writes.commit_many(client_id, (key,), (placeholder,))[0]
+        return self._commit(client_id, req.key, req.placeholder, req.reserve)
+
+    def _commit(self, client_id: str, key: str, placeholder: str | None,
+                reserve: int) -> ReserveReply:
+        """PUT_END (``placeholder`` None) or PUT_COMMIT of one key: the commit,
+        and a reservation of ``reserve`` bytes after it."""
+        client_id = self.check_client(client_id)
+        check_key(key, self.max_key)
+        code = self.dir.writes.commit_many(
+            client_id, (key,), None if placeholder is None else (placeholder,))[0]
         self.count_one("put_end")
-        self.fail(code, "put_commit", key)
-        return self._reserve(client_id, req.reserve) if req.reserve else _NO_RESERVATION
+        self.fail(code, "put_end" if placeholder is None else "put_commit", key)
+        return self._reserve(client_id, reserve) if reserve else _NO_RESERVATION
 
     def batch_put_end(self, req: BatchPutEnd) -> BatchReserveReply:
         client_id = self.check_client(req.client_id)

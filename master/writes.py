@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import KEY_MIN, RESERVED_KEY_PREFIX, SegmentKind
 from kvpool.master.config import MasterConfig
-from kvpool.master.keys import mark_bad_keys
+from kvpool.master.keys import (
+    EXISTS,
+    INVALID_PARAMS,
+    INVALID_WRITE,
+    NOT_FOUND,
+    mark_bad_keys,
+    valid_keys,
+)
 from kvpool.master.objects import HARD_PIN, SOFT_PIN, Obj, ObjectTable, Pending
 from kvpool.master.placement import MakeRoom, Placement, unplan
 from kvpool.master.records import Put
@@ -35,10 +42,6 @@ _OK = 0
 _MEM = SegmentKind.MEMORY
 _FILE = SegmentKind.FILE
 _DEAD = SegState.DEAD
-_EXISTS = int(ErrorCode.OBJECT_ALREADY_EXISTS)
-_INVALID_PARAMS = int(ErrorCode.INVALID_PARAMS)
-_NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
-_INVALID_WRITE = int(ErrorCode.INVALID_WRITE)
 # Beyond a WRITE capability's expiry, how long a transfer server may still
 # accept it (its capability_leeway_ms, 2 s by default, plus clock skew).
 _WRITE_LEEWAY_S = 5.0
@@ -148,11 +151,11 @@ class Writes:
             key = keys[i]
             size = sizes[i]
             if size <= 0 or size > max_size:
-                codes[i] = _INVALID_PARAMS
+                codes[i] = INVALID_PARAMS
                 continue
             if simple:
                 if key in shards[hash(key) & mask]:
-                    codes[i] = _EXISTS
+                    codes[i] = EXISTS
                     continue
                 if not stamped:
                     self.clients[client_id] = now
@@ -295,14 +298,14 @@ class Writes:
                 placeholder = placeholders[i]
                 p = get(placeholder)
                 if p is None or p.client_id != client_id:
-                    codes[i] = _NOT_FOUND
+                    codes[i] = NOT_FOUND
                     continue
                 if key in shard:
-                    codes[i] = _EXISTS
+                    codes[i] = EXISTS
                     continue
                 other = get(key)
                 if other is not None and not preempt(key, other, now):
-                    codes[i] = _EXISTS
+                    codes[i] = EXISTS
                     continue
                 if not stamped:
                     self.clients[client_id] = now
@@ -328,9 +331,9 @@ class Writes:
         p = self.pending.get(key)
         objects = self.objects
         if p is None:
-            return _OK if key in objects else _NOT_FOUND
+            return _OK if key in objects else NOT_FOUND
         if p.client_id != client_id:
-            return _INVALID_WRITE
+            return INVALID_WRITE
         del self.pending[key]
         reps = p.replicas
         shard = objects.shards[hash(key) & objects.mask]
@@ -341,7 +344,7 @@ class Writes:
             reps = tuple(x for i in range(0, len(reps), 2) if reps[i].state != _DEAD
                          for x in (reps[i], reps[i + 1]))
             if not reps:
-                return _NOT_FOUND
+                return NOT_FOUND
         old = shard.get(key)
         if old is not None:
             self._retire(key, old)
@@ -384,16 +387,13 @@ class Writes:
         placeholder too); the per-key codes (INVALID_KEY, OBJECT_NOT_FOUND,
         INVALID_WRITE: another client's)."""
         codes = [0] * len(keys)
-        bad = mark_bad_keys(keys, self.cfg.max_key_length, codes, RESERVED_KEY_PREFIX)
         pending = self.pending
-        for i, key in enumerate(keys):
-            if bad and codes[i]:
-                continue
+        for i, key in valid_keys(keys, self.cfg.max_key_length, codes, RESERVED_KEY_PREFIX):
             p = pending.get(key)
             if p is None:
-                codes[i] = _NOT_FOUND
+                codes[i] = NOT_FOUND
             elif p.client_id != client_id:
-                codes[i] = _INVALID_WRITE
+                codes[i] = INVALID_WRITE
             else:
                 del pending[key]
                 self._release(p)
