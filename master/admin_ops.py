@@ -26,7 +26,6 @@ from kvpool.core.protocol import (
     StatsReply,
 )
 from kvpool.master.events import list_objects
-from kvpool.master.keys import check_key
 from kvpool.master.op_group import OpGroup, bad
 
 __all__ = ["AdminOps"]
@@ -38,8 +37,7 @@ class AdminOps(OpGroup):
     """Removal, listing, counters."""
 
     def remove(self, req: Remove) -> Empty:
-        key = check_key(req.key, self.max_key)
-        self.fail(self.dir.removal.remove_many((key,), req.force)[0], "remove", key)
+        self.fail(self.dir.removal.remove_many((req.key,), req.force)[0], "remove", req.key)
         return Empty()
 
     def batch_remove(self, req: BatchRemove) -> BatchKeysReply:

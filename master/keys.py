@@ -46,14 +46,22 @@ def mark_bad_keys(keys: Sequence[str], max_key: int, codes: list[int],
     """Set ``codes[i]`` to INVALID_KEY for every key that is shorter than
     ``key_min`` allows (empty; starting with NUL when ``key_min`` is
     ``KEY_MIN``) or longer than ``max_key``; return whether any was."""
-    if not keys or (min(keys) >= key_min and max(map(len, keys)) <= max_key):
+    if len(keys) == 1:  # a single-key op: no pass over the batch
+        if not _bad(keys[0], max_key, key_min):
+            return False
+    elif not keys or (min(keys) >= key_min and max(map(len, keys)) <= max_key):
         return False
     bad = False
     for i, key in enumerate(keys):
-        if key < key_min or len(key) > max_key:
+        if _bad(key, max_key, key_min):
             codes[i] = INVALID_KEY
             bad = True
     return bad
+
+
+def _bad(key: str, max_key: int, key_min: str) -> bool:
+    """Whether ``key`` is not a valid key (see the module docstring)."""
+    return key < key_min or len(key) > max_key
 
 
 def valid_keys(keys: Sequence[str], max_key: int, codes: list[int],
@@ -68,7 +76,7 @@ def valid_keys(keys: Sequence[str], max_key: int, codes: list[int],
 
 def check_key(key: str, max_key: int) -> str:
     """``key``, or KVPoolError(INVALID_KEY) when it is not a valid key."""
-    if mark_bad_keys((key,), max_key, [0]):
+    if _bad(key, max_key, KEY_MIN):
         raise KVPoolError(f"key must be a non-empty string of at most {max_key} characters "
                           "not starting with NUL (reserved)", ErrorCode.INVALID_KEY)
     return key

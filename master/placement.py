@@ -172,6 +172,9 @@ class MostFree(Placement):
         s = len(pool)
         if s == 1:  # the ranges allocate() would give one by one, from one block
             seg = pool[0]
+            if m == 1:
+                off = seg.alloc.allocate(size)
+                return [(seg, off)] if off >= 0 else None
             off, k = seg.alloc.allocate_run(size, m)
             if not k:
                 return None

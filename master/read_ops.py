@@ -31,7 +31,7 @@ from kvpool.core.protocol import (
     SegmentDescriptor,
 )
 from kvpool.master.grants import describe
-from kvpool.master.keys import check_key
+from kvpool.master.keys import INVALID_KEY
 from kvpool.master.op_group import OpGroup
 
 __all__ = ["ReadOps"]
@@ -61,11 +61,18 @@ class ReadOps(OpGroup):
         return codes, objs, found
 
     def get_replica_list(self, req: GetReplicaList) -> GetReplicaListReply:
-        key = check_key(req.key, self.max_key)
+        key = req.key
+        d = self.dir
+        codes, objs, found = [0], [None], [None]
+        if not d.reads.get_replicas_many((key,), 0, codes, objs, found):  # a disk hit
+            self.tiering.on_disk_hit(d, key, objs[0], found[0])
+        code = codes[0]
+        if code:
+            if code != INVALID_KEY:
+                self.count_one("get_replica_list")
+            self.fail(code, "get_replica_list", key)
         self.count_one("get_replica_list")
-        codes, objs, found = self._locate((key,))
-        self.fail(codes[0], "get_replica_list", key)
-        obj = objs[0]
+        obj: Any = objs[0]
         replicas, segs, caps = self.granter.granted(found[0], obj.size, _COMPLETE, _CAP_READ)
         return GetReplicaListReply(obj.size, self.cfg.lease_ttl_ms, replicas, obj.checksum,
                                    segs, caps)
@@ -94,9 +101,11 @@ class ReadOps(OpGroup):
                                         checksums or [], segs, grants.sign())
 
     def exist(self, req: Exist) -> ExistReply:
-        key = check_key(req.key, self.max_key)
         self.count_one("exist")
-        return ExistReply(self.dir.reads.exist_many((key,))[1][0])
+        codes, found = self.dir.reads.exist_many((req.key,))
+        if codes[0]:
+            self.fail(codes[0], "exist", req.key)
+        return ExistReply(found[0])
 
     def batch_exist(self, req: BatchExist) -> BatchExistReply:
         keys = req.keys
@@ -106,9 +115,8 @@ class ReadOps(OpGroup):
         return BatchExistReply(codes, found)
 
     def get_size(self, req: GetSize) -> GetSizeReply:
-        key = check_key(req.key, self.max_key)
-        codes, sizes = self.dir.reads.sizes_many((key,))
-        self.fail(codes[0], "get_size", key)
+        codes, sizes = self.dir.reads.sizes_many((req.key,))
+        self.fail(codes[0], "get_size", req.key)
         return GetSizeReply(sizes[0])
 
     def batch_get_size(self, req: BatchGetSize) -> BatchGetSizeReply:

@@ -1,6 +1,6 @@
 """The read path: where a batch of objects' replicas are, and whether they exist.
 
-One loop serves GET_REPLICA_LIST and EXIST (:meth:`Reads._read`): a key's
+One loop serves GET_REPLICA_LIST and EXIST (:meth:`Reads.get_replicas_many`): a key's
 object is found, its replicas chosen, and, when it is found, it gets a
 fresh read lease (a grouped object leases its whole group) and moves to the
 most recent end of the LRU; a single key is a batch of one. The replicas a
@@ -17,7 +17,7 @@ from typing import Any
 
 from kvpool.core.protocol import SegmentKind
 from kvpool.master.config import MasterConfig
-from kvpool.master.keys import INVALID_KEY, NOT_FOUND, NOT_READY, mark_bad_keys, valid_keys
+from kvpool.master.keys import NOT_FOUND, NOT_READY, mark_bad_keys, valid_keys
 from kvpool.master.objects import TICKS, Obj, ObjectTable
 from kvpool.master.segments import SegState
 
@@ -36,42 +36,26 @@ class Reads:
                  objects: ObjectTable) -> None:
         self.clock = clock
         self.objects = objects
+        self.shards, self.mask = objects.shards, objects.mask  # (fixed for its life)
         self.max_key = cfg.max_key_length
         self.lease_s = cfg.lease_ttl_ms / 1000.0
 
     def get_replicas_many(self, keys: Sequence[str], start: int, codes: list[int],
-                          objs: list[Any], found: list[Any]) -> int:
-        """Locate ``keys[start:]`` into ``codes`` (INVALID_KEY,
-        OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY), ``objs`` (the object) and
-        ``found`` (its flat replicas a reader gets) at each key's index.
-        Returns the index of the first key served from a disk replica, which
-        ends the pass (``len(keys)`` when none): the caller runs its disk-hit
-        hook (a promotion may place and evict) and resumes after it, so the
-        hook sees what a read of that key alone would. ``codes`` past
-        ``start`` must be 0 on the first call (``start`` 0)."""
-        return self._read(keys, start, codes, objs, found, False)
-
-    def exist_many(self, keys: Sequence[str]) -> tuple[list[int], list[bool]]:
-        """Whether each key exists: (codes, found); code INVALID_KEY (found
-        False) for an empty, too long or reserved key, else 0."""
-        n = len(keys)
-        codes = [0] * n
-        found: list[Any] = [None] * n
-        self._read(keys, 0, codes, [None] * n, found, True)
-        if any(codes):
-            codes = [c if c == INVALID_KEY else 0 for c in codes]
-        return codes, [r is not None for r in found]
-
-    def _read(self, keys: Sequence[str], start: int, codes: list[int], objs: list[Any],
-              found: list[Any], exist: bool) -> int:
-        """The one read loop (see the module docstring and
-        :meth:`get_replicas_many`); ``exist``: EXIST's choice of replicas,
-        and no stop at a disk hit."""
+                          objs: list[Any], found: list[Any], exist: bool = False) -> int:
+        """The one read loop: locate ``keys[start:]`` into ``codes``
+        (INVALID_KEY, OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY), ``objs`` (the
+        object) and ``found`` (its flat replicas a reader gets) at each key's
+        index. Returns the index of the first key served from a disk replica,
+        which ends the pass (``len(keys)`` when none): the caller runs its
+        disk-hit hook (a promotion may place and evict) and resumes after it,
+        so the hook sees what a read of that key alone would. ``codes`` past
+        ``start`` must be 0 on the first call (``start`` 0). ``exist``:
+        EXIST's choice of replicas, no code but INVALID_KEY, no stop at a
+        disk hit (:meth:`exist_many`)."""
         objects = self.objects
-        shards, mask = objects.shards, objects.mask
+        shards = self.shards
+        mask = self.mask
         grouped = objects.group_of
-        pending = objects.pending
-        locate = self._locate
         tick = TICKS.__next__
         n = len(keys)
         # the first pass checks every key (C speed); a resumed pass finds the
@@ -86,13 +70,15 @@ class Reads:
             shard = shards[hash(key) & mask]
             obj = shard.get(key)
             if obj is None:
-                codes[i] = NOT_READY if key in pending else NOT_FOUND
+                if not exist:
+                    codes[i] = NOT_READY if key in objects.pending else NOT_FOUND
                 continue
             reps = obj.replicas
             if len(reps) != 2 or (seg := reps[0]).state is not _ACTIVE or seg.kind is _FILE:
-                code, reps = locate(obj, exist)
+                code, reps = self._locate(obj, exist)
                 if code:
-                    codes[i] = code
+                    if not exist:
+                        codes[i] = code
                     continue
             if grouped and key in grouped:
                 objects.lease_group(key, obj, lease, now)
@@ -105,6 +91,15 @@ class Reads:
             if reps[0].kind is _FILE and not exist:
                 return i
         return n
+
+    def exist_many(self, keys: Sequence[str]) -> tuple[list[int], list[bool]]:
+        """Whether each key exists: (codes, found); code INVALID_KEY (found
+        False) for an empty, too long or reserved key, else 0."""
+        n = len(keys)
+        codes = [0] * n
+        found: list[Any] = [None] * n
+        self.get_replicas_many(keys, 0, codes, [None] * n, found, True)
+        return codes, list(map(bool, found))  # (flat replicas are never empty)
 
     @staticmethod
     def _locate(obj: Obj, exist: bool) -> tuple[int, Any]:

@@ -43,7 +43,7 @@ from kvpool.core.protocol import (
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory
 from kvpool.master.grants import describe
-from kvpool.master.keys import check_key
+from kvpool.master.keys import INVALID_KEY, check_key
 from kvpool.master.op_group import OpGroup, ServerInfo, bad
 from kvpool.master.stats import OpCounters
 from kvpool.master.tiering import TieringPolicy
@@ -207,10 +207,10 @@ class WriteOps(OpGroup):
         """PUT_END (``placeholder`` None) or PUT_COMMIT of one key: the commit,
         and a reservation of ``reserve`` bytes after it."""
         client_id = self.check_client(client_id)
-        check_key(key, self.max_key)
         code = self.dir.writes.commit_many(
             client_id, (key,), None if placeholder is None else (placeholder,))[0]
-        self.count_one("put_end")
+        if code != INVALID_KEY:
+            self.count_one("put_end")
         self.fail(code, "put_end" if placeholder is None else "put_commit", key)
         return self._reserve(client_id, reserve) if reserve else _NO_RESERVATION
 
@@ -248,8 +248,6 @@ class WriteOps(OpGroup):
     # ================================================================ revoke
     def put_revoke(self, req: PutRevoke) -> Empty:
         key = req.key  # the caller's own put in flight: a placeholder too
-        if not key.startswith(RESERVED_KEY_PREFIX):
-            check_key(key, self.max_key)
         code = self.dir.writes.revoke_many(self.check_client(req.client_id), (key,))[0]
         self.fail(code, "put_revoke", key)
         return Empty()

@@ -91,6 +91,9 @@ class Writes:
         self.placement = placement
         self.evict = evict
         self.directory = directory  # the tier hooks' argument
+        self.max_key = cfg.max_key_length
+        self.max_size = cfg.max_object_size
+        self.high = cfg.eviction_high_watermark
         self.write_window_s = write_grant_ms(cfg) / 1000.0 + _WRITE_LEEWAY_S
         # space of abandoned puts, held while their writer may still write:
         # heap of (release time, seq, replicas, size)
@@ -116,25 +119,20 @@ class Writes:
         ``checksums[i]``, ``groups[i]`` (the group it joins at the commit: ""
         none, None unset) go with key ``i``."""
         n = len(keys)
-        bad = mark_bad_keys(keys, max_key or self.cfg.max_key_length, codes, key_min)
-        max_size = self.cfg.max_object_size
+        bad = mark_bad_keys(keys, max_key or self.max_key, codes, key_min)
+        max_size = self.max_size
         simple = checksums is None and groups is None and (spec is DEFAULT_PUT or (
             spec.replica_num == 1 and not spec.disk_replica_num and not spec.preferred
             and not spec.flags and spec.soft_pin_ms == -1 and not spec.replace
             and not spec.unpin))
-        start_one = self._start_one
         objects = self.objects
         shards, mask = objects.shards, objects.mask
         pending = self.pending
-        segtab = self.segtab
-        pool_used = segtab.pool_used
-        pool_cap = segtab.pool_cap
-        cap = pool_cap[_MEM]
-        high = self.cfg.eviction_high_watermark
+        pool_used = self.segtab.pool_used
+        cap = self.segtab.pool_cap[_MEM]
+        high = self.high
         sizes_get = objects._sizes.get
-        intern = objects.intern_size
         plan_run = self.placement.plan_run
-        evict = self.evict
         now = self.clock()
         stamped = False
         # a run of equal sizes is placed at once (plan_run: the segment each key
@@ -162,7 +160,7 @@ class Writes:
                     stamped = True
                 if plan_ok and key not in pending:
                     if plan is None or plan_at == len(plan) or size != plan_size:
-                        if plan is not None:
+                        if plan is not None and plan_at < len(plan):
                             unplan(plan, plan_at, plan_size)
                         m = i + 1
                         while m < n and sizes[m] == size:
@@ -172,36 +170,37 @@ class Writes:
                         plan_size = size
                         if plan is None:
                             plan_ok = False
-                        else:
-                            plan_need = plan[0][0].alloc.aligned(size)
+                        else:  # what each takes (Allocator.aligned, inline)
+                            a = plan[0][0].alloc.alignment
+                            plan_need = (size + a - 1) & -a
                     if plan is not None:
                         reps = plan[plan_at]
                         plan_at += 1
                         used = pool_used[_MEM] + plan_need
                         pool_used[_MEM] = used
                         isize = sizes_get(size)
-                        pending[key] = Pending(intern(size) if isize is None else isize, reps,
-                                               0, None, client_id, now)
+                        pending[key] = Pending(objects.intern_size(size) if isize is None
+                                               else isize, reps, 0, None, client_id, now)
                         out[i] = reps
                         if used > high * cap:
                             # what is carved ahead goes back before evicting
                             unplan(plan, plan_at, plan_size)
                             plan = None
-                            evict(_MEM, 0)
-                            cap = pool_cap[_MEM]
+                            self.evict(_MEM, 0)
+                            cap = self.segtab.pool_cap[_MEM]
                         continue
                 if plan is not None:  # placing below: the plan's rest goes back
                     unplan(plan, plan_at, plan_size)
                     plan = None
-            code, p = start_one(client_id, key, size, spec,
-                                None if checksums is None else checksums[i],
-                                None if groups is None else groups[i])
+            code, p = self._start_one(client_id, key, size, spec,
+                                      None if checksums is None else checksums[i],
+                                      None if groups is None else groups[i])
             if code:
                 codes[i] = int(code)
             else:
                 out[i] = p.replicas  # type: ignore[union-attr]
-            cap = pool_cap[_MEM]  # the general step may have evicted
-        if plan is not None:
+            cap = self.segtab.pool_cap[_MEM]  # the general step may have evicted
+        if plan is not None and plan_at < len(plan):
             unplan(plan, plan_at, plan_size)
 
     def _start_one(self, client_id: str, key: str, size: int, spec: PutSpec, checksum: Any,
@@ -263,16 +262,14 @@ class Writes:
         if placeholders is not None and len(placeholders) != n:
             raise ValueError("placeholders and keys differ in length")
         codes = [0] * n
-        bad = mark_bad_keys(keys, self.cfg.max_key_length, codes)
+        bad = mark_bad_keys(keys, self.max_key, codes)
         pending = self.pending
         get = pending.get
         objects = self.objects
         shards, mask = objects.shards, objects.mask
         changes = objects.changes
         append = changes.records.append if changes.journaling else None
-        writer = objects.writer(client_id)
-        commit_one = self._commit_one
-        preempt = self._preempt
+        writer = objects._writers.get(client_id) or objects.writer(client_id)
         # a commit names its reservation first (one clock read for the batch,
         # and no naming of a pending put the inline path drops)
         now = self.clock() if placeholders is not None else 0.0
@@ -287,11 +284,11 @@ class Writes:
             if placeholders is None:
                 p = get(key)
                 if p is None or p.client_id != client_id or p.pin or p.group:
-                    codes[i] = commit_one(client_id, key)
+                    codes[i] = self._commit_one(client_id, key)
                     continue
                 reps = p.replicas
                 if len(reps) != 2 or key in shard or reps[0].state == _DEAD:
-                    codes[i] = commit_one(client_id, key)
+                    codes[i] = self._commit_one(client_id, key)
                     continue
                 del pending[key]
             else:
@@ -304,7 +301,7 @@ class Writes:
                     codes[i] = EXISTS
                     continue
                 other = get(key)
-                if other is not None and not preempt(key, other, now):
+                if other is not None and not self._preempt(key, other, now):
                     codes[i] = EXISTS
                     continue
                 if not stamped:
@@ -314,7 +311,7 @@ class Writes:
                 reps = p.replicas
                 if p.pin or p.group or len(reps) != 2 or reps[0].state == _DEAD:
                     pending[key] = p  # the general step
-                    codes[i] = commit_one(client_id, key)
+                    codes[i] = self._commit_one(client_id, key)
                     continue
             seg = reps[0]  # a new, unpinned, ungrouped object with one live replica
             size, flags, checksum = p.size, p.flags, p.checksum
