@@ -47,7 +47,8 @@ def mark_bad_keys(keys: Sequence[str], max_key: int, codes: list[int],
     ``key_min`` allows (empty; starting with NUL when ``key_min`` is
     ``KEY_MIN``) or longer than ``max_key``; return whether any was."""
     if len(keys) == 1:  # a single-key op: no pass over the batch
-        if not _bad(keys[0], max_key, key_min):
+        key = keys[0]
+        if key >= key_min and len(key) <= max_key:
             return False
     elif not keys or (min(keys) >= key_min and max(map(len, keys)) <= max_key):
         return False

@@ -87,6 +87,7 @@ class MostFree(Placement):
     def __init__(self, segtab: SegmentTable, high_watermark: float, make_room: MakeRoom,
                  rng: random.Random | None = None) -> None:
         self.segtab = segtab
+        self.mem_pool = segtab.pools[_MEM]  # (one list for the table's life)
         self.high = high_watermark
         self.make_room = make_room
         self.rng = rng or random.Random()
@@ -168,13 +169,14 @@ class MostFree(Placement):
         return True
 
     def plan_run(self, size: int, m: int) -> list[tuple[Segment, int]] | None:
-        pool = self.segtab.pools[_MEM]
+        pool = self.mem_pool
         s = len(pool)
+        if m == 1 and 0 < s <= _RANKED:  # (a single key): the most free, first on ties
+            seg = max(pool, key=_FREE) if s > 1 else pool[0]
+            off = seg.alloc.allocate(size)
+            return [(seg, off)] if off >= 0 else None
         if s == 1:  # the ranges allocate() would give one by one, from one block
             seg = pool[0]
-            if m == 1:
-                off = seg.alloc.allocate(size)
-                return [(seg, off)] if off >= 0 else None
             off, k = seg.alloc.allocate_run(size, m)
             if not k:
                 return None

@@ -63,7 +63,9 @@ class ReadOps(OpGroup):
     def get_replica_list(self, req: GetReplicaList) -> GetReplicaListReply:
         key = req.key
         d = self.dir
-        codes, objs, found = [0], [None], [None]
+        codes = [0]
+        objs: list[Any] = [None]
+        found: list[Any] = [None]
         if not d.reads.get_replicas_many((key,), 0, codes, objs, found):  # a disk hit
             self.tiering.on_disk_hit(d, key, objs[0], found[0])
         code = codes[0]
@@ -72,7 +74,7 @@ class ReadOps(OpGroup):
                 self.count_one("get_replica_list")
             self.fail(code, "get_replica_list", key)
         self.count_one("get_replica_list")
-        obj: Any = objs[0]
+        obj = objs[0]
         replicas, segs, caps = self.granter.granted(found[0], obj.size, _COMPLETE, _CAP_READ)
         return GetReplicaListReply(obj.size, self.cfg.lease_ttl_ms, replicas, obj.checksum,
                                    segs, caps)

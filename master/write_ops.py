@@ -107,7 +107,8 @@ class WriteOps(OpGroup):
         self.dir.writes.put_start_many(client_id, (key,), (size,), codes, placed, spec,
                                        None if req.checksum is None else (req.checksum,),
                                        None if req.group is None else (req.group,))
-        self.fail(codes[0], "put_start failed", key)
+        if codes[0]:
+            self.fail(codes[0], "put_start failed", key)
         return PutStartReply(*self.granter.granted(placed[0], size, _PROCESSING,  # type: ignore[arg-type]
                                                    _CAP_WRITE))
 
@@ -211,7 +212,8 @@ class WriteOps(OpGroup):
             client_id, (key,), None if placeholder is None else (placeholder,))[0]
         if code != INVALID_KEY:
             self.count_one("put_end")
-        self.fail(code, "put_end" if placeholder is None else "put_commit", key)
+        if code:
+            self.fail(code, "put_end" if placeholder is None else "put_commit", key)
         return self._reserve(client_id, reserve) if reserve else _NO_RESERVATION
 
     def batch_put_end(self, req: BatchPutEnd) -> BatchReserveReply:

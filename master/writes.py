@@ -87,6 +87,9 @@ class Writes:
         self.segtab = segtab
         self.objects = objects
         self.pending = objects.pending
+        self.shards, self.mask = objects.shards, objects.mask  # (fixed for their life)
+        self.pool_used = segtab.pool_used
+        self.changes = objects.changes
         self.clients = clients
         self.placement = placement
         self.evict = evict
@@ -126,9 +129,10 @@ class Writes:
             and not spec.flags and spec.soft_pin_ms == -1 and not spec.replace
             and not spec.unpin))
         objects = self.objects
-        shards, mask = objects.shards, objects.mask
+        shards = self.shards
+        mask = self.mask
         pending = self.pending
-        pool_used = self.segtab.pool_used
+        pool_used = self.pool_used
         cap = self.segtab.pool_cap[_MEM]
         high = self.high
         sizes_get = objects._sizes.get
@@ -266,8 +270,9 @@ class Writes:
         pending = self.pending
         get = pending.get
         objects = self.objects
-        shards, mask = objects.shards, objects.mask
-        changes = objects.changes
+        shards = self.shards
+        mask = self.mask
+        changes = self.changes
         append = changes.records.append if changes.journaling else None
         writer = objects._writers.get(client_id) or objects.writer(client_id)
         # a commit names its reservation first (one clock read for the batch,
