@@ -108,8 +108,8 @@ DirRecord = Mount | DropSegment | Put | Remove | DropReplica
 #: what a journal file holds
 JournalRecord = DirRecord | StreamPos
 
-_decode_batch = msgspec.msgpack.Decoder(list[JournalRecord]).decode  # type: ignore[valid-type]
-_decode_one = msgspec.msgpack.Decoder(JournalRecord).decode  # type: ignore[arg-type]
+_decode_batch = msgspec.msgpack.Decoder(list[JournalRecord]).decode
+_decode_one = msgspec.msgpack.Decoder(JournalRecord).decode
 _decode_any = msgspec.msgpack.Decoder().decode
 _ARRAY16, _ARRAY32 = 0xDC, 0xDD
 
@@ -131,13 +131,13 @@ def decode_frame(payload: bytes | memoryview) -> list[Any]:
     msgpack but not a valid record stays the raw value it decoded to."""
     batch = _is_batch(payload)
     try:
-        return _decode_batch(payload) if batch else [_decode_one(payload)]  # type: ignore[no-any-return]
+        return _decode_batch(payload) if batch else [_decode_one(payload)]
     except msgspec.ValidationError:
         raw = _decode_any(payload)
     out: list[Any] = []
     for rec in (raw if batch else [raw]):
         try:
-            out.append(msgspec.convert(rec, JournalRecord))  # type: ignore[arg-type]
+            out.append(msgspec.convert(rec, JournalRecord))
         except (msgspec.ValidationError, TypeError):
             out.append(rec)
     return out

@@ -103,14 +103,14 @@ class WriteOps(OpGroup):
         if req.group is not None and len(req.group) > self.max_key:
             raise bad(f"group longer than max_key_length {self.max_key}")
         self.count_one("upsert_start" if replace else "put_start")
-        codes, placed = [0], [None]
+        codes = [0]
+        placed: list[Any] = [None]
         self.dir.writes.put_start_many(client_id, (key,), (size,), codes, placed, spec,
                                        None if req.checksum is None else (req.checksum,),
                                        None if req.group is None else (req.group,))
         if codes[0]:
             self.fail(codes[0], "put_start failed", key)
-        return PutStartReply(*self.granter.granted(placed[0], size, _PROCESSING,  # type: ignore[arg-type]
-                                                   _CAP_WRITE))
+        return PutStartReply(*self.granter.granted(placed[0], size, _PROCESSING, _CAP_WRITE))
 
     def upsert_start(self, req: UpsertStart) -> PutStartReply:
         return self.put_start(req, replace=True)
