@@ -104,10 +104,12 @@ class ReadOps(OpGroup):
 
     def exist(self, req: Exist) -> ExistReply:
         self.count_one("exist")
-        codes, found = self.dir.reads.exist_many((req.key,))
+        codes = [0]
+        found: list[Any] = [None]
+        self.dir.reads.get_replicas_many((req.key,), 0, codes, [None], found, True)
         if codes[0]:
             self.fail(codes[0], "exist", req.key)
-        return ExistReply(found[0])
+        return ExistReply(found[0] is not None)
 
     def batch_exist(self, req: BatchExist) -> BatchExistReply:
         keys = req.keys
