@@ -189,30 +189,23 @@ class MasterConfig:
             v = getattr(self, name)
             if v & (v - 1):
                 raise ConfigError(f"{name} must be a power of two")
-        if self.client_ttl_s <= 0:
-            raise ConfigError("client_ttl_s must be > 0")
-        if self.client_grace_s < 0:
-            raise ConfigError("client_grace_s must be >= 0")
-        if not all(0 <= p < 65536 for p in (self.port, self.metrics_port, self.events_port)):
-            raise ConfigError("ports must be in [0, 65535]")
-        if not 0 <= self.soft_pin_ttl_ms <= self.max_soft_pin_ttl_ms:
-            raise ConfigError("soft_pin_ttl_ms must be in [0, max_soft_pin_ttl_ms]")
-        if self.rpc_spin_us < 0:
-            raise ConfigError("rpc_spin_us must be >= 0")
-        if self.capability_ttl_ms < 0:
-            raise ConfigError("capability_ttl_ms must be >= 0 (0 = lease_ttl_ms)")
-        if self.snapshot_slice_ms <= 0:
-            raise ConfigError("snapshot_slice_ms must be > 0")
-        if self.snapshot_interval_s < 0:
-            raise ConfigError("snapshot_interval_s must be >= 0")
-        if self.sync_standbys < 0:
-            raise ConfigError("sync_standbys must be >= 0")
-        if self.sync_timeout_s <= 0:
-            raise ConfigError("sync_timeout_s must be > 0")
-        if self.ha_lease_ttl_s < 1:
-            raise ConfigError("ha_lease_ttl_s must be >= 1")
-        if not 0 <= self.replication_port < 65536:
-            raise ConfigError("replication_port must be in [0, 65535]")
+        for ok, what in (
+                (self.client_ttl_s > 0, "client_ttl_s must be > 0"),
+                (self.client_grace_s >= 0, "client_grace_s must be >= 0"),
+                (all(0 <= p < 65536 for p in (self.port, self.metrics_port, self.events_port)),
+                 "ports must be in [0, 65535]"),
+                (0 <= self.soft_pin_ttl_ms <= self.max_soft_pin_ttl_ms,
+                 "soft_pin_ttl_ms must be in [0, max_soft_pin_ttl_ms]"),
+                (self.rpc_spin_us >= 0, "rpc_spin_us must be >= 0"),
+                (self.capability_ttl_ms >= 0, "capability_ttl_ms must be >= 0 (0 = lease_ttl_ms)"),
+                (self.snapshot_slice_ms > 0, "snapshot_slice_ms must be > 0"),
+                (self.snapshot_interval_s >= 0, "snapshot_interval_s must be >= 0"),
+                (self.sync_standbys >= 0, "sync_standbys must be >= 0"),
+                (self.sync_timeout_s > 0, "sync_timeout_s must be > 0"),
+                (self.ha_lease_ttl_s >= 1, "ha_lease_ttl_s must be >= 1"),
+                (0 <= self.replication_port < 65536, "replication_port must be in [0, 65535]")):
+            if not ok:
+                raise ConfigError(what)
         if self.replication_transport is ReplicationTransport.SOCKET and curve_required(
                 self.host, self.curve.enabled, self.curve.has_keys):
             raise ConfigError("replication_transport socket cannot carry CURVE, which is on "

@@ -17,8 +17,8 @@ batch.
 
 An HA standby journals the replicated stream here too
 (:meth:`commit_stream`: the leader's journal frames of the batches'
-directory records, as received, plus a position record ``[STREAM_POS,
-epoch, lsn, history | None]`` in one write, before its ack) and replaces
+directory records, as received, plus a position record
+(:class:`~kvpool.master.records.StreamPos`) in one write, before its ack) and replaces
 the data dir's state at once by a snapshot of a directory it received
 whole (:meth:`rebase`). So a
 standby, promoted or not, that crashes restarts with the replicated state
@@ -69,18 +69,14 @@ from kvpool.master.journal import (
     list_snapshots,
     read_journal,
 )
+from kvpool.master.records import DirRecord, Rec, StreamPos
 from kvpool.master.stats import LoopStats
 
-__all__ = ["STREAM_POS", "CommitListener", "Durability", "FrameListener", "StreamPosition"]
+__all__ = ["CommitListener", "Durability", "FrameListener", "StreamPosition"]
 
 log = logging.getLogger(__name__)
 
 _KEYS_FILE = "capability-keys.msgpack"
-
-#: journal record tag (outside the directory's ``Rec``) of a standby's position
-#: after the records before it: ``[STREAM_POS, epoch, lsn, history or None]``
-#: (history: ``[[epoch, first_lsn], ...]``, None when unchanged since the last)
-STREAM_POS = 101
 
 
 @dataclass
@@ -101,10 +97,10 @@ def _history(raw: Any) -> list[tuple[int, int]]:
 
 #: ``listener(records, batch)``: the directory records of one group commit, in
 #: order, and the commit's sequence number (1, 2, ... per process).
-CommitListener = Callable[[Sequence[list[Any]], int], None]
+CommitListener = Callable[[Sequence[DirRecord], int], None]
 #: ``listener(records, frames, batch)``: as :data:`CommitListener`, with the
 #: journal's encoding of the records (batch frames, ``journal.encode_frames``)
-FrameListener = Callable[[list[list[Any]], bytes, int], None]
+FrameListener = Callable[[list[DirRecord], bytes, int], None]
 
 
 class Durability:
@@ -164,7 +160,7 @@ class Durability:
         replies that acknowledge no change may leave up to it."""
         return self._replicated() if self._replicated is not None else self.acked()
 
-    def commit(self, records: list[list[Any]]) -> int:
+    def commit(self, records: list[DirRecord]) -> int:
         """Make ``records`` durable (one write, fsync per policy), hand them to
         the listeners, and clear the list; return the current commit number
         (unchanged for an empty list)."""
@@ -232,7 +228,7 @@ class Durability:
         for seq, path in reversed(list_snapshots(data_dir)):
             try:
                 header, records = iter_snapshot(path)
-                d.bulk_load(list(header["segments"]), records)
+                d.replay.bulk_load(list(header["segments"]), records)
                 stream = header.get("stream")
                 pos = None if stream is None else StreamPosition(
                     int(stream[0]), int(stream[1]), _history(stream[2]))
@@ -257,21 +253,21 @@ class Durability:
             if seq < snap_seq:
                 continue
             journal_records, _torn = read_journal(path, truncate=True)
+            run: list[Any] = []  # directory records since the last position
             for rec in journal_records:
-                if rec and rec[0] == STREAM_POS:
-                    try:
-                        if rec[3] is not None:
-                            history = _history(rec[3])
-                        pos = None if history is None else StreamPosition(
-                            int(rec[1]), int(rec[2]), list(history))
-                    except (TypeError, ValueError, IndexError):
-                        pos = history = None
+                if type(rec) is list and rec and rec[0] == Rec.STREAM_POS:
+                    pos = history = None  # a position record that does not read
                     continue
-                pos = None  # a record after the last position: the position is unknown
-                try:
-                    d.apply_record(rec)
-                except Exception as exc:
-                    log.error("journal %s: bad record %r: %s", path, rec[:2], exc)
+                if type(rec) is not StreamPos:
+                    run.append(rec)
+                    pos = None  # a record after the last position: the position is unknown
+                    continue
+                self._replay(d, run, path)
+                if rec.history is not None:
+                    history = _history(rec.history)
+                pos = None if history is None else StreamPosition(rec.epoch, rec.lsn,
+                                                                  list(history))
+            self._replay(d, run, path)
             replayed += len(journal_records)
         self.position = pos
         self._journaled_history = list(pos.history) if pos is not None else None
@@ -288,6 +284,14 @@ class Durability:
                      f"; replicated up to lsn {pos.lsn} (epoch {pos.epoch})" if pos else "")
         return d
 
+    @staticmethod
+    def _replay(d: Directory, records: list[Any], path: str) -> None:
+        """Apply ``records`` (of journal ``path``) and empty the list; a bad
+        record is logged and skipped."""
+        for rec, exc in d.apply_records(records):
+            log.error("journal %s: bad record %r: %s", path, rec[:2], exc)
+        records.clear()
+
     # ================================================================ a standby's stream
     def commit_stream(self, frames: Sequence[bytes], records: int,
                       position: StreamPosition) -> None:
@@ -301,8 +305,8 @@ class Durability:
             journal.append_frames(data, records if i == 0 else 0)
         history = position.history
         changed = history != self._journaled_history
-        journal.append([STREAM_POS, position.epoch, position.lsn,
-                        [list(h) for h in history] if changed else None])
+        journal.append(StreamPos(position.epoch, position.lsn,
+                                 [list(h) for h in history] if changed else None))
         if changed:
             self._journaled_history = list(history)
         journal.commit()
@@ -321,9 +325,9 @@ class Durability:
         new_seq = journal.seq + 1
         try:
             journal.rotate(new_seq, sync=True)
-            writer = SnapshotWriter(self.data_dir, new_seq, directory.segment_wires(),
+            writer = SnapshotWriter(self.data_dir, new_seq, directory.segtab.wires(),
                                     directory.objects.key_chunks(), stream=position.wire())
-            while not writer.step(directory.snapshot_record, 1.0):
+            while not writer.step(directory.replay.snapshot_record, 1.0):
                 pass
             writer.done.wait()
         except OSError as exc:
@@ -360,7 +364,7 @@ class Durability:
         old_fd = self.journal.rotate(new_seq, sync=False)
         st.journal_seq = new_seq
         # keys are copied one shard at a time as the snapshot reaches them
-        self._snapshot = SnapshotWriter(self.data_dir or ".", new_seq, d.segment_wires(),
+        self._snapshot = SnapshotWriter(self.data_dir or ".", new_seq, d.segtab.wires(),
                                         d.objects.key_chunks(), old_fd,
                                         position.wire() if position is not None else None)
         st.snapshot_in_progress = True
@@ -377,7 +381,7 @@ class Durability:
         st = self.stats
         t0 = time.perf_counter()
         c0 = time.thread_time()
-        snap.step(d.snapshot_record, self.cfg.snapshot_slice_ms / 1000.0)
+        snap.step(d.replay.snapshot_record, self.cfg.snapshot_slice_ms / 1000.0)
         st.max_snapshot_step_ms = max(st.max_snapshot_step_ms,
                                       (time.perf_counter() - t0) * 1000)
         st.max_snapshot_step_cpu_ms = max(st.max_snapshot_step_cpu_ms,
@@ -457,7 +461,7 @@ class Durability:
                 log.error("cannot write capability keys: %s", exc)
 
     # ================================================================ close
-    def close(self, records: list[list[Any]]) -> None:
+    def close(self, records: list[DirRecord]) -> None:
         """Flush ``records`` and the journal (fsync), abandon a running snapshot."""
         if self.journal is not None:
             if records:

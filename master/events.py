@@ -64,7 +64,9 @@ from kvpool.core.events import (
 )
 from kvpool.core.protocol import ListObjects, ListObjectsReply, SegmentKind
 from kvpool.master.config import MasterConfig
-from kvpool.master.directory import Directory, Rec, SegState
+from kvpool.master.directory import Directory
+from kvpool.master.records import DirRecord, DropReplica, DropSegment, Mount, Put, Remove
+from kvpool.master.segments import SegState
 
 __all__ = ["MAX_EVENTS", "EventPublisher", "list_objects"]
 
@@ -74,11 +76,6 @@ log = logging.getLogger(__name__)
 MAX_EVENTS = 1000
 
 _TIERS = {SegmentKind.MEMORY: Tier.DRAM, SegmentKind.FILE: Tier.DISK}
-_MOUNT = int(Rec.MOUNT)
-_DROP_SEGMENT = int(Rec.DROP_SEGMENT)
-_PUT = int(Rec.PUT)
-_REMOVE = int(Rec.REMOVE)
-_DROP_REPLICA = int(Rec.DROP_REPLICA)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _JOIN_CHECK_S = 0.01  # how often new subscriptions are looked for (and greeted)
@@ -148,7 +145,7 @@ class EventPublisher:
             rep = self._replicas[sid] = Replica(sid, _TIERS[seg.kind])
         return rep
 
-    def on_commit(self, records: Sequence[list[Any]], commit_no: int) -> None:
+    def on_commit(self, records: Sequence[DirRecord], commit_no: int) -> None:
         """Durability listener: translate one group commit (loop thread)."""
         out: list[Event] = []
         try:
@@ -160,28 +157,26 @@ class EventPublisher:
         if out:
             self._pending.append((commit_no, out))
 
-    def _translate(self, records: Sequence[list[Any]], out: list[Event]) -> None:
+    def _translate(self, records: Sequence[DirRecord], out: list[Event]) -> None:
         append = out.append
         replica = self._replica
         for rec in records:
-            tag = rec[0]
-            if tag == _PUT:
-                wire = rec[5]
-                reps = [r for r in map(replica, wire[::2]) if r is not None]
-                append(ObjectStored(rec[1], rec[2], reps))
-            elif tag == _REMOVE:
-                append(ObjectRemoved(rec[1]))
-            elif tag == _DROP_REPLICA:
-                append(ReplicaRemoved(rec[1], rec[2]))
-            elif tag == _MOUNT:
-                w = rec[1]
+            if isinstance(rec, Put):
+                reps = [r for r in map(replica, rec.replicas[::2]) if r is not None]
+                append(ObjectStored(rec.key, rec.size, reps))
+            elif isinstance(rec, Remove):
+                append(ObjectRemoved(rec.key))
+            elif isinstance(rec, DropReplica):
+                append(ReplicaRemoved(rec.key, rec.segment_id))
+            elif isinstance(rec, Mount):
+                w = rec.segment
                 tier = _TIERS[SegmentKind(int(w["kind"]))]
                 sid = str(w["segment_id"])
                 self._replicas[sid] = Replica(sid, tier)
                 append(SegmentAdded(sid, tier, str(w["host_id"]), int(w["size"])))
-            elif tag == _DROP_SEGMENT:
-                self._replicas.pop(rec[1], None)
-                append(SegmentRemoved(rec[1]))
+            elif isinstance(rec, DropSegment):
+                self._replicas.pop(rec.segment_id, None)
+                append(SegmentRemoved(rec.segment_id))
 
     # ================================================================ sending
     def flush(self, acked: int, now: float) -> None:

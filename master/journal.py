@@ -12,10 +12,11 @@ slice (a few ms) at any object count.
 
 Files:
 - ``journal-<seq>.log``: frames of ``u32 length | u32 crc32 | msgpack``
-  (little endian); a frame holds one record (a list whose first item is its
-  int tag) or, as the journal writes them, a group commit's records as one
-  list of records (up to ``_FRAME_RECORDS``: one encode and one checksum per
-  batch, not per record). A torn or corrupt tail is detected on read and
+  (little endian); a frame holds one record (an array whose first item is
+  its int tag: :mod:`kvpool.master.records`) or, as the journal writes
+  them, a group commit's records as one list of records (up to
+  ``_FRAME_RECORDS``: one encode and one checksum per batch, not per
+  record). A torn or corrupt tail is detected on read and
   truncated (a torn batch frame drops its whole group commit; under the
   ``interval`` fsync policy a host crash loses the last interval either way).
 - ``snapshot-<seq>.msgpack``: the state as of the *start* of journal ``seq``
@@ -44,6 +45,7 @@ import msgpack
 import msgspec
 
 from kvpool.master.config import FsyncPolicy
+from kvpool.master.records import decode_frame
 
 __all__ = [
     "Journal",
@@ -336,8 +338,10 @@ class Journal:
 
 
 def read_journal(path: str, truncate: bool = True) -> tuple[list[Any], bool]:
-    """Read every valid record; on a torn/corrupt tail stop there and (if
-    ``truncate``) cut the file to its valid prefix. Return (records, was_torn)."""
+    """Read every valid record (typed: :func:`kvpool.master.records.decode_frame`;
+    one that does not fit its type stays the plain value it decoded to); on a
+    torn/corrupt tail stop there and (if ``truncate``) cut the file to its
+    valid prefix. Return (records, was_torn)."""
     with open(path, "rb") as f:
         data = f.read()
     records: list[Any] = []
@@ -359,14 +363,10 @@ def read_journal(path: str, truncate: bool = True) -> tuple[list[Any], bool]:
             torn = True
             break
         try:
-            rec = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            records += decode_frame(payload)
         except Exception:
             torn = True
             break
-        if isinstance(rec, list) and rec and isinstance(rec[0], list):  # a batch frame
-            records.extend(rec)
-        else:
-            records.append(rec)
         pos = end
     if torn:
         log.warning("journal %s: corrupt/torn tail at byte %d of %d; truncating", path, pos, n)

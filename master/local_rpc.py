@@ -46,6 +46,7 @@ from kvpool.core.local_socket import default_socket_path, remove_stale_socket
 from kvpool.core.protocol import LOCAL_FRAME_HEADER as HEADER
 from kvpool.core.protocol import encode_error
 from kvpool.master.poller import LoopPoller
+from kvpool.master.sockio import recv_some, send_some
 
 __all__ = ["LocalRpcServer", "default_socket_path"]
 
@@ -191,12 +192,9 @@ class LocalRpcServer:
             if ev & _POLLOUT:
                 self._flush(fd, c)
             if ev & _POLLIN:
-                try:
-                    got = c.sock.recv_into(self._rbuf)
-                except (BlockingIOError, InterruptedError):
+                got = recv_some(c.sock, self._rbuf)
+                if got < 0:
                     continue
-                except OSError:
-                    got = 0
                 if not got:
                     self._close_conn(fd)
                     continue
@@ -232,11 +230,8 @@ class LocalRpcServer:
         return out
 
     def _flush(self, fd: int, c: _Conn) -> None:
-        try:
-            sent = c.sock.send(c.outbuf)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
+        sent = send_some(c.sock, c.outbuf)
+        if sent < 0:
             self._close_conn(fd)
             return
         del c.outbuf[:sent]
@@ -258,11 +253,8 @@ class LocalRpcServer:
             if not out and not c.closing:
                 # nothing queued (the common case): one send, no buffering
                 frame = len(reply).to_bytes(HEADER, "little") + reply
-                try:
-                    sent = c.sock.send(frame)
-                except (BlockingIOError, InterruptedError):
-                    sent = 0
-                except OSError:
+                sent = send_some(c.sock, frame)
+                if sent < 0:
                     self._close_conn(fd)
                     continue
                 if sent == len(frame):

@@ -16,13 +16,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpool.master.ha.replication import SinkState
+from kvpool.master.ha.sink import SinkState
 from kvpool.master.stats import HaStats, MasterStats, copy_retrying
 
 __all__ = ["MasterCollector", "StatsSource", "make_handler", "make_registry"]
 
 _HA_ROLES = ("leader", "follower")
-_TIER_GAUGES = ("tier_tasks_inflight", "tier_inflight_bytes", "file_segments_awaiting")
 
 
 class StatsSource(Protocol):
@@ -33,6 +32,93 @@ class StatsSource(Protocol):
     def health(self) -> dict[str, Any]: ...
 
 
+_GAUGE, _COUNTER = GaugeMetricFamily, CounterMetricFamily
+
+#: (family, name, help, StatsReply field, scale): the master's one-value metrics
+_HEAD = (
+    (_GAUGE, "kvpool_master_objects", "complete objects in the directory", "objects", 1),
+    (_GAUGE, "kvpool_master_pending_puts", "in-flight puts", "pending", 1),
+    (_GAUGE, "kvpool_master_clients", "live clients", "clients", 1),
+)
+_DIRECTORY = (
+    (_COUNTER, "kvpool_master_evictions", "objects evicted", "evictions", 1),
+    (_COUNTER, "kvpool_master_evicted_bytes", "bytes freed by eviction", "evicted_bytes", 1),
+    (_COUNTER, "kvpool_master_lease_refusals", "removes refused: object leased",
+     "lease_refusals", 1),
+    (_COUNTER, "kvpool_master_expired_clients", "clients dropped for silence",
+     "expired_clients", 1),
+    (_GAUGE, "kvpool_master_suspect_clients",
+     "clients silent past client_ttl, kept for the grace period", "suspect_clients", 1),
+    (_GAUGE, "kvpool_master_suspect_segments",
+     "segments of suspect clients: objects kept, no new placements", "suspect_segments", 1),
+    (_COUNTER, "kvpool_master_suspected_clients", "times a client became suspect",
+     "suspected_clients", 1),
+    (_COUNTER, "kvpool_master_revived_clients",
+     "times a suspect client came back with its segments", "revived_clients", 1),
+    (_COUNTER, "kvpool_master_replaced_objects", "objects replaced by an upsert", "replaced", 1),
+    (_GAUGE, "kvpool_master_soft_pinned_objects",
+     "objects with a soft pin deadline (some may have passed it)", "soft_pinned", 1),
+    (_GAUGE, "kvpool_master_object_groups", "object groups with members", "groups", 1),
+)
+#: (name, help, key of StatsReply.tiering) of the SSD tier's gauges
+_TIER = (
+    ("kvpool_master_tier_tasks_inflight", "tier copy tasks in flight", "tier_tasks_inflight"),
+    ("kvpool_master_tier_inflight_bytes", "bytes of tier tasks in flight",
+     "tier_inflight_bytes"),
+    ("kvpool_master_file_segments_awaiting",
+     "file segments kept for an owner that left (warm restart)", "file_segments_awaiting"),
+)
+_TIER_GAUGES = tuple(key for _n, _h, key in _TIER)
+_LOOP = (
+    (_COUNTER, "kvpool_master_curve_denied", "CURVE handshakes refused by the ZAP allow-list",
+     "curve_denied", 1),
+    (_COUNTER, "kvpool_master_snapshots", "snapshots written", "snapshots", 1),
+    (_GAUGE, "kvpool_master_snapshot_duration_seconds",
+     "duration of the last snapshot (child, wall)", "last_snapshot_duration_s", 1),
+    (_GAUGE, "kvpool_master_snapshot_pause_seconds", "loop pause to start the last snapshot",
+     "last_snapshot_pause_ms", 1000),
+    (_GAUGE, "kvpool_master_max_loop_seconds", "longest loop iteration", "max_loop_ms", 1000),
+)
+#: (family, name, help, HaStats field) of every HA instance (bools as 0/1)
+_HA = (
+    (_GAUGE, "kvpool_master_ha_fenced",
+     "1 while elected but past the fencing deadline (lease unconfirmed: writes refused, "
+     "mutating timers paused)", "fenced"),
+    (_GAUGE, "kvpool_master_ha_writes_refused",
+     "1 while serving but refusing writes (fenced, or fewer in-sync standbys than "
+     "sync_standbys for sync_timeout_s)", "writes_refused"),
+    (_GAUGE, "kvpool_master_ha_eligible",
+     "1 if this instance may be elected (in the in-sync set)", "eligible"),
+    (_GAUGE, "kvpool_master_ha_epoch", "epoch of the term this instance knows of", "epoch"),
+    (_GAUGE, "kvpool_master_ha_lsn", "last journal position this instance holds", "lsn"),
+    (_COUNTER, "kvpool_master_ha_promotions", "times this instance became leader",
+     "promotions"),
+    (_COUNTER, "kvpool_master_ha_demotions", "times this instance was deposed", "demotions"),
+)
+_HA_LEADER = (
+    (_GAUGE, "kvpool_master_ha_acked_lsn",
+     "leader: last position every in-sync standby holds", "acked_lsn"),
+    (_GAUGE, "kvpool_master_ha_in_sync_standbys", "leader: standbys in the in-sync set",
+     "in_sync"),
+)
+
+
+def _scalars(table: Any, src: Any) -> Iterator[Metric]:
+    """The one-value metrics of ``table`` read from ``src`` (scaled down)."""
+    for family, name, text, field, scale in table:
+        value = getattr(src, field)
+        yield family(name, text, value=value / scale if scale != 1 else value)
+
+
+def _labelled(name: str, text: str, labels: list[str],
+              values: Iterator[tuple[list[str], float]]) -> Metric:
+    """A counter of ``values`` per label set (``_total`` added by the exposition)."""
+    c = CounterMetricFamily(name, text, labels=labels)
+    for label_values, n in values:
+        c.add_metric(label_values, n)
+    return c
+
+
 class MasterCollector(Collector):
     def __init__(self, source: StatsSource) -> None:
         self.source = source
@@ -40,12 +126,7 @@ class MasterCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.source.stats_snapshot()
         st = snap.stats
-        yield GaugeMetricFamily("kvpool_master_objects", "complete objects in the directory",
-                                value=st.objects)
-        yield GaugeMetricFamily("kvpool_master_pending_puts", "in-flight puts",
-                                value=st.pending)
-        yield GaugeMetricFamily("kvpool_master_clients", "live clients",
-                                value=st.clients)
+        yield from _scalars(_HEAD, st)
         used = GaugeMetricFamily("kvpool_master_segment_used_bytes", "bytes allocated per segment",
                                  labels=["segment", "kind", "state"])
         cap = GaugeMetricFamily("kvpool_master_segment_capacity_bytes", "capacity per segment",
@@ -61,87 +142,29 @@ class MasterCollector(Collector):
         yield used
         yield cap
         yield frag
-        pool = GaugeMetricFamily("kvpool_master_pool_used_bytes", "bytes used per pool",
-                                 labels=["kind"])
-        pool.add_metric(["memory"], st.memory_used)
-        pool.add_metric(["file"], st.file_used)
-        yield pool
-        pool = GaugeMetricFamily("kvpool_master_pool_capacity_bytes", "capacity per pool",
-                                 labels=["kind"])
-        pool.add_metric(["memory"], st.memory_capacity)
-        pool.add_metric(["file"], st.file_capacity)
-        yield pool
-        c = CounterMetricFamily("kvpool_master_requests", "requests by op", labels=["op"])
-        for op, n in snap.ops.items():
-            c.add_metric([op.lower()], n)
-        yield c
-        c = CounterMetricFamily("kvpool_master_key_ops", "per-key operations (batch items count)",
-                                labels=["op"])
-        for op, n in snap.key_ops.items():
-            c.add_metric([op.lower()], n)
-        yield c
-        c = CounterMetricFamily("kvpool_master_errors", "error results by op and code",
-                                labels=["op", "code"])
-        for (op, code), n in snap.errors.items():
-            c.add_metric([op.lower(), code], n)
-        yield c
-        yield CounterMetricFamily("kvpool_master_evictions", "objects evicted",
-                                  value=st.evictions)
-        yield CounterMetricFamily("kvpool_master_evicted_bytes", "bytes freed by eviction",
-                                  value=st.evicted_bytes)
-        yield CounterMetricFamily("kvpool_master_lease_refusals", "removes refused: object leased",
-                                  value=st.lease_refusals)
-        yield CounterMetricFamily("kvpool_master_expired_clients", "clients dropped for silence",
-                                  value=st.expired_clients)
-        yield GaugeMetricFamily("kvpool_master_suspect_clients",
-                                "clients silent past client_ttl, kept for the grace period",
-                                value=st.suspect_clients)
-        yield GaugeMetricFamily("kvpool_master_suspect_segments",
-                                "segments of suspect clients: objects kept, no new placements",
-                                value=st.suspect_segments)
-        yield CounterMetricFamily("kvpool_master_suspected_clients",
-                                  "times a client became suspect",
-                                  value=st.suspected_clients)
-        yield CounterMetricFamily("kvpool_master_revived_clients",
-                                  "times a suspect client came back with its segments",
-                                  value=st.revived_clients)
-        yield CounterMetricFamily("kvpool_master_replaced_objects",
-                                  "objects replaced by an upsert",
-                                  value=st.replaced)
-        yield GaugeMetricFamily("kvpool_master_soft_pinned_objects",
-                                "objects with a soft pin deadline (some may have passed it)",
-                                value=st.soft_pinned)
-        yield GaugeMetricFamily("kvpool_master_object_groups", "object groups with members",
-                                value=st.groups)
+        for name, text, mem, file in (
+                ("kvpool_master_pool_used_bytes", "bytes used per pool", st.memory_used,
+                 st.file_used),
+                ("kvpool_master_pool_capacity_bytes", "capacity per pool", st.memory_capacity,
+                 st.file_capacity)):
+            pool = GaugeMetricFamily(name, text, labels=["kind"])
+            pool.add_metric(["memory"], mem)
+            pool.add_metric(["file"], file)
+            yield pool
+        yield _labelled("kvpool_master_requests", "requests by op", ["op"],
+                        (([op.lower()], n) for op, n in snap.ops.items()))
+        yield _labelled("kvpool_master_key_ops", "per-key operations (batch items count)",
+                        ["op"], (([op.lower()], n) for op, n in snap.key_ops.items()))
+        yield _labelled("kvpool_master_errors", "error results by op and code", ["op", "code"],
+                        (([op.lower(), code], n) for (op, code), n in snap.errors.items()))
+        yield from _scalars(_DIRECTORY, st)
         tier = st.tiering  # SSD tier
-        c = CounterMetricFamily("kvpool_master_tier_events",
-                                "SSD tier: copy tasks and file segments, by event",
-                                labels=["event"])
-        for name, n in tier.items():
-            if name not in _TIER_GAUGES:
-                c.add_metric([name], n)
-        yield c
-        yield GaugeMetricFamily("kvpool_master_tier_tasks_inflight", "tier copy tasks in flight",
-                                value=tier.get("tier_tasks_inflight", 0))
-        yield GaugeMetricFamily("kvpool_master_tier_inflight_bytes",
-                                "bytes of tier tasks in flight",
-                                value=tier.get("tier_inflight_bytes", 0))
-        yield GaugeMetricFamily("kvpool_master_file_segments_awaiting",
-                                "file segments kept for an owner that left (warm restart)",
-                                value=tier.get("file_segments_awaiting", 0))
-        yield CounterMetricFamily("kvpool_master_curve_denied",
-                                  "CURVE handshakes refused by the ZAP allow-list",
-                                  value=st.curve_denied)
-        yield CounterMetricFamily("kvpool_master_snapshots", "snapshots written",
-                                  value=st.snapshots)
-        yield GaugeMetricFamily("kvpool_master_snapshot_duration_seconds",
-                                "duration of the last snapshot (child, wall)",
-                                value=st.last_snapshot_duration_s)
-        yield GaugeMetricFamily("kvpool_master_snapshot_pause_seconds",
-                                "loop pause to start the last snapshot",
-                                value=st.last_snapshot_pause_ms / 1000)
-        yield GaugeMetricFamily("kvpool_master_max_loop_seconds", "longest loop iteration",
-                                value=st.max_loop_ms / 1000)
+        yield _labelled("kvpool_master_tier_events",
+                        "SSD tier: copy tasks and file segments, by event", ["event"],
+                        (([name], n) for name, n in tier.items() if name not in _TIER_GAUGES))
+        for name, text, key in _TIER:
+            yield GaugeMetricFamily(name, text, value=tier.get(key, 0))
+        yield from _scalars(_LOOP, st)
         if snap.ha is not None:
             yield from _ha_metrics(snap.ha)
         ev = snap.events  # object events (docs/events.md); absent when off
@@ -167,32 +190,11 @@ def _ha_metrics(ha: HaStats) -> Iterator[Metric]:
     for role in _HA_ROLES:
         g.add_metric([role], 1 if ha.role == role else 0)
     yield g
-    yield GaugeMetricFamily("kvpool_master_ha_fenced",
-                            "1 while elected but past the fencing deadline (lease unconfirmed: "
-                            "writes refused, mutating timers paused)",
-                            value=1 if ha.fenced else 0)
-    yield GaugeMetricFamily("kvpool_master_ha_writes_refused",
-                            "1 while serving but refusing writes (fenced, or fewer in-sync "
-                            "standbys than sync_standbys for sync_timeout_s)",
-                            value=1 if ha.writes_refused else 0)
-    yield GaugeMetricFamily("kvpool_master_ha_eligible",
-                            "1 if this instance may be elected (in the in-sync set)",
-                            value=1 if ha.eligible else 0)
-    yield GaugeMetricFamily("kvpool_master_ha_epoch", "epoch of the term this instance knows of",
-                            value=ha.epoch)
-    yield GaugeMetricFamily("kvpool_master_ha_lsn", "last journal position this instance holds",
-                            value=ha.lsn)
-    yield CounterMetricFamily("kvpool_master_ha_promotions", "times this instance became leader",
-                              value=ha.promotions)
-    yield CounterMetricFamily("kvpool_master_ha_demotions", "times this instance was deposed",
-                              value=ha.demotions)
+    for family, name, text, field in _HA:
+        yield family(name, text, value=int(getattr(ha, field)))
     if ha.acked_lsn is not None:  # leader
-        yield GaugeMetricFamily("kvpool_master_ha_acked_lsn",
-                                "leader: last position every in-sync standby holds",
-                                value=ha.acked_lsn)
-        yield GaugeMetricFamily("kvpool_master_ha_in_sync_standbys",
-                                "leader: standbys in the in-sync set",
-                                value=ha.in_sync or 0)
+        for family, name, text, field in _HA_LEADER:
+            yield family(name, text, value=getattr(ha, field) or 0)
         lag = GaugeMetricFamily("kvpool_master_ha_standby_lag",
                                 "leader: records a standby has not acknowledged",
                                 labels=["standby", "state"])

@@ -83,7 +83,7 @@ class MasterServer:
         gc.disable()
         try:
             self.dir: Directory = self.durability.restore(
-                lambda: Directory(cfg, policy=self.tiering))
+                lambda: Directory(cfg, hooks=self.tiering))
             self.durability.load_keys(self.signer, self.dir.segments)
         finally:
             gc.enable()
@@ -162,7 +162,7 @@ class MasterServer:
         ha = self.ha
 
         def take() -> MasterStats:
-            return MasterStats(h.stats(), h.list_segments().segments, dict(c.ops),
+            return MasterStats(h.admin.stats(), h.segments.list_segments().segments, dict(c.ops),
                                dict(c.key_ops), dict(c.errors), self.port,
                                self.events.stats() if self.events is not None else {},
                                ha.stats() if ha is not None else None)
@@ -188,7 +188,7 @@ class MasterServer:
     def _setup_ha(self) -> None:
         cfg = self.cfg
         self.ha = ha = HaNode(cfg, self.port, self.metrics_port, self.signer,
-                              lambda: Directory(cfg, policy=self.tiering), self.ctx)
+                              lambda: Directory(cfg, hooks=self.tiering), self.ctx)
         self.durability.add_frame_listener(ha.on_commit)
         save = self.info.save_keys
 
@@ -430,7 +430,8 @@ class MasterServer:
             # held replies wait for acks, which wake the poll; the timeout only
             # bounds how late a fencing deadline or a change of the in-sync set
             # is seen while they wait
-            timeout = 0 if (timers and (d.purge_pending or d.evicting)) or durability.busy \
+            timeout = 0 if (timers and (d.objects.purge_pending or d.evictor.evicting)) \
+                or durability.busy \
                 else _HELD_POLL_MS if held \
                 else _LAZY_POLL_MS if source is not None and source.lazy_due else 50
             events = None
@@ -496,17 +497,17 @@ class MasterServer:
                 continue
             next_full = now + _FULL_TURN_S
             if unfenced():
-                if d.purge_pending:
+                if d.objects.purge_pending:
                     d.purge_step(self.cfg.purge_slice)
-                if d.evicting:
-                    d.evict_step()
+                if d.evictor.evicting:
+                    d.evictor.step()
                 if now >= next_expiry:
                     next_expiry = now + 0.1
-                    d.expire_step()
+                    d.liveness.expire_step()
                     self.tiering.tick(d)  # tier task deadlines, kept file segments
                 if now >= next_sweep:
                     next_sweep = now + 1.0
-                    d.sweep_pending()
+                    d.writes.sweep()
                     durability.prune_keys(self.signer, d.segments)
             if now >= next_freeze:
                 next_freeze = now + 1.0

@@ -4,7 +4,7 @@ into the master's event loop (docs/ha.md).
 :class:`HaNode` is created by :class:`kvpool.master.server.MasterServer`
 when ``MasterConfig.etcd`` is set. The server's loop then alternates:
 
-- **follower**: a :class:`~.replication.ReplicaSink` follows the leader
+- **follower**: a :class:`~.sink.ReplicaSink` follows the leader
   named in etcd and applies its journal batches to a directory held in
   memory; every client request is answered ``NOT_LEADER`` (the message
   names the leader's address and epoch). No timer mutates the directory.
@@ -48,18 +48,15 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.etcd import LeaderInfo, MemberInfo, parse_etcd_url
 from kvpool.core.protocol import Op, encode_error, peek_id
 from kvpool.master.config import MasterConfig, ReplicationTransport
-from kvpool.master.directory import SOFT_PIN, Directory, Rec
+from kvpool.master.directory import SOFT_PIN, Directory
 from kvpool.master.durability import StreamPosition
 from kvpool.master.ha.election import ElectionConfig, Elector, Role, SyncWriter
-from kvpool.master.ha.replication import (
-    ReplicaSink,
-    ReplicaStore,
-    ReplicationLog,
-    ReplicationSource,
-    SinkState,
-    promote_directory,
-)
+from kvpool.master.ha.in_sync import InSyncSet
+from kvpool.master.ha.replication import ReplicationLog
+from kvpool.master.ha.sink import ReplicaSink, ReplicaStore, SinkState, promote_directory
+from kvpool.master.ha.source import ReplicationSource
 from kvpool.master.ha.transport import SOCKET_SCHEME, listen_tcp
+from kvpool.master.records import DirRecord, Put
 from kvpool.master.stats import HaStandbyStats, HaStats
 
 __all__ = ["KEYS_RECORD", "SOFT_PINS_RECORD", "HaNode"]
@@ -79,13 +76,11 @@ _WRITES = frozenset(int(o) for o in (
     Op.BATCH_PUT_END, Op.BATCH_PUT_COMMIT,
     Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE, Op.BATCH_UPSERT_START, Op.BATCH_REPLICA_CLEAR,
     Op.TIER_TASK_DONE, Op.CREATE_COPY_TASK, Op.CREATE_MOVE_TASK))
-_REC_PUT = int(Rec.PUT)
 _REBIND_S = 2.0  # how long promote waits for the replication port to be free
 _RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hello again
-_SYNC_RETRY_S = 0.1  # after a failed write of the in-sync set, the next one waits this long
 #: batches for a standby outside the in-sync set are sent together, at most this
 #: long after the first (ReplicationSource.lazy_send_s): such a standby wakes
-#: once for several; it acks lazily within as long (replication._LAZY_ACK_S)
+#: once for several; it acks lazily within as long (sink.LAZY_ACK_S)
 LAZY_SEND_S = 0.01
 
 
@@ -146,8 +141,9 @@ class HaNode:
         self.elector.member_ready = self._holds_replicated_state
         # writes the in-sync set off the loop thread (the loop never waits on etcd)
         self.sync_writer = SyncWriter(self.elector.cfg, self.me.instance_id)
-        self.sync_standbys = cfg.sync_standbys
-        self.sync_timeout_s = cfg.sync_timeout_s
+        #: leader: the in-sync set (replies wait for its acks)
+        self.in_sync = InSyncSet(self.sync_writer, self.me.instance_id, cfg.sync_standbys,
+                                 cfg.sync_timeout_s)
         self.log = ReplicationLog()
         self.sink: ReplicaSink | None = None
         self.source: ReplicationSource | None = None
@@ -163,28 +159,12 @@ class HaNode:
         self._pending: collections.deque[tuple[int, int]] = collections.deque()
         self._released = 0
         self._next_sync_check = 0.0
-        self._next_join_wait = 0.0
-        # leader: since when the in-sync set is short of sync_standbys (0: it is
-        # not); short for sync_timeout_s -> writes are refused, not held
-        self._short_since = 0.0
-        self.sync_short = False
         # refusal replies made since the loop last took them: they reveal no
         # state, so they leave at once instead of queueing behind held replies
         self.refusals: list[bytes] = []
         # each standby's session object as last seen: a new one is a (re)join
         self._standbys_seen: dict[str, object] = {}
         self._sessions_seen = -1  # ReplicationSource.sessions when last looked at
-        # leader: the in-sync set as etcd may hold it. ``_sync_confirmed``: the
-        # set of this term's last write that succeeded (None: none yet);
-        # ``_sync_uncertain``: sets written since whose outcome is unknown (the
-        # one in flight, failed ones: a timed-out txn may have been applied).
-        # Replies wait for every standby of any of them (``source.sync_members``,
-        # the union); those of the confirmed set count toward sync_standbys.
-        self._sync_confirmed: frozenset[str] | None = None
-        self._sync_uncertain: list[frozenset[str]] = []
-        self._sync_count = 0
-        self._counted: frozenset[str] = frozenset()
-        self._next_sync_write = 0.0
         self.promotions = 0
         self.demotions = 0
 
@@ -345,26 +325,20 @@ class HaNode:
         # copying any object, so every object counts as leased for one lease TTL
         # (the old leader granted its last lease before its fencing deadline,
         # which passed before this election)
-        d.lease_grace_until = d.clock() + d.lease_s
+        d.objects.lease_grace_until = d.clock() + d.lease_s
         self.epoch = st.epoch
         self.source = self._bind_source(d, st.epoch)
         self._pending.clear()
         self._released = 0
-        self._short_since = time.monotonic()  # the set starts empty: standbys join
-        self.sync_short = False
+        self.in_sync.reset(st.epoch)  # the set starts empty: standbys join
         self._standbys_seen = {}
         self._sessions_seen = -1
-        self._sync_confirmed = None
-        self._sync_uncertain = []
-        self._sync_count = 0
-        self._counted = frozenset()
-        self._next_sync_write = 0.0
         self.keys_dirty = True
         self.promotions += 1
         self.serving = True
         # name this term in the set at once (only this instance eligible until
         # standbys join); the write goes on in the background
-        self._submit_sync(self.source, frozenset())
+        self.in_sync.submit(self.source, frozenset())
         return d
 
     def _bind_source(self, d: Directory, epoch: int) -> ReplicationSource:
@@ -399,7 +373,7 @@ class HaNode:
         node = self
 
         def guarded(payload: bytes) -> bytes:
-            if may() and not node.sync_short:
+            if may() and not node.in_sync.short:
                 return handle(payload)
             # [op, id, args]: a fixarray of 3 whose first item is a positive fixint
             if len(payload) > 1 and payload[0] == 0x93 and payload[1] in _WRITES:
@@ -437,14 +411,14 @@ class HaNode:
             return None
         if not self.elector.may_acknowledge():
             return "lease unconfirmed: etcd unreachable"
-        if self.sync_short:
+        if self.in_sync.short:
             return "no standby in sync"
         return None
 
     def set_released(self, commit_no: int) -> None:
         self._released = commit_no
 
-    def on_commit(self, records: list[list[Any]], frames: bytes, commit_no: int) -> None:
+    def on_commit(self, records: list[DirRecord], frames: bytes, commit_no: int) -> None:
         """Frame listener: ship the group commit (``frames``: the bytes the
         journal wrote for ``records``, sent as they are) to the standbys."""
         src = self.source
@@ -456,7 +430,7 @@ class HaNode:
             extras.append([KEYS_RECORD, self.signer.keys()])
         d = src.dir
         if d.soft_until:  # none soft-pinned: no PUT record can carry the flag
-            pinned = [r[1] for r in records if r[0] == _REC_PUT and r[3] & SOFT_PIN]
+            pinned = [r.key for r in records if type(r) is Put and r.flags & SOFT_PIN]
             if pinned:
                 extras.append(self._soft_pins(d, pinned))
         lsn = src.publish(records, extras, frames)
@@ -479,9 +453,10 @@ class HaNode:
         src = self.source
         if src is None:
             return None
-        if self.sync_standbys <= 0:
+        in_sync = self.in_sync
+        if in_sync.want <= 0:
             return src.last_lsn
-        if self._sync_count < self.sync_standbys:
+        if in_sync.count < in_sync.want:
             return None
         return src.acked_lsn()
 
@@ -524,18 +499,13 @@ class HaNode:
         if src.sessions != self._sessions_seen:
             self._sessions_seen = src.sessions
             self._check_joined(src)
+        in_sync = self.in_sync
         if self.sync_writer.busy:
-            self._sync_written(src)
+            in_sync.written(src)
         if now >= self._next_sync_check and st.role is Role.LEADER:
             self._next_sync_check = now + 0.02
-            self._maintain_sync(src)
-        if self._sync_count >= self.sync_standbys:
-            self._short_since = 0.0
-            self.sync_short = False
-        elif not self._short_since:
-            self._short_since = now
-        else:
-            self.sync_short = now - self._short_since >= self.sync_timeout_s
+            in_sync.maintain(src)
+        in_sync.track(now)
         return True
 
     def _check_joined(self, src: ReplicationSource) -> None:
@@ -552,94 +522,7 @@ class HaNode:
                     recs.append([KEYS_RECORD, self.signer.keys()])
                 src.publish([], recs)
             self._standbys_seen = dict(standbys)
-            self._flag_in_sync(src)
-
-    def _maintain_sync(self, src: ReplicationSource) -> None:
-        """Start the write of the in-sync set this leader wants, if it differs
-        from what etcd may hold: without the standbys that lag, plus caught-up
-        ones while it is short. Never waits on etcd (:class:`SyncWriter`)."""
-        if self.sync_writer.busy or time.monotonic() < self._next_sync_write:
-            return
-        target = set(src.sync_members) - set(src.lagging(self.sync_timeout_s))
-        if len(target) < self.sync_standbys:
-            candidates = [sid for sid, sb in src.standbys.items()
-                          if sid not in src.sync_members
-                          and sb.status.state.value == "streaming"]
-            if candidates:
-                target.update(self._caught_up(src)[:self.sync_standbys - len(target)])
-        want = frozenset(target)
-        if want != self._sync_confirmed or self._sync_uncertain:
-            self._submit_sync(src, want)
-
-    def _caught_up(self, src: ReplicationSource) -> list[str]:
-        caught = src.caught_up()
-        if not caught and time.monotonic() >= self._next_join_wait:
-            self._next_join_wait = time.monotonic() + 0.5  # at most 10 % of the loop
-            src.flush_lazy()  # what it was not sent yet, it cannot ack
-            # under load a standby is always one batch behind: give it a moment
-            # with no new batches (bounded) so it can be seen holding everything
-            deadline = time.monotonic() + 0.05
-            while not caught and time.monotonic() < deadline:
-                if src.wait(5):
-                    src.poll()
-                caught = src.caught_up()
-        return caught
-
-    def _submit_sync(self, src: ReplicationSource | None, members: frozenset[str]) -> None:
-        """Write ``members`` as the in-sync set (in the background). From now on
-        until a later write succeeds, replies also wait for the standbys it
-        adds: etcd may list them as soon as the txn reaches it."""
-        if src is None or not self.sync_writer.submit(self.epoch, members,
-                                                      self.sync_standbys <= 0):
-            return
-        if members not in self._sync_uncertain:  # retries while etcd is away: listed once
-            self._sync_uncertain.append(members)
-        self._reconcile_sync(src)
-
-    def _sync_written(self, src: ReplicationSource) -> None:
-        """Take the outcome of the write in flight (if it finished)."""
-        res = self.sync_writer.result()
-        if res is None or res.epoch != self.epoch:
-            return  # still writing, or a write of an earlier term (never applied)
-        if res.ok:
-            before = self._sync_confirmed or frozenset()
-            for sid in sorted(before - res.members):
-                log.warning("%s: standby %s dropped from the in-sync set", self.me.instance_id,
-                            sid)
-            for sid in sorted(res.members - before):
-                log.info("%s: standby %s joined the in-sync set", self.me.instance_id, sid)
-            self._sync_confirmed = res.members
-            self._sync_uncertain = []
-        else:
-            # it may have been applied: its set stays among the possible ones
-            log.warning("%s: cannot publish the in-sync set %s: %s", self.me.instance_id,
-                        sorted(res.members), res.error)
-            self._next_sync_write = time.monotonic() + _SYNC_RETRY_S
-        self._reconcile_sync(src)
-
-    def _reconcile_sync(self, src: ReplicationSource) -> None:
-        """``src.sync_members`` (whose acks replies wait for) := every standby
-        of a set etcd may hold. Those of the last confirmed set count toward
-        sync_standbys: a standby being added counts once etcd took it; one
-        whose removal is pending or failed counts (and is waited for) until
-        a removal succeeded, as it holds everything acknowledged meanwhile."""
-        confirmed = self._sync_confirmed or frozenset()
-        waited = set(confirmed)
-        for members in self._sync_uncertain:
-            waited |= members
-        for sid in waited - src.sync_members:
-            src.add_sync(sid)
-        for sid in src.sync_members - waited:
-            src.remove_sync(sid)
-        self._sync_count = len(confirmed)
-        self._counted = confirmed
-        self._flag_in_sync(src)
-
-    def _flag_in_sync(self, src: ReplicationSource) -> None:
-        """A standby reports ``in_sync`` only once etcd surely lists it."""
-        counted = self._counted
-        for sid, sb in src.standbys.items():
-            sb.status.in_sync = sid in counted
+            self.in_sync.flag(src)
 
     def demote(self, directory: Directory) -> ReplicaSink:
         """Deposed: stop serving, follow whoever leads (keeping our position)."""
@@ -668,7 +551,7 @@ class HaNode:
         if src is not None and serving:
             last = src.last_lsn
             acked_lsn = src.acked_lsn()
-            in_sync = self._sync_count
+            in_sync = self.in_sync.count
             standbys = tuple(
                 HaStandbyStats(s.instance_id, s.state.value, s.in_sync, s.acked_lsn, s.lag(last))
                 for s in src.status())
@@ -680,7 +563,7 @@ class HaNode:
             fenced=serving and st.role is Role.FENCED,
             # role, fenced and writes_refused from one state: past the deadline
             # state() says FENCED, by the clock check may_acknowledge() makes
-            writes_refused=serving and (st.role is not Role.LEADER or self.sync_short),
+            writes_refused=serving and (st.role is not Role.LEADER or self.in_sync.short),
             promotions=self.promotions,
             demotions=self.demotions, acked_lsn=acked_lsn, in_sync=in_sync, standbys=standbys,
             sink=sink.state.value if sink is not None else None,

@@ -39,6 +39,7 @@ from typing import Any, Protocol, cast
 import zmq
 
 from kvpool.core.auth import CurveAuthenticator, CurveConfig
+from kvpool.master.sockio import recv_some, send_some
 
 __all__ = [
     "SOCKET_SCHEME",
@@ -366,14 +367,10 @@ class SocketLeader:
     def _flush(self, p: _Peer) -> None:
         out = p.outbuf
         view = memoryview(out)[p.outpos:]
-        try:
-            sent = p.sock.send(view)
-        except (BlockingIOError, InterruptedError):
+        sent = send_some(p.sock, view)
+        view.release()  # the bytearray may be resized again
+        if not sent:
             return
-        except OSError:
-            sent = -1
-        finally:
-            view.release()  # the bytearray may be resized again
         if sent < 0:
             self.drop(p)
             return
@@ -410,12 +407,9 @@ class SocketLeader:
         return out
 
     def _read(self, p: _Peer, out: list[tuple[Any, bytes]]) -> None:
-        try:
-            got = p.sock.recv_into(self._rbuf)
-        except (BlockingIOError, InterruptedError):
+        got = recv_some(p.sock, self._rbuf)
+        if got < 0:
             return
-        except OSError:
-            got = 0
         if not got:
             self.drop(p)
             return
@@ -507,14 +501,11 @@ class SocketStandby:
         out = self._out
         if not out or self.dropped:
             return
-        try:
-            sent = self.sock.send(out)
-        except (BlockingIOError, InterruptedError):
-            return  # not connected yet, or the kernel's buffer is full: next poll
-        except OSError:
+        sent = send_some(self.sock, out)
+        if sent < 0:
             self._drop()
             return
-        del out[:sent]
+        del out[:sent]  # (0: not connected yet, or the kernel's buffer is full)
 
     def recv(self) -> list[bytes] | None:
         if self._out:
@@ -525,12 +516,9 @@ class SocketStandby:
         if self.dropped:
             return None
         while True:
-            try:
-                got = self.sock.recv_into(self._rbuf)
-            except (BlockingIOError, InterruptedError):
+            got = recv_some(self.sock, self._rbuf)
+            if got < 0:
                 return None
-            except OSError:
-                got = 0
             if not got:
                 self._drop()
                 return None

@@ -1,6 +1,6 @@
 """Unit: the one-pass batch paths of the directory (put_start_many,
-put_end_many, exist_many, get_replicas_many and the batch_get_replica_list
-handler over it) give exactly what the per-key methods give, and
+commit_many, exist_many, get_replicas_many and the batch_get_replica_list
+handler over it) give exactly what the same ops give key by key, and
 the journal's batch frames read back as the records they hold; the
 allocator's in-place reserve matches allocate.
 
@@ -38,6 +38,7 @@ from kvpool.core.protocol import (
 from kvpool.master.allocator import Allocator
 from kvpool.master.config import FsyncPolicy, MasterConfig
 from kvpool.master.directory import Directory, Obj, Pending
+from kvpool.master.grants import replica_descriptors
 from kvpool.master.handlers import OpHandlers
 from kvpool.master.journal import Journal, frame, read_journal
 from kvpool.master.tiering import TieringConfig, TieringPolicy
@@ -50,7 +51,8 @@ MAX_SIZE = 1 << 20
 def make(segments: int, seg_size: int) -> tuple[Directory, Clock]:
     clock = Clock()
     cfg = MasterConfig(eviction_high_watermark=0.9, eviction_ratio=0.2,
-                       put_start_discard_timeout_s=5.0)
+                       put_start_discard_timeout_s=5.0, max_key_length=MAX_KEY,
+                       max_object_size=MAX_SIZE)
     d = Directory(cfg, clock=clock)
     for i in range(segments):
         d.mount("c1", SegmentDescriptor(f"s{i}", "c1", "h", SegmentKind.MEMORY, seg_size,
@@ -61,7 +63,7 @@ def make(segments: int, seg_size: int) -> tuple[Directory, Clock]:
 
 def per_key_start(d: Directory, client: str, keys: list[str], sizes: list[int]
                   ) -> tuple[list[int], list[Any]]:
-    """What batch_put_start did before put_start_many: validate, then put_start."""
+    """Key by key: validate, then put_start (a batch of one)."""
     codes: list[int] = []
     out: list[Any] = []
     for key, size in zip(keys, sizes, strict=True):
@@ -82,7 +84,7 @@ def batch_start(d: Directory, client: str, keys: list[str], sizes: list[int]
                 ) -> tuple[list[int], list[Any]]:
     codes = [0] * len(keys)
     out: list[Any] = [None] * len(keys)
-    d.put_start_many(client, keys, sizes, MAX_KEY, MAX_SIZE, codes, out)
+    d.writes.put_start_many(client, keys, sizes, codes, out)
     return codes, out
 
 
@@ -106,7 +108,8 @@ def state(d: Directory) -> dict[str, Any]:
                    s.alloc._by_size) for s in d.segments.values()}
     return {"objects": objs, "lru": lru, "pending": pending, "segments": segs,
             "clients": dict(d.clients), "pool_used": dict(d.pool_used),
-            "evictions": d.evictions, "preemptions": d.preemptions, "held": len(d._held)}
+            "evictions": d.evictor.evictions, "preemptions": d.writes.preemptions,
+            "held": len(d.writes._held)}
 
 
 @pytest.mark.parametrize("segments", [4, 1])
@@ -140,13 +143,13 @@ def test_batch_paths_match_per_key_paths(seed: int, segments: int) -> None:
         # end most of them (some by another client, some twice), leave some in flight
         ends = [k for k in keys if rng.random() < 0.8] + [rng.choice(names)] + upserts
         end_client = client if rng.random() < 0.85 else "c3"
-        assert per_key_end(a, end_client, ends) == b.put_end_many(end_client, ends, MAX_KEY)
+        assert per_key_end(a, end_client, ends) == b.writes.commit_many(end_client, ends)
         assert a.records == b.records, step
         a.records.clear()
         b.records.clear()
         probe = [rng.choice(names) for _ in range(20)] + ["", "y" * (MAX_KEY + 1)]
-        found_a = [a.exist(k) if k and len(k) <= MAX_KEY else False for k in probe]
-        codes_b, found_b = b.exist_many(probe, MAX_KEY)
+        found_a = [a.reads.exist_many([k])[1][0] for k in probe]  # key by key
+        codes_b, found_b = b.reads.exist_many(probe)
         assert found_a == found_b
         assert codes_b == [0 if k and len(k) <= MAX_KEY else int(ErrorCode.INVALID_KEY)
                            for k in probe]
@@ -154,7 +157,7 @@ def test_batch_paths_match_per_key_paths(seed: int, segments: int) -> None:
         # time passes: in-flight puts of the past become preemptible
         ca.t += rng.choice([0.0, 1.0, 6.0])
         cb.t = ca.t
-    assert a.evictions > 0 and a.preemptions > 0  # the general paths were exercised
+    assert a.evictor.evictions > 0 and a.writes.preemptions > 0  # the general paths were exercised
 
 
 def test_put_start_many_picks_the_most_free_segment_like_put_start() -> None:
@@ -196,7 +199,7 @@ def test_put_start_many_plans_runs_over_several_segments_like_put_start(seed: in
             assert placement(got_a[1]) == placement(got_b[1]), step
             planned += sum(1 for r in got_b[1] if r is not None)
             ends = [k for k in keys if rng.random() < 0.7]
-            assert per_key_end(a, "c1", ends) == b.put_end_many("c1", ends, MAX_KEY)
+            assert per_key_end(a, "c1", ends) == b.writes.commit_many("c1", ends)
             # free some stored objects: holes in the segments
             for k in [k for k in list(a.objects)[:200] if rng.random() < 0.3]:
                 for d in (a, b):
@@ -233,13 +236,14 @@ def test_journal_batch_frames_and_legacy_record_frames(tmp_path: Path) -> None:
     path = str(tmp_path / "journal-000000000001.log")
     records, torn = read_journal(path)
     assert not torn
-    assert records == [legacy, *batch1, *big]
+    assert msgspec.to_builtins(records) == [legacy, *batch1, *big]
     # a torn batch frame drops that whole group commit, nothing before it
     size = (tmp_path / "journal-000000000001.log").stat().st_size
     with open(path, "r+b") as f:
         f.truncate(size - 3)
     records, torn = read_journal(path)
-    assert torn and records[:6] == [legacy, *batch1] and len(records) < 6 + len(big)
+    assert torn and msgspec.to_builtins(records[:6]) == [legacy, *batch1]
+    assert len(records) < 6 + len(big)
     assert (len(records) - 6) % 4096 == 0  # whole frames only
 
 
@@ -314,7 +318,7 @@ def make_handlers(caps: bool = True) -> tuple[OpHandlers, Clock]:
     cfg = MasterConfig(eviction_high_watermark=0.9, eviction_ratio=0.2,
                        put_start_discard_timeout_s=5.0, max_key_length=MAX_KEY)
     policy = TieringPolicy(TieringConfig(promote_after_hits=1), clock=clock)
-    d = Directory(cfg, clock=clock, policy=policy)
+    d = Directory(cfg, clock=clock, hooks=policy)
     signer = CapabilitySigner(cfg.lease_ttl_ms)
     for sid, kind, size in (("m0", MEM, 1 << 20), ("m1", MEM, 1 << 20), ("m2", MEM, 1 << 20),
                             ("f0", FILE, 8 << 20)):
@@ -328,11 +332,11 @@ def make_handlers(caps: bool = True) -> tuple[OpHandlers, Clock]:
 
 
 def per_key_get(h: OpHandlers, keys: list[str]) -> BatchGetReplicaListReply:
-    """What batch_get_replica_list did before get_replicas_many: get_replicas,
-    the disk-hit hook and the reply of each key in turn."""
+    """Key by key: get_replicas (a batch of one), the disk-hit hook and the
+    reply of each key in turn."""
     d = h.dir
     segs: dict[str, SegmentDescriptor] = {}
-    grants = h._grants(int(CapOp.READ))
+    grants = h.reads.granter.grants(int(CapOp.READ))
     codes, sizes = [0] * len(keys), [0] * len(keys)
     out: list[list[ReplicaDescriptor]] = [[] for _ in keys]
     checksums: list[Any] = [None] * len(keys)
@@ -349,7 +353,7 @@ def per_key_get(h: OpHandlers, keys: list[str]) -> BatchGetReplicaListReply:
         checksums[i] = obj.checksum
         if reps[0].kind is FILE:
             h.tiering.on_disk_hit(d, key, obj, reps)
-        out[i] = h._replicas(reps, obj.size, ReplicaStatus.COMPLETE, segs, grants)
+        out[i] = replica_descriptors(reps, obj.size, ReplicaStatus.COMPLETE, segs, grants)
     return BatchGetReplicaListReply(
         codes, sizes, out, h.cfg.lease_ttl_ms,
         checksums if any(c is not None for c in checksums) else [], segs, grants.sign())
@@ -409,7 +413,7 @@ def test_batch_get_replica_list_matches_per_key_path(seed: int) -> None:
     for step in range(80):
         if step == 30:  # a segment's owner goes silent: its replicas are suspect
             for h in (a, b):
-                h.dir._suspend(h.dir.segments["m1"])
+                h.dir.segtab.suspend(h.dir.segments["m1"])
         if step == 50:  # a segment is dropped: its replicas are dead until purged
             for h in (a, b):
                 h.dir.drop_segment(h.dir.segments["m2"], "test")
@@ -421,14 +425,14 @@ def test_batch_get_replica_list_matches_per_key_path(seed: int) -> None:
         if rng.random() < 0.2:
             keys.append("never-put")
         got_a = reply_view(per_key_get(a, keys))
-        got_b = reply_view(b.batch_get_replica_list(BatchGetReplicaList(keys)))
+        got_b = reply_view(b.reads.batch_get_replica_list(BatchGetReplicaList(keys)))
         assert got_a == got_b, step
         assert read_state(a) == read_state(b), step
         ca.t += rng.choice([0.0, 0.5, 3.0, 40.0])  # leases run out, groups renew
         cb.t = ca.t
         if rng.random() < 0.3:
             for h in (a, b):
-                h.dir.evict_step()
+                h.dir.evictor.step()
     # the unusual paths were exercised
     st = read_state(b)
     assert st["tier"].get("promote_started", 0) > 0
@@ -445,9 +449,9 @@ def test_get_replicas_many_stops_at_each_disk_hit() -> None:
     keys = ["m", "f", "", "missing", "g1", "f"]
     n = len(keys)
     codes, objs, reps = [0] * n, [None] * n, [None] * n
-    assert d.get_replicas_many(keys, 0, MAX_KEY, codes, objs, reps) == 1
-    assert d.get_replicas_many(keys, 2, MAX_KEY, codes, objs, reps) == 5
-    assert d.get_replicas_many(keys, 6, MAX_KEY, codes, objs, reps) == n
+    assert d.reads.get_replicas_many(keys, 0, codes, objs, reps) == 1
+    assert d.reads.get_replicas_many(keys, 2, codes, objs, reps) == 5
+    assert d.reads.get_replicas_many(keys, 6, codes, objs, reps) == n
     assert codes == [0, 0, int(ErrorCode.INVALID_KEY), int(ErrorCode.OBJECT_NOT_FOUND), 0, 0]
     assert objs[2] is None and objs[3] is None and reps[2] is None and reps[3] is None
     assert all(objs[i] is d.objects[keys[i]] for i in (0, 1, 4, 5))
@@ -462,7 +466,7 @@ def test_get_replicas_many_stops_at_each_disk_hit() -> None:
 @pytest.mark.parametrize("caps", [True, False])
 def test_single_key_replies_match_the_general_grant_path(caps: bool) -> None:
     """PUT_START and GET_REPLICA_LIST of one key sign their one replica
-    directly: the reply is what _replicas and _Grants.sign make."""
+    directly: the reply is what replica_descriptors and Grants.sign make."""
     a, _ = make_handlers(caps)
     b, _ = make_handlers(caps)
     names = [f"key-{i:03d}" for i in range(60)]
@@ -475,7 +479,7 @@ def test_single_key_replies_match_the_general_grant_path(caps: bool) -> None:
         if key.startswith("key"):
             code_a, val_a = a.dir.get_replicas(key)
             try:
-                got_b: Any = b.get_replica_list(GetReplicaList(key))
+                got_b: Any = b.reads.get_replica_list(GetReplicaList(key))
             except KVPoolError as exc:
                 assert exc.code == code_a != 0
                 continue
@@ -484,19 +488,19 @@ def test_single_key_replies_match_the_general_grant_path(caps: bool) -> None:
             if reps[0].kind is FILE:
                 a.tiering.on_disk_hit(a.dir, key, obj, reps)
             segs: dict[str, SegmentDescriptor] = {}
-            grants = a._grants(int(CapOp.READ))
+            grants = a.reads.granter.grants(int(CapOp.READ))
             want: Any = GetReplicaListReply(
                 obj.size, a.cfg.lease_ttl_ms,
-                a._replicas(reps, obj.size, ReplicaStatus.COMPLETE, segs, grants),
+                replica_descriptors(reps, obj.size, ReplicaStatus.COMPLETE, segs, grants),
                 obj.checksum, segs, grants.sign())
         else:
             code, p = a.dir.put_start("c1", key, 4096)
             assert code == 0
             segs = {}
-            grants = a._grants(int(CapOp.WRITE))
-            want = PutStartReply(a._replicas(p.replicas, 4096, ReplicaStatus.PROCESSING,
+            grants = a.writes.granter.grants(int(CapOp.WRITE))
+            want = PutStartReply(replica_descriptors(p.replicas, 4096, ReplicaStatus.PROCESSING,
                                              segs, grants), segs, grants.sign())
-            got_b = b.put_start(PutStart(client_id="c1", key=key, size=4096))
+            got_b = b.writes.put_start(PutStart(client_id="c1", key=key, size=4096))
         assert reply_view(got_b) == reply_view(want), key
         assert bool(want.caps) == caps
     assert read_state(a) == read_state(b)

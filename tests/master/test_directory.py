@@ -13,8 +13,8 @@ import pytest
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import SegmentKind
 from kvpool.master.config import MasterConfig
-from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, EvictionPolicy, Obj, SegState
-from support.directory import FILE, MEM, make, mount, put, seg_ids
+from kvpool.master.directory import HARD_PIN, SOFT_PIN, Directory, Obj, SegState, TierHooks
+from support.directory import FILE, MEM, make, mount, put, reserve, seg_ids
 
 
 def test_put_get_lifecycle_and_errors() -> None:
@@ -29,9 +29,9 @@ def test_put_get_lifecycle_and_errors() -> None:
     assert d.put_start("c1", "k", 100)[0] == ErrorCode.OBJECT_ALREADY_EXISTS
     code, (obj, reps) = d.get_replicas("k")
     assert code == 0 and obj.size == 100 and reps[0].id == "s1"
-    assert d.get_size("k") == (ErrorCode.OK, 100)
+    assert d.reads.sizes_many(["k"]) == ([0], [100])
     assert d.get_replicas("nope")[0] == ErrorCode.OBJECT_NOT_FOUND
-    assert d.put_revoke("c1", "nope") == ErrorCode.OBJECT_NOT_FOUND
+    assert d.writes.revoke_many("c1", ["nope"])[0] == ErrorCode.OBJECT_NOT_FOUND
 
 
 def test_revoke_frees_space_once_no_late_write_can_land() -> None:
@@ -39,14 +39,14 @@ def test_revoke_frees_space_once_no_late_write_can_land() -> None:
     mount(d, "s1", 4096)
     assert d.put_start("c1", "a", 4096)[0] == 0
     assert d.put_start("c1", "b", 64)[0] == ErrorCode.NO_AVAILABLE_HANDLE
-    assert d.put_revoke("c1", "a") == 0
+    assert d.writes.revoke_many("c1", ["a"])[0] == 0
     # the revoked writer's WRITE capability is still valid: a write of it that
     # is late (a stalled peer, a copy thread) must not land in another object
-    d.sweep_pending()
+    d.writes.sweep()
     assert d.pool_used[MEM] == 4096 and d.stats()["held_puts"] == 1
     assert d.put_start("c1", "b", 64)[0] == ErrorCode.NO_AVAILABLE_HANDLE
-    clock.t += d.write_window_s
-    d.sweep_pending()
+    clock.t += d.writes.write_window_s
+    d.writes.sweep()
     assert d.pool_used[MEM] == 0 and d.stats()["held_puts"] == 0
     assert d.put_start("c1", "b", 4096)[0] == 0
 
@@ -55,9 +55,9 @@ def test_space_of_a_put_abandoned_long_ago_is_freed_at_once() -> None:
     d, clock = make(put_start_discard_timeout_s=1.0, put_start_release_timeout_s=5.0)
     mount(d, "s1", 4096)
     assert d.put_start("c1", "a", 4096)[0] == 0
-    clock.t += d.write_window_s  # the writer's capability is long expired
+    clock.t += d.writes.write_window_s  # the writer's capability is long expired
     assert d.put_start("c2", "a", 4096)[0] == 0  # preempted: its space reused at once
-    assert d.preemptions == 1
+    assert d.writes.preemptions == 1
 
 
 def test_replicas_on_distinct_segments_best_effort() -> None:
@@ -102,9 +102,9 @@ def test_lease_blocks_remove_unless_forced_and_expires() -> None:
     assert put(d, "k", 10) == 0
     assert d.remove("k") == 0  # never read: no lease
     assert put(d, "k", 10) == 0
-    assert d.exist("k") is True
+    assert d.reads.exist_many(["k"])[1][0] is True
     assert d.remove("k") == ErrorCode.OBJECT_HAS_LEASE
-    assert d.lease_refusals == 1
+    assert d.removal.lease_refusals == 1
     clock.t += 1.5
     assert d.get_replicas("k")[0] == 0  # renews the lease
     assert d.remove("k") == ErrorCode.OBJECT_HAS_LEASE
@@ -121,13 +121,13 @@ def test_inflight_put_preempted_after_discard_timeout() -> None:
     assert d.put_start("w2", "k", 100)[0] == ErrorCode.OBJECT_ALREADY_EXISTS
     clock.t += 4
     assert d.put_start("w2", "k", 100)[0] == 0
-    assert d.preemptions == 1
+    assert d.writes.preemptions == 1
     assert d.put_end("w1", "k") == ErrorCode.INVALID_WRITE  # the old writer lost it
     assert d.put_end("w2", "k") == 0
     # w1 may still be writing with its capability: its space is held till that ends
     assert d.pool_used[MEM] == 256
-    clock.t = 1000.0 + d.write_window_s
-    d.sweep_pending()
+    clock.t = 1000.0 + d.writes.write_window_s
+    d.writes.sweep()
     assert d.pool_used[MEM] == 128
 
 
@@ -138,12 +138,12 @@ def test_eviction_watermark_respects_leases_and_pins() -> None:
         flags = HARD_PIN if i < 5 else (SOFT_PIN if i < 10 else 0)
         assert put(d, f"k{i}", 64, flags=flags) == 0
     for i in range(10, 20):
-        assert d.exist(f"k{i}")  # leased
-    assert d.evictions == 0
+        assert d.reads.exist_many([f"k{i}"])[1][0]  # leased
+    assert d.evictor.evictions == 0
     for i in range(85, 95):
         assert put(d, f"k{i}", 64) == 0
     # crossed 90% at k90: evicted down to 70% (70 objects), then k91..k94 were added
-    assert d.evictions == 21
+    assert d.evictor.evictions == 21
     assert d.pool_used[MEM] == (70 + 4) * 64
     for i in range(20):
         assert f"k{i}" in d.objects, f"k{i} (pinned or leased) was evicted"
@@ -192,7 +192,7 @@ def test_allocation_failure_triggers_eviction() -> None:
     mount(d, "s", 64 * 4)
     for i in range(4):
         assert put(d, f"k{i}", 64) == 0
-    assert d.exist("k0")  # leased: must survive
+    assert d.reads.exist_many(["k0"])[1][0]  # leased: must survive
     assert put(d, "new", 128) == 0
     assert "k0" in d.objects and "k1" not in d.objects and "k2" not in d.objects
 
@@ -220,12 +220,12 @@ def test_eviction_is_per_pool_and_keeps_other_tier() -> None:
 def test_eviction_policy_hook_called() -> None:
     calls: list[tuple[str, SegmentKind]] = []
 
-    class Offload(EvictionPolicy):
+    class Offload(TierHooks):
         def on_evict(self, directory: Directory, key: str, obj: Obj, kind: SegmentKind) -> bool:
             calls.append((key, kind))
             return False
 
-    d = Directory(MasterConfig(eviction_high_watermark=0.5, eviction_ratio=0.1), policy=Offload(),
+    d = Directory(MasterConfig(eviction_high_watermark=0.5, eviction_ratio=0.1), hooks=Offload(),
                   shard_bits=0)
     mount(d, "s", 64 * 4)
     for i in range(3):
@@ -242,7 +242,7 @@ def test_unmount_and_dead_replicas_invisible_before_purge() -> None:
     assert ei.value.code == ErrorCode.PERMISSION_DENIED
     d.unmount("c1", "a")
     assert d.get_replicas("k")[0] == ErrorCode.OBJECT_NOT_FOUND  # before the purge ran
-    assert not d.exist("k")
+    assert not d.reads.exist_many(["k"])[1][0]
     d.purge_step(10)
     assert "k" not in d.objects
     with pytest.raises(KVPoolError) as ei:
@@ -291,10 +291,10 @@ def test_replay_reproduces_state_and_awaits_owner() -> None:
     r2.finish_restore()
     r2.journaling = True
     clock2.t += 2
-    r2.expire_step()
+    r2.liveness.expire_step()
     assert set(r2.segments) == {"a"}  # still within the grace
     clock2.t += 2.5
-    r2.expire_step()
+    r2.liveness.expire_step()
     assert not r2.segments
 
 
@@ -336,13 +336,13 @@ def test_watermark_eviction_proceeds_in_bounded_batches() -> None:
     for i in range(91):
         assert put(d, f"k{i}", 64) == 0
     # crossing 90% evicted only one batch; the rest continues step by step
-    assert d.evictions == 10 and d.evicting
+    assert d.evictor.evictions == 10 and d.evictor.evicting
     steps = 0
-    while d.evicting:
-        d.evict_step()
+    while d.evictor.evicting:
+        d.evictor.step()
         steps += 1
     assert steps == 5  # 10 + 4 x 10 + 1 = 51 evictions down to 40%
-    assert d.pool_used[MEM] == 40 * 64 and d.evictions == 51
+    assert d.pool_used[MEM] == 40 * 64 and d.evictor.evictions == 51
     # an allocation that cannot be satisfied evicts what it needs at once,
     # ignoring the batch limit (exact LRU: the 5 oldest leave one hole) ...
     d2, _ = make(shard_bits=0, eviction_high_watermark=1.0, eviction_ratio=0.0,
@@ -350,13 +350,13 @@ def test_watermark_eviction_proceeds_in_bounded_batches() -> None:
     mount(d2, "s", 64 * 10)
     for i in range(10):
         assert put(d2, f"k{i}", 64) == 0
-    assert put(d2, "big", 64 * 5) == 0 and d2.evictions == 5
+    assert put(d2, "big", 64 * 5) == 0 and d2.evictor.evictions == 5
     # ... and with sharded (approximate) LRU, scattered holes make it retry with more
     d3, _ = make(eviction_high_watermark=1.0, eviction_ratio=0.0, eviction_batch=1)
     mount(d3, "s", 64 * 10)
     for i in range(10):
         assert put(d3, f"k{i}", 64) == 0
-    assert put(d3, "big", 64 * 5) == 0 and 5 <= d3.evictions <= 10
+    assert put(d3, "big", 64 * 5) == 0 and 5 <= d3.evictor.evictions <= 10
 
 
 def test_inflight_puts_of_expired_or_stuck_writers_are_released() -> None:
@@ -369,19 +369,19 @@ def test_inflight_puts_of_expired_or_stuck_writers_are_released() -> None:
         clock.t += 2
         d.ping("owner")
         d.ping("slow")
-        d.expire_step()
+        d.liveness.expire_step()
     assert "writer" not in d.clients
-    assert d.sweep_pending() == 1 and "a" not in d.pending and "b" in d.pending
+    assert d.writes.sweep() == 1 and "a" not in d.pending and "b" in d.pending
     # a silent writer may be a stalled one: its space waits out its capability
     assert d.pool_used[MEM] == used and d.stats()["held_puts"] == 1
-    clock.t = 1000.0 + d.write_window_s
+    clock.t = 1000.0 + d.writes.write_window_s
     d.ping("owner")
     d.ping("slow")
-    assert d.sweep_pending() == 0 and d.pool_used[MEM] == used - 1024
+    assert d.writes.sweep() == 0 and d.pool_used[MEM] == used - 1024
     clock.t += 101
     d.ping("owner")
     d.ping("slow")
-    assert d.sweep_pending() == 1 and not d.pending and d.pool_used[MEM] == 0
+    assert d.writes.sweep() == 1 and not d.pending and d.pool_used[MEM] == 0
 
 
 def test_put_commit_renames_a_reservation_and_commits_it() -> None:
@@ -392,7 +392,7 @@ def test_put_commit_renames_a_reservation_and_commits_it() -> None:
     d.journaling = True
     mount(d, "s", 1 << 20)
     ph = "\x00resv/n/0"
-    code, p = d.put_start("c1", ph, 100)
+    code, p = reserve(d, "c1", ph, 100)
     assert code == 0
     assert d.put_commit("c2", ph, "k") == ErrorCode.OBJECT_NOT_FOUND  # not c2's
     assert d.put_commit("c1", "\x00resv/n/9", "k") == ErrorCode.OBJECT_NOT_FOUND
@@ -407,9 +407,9 @@ def test_put_commit_renames_a_reservation_and_commits_it() -> None:
     assert [r[1] for r in d.records] == ["k"]  # the PUT record of the key, as PUT_END's
     assert d.put_commit("c1", ph, "k2") == ErrorCode.OBJECT_NOT_FOUND  # used once
     # an unused reservation goes with its write window, long before release timeout
-    assert d.put_start("c1", "\x00resv/n/1", 100)[0] == 0
-    clock.t += d.write_window_s + 1
-    assert d.sweep_pending() == 1
+    assert reserve(d, "c1", "\x00resv/n/1", 100)[0] == 0
+    clock.t += d.writes.write_window_s + 1
+    assert d.writes.sweep() == 1
     assert "\x00resv/n/1" not in d.pending and "taken" in d.pending  # a plain put stays
 
 
@@ -424,9 +424,9 @@ def test_put_commit_many_is_put_commit_key_by_key() -> None:
     phs = [f"\x00resv/n/{i}" for i in range(7)]
     codes = [0] * 6
     placed: list[Any] = [None] * 6
-    d.put_start_many("c1", phs[:6], [100] * 6, 64, 1 << 20, codes, placed, "\x00")
+    d.writes.put_start_many("c1", phs[:6], [100] * 6, codes, placed, key_min="\x00")
     assert codes == [0] * 6 and all(placed)
-    assert d.put_start("c1", phs[6], 100, group="g")[0] == 0
+    assert reserve(d, "c1", phs[6], 100, group="g")[0] == 0
     assert put(d, "stored", 10) == 0
     assert d.put_start("c2", "inflight", 10)[0] == 0
     assert d.put_start("c2", "stale", 10)[0] == 0
@@ -435,7 +435,7 @@ def test_put_commit_many_is_put_commit_key_by_key() -> None:
     d.records.clear()
     keys = ["a", "stored", "fresh", "", "stale", "b", "grouped", "c"]
     pairs = [phs[0], phs[1], phs[2], phs[3], phs[4], "\x00resv/n/99", phs[6], phs[5]]
-    got = d.put_commit_many("c1", pairs, keys, 64)
+    got = d.writes.commit_many("c1", keys, pairs)
     assert got == [0, ErrorCode.OBJECT_ALREADY_EXISTS, ErrorCode.OBJECT_ALREADY_EXISTS,
                    ErrorCode.INVALID_KEY, 0, ErrorCode.OBJECT_NOT_FOUND, 0, 0]
     assert [r[1] for r in d.records] == ["a", "stale", "grouped", "c"]  # PUT records
@@ -443,8 +443,8 @@ def test_put_commit_many_is_put_commit_key_by_key() -> None:
         assert ph not in d.pending and key not in d.pending
         assert d.get_replicas(key)[0] == 0
     assert d.group_of["grouped"] == "g"
-    assert d.preemptions == 1
+    assert d.writes.preemptions == 1
     assert all(ph in d.pending for ph in phs[1:4])  # refused: still reserved
-    assert d.put_commit_many("c2", [phs[1]], ["x"], 64) == [ErrorCode.OBJECT_NOT_FOUND]
+    assert d.writes.commit_many("c2", ["x"], [phs[1]]) == [ErrorCode.OBJECT_NOT_FOUND]
     with pytest.raises(ValueError):
-        d.put_commit_many("c1", phs[:2], ["x"], 64)
+        d.writes.commit_many("c1", ["x"], phs[:2])

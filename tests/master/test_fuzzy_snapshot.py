@@ -79,13 +79,13 @@ def test_fuzzy_snapshot_plus_journal_restores_exact_state(tmp_path: Path, seed: 
     mutate(3000)
     # snapshot: rotate, then serialize slices while mutating in between
     old = journal.rotate(2, sync=False)
-    snap = SnapshotWriter(data, 2, d.segment_wires(), d.objects.key_chunks(), old)
-    while not snap.step(d.snapshot_record, budget_s=0.0, chunk=10):
+    snap = SnapshotWriter(data, 2, d.segtab.wires(), d.objects.key_chunks(), old)
+    while not snap.step(d.replay.snapshot_record, budget_s=0.0, chunk=10):
         mutate(40)
     snap.done.wait(10)
     assert snap.error is None
     mutate(500)
-    while d.purge_pending:
+    while d.objects.purge_pending:
         d.purge_step(1000)
     journal.close()
     expected = state(d)
@@ -93,7 +93,7 @@ def test_fuzzy_snapshot_plus_journal_restores_exact_state(tmp_path: Path, seed: 
     r = Directory(cfg)
     r.journaling = False
     header, snap_records = iter_snapshot(snap.final)
-    r.bulk_load(header["segments"], snap_records)  # what the server's restore does
+    r.replay.bulk_load(header["segments"], snap_records)  # what the server's restore does
     records, torn = read_journal(str(tmp_path / "journal-000000000002.log"))
     assert not torn and records
     for rec in records:
@@ -118,8 +118,8 @@ def test_fuzzy_snapshot_overlapping_capture_is_fixed_by_replay(tmp_path: Path) -
     journal.append_many(d.records)
     d.records.clear()
     old = journal.rotate(2, sync=False)
-    snap = SnapshotWriter(data, 2, d.segment_wires(), d.objects.key_chunks(), old)
-    assert not snap.step(d.snapshot_record, budget_s=0.0, chunk=1)  # captures a@0
+    snap = SnapshotWriter(data, 2, d.segtab.wires(), d.objects.key_chunks(), old)
+    assert not snap.step(d.replay.snapshot_record, budget_s=0.0, chunk=1)  # captures a@0
     d.remove("a")
     d.remove("b")
     code, p = d.put_start("w", "b", 64)
@@ -127,7 +127,7 @@ def test_fuzzy_snapshot_overlapping_capture_is_fixed_by_replay(tmp_path: Path) -
     d.put_end("w", "b")
     journal.append_many(d.records)
     d.records.clear()
-    assert snap.step(d.snapshot_record, budget_s=0.0, chunk=1)  # captures b@0
+    assert snap.step(d.replay.snapshot_record, budget_s=0.0, chunk=1)  # captures b@0
     snap.done.wait(10)
     journal.close()
     raw = read_snapshot(snap.final)
@@ -135,7 +135,7 @@ def test_fuzzy_snapshot_overlapping_capture_is_fixed_by_replay(tmp_path: Path) -
     r = Directory(MasterConfig())
     r.journaling = False
     header, recs = iter_snapshot(snap.final)
-    r.bulk_load(header["segments"], recs)
+    r.replay.bulk_load(header["segments"], recs)
     assert set(r.objects) == {"a"}  # the overlapping "b" was dropped on load
     records, _ = read_journal(str(tmp_path / "journal-000000000002.log"))
     for rec in records:

@@ -32,7 +32,7 @@ from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
 from kvpool.master.ha.election import Role, SyncSet, fence_clock
 from kvpool.master.ha.node import HaNode
-from kvpool.master.ha.replication import ReplicaSink
+from kvpool.master.ha.sink import ReplicaSink
 from kvpool.master.journal import encode_frames
 from support.etcd import EtcdProcess, etcd_binary
 

@@ -24,13 +24,9 @@ from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
 from kvpool.master.durability import Durability
-from kvpool.master.ha.replication import (
-    ReplicaSink,
-    ReplicationLog,
-    ReplicationSource,
-    SinkState,
-    promote_directory,
-)
+from kvpool.master.ha.replication import ReplicationLog
+from kvpool.master.ha.sink import ReplicaSink, SinkState, promote_directory
+from kvpool.master.ha.source import ReplicationSource
 from kvpool.master.ha.transport import SOCKET_SCHEME
 
 CFG = MasterConfig(data_dir=None, capabilities=False)
@@ -90,7 +86,7 @@ class Leader:
 
 def state(d: Directory) -> tuple[Any, ...]:
     segs = sorted((s.id, s.alloc.used) for s in d.segments.values())
-    objs = {k: d.snapshot_record(k) for k in d.objects}
+    objs = {k: d.replay.snapshot_record(k) for k in d.objects}
     return segs, objs
 
 
@@ -572,9 +568,9 @@ def test_tail_starting_inside_a_batch() -> None:
 
 def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
     """Replies wait only for in-sync members: they ack every batch at once;
-    a standby outside the set acks at most every ``_LAZY_ACK_S`` (the
+    a standby outside the set acks at most every ``LAZY_ACK_S`` (the
     leader wakes less), yet is seen holding everything soon after."""
-    from kvpool.master.ha.replication import _LAZY_ACK_S
+    from kvpool.master.ha.sink import LAZY_ACK_S
 
     leader = Leader(ctx, epoch=8)
     s1, s2 = sink_for(ctx, "s1"), sink_for(ctx, "s2")
@@ -597,7 +593,7 @@ def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
         t0 = time.monotonic()
         n = 0
         # at least 40 batches, over several lazy ack periods (a round trip can take ~0.1 ms)
-        while n < 40 or time.monotonic() - t0 < 5 * _LAZY_ACK_S:
+        while n < 40 or time.monotonic() - t0 < 5 * LAZY_ACK_S:
             leader.put(5)
             n += 1
             last = leader.src.last_lsn
@@ -609,7 +605,7 @@ def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
                 leader.src.poll()
         elapsed = time.monotonic() - t0
         assert acks["s1"] == n
-        assert 0 < acks["s2"] <= elapsed / _LAZY_ACK_S + 2, (acks, elapsed)
+        assert 0 < acks["s2"] <= elapsed / LAZY_ACK_S + 2, (acks, elapsed)
         pump(leader, [s1, s2], lambda: leader.src.caught_up() == ["s2"])
         assert state(s2.directory) == state(leader.d)
     finally:
@@ -707,22 +703,22 @@ def test_apply_records_reserves_a_run_at_once_and_drops_what_is_not_free() -> No
 
 
 def test_standby_takes_a_bounded_number_of_messages_per_poll(ctx: zmq.Context) -> None:
-    """A standby far behind takes at most ``_SINK_DRAIN`` messages per poll,
+    """A standby far behind takes at most ``SINK_DRAIN`` messages per poll,
     and everything it took is applied when poll returns (so the loop's other
     work runs between polls); the next poll goes on from there."""
-    from kvpool.master.ha.replication import _SINK_DRAIN
+    from kvpool.master.ha.sink import SINK_DRAIN
 
     leader = Leader(ctx, epoch=5)
     sink = sink_for(ctx, "s1")
     try:
         join(leader, sink, 5)
         base = sink.log.last_lsn
-        for _ in range(_SINK_DRAIN + 40):
+        for _ in range(SINK_DRAIN + 40):
             leader.put(1)
         time.sleep(0.3)  # every batch has arrived at the standby's socket (loopback)
-        assert sink.poll(1.0) == _SINK_DRAIN
-        assert sink.log.last_lsn == base + _SINK_DRAIN
-        assert len(sink.directory.objects) == _SINK_DRAIN
+        assert sink.poll(1.0) == SINK_DRAIN
+        assert sink.log.last_lsn == base + SINK_DRAIN
+        assert len(sink.directory.objects) == SINK_DRAIN
         pump(leader, [sink], lambda: leader.src.caught_up() == ["s1"])
         assert state(sink.directory) == state(leader.d)
     finally:

@@ -28,41 +28,41 @@ def _full_directory() -> tuple[Directory, Clock]:
 
 def test_every_object_counts_as_leased_until_the_grace_ends() -> None:
     d, clock = _full_directory()
-    d.lease_grace_until = clock.t + d.lease_s  # promoted now
+    d.objects.lease_grace_until = clock.t + d.lease_s  # promoted now
     assert d.remove("k0") == ErrorCode.OBJECT_HAS_LEASE
-    assert d.replica_clear("c1", "k1") == ErrorCode.OBJECT_HAS_LEASE
-    assert d.replica_clear("c1", "k1", "s") == ErrorCode.OBJECT_HAS_LEASE
-    assert d.remove_all() == 0
-    assert d.remove_matching(re.compile("").search, prefix="k") == 0
+    assert d.removal.clear_many("c1", ["k1"])[0] == ErrorCode.OBJECT_HAS_LEASE
+    assert d.removal.clear_many("c1", ["k1"], "s")[0] == ErrorCode.OBJECT_HAS_LEASE
+    assert d.removal.remove_matching(None) == 0
+    assert d.removal.remove_matching(re.compile("").search, prefix="k") == 0
     # eviction frees nothing: a put that needs room fails, the watermark
     # eviction is not left spinning
     assert put(d, "big", 4 * OBJ) != 0
     assert put(d, "fits", OBJ) == 0  # 90 %: no eviction needed
     assert put(d, "over", OBJ // 2) == 0  # above the watermark: eviction would start
-    assert d.evict_step() == 0 and not d.evicting
-    assert len(d.objects) == 10 and d.evictions == 0
+    assert d.evictor.step() == 0 and not d.evictor.evicting
+    assert len(d.objects) == 10 and d.evictor.evictions == 0
     assert d.remove("k0", force=True) == 0  # force still removes
     # an upsert replaces at once; the old bytes are held until the grace ends
     used = d.pool_used[MEM]
     assert put(d, "k3", OBJ, replace=True) == 0
     assert d.pool_used[MEM] == used + OBJ
-    d.sweep_pending()
+    d.writes.sweep()
     assert d.pool_used[MEM] == used + OBJ
     # the grace ends: every check is back to the objects' own leases
-    clock.t = d.lease_grace_until + 0.001
-    d.sweep_pending()  # frees held space whose time has come
+    clock.t = d.objects.lease_grace_until + 0.001
+    d.writes.sweep()  # frees held space whose time has come
     assert d.pool_used[MEM] == used
     assert d.remove("k1") == 0
-    assert d.replica_clear("c1", "k2") == 0
+    assert d.removal.clear_many("c1", ["k2"])[0] == 0
     assert put(d, "big", 4 * OBJ) == 0  # evicts
-    assert d.evictions > 0
-    assert d.remove_all() > 0
+    assert d.evictor.evictions > 0
+    assert d.removal.remove_matching(None) > 0
 
 
 def test_the_grace_does_not_shorten_a_longer_lease() -> None:
     d, clock = _full_directory()
     assert d.get_replicas("k0")[0] == 0  # leased for lease_s from now
-    d.lease_grace_until = clock.t + 0.5
+    d.objects.lease_grace_until = clock.t + 0.5
     clock.t += 1.0  # past the grace, within k0's own lease
     assert d.remove("k0") == ErrorCode.OBJECT_HAS_LEASE
     assert d.remove("k1") == 0

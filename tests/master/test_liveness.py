@@ -59,7 +59,7 @@ def test_silent_clients_are_suspect_then_dropped_after_grace_in_slices() -> None
     d.ping("alive")
     clock.t += 6
     # silent past client_ttl: suspect, in bounded slices; nothing is dropped
-    assert [d.expire_step() for _ in range(3)] == [0, 0, 0]
+    assert [d.liveness.expire_step() for _ in range(3)] == [0, 0, 0]
     assert all(d.segments[f"s{c}{s}"].state == SegState.SUSPECT for c in range(4) for s in range(2))
     st = d.stats()
     assert st["suspect_segments"] == 8 and st["suspect_clients"] == 4
@@ -75,11 +75,11 @@ def test_silent_clients_are_suspect_then_dropped_after_grace_in_slices() -> None
     assert d.segments["s10"].state == SegState.ACTIVE and "k1" in d.segments["s10"].keys
     assert d.stats()["revived_clients"] == 1
     clock.t += 30
-    assert d.heartbeat("c2") and not d.heartbeat("stranger")
+    assert d.liveness.heartbeat("c2") and not d.liveness.heartbeat("stranger")
     d.ping("alive")
     clock.t += 20  # c0, c3: 61 s of silence > ttl + grace
     results = []
-    while (n := d.expire_step()) or not results:
+    while (n := d.liveness.expire_step()) or not results:
         results.append(n)
     assert sum(results) == 4 and max(results) <= 3
     assert set(d.segments) == {"keep", "s10", "s11", "s20", "s21"}
@@ -98,12 +98,12 @@ def test_mount_readopts_suspect_segment_only_with_the_same_memory() -> None:
     mount(d, "a", 1 << 20, client="c1")
     assert put(d, "k", 100, client="c1") == 0
     clock.t += 2
-    d.expire_step()
+    d.liveness.expire_step()
     assert d.segments["a"].state == SegState.SUSPECT
     mount(d, "a", 1 << 20, client="c1")  # same shm name: same memory, objects kept
     assert d.segments["a"].state == SegState.ACTIVE and d.get_replicas("k")[0] == 0
     clock.t += 2
-    d.expire_step()
+    d.liveness.expire_step()
     # the same id with another shm name is new memory: the old objects go
     d.mount("c9", SegmentDescriptor("a", "c9", "h", MEM, 1 << 20, "kvpool-a-new"))
     assert d.segments["a"].state == SegState.ACTIVE and d.segments["a"].owner == "c9"
@@ -125,13 +125,13 @@ def test_guard_heartbeat_after_restart_keeps_segments_suspect() -> None:
         r.apply_record(rec)
     r.finish_restore()
     r.journaling = True
-    assert r.heartbeat("c1")  # c1's process is stalled; its guard answers
+    assert r.liveness.heartbeat("c1")  # c1's process is stalled; its guard answers
     assert r.segments["a"].state == SegState.SUSPECT
     assert [s.id for s in r.get_replicas("ka")[1][1][::2]] == ["a"]
     for _ in range(10):  # 10 s: past the awaiting deadline, the guard keeps beating
         clock2.t += 1
-        r.heartbeat("c1")
-        r.expire_step()
+        r.liveness.heartbeat("c1")
+        r.liveness.expire_step()
     assert set(r.segments) == {"a"}  # c2 never came back: dropped
     r.ping("c1")
     assert r.segments["a"].state == SegState.ACTIVE and r.stats()["suspect_clients"] == 0
@@ -140,15 +140,15 @@ def test_guard_heartbeat_after_restart_keeps_segments_suspect() -> None:
 def test_suspect_file_segment_is_kept_by_the_tier_policy_after_the_grace() -> None:
     clock = Clock()
     policy = TieringPolicy(TieringConfig(file_owner_ttl_s=100), clock=clock)
-    d = Directory(MasterConfig(client_ttl_s=1, client_grace_s=2), clock=clock, policy=policy)
+    d = Directory(MasterConfig(client_ttl_s=1, client_grace_s=2), clock=clock, hooks=policy)
     d.mount("node", SegmentDescriptor("disk", "node", "h", FILE, 1 << 20, "/d/seg"))
     code, _ = d.put_start("node", "k", 100, replica_num=0, disk_replica_num=1)
     assert code == 0 and d.put_end("node", "k") == 0
     clock.t += 1.5
-    d.expire_step()
+    d.liveness.expire_step()
     assert d.segments["disk"].state == SegState.SUSPECT
     clock.t += 2
-    d.expire_step()  # dropped client: the tier policy keeps its disk for a warm restart
+    d.liveness.expire_step()  # dropped client: the tier policy keeps its disk for a warm restart
     assert d.segments["disk"].state == SegState.AWAITING and "k" in d.objects
     assert "node" not in d.clients
 

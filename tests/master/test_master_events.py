@@ -420,15 +420,15 @@ def _publisher(**cfg: Any) -> tuple[Any, RawSub]:
 
 
 def test_publisher_ha_hook_ack_gate_and_split() -> None:
-    from kvpool.master.directory import Rec
     from kvpool.master.events import MAX_EVENTS
+    from kvpool.master.records import DropReplica, Mount, Put, Remove
 
     pub, sub = _publisher()
     try:
         now = time.monotonic()
         wire = segment_desc("m1", "c1").to_wire()
-        pub.on_commit([[Rec.MOUNT, wire], [Rec.PUT, "k", 10, 0, None, ["m1", 0]]], 1)
-        pub.on_commit([[Rec.DROP_REPLICA, "k", "m1"]], 2)
+        pub.on_commit([Mount(wire), Put("k", 10, 0, None, ["m1", 0])], 1)
+        pub.on_commit([DropReplica("k", "m1")], 2)
         pub.flush(1, now)  # the ack gate allows commit 1 only
         batch = sub.recv(2.0)
         assert batch is not None and batch.seq == 1 and batch.epoch == 0
@@ -442,11 +442,11 @@ def test_publisher_ha_hook_ack_gate_and_split() -> None:
         assert batch.events == [ReplicaRemoved("k", "m1")]
         assert pub.position() == (pub.stream, 2, 7)
         pub.term = lambda: None  # a standby: translates, publishes nothing
-        pub.on_commit([[Rec.REMOVE, "k"]], 3)
+        pub.on_commit([Remove("k")], 3)
         pub.flush(3, now + 5)
         assert sub.recv(0.2) is None and pub.seq == 2
         pub.term = lambda: 8
-        pub.on_commit([[Rec.REMOVE, f"k{i}"] for i in range(2 * MAX_EVENTS + 5)], 4)
+        pub.on_commit([Remove(f"k{i}") for i in range(2 * MAX_EVENTS + 5)], 4)
         pub.flush(4, now)
         got = [sub.recv(2.0) for _ in range(3)]
         assert [(b.seq, len(b.events)) for b in got if b] == \
@@ -458,7 +458,7 @@ def test_publisher_ha_hook_ack_gate_and_split() -> None:
         # a commit that cannot be translated never raises into the loop: the
         # stream starts anew, so every subscriber resyncs
         stream = pub.stream
-        pub.on_commit([[Rec.REMOVE, "a"], [Rec.MOUNT, {}]], 5)
+        pub.on_commit([Remove("a"), Mount({})], 5)
         pub.flush(5, now)
         batch = sub.recv(2.0)
         assert batch is not None and pub.stream != stream

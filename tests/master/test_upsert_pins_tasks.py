@@ -17,7 +17,7 @@ from support.directory import MEM, mount, put
 def make(**cfg: Any) -> tuple[Directory, Clock, TieringPolicy]:
     clock = Clock()
     pol = TieringPolicy(TieringConfig(), clock=clock)
-    return Directory(MasterConfig(**cfg), clock=clock, policy=pol, shard_bits=0), clock, pol
+    return Directory(MasterConfig(**cfg), clock=clock, hooks=pol, shard_bits=0), clock, pol
 
 
 def where(d: Directory, key: str) -> list[tuple[str, int]]:
@@ -41,7 +41,7 @@ def test_upsert_keeps_old_readable_until_commit_then_frees_after_lease() -> None
     mount(d, "s", 1 << 20)
     assert put(d, "k", 100, flags=HARD_PIN) == 0
     old = where(d, "k")
-    assert d.exist("k")  # a reader holds a lease on the old replica
+    assert d.reads.exist_many(["k"])[1][0]  # a reader holds a lease on the old replica
     assert d.put_start("c1", "k", 100)[0] == ErrorCode.OBJECT_ALREADY_EXISTS
     code, _ = d.put_start("c2", "k", 300, replace=True)
     assert code == ErrorCode.OK
@@ -52,12 +52,12 @@ def test_upsert_keeps_old_readable_until_commit_then_frees_after_lease() -> None
     assert obj.size == 300 and obj.writer == "c2" and obj.flags & HARD_PIN  # hard pin kept
     assert where(d, "k") != old
     used = d.pool_used[MEM]
-    d.sweep_pending()
+    d.writes.sweep()
     assert d.pool_used[MEM] == used  # old space held while its lease lasts
     clock.t += 1.5
-    d.sweep_pending()
+    d.writes.sweep()
     assert d.pool_used[MEM] == used - 128
-    assert d.replaced == 1
+    assert d.writes.replaced == 1
     again = replay(d)
     assert again.objects["k"].size == 300 and len(again.objects) == 1
 
@@ -69,7 +69,7 @@ def test_upsert_of_missing_key_inserts_and_preempts_a_pending_put() -> None:
     assert d.put_start("c2", "k", 64)[0] == ErrorCode.OBJECT_ALREADY_EXISTS
     assert d.put_start("c2", "k", 64, replace=True)[0] == ErrorCode.OK
     assert d.put_end("c1", "k") == ErrorCode.INVALID_WRITE  # its put was preempted
-    assert d.put_end("c2", "k") == ErrorCode.OK and d.preemptions == 1
+    assert d.put_end("c2", "k") == ErrorCode.OK and d.writes.preemptions == 1
 
 
 # ---------------------------------------------------------------- soft pins
@@ -121,19 +121,20 @@ def test_replica_clear_segment_writer_and_lease() -> None:
     mount(d, "a", 1 << 20)
     mount(d, "b", 1 << 20)
     assert put(d, "k", 64, replica_num=2) == 0
-    assert d.replica_clear("c2", "k", "a") == ErrorCode.PERMISSION_DENIED
-    assert d.exist("k")
-    assert d.replica_clear("c1", "k", "a") == ErrorCode.OBJECT_HAS_LEASE
+    assert d.removal.clear_many("c2", ["k"], "a")[0] == ErrorCode.PERMISSION_DENIED
+    assert d.reads.exist_many(["k"])[1][0]
+    assert d.removal.clear_many("c1", ["k"], "a")[0] == ErrorCode.OBJECT_HAS_LEASE
     clock.t += 2
-    assert d.replica_clear("c1", "k", "nope") == ErrorCode.OBJECT_NOT_FOUND
-    assert d.replica_clear("c1", "k", "a") == ErrorCode.OK
+    assert d.removal.clear_many("c1", ["k"], "nope")[0] == ErrorCode.OBJECT_NOT_FOUND
+    assert d.removal.clear_many("c1", ["k"], "a")[0] == ErrorCode.OK
     assert [s for s, _ in where(d, "k")] == ["b"] and "k" not in d.segments["a"].keys
     assert d.pool_used[MEM] == 64
     assert [s for s, _ in where(replay(d), "k")] == ["b"]
-    assert d.replica_clear("c1", "k", "b") == ErrorCode.OK  # the last one: the object goes
+    # the last one: the object goes
+    assert d.removal.clear_many("c1", ["k"], "b")[0] == ErrorCode.OK
     assert "k" not in d.objects and d.pool_used[MEM] == 0
     assert "k" not in replay(d).objects
-    assert d.replica_clear("c1", "missing") == ErrorCode.OBJECT_NOT_FOUND
+    assert d.removal.clear_many("c1", ["missing"])[0] == ErrorCode.OBJECT_NOT_FOUND
 
 
 # ---------------------------------------------------------------- replica jobs
@@ -178,12 +179,12 @@ def test_move_job_and_failures() -> None:
     code, job = pol.create_job(d, "k", ["b"], "a")
     assert code == ErrorCode.OK and job is not None and job.move
     assert next(iter(pol.tasks.values())).kind is TaskKind.REPLICA_MOVE
-    assert d.exist("k")  # a reader is on the source replica
+    assert d.reads.exist_many(["k"])[1][0]  # a reader is on the source replica
     assert run_tasks(d, pol, "c1") == 1
     assert job.status == JobStatus.SUCCESS and [s for s, _ in where(d, "k")] == ["b"]
     assert d.segments["a"].alloc.used == 128  # held for the reader's lease
     clock.t += 2
-    d.sweep_pending()
+    d.writes.sweep()
     assert d.segments["a"].alloc.used == 0
     assert [s for s, _ in where(replay(d), "k")] == ["b"]
     # a failed copy fails the job and frees the destination

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.protocol import RESERVED_KEY_PREFIX, SegmentDescriptor, SegmentKind
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
 from support.clock import Clock
 
-__all__ = ["FILE", "MEM", "make", "mount", "put", "seg_ids"]
+__all__ = ["FILE", "MEM", "make", "mount", "put", "reserve", "seg_ids"]
 
 MEM = SegmentKind.MEMORY
 FILE = SegmentKind.FILE
@@ -32,6 +32,17 @@ def put(d: Directory, key: str, size: int, client: str = "c1", **kw: Any) -> int
     if code:
         return int(code)
     return int(d.put_end(client, key))
+
+
+def reserve(d: Directory, client: str, placeholder: str, size: int,
+            group: str | None = None) -> tuple[int, Any]:
+    """A reservation as the handlers make one: a put of the placeholder key
+    (reserved: below KEY_MIN); (code, its put in flight)."""
+    codes = [0]
+    d.writes.put_start_many(client, [placeholder], [size], codes, [None],
+                            groups=None if group is None else [group],
+                            key_min=RESERVED_KEY_PREFIX)
+    return codes[0], d.pending.get(placeholder)
 
 
 def seg_ids(d: Directory, key: str) -> list[str]:

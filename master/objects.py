@@ -1,0 +1,285 @@
+"""The object table: complete objects, puts in flight, pins, groups and leases.
+
+Memory layout (the 1M-object target is <= 400 B/object): an object is a
+msgspec Struct without a GC header whose ``replicas`` is one flat tuple
+``(segment, offset, segment, offset, ...)`` (every replica has the object's
+length); the table is 256 insertion-ordered dict shards, each an LRU list (a
+read moves the key to the end of its shard and stamps it with a global use
+tick; eviction merges the shard fronts by tick: global LRU order). Shards
+let a snapshot copy keys one shard at a time instead of 1M keys at once.
+Segments keep the set of keys that have a replica on them, so dropping a
+segment touches only its own objects, in bounded slices (:meth:`purge_step`).
+
+Beside the objects: the puts in flight (``pending``), soft pin deadlines
+(``soft_until``: not journaled, a restored soft-pinned object is ordinary
+cache, as Mooncake's) and object groups (Mooncake's ``group_ids``: a read of
+a member leases every member, eviction takes a group's evictable members
+together; in memory only, after a restart objects are ungrouped).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+
+from kvpool.master.records import Changes, Put, Remove
+from kvpool.master.segments import Segment, SegmentTable, SegState
+
+__all__ = ["HARD_PIN", "SOFT_PIN", "TICKS", "Obj", "ObjectTable", "Pending"]
+
+HARD_PIN = 1
+SOFT_PIN = 2
+
+#: Monotonic use counter shared by every object: each shard is in use order,
+#: so merging the shards by tick yields exact global LRU order.
+TICKS = itertools.count(1)
+_DEAD = SegState.DEAD
+
+
+class Obj(msgspec.Struct, gc=False, eq=False):
+    """A COMPLETE object. ``replicas`` = (segment, offset, segment, offset, ...).
+    ``writer``: the client whose put made it ("" after a restart: not journaled).
+
+    A msgspec Struct (constructed in C) without a GC header: 16 B per object
+    less than a ``__slots__`` class, and never scanned by the collector (it
+    holds no reference cycle: segments do not point back at objects).
+    ``eq=False``: compared and hashed by identity, as a plain class."""
+
+    size: int
+    replicas: tuple[Any, ...]
+    flags: int
+    checksum: Any
+    writer: str = ""
+    lease: float = 0.0
+    # last-use stamp: orders objects across shards for LRU
+    tick: int = msgspec.field(default_factory=TICKS.__next__)
+
+
+class Pending(msgspec.Struct, gc=False, eq=False):
+    """An in-flight put (PROCESSING replicas). ``pin``: the soft pin its commit
+    sets: > 0 a new pin of that many seconds, 0 keep the replaced object's
+    (PRESERVE; nothing for a new key), -1 none (DISABLE). A Struct as Obj."""
+
+    size: int
+    replicas: tuple[Any, ...]
+    flags: int
+    checksum: Any
+    client_id: str
+    started: float
+    pin: float = 0.0
+    group: str | None = None  # None: unset (an upsert keeps the object's group)
+
+
+def _item_tick(item: tuple[str, Obj]) -> int:
+    return item[1].tick
+
+
+class ObjectTable:
+    """``key -> Obj`` as ``2**bits`` insertion-ordered dict shards, and the
+    state that goes with the objects (see the module docstring).
+
+    Dict-like (``get``, ``in``, ``[]``, ``del``, ``len``, iteration, ``items``)
+    for the cold paths; hot paths index ``shards[hash(key) & mask]`` inline.
+    Iteration order is shard by shard. Do not mutate while iterating.
+    """
+
+    def __init__(self, segtab: SegmentTable, changes: Changes, bits: int = 8) -> None:
+        self.shards: list[dict[str, Obj]] = [{} for _ in range(1 << bits)]
+        self.mask = (1 << bits) - 1
+        self.segtab = segtab
+        self.changes = changes
+        self.pending: dict[str, Pending] = {}
+        #: soft-pinned keys -> when their pin ends (clock())
+        self.soft_until: dict[str, float] = {}
+        self.group_of: dict[str, str] = {}
+        self.groups: dict[str, set[str]] = {}
+        self._writers: dict[str, str] = {}  # one str per writer id (Obj.writer)
+        # KV-cache objects mostly share a few sizes: one int object per size
+        # instead of one per object saves 28-32 B/object
+        self._sizes: dict[int, int] = {}
+        self.lease_s = segtab.cfg.lease_ttl_ms / 1000.0  # a read lease
+        #: until then (clock()) every object counts as read-leased: set when an
+        #: HA standby is promoted, since the old term's leases were not replicated
+        self.lease_grace_until = 0.0
+        #: dropped segments whose objects still name them: (segment, keys left)
+        self._purge: deque[tuple[Segment, list[str]]] = deque()
+
+    # ---------------------------------------------------------------- the map
+    def shard(self, key: str) -> dict[str, Obj]:
+        return self.shards[hash(key) & self.mask]
+
+    def get(self, key: str) -> Obj | None:
+        return self.shards[hash(key) & self.mask].get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.shards[hash(key) & self.mask]
+
+    def __getitem__(self, key: str) -> Obj:
+        return self.shards[hash(key) & self.mask][key]
+
+    def __setitem__(self, key: str, obj: Obj) -> None:
+        obj.tick = next(TICKS)  # it goes to the end of its shard: keep the shard in use order
+        self.shards[hash(key) & self.mask][key] = obj
+
+    def __delitem__(self, key: str) -> None:
+        del self.shards[hash(key) & self.mask][key]
+
+    def __len__(self) -> int:
+        return sum(map(len, self.shards))
+
+    def __iter__(self) -> Iterator[str]:
+        for shard in self.shards:
+            yield from shard
+
+    def items(self) -> Iterator[tuple[str, Obj]]:
+        for shard in self.shards:
+            yield from shard.items()
+
+    def lru_items(self) -> Iterator[tuple[str, Obj]]:
+        """Least recently used first: a lazy k-way merge of the shards (each in
+        use order) by their objects' ``tick`` (O(log shards) per item)."""
+        return heapq.merge(*(shard.items() for shard in self.shards if shard),
+                           key=_item_tick)
+
+    def key_chunks(self) -> Iterator[list[str]]:
+        """The keys, one shard per chunk, each copied when it is reached (for a
+        fuzzy snapshot: no single O(n) copy)."""
+        for shard in self.shards:
+            if shard:
+                yield list(shard)
+
+    # ---------------------------------------------------------------- interning
+    def intern_size(self, size: int) -> int:
+        """``size`` as the int object shared by every object of that size."""
+        sizes = self._sizes
+        got = sizes.get(size)
+        if got is not None:
+            return got
+        if len(sizes) < 65536:
+            sizes[size] = size
+        return size
+
+    def writer(self, client_id: str) -> str:
+        """``client_id`` as one shared str per writer (Obj.writer)."""
+        writers = self._writers
+        got = writers.get(client_id)
+        if got is None:
+            if len(writers) >= 65536:
+                writers.clear()
+            got = writers[client_id] = client_id
+        return got
+
+    # ---------------------------------------------------------------- groups
+    def join_group(self, key: str, group: str) -> None:
+        self.group_of[key] = group
+        self.groups.setdefault(group, set()).add(key)
+
+    def leave_group(self, key: str) -> None:
+        group = self.group_of.pop(key, None)
+        if group is not None:
+            members = self.groups[group]
+            members.discard(key)
+            if not members:
+                del self.groups[group]
+
+    def lease_group(self, key: str, obj: Obj, lease: float, now: float) -> None:
+        """A read of grouped ``key`` at ``now``: lease every member of its
+        group until ``lease`` (only when this object's lease was past its
+        first half: repeated reads cost one lookup)."""
+        if obj.lease - self.lease_s / 2 > now:
+            return
+        get = self.get
+        for member in self.groups[self.group_of[key]]:
+            other = get(member)
+            if other is not None and other.lease < lease:
+                other.lease = lease
+
+    # ---------------------------------------------------------------- change
+    def complete(self, key: str, size: int, reps: tuple[Any, ...], flags: int,
+                 checksum: Any, writer: str = "") -> Obj:
+        """Store a COMPLETE object (replacing none: the caller retired any) and
+        record it."""
+        obj = Obj(size, reps, flags, checksum, writer)
+        self.shards[hash(key) & self.mask][key] = obj
+        changes = self.changes
+        if not changes.journaling:  # replay, a standby: no record to build
+            for i in range(0, len(reps), 2):
+                reps[i].keys.add(key)
+            return obj
+        changes.records.append(self.put_record(key, obj))
+        for i in range(0, len(reps), 2):
+            reps[i].keys.add(key)
+        return obj
+
+    @staticmethod
+    def put_record(key: str, obj: Obj) -> Put:
+        """The record of ``obj``'s whole live replica set (replay: a PUT replaces)."""
+        wire: list[Any] = []
+        reps = obj.replicas
+        for i in range(0, len(reps), 2):
+            if reps[i].state != _DEAD:
+                wire += (reps[i].id, reps[i + 1])
+        return Put(key, obj.size, obj.flags, obj.checksum, wire)
+
+    def forget(self, key: str, obj: Obj) -> None:
+        """Take ``obj`` out of the table, its pin and its group (its replicas'
+        space is the caller's)."""
+        del self.shards[hash(key) & self.mask][key]
+        if obj.flags & SOFT_PIN:
+            self.soft_until.pop(key, None)
+        if self.group_of:
+            self.leave_group(key)
+
+    def remove(self, key: str, obj: Obj) -> None:
+        """Remove ``obj`` and free its replicas now (recorded)."""
+        self.forget(key, obj)
+        reps = obj.replicas
+        for i in range(0, len(reps), 2):
+            reps[i].keys.discard(key)
+        self.segtab.free(reps, obj.size)
+        changes = self.changes
+        if changes.journaling:
+            changes.records.append(Remove(key))
+
+    # ---------------------------------------------------------------- dropped segments
+    def purge_later(self, seg: Segment, keys: list[str]) -> None:
+        """``seg`` was dropped with replicas of ``keys``: take them out in slices."""
+        if keys:
+            self._purge.append((seg, keys))
+
+    @property
+    def purge_pending(self) -> bool:
+        return bool(self._purge)
+
+    def purge_step(self, budget: int) -> int:
+        """Remove up to ``budget`` replicas of dropped segments (an object that
+        loses its last goes, unrecorded: the segment's drop was); return the
+        work left."""
+        while budget > 0 and self._purge:
+            seg, keys = self._purge[0]
+            n = min(budget, len(keys))
+            for _ in range(n):
+                key = keys.pop()
+                obj = self.get(key)
+                if obj is None:
+                    continue
+                reps = obj.replicas
+                if seg not in reps[::2]:
+                    continue
+                kept: list[Any] = []
+                for i in range(0, len(reps), 2):
+                    if reps[i] is not seg:
+                        kept += (reps[i], reps[i + 1])
+                if kept:
+                    obj.replicas = tuple(kept)
+                else:
+                    self.forget(key, obj)
+            budget -= n
+            if not keys:
+                self._purge.popleft()
+        return sum(len(k) for _, k in self._purge)

@@ -1,0 +1,105 @@
+"""What every group of op handlers shares: the directory, the configuration,
+the counters, the grants and the argument checks the schema cannot make
+(key length, batch length, client ids), and what the handlers learn from
+the process around them (:class:`ServerInfo`).
+
+The schema (:mod:`kvpool.core.protocol`) has already checked every type;
+a per-key error of a batch is a code in its reply, a whole-request error
+(and any error of a single-key op) a :class:`KVPoolError`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpool.core.capability import CapabilitySigner
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import Directory, write_grant_ms
+from kvpool.master.grants import Granter
+from kvpool.master.keys import check_key
+from kvpool.master.stats import LoopStats, OpCounters
+from kvpool.master.tiering import TieringPolicy
+
+__all__ = ["OpGroup", "ServerInfo", "bad"]
+
+_INVALID_KEY = int(ErrorCode.INVALID_KEY)
+_CODE_NAMES = {int(c): c.name for c in ErrorCode}
+
+
+def bad(msg: str, code: ErrorCode = ErrorCode.INVALID_PARAMS) -> KVPoolError:
+    """The error of a request the master refuses as a whole."""
+    return KVPoolError(msg, code)
+
+
+class ServerInfo:
+    """What the handlers learn from the process around them (the event loop,
+    durability, the admin endpoints). Defaults serve a socket-free test."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.loop = LoopStats()
+        #: persist the capability keys before a MOUNT reply hands one out
+        self.save_keys: Callable[[], None] = lambda: None
+        #: (path, instance, tcp_port) of the direct RPC sockets, or None
+        self.local_endpoint: Callable[[], tuple[str, str, int] | None] = lambda: None
+        #: requests / connections served over the same-host socket
+        self.local_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        self.curve = False
+        self.curve_denied: Callable[[], int] = lambda: 0
+        #: (stream, seq, epoch) of the event stream (kvpool.master.events); zeros when off
+        self.events_position: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
+
+
+class OpGroup:
+    """The base of each group of handlers (one method per op, named after it)."""
+
+    def __init__(self, cfg: MasterConfig, directory: Directory, tiering: TieringPolicy,
+                 signer: CapabilitySigner | None, info: ServerInfo,
+                 counters: OpCounters) -> None:
+        self.cfg = cfg
+        self.dir = directory
+        self.tiering = tiering
+        self.signer = signer
+        self.info = info
+        self.counters = counters
+        self.max_key = cfg.max_key_length
+        self.max_batch = cfg.max_batch_size
+        # READ grants last a read lease; the directory holds revoked space as
+        # long as a WRITE grant lasts
+        ttl = cfg.capability_ttl_ms or cfg.lease_ttl_ms
+        self.granter = Granter(signer, signer.ttl_ms if signer is not None else ttl,
+                               write_grant_ms(cfg))
+
+    def count(self, name: str, codes: Sequence[int]) -> None:
+        """Count a batch's key-ops and its per-key errors."""
+        key_ops = self.counters.key_ops
+        key_ops[name] = key_ops.get(name, 0) + len(codes)
+        if any(codes):
+            err = self.counters.error
+            for c in codes:
+                if c:
+                    err(name, _CODE_NAMES.get(c, str(c)))
+
+    def count_one(self, name: str) -> None:
+        key_ops = self.counters.key_ops
+        key_ops[name] = key_ops.get(name, 0) + 1
+
+    def check_batch(self, keys: Sequence[Any]) -> None:
+        if len(keys) > self.max_batch:
+            raise bad(f"batch of {len(keys)} exceeds max_batch_size {self.max_batch}")
+
+    @staticmethod
+    def check_client(client_id: str) -> str:
+        if not client_id:
+            raise bad("client_id must be a non-empty string")
+        return client_id
+
+    def fail(self, code: int, what: str, key: str = "") -> None:
+        """Raise the error of a single-key op's ``code`` (nothing when OK)."""
+        if code:
+            if code == _INVALID_KEY:
+                check_key(key, self.max_key)
+            raise KVPoolError(what, code)
