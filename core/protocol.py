@@ -37,7 +37,8 @@ per segment and batch (:mod:`kvpool.core.capability`), not one per key.
 Adding an op: define ``XRequest(Request[XReply])`` and ``XReply(Reply)`` in
 :mod:`kvpool.core.ops`, decorate the request with
 ``@register(Op.X, XReply, "summary")`` (and give :class:`Op` its code), add
-the handler ``OpHandlers.x`` in ``master/handlers.py`` (named after the op),
+the handler ``x`` (named after the op) to the group of ``kvpool.master`` whose
+concern it is (``WriteOps``, ``ReadOps``, ``SegmentOps``, ``AdminOps``),
 then run ``python -m kvpool.core.protocol`` to refresh the table in
 ``docs/INTERFACES.md`` (a test checks they match).
 """

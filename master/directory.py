@@ -103,14 +103,13 @@ class Directory:
     KVPoolError. Every state change a client is told about appends a record
     to ``records`` (the server journals them before replying).
 
-    ``hooks``: the tier's (``policy`` is its older name)."""
+    ``hooks``: the tier's."""
 
     def __init__(self, cfg: MasterConfig, clock: Callable[[], float] = time.monotonic,
-                 hooks: TierHooks | None = None, shard_bits: int = 8, *,
-                 policy: TierHooks | None = None) -> None:
+                 hooks: TierHooks | None = None, shard_bits: int = 8) -> None:
         self.cfg = cfg
         self.clock = clock
-        self.hooks = hooks or policy or TierHooks()
+        self.hooks = hooks or TierHooks()
         self.changes = Changes()
         self.records = self.changes.records
         self.segtab = segtab = SegmentTable(cfg, self.changes)

@@ -149,7 +149,7 @@ def bench_serve(h: _Holder, ranges: int, rounds: int, per_round: int) -> dict[st
 def bench_master(keys: int, rounds: int, per_round: int) -> list[dict[str, Any]]:
     cfg = MasterConfig()
     policy = TieringPolicy(TieringConfig())
-    d = Directory(cfg, policy=policy)
+    d = Directory(cfg, hooks=policy)
     d.journaling = True
     signer = CapabilitySigner(cfg.lease_ttl_ms)
     d.mount("bench", SegmentDescriptor("seg0", "bench", "h", SegmentKind.MEMORY, 64 << 40,

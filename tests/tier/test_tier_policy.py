@@ -14,7 +14,8 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.master import tiering
 from kvpool.master.config import MasterConfig, load_master_config
-from kvpool.master.directory import HARD_PIN, Directory, Rec, SegState
+from kvpool.master.directory import HARD_PIN, Directory, SegState
+from kvpool.master.records import Put
 from kvpool.master.tiering import TaskKind, TieringConfig, TieringPolicy
 
 MEM = SegmentKind.MEMORY
@@ -35,7 +36,7 @@ def make(tier: dict[str, Any] | None = None, **cfg: Any) -> tuple[Directory, Tie
     policy = TieringPolicy(TieringConfig(**(tier or {})), clock=clock)
     cfg.setdefault("eviction_high_watermark", 0.8)
     cfg.setdefault("eviction_ratio", 0.2)
-    return Directory(MasterConfig(**cfg), clock=clock, policy=policy), policy, clock
+    return Directory(MasterConfig(**cfg), clock=clock, hooks=policy), policy, clock
 
 
 def desc(sid: str, size: int, kind: SegmentKind, client: str = "node",
@@ -87,8 +88,8 @@ def test_offload_on_eviction_moves_objects_to_disk() -> None:
     assert d.pool_used[MEM] < 0.8 * d.pool_cap[MEM]
     assert d.pool_used[FILE] >= len(moved) * 100 * KiB
     # one PUT record per move, naming only the disk replica
-    puts = [r for r in d.records if r[0] == Rec.PUT]
-    assert [r[1] for r in puts] == moved and all(r[5][0] == "disk" for r in puts)
+    puts = [r for r in d.records if isinstance(r, Put)]
+    assert [r.key for r in puts] == moved and all(r.replicas[0] == "disk" for r in puts)
     assert p.stats()["tier_tasks_inflight"] == 0 and p.inflight_bytes == 0
 
 
