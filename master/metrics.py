@@ -1,4 +1,5 @@
-"""Admin HTTP for the master: ``/metrics`` (Prometheus) and ``/health`` (JSON).
+"""Admin HTTP for the master: ``/metrics`` (Prometheus), ``/health`` (JSON) and
+``/get_all_segments`` (Mooncake's admin route).
 
 Metrics are built at scrape time from one :class:`~kvpool.master.stats.MasterStats`
 snapshot the server hands out (``stats_snapshot()``); nothing here reads the
@@ -9,17 +10,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvpool.core.http import JSON, PROMETHEUS, TEXT, Route
 from kvpool.master.ha.sink import SinkState
 from kvpool.master.stats import HaStats, MasterStats, copy_retrying
 
-__all__ = ["MasterCollector", "StatsSource", "make_handler", "make_registry"]
+__all__ = ["MasterCollector", "StatsSource", "make_registry", "make_routes"]
 
 _HA_ROLES = ("leader", "follower")
 
@@ -229,34 +230,16 @@ def make_registry(server: StatsSource) -> CollectorRegistry:
     return registry
 
 
-def make_handler(server: StatsSource,
-                 registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def _send(self, code: int, body: bytes, ctype: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+def make_routes(server: StatsSource, registry: CollectorRegistry) -> dict[str, Route]:
+    """The master's HTTP routes: ``/metrics``, ``/health`` (JSON), and
+    ``/get_all_segments`` (Mooncake's admin route: SGLang's check_server polls
+    it; the mounted segments, one name per line, empty while there are none)."""
 
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
-            elif path == "/health":
-                body = json.dumps(copy_retrying(server.health)).encode()
-                self._send(200, body, "application/json")
-            elif path == "/get_all_segments":
-                # Mooncake's admin route (SGLang's check_server polls it): the
-                # mounted segments, one name per line; empty while there are none
-                segs = server.stats_snapshot().segments
-                body = "".join(f"{s.descriptor.segment_id}\n" for s in segs
-                               if s.state == "active").encode()
-                self._send(200, body, "text/plain")
-            else:
-                self._send(404, b"not found\n", "text/plain")
+    def segments() -> tuple[int, str, str]:
+        segs = server.stats_snapshot().segments
+        return 200, "".join(f"{s.descriptor.segment_id}\n" for s in segs
+                            if s.state == "active"), TEXT
 
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    return Handler
+    return {"/metrics": lambda: (200, generate_latest(registry), PROMETHEUS),
+            "/health": lambda: (200, json.dumps(copy_retrying(server.health)), JSON),
+            "/get_all_segments": segments}

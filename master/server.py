@@ -19,10 +19,8 @@ import collections
 import gc
 import logging
 import signal
-import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
 import zmq
@@ -31,6 +29,7 @@ from kvpool.core import __version__
 from kvpool.core import spin as spin_mod
 from kvpool.core.capability import CapabilitySigner
 from kvpool.core.errors import ErrorCode
+from kvpool.core.http import HttpEndpoints
 from kvpool.core.protocol import decode_reply, encode_error
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
@@ -142,7 +141,7 @@ class MasterServer:
             self.events = EventPublisher(cfg, self.ctx, self.dir)
             self.durability.add_listener(self.events.on_commit)
             self.info.events_position = self.events.position
-        self._http: ThreadingHTTPServer | None = None
+        self._http: HttpEndpoints | None = None
         self.metrics_port = 0
         if cfg.metrics_port:
             self._start_http()
@@ -311,16 +310,11 @@ class MasterServer:
 
     # ================================================================ admin HTTP
     def _start_http(self) -> None:
-        from kvpool.master.metrics import make_handler, make_registry
+        from kvpool.master.metrics import make_registry, make_routes
 
-        registry = make_registry(self)
-        handler: type[BaseHTTPRequestHandler] = make_handler(self, registry)
-        self._http = ThreadingHTTPServer((self.cfg.metrics_host, self.cfg.metrics_port), handler)
-        self._http.daemon_threads = True
-        self.metrics_port = self._http.server_address[1]
-        t = threading.Thread(target=self._http.serve_forever, name="kvpool-master-http",
-                             daemon=True)
-        t.start()
+        self._http = HttpEndpoints(make_routes(self, make_registry(self)), self.cfg.metrics_host,
+                                   self.cfg.metrics_port, "kvpool-master-http")
+        self.metrics_port = self._http.port
 
     # ================================================================ loop
     def install_signal_handlers(self) -> None:
@@ -612,8 +606,7 @@ class MasterServer:
             self.ha.close()
         self.durability.close(self.dir.records)
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
         if self.local_rpc is not None:
             self.local_rpc.close()

@@ -6,8 +6,9 @@ Names are imported lazily (PEP 562) so ``kvpool --help`` and the CLI stay fast.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvpool.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvpool.store.client import Client
@@ -22,17 +23,8 @@ __all__ = [
     "load_client_config",
 ]
 
-_WHERE = {
-    "Client": "kvpool.store.client",
-    "ClientConfig": "kvpool.store.config",
-    "ReplicateConfig": "kvpool.store.config",
-    "load_client_config": "kvpool.store.config",
-    "MooncakeDistributedStore": "kvpool.store.mooncake",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvpool.store' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, {
+    "kvpool.store.client": ["Client"],
+    "kvpool.store.config": ["ClientConfig", "ReplicateConfig", "load_client_config"],
+    "kvpool.store.mooncake": ["MooncakeDistributedStore"],
+})

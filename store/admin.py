@@ -1,8 +1,9 @@
 """Queries and removals: the store client's calls that move no bytes.
 
-Each is one master call. Batch forms check keys on the client (an invalid key
-is INVALID_KEY without a round trip) and answer per key; single-key forms
-raise the error of their code.
+Each is one master call. Batch forms check keys on the client and answer per
+key (an invalid key is INVALID_KEY without a round trip; ``batch_exists``,
+which answers booleans, raises StoreError(INVALID_KEY) for one instead);
+single-key forms raise the error of their code.
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ class Client:
         """Put many values: one master call to start, one transfer batch, one to
         commit. Returns a per-key :class:`ErrorCode` (OK, OBJECT_ALREADY_EXISTS,
         NO_AVAILABLE_HANDLE, TRANSFER_FAIL, INVALID_KEY, ...). Raises only for
-        call-level failures (MasterUnreachable, closed client, length mismatch).
+        call-level failures (MasterUnreachable, StoreTimeout when its transfer
+        batch overruns, closed client, length mismatch).
         """
         return self._parts.writes.put_many(keys, values, config)
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpool.core.http import JSON, PROMETHEUS, HttpEndpoints
 from kvpool.store.client import Client
 from kvpool.store.config import ClientConfig
 
@@ -51,11 +52,9 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stop.set())
     client = Client(config)
-    http: Any = None
+    http: HttpEndpoints | None = None
     try:
         client.setup()
-        if config.metrics_port:
-            http = _start_metrics(client, config.metrics_port)
         info = {
             "pid": os.getpid(),
             "client_id": client.client_id,
@@ -68,6 +67,8 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
             "guard_pid": client.segment_host.guard.pid if client.segment_host.guard else None,
         }
         log.info("node daemon ready: %s", info)
+        if config.metrics_port:
+            http = _serve_metrics(client, config.metrics_port, info)
         if ready_file:
             _write_ready(ready_file, info)
         next_janitor = time.monotonic() + janitor_interval_s
@@ -78,23 +79,24 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
         log.info("node daemon stopping: unmounting %s", client.segment_ids)
     finally:
         if http is not None:
-            http.shutdown()
-            http.server_close()
+            http.close()
         client.close()
     return 0
 
 
-def _start_metrics(client: Client, port: int) -> Any:
-    """Prometheus /metrics on 127.0.0.1:``port``: the engine's capability
-    refusals (``kvpool_capability_refusals_total{reason}``) and the
-    transfer server's request counters, read at scrape time."""
-    from prometheus_client import CollectorRegistry, start_http_server
+def _serve_metrics(client: Client, port: int, info: dict[str, Any]) -> HttpEndpoints:
+    """``/metrics`` (Prometheus: the engine's capability refusals,
+    ``kvpool_capability_refusals_total{reason}``, and the transfer server's
+    request counters, read at scrape time) and ``/health`` (JSON: the ready
+    info and uptime) on 127.0.0.1:``port``."""
+    from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily
     from prometheus_client.registry import Collector
 
     from kvpool.core.capability import refusal_metrics
 
     engine = client.engine
+    started = time.monotonic()
 
     class _Collector(Collector):
         def collect(self) -> Any:
@@ -110,6 +112,11 @@ def _start_metrics(client: Client, port: int) -> Any:
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector())
-    http, _thread = start_http_server(port, addr="127.0.0.1", registry=registry)
-    log.info("node daemon metrics on http://127.0.0.1:%d/metrics", port)
+
+    def health() -> tuple[int, str, str]:
+        return 200, json.dumps({**info, "uptime_s": round(time.monotonic() - started, 3)}), JSON
+
+    http = HttpEndpoints({"/metrics": lambda: (200, generate_latest(registry), PROMETHEUS),
+                          "/health": health}, "127.0.0.1", port, "kvpool-daemon-http")
+    log.info("node daemon metrics on http://127.0.0.1:%d/{metrics,health}", http.port)
     return http

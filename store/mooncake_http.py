@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from kvpool.core.http import JSON, PROMETHEUS, TEXT, HttpEndpoints
 from kvpool.store.mooncake_core import MooncakeCore
 
 __all__ = ["ClientHttpServer"]
@@ -23,7 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class ClientHttpServer:
-    """A small threaded HTTP server for one store; ``close()`` stops it."""
+    """The client endpoints of one store (:class:`kvpool.core.http.HttpEndpoints`);
+    ``close()`` stops them."""
 
     def __init__(self, core: MooncakeCore, health: Callable[[], int], host: str,
                  port: int) -> None:
@@ -31,26 +31,16 @@ class ClientHttpServer:
         ``host:port``. Raises OSError when the port cannot be bound."""
         self._core = core
         self._health = health
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                outer._serve(self)
-
-            def log_message(self, fmt: str, *args: Any) -> None:
-                log.debug("client http: " + fmt, *args)
-
-        self._httpd = ThreadingHTTPServer((host, int(port)), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever,
-                                        name="kvpool-mc-http", daemon=True)
-        self._thread.start()
+        self._http = HttpEndpoints({"/health": self._health_route,
+                                    "/metrics": self._metrics_route,
+                                    "/metrics/summary": self._summary_route},
+                                   host, port, "kvpool-mc-http")
         log.info("client HTTP endpoints on http://%s:%d/{health,metrics,metrics/summary}",
-                 host, self._httpd.server_address[1])
+                 host, self._http.port)
 
     @property
     def port(self) -> int:
-        return int(self._httpd.server_address[1])
+        return self._http.port
 
     def _summary(self) -> dict[str, Any]:
         code = self._health()
@@ -65,33 +55,19 @@ class ClientHttpServer:
                 out["error"] = str(exc)
         return out
 
-    def _serve(self, req: BaseHTTPRequestHandler) -> None:
-        path = req.path.split("?", 1)[0].rstrip("/")
-        if path == "/health":
-            code = self._health()
-            self._reply(req, 200 if code == 0 else 503, "OK" if code == 0 else f"{code}\n")
-        elif path == "/metrics":
-            s = self._summary()
-            lines = [f"kvpool_mooncake_client_health {s['health']}"]
-            lines += [f"kvpool_pool_{k} {s[k]}" for k in ("objects", "bytes_used",
-                                                          "bytes_capacity", "segments") if k in s]
-            self._reply(req, 200, "\n".join(lines) + "\n", "text/plain; version=0.0.4")
-        elif path == "/metrics/summary":
-            self._reply(req, 200, json.dumps(self._summary()), "application/json")
-        else:
-            self._reply(req, 404, "not found\n")
+    def _health_route(self) -> tuple[int, str, str]:
+        code = self._health()
+        return (200, "OK", TEXT) if code == 0 else (503, f"{code}\n", TEXT)
 
-    @staticmethod
-    def _reply(req: BaseHTTPRequestHandler, status: int, body: str,
-               ctype: str = "text/plain") -> None:
-        data = body.encode()
-        req.send_response(status)
-        req.send_header("Content-Type", ctype)
-        req.send_header("Content-Length", str(len(data)))
-        req.end_headers()
-        req.wfile.write(data)
+    def _metrics_route(self) -> tuple[int, str, str]:
+        s = self._summary()
+        lines = [f"kvpool_mooncake_client_health {s['health']}"]
+        lines += [f"kvpool_pool_{k} {s[k]}" for k in ("objects", "bytes_used",
+                                                      "bytes_capacity", "segments") if k in s]
+        return 200, "\n".join(lines) + "\n", PROMETHEUS
+
+    def _summary_route(self) -> tuple[int, str, str]:
+        return 200, json.dumps(self._summary()), JSON
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self._http.close()

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from kvpool.core.errors import ErrorCode
+from kvpool.store.mooncake_codes import NOT_SUPPORTED
 
 __all__ = [
     "BufferHandle",
@@ -43,7 +43,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-NOT_SUPPORTED = int(ErrorCode.NOT_SUPPORTED)
 
 
 class _Enum(IntEnum):

@@ -114,11 +114,6 @@ class SpareCache:
             return None
         return spare
 
-    def held(self, size: int) -> int:
-        """How many spares are held for ``size``."""
-        with self._lock:
-            return sum(len(s.placeholders) for s in self.by_size.get(size, []))
-
     def give_back(self, placeholders: list[str]) -> None:
         """PUT_REVOKE spares (one the master swept already answers
         OBJECT_NOT_FOUND, which is fine)."""

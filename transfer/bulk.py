@@ -159,7 +159,7 @@ class BulkStream:
             self._start, self._end = 0, n
         want = max(_FILL, self._need - (self._end - self._start))
         k = -1
-        if self.spin_until:  # poll without sleeping first (see bulk_client._SPIN_S)
+        if self.spin_until:  # poll without sleeping first (see BulkClient.spin_s)
             if _spin.polling():
                 k = _spin.recv_polling(self.sock, self._view[self._end:self._end + want],
                                        self.spin_until)

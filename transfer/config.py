@@ -59,8 +59,9 @@ class TransportSettings:
     GPU staging. ``pause_after_failures``: consecutive failed attempts that
     pause the transport for ``cooldown_s``. ``inline_max_bytes``: a sub-batch
     of at most this many bytes runs in the submitting thread (no thread hop;
-    ``transfer()`` also runs a single-slice sub-batch inline). ``options``: free-form extras of
-    transports added later (e.g. ``o_direct`` for posix).
+    ``run()`` and ``transfer()`` run any single-slice sub-batch there).
+    ``options``: free-form extras of transports added later (e.g. ``o_direct``
+    for posix).
     """
 
     enabled: bool | str = "auto"

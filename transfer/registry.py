@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.protocol import SegmentDescriptor
 from kvpool.transfer.segment import LocalSegment, MemorySegment, map_shm
 from kvpool.transfer.types import TransferError
 
@@ -256,7 +256,3 @@ def _unmap(m: ShmMapping) -> None:
         except BufferError:
             pass  # a caller still holds a view; freed with it
 
-
-def is_same_host_memory(desc: SegmentDescriptor, host_id: str) -> bool:
-    """Whether ``desc`` is a memory segment on host ``host_id``."""
-    return desc.kind == SegmentKind.MEMORY and desc.host_id == host_id

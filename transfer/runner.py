@@ -250,14 +250,11 @@ class BatchRunner:
         req.local = registry._local.get(sid)
         req.capability = cap if type(cap) is bytes else bytes(cap or b"")
         req.independent = independent
-        candidates = self.transports.candidates(req)
         if length == 0:
+            if req.transport:
+                self.transports.candidates(req)  # an unknown one is still refused
             return ""
-        name, why = self.transports.next_transport(req, candidates, ())
-        if name is None:
-            raise TransferError(f"no usable transport: {why}", ErrorCode.TRANSPORT_UNAVAILABLE,
-                                retryable=False)
-        return name
+        return self.transports.first_choice(req)
 
     # -- running ----------------------------------------------------------------
     def _launch(self, handle: BatchHandle, groups: dict[str, list[TransferRequest]],

@@ -67,9 +67,9 @@ class Transports:
         self.slots: dict[str, TransportSlot] = {}
         self.unavailable: dict[str, str] = {}
         self._rule_cache: dict[tuple[SegmentKind, bool, str, int], RuleConfig | None] = {}
-        # (rule's transport list, segment kind, same host, device) -> the loaded ones that
-        # support such a request, in order (rules live as long as the config)
-        self._usable: dict[tuple[int, SegmentKind, bool, str], list[str]] = {}
+        # (segment kind, same host, device, size) -> the transports of its rule that are
+        # loaded and support such a request, in order
+        self._usable: dict[tuple[SegmentKind, bool, str, int], list[str]] = {}
 
     def load(self, ctx: EngineContext) -> None:
         """Load every transport the rules and ``transports`` section name.
@@ -168,24 +168,37 @@ class Transports:
                                 ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
         return rule.transports
 
-    def next_transport(self, item: TransferRequest, candidates: Sequence[str],
-                       tried: Sequence[str]) -> tuple[str | None, str]:
-        """The first of ``candidates`` not in ``tried`` that is loaded,
-        supports the item and is not paused towards its peer: ``(name, "")``,
-        or ``(None, why none)``."""
-        if not tried and not item.transport:
-            key = (id(candidates), item.segment.kind, item.same_host, item.buffer.device)
+    def first_choice(self, item: TransferRequest) -> str:
+        """The transport a resolved request goes to first: the one it names,
+        or the first of its rule's that is loaded, supports it and is not
+        paused towards its peer. Raises TransferError when there is none
+        (INVALID_PARAMS for an unknown named one, TRANSPORT_UNAVAILABLE with
+        the reasons otherwise)."""
+        if not item.transport:
+            key = (item.segment.kind, item.same_host, item.buffer.device, item.length)
             usable = self._usable.get(key)
             if usable is None:
-                usable = [n for n in candidates if n in self.slots and self.slots[n].transport
-                          .supports(key[1], key[2], key[3])]
+                candidates = self.candidates(item)
+                usable = [n for n in candidates if n in self.slots
+                          and self.slots[n].transport.supports(key[0], key[1], key[2])]
                 if len(self._usable) >= _RULE_CACHE:
                     self._usable.clear()
                 self._usable[key] = usable
             for name in usable:
                 slot = self.slots.get(name)
                 if slot is not None and not (slot.health and slot.paused(peer_key(item))):
-                    return name, ""
+                    return name
+        found, why = self.next_transport(item, self.candidates(item), ())
+        if found is None:
+            raise TransferError(f"no usable transport: {why}", ErrorCode.TRANSPORT_UNAVAILABLE,
+                                retryable=False)
+        return found
+
+    def next_transport(self, item: TransferRequest, candidates: Sequence[str],
+                       tried: Sequence[str]) -> tuple[str | None, str]:
+        """The first of ``candidates`` not in ``tried`` that is loaded,
+        supports the item and is not paused towards its peer: ``(name, "")``,
+        or ``(None, why none)``."""
         why: list[str] = []
         for name in candidates:
             if name in tried:

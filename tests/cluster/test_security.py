@@ -7,6 +7,7 @@ daemon's transfer server keeps unauthenticated peers out entirely."""
 from __future__ import annotations
 
 import itertools
+import json
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -143,6 +144,11 @@ def test_transfer_server_refuses_bad_capabilities(
                 if n:
                     assert f'kvpool_capability_refusals_total{{reason="{reason}"}} {float(n)}' \
                         in text, (reason, text)
+            # ... and its JSON /health: what it contributes, and for how long
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                assert r.headers["Content-Type"] == "application/json"
+                health = json.loads(r.read())
+            assert health["segment_ids"] == a.segment_ids and health["uptime_s"] > 0, health
         finally:
             peer.close()
         # the refused WRITE changed nothing, and the server still serves
