@@ -80,6 +80,8 @@ def buffer_nbytes(buf: Any) -> int:
 
 def host_view(buf: Any) -> memoryview | None:
     """A flat byte view of a host buffer, or None (GPU memory, unknown objects)."""
+    if type(buf) is BufferHandle:  # a registered or wrapped buffer: its host array
+        return None if buf.is_gpu or buf.array is None else buf.array.data
     if is_gpu_buffer(buf):
         return None
     try:

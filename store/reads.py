@@ -239,7 +239,8 @@ class Reads:
             size = loc.size
             if size < _SMALL_GET:  # an extra small memcpy costs less than wrapping bytes
                 arr = np.empty(size, dtype=np.uint8)
-                code = self._read_one(key, loc, arr, retry)
+                code = self._read_one(key, loc, BufferHandle(None, size, array=arr, owner=arr),
+                                      retry)
                 if code is not None:
                     return arr.tobytes()
             else:

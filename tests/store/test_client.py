@@ -236,6 +236,11 @@ def test_checksum_mismatch_detected(client: Client, key: Key,
         client.get(key())
     assert ei.value.code == ErrorCode.CHECKSUM_MISMATCH
     assert client.batch_get_into([key()], [bytearray(8192)]) == [ErrorCode.CHECKSUM_MISMATCH]
+    # a registered buffer is verified too
+    registered = client.register_buffer(np.zeros(8192, np.uint8))
+    with pytest.raises(ChecksumMismatch):
+        client.get_into(key(), registered)
+    assert client.batch_get_into([key()], [registered]) == [ErrorCode.CHECKSUM_MISMATCH]
 
 
 def test_contributing_client_lifecycle(master: MasterProcess, daemons: list[NodeDaemonProcess],
