@@ -327,13 +327,20 @@ class Reads:
         """Values of many keys (None where missing or unreadable)."""
         self.session.check()
         locs = self.locate(keys)
-        outs: list[bytes | None] = [None] * len(keys)
+        outs: list[Any] = [None] * len(keys)
         targets: list[Any] = [None] * len(keys)
         for i, loc in enumerate(locs):
-            if loc.code is _OK:
-                outs[i], targets[i] = alloc_bytes(loc.size)
+            if loc.code is not _OK:
+                continue
+            size = loc.size
+            if size < _SMALL_GET:  # as get(): an array, copied into bytes after
+                arr = outs[i] = np.empty(size, dtype=np.uint8)
+                targets[i] = BufferHandle(None, size, array=arr, owner=arr)
+            else:
+                outs[i], targets[i] = alloc_bytes(size)
         results = self.read(locs, targets, verify=True)
-        return [out if r >= 0 else None for out, r in zip(outs, results, strict=True)]
+        return [None if r < 0 else out if type(out) is bytes else out.tobytes()
+                for out, r in zip(outs, results, strict=True)]
 
     def read_ranges(self, reads: Sequence[RangeRead]) -> list[int]:
         """:meth:`read` of byte ranges of located objects (no master call)."""
