@@ -122,22 +122,21 @@ class MasterConfig:
         "TOO_MANY_REQUESTS (its ZeroMQ pipe is bounded too, so a flood stalls in TCP, not RAM)")
     local_socket: str = setting(
         "auto", help="same-host clients reach the master over a Unix socket served from its "
-        "loop (kvpool.master.local_rpc): ~35 us round trips instead of ~100 us over ZeroMQ on a "
-        "loaded host. auto: $TMPDIR/kvpool-master-<uid>-<port>.sock, mode 0600, not opened when "
-        "CURVE is on; off; or a path. Clients find it through Op.LOCAL_ENDPOINT after their "
-        "first call (MasterClient(local=\"off\") opts out)")
+        "loop (kvpool.master.local_rpc): shorter round trips than ZeroMQ's "
+        "(docs/BENCHMARKS.md). auto: $TMPDIR/kvpool-master-<uid>-<port>.sock, mode 0600, "
+        "not opened when CURVE is on; off; or a path. Clients find it through "
+        "Op.LOCAL_ENDPOINT after their first call (MasterClient(local=\"off\") opts out)")
     rpc_tcp: bool = setting(
         True, help="clients on other hosts: the same direct framing as the Unix socket on an "
-        "ephemeral TCP port of host (announced through Op.LOCAL_ENDPOINT; ~2x shorter master "
+        "ephemeral TCP port of host (announced through Op.LOCAL_ENDPOINT; shorter master "
         "round trips than ZeroMQ across hosts); never opened when CURVE is on")
     rpc_spin_us: int = setting(
         200, help="after answering, the loop polls without sleeping for up to this long while "
         "the next request has of late come that soon (a client's next one-key call: the next "
         "put's commit after its write), yielding the CPU between polls; a yield that comes "
         "back late (another task had the CPU: a busy host) pauses the polls for a while "
-        "(kvpool.core.spin); 0 = always sleep in poll. On a 2-vCPU VM whose idle vCPUs halt "
-        "the polling keeps a vCPU awake for the next wake-up: cross-host 4 KiB put p50 "
-        "~450 -> ~180 us (docs/BENCHMARKS.md)")
+        "(kvpool.core.spin); 0 = always sleep in poll. On a VM whose idle vCPUs halt the "
+        "polling keeps a vCPU awake for the next wake-up (docs/BENCHMARKS.md)")
     curve: CurveConfig = setting(
         default_factory=CurveConfig,
         help="authentication (ZeroMQ CURVE on the RPC socket; see docs/security.md)")
