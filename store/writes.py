@@ -170,11 +170,16 @@ class Writes:
         idx: Sequence[int]
         sizes: list[int] | None = None
         # (the key checks map C callables: no Python frame per key)
-        if not checked and set(map(type, keys)) == _STR_ONLY \
-                and 0 < min(map(len, keys)) and max(map(len, keys)) <= MAX_KEY_LENGTH \
-                and (n == 1 or len(set(keys)) == n):
-            sizes = list(map(buffer_nbytes, buffers)) if n == 1 or \
-                set(map(type, buffers)) != _HANDLE_ONLY else [b.length for b in buffers]
+        if checked:
+            pass
+        elif n == 1:
+            key = keys[0]
+            if type(key) is str and 0 < len(key) <= MAX_KEY_LENGTH:
+                sizes = [buffer_nbytes(buffers[0])]
+        elif set(map(type, keys)) == _STR_ONLY and 0 < min(map(len, keys)) \
+                and max(map(len, keys)) <= MAX_KEY_LENGTH and len(set(keys)) == n:
+            sizes = list(map(buffer_nbytes, buffers)) \
+                if set(map(type, buffers)) != _HANDLE_ONLY else [b.length for b in buffers]
         checksums: list[Checksum] | None = None
         if sizes is not None and min(sizes) > 0:  # every key valid and distinct, every value
             idx, put_keys, put_sizes = range(n), list(keys), sizes

@@ -51,6 +51,7 @@ _OK = ErrorCode.OK
 _LENGTH = operator.attrgetter("length")
 # a request settled before it reaches a transport: (index, state, code, error)
 _Early = tuple[int, RequestState, ErrorCode, str | None]
+_NONE_EARLY: list[_Early] = []  # (shared, never appended to: see _settled)
 #: a sub-batch is split across a transport's threads only in slices of at least this
 #: many bytes (below it one thread finishes sooner than two threads start)
 _MIN_SLICE_BYTES = 4 << 20
@@ -158,7 +159,7 @@ class BatchRunner:
         if self.closed:
             raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
         groups: dict[str, list[TransferRequest]] = {}
-        early: list[_Early] = []
+        early: list[_Early] = _NONE_EARLY
         # (segment id, device, length) -> what the first such request resolved to:
         # later ones alike skip resolution and selection (the same checks, inline)
         alike: dict[tuple[str, str, int],
@@ -194,14 +195,14 @@ class BatchRunner:
             try:
                 name = self._resolve(i, req, independent)
             except TransferError as exc:
-                early.append((i, _FAILED, exc.code, str(exc)))
+                early = _settled(early, (i, _FAILED, exc.code, str(exc)))
                 continue
             except Exception as exc:  # a bad buffer object etc.
-                early.append((i, _FAILED, ErrorCode.INVALID_PARAMS,
-                              f"{type(exc).__name__}: {exc}"))
+                early = _settled(early, (i, _FAILED, ErrorCode.INVALID_PARAMS,
+                                         f"{type(exc).__name__}: {exc}"))
                 continue
             if not name:  # an empty request
-                early.append((i, _DONE, _OK, None))
+                early = _settled(early, (i, _DONE, _OK, None))
                 continue
             grouped = groups.get(name)
             if grouped is None:
@@ -393,3 +394,11 @@ def _slices(slot: TransportSlot, total: int, count: int) -> int:
     if total < 2 * _MIN_SLICE_BYTES:
         return 1
     return max(1, min(slot.settings.threads, count, total // _MIN_SLICE_BYTES))
+
+
+def _settled(early: list[_Early], one: _Early) -> list[_Early]:
+    """``early`` with ``one`` appended (a batch's own list made at its first)."""
+    if early is _NONE_EARLY:
+        early = []
+    early.append(one)
+    return early
