@@ -52,11 +52,19 @@ _STALE = int(ErrorCode.STALE_EPOCH)
 _EXPIRED = int(ErrorCode.LEASE_EXPIRED)
 _UNREAD = int(ErrorCode.INTERNAL_ERROR)  # a read's result before it is decided
 _SMALL_GET = 64 << 10  # get(): below this, read into numpy and copy into bytes
+_STR_ONLY = {str}
 
 
 def valid_key(key: Any) -> bool:
     """Whether ``key`` may name an object (a non-empty str of at most MAX_KEY_LENGTH)."""
     return type(key) is str and 0 < len(key) <= MAX_KEY_LENGTH
+
+
+def all_valid_keys(keys: Sequence[Any]) -> bool:
+    """Whether every one of (non-empty) ``keys`` is :func:`valid_key` (by C
+    callables mapped over them: no Python frame per key)."""
+    return set(map(type, keys)) == _STR_ONLY and 0 < min(map(len, keys)) \
+        and max(map(len, keys)) <= MAX_KEY_LENGTH
 
 
 class RangeRead(msgspec.Struct):
@@ -85,7 +93,7 @@ class Reads:
         keys (it grants their read leases); an invalid key is INVALID_KEY."""
         self.session.check()
         n = len(keys)
-        if n and all(type(k) is str and 0 < len(k) <= MAX_KEY_LENGTH for k in keys):
+        if n and all_valid_keys(keys):
             res, deadline = self.session.locate(list(keys))
             return self.locations(res, deadline)
         out = [Location(ErrorCode.INVALID_KEY) for _ in range(n)]

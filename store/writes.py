@@ -29,7 +29,6 @@ from typing import Any
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import (
-    MAX_KEY_LENGTH,
     BatchPutCommit,
     BatchPutEnd,
     BatchPutStart,
@@ -51,7 +50,7 @@ from kvpool.store.errors import (
     TransferFailed,
     error_for_code,
 )
-from kvpool.store.reads import code_of
+from kvpool.store.reads import all_valid_keys, code_of, valid_key
 from kvpool.store.replicas import SUSPECT_S
 from kvpool.store.session import MasterSession
 from kvpool.store.spares import MAX_SPARE_BYTES, Spare, SpareCache
@@ -64,7 +63,6 @@ log = logging.getLogger(__name__)
 
 _OK = ErrorCode.OK
 _WRITE = TransferOp.WRITE
-_STR_ONLY = {str}
 _HANDLE_ONLY = {BufferHandle}
 _DEFAULT_OPTIONS = PutOptions()
 # what a master answers about one key rather than about the call (single-key ops)
@@ -138,7 +136,7 @@ class Writes:
 
     def put(self, key: str, buffer: Any, config: ReplicateConfig | None) -> None:
         """Put one key; raises the error of its code (see Client.put_from)."""
-        if type(key) is not str or not 0 < len(key) <= MAX_KEY_LENGTH:
+        if not valid_key(key):
             raise StoreError(f"invalid key {key!r}", ErrorCode.INVALID_KEY)
         if buffer_nbytes(buffer) <= 0:
             raise StoreError("cannot put an empty value", ErrorCode.INVALID_PARAMS)
@@ -174,10 +172,9 @@ class Writes:
             pass
         elif n == 1:
             key = keys[0]
-            if type(key) is str and 0 < len(key) <= MAX_KEY_LENGTH:
+            if valid_key(key):
                 sizes = [buffer_nbytes(buffers[0])]
-        elif set(map(type, keys)) == _STR_ONLY and 0 < min(map(len, keys)) \
-                and max(map(len, keys)) <= MAX_KEY_LENGTH and len(set(keys)) == n:
+        elif all_valid_keys(keys) and len(set(keys)) == n:
             sizes = list(map(buffer_nbytes, buffers)) \
                 if set(map(type, buffers)) != _HANDLE_ONLY else [b.length for b in buffers]
         checksums: list[Checksum] | None = None
@@ -227,7 +224,7 @@ class Writes:
         put_sizes: list[int] = []
         seen: set[str] = set()
         for i, key in enumerate(keys):
-            if type(key) is not str or not key or len(key) > MAX_KEY_LENGTH:
+            if not valid_key(key):
                 codes[i] = ErrorCode.INVALID_KEY
                 continue
             if key in seen:

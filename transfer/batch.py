@@ -89,7 +89,12 @@ class SubBatch:
             ok = self.ok
             assert ok is not None
             before = len(ok)
-            ok.update([it.index for it in items if it.index not in self.failed_idx])
+            if self.failed_idx:
+                ok.update([it.index for it in items if it.index not in self.failed_idx])
+            elif len(items) == 1:
+                ok.add(items[0].index)
+            else:
+                ok.update([it.index for it in items])
             self.done += len(ok) - before
             return
         with handle._lock:

@@ -158,6 +158,9 @@ class BatchRunner:
         DONE; invalid or without a transport: FAILED)."""
         if self.closed:
             raise TransferError("engine is closed", ErrorCode.CLOSED, retryable=False)
+        if len(requests) == 1:  # nothing to group
+            got = self._first(0, requests[0], copies_independent())
+            return ({got: [requests[0]]}, _NONE_EARLY) if isinstance(got, str) else ({}, [got])
         groups: dict[str, list[TransferRequest]] = {}
         early: list[_Early] = _NONE_EARLY
         # (segment id, device, length) -> what the first such request resolved to:
@@ -192,17 +195,9 @@ class BatchRunner:
                         req.independent = independent
                         group.append(req)
                         continue
-            try:
-                name = self._resolve(i, req, independent)
-            except TransferError as exc:
-                early = _settled(early, (i, _FAILED, exc.code, str(exc)))
-                continue
-            except Exception as exc:  # a bad buffer object etc.
-                early = _settled(early, (i, _FAILED, ErrorCode.INVALID_PARAMS,
-                                         f"{type(exc).__name__}: {exc}"))
-                continue
-            if not name:  # an empty request
-                early = _settled(early, (i, _DONE, _OK, None))
+            name = self._first(i, req, independent)
+            if not isinstance(name, str):
+                early = _settled(early, name)
                 continue
             grouped = groups.get(name)
             if grouped is None:
@@ -214,6 +209,18 @@ class BatchRunner:
         return groups, early
 
     # -- resolution -------------------------------------------------------------
+    def _first(self, i: int, req: TransferRequest, independent: bool) -> str | _Early:
+        """Request ``i`` resolved (:meth:`_resolve`): its first transport's
+        name, or the request settled before any transport (an empty one
+        DONE; an invalid one, or one no transport can take, FAILED)."""
+        try:
+            name = self._resolve(i, req, independent)
+        except TransferError as exc:
+            return (i, _FAILED, exc.code, str(exc))
+        except Exception as exc:  # a bad buffer object etc.
+            return (i, _FAILED, ErrorCode.INVALID_PARAMS, f"{type(exc).__name__}: {exc}")
+        return name or (i, _DONE, _OK, None)
+
     def _resolve(self, i: int, req: TransferRequest, independent: bool) -> str:
         """Check request ``i``, fill in its resolved fields and pick its first
         transport: its name; "" when the request needs none (empty: DONE) or
