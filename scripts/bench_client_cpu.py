@@ -5,14 +5,18 @@ wall-clock rates.
 
 - ``store``: a real master and holder answer once; then the master stub replays
   the recorded replies, and the thread CPU time of ``batch_put_from`` /
-  ``batch_get_into`` (32 x 4 KiB, registered buffers) and ``put_from`` /
-  ``get_into`` (one) is measured: the store client's own Python per call, shm
-  copies inline, no RPC.
+  ``batch_get_into`` / ``get_batch`` (32 x 4 KiB, registered buffers) and
+  ``put_from`` / ``get_into`` / ``put`` / ``get`` (one) is measured: the store
+  client's own Python per call, shm copies inline, no RPC. (Single puts are
+  recorded a few times, so that a put through a spare allocation, whose
+  commit differs from a first put's, is recorded too.)
 - ``engine``: ``TransferEngine.transfer`` / ``run`` of 32 (and 1) WRITE requests of
   4 KiB to a local segment through a transport that reports every request at
   once: the engine's own cost per batch.
 
-Best of ``--reps`` repetitions each (the least disturbed)::
+Best of ``--reps`` repetitions each (the least disturbed). The JSON is a list
+of records ``{transport: "client" | "engine", op, size, batch,
+cpu_us_per_call}`` that ``scripts/bench_ab.py`` compares between two trees::
 
     .venv/bin/python scripts/bench_client_cpu.py --json out/client_cpu.json
 """
@@ -44,7 +48,12 @@ def _best(fn: Callable[[], Any], n: int, reps: int) -> float:
     return round(best, 2)
 
 
-def store_cpu(reps: int) -> dict[str, float]:
+def _record(transport: str, op: str, batch: int, cpu_us: float) -> dict[str, Any]:
+    return {"transport": transport, "op": op, "size": 4096, "batch": batch,
+            "cpu_us_per_call": cpu_us}
+
+
+def store_cpu(reps: int) -> list[dict[str, Any]]:
     from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
     from kvpool.core.rpc_client import MasterClient
     from kvpool.store import Client, ClientConfig
@@ -70,26 +79,35 @@ def store_cpu(reps: int) -> dict[str, float]:
                 return recorded[name] if name in recorded else real(self, req, timeout_s)
 
             keys = [f"k/{j}" for j in range(32)]
+            value = bytes(arrs[0])
             MasterClient.call = record  # type: ignore[method-assign]
             try:
                 c.batch_put_from(keys, hs)
                 c.batch_get_into(keys, hs)
-                c.put_from("one", hs[0])
-                c.get_into("one", hs[0])
+                for i in range(4):  # the later ones through spares, where the tree has them
+                    c.put_from(f"one/{i}", hs[0])
+                    c.put(f"two/{i}", value)
+                c.get_into("one/0", hs[0])
+                c.get("two/0")
                 MasterClient.call = replay  # type: ignore[method-assign]
-                return {
-                    "batch_put_from_32_us": _best(lambda: c.batch_put_from(keys, hs), 2000, reps),
-                    "batch_get_into_32_us": _best(lambda: c.batch_get_into(keys, hs), 2000, reps),
-                    "put_from_us": _best(lambda: c.put_from("one", hs[0]), 20000, reps),
-                    "get_into_us": _best(lambda: c.get_into("one", hs[0]), 20000, reps),
-                }
+                cases: list[tuple[str, int, Callable[[], Any], int]] = [
+                    ("batch_put_from", 32, lambda: c.batch_put_from(keys, hs), 2000),
+                    ("batch_get_into", 32, lambda: c.batch_get_into(keys, hs), 2000),
+                    ("get_batch", 32, lambda: c.get_batch(keys), 2000),
+                    ("put_from", 1, lambda: c.put_from("one/0", hs[0]), 20000),
+                    ("get_into", 1, lambda: c.get_into("one/0", hs[0]), 20000),
+                    ("put", 1, lambda: c.put("two/0", value), 20000),
+                    ("get", 1, lambda: c.get("two/0"), 20000),
+                ]
+                return [_record("client", op, batch, _best(fn, n, reps))
+                        for op, batch, fn, n in cases]
             finally:
                 MasterClient.call = real  # type: ignore[method-assign]
         finally:
             c.close()
 
 
-def engine_cpu(reps: int) -> dict[str, float]:
+def engine_cpu(reps: int) -> list[dict[str, Any]]:
     from kvpool.transfer import TransferEngine
     from kvpool.transfer.config import load_transfer_config
     from kvpool.transfer.segment import MemorySegment
@@ -124,11 +142,13 @@ def engine_cpu(reps: int) -> dict[str, float]:
         bufs = [e.register_buffer(np.zeros(4096, np.uint8)) for _ in range(32)]
         reqs = [TransferRequest(TransferOp.WRITE, bufs[i], seg.segment_id, i * 4096, 4096, 0,
                                 None, b"c" * 500) for i in range(32)]
-        return {
-            "transfer_32_us": _best(lambda: e.transfer(reqs, 5.0), 2000, reps),
-            "run_32_us": _best(lambda: e.run(reqs, 5.0), 2000, reps),
-            "transfer_1_us": _best(lambda: e.transfer(reqs[:1], 5.0), 20000, reps),
-        }
+        return [
+            _record("engine", "transfer", 32, _best(lambda: e.transfer(reqs, 5.0), 2000, reps)),
+            _record("engine", "run", 32, _best(lambda: e.run(reqs, 5.0), 2000, reps)),
+            _record("engine", "transfer", 1,
+                    _best(lambda: e.transfer(reqs[:1], 5.0), 20000, reps)),
+            _record("engine", "run", 1, _best(lambda: e.run(reqs[:1], 5.0), 20000, reps)),
+        ]
     finally:
         e.close()
         seg.close()
@@ -142,10 +162,12 @@ def main() -> int:
     from kvpool.core.config import setup_logging
 
     setup_logging("WARNING")
-    rec = {"store": store_cpu(args.reps), "engine": engine_cpu(args.reps)}
+    records = store_cpu(args.reps) + engine_cpu(args.reps)
     with open(args.json, "w") as f:
-        json.dump(rec, f, indent=1)
-    log.warning("%s", json.dumps(rec))
+        json.dump(records, f, indent=1)
+    for r in records:
+        log.warning("%s %s x%d: %.2f us", r["transport"], r["op"], r["batch"],
+                    r["cpu_us_per_call"])
     return 0
 
 

@@ -55,6 +55,15 @@ def test_verdict_follows_the_metric_direction(ab: ModuleType) -> None:
     assert ab.verdict("master_cpu_key_ops_per_s", 200e3, 150e3, 0.05) == "WORSE"
     assert ab.verdict("ops_per_s", None, 1.0, 0.05) == "missing"
     assert ab.verdict("something_new", 1.0, 2.0, 0.05) == "?"
+    assert ab.verdict("cpu_us_per_call", 10.0, 12.0, 0.05) == "WORSE"
+
+
+def test_client_cpu_records_compare_their_cpu(ab: ModuleType) -> None:
+    """bench_client_cpu.py's records are compared by their CPU per call alone."""
+    rec = {"transport": "client", "op": "get_into", "size": 4096, "batch": 1,
+           "cpu_us_per_call": 7.5}
+    assert ab.records_of([rec]) == [rec]
+    assert ab.metrics_of(rec, "auto") == ["cpu_us_per_call"]
 
 
 def test_records_of_each_benchmark_shape(ab: ModuleType) -> None:
