@@ -26,7 +26,14 @@ from kvpool.core.descriptors import (
 )
 from kvpool.core.events import ObjectStored, SegmentAdded
 
+#: A request's ``tenant`` field: the tenant it acts for (docs/tenants.md).
+#: Empty is the ``default`` tenant, so a request of an older client (which
+#: has no such field) acts for ``default`` as it always did. Every op that
+#: names, lists, counts or removes objects carries it, as its last field.
+TENANT_FIELD_DEFAULT = ""
+
 __all__ = [
+    "TENANT_FIELD_DEFAULT",
     "BatchExist",
     "BatchExistReply",
     "BatchGetReplicaList",
@@ -141,6 +148,7 @@ class PutStart(Request[PutStartReply]):
     options: PutOptions | None = None
     checksum: Checksum = None
     group: str | None = None  # object group ("" none; an existing object's cannot change)
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 @register(Op.UPSERT_START, PutStartReply,
@@ -173,6 +181,7 @@ class PutEnd(Request[ReserveReply]):
     client_id: str
     key: str
     reserve: int = 0
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 @register(Op.PUT_COMMIT, ReserveReply,
@@ -185,12 +194,14 @@ class PutCommit(Request[ReserveReply]):
     placeholder: str
     key: str
     reserve: int = 0
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 @register(Op.PUT_REVOKE, Empty, "drop the caller's pending put and free its space")
 class PutRevoke(Request[Empty]):
     client_id: str
     key: str
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class GetReplicaListReply(Reply):
@@ -206,6 +217,7 @@ class GetReplicaListReply(Reply):
           "complete replicas of an object; grants a read lease")
 class GetReplicaList(Request[GetReplicaListReply]):
     key: str
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class ExistReply(Reply):
@@ -215,6 +227,7 @@ class ExistReply(Reply):
 @register(Op.EXIST, ExistReply, "whether an object is complete; grants a lease when it is")
 class Exist(Request[ExistReply]):
     key: str
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class GetSizeReply(Reply):
@@ -224,12 +237,14 @@ class GetSizeReply(Reply):
 @register(Op.GET_SIZE, GetSizeReply, "an object's size")
 class GetSize(Request[GetSizeReply]):
     key: str
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 @register(Op.REMOVE, Empty, "remove an object (OBJECT_HAS_LEASE unless force)")
 class Remove(Request[Empty]):
     key: str
     force: bool = False
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class RemoveAllReply(Reply):
@@ -239,6 +254,7 @@ class RemoveAllReply(Reply):
 @register(Op.REMOVE_ALL, RemoveAllReply, "remove every unleased object (every with force)")
 class RemoveAll(Request[RemoveAllReply]):
     force: bool = False
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 @register(Op.REMOVE_BY_REGEX, RemoveAllReply,
@@ -250,6 +266,7 @@ class RemoveByRegex(Request[RemoveAllReply]):
     force: bool = False
     prefix: str = ""
     exclude_prefix: str = ""
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class BatchPutStartReply(Reply):
@@ -268,6 +285,7 @@ class BatchPutStart(Request[BatchPutStartReply]):
     options: PutOptions | None = None
     checksums: list[Checksum] | None = None
     groups: list[str] | None = None  # per key, as PUT_START's group
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class BatchKeysReply(Reply):
@@ -302,6 +320,7 @@ class BatchPutEnd(Request[BatchReserveReply]):
     keys: list[str]
     reserve: int = 0
     reserve_count: int = 0
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 @register(Op.BATCH_PUT_COMMIT, BatchReserveReply,
@@ -314,12 +333,14 @@ class BatchPutCommit(Request[BatchReserveReply]):
     keys: list[str]
     reserve: int = 0
     reserve_count: int = 0
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 @register(Op.BATCH_PUT_REVOKE, BatchKeysReply, "PUT_REVOKE of many keys; per-key codes")
 class BatchPutRevoke(Request[BatchKeysReply]):
     client_id: str
     keys: list[str]
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class BatchGetReplicaListReply(Reply):
@@ -336,6 +357,7 @@ class BatchGetReplicaListReply(Reply):
           "GET_REPLICA_LIST of many keys; per-key codes")
 class BatchGetReplicaList(Request[BatchGetReplicaListReply]):
     keys: list[str]
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class BatchExistReply(Reply):
@@ -346,6 +368,7 @@ class BatchExistReply(Reply):
 @register(Op.BATCH_EXIST, BatchExistReply, "EXIST of many keys; per-key codes")
 class BatchExist(Request[BatchExistReply]):
     keys: list[str]
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class BatchGetSizeReply(Reply):
@@ -356,12 +379,14 @@ class BatchGetSizeReply(Reply):
 @register(Op.BATCH_GET_SIZE, BatchGetSizeReply, "GET_SIZE of many keys; per-key codes")
 class BatchGetSize(Request[BatchGetSizeReply]):
     keys: list[str]
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 @register(Op.BATCH_REMOVE, BatchKeysReply, "REMOVE of many keys; per-key codes")
 class BatchRemove(Request[BatchKeysReply]):
     keys: list[str]
     force: bool = False
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 @register(Op.BATCH_REPLICA_CLEAR, BatchKeysReply,
@@ -372,6 +397,7 @@ class BatchReplicaClear(Request[BatchKeysReply]):
     client_id: str
     keys: list[str]
     segment_id: str = ""
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class StatsReply(Reply):
@@ -441,7 +467,7 @@ class StatsReply(Reply):
 
 @register(Op.STATS, StatsReply, "the master's counters")
 class Stats(Request[StatsReply]):
-    pass
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class ListSegmentsReply(Reply):
@@ -507,6 +533,7 @@ class ListObjects(Request[ListObjectsReply]):
     cursor: int = 0
     limit: int = 4096
     prefix: str = ""
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class TaskReply(Reply):
@@ -521,6 +548,7 @@ class TaskReply(Reply):
 class CreateCopyTask(Request[TaskReply]):
     key: str
     targets: list[str]
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 @register(Op.CREATE_MOVE_TASK, TaskReply,
@@ -531,6 +559,7 @@ class CreateMoveTask(Request[TaskReply]):
     key: str
     source: str
     target: str
+    tenant: str = TENANT_FIELD_DEFAULT
 
 
 class QueryTaskReply(Reply):
@@ -552,3 +581,4 @@ class QueryTaskReply(Reply):
           "100000 newer tasks)")
 class QueryTask(Request[QueryTaskReply]):
     task_id: int
+    tenant: str = TENANT_FIELD_DEFAULT

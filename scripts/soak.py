@@ -114,6 +114,10 @@ def worker_main(args: argparse.Namespace) -> int:
                     stats["unexpected"].append(f"{op} {key}: {exc}")
             except Exception as exc:
                 stats["unexpected"].append(f"{op} {key}: {type(exc).__name__}: {exc}")
+    # Done: a stop request from now on is moot. Ignore it, because interpreter
+    # shutdown puts SIGTERM's default action back (for a Python handler, not for
+    # SIG_IGN) and the drain's SIGTERM would turn a clean exit into a -15.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     stats["unexpected"] = stats["unexpected"][:20]
     print(json.dumps(stats), flush=True)
     return 0
