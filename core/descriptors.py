@@ -34,11 +34,12 @@ __all__ = [
 ]
 
 MAX_KEY_LENGTH = 4096
-#: Keys starting with NUL are the master's (reservation placeholders); every
+#: Keys starting below U+0020 are the master's: NUL starts its reservation
+#: placeholders, U+001F a tenant's namespace (kvpool.core.tenants). Every
 #: user-facing op refuses them with INVALID_KEY. ``key < KEY_MIN`` is true for
-#: exactly the empty key and the reserved ones.
+#: exactly the empty key and those.
 RESERVED_KEY_PREFIX = "\x00"
-KEY_MIN = "\x01"
+KEY_MIN = " "
 
 
 def validate_key(key: object, max_length: int = MAX_KEY_LENGTH) -> str:
@@ -46,7 +47,7 @@ def validate_key(key: object, max_length: int = MAX_KEY_LENGTH) -> str:
     if not isinstance(key, str):
         raise KVPoolError(f"key must be str, got {type(key).__name__}", ErrorCode.INVALID_KEY)
     if key < KEY_MIN:
-        raise KVPoolError("key must not be empty nor start with NUL (reserved)",
+        raise KVPoolError("key must not be empty nor start below U+0020 (reserved)",
                           ErrorCode.INVALID_KEY)
     if len(key) > max_length:
         raise KVPoolError(f"key longer than {max_length}", ErrorCode.INVALID_KEY)

@@ -1,8 +1,9 @@
 """A batch's keys: the master's one key check, and the per-key result codes.
 
 A key is valid when it is non-empty, at most ``max_key_length`` characters
-and does not start with NUL (``RESERVED_KEY_PREFIX``: the master's own
-placeholder keys, refused by every op that names a user's key). A batch is
+and does not start below U+0020 (``KEY_MIN``: the master's own placeholder
+keys start with NUL, tenants' namespaces with U+001F; refused by every op
+that names a user's key). A batch is
 checked at once at C speed (``min`` and ``max`` over the batch), key by key
 only when that finds a bad one; each op's loop then skips the keys marked.
 
@@ -44,7 +45,7 @@ DENIED = int(ErrorCode.PERMISSION_DENIED)
 def mark_bad_keys(keys: Sequence[str], max_key: int, codes: list[int],
                   key_min: str = KEY_MIN) -> bool:
     """Set ``codes[i]`` to INVALID_KEY for every key that is shorter than
-    ``key_min`` allows (empty; starting with NUL when ``key_min`` is
+    ``key_min`` allows (empty; starting below U+0020 when ``key_min`` is
     ``KEY_MIN``) or longer than ``max_key``; return whether any was."""
     if len(keys) == 1:  # a single-key op: no pass over the batch
         key = keys[0]
@@ -79,5 +80,5 @@ def check_key(key: str, max_key: int) -> str:
     """``key``, or KVPoolError(INVALID_KEY) when it is not a valid key."""
     if _bad(key, max_key, KEY_MIN):
         raise KVPoolError(f"key must be a non-empty string of at most {max_key} characters "
-                          "not starting with NUL (reserved)", ErrorCode.INVALID_KEY)
+                          "not starting below U+0020 (reserved)", ErrorCode.INVALID_KEY)
     return key

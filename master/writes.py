@@ -448,7 +448,7 @@ class Writes:
         resv = min(limit, self.write_window_s)
         clients = self.clients
         stale = [k for k, p in self.pending.items()
-                 if now - p.started > (resv if k < KEY_MIN else limit)
+                 if now - p.started > (resv if k.startswith(RESERVED_KEY_PREFIX) else limit)
                  or p.client_id not in clients]
         for k in stale:
             self._release(self.pending.pop(k))
