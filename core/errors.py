@@ -51,6 +51,9 @@ class ErrorCode(IntEnum):
     CLOSED = -1011
     NOT_SUPPORTED = -1012  # Mooncake's number: the operation has no equivalent here
     TASK_NOT_FOUND = -1400  # Mooncake's number: unknown or pruned copy/move task
+    # a tenant at its quota with nothing of its own left to evict (docs/tenants.md);
+    # the Mooncake class reports it as NO_AVAILABLE_HANDLE, as Mooncake does
+    QUOTA_EXCEEDED = -1200
     # high availability (kvpool.core.etcd, kvpool.master.ha)
     NOT_LEADER = -1100  # this master instance is a follower: ask the leader
     STALE_EPOCH = -1101  # a request, record or capability of an older leader term

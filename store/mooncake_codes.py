@@ -60,6 +60,7 @@ _TO_MOONCAKE = {
     ErrorCode.CLOSED: ErrorCode.INVALID_PARAMS,
     ErrorCode.BUFFER_OVERFLOW: ErrorCode.INVALID_PARAMS,  # Mooncake: buffer too small
     ErrorCode.INVALID_KEY: ErrorCode.INVALID_PARAMS,
+    ErrorCode.QUOTA_EXCEEDED: ErrorCode.NO_AVAILABLE_HANDLE,  # Mooncake's allocation failure
 }
 _STORED = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
 
