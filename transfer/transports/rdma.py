@@ -13,10 +13,9 @@ How it works:
 - **Connections** (:mod:`~kvpool.transfer.transports.rdma_connect`). Per peer
   the requester connects ``qps_per_peer`` RC QPs to as many responder QPs of
   the owner, through an ``OP_RDMA_CONNECT`` exchange
-  (:mod:`kvpool.transfer.rdma_proto`) that the owner answers through its
-  transfer server once that server routes the op
-  (``register_op_handler`` hook), else through a small connect listener of
-  this transport whose endpoint travels in the segment descriptor.
+  (:mod:`kvpool.transfer.rdma_proto`) that the owner answers through a small
+  connect listener of this transport whose endpoint travels in the segment
+  descriptor.
 - **Memory regions** (:mod:`~kvpool.transfer.transports.rdma_memory`). The
   owner registers each memory segment once (:meth:`describe_segment` returns
   the ``SegmentDescriptor.extra["rdma"]`` entry: address, rkey, length,
@@ -89,8 +88,7 @@ class RdmaOptions:
     ``max_sge``: SGEs gathered into one WR. ``qps_per_peer``: RC QPs per peer.
     ``connect_timeout_s``: QP-info exchange deadline. ``max_accepted``:
     responder connections kept (oldest closed beyond it). ``listen_host``:
-    address of the connect listener used when the transfer server has no
-    ``register_op_handler`` hook (default: the transfer server's host).
+    address of the connect listener (default: the transfer server's host).
     ``allow_with_capabilities``: RDMA is one-sided, so the per-request
     capability check of the transfer server (docs/security.md) cannot apply to it; while
     that server has a verifier set, this owner hands out no rkeys unless this
@@ -205,7 +203,6 @@ class RdmaTransport(Transport):
             with self._lock:
                 self._dev = dev
                 self.port_mtu = min(info.mtu, self.options.mtu)
-            self.responder.hook_server()
             log.info("rdma: using %s port %d (lid %d, gid %s, mtu %d)", name,
                      self.options.port, info.lid, info.gid, self.port_mtu)
             return True, ""

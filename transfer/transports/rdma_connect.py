@@ -109,8 +109,7 @@ class _Accepted:
 
 
 class _ConnectListener:
-    """Serves OP_RDMA_CONNECT on its own ROUTER socket for transfer servers
-    without the ``register_op_handler`` hook."""
+    """Serves OP_RDMA_CONNECT on its own ROUTER socket."""
 
     def __init__(self, zctx: zmq.Context, host: str,
                  handler: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
@@ -200,7 +199,7 @@ class RdmaConnector:
             raise TransferError(f"bad rdma connect reply from {endpoint}: {exc}",
                                 exc.code) from exc
         if reply.code != ErrorCode.OK:
-            hint = " (peer's transfer server has no rdma connect hook)" \
+            hint = " (the owner advertised no rdma connect listener)" \
                 if reply.code == ErrorCode.UNKNOWN_OP else ""
             raise TransferError(f"rdma connect refused by {endpoint}: "
                                 f"{reply.code.name} {reply.err}{hint}", reply.code)
@@ -344,9 +343,8 @@ class RdmaConnector:
 class RdmaResponder:
     """The owner side of ``rdma``: answers connect requests (responder QPs
     moved to RTS towards the requester's, and the registrations of the
-    segments it asks for), through the transfer server where that server
-    routes ``OP_RDMA_CONNECT`` (``register_op_handler``), else through a
-    connect listener of its own whose endpoint travels in the descriptors.
+    segments it asks for), through a connect listener of its own whose
+    endpoint travels in the descriptors.
     At most ``max_accepted`` responder connections are kept (oldest closed)."""
 
     def __init__(self, rdma: RdmaTransport) -> None:
@@ -354,24 +352,11 @@ class RdmaResponder:
         self._lock = threading.Lock()
         self._accepted: OrderedDict[str, _Accepted] = OrderedDict()
         self._listener: _ConnectListener | None = None
-        self._server_hooked = False
-
-    def hook_server(self) -> None:
-        """Route OP_RDMA_CONNECT through the engine's transfer server when the
-        server offers ``register_op_handler(op, fn)``."""
-        server = getattr(self._rdma.ctx, "server", None)
-        hook = getattr(server, "register_op_handler", None)
-        if callable(hook) and not self._server_hooked:
-            from kvpool.transfer.rdma_proto import OP_RDMA_CONNECT
-
-            hook(OP_RDMA_CONNECT, self.handle_connect)
-            self._server_hooked = True
 
     def connect_endpoint(self) -> str:
-        """"" when peers reach us through the transfer server, else our listener."""
-        self.hook_server()
-        if self._server_hooked:
-            return ""
+        """Where peers send OP_RDMA_CONNECT: this owner's connect listener
+        (started on first use). No transfer server routes that op, so the
+        listener is the one way in."""
         with self._lock:
             if self._listener is None:
                 server = getattr(self._rdma.ctx, "server", None)
