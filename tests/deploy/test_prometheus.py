@@ -17,6 +17,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,15 @@ PROM_DIR = ROOT / "deploy" / "prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvpool.json"
 RATE_INTERVAL = "10s"  # what the test puts for $__rate_interval (scrapes every 1 s)
 JOBS = {"master_job": "kvpool-master", "node_job": "kvpool-node", "vllm_job": "vllm"}
+#: series that land separately (tenants; the node daemons' kvpool_node_*; the
+#: connector's, which move from its module's registry into vLLM's metrics):
+#: a query of only such series is checked where its sentinel series exists
+OPTIONAL = {"kvpool_master_tenant_": "kvpool_master_tenant_objects",
+            "kvpool_node_": "kvpool_node_uptime_seconds",
+            "kvpool_connector_": "kvpool_connector_hit_tokens_total"}
+#: panels of events the healthy pool never has: empty is right there, as long
+#: as the targets declare every series the query names (HELP/TYPE lines)
+EVENT_PANELS = {"Transfer failures and failovers"}
 
 
 def _tool(name: str) -> str:
@@ -143,9 +154,12 @@ def test_dashboard_shape() -> None:
 _VLLM_STANDIN = textwrap.dedent("""
     import random, sys, time
     from prometheus_client import start_http_server
+    from kvpool.connector import stats
     from kvpool.connector.stats import ConnectorStats
     start_http_server(int(sys.argv[1]), addr="127.0.0.1")
     s = ConnectorStats()
+    if not hasattr(stats, "_METRICS"):  # the connector no longer registers them here
+        time.sleep(3600)
     while True:
         s.add(lookups=1, lookup_tokens=256, hit_tokens=128, loaded_bytes=1 << 20,
               saved_bytes=1 << 19, load_time_s=random.uniform(0.001, 0.01),
@@ -299,7 +313,9 @@ def pool() -> Iterator[Pool]:
         daemons = []
         for i, port in enumerate(ports):
             d = NodeDaemonProcess(group.url, "32MiB", host_id=f"prom-node{i}",
-                                  extra_args=["--metrics-port", str(port)])
+                                  extra_args=["--metrics-port", str(port),  # + an SSD tier
+                                              "--disk-dir", str(tmp / f"disk{i}"),
+                                              "--disk", "16MiB"])
             stack.callback(d.close)
             daemons.append(d.start())
         _set_tenant_quota(group.url)
@@ -316,14 +332,18 @@ def pool() -> Iterator[Pool]:
         yield Pool(url, group, daemons, ports, traffic, stop, errors)
 
 
-def _master_exports(prom_url: str, name: str, timeout_s: float = 10) -> bool:
-    """Whether the masters' pages carry ``name``, asked once both HA
-    instances have been scraped."""
+def _names(expr: str) -> set[str]:
+    """The metric families a query names (histogram suffixes dropped)."""
+    return {re.sub(r"_(bucket|count|sum)$", "", n)
+            for n in re.findall(r"\b(kvpool_[a-z0-9_]+)\b", expr)}
+
+
+def _all_scraped(prom_url: str, targets: int = 5, timeout_s: float = 15) -> None:
+    """Wait until every target (2 masters, 2 nodes, the vLLM stand-in) is up."""
     deadline = time.monotonic() + timeout_s
-    while len(_query(prom_url, 'kvpool_master_ha_role{role="leader"}')) < 2:
-        assert time.monotonic() < deadline, "the masters were not scraped in time"
+    while len(_query(prom_url, "up == 1")) < targets:
+        assert time.monotonic() < deadline, _query(prom_url, "up")
         time.sleep(0.25)
-    return bool(_query(prom_url, name))
 
 
 def test_every_panel_query_returns_data(pool: Pool) -> None:
@@ -331,13 +351,19 @@ def test_every_panel_query_returns_data(pool: Pool) -> None:
     finite sample from the live pool (polled: rates need a few scrapes)."""
     queries = _queries(_dashboard())
     assert len(queries) >= 40
-    # the Tenants row needs a master that exports kvpool_master_tenant_*
-    # (tenants land separately): its queries are checked once the series exist
-    if not _master_exports(pool.prom_url, "kvpool_master_tenant_objects"):
-        queries = [q for q in queries if q[0] != "Tenants"]
+    _all_scraped(pool.prom_url)
+    absent = {prefix: sentinel for prefix, sentinel in OPTIONAL.items()
+              if not _query(pool.prom_url, sentinel)}
+    unchecked = [title for _row, title, expr in queries
+                 if (names := _names(expr)) and all(
+                     any(n.startswith(p) for p in absent) for n in names)]
+    if unchecked:
+        warnings.warn(f"panels not checked (their series are not exported here: "
+                      f"{sorted(absent.values())}): {sorted(set(unchecked))}", stacklevel=1)
+    declared = set(_get_json(f"{pool.prom_url}/api/v1/metadata")["data"])
     missing: dict[str, str] = {}
     deadline = time.monotonic() + 30
-    pending = [(title, expr) for _row, title, expr in queries]
+    pending = [(title, expr) for _row, title, expr in queries if title not in unchecked]
     while pending and time.monotonic() < deadline:
         still = []
         for title, expr in pending:
@@ -347,6 +373,8 @@ def test_every_panel_query_returns_data(pool: Pool) -> None:
         if pending:
             time.sleep(0.5)
     for title, expr in pending:
+        if title in EVENT_PANELS and _names(expr) <= declared:
+            continue
         missing[title] = expr
     assert not missing, "panel queries without data:\n" + "\n".join(
         f"{t}: {e}" for t, e in missing.items())
