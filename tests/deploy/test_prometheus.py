@@ -55,6 +55,7 @@ OPTIONAL = {"kvpool_master_tenant_": "kvpool_master_tenant_objects",
 #: panels of events the healthy pool never has: empty is right there, as long
 #: as the targets declare every series the query names (HELP/TYPE lines)
 EVENT_PANELS = {"Transfer failures and failovers"}
+FAULT_ALERTS = {"KvpoolNodeDown", "KvpoolMasterDown"}  # what the fault tests raise
 
 
 def _tool(name: str) -> str:
@@ -177,6 +178,7 @@ class Pool:
     traffic: threading.Thread
     stop: threading.Event
     errors: list[str] = field(default_factory=list)
+    up_at: float = 0.0  # monotonic time when Prometheus had every target up
 
     def stop_traffic(self) -> None:
         """End the Client's traffic (before a fault) and check it saw no error."""
@@ -222,13 +224,15 @@ def _traffic(address: str, stop: threading.Event, errors: list[str]) -> None:
 
 
 def _rules_for_test(tmp: Path) -> Path:
-    """The shipped alert rules, expressions untouched, with every ``for`` at 1 s."""
+    """The shipped alert rules, expressions untouched, evaluated every second,
+    with ``for`` at 1 s for the alerts the fault tests raise and 10 s for the
+    rest (a loaded test box may blip a standby out of sync for a second)."""
     doc = yaml.safe_load((PROM_DIR / "alerts.yml").read_text())
     doc = copy.deepcopy(doc)
     for g in doc["groups"]:
         g["interval"] = "1s"
         for rule in g["rules"]:
-            rule["for"] = "1s"
+            rule["for"] = "1s" if rule["alert"] in FAULT_ALERTS else "10s"
     path = tmp / "alerts.yml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -329,7 +333,8 @@ def pool() -> Iterator[Pool]:
         traffic.start()
         stack.callback(traffic.join, 10)
         stack.callback(stop.set)
-        yield Pool(url, group, daemons, ports, traffic, stop, errors)
+        _all_scraped(url)
+        yield Pool(url, group, daemons, ports, traffic, stop, errors, time.monotonic())
 
 
 def _names(expr: str) -> set[str]:
@@ -351,7 +356,6 @@ def test_every_panel_query_returns_data(pool: Pool) -> None:
     finite sample from the live pool (polled: rates need a few scrapes)."""
     queries = _queries(_dashboard())
     assert len(queries) >= 40
-    _all_scraped(pool.prom_url)
     absent = {prefix: sentinel for prefix, sentinel in OPTIONAL.items()
               if not _query(pool.prom_url, sentinel)}
     unchecked = [title for _row, title, expr in queries
@@ -395,13 +399,13 @@ def _alerts(prom_url: str, name: str | None = None) -> list[dict[str, Any]]:
 def test_rules_evaluate_and_stay_quiet(pool: Pool) -> None:
     """Every shipped rule evaluates without error against the live series
     (promtool cannot see a many-to-many match or a bad label join), and on a
-    healthy pool none is pending or firing although every ``for`` is 1 s."""
+    healthy pool none fires (``for`` shortened: see _rules_for_test)."""
     deadline = time.monotonic() + 15
     while True:
         body = _get_json(f"{pool.prom_url}/api/v1/rules")
         rules = [r for g in body["data"]["groups"] for r in g["rules"]]
-        if rules and all(r.get("lastEvaluation", "").startswith("2") and
-                         not r["lastEvaluation"].startswith("0001") for r in rules):
+        if rules and not any(r.get("lastEvaluation", "0001").startswith("0001")
+                             for r in rules):
             break
         assert time.monotonic() < deadline, "rules not evaluated in 15 s"
         time.sleep(0.25)
@@ -410,7 +414,12 @@ def test_rules_evaluate_and_stay_quiet(pool: Pool) -> None:
     assert len(rules) == len(
         [r for g in yaml.safe_load((PROM_DIR / "alerts.yml").read_text())["groups"]
          for r in g["rules"]])
-    assert _alerts(pool.prom_url) == []
+    # a rule true on a healthy pool has been active since the targets came up:
+    # 6 s after that, none may be firing, nor active for more than 3 s
+    # (ALERTS_FOR_STATE's value is the time an alert became active)
+    time.sleep(max(0.0, pool.up_at + 6 - time.monotonic()))
+    assert [a for a in _alerts(pool.prom_url) if a["state"] == "firing"] == []
+    assert _query(pool.prom_url, "ALERTS_FOR_STATE < time() - 3") == []
 
 
 def _wait_firing(prom_url: str, name: str, instance: str, timeout_s: float = 20) -> dict[
