@@ -150,6 +150,19 @@ def test_dashboard_shape() -> None:
         assert want in titles, want
 
 
+def test_dashboard_matches_its_builder(tmp_path: Path) -> None:
+    """kvpool.json is what deploy/grafana/build_dashboard.py builds (edit the
+    builder, not the JSON); ``--check`` notices a stale file."""
+    builder = [sys.executable, str(DASHBOARD.with_name("build_dashboard.py"))]
+    r = subprocess.run([*builder, "--check"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    stale = tmp_path / "kvpool.json"
+    stale.write_text(DASHBOARD.read_text().replace('"Hit rate"', '"Hit ratio"'))
+    r = subprocess.run([*builder, "--check", "--out", str(stale)], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 1 and "stale" in r.stderr
+
+
 # -- the live pool ---------------------------------------------------------------------
 
 _VLLM_STANDIN = textwrap.dedent("""
