@@ -107,6 +107,12 @@ def test_promtool_check_config() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS" in r.stdout + r.stderr
     assert "WARNING" not in r.stdout + r.stderr, r.stdout + r.stderr
+    # the job names the alerts select and the dashboard's variables default to
+    config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
+    assert {j["job_name"] for j in config["scrape_configs"]} == set(JOBS.values())
+    defaults = {v["name"]: v["query"] for v in _dashboard()["templating"]["list"]
+                if v["type"] == "custom"}
+    assert defaults == JOBS
 
 
 def test_promtool_check_rules() -> None:
