@@ -126,6 +126,7 @@ def test_promtool_check_rules() -> None:
         assert "for" in rule, rule["alert"]
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        assert set(re.findall(r'job="([^"]+)"', rule["expr"])) <= set(JOBS.values()), rule
     names = {rule["alert"] for rule in rules}
     assert {"KvpoolMasterDown", "KvpoolNoLeader", "KvpoolStandbyLag", "KvpoolNodeDown",
             "KvpoolSuspectClients", "KvpoolPoolNearlyFull", "KvpoolEvictionStorm",
