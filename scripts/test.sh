@@ -9,6 +9,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq iproute2) >/dev/null 2>&1 || true
 fi
+# tests/deploy runs a real Prometheus (the Debian package brings prometheus and
+# promtool; no PyPI package ships them); skipped with a reason where it is absent.
+if ! command -v promtool >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 || true
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q -U pip
 .venv/bin/python -m pip install -q -e '.[test]'
