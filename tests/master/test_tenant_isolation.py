@@ -191,6 +191,13 @@ def test_writes_commits_revokes_and_reservations_stay_in_their_tenant() -> None:
     h.handle(PutStart("c1", "g1", 1, group="g", tenant="b"))
     h.handle(PutEnd("c1", "g1", tenant="b"))
     assert h.dir.objects.groups == {"\x1fa\x1fg": {"\x1fa\x1fg1"}, "\x1fb\x1fg": {"\x1fb\x1fg1"}}
+    # no tenant can name another's group
+    for t in TENANTS:
+        assert _code(h, PutStart("c1", "g2", 1, group="\x1fa\x1fg", tenant=t)) == \
+            int(ErrorCode.INVALID_PARAMS)
+        assert _code(h, BatchPutStart("c1", ["g2"], [1], groups=["\x1fa\x1fg"], tenant=t)) \
+            == int(ErrorCode.INVALID_PARAMS)
+    assert h.dir.objects.groups["\x1fa\x1fg"] == {"\x1fa\x1fg1"}
 
 
 def test_removal_sees_only_the_callers_tenant(h: OpHandlers) -> None:
