@@ -173,9 +173,10 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
             counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             for idx, values in per_engine_labelvalues.items():
                 self._counters[(idx, field_name)] = counter.labels(*values)
+        histogram_cls: Any = self._histogram_cls  # (typed by vLLM as any metric class)
         for field_name, (name, doc) in PROM_HISTOGRAMS.items():
-            hist = self._histogram_cls(name=name, documentation=doc, labelnames=labelnames,
-                                       buckets=_LATENCY_BUCKETS)
+            hist = histogram_cls(name=name, documentation=doc, labelnames=labelnames,
+                                 buckets=_LATENCY_BUCKETS)
             for idx, values in per_engine_labelvalues.items():
                 self._histograms[(idx, field_name)] = hist.labels(*values)
 
