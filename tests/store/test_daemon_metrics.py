@@ -104,8 +104,17 @@ def test_daemon_metrics_follow_traffic_and_health_is_json(tmp_path: Path) -> Non
             assert _sum(page, "kvpool_node_transfer_seconds_count", direction="made",
                         transport="tcp", op="read") >= 4
 
-            after = _scrape(port)
             served = {"direction": "served"}
+
+            def settled() -> Any:
+                # a request is recorded just after its reply went out, and the
+                # master's figures are fetched at most once a second
+                p = _scrape(port)
+                return p if _sum(p, "kvpool_node_transfer_requests_total", op="read",
+                                 **served) >= 4 and _sum(
+                    p, "kvpool_node_segment_used_bytes", segment=mem_id) else None
+
+            after = wait_until(settled, 5, "the traffic and the master's figures on the page")
             assert _sum(after, "kvpool_node_transfer_requests_total", op="write", **served) >= 5
             assert _sum(after, "kvpool_node_transfer_requests_total", op="read", **served) >= 4
             assert _sum(after, "kvpool_node_transfer_bytes_total", op="write", **served) \
@@ -116,11 +125,7 @@ def test_daemon_metrics_follow_traffic_and_health_is_json(tmp_path: Path) -> Non
             assert n >= 9 and _sum(after, "kvpool_node_transfer_seconds_bucket", le="+Inf",
                                    **served) == n
             assert _sum(after, "kvpool_node_transfer_seconds_sum", **served) > 0
-            # bytes held and free per segment, as the master accounts them (its
-            # figures are fetched at most once a second)
-            after = wait_until(lambda: (p := _scrape(port)) and _sum(
-                p, "kvpool_node_segment_used_bytes", segment=mem_id) and p, 5,
-                "the master's figures on the page")
+            # bytes held and free per segment, as the master accounts them
             used = _sum(after, "kvpool_node_segment_used_bytes", segment=mem_id)
             assert used >= 3 * len(value)
             assert _sum(after, "kvpool_node_segment_free_bytes", segment=mem_id) \
