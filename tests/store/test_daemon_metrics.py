@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -138,6 +140,12 @@ def test_daemon_metrics_follow_traffic_and_health_is_json(tmp_path: Path) -> Non
             assert _sum(after, "kvpool_node_ssd_bytes_total", segment=file_id,
                         op="read") >= len(value)
             assert _sum(after, "kvpool_node_ssd_ops_total", op="read") >= 1
+            promtool = shutil.which("promtool")
+            if promtool:  # Prometheus's own linter accepts the page (names, types, units)
+                body = _get(f"http://127.0.0.1:{port}/metrics")[1]
+                lint = subprocess.run([promtool, "check", "metrics"], input=body,
+                                      capture_output=True, timeout=30)
+                assert lint.returncode == 0 and not lint.stdout.strip(), lint
             health = _health(port)
             seg = next(s for s in health["segments"] if s["segment_id"] == mem_id)
             assert seg["used"] == used and seg["free"] == 16 * MiB - used and seg["objects"] == 3
