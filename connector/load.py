@@ -394,6 +394,8 @@ class LoadPipeline:
         else:
             dt = time.perf_counter() - job.started if job.started else 0.0
         nb = geo.chunk_bytes
+        if job.specs:
+            self.stats.sample("load_seconds", dt)
         for si, spec in enumerate(job.specs):
             mine = [ch for ch in job.chunks if ch.spec == si]
             ok = sum(not ch.failed for ch in mine)

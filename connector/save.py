@@ -232,9 +232,11 @@ class SaveQueue:
         written = sum(1 for c in chunks if c.hash not in errors and new[c.hash]
                       and new[c.hash] + have[c.hash] == n_groups)
         skipped = sum(1 for c in chunks if have[c.hash] == n_groups)
+        took = time.perf_counter() - t0
         self.stats.add(saved_chunks=written, saved_bytes=nbytes, skipped_chunks=skipped,
-                       save_errors=len(errors), save_time_s=time.perf_counter() - t0,
+                       save_errors=len(errors), save_time_s=took,
                        save_batches=batches, staged_objects=staged)
+        self.stats.sample("save_seconds", took)
         return written
 
     def _gather(self, event: Any, batch: list[ChunkRef], g: int, buf: Any) -> None:

@@ -1,9 +1,13 @@
-"""Connector metrics: per-interval counters for vLLM and Prometheus counters.
+"""Connector metrics: the per-interval counters and latency samples vLLM collects.
 
-:class:`ConnectorStats` accumulates one interval (vLLM pulls it every step
-through ``get_kv_connector_stats``); every update also increments the
-process-wide Prometheus metrics ``kvpool_connector_*`` (default registry, so
-``vllm serve``'s ``/metrics`` exposes them).
+:class:`ConnectorStats` accumulates one interval in the process running the
+connector (scheduler or worker); vLLM pulls it every step through
+``get_kv_connector_stats``, sums it over workers and the scheduler
+(:func:`merge_stats`), and ships it to the API server, where the
+connector's ``build_prom_metrics`` turns it into the ``kvpool_connector_*``
+Prometheus series of vLLM's ``/metrics`` (:mod:`kvpool.connector.vllm`).
+Nothing here registers a Prometheus metric: in the process that counts,
+nobody scrapes.
 """
 
 from __future__ import annotations
@@ -11,9 +15,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from prometheus_client import Counter, Histogram
-
-__all__ = ["FIELDS", "ConnectorStats", "merge_stats", "reduce_stats"]
+__all__ = ["FIELDS", "MAX_SAMPLES", "SAMPLES", "ConnectorStats", "merge_stats",
+           "reduce_stats"]
 
 # Counter fields of one interval. Latencies are kept as sums plus counts.
 FIELDS = (
@@ -48,55 +51,50 @@ FIELDS = (
 )
 
 
-def _metric(kind: type, name: str, doc: str) -> Any:
-    try:
-        return kind(name, doc)
-    except ValueError:  # already registered (module imported twice): keep it private
-        return kind(name, doc, registry=None)
-
-
-_METRICS: dict[str, Any] = {
-    "hit_tokens": _metric(Counter, "kvpool_connector_hit_tokens", "Prompt tokens found in kvpool"),
-    "lookup_tokens": _metric(Counter, "kvpool_connector_lookup_tokens", "Prompt tokens looked up"),
-    "loaded_bytes": _metric(Counter, "kvpool_connector_loaded_bytes", "KV bytes loaded"),
-    "saved_bytes": _metric(Counter, "kvpool_connector_saved_bytes", "KV bytes saved"),
-    "load_errors": _metric(Counter, "kvpool_connector_load_errors", "Chunks whose load failed"),
-    "save_errors": _metric(Counter, "kvpool_connector_save_errors", "Chunks whose save failed"),
-    "load_latency": _metric(Histogram, "kvpool_connector_load_seconds", "Load latency per batch"),
-    "save_latency": _metric(Histogram, "kvpool_connector_save_seconds", "Save latency per batch"),
-}
+#: latency samples of one interval (lists of seconds), for histograms: one
+#: per load job (the loads of one step's requests, until their last layer
+#: group arrived) and one per save call (a batch of chunks written)
+SAMPLES = ("load_seconds", "save_seconds")
+#: samples kept per list (per interval in a process, and when merged); beyond
+#: it a sample is dropped from the histogram (its time stays in the sums)
+MAX_SAMPLES = 4096
 
 
 class ConnectorStats:
-    """Thread-safe interval counters; :meth:`take` returns and resets them."""
+    """Thread-safe interval counters and samples; :meth:`take` returns and resets them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data: dict[str, float] = dict.fromkeys(FIELDS, 0)
         self._total: dict[str, float] = dict.fromkeys(FIELDS, 0)
+        self._samples: dict[str, list[float]] = {k: [] for k in SAMPLES}
 
     def add(self, **values: float) -> None:
-        """Add to counters (unknown names raise KeyError) and to Prometheus."""
+        """Add to counters (unknown names raise KeyError)."""
         with self._lock:
             for k, v in values.items():
                 if k not in self._data:
                     raise KeyError(k)
                 self._data[k] += v
                 self._total[k] += v
-        for k, v in values.items():
-            m = _METRICS.get(k)
-            if m is not None and v:
-                m.inc(v)
-        if values.get("load_time_s"):
-            _METRICS["load_latency"].observe(values["load_time_s"])
-        if values.get("save_time_s"):
-            _METRICS["save_latency"].observe(values["save_time_s"])
 
-    def take(self) -> dict[str, float]:
-        """This interval's counters (then reset); only non-zero entries."""
+    def sample(self, name: str, seconds: float) -> None:
+        """Record one latency sample of :data:`SAMPLES` (unknown names raise KeyError)."""
         with self._lock:
-            out = {k: v for k, v in self._data.items() if v}
+            got = self._samples[name]
+            if len(got) < MAX_SAMPLES:
+                got.append(seconds)
+
+    def take(self) -> dict[str, Any]:
+        """This interval's counters and samples (then reset); only non-zero
+        counters and non-empty sample lists."""
+        with self._lock:
+            out: dict[str, Any] = {k: v for k, v in self._data.items() if v}
             self._data = dict.fromkeys(FIELDS, 0)
+            for k, got in self._samples.items():
+                if got:
+                    out[k] = got
+                    self._samples[k] = []
         return out
 
     def totals(self) -> dict[str, float]:
@@ -106,10 +104,15 @@ class ConnectorStats:
 
 
 def merge_stats(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Sum two interval dicts (aggregation over workers and intervals)."""
+    """Sum two interval dicts (aggregation over workers and intervals): a new
+    dict; counters added, sample lists joined (at most :data:`MAX_SAMPLES`).
+    Neither argument is changed (vLLM hands one payload to several readers)."""
     out = dict(a)
     for k, v in b.items():
-        out[k] = out.get(k, 0) + v
+        if isinstance(v, list):
+            out[k] = [*out.get(k, ()), *v][:MAX_SAMPLES]
+        else:
+            out[k] = out.get(k, 0) + v
     return out
 
 

@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = [
+    "PROM_COUNTERS",
+    "PROM_HISTOGRAMS",
     "SUPPORTED_VLLM",
     "KVPoolConnector",
     "KVPoolConnectorMetadata",
@@ -122,35 +124,71 @@ class KVPoolConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-# stats field -> (vLLM Prometheus counter name, help)
+#: stats field -> (Prometheus counter, help): the ``kvpool_connector_*`` series
+#: on vLLM's /metrics (``_total`` added by the exposition)
 PROM_COUNTERS = {
-    "hit_tokens": ("vllm:kvpool_hit_tokens", "Prompt tokens loaded from kvpool"),
-    "lookup_tokens": ("vllm:kvpool_lookup_tokens", "Prompt tokens looked up in kvpool"),
-    "loaded_bytes": ("vllm:kvpool_loaded_bytes", "KV bytes loaded from kvpool"),
-    "saved_bytes": ("vllm:kvpool_saved_bytes", "KV bytes saved to kvpool"),
-    "load_time_s": ("vllm:kvpool_load_seconds", "Seconds spent loading KV from kvpool"),
-    "save_time_s": ("vllm:kvpool_save_seconds", "Seconds spent saving KV to kvpool"),
-    "load_errors": ("vllm:kvpool_load_errors", "Chunks whose load failed (recomputed)"),
-    "save_errors": ("vllm:kvpool_save_errors", "Chunks whose save failed"),
+    "lookups": ("kvpool_connector_lookups", "Prompts looked up in kvpool"),
+    "lookup_tokens": ("kvpool_connector_lookup_tokens", "Prompt tokens looked up in kvpool"),
+    "hit_tokens": ("kvpool_connector_hit_tokens",
+                   "Prompt tokens found in kvpool (beyond vLLM's own prefix cache)"),
+    "lookup_errors": ("kvpool_connector_lookup_errors",
+                      "Lookups that failed (store unreachable: counted as misses)"),
+    "load_requests": ("kvpool_connector_load_requests", "Requests whose KV was loaded"),
+    "loaded_chunks": ("kvpool_connector_loaded_chunks", "KV chunks loaded from kvpool"),
+    "loaded_bytes": ("kvpool_connector_loaded_bytes", "KV bytes loaded from kvpool"),
+    "load_errors": ("kvpool_connector_load_errors", "Chunks whose load failed (recomputed)"),
+    "load_timeouts": ("kvpool_connector_load_timeouts", "Loads abandoned at their deadline"),
+    "saved_chunks": ("kvpool_connector_saved_chunks", "KV chunks saved to kvpool"),
+    "saved_bytes": ("kvpool_connector_saved_bytes", "KV bytes saved to kvpool"),
+    "skipped_chunks": ("kvpool_connector_skipped_chunks",
+                       "Chunks not saved: already stored"),
+    "save_errors": ("kvpool_connector_save_errors", "Chunks whose save failed"),
 }
+#: sample list -> (Prometheus histogram, help)
+PROM_HISTOGRAMS = {
+    "load_seconds": ("kvpool_connector_load_seconds",
+                     "Time of one load (a step's requests, until their last layer group "
+                     "arrived)"),
+    "save_seconds": ("kvpool_connector_save_seconds",
+                     "Time of one save job (from its start, waiting for the forward's layer "
+                     "groups, to its last put)"),
+}
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0)
 
 
 class KVPoolPromMetrics(KVConnectorPromMetrics):
-    """vLLM-side Prometheus counters (``vllm:kvpool_*``, per engine), fed from the
-    stats vLLM aggregates over workers, so the API server's /metrics shows them
-    even when the engine runs in another process."""
+    """The ``kvpool_connector_*`` series on vLLM's /metrics, per engine (vLLM's
+    labels). vLLM builds this in the process serving /metrics (the API
+    server) and feeds it the stats it aggregated over the workers and the
+    scheduler, so the series move even when the engine core runs in another
+    process."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[tuple[int, str], Any] = {}
+        self._histograms: dict[tuple[int, str], Any] = {}
         for field_name, (name, doc) in PROM_COUNTERS.items():
             counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             for idx, values in per_engine_labelvalues.items():
                 self._counters[(idx, field_name)] = counter.labels(*values)
+        histogram_cls: Any = self._histogram_cls  # (typed by vLLM as any metric class)
+        for field_name, (name, doc) in PROM_HISTOGRAMS.items():
+            hist = histogram_cls(name=name, documentation=doc, labelnames=labelnames,
+                                 buckets=_LATENCY_BUCKETS)
+            for idx, values in per_engine_labelvalues.items():
+                self._histograms[(idx, field_name)] = hist.labels(*values)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one aggregated interval (:func:`kvpool.connector.stats.merge_stats`'s dict)."""
         for field_name, value in transfer_stats_data.items():
+            if isinstance(value, list):
+                h = self._histograms.get((engine_idx, field_name))
+                if h is not None:
+                    for seconds in value:
+                        h.observe(seconds)
+                continue
             c = self._counters.get((engine_idx, field_name))
             if c is not None and value:
                 c.inc(value)
@@ -352,7 +390,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVPoolConnectorStats | None:
-        """This interval's counters (hit tokens, bytes, latencies), or None if idle."""
+        """This interval's counters and latency samples, or None if idle. vLLM
+        calls it on both roles: the scheduler's (lookups, hit tokens) and each
+        worker's (loads, saves) are summed and reach the API server's
+        :class:`KVPoolPromMetrics`."""
         data = self.stats.take()
         return KVPoolConnectorStats(data=data) if data else None
 

@@ -139,9 +139,9 @@ class ClientConfig:
         "and commits with one master call (BATCH_PUT_COMMIT) instead of two "
         "(BATCH_PUT_START, BATCH_PUT_END). close() gives them back")
     metrics_port: int = setting(
-        0, help="node daemon: Prometheus /metrics on 127.0.0.1:PORT with the transfer "
-        "server's capability refusals by reason (kvpool_capability_refusals_total{reason}) and "
-        "request counters; 0 = off")
+        0, help="node daemon: Prometheus /metrics (kvpool_node_*: segments, transfers "
+        "served and made, capability refusals, guard, SSD tier; docs/metrics.md) and JSON "
+        "/health on 127.0.0.1:PORT; 0 = off")
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on values that cannot work."""

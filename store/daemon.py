@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpool.core.http import JSON, PROMETHEUS, HttpEndpoints
+from kvpool.core.http import HttpEndpoints
 from kvpool.store.client import Client
 from kvpool.store.config import ClientConfig
+from kvpool.store.node_metrics import NodeMetrics
 
 __all__ = ["run_daemon"]
 
@@ -53,6 +54,7 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
             signal.signal(sig, lambda signum, frame: stop.set())
     client = Client(config)
     http: HttpEndpoints | None = None
+    metrics: NodeMetrics | None = None
     try:
         client.setup()
         info = {
@@ -68,7 +70,7 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
         }
         log.info("node daemon ready: %s", info)
         if config.metrics_port:
-            http = _serve_metrics(client, config.metrics_port, info)
+            http, metrics = _serve_metrics(client, config.metrics_port, info)
         if ready_file:
             _write_ready(ready_file, info)
         next_janitor = time.monotonic() + janitor_interval_s
@@ -80,43 +82,21 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
     finally:
         if http is not None:
             http.close()
+        if metrics is not None:
+            metrics.close()
         client.close()
     return 0
 
 
-def _serve_metrics(client: Client, port: int, info: dict[str, Any]) -> HttpEndpoints:
-    """``/metrics`` (Prometheus: the engine's capability refusals,
-    ``kvpool_capability_refusals_total{reason}``, and the transfer server's
-    request counters, read at scrape time) and ``/health`` (JSON: the ready
-    info and uptime) on 127.0.0.1:``port``."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.core import CounterMetricFamily
-    from prometheus_client.registry import Collector
-
-    from kvpool.core.capability import refusal_metrics
-
-    engine = client.engine
-    started = time.monotonic()
-
-    class _Collector(Collector):
-        def collect(self) -> Any:
-            yield from refusal_metrics(engine.capabilities)
-            server = engine.server
-            if server is not None:
-                for name, value in (("served", server.requests_served),
-                                    ("refused", server.requests_refused)):
-                    m = CounterMetricFamily(f"kvpool_transfer_requests_{name}",
-                                            f"transfer server requests {name}")
-                    m.add_metric([], value)
-                    yield m
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector())
-
-    def health() -> tuple[int, str, str]:
-        return 200, json.dumps({**info, "uptime_s": round(time.monotonic() - started, 3)}), JSON
-
-    http = HttpEndpoints({"/metrics": lambda: (200, generate_latest(registry), PROMETHEUS),
-                          "/health": health}, "127.0.0.1", port, "kvpool-daemon-http")
+def _serve_metrics(client: Client, port: int, info: dict[str, Any]
+                   ) -> tuple[HttpEndpoints, NodeMetrics]:
+    """``/metrics`` (Prometheus: :mod:`kvpool.store.node_metrics`, docs/metrics.md)
+    and ``/health`` (JSON) on 127.0.0.1:``port``."""
+    metrics = NodeMetrics(client, info)
+    try:
+        http = HttpEndpoints(metrics.routes(), "127.0.0.1", port, "kvpool-daemon-http")
+    except BaseException:
+        metrics.close()
+        raise
     log.info("node daemon metrics on http://127.0.0.1:%d/{metrics,health}", http.port)
-    return http
+    return http, metrics

@@ -9,7 +9,7 @@ transfer-engine WRITE of the source range into the destination replica
 here, ``tcp`` for another host), straight from the shared-memory segment's
 mapping (no copy) or, for a file source, from one bounce buffer. A
 destination owned by this process is written in place. Each task is reported
-with ``TIER_TASK_DONE``.
+with ``TIER_TASK_DONE`` and counted by kind and result (the node's metrics).
 """
 
 from __future__ import annotations
@@ -29,9 +29,13 @@ from kvpool.core.protocol import SegmentDescriptor, TierTaskDone
 from kvpool.core.protocol import TierTask as WireTask
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
 
-__all__ = ["TierTask", "TierTaskRunner"]
+__all__ = ["TIER_TASK_KINDS", "TierTask", "TierTaskRunner"]
 
 log = logging.getLogger(__name__)
+
+#: a tier task's ``kind`` (the master's ``TaskKind``) -> its metric label
+TIER_TASK_KINDS = {1: "offload", 2: "promote", 3: "copy", 4: "replica_copy",
+                   5: "replica_move"}
 
 
 @dataclass(slots=True)
@@ -85,6 +89,9 @@ class TierTaskRunner:
             queue.Queue()
         self.done = 0
         self.failed = 0
+        #: (kind label, ok) -> tasks reported; kind label -> bytes copied by tasks done
+        self.by_kind: dict[tuple[str, bool], int] = {}
+        self.bytes_by_kind: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name=f"kvpool-tier-{client_id[:6]}",
                                         daemon=True)
         self._thread.start()
@@ -169,8 +176,11 @@ class TierTaskRunner:
             raise KVPoolError(f"copy to {t.dst_id} failed: {st[0].errors}", st[0].code)
 
     def _report(self, t: TierTask, ok: bool, err: str) -> None:
+        kind = TIER_TASK_KINDS.get(t.wire.kind, str(t.wire.kind))
+        self.by_kind[(kind, ok)] = self.by_kind.get((kind, ok), 0) + 1
         if ok:
             self.done += 1
+            self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + t.wire.size
         else:
             self.failed += 1
         try:

@@ -6,12 +6,16 @@ Every range of a request is checked by the segment server's one validator
 bounds, size limit, capability) before any byte moves; the reply carries one
 code per range. A refused range of a WRITE has its payload read and dropped
 so the stream stays in step; a header that does not decode closes the
-connection. Stream mechanics: :mod:`kvpool.transfer.bulk`.
+connection. Each request is recorded once, when served (its accepted
+ranges and their bytes, and the seconds from its header to its reply:
+:class:`~kvpool.transfer.counters.OpCounter`). Stream mechanics:
+:mod:`kvpool.transfer.bulk`.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import socket
 import threading
 import time
@@ -23,6 +27,7 @@ import numpy as np
 from kvpool.core.errors import KVPoolError
 from kvpool.transfer import wire
 from kvpool.transfer.bulk import BulkStream, bulk_frame, set_congestion
+from kvpool.transfer.counters import OpCells, OpCounter
 from kvpool.transfer.types import TransferOp
 
 __all__ = ["BulkServer", "RangeValidator"]
@@ -33,6 +38,7 @@ _MAX_CONNS = 64
 _IDLE_S = 300.0  # a silent connection is closed after this long
 _DISCARD = 1 << 20  # scratch for the payloads of refused WRITE ranges
 _UNSET: Any = object()
+_LEN = operator.attrgetter("len")
 
 #: (op, items, capability table) -> (codes, segments, first refusal): checks
 #: every range of one request; a segment (anything with ``view()``,
@@ -49,15 +55,18 @@ class BulkServer:
     ``count(served, refused)`` records how many of them it accepted and
     refused. ``congestion``: the
     ``tcp_congestion`` policy of accepted connections (:func:`set_congestion`).
+    ``cells``: where served requests are recorded, by op (own ones if None).
     ``close()`` stops it.
     """
 
     def __init__(self, bind_host: str, validate: RangeValidator,
                  count: Callable[[int, int], None], max_header_bytes: int,
-                 max_request_bytes: int, congestion: str = "auto") -> None:
+                 max_request_bytes: int, congestion: str = "auto",
+                 cells: OpCells | None = None) -> None:
         self._validate = validate
         self._congestion = congestion
         self._count = count
+        self.cells: OpCells = cells or (OpCounter(), OpCounter(), OpCounter())
         self.max_header_bytes = max_header_bytes
         self._max_req = max_request_bytes
         self._lst = socket.create_server((bind_host, 0))
@@ -120,13 +129,17 @@ class BulkServer:
         raw = stream.read_frame(self.max_header_bytes, time.monotonic() + _IDLE_S)
         if raw is None:
             return False
-        deadline = time.monotonic() + _IDLE_S
+        t0 = time.monotonic()
+        deadline = t0 + _IDLE_S
         req = wire.decode_bulk_request(raw)  # undecodable: the stream is lost, close
         codes, segs, err = self._check(req)
         if len(codes) == 1 and not codes[0]:  # one accepted range: a lone put or get
             view = segs[0].view()
             if view is not None:
-                return self._serve_single(stream, req, view, deadline)
+                if not self._serve_single(stream, req, view, deadline):
+                    return False
+                self.cells[req.op].record(1, req.items[0].len, time.monotonic() - t0)
+                return True
         reply = bulk_frame(wire.BulkReply(req.id, codes, err))
         if req.op == TransferOp.WRITE:
             if None in segs and any(s is None and not 0 <= it.len <= self._max_req
@@ -142,6 +155,14 @@ class BulkServer:
             stream.write([reply, *self._payloads(req.items, segs)], deadline)
         else:
             stream.write([reply], deadline)
+            return True  # an unknown op: every range refused, nothing served
+        if err:
+            accepted = [it for it, s in zip(req.items, segs, strict=True) if s is not None]
+        else:
+            accepted = req.items
+        if accepted:
+            self.cells[req.op].record(len(accepted), sum(map(_LEN, accepted)),
+                                      time.monotonic() - t0)
         return True
 
     @staticmethod

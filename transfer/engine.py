@@ -30,6 +30,7 @@ from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.batch import BatchHandle, SubBatch, SubBatchState
 from kvpool.transfer.buffers import BufferHandle, as_buffer
 from kvpool.transfer.config import TransferConfig, TransportSettings
+from kvpool.transfer.counters import TransferCounters
 from kvpool.transfer.registry import SegmentRegistry
 from kvpool.transfer.runner import BatchRunner
 from kvpool.transfer.segment import LocalSegment
@@ -59,7 +60,9 @@ class TransferEngine:
         self._lock = threading.RLock()
         #: every segment this process can address (shared with the store client)
         self.registry = SegmentRegistry(host_id, client_id)
-        self._transports = Transports(config)
+        #: transfers served by its server and made by its batches (node metrics)
+        self.counters = TransferCounters()
+        self._transports = Transports(config, self.counters)
         self._runner = BatchRunner(config, self.registry, self._transports)
         self._gpu_in_use = False  # a GPU buffer was registered: prepare segments for it
         self._warm_pool: ThreadPoolExecutor | None = None
@@ -67,7 +70,8 @@ class TransferEngine:
         self._closed = False
         #: serves the local segments to peers and checks their capabilities
         self.segment_server = SegmentServer(self.local_segment, config.server, bind_host, port,
-                                            curve=curve, tcp_congestion=config.tcp_congestion)
+                                            curve=curve, tcp_congestion=config.tcp_congestion,
+                                            counters=self.counters)
         self.registry.endpoint = self.segment_server.endpoint
         self.registry.on_forget.append(self._transports.forget_segment)
         self.registry.on_learn.append(self._warm_gpu)

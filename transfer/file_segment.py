@@ -179,6 +179,9 @@ class FileIO:
     ``read(off, dest)``/``write(off, src)`` move ``len(buf)`` bytes straight
     between the buffer and the file (preadv/pwritev, looping over short
     transfers); a read past the end of the file is an error, never zeros.
+    ``reads``/``read_bytes`` and ``writes``/``write_bytes`` count what moved
+    through this process (a node's SSD tier I/O; no lock, like the transfer
+    counters).
     """
 
     def __init__(self, path: str, writable: bool = True, direct: bool = True) -> None:
@@ -204,6 +207,7 @@ class FileIO:
             self.direct_reason = "O_DIRECT not supported on this platform"
         self.direct_ops = 0
         self.buffered_ops = 0
+        self.reads = self.read_bytes = self.writes = self.write_bytes = 0
         self._closed = False
 
     @property
@@ -255,6 +259,12 @@ class FileIO:
                                     f"(file truncated?)", ErrorCode.SEGMENT_MISMATCH,
                                     retryable=False)
             done += got
+        if write:
+            self.writes += 1
+            self.write_bytes += n
+        else:
+            self.reads += 1
+            self.read_bytes += n
 
     def sync(self) -> None:
         """fdatasync: make written data durable across a host crash."""

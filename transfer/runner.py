@@ -314,6 +314,12 @@ class BatchRunner:
         except Exception as exc:
             log.exception("transport %s crashed on a sub-batch", sb.transport)
             return TransferError(f"{type(exc).__name__}: {exc}", ErrorCode.TRANSFER_FAIL)
+        # the slice is recorded under its first request's op (a batch of the
+        # store is of one op); failed requests count again in failures
+        first = part[0]
+        slot.made[first.op].record(
+            len(part), first.length if len(part) == 1 else sum(map(_LENGTH, part)),
+            time.monotonic() - now)
         return None
 
     def _slice_done(self, handle: BatchHandle, sb: SubBatch, slot: TransportSlot,
@@ -349,6 +355,7 @@ class BatchRunner:
             return
         groups: dict[str, list[TransferRequest]] = {}
         name = sb.transport
+        self.transports.counters.failed(name, len(failures))
         for item, err in failures:
             idx = item.index
             with handle._lock:
@@ -372,6 +379,7 @@ class BatchRunner:
             self._plan(handle, item, track, groups, err)
             if len(track.tried) > before:
                 track.failovers += 1
+                self.transports.counters.failed_over(name)
                 log.info("request %d failed on %s (%s); failing over to %s", idx, name, err,
                          track.tried[-1])
         if groups:

@@ -4,7 +4,10 @@ segments, and the one place that decides whether they may.
 It owns the capability verifier (the keys the master handed over per segment,
 the epoch high-water, refusals by reason: docs/security.md), the one
 validator every serving path calls (:meth:`SegmentServer.check`: a batch of
-ranges; a lone request is a batch of one), the request counters, and the two
+ranges; a lone request is a batch of one), the request counters (ranges
+served and refused; per loop and op, bytes and latency in
+:class:`~kvpool.transfer.counters.TransferCounters` as ``served`` by
+``tcp_zmq`` and ``tcp_bulk``), and the two
 serving loops: the ZeroMQ :class:`~kvpool.transfer.server.TransferServer`
 and, without CURVE, the plain-TCP
 :class:`~kvpool.transfer.bulk_server.BulkServer`. The transfer engine holds
@@ -34,6 +37,7 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.transfer import wire
 from kvpool.transfer.bulk_server import BulkServer
 from kvpool.transfer.config import ServerConfig
+from kvpool.transfer.counters import Direction, TransferCounters
 from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.server import TransferServer
 from kvpool.transfer.types import TransferOp
@@ -63,14 +67,16 @@ class SegmentServer:
     (``bulk``); otherwise nothing listens (``serving`` False, ``endpoint``
     "") and the capability calls still keep their state.
     ``tcp_congestion``: the policy of the bulk socket's connections.
+    ``counters``: where the loops record what they serve (own ones if None).
     ``close()`` stops the loops.
     """
 
     def __init__(self, lookup: Callable[[str], LocalSegment | None],
                  config: ServerConfig | None = None, bind_host: str = "127.0.0.1",
                  port: int = 0, curve: CurveConfig | None = None,
-                 tcp_congestion: str = "auto") -> None:
+                 tcp_congestion: str = "auto", counters: TransferCounters | None = None) -> None:
         self.config = config or ServerConfig()
+        self.counters = counters or TransferCounters()
         self._lookup = lookup
         self._max_request = int(self.config.max_request_bytes)
         #: the capability keys of the local segments, refusals counted by reason
@@ -89,12 +95,14 @@ class SegmentServer:
         self.bulk: BulkServer | None = None
         if not self.config.enabled:
             return
-        self.zmq = TransferServer(self, bind_host, port, self.config, curve)
+        self.zmq = TransferServer(self, bind_host, port, self.config, curve,
+                                  self.counters.cells(Direction.SERVED, "tcp_zmq"))
         if self.config.bulk and not self.zmq.curve:  # payloads in place over plain TCP
             try:
                 self.bulk = BulkServer(bind_host, self.check, self.count,
                                        int(self.config.max_header_bytes),
-                                       self._max_request, tcp_congestion)
+                                       self._max_request, tcp_congestion,
+                                       self.counters.cells(Direction.SERVED, "tcp_bulk"))
             except BaseException:
                 self.zmq.close()
                 raise

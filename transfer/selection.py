@@ -21,6 +21,7 @@ from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentKind
 from kvpool.transfer.batch import SubBatch
 from kvpool.transfer.config import RuleConfig, TransferConfig, TransportSettings
+from kvpool.transfer.counters import Direction, OpCells, OpCounter, TransferCounters
 from kvpool.transfer.transports import load_transport_class
 from kvpool.transfer.transports.base import EngineContext, Transport
 from kvpool.transfer.types import TransferError, TransferRequest
@@ -33,11 +34,14 @@ _RULE_CACHE = 4096  # (segment kind, same host, device, size) -> selector rule, 
 
 
 class TransportSlot:
-    """A loaded transport, its worker pool and its health per peer."""
+    """A loaded transport, its worker pool, its health per peer and the
+    cells its slices are recorded in (``made``, by op)."""
 
-    def __init__(self, transport: Transport, settings: TransportSettings) -> None:
+    def __init__(self, transport: Transport, settings: TransportSettings,
+                 made: OpCells | None = None) -> None:
         self.transport = transport
         self.settings = settings
+        self.made: OpCells = made or (OpCounter(), OpCounter(), OpCounter())
         self.pool = ThreadPoolExecutor(max_workers=settings.threads,
                                        thread_name_prefix=f"kvpool-xfer-{transport.name}")
         # peer key -> [consecutive failed attempts, paused until (monotonic)]
@@ -61,8 +65,10 @@ def peer_key(item: TransferRequest) -> str:
 class Transports:
     """The transports of one engine and the selector over them (module docstring)."""
 
-    def __init__(self, config: TransferConfig) -> None:
+    def __init__(self, config: TransferConfig, counters: TransferCounters | None = None) -> None:
         self.config = config
+        #: what the batches made on each transport (:mod:`kvpool.transfer.counters`)
+        self.counters = counters or TransferCounters()
         self._lock = threading.Lock()
         self.slots: dict[str, TransportSlot] = {}
         self.unavailable: dict[str, str] = {}
@@ -100,7 +106,8 @@ class Transports:
                 self.unavailable[name] = reason
                 log.info("transport %s skipped: %s", name, reason)
                 continue
-            self.slots[name] = TransportSlot(transport, settings)
+            self.slots[name] = TransportSlot(transport, settings,
+                                             self.counters.cells(Direction.MADE, name))
 
     def register(self, transport: Transport, settings: TransportSettings | None,
                  ctx: EngineContext) -> None:
@@ -112,7 +119,9 @@ class Transports:
                                 ErrorCode.TRANSPORT_UNAVAILABLE, retryable=False)
         with self._lock:
             old = self.slots.pop(transport.name, None)
-            self.slots[transport.name] = TransportSlot(transport, settings or transport.settings)
+            self.slots[transport.name] = TransportSlot(
+                transport, settings or transport.settings,
+                self.counters.cells(Direction.MADE, transport.name))
             self.unavailable.pop(transport.name, None)
             self._usable.clear()
         if old is not None:

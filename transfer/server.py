@@ -19,13 +19,15 @@ known and allowed, size limit, bounds, capability). With ``curve`` the socket
 requires ZeroMQ CURVE (an unauthenticated peer cannot complete the handshake
 and gets nothing). The server never dies on bad input. WRITE payloads are
 received straight into the segment (``recv_into``) and READ payloads sent
-zero-copy from it.
+zero-copy from it. Each request served is recorded once, after its reply
+(:class:`~kvpool.transfer.counters.OpCounter`: range, bytes, seconds).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Protocol, cast
 
 import zmq
@@ -34,6 +36,7 @@ from kvpool.core.auth import CurveAuthenticator, CurveConfig
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.transfer import wire
 from kvpool.transfer.config import ServerConfig
+from kvpool.transfer.counters import OpCells, OpCounter
 from kvpool.transfer.segment import LocalSegment
 from kvpool.transfer.types import TransferOp
 from kvpool.transfer.wire import ServerOp, ServerRequest
@@ -73,12 +76,15 @@ def _msg(exc: KVPoolError) -> str:
 class TransferServer:
     """ROUTER socket on ``tcp://bind_host:port`` (port 0 = ephemeral) served by
     one thread for ``holder``. ``endpoint`` is the address peers connect to;
-    ``curve`` whether CURVE is on. ``close()`` stops it."""
+    ``curve`` whether CURVE is on. ``cells``: where the requests served are
+    recorded, by op (own ones if None). ``close()`` stops it."""
 
     def __init__(self, holder: Holder, bind_host: str = "127.0.0.1", port: int = 0,
-                 config: ServerConfig | None = None, curve: CurveConfig | None = None) -> None:
+                 config: ServerConfig | None = None, curve: CurveConfig | None = None,
+                 cells: OpCells | None = None) -> None:
         self.config = config or ServerConfig()
         self._holder = holder
+        self.cells: OpCells = cells or (OpCounter(), OpCounter(), OpCounter())
         self._ctx = zmq.Context(io_threads=self.config.io_threads)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -160,6 +166,7 @@ class TransferServer:
             sock.send(payload, copy=len(payload) < _MIN_ZERO_COPY)
 
     def _serve_one(self, sock: zmq.Socket) -> None:
+        t0 = time.monotonic()
         ident = sock.recv(copy=True)
         if not sock.getsockopt(zmq.RCVMORE):
             self._refuse(sock, ident, None,
@@ -199,6 +206,7 @@ class TransferServer:
                 self._send_reply(sock, ident, wire.ServerReply(rid, 0),
                                  seg.read_payload(req.off, req.len))
             self._holder.count(1, 0)
+            self.cells[req.op].record(1, req.len, time.monotonic() - t0)
         except KVPoolError as exc:
             self._refuse(sock, ident, rid, exc)
 

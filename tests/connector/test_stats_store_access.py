@@ -14,12 +14,13 @@ from kvpool.connector.stats import ConnectorStats, merge_stats, reduce_stats
 from kvpool.connector.store_access import StoreAccess, StoreUnavailable
 
 
-def test_interval_counters_and_prometheus() -> None:
-    before = REGISTRY.get_sample_value("kvpool_connector_hit_tokens_total") or 0.0
+def test_interval_counters() -> None:
     s = ConnectorStats()
     s.add(hit_tokens=128, lookup_tokens=200, load_time_s=0.5, load_requests=1,
           loaded_bytes=10**9)
-    assert REGISTRY.get_sample_value("kvpool_connector_hit_tokens_total") == before + 128
+    # nothing in this process's default registry: the series are vLLM's
+    # (build_prom_metrics in the API server; tests/connector/test_vllm_metrics.py)
+    assert REGISTRY.get_sample_value("kvpool_connector_hit_tokens_total") is None
     first = s.take()
     assert first["hit_tokens"] == 128 and "saved_bytes" not in first  # zeros dropped
     assert s.take() == {}  # reset per interval

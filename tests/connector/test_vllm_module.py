@@ -41,32 +41,6 @@ def test_stats_class_aggregates_over_workers() -> None:
     assert a.is_empty()
 
 
-def test_prometheus_counters_per_engine() -> None:
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-    from kvpool.connector.vllm import KVPoolConnector
-
-    reg = CollectorRegistry()
-
-    class RegCounter(Counter):  # vLLM passes its metric classes; bind them to `reg`
-        def __init__(self, *a: object, **kw: object) -> None:
-            super().__init__(*a, registry=reg, **kw)  # type: ignore[misc]
-
-    class _Cfg:
-        kv_transfer_config = None
-
-    prom = KVPoolConnector.build_prom_metrics(
-        _Cfg(), {Counter: RegCounter, Gauge: Gauge, Histogram: Histogram},
-        ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
-    prom.observe({"hit_tokens": 128, "loaded_bytes": 4096, "lookups": 3}, engine_idx=1)
-    prom.observe({"hit_tokens": 64}, engine_idx=1)
-    labels = {"model_name": "m", "engine": "1"}
-    assert reg.get_sample_value("vllm:kvpool_hit_tokens_total", labels) == 192
-    assert reg.get_sample_value("vllm:kvpool_loaded_bytes_total", labels) == 4096
-    assert reg.get_sample_value("vllm:kvpool_hit_tokens_total",
-                                {"model_name": "m", "engine": "0"}) == 0
-
-
 def test_pool_events_become_vllm_kv_events() -> None:
     """kvpool's events in vLLM's classes: what vLLM's publisher sends to routers."""
     import msgspec

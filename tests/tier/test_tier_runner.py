@@ -63,6 +63,11 @@ def test_offload_and_promote_between_own_segments(node):
     _wait(runner, 2)
     assert runner.done == 2
     assert np.array_equal(mem.array()[4 * MiB:4 * MiB + data.size], data)
+    # what the node's metrics read: tasks by kind and result, bytes, the file's I/O
+    assert runner.by_kind == {("offload", True): 1, ("promote", True): 1}
+    assert runner.bytes_by_kind == {"offload": data.size, "promote": data.size}
+    assert disk.io.write_bytes == data.size and disk.io.writes == 1
+    assert disk.io.read_bytes == 2 * data.size and disk.io.reads == 2  # (one is the test's)
 
 
 def test_offload_to_peer_file_same_host_and_remote(node, make_file_peer, tmp_path):
@@ -91,6 +96,8 @@ def test_bad_tasks_fail_without_killing_the_runner(node):
     runner.submit([_task(4, 1, 16, (mem.segment_id, 0), (disk.segment_id, 0))])
     _wait(runner, 4)
     assert runner.done == 1
+    assert runner.by_kind == {("offload", False): 3, ("offload", True): 1}
+    assert runner.bytes_by_kind == {"offload": 16}
 
 
 def test_task_wire_roundtrip():

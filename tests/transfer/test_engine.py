@@ -21,8 +21,10 @@ from kvpool.transfer import (
     TransferOp,
     TransferRequest,
 )
+from kvpool.transfer.counters import Direction
 from kvpool.transfer.engine import SubBatchState
 from kvpool.transfer.transports.base import ReportFn, Transport, WorkItem
+from support.wait import wait_until
 
 R, W = TransferOp.READ, TransferOp.WRITE
 
@@ -275,6 +277,21 @@ def test_failing_transport_fails_over_other_sub_batch_untouched(make_engine: Any
     assert (a[:4096] == src[:4096]).all() and (a[8192:16384] == src[8192:16384]).all()
     assert (a[65536:131072] == src[65536:131072]).all()
     assert flaky.calls == 1
+    # the node metrics' counters: each slice made once per transport, the
+    # failures and failovers, and the tcp writes served by this engine's own server
+    c = e.counters
+    assert c.failures == {"flaky": 2} and c.failovers == {"flaky": 2}
+    cells = {(x.direction, x.transport): x for x in c.snapshot() if x.op is W}
+    made = {t: (x.requests, x.bytes, x.count) for (d, t), x in cells.items()
+            if d is Direction.MADE}
+    assert made == {"flaky": (2, 12288, 1), "tcp": (2, 12288, 1), "shm": (1, 65536, 1)}
+    assert all(x.buckets[-1] == x.count and x.sum_s > 0 for x in cells.values())
+
+    def served() -> tuple[int, int]:  # recorded after the reply went out: may trail it
+        got = [x for x in c.snapshot() if x.direction is Direction.SERVED]
+        return sum(x.requests for x in got), sum(x.bytes for x in got)
+
+    wait_until(lambda: served() == (2, 12288), 5, "the served writes counted")
 
 
 def test_max_failover_zero_and_pause_after_failures(make_engine: Any,
