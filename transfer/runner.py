@@ -52,9 +52,11 @@ _LENGTH = operator.attrgetter("length")
 # a request settled before it reaches a transport: (index, state, code, error)
 _Early = tuple[int, RequestState, ErrorCode, str | None]
 _NONE_EARLY: list[_Early] = []  # (shared, never appended to: see _settled)
+_PENDING, _RUNNING = SubBatchState.PENDING, SubBatchState.RUNNING
 #: a sub-batch is split across a transport's threads only in slices of at least this
 #: many bytes (below it one thread finishes sooner than two threads start)
 _MIN_SLICE_BYTES = 4 << 20
+_TWO_SLICES = 2 * _MIN_SLICE_BYTES  # below it a sub-batch is one slice
 
 
 
@@ -133,13 +135,16 @@ class BatchRunner:
         if len(groups) == 1 and not early:
             ((name, items),) = groups.items()
             slot = self.transports.slots[name]
-            total = items[0].length if len(items) == 1 else sum(map(_LENGTH, items))
-            if _slices(slot, total, len(items)) == 1:
+            n = len(items)
+            total = items[0].length if n == 1 else sum(map(_LENGTH, items))
+            if total < _TWO_SLICES or _slices(slot, total, n) == 1:
                 sb = SubBatch(None, 0, name, items)  # an attempt: no handle yet
                 crash = self._execute(sb, slot, items, deadline)
-                if crash is None and not sb.failures and sb.done == len(items):
+                if crash is None and sb.done == n and not sb.failures:
                     if slot.health:  # a success towards a peer clears its failure count
                         self.transports.update_health(slot, sb, [])
+                    if n == 1:
+                        return [RequestStatus(_DONE, name, _OK)]
                     return [RequestStatus(_DONE, name, _OK) for _ in items]
                 handle = BatchHandle(len(requests))
                 sb.adopt(handle, next(self._sb_ids))
@@ -225,7 +230,7 @@ class BatchRunner:
         """Check request ``i``, fill in its resolved fields and pick its first
         transport: its name; "" when the request needs none (empty: DONE) or
         none can take it (FAILED with the reason)."""
-        if not isinstance(req, TransferRequest):
+        if type(req) is not TransferRequest and not isinstance(req, TransferRequest):
             raise TransferError(f"request {i} is not a TransferRequest", ErrorCode.INVALID_PARAMS,
                                 retryable=False)
         op = req.op if type(req.op) is TransferOp else TransferOp(req.op)
@@ -301,8 +306,8 @@ class BatchRunner:
                  caller_deadline: float | None) -> TransferError | None:
         """One slice on ``sb``'s transport, reporting to ``sb``; what it raised."""
         now = time.monotonic()
-        if sb.state is SubBatchState.PENDING:  # (a benign race: any slice's start will do)
-            sb.state = SubBatchState.RUNNING
+        if sb.state is _PENDING:  # (a benign race: any slice's start will do)
+            sb.state = _RUNNING
             sb.started = now
         deadline = now + slot.settings.timeout_s
         if caller_deadline is not None and caller_deadline < deadline:
@@ -330,11 +335,9 @@ class BatchRunner:
                 for it in part:  # items the transport never reported
                     if sb.reported(it):
                         continue
-                    sb.failed_idx.add(it.index)
-                    sb.failed += 1
-                    sb.failures.append((it, crash or TransferError(
+                    sb.fail(it, crash or TransferError(
                         "transport returned without reporting the request",
-                        ErrorCode.TRANSFER_FAIL)))
+                        ErrorCode.TRANSFER_FAIL))
                 sb.slices_left -= 1
                 if sb.slices_left > 0:
                     return
@@ -398,7 +401,7 @@ def _slices(slot: TransportSlot, total: int, count: int) -> int:
     """How many slices a sub-batch of ``count`` requests and ``total`` bytes
     is cut into: a second slice costs a thread hop, so only a large
     sub-batch gains from it."""
-    if total < 2 * _MIN_SLICE_BYTES:
+    if total < _TWO_SLICES:
         return 1
     return max(1, min(slot.settings.threads, count, total // _MIN_SLICE_BYTES))
 
