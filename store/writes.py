@@ -55,7 +55,7 @@ from kvpool.store.replicas import SUSPECT_S
 from kvpool.store.session import MasterSession
 from kvpool.store.spares import MAX_SPARE_BYTES, Spare, SpareCache
 from kvpool.transfer.buffers import BufferHandle
-from kvpool.transfer.types import TransferOp, TransferRequest
+from kvpool.transfer.types import RequestState, TransferOp, TransferRequest
 
 __all__ = ["RangeWrite", "Reservation", "Writes", "put_options"]
 
@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 _OK = ErrorCode.OK
 _WRITE = TransferOp.WRITE
+_DONE = RequestState.DONE
 _HANDLE_ONLY = {BufferHandle}
 _DEFAULT_OPTIONS = PutOptions()
 # what a master answers about one key rather than about the call (single-key ops)
@@ -366,7 +367,10 @@ class Writes:
         if not reqs:
             return [_OK] * len(positions)
         statuses = self.transfer(reqs, timeout)
-        if all(st.ok for st in statuses):
+        for st in statuses:
+            if st.state is not _DONE:
+                break
+        else:
             return [_OK] * len(positions)
         bad: dict[int, ErrorCode] = {}
         for req, p, st in zip(reqs, owner, statuses, strict=True):
@@ -457,16 +461,19 @@ class Writes:
         except BaseException:
             self.spares.give_back(placeholders)
             raise
-        again = [j for j in range(n) if wrote[j]]
-        if again:
+        if any(wrote):
+            again = [j for j in range(n) if wrote[j]]
             log.info("put: %d writes into spare allocations failed; putting them from the "
                      "start", len(again))
             self.spares.give_back([placeholders[j] for j in again])
-        go = [j for j in range(n) if not wrote[j]]
+            go = [j for j in range(n) if not wrote[j]]
+        else:  # every write landed
+            again, go = [], list(range(n))
         codes: list[ErrorCode] = [_OK] * n
         if go:
-            ends = self._commit_spares([keys[j] for j in go], [placeholders[j] for j in go],
-                                       size)
+            ends = self._commit_spares(keys if not again else [keys[j] for j in go],
+                                       placeholders if not again else
+                                       [placeholders[j] for j in go], size)
             taken: list[int] = []
             for j, c in zip(go, ends, strict=True):
                 if c == ErrorCode.OBJECT_NOT_FOUND:  # expired or lost: put again
