@@ -157,14 +157,13 @@ class Writes:
         refused as an older term's grant is put again once; ``errors`` gets a
         message per failed key. Raises only for call-level failures."""
         self.session.check()
-        if len(keys) != len(buffers):
-            raise StoreError(f"{len(keys)} keys but {len(buffers)} buffers",
-                             ErrorCode.INVALID_PARAMS)
         n = len(keys)
+        if n != len(buffers):
+            raise StoreError(f"{n} keys but {len(buffers)} buffers", ErrorCode.INVALID_PARAMS)
         codes: list[ErrorCode] = [_OK] * n
         if n == 0:
             return codes
-        groups = self._groups(config, n)
+        groups = None if config is None else self._groups(config, n)
         checked = self.checksum_algo is not None
         idx: Sequence[int]
         sizes: list[int] | None = None
@@ -188,7 +187,7 @@ class Writes:
                 return codes
             if checked:
                 checksums = [self.checksum(buffers[i]) for i in idx]
-        opts = put_options(config)
+        opts = None if config is None else put_options(config)
         # one size, every default: spares skip the start, or are asked of the commit
         spare_size = 0
         enabled = self.config.reserve_batch_puts if n > 1 else self.config.reserve_single_puts

@@ -215,59 +215,53 @@ class BatchRunner:
 
     # -- resolution -------------------------------------------------------------
     def _first(self, i: int, req: TransferRequest, independent: bool) -> str | _Early:
-        """Request ``i`` resolved (:meth:`_resolve`): its first transport's
-        name, or the request settled before any transport (an empty one
-        DONE; an invalid one, or one no transport can take, FAILED)."""
+        """Check request ``i``, fill in its resolved fields and pick its first
+        transport: its name; or the request settled before any transport,
+        as ``(index, state, code, error)``: an empty one DONE, an invalid
+        one or one no transport can take FAILED (with the reason)."""
         try:
-            name = self._resolve(i, req, independent)
+            if type(req) is not TransferRequest and not isinstance(req, TransferRequest):
+                raise TransferError(f"request {i} is not a TransferRequest",
+                                    ErrorCode.INVALID_PARAMS, retryable=False)
+            op = req.op if type(req.op) is TransferOp else TransferOp(req.op)
+            buf = req.buffer if type(req.buffer) is BufferHandle else as_buffer(req.buffer)
+            sid = req.segment_id
+            registry = self.registry
+            desc = registry._descs.get(sid)  # (SegmentRegistry.resolve, without its frame)
+            if desc is None:
+                desc = registry.resolve(sid)[0]  # raises SEGMENT_NOT_FOUND
+            offset, length, boff = req.offset, req.length, req.buffer_offset
+            if not (type(offset) is int and type(length) is int and type(boff) is int) \
+                    and not all(isinstance(x, int) for x in (offset, length, boff)):
+                raise TransferError("offset/length must be integers", ErrorCode.INVALID_PARAMS,
+                                    retryable=False)
+            if offset < 0 or length < 0 or offset + length > desc.size:
+                raise TransferError(
+                    f"range [{offset}, {offset + length}) outside segment "
+                    f"{sid!r} of {desc.size} bytes", ErrorCode.OUT_OF_BOUNDS, retryable=False)
+            if boff < 0 or boff + length > buf.length:
+                buf.check_range(boff, length)
+            if op is _READ and buf.readonly:
+                raise TransferError("READ into a read-only buffer", ErrorCode.INVALID_PARAMS,
+                                    retryable=False)
+            cap = req.capability
+            req.op = op
+            req.buffer = buf
+            req.index = i
+            req.segment = desc
+            req.same_host = desc.host_id == registry.host_id
+            req.local = registry._local.get(sid)
+            req.capability = cap if type(cap) is bytes else bytes(cap or b"")
+            req.independent = independent
+            if length:
+                return self.transports.first_choice(req)
+            if req.transport:
+                self.transports.candidates(req)  # an unknown one is still refused
+            return (i, _DONE, _OK, None)
         except TransferError as exc:
             return (i, _FAILED, exc.code, str(exc))
         except Exception as exc:  # a bad buffer object etc.
             return (i, _FAILED, ErrorCode.INVALID_PARAMS, f"{type(exc).__name__}: {exc}")
-        return name or (i, _DONE, _OK, None)
-
-    def _resolve(self, i: int, req: TransferRequest, independent: bool) -> str:
-        """Check request ``i``, fill in its resolved fields and pick its first
-        transport: its name; "" when the request needs none (empty: DONE) or
-        none can take it (FAILED with the reason)."""
-        if type(req) is not TransferRequest and not isinstance(req, TransferRequest):
-            raise TransferError(f"request {i} is not a TransferRequest", ErrorCode.INVALID_PARAMS,
-                                retryable=False)
-        op = req.op if type(req.op) is TransferOp else TransferOp(req.op)
-        buf = req.buffer if type(req.buffer) is BufferHandle else as_buffer(req.buffer)
-        sid = req.segment_id
-        registry = self.registry
-        desc = registry._descs.get(sid)  # (SegmentRegistry.resolve, without its frame)
-        if desc is None:
-            desc = registry.resolve(sid)[0]  # raises SEGMENT_NOT_FOUND
-        offset, length, boff = req.offset, req.length, req.buffer_offset
-        if not (type(offset) is int and type(length) is int and type(boff) is int) \
-                and not all(isinstance(x, int) for x in (offset, length, boff)):
-            raise TransferError("offset/length must be integers", ErrorCode.INVALID_PARAMS,
-                                retryable=False)
-        if offset < 0 or length < 0 or offset + length > desc.size:
-            raise TransferError(
-                f"range [{offset}, {offset + length}) outside segment "
-                f"{sid!r} of {desc.size} bytes", ErrorCode.OUT_OF_BOUNDS, retryable=False)
-        if boff < 0 or boff + length > buf.length:
-            buf.check_range(boff, length)
-        if op is _READ and buf.readonly:
-            raise TransferError("READ into a read-only buffer", ErrorCode.INVALID_PARAMS,
-                                retryable=False)
-        cap = req.capability
-        req.op = op
-        req.buffer = buf
-        req.index = i
-        req.segment = desc
-        req.same_host = desc.host_id == registry.host_id
-        req.local = registry._local.get(sid)
-        req.capability = cap if type(cap) is bytes else bytes(cap or b"")
-        req.independent = independent
-        if length == 0:
-            if req.transport:
-                self.transports.candidates(req)  # an unknown one is still refused
-            return ""
-        return self.transports.first_choice(req)
 
     # -- running ----------------------------------------------------------------
     def _launch(self, handle: BatchHandle, groups: dict[str, list[TransferRequest]],
