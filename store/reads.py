@@ -53,6 +53,7 @@ _EXPIRED = int(ErrorCode.LEASE_EXPIRED)
 _FAILED = int(ErrorCode.TRANSFER_FAIL)
 _UNREAD = int(ErrorCode.INTERNAL_ERROR)  # a read's result before it is decided
 _INF = float("inf")
+_U8 = np.dtype(np.uint8)
 _SMALL_GET = 64 << 10  # get(): below this, read into numpy and copy into bytes
 _STR_ONLY = {str}
 
@@ -253,8 +254,8 @@ class Reads:
             loc = self.locate_one(key)
             size = loc.size
             if size < _SMALL_GET:  # an extra small memcpy costs less than wrapping bytes
-                arr = np.empty(size, dtype=np.uint8)
-                code = self._read_one(key, loc, BufferHandle(None, size, array=arr, owner=arr),
+                arr = np.empty(size, _U8)  # (positional: keywords cost more here)
+                code = self._read_one(key, loc, BufferHandle(None, size, "cpu", 0, False, arr, arr),
                                       retry)
                 if code is not None:
                     return arr.tobytes()
@@ -350,8 +351,8 @@ class Reads:
                 continue
             size = loc.size
             if size < _SMALL_GET:  # as get(): an array, copied into bytes after
-                arr = outs[i] = np.empty(size, dtype=np.uint8)
-                targets[i] = BufferHandle(None, size, array=arr, owner=arr)
+                arr = outs[i] = np.empty(size, _U8)
+                targets[i] = BufferHandle(None, size, "cpu", 0, False, arr, arr)
             else:
                 outs[i], targets[i] = alloc_bytes(size)
         results = self.read(locs, targets, verify=True)
