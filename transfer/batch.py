@@ -98,15 +98,11 @@ class SubBatch:
         if handle is None:
             ok = self.ok
             assert ok is not None
-            if len(items) == 1 and not ok:  # a lone request's attempt
-                idx = items[0].index
-                if idx not in self.failed_idx:
-                    ok.add(idx)
-                    self.done += 1
-                return
             before = len(ok)
             if self.failed_idx:
                 ok.update([it.index for it in items if it.index not in self.failed_idx])
+            elif len(items) == 1:  # (a transport that reports item by item)
+                ok.add(items[0].index)
             else:
                 ok.update([it.index for it in items])
             self.done += len(ok) - before
