@@ -50,7 +50,10 @@ _READ = TransferOp.READ
 _DONE = RequestState.DONE
 _STALE = int(ErrorCode.STALE_EPOCH)
 _EXPIRED = int(ErrorCode.LEASE_EXPIRED)
+_FAILED = int(ErrorCode.TRANSFER_FAIL)
 _UNREAD = int(ErrorCode.INTERNAL_ERROR)  # a read's result before it is decided
+_INF = float("inf")
+_U8 = np.dtype(np.uint8)
 _SMALL_GET = 64 << 10  # get(): below this, read into numpy and copy into bytes
 _STR_ONLY = {str}
 
@@ -165,14 +168,14 @@ class Reads:
                     continue
             pending.append(j)
         attempt = 0
-        stale: set[int] = set()
+        stale: set[int] | None = None  # (made at the first refusal)
         run = self.engine.run
-        timeout_cap = self.config.transfer_timeout_s
+        verify = verify and self.config.verify_checksum
         while pending:
             now = time.monotonic()
             reqs: list[TransferRequest] = []
             owners: list[int] = []
-            first_deadline = float("inf")
+            first_deadline = _INF
             left = 1  # the most replicas a read has left to try, this one included
             for j in pending:
                 loc = locs[j]
@@ -181,11 +184,12 @@ class Reads:
                 if deadline <= now:
                     results[j] = _EXPIRED
                     continue
-                if attempt >= len(reps):
-                    results[j] = _STALE if j in stale else int(ErrorCode.TRANSFER_FAIL)
+                more = len(reps) - attempt
+                if more <= 0:
+                    results[j] = _STALE if stale is not None and j in stale else _FAILED
                     continue
-                if len(reps) - attempt > left:
-                    left = len(reps) - attempt
+                if more > left:
+                    left = more
                 if deadline < first_deadline:
                     first_deadline = deadline
                 r = reps[attempt]
@@ -202,8 +206,10 @@ class Reads:
                 break
             # leave the replicas after this one a share of the lease: a dead
             # peer must not use up all of it
-            timeout = max(0.001, min(timeout_cap, (first_deadline - now) / left))
-            statuses = run(reqs, timeout)
+            timeout = (first_deadline - now) / left
+            if timeout > self.config.transfer_timeout_s:
+                timeout = self.config.transfer_timeout_s
+            statuses = run(reqs, timeout if timeout > 0.001 else 0.001)
             end = time.monotonic()
             pending = []
             late = end > first_deadline  # some read may have ended after its lease
@@ -213,13 +219,15 @@ class Reads:
                         errors.append(f"{req.segment_id}: " + ("; ".join(st.errors)
                                                                or st.code.name))
                     if st.code == ErrorCode.STALE_EPOCH:
+                        if stale is None:
+                            stale = set()
                         stale.add(j)  # the node is fine: the grant is of an older term
                     else:
                         self.registry.suspect(req.segment_id, SUSPECT_S)
                     pending.append(j)
                 elif late and end > locs[j].deadline:
                     results[j] = _EXPIRED
-                elif verify and locs[j].checksum is not None and self.config.verify_checksum:
+                elif verify and locs[j].checksum is not None:
                     results[j] = self._verified(locs[j], bufs[j])
                 else:
                     results[j] = req.length
@@ -246,8 +254,8 @@ class Reads:
             loc = self.locate_one(key)
             size = loc.size
             if size < _SMALL_GET:  # an extra small memcpy costs less than wrapping bytes
-                arr = np.empty(size, dtype=np.uint8)
-                code = self._read_one(key, loc, BufferHandle(None, size, array=arr, owner=arr),
+                arr = np.empty(size, _U8)  # (positional: keywords cost more here)
+                code = self._read_one(key, loc, BufferHandle(None, size, "cpu", 0, False, arr, arr),
                                       retry)
                 if code is not None:
                     return arr.tobytes()
@@ -273,7 +281,8 @@ class Reads:
         """``key`` located; raises the error of its code (ObjectNotFound...)."""
         if not valid_key(key):
             raise StoreError(f"invalid key {key!r}", ErrorCode.INVALID_KEY)
-        loc = self.locate([key])[0]
+        self.session.check()
+        loc = self.locations(*self.session.locate([key]))[0]  # (locate(), the key checked)
         if loc.code:
             raise error_for_code(loc.code, f"{key!r}: {loc.code.name}")
         return loc
@@ -342,8 +351,8 @@ class Reads:
                 continue
             size = loc.size
             if size < _SMALL_GET:  # as get(): an array, copied into bytes after
-                arr = outs[i] = np.empty(size, dtype=np.uint8)
-                targets[i] = BufferHandle(None, size, array=arr, owner=arr)
+                arr = outs[i] = np.empty(size, _U8)
+                targets[i] = BufferHandle(None, size, "cpu", 0, False, arr, arr)
             else:
                 outs[i], targets[i] = alloc_bytes(size)
         results = self.read(locs, targets, verify=True)

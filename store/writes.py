@@ -55,7 +55,7 @@ from kvpool.store.replicas import SUSPECT_S
 from kvpool.store.session import MasterSession
 from kvpool.store.spares import MAX_SPARE_BYTES, Spare, SpareCache
 from kvpool.transfer.buffers import BufferHandle
-from kvpool.transfer.types import TransferOp, TransferRequest
+from kvpool.transfer.types import RequestState, TransferOp, TransferRequest
 
 __all__ = ["RangeWrite", "Reservation", "Writes", "put_options"]
 
@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 
 _OK = ErrorCode.OK
 _WRITE = TransferOp.WRITE
+_DONE = RequestState.DONE
 _HANDLE_ONLY = {BufferHandle}
 _DEFAULT_OPTIONS = PutOptions()
 # what a master answers about one key rather than about the call (single-key ops)
@@ -156,14 +157,13 @@ class Writes:
         refused as an older term's grant is put again once; ``errors`` gets a
         message per failed key. Raises only for call-level failures."""
         self.session.check()
-        if len(keys) != len(buffers):
-            raise StoreError(f"{len(keys)} keys but {len(buffers)} buffers",
-                             ErrorCode.INVALID_PARAMS)
         n = len(keys)
+        if n != len(buffers):
+            raise StoreError(f"{n} keys but {len(buffers)} buffers", ErrorCode.INVALID_PARAMS)
         codes: list[ErrorCode] = [_OK] * n
         if n == 0:
             return codes
-        groups = self._groups(config, n)
+        groups = None if config is None else self._groups(config, n)
         checked = self.checksum_algo is not None
         idx: Sequence[int]
         sizes: list[int] | None = None
@@ -187,7 +187,7 @@ class Writes:
                 return codes
             if checked:
                 checksums = [self.checksum(buffers[i]) for i in idx]
-        opts = put_options(config)
+        opts = None if config is None else put_options(config)
         # one size, every default: spares skip the start, or are asked of the commit
         spare_size = 0
         enabled = self.config.reserve_batch_puts if n > 1 else self.config.reserve_single_puts
@@ -366,7 +366,10 @@ class Writes:
         if not reqs:
             return [_OK] * len(positions)
         statuses = self.transfer(reqs, timeout)
-        if all(st.ok for st in statuses):
+        for st in statuses:
+            if st.state is not _DONE:
+                break
+        else:
             return [_OK] * len(positions)
         bad: dict[int, ErrorCode] = {}
         for req, p, st in zip(reqs, owner, statuses, strict=True):
@@ -457,16 +460,19 @@ class Writes:
         except BaseException:
             self.spares.give_back(placeholders)
             raise
-        again = [j for j in range(n) if wrote[j]]
-        if again:
+        if any(wrote):
+            again = [j for j in range(n) if wrote[j]]
             log.info("put: %d writes into spare allocations failed; putting them from the "
                      "start", len(again))
             self.spares.give_back([placeholders[j] for j in again])
-        go = [j for j in range(n) if not wrote[j]]
+            go = [j for j in range(n) if not wrote[j]]
+        else:  # every write landed
+            again, go = [], list(range(n))
         codes: list[ErrorCode] = [_OK] * n
         if go:
-            ends = self._commit_spares([keys[j] for j in go], [placeholders[j] for j in go],
-                                       size)
+            ends = self._commit_spares(keys if not again else [keys[j] for j in go],
+                                       placeholders if not again else
+                                       [placeholders[j] for j in go], size)
             taken: list[int] = []
             for j, c in zip(go, ends, strict=True):
                 if c == ErrorCode.OBJECT_NOT_FOUND:  # expired or lost: put again

@@ -32,6 +32,11 @@ class SubBatchState(Enum):
     FAILED = "failed"  # at least one of its requests failed on this transport
 
 
+_PENDING = SubBatchState.PENDING
+_NO_FAILURES: list[tuple[TransferRequest, TransferError]] = []  # shared: never appended to
+_NO_INDICES: frozenset[int] = frozenset()
+
+
 class SubBatch:
     """The requests of one batch that one transport serves in one attempt.
 
@@ -52,16 +57,25 @@ class SubBatch:
         self.id = id
         self.transport = transport
         self.items = items
-        self.state = SubBatchState.PENDING
-        self.done = 0
-        self.failed = 0
+        self.state = _PENDING
+        self.done = self.failed = 0
         self.error = ""
-        self.started = 0.0
-        self.finished = 0.0
+        self.started = self.finished = 0.0
         self.slices_left = 1
-        self.failures: list[tuple[TransferRequest, TransferError]] = []
-        self.failed_idx: set[int] = set()
+        # shared empty ones until the first failure (most sub-batches never fail)
+        self.failures: list[tuple[TransferRequest, TransferError]] = _NO_FAILURES
+        self.failed_idx: set[int] | frozenset[int] = _NO_INDICES
         self.ok: set[int] | None = None if handle is not None else set()  # an attempt's
+
+    def fail(self, item: TransferRequest, err: TransferError) -> None:
+        """Record ``item``'s failure (the caller checked it was not reported;
+        the lock held when there is a handle)."""
+        if self.failures is _NO_FAILURES:
+            self.failures = []
+            self.failed_idx = set()
+        self.failed_idx.add(item.index)  # type: ignore[union-attr]
+        self.failed += 1
+        self.failures.append((item, err))
 
     def __call__(self, item: TransferRequest, err: TransferError | None) -> None:
         if err is None:
@@ -71,16 +85,12 @@ class SubBatch:
         handle = self.handle
         if handle is None:
             if idx not in self.failed_idx and idx not in self.ok:  # type: ignore[operator]
-                self.failed_idx.add(idx)
-                self.failed += 1
-                self.failures.append((item, err))
+                self.fail(item, err)
             return
         with handle._lock:
             if idx in self.failed_idx or handle._status[idx] is not None:
                 return  # reported already
-            self.failed_idx.add(idx)
-            self.failed += 1
-            self.failures.append((item, err))
+            self.fail(item, err)
 
     def many(self, items: Sequence[TransferRequest]) -> None:
         """Report ``items`` done (those reported before are ignored)."""
@@ -91,7 +101,7 @@ class SubBatch:
             before = len(ok)
             if self.failed_idx:
                 ok.update([it.index for it in items if it.index not in self.failed_idx])
-            elif len(items) == 1:
+            elif len(items) == 1:  # (a transport that reports item by item)
                 ok.add(items[0].index)
             else:
                 ok.update([it.index for it in items])

@@ -199,14 +199,13 @@ def _as_buffer(obj: Any, length: int | None, device: str | None) -> BufferHandle
     if kind is np.ndarray and device is None and obj.flags.c_contiguous:
         # the common host buffer: no probing for the other forms (its address is
         # found when a transport asks for it)
+        # (positional arguments: keywords cost more than the rest of this call)
         arr = obj if obj.dtype is _U8 and obj.ndim == 1 else obj.reshape(-1).view(np.uint8)
-        return BufferHandle(ptr=None, length=arr.nbytes, device="cpu",
-                            readonly=not obj.flags.writeable, array=arr, owner=obj)
+        return BufferHandle(None, arr.nbytes, "cpu", 0, not obj.flags.writeable, arr, obj)
     if (kind is bytes or kind is bytearray) and device is None:
         # the common value of a single put: no probing for GPU and raw-address forms
-        arr = np.frombuffer(obj, dtype=np.uint8)
-        return BufferHandle(ptr=None, length=arr.nbytes, device="cpu", readonly=kind is bytes,
-                            array=arr, owner=obj)
+        arr = np.frombuffer(obj, _U8)
+        return BufferHandle(None, arr.nbytes, "cpu", 0, kind is bytes, arr, obj)
     if device not in (None, "cpu", "cuda"):
         raise TransferError(f"unknown device {device!r}", ErrorCode.INVALID_PARAMS, retryable=False)
     # raw address forms

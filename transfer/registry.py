@@ -44,7 +44,8 @@ class ShmMapping:
     """The usable region of a same-host memory segment in this process.
 
     ``mm`` is None for a segment this process owns (its array is used in
-    place). ``cuda_registered`` is the CUDA page-lock state of the region
+    place); ``view`` is the array's memoryview (made once: small copies go
+    through it). ``cuda_registered`` is the CUDA page-lock state of the region
     (set once tried; guarded by ``lock``)."""
 
     name: str
@@ -52,6 +53,10 @@ class ShmMapping:
     array: np.ndarray
     cuda_registered: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    view: memoryview = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.view = self.array.data
 
     @property
     def address(self) -> int:
@@ -250,6 +255,7 @@ def _unmap(m: ShmMapping) -> None:
         m.cuda_registered = True  # never register a dropped mapping
         if m.mm is not None:
             m.array = np.empty(0, np.uint8)
+            m.view = m.array.data
     if m.mm is not None:
         try:
             m.mm.close()

@@ -52,9 +52,11 @@ _LENGTH = operator.attrgetter("length")
 # a request settled before it reaches a transport: (index, state, code, error)
 _Early = tuple[int, RequestState, ErrorCode, str | None]
 _NONE_EARLY: list[_Early] = []  # (shared, never appended to: see _settled)
+_PENDING, _RUNNING = SubBatchState.PENDING, SubBatchState.RUNNING
 #: a sub-batch is split across a transport's threads only in slices of at least this
 #: many bytes (below it one thread finishes sooner than two threads start)
 _MIN_SLICE_BYTES = 4 << 20
+_TWO_SLICES = 2 * _MIN_SLICE_BYTES  # below it a sub-batch is one slice
 
 
 
@@ -133,13 +135,16 @@ class BatchRunner:
         if len(groups) == 1 and not early:
             ((name, items),) = groups.items()
             slot = self.transports.slots[name]
-            total = items[0].length if len(items) == 1 else sum(map(_LENGTH, items))
-            if _slices(slot, total, len(items)) == 1:
+            n = len(items)
+            total = items[0].length if n == 1 else sum(map(_LENGTH, items))
+            if total < _TWO_SLICES or _slices(slot, total, n) == 1:
                 sb = SubBatch(None, 0, name, items)  # an attempt: no handle yet
                 crash = self._execute(sb, slot, items, deadline)
-                if crash is None and not sb.failures and sb.done == len(items):
+                if crash is None and sb.done == n and not sb.failures:
                     if slot.health:  # a success towards a peer clears its failure count
                         self.transports.update_health(slot, sb, [])
+                    if n == 1:
+                        return [RequestStatus(_DONE, name, _OK)]
                     return [RequestStatus(_DONE, name, _OK) for _ in items]
                 handle = BatchHandle(len(requests))
                 sb.adopt(handle, next(self._sb_ids))
@@ -210,59 +215,53 @@ class BatchRunner:
 
     # -- resolution -------------------------------------------------------------
     def _first(self, i: int, req: TransferRequest, independent: bool) -> str | _Early:
-        """Request ``i`` resolved (:meth:`_resolve`): its first transport's
-        name, or the request settled before any transport (an empty one
-        DONE; an invalid one, or one no transport can take, FAILED)."""
+        """Check request ``i``, fill in its resolved fields and pick its first
+        transport: its name; or the request settled before any transport,
+        as ``(index, state, code, error)``: an empty one DONE, an invalid
+        one or one no transport can take FAILED (with the reason)."""
         try:
-            name = self._resolve(i, req, independent)
+            if type(req) is not TransferRequest and not isinstance(req, TransferRequest):
+                raise TransferError(f"request {i} is not a TransferRequest",
+                                    ErrorCode.INVALID_PARAMS, retryable=False)
+            op = req.op if type(req.op) is TransferOp else TransferOp(req.op)
+            buf = req.buffer if type(req.buffer) is BufferHandle else as_buffer(req.buffer)
+            sid = req.segment_id
+            registry = self.registry
+            desc = registry._descs.get(sid)  # (SegmentRegistry.resolve, without its frame)
+            if desc is None:
+                desc = registry.resolve(sid)[0]  # raises SEGMENT_NOT_FOUND
+            offset, length, boff = req.offset, req.length, req.buffer_offset
+            if not (type(offset) is int and type(length) is int and type(boff) is int) \
+                    and not all(isinstance(x, int) for x in (offset, length, boff)):
+                raise TransferError("offset/length must be integers", ErrorCode.INVALID_PARAMS,
+                                    retryable=False)
+            if offset < 0 or length < 0 or offset + length > desc.size:
+                raise TransferError(
+                    f"range [{offset}, {offset + length}) outside segment "
+                    f"{sid!r} of {desc.size} bytes", ErrorCode.OUT_OF_BOUNDS, retryable=False)
+            if boff < 0 or boff + length > buf.length:
+                buf.check_range(boff, length)
+            if op is _READ and buf.readonly:
+                raise TransferError("READ into a read-only buffer", ErrorCode.INVALID_PARAMS,
+                                    retryable=False)
+            cap = req.capability
+            req.op = op
+            req.buffer = buf
+            req.index = i
+            req.segment = desc
+            req.same_host = desc.host_id == registry.host_id
+            req.local = registry._local.get(sid)
+            req.capability = cap if type(cap) is bytes else bytes(cap or b"")
+            req.independent = independent
+            if length:
+                return self.transports.first_choice(req)
+            if req.transport:
+                self.transports.candidates(req)  # an unknown one is still refused
+            return (i, _DONE, _OK, None)
         except TransferError as exc:
             return (i, _FAILED, exc.code, str(exc))
         except Exception as exc:  # a bad buffer object etc.
             return (i, _FAILED, ErrorCode.INVALID_PARAMS, f"{type(exc).__name__}: {exc}")
-        return name or (i, _DONE, _OK, None)
-
-    def _resolve(self, i: int, req: TransferRequest, independent: bool) -> str:
-        """Check request ``i``, fill in its resolved fields and pick its first
-        transport: its name; "" when the request needs none (empty: DONE) or
-        none can take it (FAILED with the reason)."""
-        if not isinstance(req, TransferRequest):
-            raise TransferError(f"request {i} is not a TransferRequest", ErrorCode.INVALID_PARAMS,
-                                retryable=False)
-        op = req.op if type(req.op) is TransferOp else TransferOp(req.op)
-        buf = req.buffer if type(req.buffer) is BufferHandle else as_buffer(req.buffer)
-        sid = req.segment_id
-        registry = self.registry
-        desc = registry._descs.get(sid)  # (SegmentRegistry.resolve, without its frame)
-        if desc is None:
-            desc = registry.resolve(sid)[0]  # raises SEGMENT_NOT_FOUND
-        offset, length, boff = req.offset, req.length, req.buffer_offset
-        if not (type(offset) is int and type(length) is int and type(boff) is int) \
-                and not all(isinstance(x, int) for x in (offset, length, boff)):
-            raise TransferError("offset/length must be integers", ErrorCode.INVALID_PARAMS,
-                                retryable=False)
-        if offset < 0 or length < 0 or offset + length > desc.size:
-            raise TransferError(
-                f"range [{offset}, {offset + length}) outside segment "
-                f"{sid!r} of {desc.size} bytes", ErrorCode.OUT_OF_BOUNDS, retryable=False)
-        if boff < 0 or boff + length > buf.length:
-            buf.check_range(boff, length)
-        if op is _READ and buf.readonly:
-            raise TransferError("READ into a read-only buffer", ErrorCode.INVALID_PARAMS,
-                                retryable=False)
-        cap = req.capability
-        req.op = op
-        req.buffer = buf
-        req.index = i
-        req.segment = desc
-        req.same_host = desc.host_id == registry.host_id
-        req.local = registry._local.get(sid)
-        req.capability = cap if type(cap) is bytes else bytes(cap or b"")
-        req.independent = independent
-        if length == 0:
-            if req.transport:
-                self.transports.candidates(req)  # an unknown one is still refused
-            return ""
-        return self.transports.first_choice(req)
 
     # -- running ----------------------------------------------------------------
     def _launch(self, handle: BatchHandle, groups: dict[str, list[TransferRequest]],
@@ -301,8 +300,8 @@ class BatchRunner:
                  caller_deadline: float | None) -> TransferError | None:
         """One slice on ``sb``'s transport, reporting to ``sb``; what it raised."""
         now = time.monotonic()
-        if sb.state is SubBatchState.PENDING:  # (a benign race: any slice's start will do)
-            sb.state = SubBatchState.RUNNING
+        if sb.state is _PENDING:  # (a benign race: any slice's start will do)
+            sb.state = _RUNNING
             sb.started = now
         deadline = now + slot.settings.timeout_s
         if caller_deadline is not None and caller_deadline < deadline:
@@ -336,11 +335,9 @@ class BatchRunner:
                 for it in part:  # items the transport never reported
                     if sb.reported(it):
                         continue
-                    sb.failed_idx.add(it.index)
-                    sb.failed += 1
-                    sb.failures.append((it, crash or TransferError(
+                    sb.fail(it, crash or TransferError(
                         "transport returned without reporting the request",
-                        ErrorCode.TRANSFER_FAIL)))
+                        ErrorCode.TRANSFER_FAIL))
                 sb.slices_left -= 1
                 if sb.slices_left > 0:
                     return
@@ -406,7 +403,7 @@ def _slices(slot: TransportSlot, total: int, count: int) -> int:
     """How many slices a sub-batch of ``count`` requests and ``total`` bytes
     is cut into: a second slice costs a thread hop, so only a large
     sub-batch gains from it."""
-    if total < 2 * _MIN_SLICE_BYTES:
+    if total < _TWO_SLICES:
         return 1
     return max(1, min(slot.settings.threads, count, total // _MIN_SLICE_BYTES))
 

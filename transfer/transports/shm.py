@@ -120,35 +120,36 @@ class ShmTransport(Transport):
         """Host items are copied one by one (the mapping looked up once per run
         of items of one segment); GPU items are queued on their stream and
         reported after one synchronisation per stream."""
-        if self.closed:
+        if self._closed:
             for item in items:
                 report(item, TransferError("shm transport closed", ErrorCode.CLOSED))
             return
         assert self.ctx is not None, "attach() first"
         mapping = self.ctx.registry.mapping
         done: list[WorkItem] = []
-        gpu: list[WorkItem] = []
+        gpu: list[WorkItem] | None = None
         split_min = self._split_min
         last: str | None = None
         region: np.ndarray | None = None
         rview: memoryview | None = None
-        size = 0
-        copied = 0
+        size = copied = 0
         for item in items:
             buf = item.buffer
             if buf.device == "cuda":
+                if gpu is None:
+                    gpu = []
                 gpu.append(item)
                 continue
             sid = item.segment_id
             if sid != last:
                 try:
-                    region = mapping(item.segment, item.local).array
+                    m = mapping(item.segment, item.local)
                 except (TransferError, OSError, ValueError) as exc:
                     report(item, as_transfer_error(exc, "shm copy"))
                     last = None
                     continue
+                region, rview = m.array, m.view
                 last, size = sid, region.size
-                rview = region.data
             off, n = item.offset, item.length
             if n >= split_min and time.monotonic() > deadline:
                 report(item, TransferError("deadline passed", ErrorCode.TIMEOUT))
@@ -189,7 +190,7 @@ class ShmTransport(Transport):
         self.bytes_copied += copied
         if done:
             report_done(report, done)
-        if gpu:
+        if gpu is not None:
             self._execute_gpu(gpu, report)
 
     def _execute_gpu(self, items: Sequence[WorkItem], report: ReportFn) -> None:
