@@ -139,8 +139,15 @@ class BytesCalls:
 
     def remove_where(self, pattern: str, force: bool) -> int:
         """Remove the keys of this store's tenant that ``pattern`` finds
-        (``re.search``; "" every key): the count or a Mooncake code."""
+        (``re.search``): the count or a Mooncake code."""
         try:  # the master keeps the removal inside the client's tenant
             return self._core.live().remove_by_regex(str(pattern), force)
+        except KVPoolError as exc:
+            return code_of(exc)
+
+    def remove_all(self, force: bool) -> int:
+        """Remove every object of this store's tenant: the count or a Mooncake code."""
+        try:  # the master keeps the removal inside the client's tenant
+            return self._core.live().remove_all(force)
         except KVPoolError as exc:
             return code_of(exc)

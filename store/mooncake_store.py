@@ -226,7 +226,7 @@ class MooncakeDistributedStore:
     def remove_all(self, force: bool = False) -> int:
         """Remove every object of this store's tenant (unleased ones, or all
         with ``force``): the count, or a negative code. One master RPC."""
-        return self._bytes.remove_where("", force)
+        return self._bytes.remove_all(force)
 
     # ------------------------------------------------------------------ zero copy
 

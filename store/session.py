@@ -16,7 +16,8 @@ A :class:`MasterSession` is how every part of a client talks to the master:
   here that has a ``tenant`` field (each that names, lists, counts or removes
   objects) is stamped with it on its way out (:meth:`MasterSession.scoped`),
   so no part of the client builds a request for another tenant, or forgets
-  to name its own. The default tenant sends ``""`` (omitted on the wire).
+  to name its own. The default tenant leaves the field ``""``, what a
+  client from before tenants means by sending nothing there.
 """
 
 
@@ -70,7 +71,7 @@ class MasterSession:
     def __init__(self, config: ClientConfig, client_id: str) -> None:
         self.config = config
         self.client_id = client_id
-        #: the ``tenant`` field of this client's requests ("" = default: omitted on the wire)
+        #: the ``tenant`` field of this client's requests ("" = default: left as built)
         self.tenant = TENANT_FIELD_DEFAULT if config.tenant == DEFAULT_TENANT else config.tenant
         self.first: MasterClient | None = None  # the setup thread's stub
         self._local = threading.local()
