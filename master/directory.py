@@ -40,7 +40,7 @@ from kvpool.master.liveness import Liveness
 from kvpool.master.objects import HARD_PIN, SOFT_PIN, Obj, ObjectTable, Pending
 from kvpool.master.placement import MostFree
 from kvpool.master.reads import Reads
-from kvpool.master.records import Changes, Rec, TenantSet
+from kvpool.master.records import Changes, Rec, SetQuota
 from kvpool.master.removal import Removal
 from kvpool.master.replay import Replay
 from kvpool.master.segments import Segment, SegmentTable, SegState
@@ -296,7 +296,7 @@ class Directory:
         """Tenant ``name``'s live quotas (-1 = unlimited/none), recorded."""
         self.tenants.set_quota(name, memory, disk, guaranteed)
         if self.changes.journaling:
-            self.records.append(TenantSet(name, memory, disk, guaranteed))
+            self.records.append(SetQuota(name, memory, disk, guaranteed))
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

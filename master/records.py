@@ -32,8 +32,8 @@ __all__ = [
     "Rec",
     "Record",
     "Remove",
+    "SetQuota",
     "StreamPos",
-    "TenantSet",
     "decode_frame",
 ]
 
@@ -95,7 +95,7 @@ class DropReplica(Record, tag=int(Rec.DROP_REPLICA)):
     segment_id: str
 
 
-class TenantSet(Record, tag=int(Rec.TENANT_SET)):
+class SetQuota(Record, tag=int(Rec.TENANT_SET)):
     """A tenant's quotas were set live (TENANT_SET): bytes, -1 = unlimited/none."""
 
     name: str
@@ -115,7 +115,7 @@ class StreamPos(Record, tag=int(Rec.STREAM_POS)):
 
 
 #: what the directory emits and applies
-DirRecord = Mount | DropSegment | Put | Remove | DropReplica | TenantSet
+DirRecord = Mount | DropSegment | Put | Remove | DropReplica | SetQuota
 #: what a journal file holds
 JournalRecord = DirRecord | StreamPos
 
