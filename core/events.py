@@ -3,11 +3,13 @@
 A master started with ``--events-port P`` publishes every committed change
 of its directory on a ZeroMQ PUB socket (``tcp://HOST:P``;
 :mod:`kvpool.master.events` is the publisher). Each message is one frame,
-``TOPIC`` followed by an :class:`EventBatch` as a msgpack array
-(:func:`encode_message` / :func:`decode_message`):
+its tenant's topic (:func:`topic`: ``TOPIC`` for the default tenant)
+followed by an :class:`EventBatch` as a msgpack array
+(:func:`encode_message` / :func:`decode_message`). A tenant's topic carries
+its objects' events (keys as it names them) and every segment event.
 
 - ``seq`` numbers the batches of one *stream* (one master process; a new
-  leader is a new stream) from 1, without gaps. A batch with no events is a
+  leader is a new stream) from 1, without gaps, per topic. A batch with no events is a
   heartbeat (sent after ``HEARTBEAT_S`` without changes, and at once to a
   new subscriber): it repeats the last seq, so a subscriber that missed a
   batch learns it within a second.
@@ -62,12 +64,15 @@ __all__ = [
     "Tier",
     "decode_message",
     "encode_message",
+    "topic",
 ]
 
 log = logging.getLogger(__name__)
 
-#: The topic frame of every message (subscribe to it, or to b"").
+#: The topic of the default tenant's messages (every message's before tenants).
 TOPIC = b"kvpool"
+#: Starts and ends a tenant's topic (as its namespace in a stored key).
+_TENANT_TOPIC_SEP = b"\x1f"
 #: A heartbeat batch follows this many seconds without a change.
 HEARTBEAT_S = 1.0
 
@@ -143,21 +148,35 @@ _decode = msgspec.msgpack.Decoder(EventBatch).decode
 _TOPIC_LEN = len(TOPIC)
 
 
-def encode_message(batch: EventBatch) -> bytes:
-    """``TOPIC`` + the batch: one frame, what the master sends."""
-    buf = bytearray(TOPIC)
-    _encode_into(batch, buf, _TOPIC_LEN)
+def topic(tenant: str = "") -> bytes:
+    """The topic of ``tenant``'s events (docs/tenants.md): ``TOPIC`` for the
+    default tenant ("" or ``default``), ``b"\\x1f<tenant>\\x1f"`` for another
+    (no topic is a prefix of another's, so a subscription gets one tenant's)."""
+    if not tenant or tenant == "default":
+        return TOPIC
+    return _TENANT_TOPIC_SEP + tenant.encode() + _TENANT_TOPIC_SEP
+
+
+def encode_message(batch: EventBatch, topic: bytes = TOPIC) -> bytes:
+    """``topic`` + the batch: one frame, what the master sends."""
+    buf = bytearray(topic)
+    _encode_into(batch, buf, len(topic))
     return bytes(buf)
 
 
 def decode_message(msg: bytes | memoryview) -> EventBatch:
-    """The batch of a message; MALFORMED_FRAME if it is not ``TOPIC`` + an
-    :class:`EventBatch`."""
+    """The batch of a message of any tenant's topic (:func:`topic`);
+    MALFORMED_FRAME if it is not a topic + an :class:`EventBatch`."""
     view = memoryview(msg)
-    if bytes(view[:_TOPIC_LEN]) != TOPIC:
+    if bytes(view[:_TOPIC_LEN]) == TOPIC:
+        start = _TOPIC_LEN
+    elif bytes(view[:1]) == _TENANT_TOPIC_SEP and \
+            (end := bytes(view[1:66]).find(_TENANT_TOPIC_SEP)) > 0:
+        start = end + 2
+    else:
         raise KVPoolError("not an events message", ErrorCode.MALFORMED_FRAME)
     try:
-        return _decode(view[_TOPIC_LEN:])
+        return _decode(view[start:])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise KVPoolError(f"malformed event batch: {exc}", ErrorCode.MALFORMED_FRAME) from None
 
@@ -245,7 +264,8 @@ class EventSubscriber:
     :class:`~kvpool.core.rpc_client.MasterClient` for the listing.
     ``curve``: the client's CURVE settings when the master has CURVE on.
     ``page_size``: objects per listing page; ``rcvhwm``: messages queued in
-    this process at most (0: no bound).
+    this process at most (0: no bound). ``tenant``: whose objects to follow
+    (its topic and its listing; "" the default tenant; docs/tenants.md).
 
     ``poll(timeout_s)`` applies what arrived and returns the events applied
     since the last call (a resync returns none: read ``view``);
@@ -255,11 +275,12 @@ class EventSubscriber:
     def __init__(self, endpoints: str | Sequence[str], master: MasterClient,
                  prefix: str = "", curve: CurveConfig | None = None,
                  page_size: int = 4096, rcvhwm: int = 0,
-                 context: zmq.Context[Any] | None = None) -> None:
+                 context: zmq.Context[Any] | None = None, tenant: str = "") -> None:
         from kvpool.core.protocol import ListObjects  # the op lives with the protocol
 
         self._list_req = ListObjects
         self.master = master
+        self.tenant = tenant
         self.view = PoolView(prefix)
         self.page_size = page_size
         self.resyncs = 0
@@ -279,7 +300,7 @@ class EventSubscriber:
                 host = ep.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
                 curve.setup_client(self.sock, host)
             self.sock.connect(ep)
-        self.sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic(tenant))
 
     # ---------------------------------------------------------------- receiving
     def _recv(self, timeout_s: float) -> EventBatch | None:
@@ -319,7 +340,8 @@ class EventSubscriber:
         cursor = 0
         list_seq = 0
         while True:
-            page = self.master.call(self._list_req(cursor, self.page_size, view.prefix))
+            page = self.master.call(self._list_req(cursor, self.page_size, view.prefix,
+                                                   self.tenant))
             if not cursor:
                 list_seq = page.seq
                 self.stream, self.epoch = page.stream, page.epoch

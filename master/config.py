@@ -247,6 +247,9 @@ class MasterConfig:
             except ValueError as exc:
                 raise ConfigError(f"etcd: {exc}") from None
         self.tiering.validate()
+        if not isinstance(self.default_tenant_quota, TenantQuota):
+            self.default_tenant_quota = load_dataclass(
+                TenantQuota, self.default_tenant_quota or {}, prefix="default_tenant_quota.")
         self.default_tenant_quota.validate()
         self.tenants = tenant_quotas(self.tenants)
 

@@ -30,6 +30,14 @@ failure, so ``overflows`` counts the starts of drop runs, not every message
 lost. A batch holds at most ``MAX_EVENTS`` events (a bigger turn is split
 over consecutive seqs).
 
+Tenants (docs/tenants.md): the default tenant's events go on ``TOPIC`` as
+they always did; a tenant's on its own topic (:func:`kvpool.core.events.topic`),
+keys as it names them, with its own ``seq``, and only while someone
+subscribes to it (the XPUB reads subscriptions; a new subscriber is greeted,
+then lists, so nothing before its subscription is owed to it). Segment
+events go on every topic published. The default tenant's path pays one
+comparison per key.
+
 HA: ``term`` (a callable the HA wiring sets) returns the leader's epoch
 while this master serves as leader and None otherwise; a master that is
 not the leader publishes nothing and discards what it translated.
@@ -51,6 +59,7 @@ import zmq
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.events import (
     HEARTBEAT_S,
+    TOPIC,
     Event,
     EventBatch,
     ObjectRemoved,
@@ -61,8 +70,10 @@ from kvpool.core.events import (
     SegmentRemoved,
     Tier,
     encode_message,
+    topic,
 )
 from kvpool.core.protocol import ListObjects, ListObjectsReply, SegmentKind
+from kvpool.core.tenants import DEFAULT_TENANT, TENANT_SEP, split_scoped, tenant_name
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory
 from kvpool.master.records import DirRecord, DropReplica, DropSegment, Mount, Put, Remove
@@ -87,6 +98,22 @@ def _no_ha() -> int | None:
     return 0
 
 
+class _TenantTopic:
+    """A tenant's topic: its seq, when it last sent, whether subscribed now."""
+
+    __slots__ = ("last_send", "seq", "subscribed", "topic")
+
+    def __init__(self, tenant: str) -> None:
+        self.topic = topic(tenant)
+        self.seq = 0
+        self.last_send = 0.0
+        self.subscribed = True
+
+
+#: A key below this is a tenant's stored key (default keys start at U+0020).
+_KEY_MIN = " "
+
+
 class EventPublisher:
     """The PUB socket and the translation of commits into event batches.
 
@@ -107,7 +134,11 @@ class EventPublisher:
         self.overflows = 0
         self.heartbeats = 0
         self.subscriptions = 0
-        self._pending: list[tuple[int, list[Event]]] = []
+        # (commit, the default tenant's events, the tenants' events: (tenant, event)
+        # of a subscribed tenant, (None, event) for every one)
+        self._pending: list[tuple[int, list[Event], list[tuple[str | None, Event]]]] = []
+        self._tenants: dict[str, _TenantTopic] = {}  # tenants subscribed to (or once)
+        self._subscribed = 0  # how many of those are subscribed now
         self._last_send = time.monotonic()
         self._next_join_check = 0.0
         # segment id -> the Replica its replicas are announced as (one shared instance)
@@ -148,35 +179,71 @@ class EventPublisher:
     def on_commit(self, records: Sequence[DirRecord], commit_no: int) -> None:
         """Durability listener: translate one group commit (loop thread)."""
         out: list[Event] = []
+        others: list[tuple[str | None, Event]] = []
         try:
-            self._translate(records, out)
+            self._translate(records, out, others)
         except Exception:  # a listener must not raise into the commit: resync them
             log.exception("events: cannot translate a commit; publishing a new stream")
             self.stream = secrets.randbits(63) or 1
             self.seq = 0
-        if out:
-            self._pending.append((commit_no, out))
+            for t in self._tenants.values():
+                t.seq = 0
+        if out or others:
+            self._pending.append((commit_no, out, others))
 
-    def _translate(self, records: Sequence[DirRecord], out: list[Event]) -> None:
+    def _translate(self, records: Sequence[DirRecord], out: list[Event],
+                   others: list[tuple[str | None, Event]]) -> None:
+        """Translate ``records``: the default tenant's events into ``out``,
+        subscribed tenants' (and, while any is, segment events) into
+        ``others``."""
         append = out.append
         replica = self._replica
+        tenants = self._tenants if self._subscribed else None
         for rec in records:
+            ev: Event
             if isinstance(rec, Put):
+                key = rec.key
                 reps = [r for r in map(replica, rec.replicas[::2]) if r is not None]
-                append(ObjectStored(rec.key, rec.size, reps))
-            elif isinstance(rec, Remove):
-                append(ObjectRemoved(rec.key))
-            elif isinstance(rec, DropReplica):
-                append(ReplicaRemoved(rec.key, rec.segment_id))
-            elif isinstance(rec, Mount):
+                if key < _KEY_MIN:  # a tenant's
+                    self._other(key, others, ObjectStored, rec.size, reps)
+                else:
+                    append(ObjectStored(key, rec.size, reps))
+                continue
+            if isinstance(rec, Remove):
+                if rec.key < _KEY_MIN:
+                    self._other(rec.key, others, ObjectRemoved)
+                else:
+                    append(ObjectRemoved(rec.key))
+                continue
+            if isinstance(rec, DropReplica):
+                if rec.key < _KEY_MIN:
+                    self._other(rec.key, others, ReplicaRemoved, rec.segment_id)
+                else:
+                    append(ReplicaRemoved(rec.key, rec.segment_id))
+                continue
+            if isinstance(rec, Mount):
                 w = rec.segment
                 tier = _TIERS[SegmentKind(int(w["kind"]))]
                 sid = str(w["segment_id"])
                 self._replicas[sid] = Replica(sid, tier)
-                append(SegmentAdded(sid, tier, str(w["host_id"]), int(w["size"])))
+                ev = SegmentAdded(sid, tier, str(w["host_id"]), int(w["size"]))
             elif isinstance(rec, DropSegment):
                 self._replicas.pop(rec.segment_id, None)
-                append(SegmentRemoved(rec.segment_id))
+                ev = SegmentRemoved(rec.segment_id)
+            else:
+                continue
+            append(ev)
+            if tenants is not None:
+                others.append((None, ev))
+
+    def _other(self, stored: str, others: list[tuple[str | None, Event]], kind: Any,
+               *args: Any) -> None:
+        """A tenant's event (``kind(key, *args)``, its key as the tenant names
+        it) into ``others`` when the tenant is subscribed."""
+        tenant, key = split_scoped(stored)
+        t = self._tenants.get(tenant)
+        if t is not None and t.subscribed:
+            others.append((tenant, kind(key, *args)))
 
     # ================================================================ sending
     def flush(self, acked: int, now: float) -> None:
@@ -187,6 +254,10 @@ class EventPublisher:
             self._next_join_check = now + _JOIN_CHECK_S
             if self.sock.get(_EVENTS) & _POLLIN and self._joined():
                 self._last_send = now - HEARTBEAT_S  # greet it now
+                for t in self._tenants.values():
+                    t.last_send = now - HEARTBEAT_S
+        if self._subscribed:
+            self._tenant_heartbeats(now)
         pending = self._pending
         if not pending:
             if now - self._last_send >= HEARTBEAT_S:
@@ -208,29 +279,87 @@ class EventPublisher:
         if n == 1:
             events = pending[0][1]
         else:
-            events = [ev for _c, evs in pending[:n] for ev in evs]
+            events = [ev for _c, evs, _o in pending[:n] for ev in evs]
+        others = [x for _c, _e, o in pending[:n] if o for x in o]
         del pending[:n]
+        if events:
+            self.seq = self._send_chunks(events, epoch, self.seq)
+            self._last_send = now
+        if others:
+            self._flush_tenants(others, epoch, now)
+
+    def _send_chunks(self, events: list[Event], epoch: int, seq: int,
+                     topic_: bytes = TOPIC) -> int:
+        """Send ``events`` on ``topic_`` as batches after ``seq``; the last seq."""
         for i in range(0, len(events), MAX_EVENTS):
             chunk = events[i:i + MAX_EVENTS] if len(events) > MAX_EVENTS else events
-            self.seq += 1
+            seq += 1
             self.batches += 1
             self.events += len(chunk)
-            self._send(chunk, epoch, self.seq)
-        self._last_send = now
+            self._send(chunk, epoch, seq, topic_)
+        return seq
+
+    def _flush_tenants(self, others: list[tuple[str | None, Event]], epoch: int,
+                       now: float) -> None:
+        """Send the tenants' events: each subscribed tenant's own and every
+        segment event, in commit order, on its topic."""
+        by_tenant: dict[str, list[Event]] = {}
+        live = [name for name, t in self._tenants.items() if t.subscribed]
+        for tenant, ev in others:
+            if tenant is None:
+                for name in live:
+                    by_tenant.setdefault(name, []).append(ev)
+            elif tenant in live:
+                by_tenant.setdefault(tenant, []).append(ev)
+        for name, events in by_tenant.items():
+            t = self._tenants[name]
+            t.seq = self._send_chunks(events, epoch, t.seq, t.topic)
+            t.last_send = now
+
+    def _tenant_heartbeats(self, now: float) -> None:
+        """A heartbeat on each subscribed tenant's topic idle for HEARTBEAT_S."""
+        epoch: int | None = -1
+        for t in self._tenants.values():
+            if t.subscribed and now - t.last_send >= HEARTBEAT_S:
+                if epoch == -1:
+                    epoch = self.term()
+                if epoch is not None:
+                    self.heartbeats += 1
+                    self._send([], epoch, t.seq, t.topic)
+                t.last_send = now
 
     def _joined(self) -> bool:
-        """Read the subscription messages; whether one was a new subscription."""
+        """Read the subscription messages; whether one was a new subscription.
+        A tenant's topic is published while subscribed."""
         joined = False
         sock = self.sock
         while sock.get(_EVENTS) & _POLLIN:
             msg = sock.recv(_NOBLOCK)
+            if msg[1:2] == b"\x1f" and msg[-1:] == b"\x1f" and len(msg) > 3:
+                self._tenant_subscription(msg[2:-1], msg[:1] == b"\x01")
             if msg[:1] == b"\x01":
                 self.subscriptions += 1
                 joined = True
         return joined
 
-    def _send(self, events: list[Event], epoch: int, seq: int) -> None:
-        msg = encode_message(EventBatch(seq, self.stream, epoch, time.time(), events))
+    def _tenant_subscription(self, name: bytes, on: bool) -> None:
+        """The last subscriber of tenant ``name``'s topic came (``on``) or left."""
+        try:
+            tenant = tenant_name(name.decode())
+        except (UnicodeDecodeError, KVPoolError):
+            return  # no tenant's topic: nothing is published on it
+        t = self._tenants.get(tenant)
+        if t is None:
+            if not on:
+                return
+            t = self._tenants[tenant] = _TenantTopic(tenant)
+        elif t.subscribed == on:
+            return
+        t.subscribed = on
+        self._subscribed += 1 if on else -1
+
+    def _send(self, events: list[Event], epoch: int, seq: int, topic_: bytes = TOPIC) -> None:
+        msg = encode_message(EventBatch(seq, self.stream, epoch, time.time(), events), topic_)
         sock = self.sock
         try:
             sock.send(msg, _NOBLOCK)
@@ -249,9 +378,13 @@ class EventPublisher:
             log.warning("events: send failed: %s", exc)
 
     # ================================================================ readers
-    def position(self) -> tuple[int, int, int]:
-        """(stream, last seq sent, epoch): where a listing taken now stands."""
-        return self.stream, self.seq, self.term() or 0
+    def position(self, tenant: str = DEFAULT_TENANT) -> tuple[int, int, int]:
+        """(stream, last seq sent on ``tenant``'s topic, epoch): where a
+        listing of ``tenant``'s objects taken now stands."""
+        if tenant == DEFAULT_TENANT:
+            return self.stream, self.seq, self.term() or 0
+        t = self._tenants.get(tenant)
+        return self.stream, t.seq if t is not None else 0, self.term() or 0
 
     def stats(self) -> dict[str, int]:
         return {"batches": self.batches, "events": self.events, "overflows": self.overflows,
@@ -265,11 +398,14 @@ class EventPublisher:
             self._auth = None
 
 
-def list_objects(d: Directory, req: ListObjects,
-                 position: tuple[int, int, int]) -> ListObjectsReply:
+def list_objects(d: Directory, req: ListObjects, position: tuple[int, int, int],
+                 scope: str = "") -> ListObjectsReply:
     """One page of ``LIST_OBJECTS``: the objects of whole shards from
     ``req.cursor`` on, until about ``req.limit`` objects (one shard at least),
-    with their live replicas; every segment on the first page."""
+    with their live replicas; every segment on the first page. Only the
+    objects of the tenant whose namespace prefix is ``scope``
+    (:func:`kvpool.core.tenants.scope_prefix`; "" the default tenant: keys
+    under no namespace), their keys as that tenant names them."""
     shards = d.objects.shards
     cursor = req.cursor
     if not 0 <= cursor < len(shards):
@@ -277,13 +413,16 @@ def list_objects(d: Directory, req: ListObjects,
                           ErrorCode.INVALID_PARAMS)
     if req.limit <= 0:
         raise KVPoolError("limit must be > 0", ErrorCode.INVALID_PARAMS)
-    prefix = req.prefix
+    prefix = scope + req.prefix
+    cut = len(scope)
     replicas: dict[str, Replica] = {}
     out: list[ObjectStored] = []
     i = cursor
     while i < len(shards) and len(out) < req.limit:
         for key, obj in shards[i].items():
             if prefix and not key.startswith(prefix):
+                continue
+            if not cut and key[:1] == TENANT_SEP:  # another tenant's
                 continue
             reps: list[Replica] = []
             flat = obj.replicas
@@ -296,7 +435,7 @@ def list_objects(d: Directory, req: ListObjects,
                     rep = replicas[seg.id] = Replica(seg.id, _TIERS[seg.kind])
                 reps.append(rep)
             if reps:
-                out.append(ObjectStored(key, obj.size, reps))
+                out.append(ObjectStored(key[cut:] if cut else key, obj.size, reps))
         i += 1
     segments: list[SegmentAdded] = []
     if cursor == 0:

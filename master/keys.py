@@ -9,6 +9,16 @@ only when that finds a bad one; each op's loop then skips the keys marked.
 
 A batch answers a code per key; the codes are plain ints (the list is
 encoded into the reply as it is), named here once.
+
+A request acts for a tenant (:mod:`kvpool.core.tenants`): its :class:`Scope`
+turns the caller's keys into the keys the directory stores. The default
+tenant's keys are stored as they are, and the directory's own check is
+their one check (no copy, no loop). Another tenant's keys are checked here
+once, as the caller's keys (the ``max_key_length`` is the caller's), then
+prefixed with the tenant's namespace; an invalid one becomes ``""``, which
+the directory, checking stored keys against the scope's ``key_min``
+(U+001F, so it admits the namespace) and ``max_key``, answers INVALID_KEY
+in its place: the codes of a batch come out of the one directory pass.
 """
 
 from __future__ import annotations
@@ -16,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import KEY_MIN
+from kvpool.core.protocol import KEY_MIN, RESERVED_KEY_PREFIX
+from kvpool.core.tenants import DEFAULT_TENANT, TENANT_SEP, scope_prefix, tenant_name
 
 __all__ = [
     "DENIED",
@@ -27,6 +38,8 @@ __all__ = [
     "INVALID_WRITE",
     "NOT_FOUND",
     "NOT_READY",
+    "Scope",
+    "Scopes",
     "check_key",
     "mark_bad_keys",
     "valid_keys",
@@ -82,3 +95,87 @@ def check_key(key: str, max_key: int) -> str:
         raise KVPoolError(f"key must be a non-empty string of at most {max_key} characters "
                           "not starting below U+0020 (reserved)", ErrorCode.INVALID_KEY)
     return key
+
+
+class Scope:
+    """One tenant's namespace as the master applies it to a request's keys
+    (see the module docstring). ``prefix`` is empty for the default tenant;
+    ``key_min`` and ``max_key`` are what the directory checks stored keys
+    against."""
+
+    __slots__ = ("default", "key_min", "max_key", "prefix", "tenant", "user_max")
+
+    def __init__(self, tenant: str, max_key: int) -> None:
+        self.tenant = tenant
+        self.prefix = scope_prefix(tenant)
+        self.default = not self.prefix
+        self.user_max = max_key
+        self.key_min = KEY_MIN if self.default else TENANT_SEP
+        self.max_key = max_key + len(self.prefix)
+
+    def keys(self, keys: Sequence[str]) -> Sequence[str]:
+        """The stored keys of the caller's ``keys``: ``keys`` itself for the
+        default tenant; else each prefixed, ``""`` for an invalid one."""
+        p = self.prefix
+        if not p:
+            return keys
+        mx = self.user_max
+        if keys and min(keys) >= KEY_MIN and max(map(len, keys)) <= mx:
+            return [p + k for k in keys]
+        return ["" if _bad(k, mx, KEY_MIN) else p + k for k in keys]
+
+    def key(self, key: str) -> str:
+        """The stored key of the caller's ``key`` (``""`` when invalid; the
+        default tenant's as it is)."""
+        p = self.prefix
+        if not p:
+            return key
+        return "" if _bad(key, self.user_max, KEY_MIN) else p + key
+
+    def own_keys(self, keys: Sequence[str]) -> list[str]:
+        """The stored keys of a PUT_REVOKE's ``keys``: a reservation's
+        placeholder (``RESERVED_KEY_PREFIX``; the caller's own, checked by
+        client id) as it is, a key as :meth:`key` scopes it (for the default
+        tenant too: one starting below U+0020 becomes ``""``)."""
+        p = self.prefix
+        mx = self.user_max
+        return [k if k.startswith(RESERVED_KEY_PREFIX)
+                else "" if _bad(k, mx, KEY_MIN) else p + k for k in keys]
+
+    def user_key(self, stored: str) -> str:
+        """The caller's key of a key of this scope as stored."""
+        return stored[len(self.prefix):]
+
+    def owns(self, stored: str) -> bool:
+        """Whether the stored key ``stored`` is this tenant's."""
+        p = self.prefix
+        return stored.startswith(p) if p else not stored.startswith(TENANT_SEP)
+
+
+class Scopes:
+    """The :class:`Scope` of each tenant a request names, made once per name
+    (the validation included); an invalid name raises
+    KVPoolError(INVALID_PARAMS). A bounded cache: names beyond ``limit``
+    start it over."""
+
+    def __init__(self, max_key: int, limit: int = 4096) -> None:
+        self.max_key = max_key
+        self.limit = limit
+        self.default = Scope(DEFAULT_TENANT, max_key)
+        self._all: dict[str, Scope] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._all = {"": self.default, DEFAULT_TENANT: self.default}
+
+    def __call__(self, tenant: str) -> Scope:
+        """The scope of a request's ``tenant`` field."""
+        try:
+            return self._all[tenant]
+        except KeyError:
+            pass
+        name = tenant_name(tenant)
+        if len(self._all) >= self.limit:
+            self._reset()
+        s = self._all[tenant] = Scope(name, self.max_key)
+        return s

@@ -1,7 +1,10 @@
 """What every group of op handlers shares: the directory, the configuration,
 the counters, the grants and the argument checks the schema cannot make
-(key length, batch length, client ids), and what the handlers learn from
-the process around them (:class:`ServerInfo`).
+(key length, batch length, client ids), the tenant scope of a request's
+keys (:class:`~kvpool.master.keys.Scopes`: each handler maps the caller's
+keys to the stored ones through ``self.scope(req.tenant)`` before the
+directory sees them, and stored keys back before a reply shows them), and
+what the handlers learn from the process around them (:class:`ServerInfo`).
 
 The schema (:mod:`kvpool.core.protocol`) has already checked every type;
 a per-key error of a batch is a code in its reply, a whole-request error
@@ -19,7 +22,7 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory, write_grant_ms
 from kvpool.master.grants import Granter
-from kvpool.master.keys import check_key
+from kvpool.master.keys import Scopes, check_key
 from kvpool.master.stats import LoopStats, OpCounters
 from kvpool.master.tiering import TieringPolicy
 
@@ -49,8 +52,9 @@ class ServerInfo:
         self.local_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.curve = False
         self.curve_denied: Callable[[], int] = lambda: 0
-        #: (stream, seq, epoch) of the event stream (kvpool.master.events); zeros when off
-        self.events_position: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)
+        #: (stream, seq, epoch) of a tenant's event stream (kvpool.master.events,
+        #: by canonical tenant name); zeros when off
+        self.events_position: Callable[[str], tuple[int, int, int]] = lambda t: (0, 0, 0)
 
 
 class OpGroup:
@@ -66,6 +70,8 @@ class OpGroup:
         self.info = info
         self.counters = counters
         self.max_key = cfg.max_key_length
+        #: a request's tenant field -> its Scope (the one place keys are scoped)
+        self.scope = Scopes(cfg.max_key_length)
         self.max_batch = cfg.max_batch_size
         # READ grants last a read lease; the directory holds revoked space as
         # long as a WRITE grant lasts

@@ -31,7 +31,7 @@ from kvpool.core.protocol import (
     SegmentDescriptor,
 )
 from kvpool.master.grants import describe
-from kvpool.master.keys import INVALID_KEY
+from kvpool.master.keys import INVALID_KEY, Scope
 from kvpool.master.op_group import OpGroup
 
 __all__ = ["ReadOps"]
@@ -43,36 +43,40 @@ _CAP_READ = int(CapOp.READ)
 class ReadOps(OpGroup):
     """Where objects are, whether they exist, their sizes."""
 
-    def _locate(self, keys: Sequence[str]) -> tuple[list[int], list[Any], list[Any]]:
-        """(codes, objects, the flat replicas served) of ``keys``: one pass of
-        the directory, paused at each disk hit for the tier's hook."""
+    def _locate(self, keys: Sequence[str], s: Scope) -> tuple[list[int], list[Any], list[Any]]:
+        """(codes, objects, the flat replicas served) of the stored ``keys``
+        of scope ``s``: one pass of the directory, paused at each disk hit
+        for the tier's hook."""
         n = len(keys)
         d = self.dir
         many = d.reads.get_replicas_many
         codes = [0] * n
         objs: list[Any] = [None] * n
         found: list[Any] = [None] * n
-        i = many(keys, 0, codes, objs, found)
+        kmin, kmax = s.key_min, s.max_key
+        i = many(keys, 0, codes, objs, found, False, kmin, kmax)
         if i < n:
             on_disk_hit = self.tiering.on_disk_hit
             while i < n:
                 on_disk_hit(d, keys[i], objs[i], found[i])
-                i = many(keys, i + 1, codes, objs, found)
+                i = many(keys, i + 1, codes, objs, found, False, kmin, kmax)
         return codes, objs, found
 
     def get_replica_list(self, req: GetReplicaList) -> GetReplicaListReply:
-        key = req.key
+        s = self.scope(req.tenant)
+        key = s.key(req.key)
         d = self.dir
         codes = [0]
         objs: list[Any] = [None]
         found: list[Any] = [None]
-        if not d.reads.get_replicas_many((key,), 0, codes, objs, found):  # a disk hit
+        if not d.reads.get_replicas_many((key,), 0, codes, objs, found, False, s.key_min,
+                                         s.max_key):  # a disk hit
             self.tiering.on_disk_hit(d, key, objs[0], found[0])
         code = codes[0]
         if code:
             if code != INVALID_KEY:
                 self.count_one("get_replica_list")
-            self.fail(code, "get_replica_list", key)
+            self.fail(code, "get_replica_list", req.key)
         self.count_one("get_replica_list")
         obj = objs[0]
         replicas, segs, caps = self.granter.granted(found[0], obj.size, _COMPLETE, _CAP_READ)
@@ -83,7 +87,8 @@ class ReadOps(OpGroup):
         keys = req.keys
         self.check_batch(keys)
         n = len(keys)
-        codes, objs, found = self._locate(keys)
+        s = self.scope(req.tenant)
+        codes, objs, found = self._locate(s.keys(keys), s)
         sizes = [0] * n
         checksums: list[Any] | None = None
         for i in range(n):
@@ -106,7 +111,9 @@ class ReadOps(OpGroup):
         self.count_one("exist")
         codes = [0]
         found: list[Any] = [None]
-        self.dir.reads.get_replicas_many((req.key,), 0, codes, [None], found, True)
+        s = self.scope(req.tenant)
+        self.dir.reads.get_replicas_many((s.key(req.key),), 0, codes, [None], found, True,
+                                         s.key_min, s.max_key)
         if codes[0]:
             self.fail(codes[0], "exist", req.key)
         return ExistReply(found[0] is not None)
@@ -114,18 +121,21 @@ class ReadOps(OpGroup):
     def batch_exist(self, req: BatchExist) -> BatchExistReply:
         keys = req.keys
         self.check_batch(keys)
-        codes, found = self.dir.reads.exist_many(keys)
+        s = self.scope(req.tenant)
+        codes, found = self.dir.reads.exist_many(s.keys(keys), s.key_min, s.max_key)
         self.count("exist", codes)
         return BatchExistReply(codes, found)
 
     def get_size(self, req: GetSize) -> GetSizeReply:
-        codes, sizes = self.dir.reads.sizes_many((req.key,))
+        s = self.scope(req.tenant)
+        codes, sizes = self.dir.reads.sizes_many((s.key(req.key),), s.key_min, s.max_key)
         self.fail(codes[0], "get_size", req.key)
         return GetSizeReply(sizes[0])
 
     def batch_get_size(self, req: BatchGetSize) -> BatchGetSizeReply:
         keys = req.keys
         self.check_batch(keys)
-        codes, sizes = self.dir.reads.sizes_many(keys)
+        s = self.scope(req.tenant)
+        codes, sizes = self.dir.reads.sizes_many(s.keys(keys), s.key_min, s.max_key)
         self.count("get_size", codes)
         return BatchGetSizeReply(codes, sizes)

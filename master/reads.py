@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.core.protocol import SegmentKind
+from kvpool.core.protocol import KEY_MIN, SegmentKind
 from kvpool.master.config import MasterConfig
 from kvpool.master.keys import NOT_FOUND, NOT_READY, mark_bad_keys, valid_keys
 from kvpool.master.objects import TICKS, Obj, ObjectTable
@@ -41,7 +41,8 @@ class Reads:
         self.lease_s = cfg.lease_ttl_ms / 1000.0
 
     def get_replicas_many(self, keys: Sequence[str], start: int, codes: list[int],
-                          objs: list[Any], found: list[Any], exist: bool = False) -> int:
+                          objs: list[Any], found: list[Any], exist: bool = False,
+                          key_min: str = KEY_MIN, max_key: int = 0) -> int:
         """The one read loop: locate ``keys[start:]`` into ``codes``
         (INVALID_KEY, OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY), ``objs`` (the
         object) and ``found`` (its flat replicas a reader gets) at each key's
@@ -51,7 +52,9 @@ class Reads:
         so the hook sees what a read of that key alone would. ``codes`` past
         ``start`` must be 0 on the first call (``start`` 0). ``exist``:
         EXIST's choice of replicas, no code but INVALID_KEY, no stop at a
-        disk hit (:meth:`exist_many`)."""
+        disk hit (:meth:`exist_many`). ``key_min``/``max_key`` (0: the
+        configured length): the key check (a tenant's stored keys,
+        :class:`~kvpool.master.keys.Scope`)."""
         objects = self.objects
         shards = self.shards
         mask = self.mask
@@ -60,7 +63,7 @@ class Reads:
         n = len(keys)
         # the first pass checks every key (C speed); a resumed pass finds the
         # bad ones already marked
-        bad = start > 0 or mark_bad_keys(keys, self.max_key, codes)
+        bad = start > 0 or mark_bad_keys(keys, max_key or self.max_key, codes, key_min)
         now = self.clock()
         lease = now + self.lease_s
         tenants = objects.tenants
@@ -113,13 +116,14 @@ class Reads:
             tenants.hits += hits
             tenants.misses += misses
 
-    def exist_many(self, keys: Sequence[str]) -> tuple[list[int], list[bool]]:
+    def exist_many(self, keys: Sequence[str], key_min: str = KEY_MIN,
+                   max_key: int = 0) -> tuple[list[int], list[bool]]:
         """Whether each key exists: (codes, found); code INVALID_KEY (found
         False) for an empty, too long or reserved key, else 0."""
         n = len(keys)
         codes = [0] * n
         found: list[Any] = [None] * n
-        self.get_replicas_many(keys, 0, codes, [None] * n, found, True)
+        self.get_replicas_many(keys, 0, codes, [None] * n, found, True, key_min, max_key)
         return codes, list(map(bool, found))  # (flat replicas are never empty)
 
     @staticmethod
@@ -146,7 +150,8 @@ class Reads:
                 return NOT_READY, None
         return 0, reps
 
-    def sizes_many(self, keys: Sequence[str]) -> tuple[list[int], list[int]]:
+    def sizes_many(self, keys: Sequence[str], key_min: str = KEY_MIN,
+                   max_key: int = 0) -> tuple[list[int], list[int]]:
         """Each key's object size: (codes, sizes); size 0 where the code is not
         OK (INVALID_KEY, OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY: in flight)."""
         n = len(keys)
@@ -154,7 +159,7 @@ class Reads:
         sizes = [0] * n
         get = self.objects.get
         pending = self.objects.pending
-        for i, key in valid_keys(keys, self.max_key, codes):
+        for i, key in valid_keys(keys, max_key or self.max_key, codes, key_min):
             obj = get(key)
             if obj is None:
                 codes[i] = NOT_READY if key in pending else NOT_FOUND

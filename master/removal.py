@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvpool.core.protocol import KEY_MIN
 from kvpool.master.config import MasterConfig
 from kvpool.master.keys import DENIED, HAS_LEASE, NOT_FOUND, NOT_READY, valid_keys
 from kvpool.master.objects import Obj, ObjectTable
@@ -39,13 +40,16 @@ class Removal:
             return True
         return False
 
-    def remove_many(self, keys: Sequence[str], force: bool = False) -> list[int]:
+    def remove_many(self, keys: Sequence[str], force: bool = False, key_min: str = KEY_MIN,
+                    max_key: int = 0) -> list[int]:
         """Remove each key's object; the per-key codes (INVALID_KEY,
         OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY: its put is in flight,
-        OBJECT_HAS_LEASE: read-leased and not ``force``)."""
+        OBJECT_HAS_LEASE: read-leased and not ``force``). ``key_min``/
+        ``max_key`` (0: the configured length): the key check (a tenant's
+        stored keys, :class:`~kvpool.master.keys.Scope`)."""
         codes = [0] * len(keys)
         objects = self.objects
-        for i, key in valid_keys(keys, self.cfg.max_key_length, codes):
+        for i, key in valid_keys(keys, max_key or self.cfg.max_key_length, codes, key_min):
             obj = objects.get(key)
             if obj is None:
                 codes[i] = NOT_READY if key in objects.pending else NOT_FOUND
@@ -55,16 +59,17 @@ class Removal:
                 objects.remove(key, obj)
         return codes
 
-    def clear_many(self, client_id: str, keys: Sequence[str], segment_id: str = "") -> list[int]:
+    def clear_many(self, client_id: str, keys: Sequence[str], segment_id: str = "",
+                   key_min: str = KEY_MIN, max_key: int = 0) -> list[int]:
         """Clear each key's replicas on ``segment_id`` ("" = every replica: the
         object goes), as Mooncake's BatchReplicaClear; the per-key codes. Only
         the object's writer may (PERMISSION_DENIED; an object restored after
         a restart has no recorded writer: any client may), not while
         read-leased (OBJECT_HAS_LEASE); OBJECT_NOT_FOUND when missing (or in
         flight), or holding no replica on the segment. The last replica's
-        clear removes the object."""
+        clear removes the object. ``key_min``/``max_key``: as :meth:`remove_many`."""
         codes = [0] * len(keys)
-        for i, key in valid_keys(keys, self.cfg.max_key_length, codes):
+        for i, key in valid_keys(keys, max_key or self.cfg.max_key_length, codes, key_min):
             codes[i] = self._clear(client_id, key, segment_id)
         return codes
 
@@ -106,9 +111,10 @@ class Removal:
         return 0
 
     def remove_matching(self, match: Callable[[str], bool] | None, force: bool = False,
-                        prefix: str = "", exclude_prefix: str = "") -> int:
+                        prefix: str = "", exclude_prefix: str | tuple[str, ...] = "") -> int:
         """Remove every complete object whose key starts with ``prefix``, does
-        not start with ``exclude_prefix`` (when given) and, with ``prefix``
+        not start with ``exclude_prefix`` (when given; a tuple: any of them)
+        and, with ``prefix``
         stripped, satisfies ``match`` (None: every key); leased ones only
         with ``force``. One pass over the table. Return the count removed."""
         now = self.clock()

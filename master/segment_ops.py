@@ -133,27 +133,30 @@ class SegmentOps(OpGroup):
                                         req.task_id, req.ok, req.error[:500]), "tier_task_done")
         return Empty()
 
-    def _task(self, key: str, targets: list[str], source: str = "") -> TaskReply:
+    def _task(self, key: str, targets: list[str], source: str, tenant: str) -> TaskReply:
+        s = self.scope(tenant)
         check_key(key, self.max_key)
         if len(targets) > 64:
             raise bad("at most 64 targets")
-        code, job = self.tiering.create_job(self.dir, key, targets, source)
+        code, job = self.tiering.create_job(self.dir, s.prefix + key, targets, source)
         self.count_one("create_task")
         self.fail(code, "create task failed")
         assert job is not None
         return TaskReply(job.id)
 
     def create_copy_task(self, req: CreateCopyTask) -> TaskReply:
-        return self._task(req.key, req.targets)
+        return self._task(req.key, req.targets, "", req.tenant)
 
     def create_move_task(self, req: CreateMoveTask) -> TaskReply:
         if not req.source:
             raise bad("source must be a segment id")
-        return self._task(req.key, [req.target], req.source)
+        return self._task(req.key, [req.target], req.source, req.tenant)
 
     def query_task(self, req: QueryTask) -> QueryTaskReply:
+        s = self.scope(req.tenant)
         job = self.tiering.jobs.get(req.task_id)
-        if job is None:
+        if job is None or not s.owns(job.key):  # another tenant's task is none of its business
             raise bad(f"no task {req.task_id}", ErrorCode.TASK_NOT_FOUND)
-        return QueryTaskReply(job.id, job.move, job.key, int(job.status), job.created_ms,
+        return QueryTaskReply(job.id, job.move, s.user_key(job.key), int(job.status),
+                              job.created_ms,
                               job.updated_ms, job.executor, job.message)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 from kvpool.core.capability import CapabilitySigner, CapOp
@@ -95,19 +96,25 @@ class WriteOps(OpGroup):
     # ================================================================ start
     def put_start(self, req: PutStart, replace: bool = False) -> PutStartReply:
         client_id = self.check_client(req.client_id)
+        s = self.scope(req.tenant)
         key = check_key(req.key, self.max_key)
         size = req.size
         if size <= 0 or size > self.cfg.max_object_size:
             raise bad("size must be an int in [1, max_object_size]")
         spec = self._spec(req.options, replace)
-        if req.group is not None and len(req.group) > self.max_key:
-            raise bad(f"group longer than max_key_length {self.max_key}")
+        group = req.group
+        if group is not None:
+            if len(group) > self.max_key:
+                raise bad(f"group longer than max_key_length {self.max_key}")
+            if group and not s.default:  # a group lives in its tenant's namespace too
+                group = s.prefix + group
         self.count_one("upsert_start" if replace else "put_start")
         codes = [0]
         placed: list[Any] = [None]
-        self.dir.writes.put_start_many(client_id, (key,), (size,), codes, placed, spec,
-                                       None if req.checksum is None else (req.checksum,),
-                                       None if req.group is None else (req.group,))
+        self.dir.writes.put_start_many(client_id, (s.prefix + key,), (size,), codes, placed,
+                                       spec, None if req.checksum is None else (req.checksum,),
+                                       None if group is None else (group,), s.key_min,
+                                       s.max_key)
         if codes[0]:
             self.fail(codes[0], "put_start failed", key)
         return PutStartReply(*self.granter.granted(placed[0], size, _PROCESSING, _CAP_WRITE))
@@ -120,7 +127,8 @@ class WriteOps(OpGroup):
 
     def batch_put_start(self, req: BatchPutStart, replace: bool = False) -> BatchPutStartReply:
         client_id = self.check_client(req.client_id)
-        keys, sizes, checksums, groups = req.keys, req.sizes, req.checksums, req.groups
+        keys: Sequence[str] = req.keys
+        sizes, checksums, groups = req.sizes, req.checksums, req.groups
         n = len(keys)
         self.check_batch(keys)
         if len(sizes) != n or (checksums is not None and len(checksums) != n) \
@@ -129,10 +137,15 @@ class WriteOps(OpGroup):
         if groups is not None and any(len(g) > self.max_key for g in groups):
             raise bad(f"a group is longer than max_key_length {self.max_key}")
         spec = self._spec(req.options, replace)
+        s = self.scope(req.tenant)
+        if not s.default:
+            keys = s.keys(keys)
+            if groups is not None:
+                groups = [s.prefix + g if g else g for g in groups]
         codes = [0] * n
         placed: list[Any] = [None] * n  # the flat replicas of each key put
         self.dir.writes.put_start_many(client_id, keys, sizes, codes, placed, spec, checksums,
-                                       groups)
+                                       groups, s.key_min, s.max_key)
         segs: dict[str, SegmentDescriptor] = {}
         grants = self.granter.grants(_CAP_WRITE)
         out = describe(placed, sizes, _PROCESSING, segs, grants)
@@ -195,21 +208,24 @@ class WriteOps(OpGroup):
 
     # ================================================================ commit
     def put_end(self, req: PutEnd) -> ReserveReply:
-        return self._commit(req.client_id, req.key, None, req.reserve)
+        return self._commit(req.client_id, req.key, None, req.reserve, req.tenant)
 
     def put_commit(self, req: PutCommit) -> ReserveReply:
         client_id = self.check_client(req.client_id)
         if not req.placeholder.startswith(self._resv_prefix):  # not this master's: lost
             raise KVPoolError("no such reservation", ErrorCode.OBJECT_NOT_FOUND)
-        return self._commit(client_id, req.key, req.placeholder, req.reserve)
+        return self._commit(client_id, req.key, req.placeholder, req.reserve, req.tenant)
 
     def _commit(self, client_id: str, key: str, placeholder: str | None,
-                reserve: int) -> ReserveReply:
-        """PUT_END (``placeholder`` None) or PUT_COMMIT of one key: the commit,
-        and a reservation of ``reserve`` bytes after it."""
+                reserve: int, tenant: str) -> ReserveReply:
+        """PUT_END (``placeholder`` None) or PUT_COMMIT of one key of
+        ``tenant``: the commit, and a reservation of ``reserve`` bytes after
+        it (a placeholder is the client's own, in no tenant's namespace)."""
         client_id = self.check_client(client_id)
+        s = self.scope(tenant)
         code = self.dir.writes.commit_many(
-            client_id, (key,), None if placeholder is None else (placeholder,))[0]
+            client_id, (s.key(key),), None if placeholder is None else (placeholder,),
+            s.key_min, s.max_key)[0]
         if code != INVALID_KEY:
             self.count_one("put_end")
         if code:
@@ -220,7 +236,8 @@ class WriteOps(OpGroup):
         client_id = self.check_client(req.client_id)
         keys = req.keys
         self.check_batch(keys)
-        codes = self.dir.writes.commit_many(client_id, keys)
+        s = self.scope(req.tenant)
+        codes = self.dir.writes.commit_many(client_id, s.keys(keys), None, s.key_min, s.max_key)
         self.count("put_end", codes)
         if req.reserve:
             return self._reserve_many(client_id, req.reserve, req.reserve_count, codes)
@@ -228,18 +245,23 @@ class WriteOps(OpGroup):
 
     def batch_put_commit(self, req: BatchPutCommit) -> BatchReserveReply:
         client_id = self.check_client(req.client_id)
-        keys, placeholders = req.keys, req.placeholders
+        keys: Sequence[str] = req.keys
+        placeholders = req.placeholders
         self.check_batch(keys)
         if len(placeholders) != len(keys):
             raise bad("placeholders and keys must have the same length")
+        s = self.scope(req.tenant)
+        keys = s.keys(keys)
+        kmin, kmax = s.key_min, s.max_key
         prefix = self._resv_prefix
         commit = self.dir.writes.commit_many
         if all(p.startswith(prefix) for p in placeholders):
-            codes = commit(client_id, keys, placeholders)
+            codes = commit(client_id, keys, placeholders, kmin, kmax)
         else:  # another master's (a failover or restart lost them): those are not found
             ours = [i for i, p in enumerate(placeholders) if p.startswith(prefix)]
             codes = [int(ErrorCode.OBJECT_NOT_FOUND)] * len(keys)
-            got = commit(client_id, [keys[i] for i in ours], [placeholders[i] for i in ours])
+            got = commit(client_id, [keys[i] for i in ours], [placeholders[i] for i in ours],
+                         kmin, kmax)
             for i, code in zip(ours, got, strict=True):
                 codes[i] = code
         self.count("put_end", codes)
@@ -250,7 +272,9 @@ class WriteOps(OpGroup):
     # ================================================================ revoke
     def put_revoke(self, req: PutRevoke) -> Empty:
         key = req.key  # the caller's own put in flight: a placeholder too
-        code = self.dir.writes.revoke_many(self.check_client(req.client_id), (key,))[0]
+        s = self.scope(req.tenant)
+        code = self.dir.writes.revoke_many(self.check_client(req.client_id), s.own_keys((key,)),
+                                           s.max_key)[0]
         self.fail(code, "put_revoke", key)
         return Empty()
 
@@ -258,6 +282,7 @@ class WriteOps(OpGroup):
         client_id = self.check_client(req.client_id)
         keys = req.keys
         self.check_batch(keys)
-        codes = self.dir.writes.revoke_many(client_id, keys)
+        s = self.scope(req.tenant)
+        codes = self.dir.writes.revoke_many(client_id, s.own_keys(keys), s.max_key)
         self.count("put_revoke", codes)
         return BatchKeysReply(codes)

@@ -283,7 +283,8 @@ class Writes:
 
     # ---------------------------------------------------------------- commit
     def commit_many(self, client_id: str, keys: Sequence[str],
-                    placeholders: Sequence[str] | None = None) -> list[int]:
+                    placeholders: Sequence[str] | None = None, key_min: str = KEY_MIN,
+                    max_key: int = 0) -> list[int]:
         """Make each key's put COMPLETE (readable, recorded); the per-key codes
         (INVALID_KEY; OBJECT_NOT_FOUND: no put of it in flight and no object;
         INVALID_WRITE: another client's put). With ``placeholders``, key
@@ -291,12 +292,13 @@ class Writes:
         named ``keys[i]`` first (OBJECT_NOT_FOUND: no such reservation;
         OBJECT_ALREADY_EXISTS: the key is stored or in flight, the
         reservation stays). A new, unpinned, ungrouped object with one live
-        replica (the common case) commits inline."""
+        replica (the common case) commits inline. ``key_min``/``max_key``
+        (0: the configured length): the key check, as :meth:`put_start_many`."""
         n = len(keys)
         if placeholders is not None and len(placeholders) != n:
             raise ValueError("placeholders and keys differ in length")
         codes = [0] * n
-        bad = mark_bad_keys(keys, self.max_key, codes)
+        bad = mark_bad_keys(keys, max_key or self.max_key, codes, key_min)
         pending = self.pending
         get = pending.get
         objects = self.objects
@@ -426,13 +428,15 @@ class Writes:
         self.replaced += 1
 
     # ---------------------------------------------------------------- revoke, expiry
-    def revoke_many(self, client_id: str, keys: Sequence[str]) -> list[int]:
+    def revoke_many(self, client_id: str, keys: Sequence[str], max_key: int = 0) -> list[int]:
         """Drop each key's put in flight (the caller's own; a reservation's
         placeholder too); the per-key codes (INVALID_KEY, OBJECT_NOT_FOUND,
-        INVALID_WRITE: another client's)."""
+        INVALID_WRITE: another client's). ``max_key``: 0, the configured
+        length."""
         codes = [0] * len(keys)
         pending = self.pending
-        for i, key in valid_keys(keys, self.cfg.max_key_length, codes, RESERVED_KEY_PREFIX):
+        for i, key in valid_keys(keys, max_key or self.cfg.max_key_length, codes,
+                                 RESERVED_KEY_PREFIX):
             p = pending.get(key)
             if p is None:
                 codes[i] = NOT_FOUND
