@@ -291,8 +291,13 @@ class TenantTable:
 
     def read(self, key: str, obj: Obj | None) -> None:
         """A read of ``key`` found ``obj`` (a hit: most recent in its tenant's
-        order) or not (None: a miss)."""
-        t = self.of(key)
+        order) or not (None: a miss). A miss of a tenant that never stored
+        anything is not counted: a read alone does not make a tenant."""
+        if obj is None and key.startswith(TENANT_SEP):
+            end = key.find(TENANT_SEP, 1)
+            t = self.by_name.get(key[1:end]) if end > 1 else None
+        else:
+            t = self.of(key)
         if t is None:
             return
         if obj is None:
