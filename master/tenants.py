@@ -106,6 +106,9 @@ class TenantTable:
         self.hits = 0
         self.misses = 0
         self.evictor: Evictor | None = None  # set by the directory
+        # the namespace prefix of the tenant :meth:`of` found last ("\x1fname\x1f")
+        self._last_prefix = "\x1f\x1f"  # (no stored key starts so: a tenant name is not empty)
+        self._last: Tenant | None = None
         for name in self.configured:
             self.tenant(name)
 
@@ -134,11 +137,19 @@ class TenantTable:
     def of(self, key: str) -> Tenant | None:
         """The tracked tenant of stored key ``key``, or None (the default
         tenant's key while it is untracked)."""
+        # a batch is one tenant's: the last namespace seen is checked first
+        if key.startswith(self._last_prefix):
+            return self._last
         if key.startswith(TENANT_SEP):
             end = key.find(TENANT_SEP, 1)
             if end > 1:
-                t = self.by_name.get(key[1:end])
-                return t if t is not None else self.tenant(key[1:end])
+                name = key[1:end]
+                t = self.by_name.get(name)
+                if t is None:
+                    t = self.tenant(name)
+                self._last_prefix = key[:end + 1]
+                self._last = t
+                return t
         return self.default
 
     # ---------------------------------------------------------------- quotas
