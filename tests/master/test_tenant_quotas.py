@@ -19,6 +19,7 @@ from kvpool.core.protocol import (
     BatchPutStart,
     BatchRemove,
     MountSegment,
+    PutOptions,
     SegmentDescriptor,
     SegmentKind,
     TenantList,
@@ -50,8 +51,10 @@ class Master:
         self.h.handle(MountSegment("c1", SegmentDescriptor("s1", "c1", "h", SegmentKind.MEMORY,
                                                            segment, "kvpool-s1")))
 
-    def put(self, tenant: str, *keys: str, size: int = SIZE) -> list[int]:
-        r = self.h.handle(BatchPutStart("c1", list(keys), [size] * len(keys), tenant=tenant))
+    def put(self, tenant: str, *keys: str, size: int = SIZE,
+            options: PutOptions | None = None) -> list[int]:
+        r = self.h.handle(BatchPutStart("c1", list(keys), [size] * len(keys),
+                                        options or PutOptions(), tenant=tenant))
         ok = [k for k, c in zip(keys, r.codes, strict=True) if not c]
         if ok:
             self.h.handle(BatchPutEnd(client_id="c1", keys=ok, tenant=tenant))
@@ -109,6 +112,26 @@ def test_nothing_evictable_is_quota_exceeded_and_changes_nothing() -> None:
     m.leases_end()
     assert m.put("a", "k2") == [0]  # leases over: a's LRU (k0) makes room
     assert m.exists("a", "k0", "k1", "k2") == [False, True, True]
+
+
+def test_disk_quota_evicts_the_tenants_own_disk_replicas() -> None:
+    m = Master(tenants={"a": {"disk": 2 * SIZE}})
+    m.h.handle(MountSegment("c1", SegmentDescriptor("f1", "c1", "h", SegmentKind.FILE,
+                                                    1 << 20, "/nonexistent/f1")))
+    both = PutOptions(replica_num=1, disk_replica_num=1)
+    assert m.put("a", "k0", "k1", options=both) == [0, 0]
+    assert m.put("b", "k0", options=both) == [0]
+    a = m.row("a")
+    assert (a.memory_used, a.disk_used) == (2 * SIZE, 2 * SIZE)
+    m.leases_end()
+    assert m.put("a", "k2", options=both) == [0]  # k0's disk replica goes, not b's
+    assert m.exists("a", "k0", "k1", "k2") == [True, True, True]  # k0 kept its memory one
+    a = m.row("a")
+    assert (a.memory_used, a.disk_used, a.evictions) == (3 * SIZE, 2 * SIZE, 1)
+    assert m.row("b").disk_used == SIZE
+    # a put needing more disk than the whole quota: refused, nothing changes
+    assert m.put("a", "big", size=3 * SIZE, options=both) == [QUOTA]
+    assert m.row("a").disk_used == 2 * SIZE and m.row("a").refusals == 1
 
 
 def test_pool_pressure_takes_tenants_above_their_guaranteed_share_first() -> None:
