@@ -26,9 +26,10 @@ over a quota makes room by evicting that tenant's own least recently used
 evictable objects (:meth:`TenantTable.make_room`, the eviction policy
 asked for victims in the tenant's own use order); when they cannot free
 enough the key fails with QUOTA_EXCEEDED and nothing changes. Each tenant
-keeps its complete objects in use order (``Tenant.objs``), which is what
-makes that choice cheap; the default tenant's (untracked) objects are
-only in the global order.
+with a quota keeps its complete objects in use order (``Tenant.objs``),
+which is what makes that choice cheap (a tenant without one keeps them
+unordered, and sorts them by their use stamps when it gets a quota); the
+default tenant's (untracked) objects are only in the global order.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def _limit(v: int | None) -> int:
     return UNLIMITED if v is None or v < 0 else v
 
 
+def _tick(item: tuple[str, Obj]) -> int:
+    return item[1].tick
+
+
 def _wire(v: int) -> int:
     return -1 if v >= UNLIMITED else v
 
@@ -69,7 +74,7 @@ class Tenant:
     """One tenant's quotas (``UNLIMITED`` when none), usage and counters."""
 
     __slots__ = ("disk", "disk_quota", "evictions", "guaranteed", "hits", "mem",
-                 "memory_quota", "misses", "name", "objs", "refusals")
+                 "memory_quota", "misses", "name", "objs", "ordered", "refusals")
 
     def __init__(self, name: str, memory: int, disk: int, guaranteed: int) -> None:
         self.name = name
@@ -78,8 +83,12 @@ class Tenant:
         self.guaranteed = guaranteed
         self.mem = 0
         self.disk = 0
-        #: complete objects, least recently used first
+        #: complete objects; in use order (least recent first) while ``ordered``,
+        #: else in the order they were stored
         self.objs: dict[str, Obj] = {}
+        #: whether reads keep ``objs`` in use order: only a tenant with a quota
+        #: needs it (its own LRU victims); an unlimited one skips the cost
+        self.ordered = memory < UNLIMITED or disk < UNLIMITED
         self.hits = self.misses = self.evictions = self.refusals = 0
 
     def quotas(self) -> tuple[int, int, int]:
@@ -161,6 +170,10 @@ class TenantTable:
                            _wire(_limit(guaranteed)))
         t = self.tenant(name)
         t.memory_quota, t.disk_quota, t.guaranteed = self._quota_of(name)
+        ordered = t.memory_quota < UNLIMITED or t.disk_quota < UNLIMITED
+        if ordered and not t.ordered:  # its objects' use order, from their use stamps
+            t.objs = dict(sorted(t.objs.items(), key=_tick))
+        t.ordered = ordered
         self.guarantees = any(x.guaranteed < UNLIMITED for x in self.by_name.values())
         return t
 
@@ -191,7 +204,7 @@ class TenantTable:
         assert ev is not None
         for kind, victims in ((_MEM, mem_victims), (_FILE, disk_victims)):
             for key, obj in victims:
-                if self.by_name.get(t.name) is t and t.objs.get(key) is obj:
+                if t.objs.get(key) is obj:  # (not gone with an earlier victim)
                     ev.evict_object(key, obj, kind, offload=False)
         return True
 
@@ -315,9 +328,10 @@ class TenantTable:
             t.misses += 1
             return
         t.hits += 1
-        objs = t.objs
-        if objs.pop(key, None) is not None:
-            objs[key] = obj
+        if t.ordered:
+            objs = t.objs
+            if objs.pop(key, None) is not None:
+                objs[key] = obj
 
     def rebuild(self, objects: Any, pending: dict[str, Any]) -> None:
         """Recount every tenant's usage and use order from the objects and the
@@ -345,7 +359,7 @@ class TenantTable:
         its bytes used are None (not counted)."""
         out: list[dict[str, Any]] = []
         named = [t for t in self.by_name.values() if t.name != DEFAULT_TENANT]
-        for t in sorted(self.by_name.values(), key=lambda x: x.name):
+        for t in sorted(self.by_name.values(), key=lambda x: (x.name != DEFAULT_TENANT, x.name)):
             out.append(self._row(t.name, t.quotas(), t.mem, t.disk, len(t.objs), t.hits,
                                  t.misses, t.evictions, t.refusals))
         if self.default is None:
