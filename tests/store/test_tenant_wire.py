@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -23,7 +24,7 @@ from kvpool.core.errors import ErrorCode
 from kvpool.master.config import MasterConfig
 from kvpool.master.server import MasterServer
 from kvpool.store import Client, ClientConfig
-from kvpool.store.errors import QuotaExceeded, error_for_code
+from kvpool.store.errors import QuotaExceeded, StoreError, error_for_code
 
 SCOPED = {spec.op.name for spec in OPS.values()
           if "tenant" in spec.request.__struct_fields__}
@@ -165,3 +166,24 @@ def test_mooncake_tenant_id_is_the_clients_tenant(served: tuple[MasterServer, Ta
     c = MooncakeDistributedStore()
     assert c.setup("localhost", "P2PHANDSHAKE", 4 << 20, 16 << 20, "tcp", "", addr,
                    tenant_id="no/slash") == -600 and c._client is None
+
+
+def test_a_tenant_the_key_may_not_act_as_is_refused_at_setup(tmp_path: Path) -> None:
+    """With ``tenant_keys`` (CURVE), a client naming a tenant its key is not
+    listed for fails setup with PERMISSION_DENIED (not at its first put)."""
+    from kvpool.cluster.processes import MasterProcess
+    from kvpool.core.auth import CurveConfig, save_keypair
+
+    pub, sec = save_keypair(tmp_path / "keys", "cluster")
+    (tmp_path / "master.yaml").write_text(f"tenant_keys:\n  a: [{pub}]\n")
+    curve = CurveConfig(enabled=True, secret_key_file=str(sec))
+    with MasterProcess(curve_key=str(sec),
+                       extra_args=["--config", str(tmp_path / "master.yaml")]) as m:
+        for tenant in ("a", "default"):
+            with Client(ClientConfig(master_address=m.address, tenant=tenant, curve=curve)) as c:
+                assert c.exists("k") is False
+        c = Client(ClientConfig(master_address=m.address, tenant="b", curve=curve))
+        with pytest.raises(StoreError, match="tenant 'b'") as ei:
+            c.setup()
+        assert ei.value.code == ErrorCode.PERMISSION_DENIED
+        c.close()
