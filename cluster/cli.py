@@ -27,6 +27,7 @@ SUBCOMMAND_MODULES: dict[str, str] = {
     "master": "kvpool.master.cli",
     "client": "kvpool.store.daemon_cli",
     "status": "kvpool.cluster.status_cli",
+    "tenant": "kvpool.cluster.tenant_cli",
     "demo": "kvpool.cluster.demo_cli",
     "keygen": "kvpool.cluster.keygen_cli",
 }

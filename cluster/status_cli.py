@@ -1,4 +1,5 @@
-"""``kvpool status``: segments (owner, host, kind, state, used/capacity), objects, uptime.
+"""``kvpool status``: segments (owner, host, kind, state, used/capacity), objects, uptime;
+a tenant table (``kvpool tenant list``'s) when the master has named tenants.
 
 A segment's state: ``active``; ``suspect`` (its owner missed its pings: no
 new placements, objects kept until the owner is back, unmounts, or the
@@ -29,7 +30,7 @@ __all__ = ["STATUS_SCHEMA", "format_instances", "format_status", "group_instance
            "status_document"]
 
 #: the version of ``kvpool status --json``'s shape (docs/status_json.md)
-STATUS_SCHEMA = 1
+STATUS_SCHEMA = 2
 #: the keys of one ``instances`` row (None where unknown)
 _INSTANCE_KEYS = ("instance_id", "address", "role", "epoch", "lsn", "objects", "lag", "error")
 
@@ -83,12 +84,14 @@ def format_status(stats: StatsReply, segments: list[SegmentInfo]) -> str:
 
 
 def status_document(stats: StatsReply, segments: list[SegmentInfo],
-                    instances: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    instances: list[dict[str, Any]] | None = None,
+                    tenants: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``kvpool status --json``: ``schema`` (:data:`STATUS_SCHEMA`), ``stats``
     (every counter, flat), ``segments`` (usage and state, the descriptor's map
     form under ``descriptor``, its ids also at the top) and, for a master
-    group, ``instances`` (:func:`group_instances`). docs/status_json.md has
-    every key."""
+    group, ``instances`` (:func:`group_instances`) and, when the master has
+    named tenants, ``tenants`` (:func:`kvpool.cluster.tenant_cli.tenant_dicts`).
+    docs/status_json.md has every key."""
     rows = []
     for s in segments:
         d = s.descriptor
@@ -100,6 +103,8 @@ def status_document(stats: StatsReply, segments: list[SegmentInfo],
     doc: dict[str, Any] = {"schema": STATUS_SCHEMA, "stats": stats.as_dict(), "segments": rows}
     if instances is not None:
         doc["instances"] = instances
+    if tenants:
+        doc["tenants"] = tenants
     return doc
 
 
@@ -152,10 +157,12 @@ def format_instances(rows: list[dict[str, Any]]) -> str:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from kvpool.cluster.tenant_cli import format_tenants, tenant_dicts
     from kvpool.core.errors import KVPoolError
     from kvpool.core.etcd import is_etcd_url
-    from kvpool.core.protocol import ListSegments, Stats
+    from kvpool.core.protocol import ListSegments, Stats, TenantList
     from kvpool.core.rpc_client import MasterClient, MasterRPCError
+    from kvpool.core.tenants import DEFAULT_TENANT
 
     instances: list[dict[str, Any]] | None = None
     if is_etcd_url(args.master):
@@ -174,8 +181,18 @@ def _main(args: argparse.Namespace) -> int:
         except MasterRPCError as exc:
             print(f"kvpool status: master {args.master}: {exc}")
             return 1
+        try:
+            tenants = mc.call(TenantList()).tenants
+        except MasterRPCError:  # a master from before tenants
+            tenants = []
+    if not any(t.name != DEFAULT_TENANT for t in tenants):
+        tenants = []  # only the default tenant: nothing to show
     if args.json:
-        print(json.dumps(status_document(stats, segments, instances), indent=2, default=str))
+        print(json.dumps(status_document(stats, segments, instances, tenant_dicts(tenants)),
+                         indent=2, default=str))
     else:
         print(format_status(stats, segments))
+        if tenants:
+            print("")
+            print(format_tenants(tenants))
     return 0

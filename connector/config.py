@@ -7,7 +7,7 @@ Example (``--kv-transfer-config``)::
      "kv_role": "kv_both",
      "kv_connector_extra_config": {"master_address": "127.0.0.1:50051",
                                    "chunk_size": 256, "save_decode": false,
-                                   "load_async": false}}
+                                   "load_async": false, "tenant": "team-a"}}
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from enum import StrEnum
 from typing import Any
 
 from kvpool.core.config import ConfigError, check_settings, load_dataclass, setting
+from kvpool.core.errors import KVPoolError
+from kvpool.core.tenants import tenant_name
 
 __all__ = ["ConnectorConfig", "LoadFailurePolicy"]
 
@@ -52,6 +54,10 @@ class ConnectorConfig:
     client_config: str | None = setting(
         None, help="path of a kvpool client YAML (`configs/client.yaml` keys); null: "
         "`$KVPOOL_CONFIG` if set")
+    tenant: str | None = setting(
+        None, help="the tenant this engine's client acts for (docs/tenants.md): its chunks, "
+        "lookups and quota are that tenant's, and engines of another tenant neither see nor "
+        "evict them; null: the client YAML's (else `default`)")
     client_overrides: dict[str, Any] = setting(
         default_factory=dict, help="extra client keys, e.g. `{\"memory_size\": \"8GiB\"}` to "
         "also contribute memory from the vLLM process")
@@ -122,8 +128,14 @@ class ConnectorConfig:
     def validate(self, block_size: int | None = None) -> None:
         """Raise :class:`ConfigError` on values that cannot work: a field of a
         wrong type or out of its bounds (:func:`check_settings`), a policy that
-        is none, a chunk that is not whole blocks of ``block_size``."""
+        is none, a chunk that is not whole blocks of ``block_size``, a bad
+        tenant name."""
         check_settings(self)
+        if self.tenant is not None:
+            try:
+                tenant_name(self.tenant)
+            except KVPoolError as exc:
+                raise ConfigError(f"kv_connector_extra_config.tenant: {exc.args[0]}") from None
         if block_size is not None and self.chunk_size % block_size:
             raise ConfigError(
                 f"chunk_size {self.chunk_size} must be a multiple of the block size {block_size}"

@@ -39,8 +39,8 @@ def client_config(cfg: ConnectorConfig) -> Any:
     the client YAML (``client_config``, else ``$KVPOOL_CONFIG``), the cluster
     key of ``$KVPOOL_CURVE_KEY_DIR``, ``client_overrides``, then
     ``master_address``, ``local_address`` (bind and advertised address of this
-    process's transfer server) and ``host_id`` on top. The one place the
-    connector builds it."""
+    process's transfer server), ``host_id`` and ``tenant`` on top. The one
+    place the connector builds it. Raises ConfigError (e.g. a bad tenant name)."""
     from kvpool.store.config import client_config_from_env
 
     overrides: dict[str, Any] = {"rpc_timeout_s": cfg.rpc_timeout_s}
@@ -51,6 +51,8 @@ def client_config(cfg: ConnectorConfig) -> Any:
         overrides["bind_host"] = cfg.local_address
     if cfg.host_id:
         overrides["host_id"] = cfg.host_id
+    if cfg.tenant:
+        overrides["tenant"] = cfg.tenant
     return client_config_from_env(overrides, path=cfg.client_config)
 
 

@@ -99,6 +99,8 @@ class Op(IntEnum):
     CREATE_COPY_TASK = 80
     CREATE_MOVE_TASK = 81
     QUERY_TASK = 82
+    TENANT_SET = 90
+    TENANT_LIST = 91
 
 
 # ------------------------------------------------------------------ base types

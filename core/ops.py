@@ -85,6 +85,10 @@ __all__ = [
     "Stats",
     "StatsReply",
     "TaskReply",
+    "TenantList",
+    "TenantListReply",
+    "TenantRow",
+    "TenantSet",
     "TierTaskDone",
     "UnmountSegment",
     "UpsertStart",
@@ -582,3 +586,44 @@ class QueryTaskReply(Reply):
 class QueryTask(Request[QueryTaskReply]):
     task_id: int
     tenant: str = TENANT_FIELD_DEFAULT
+
+
+class TenantRow(msgspec.Struct, array_like=True, gc=False):
+    """One tenant as the master counts it (docs/tenants-quotas.md): quotas in
+    bytes (-1: unlimited / no guaranteed share); bytes used, -1 where not
+    counted (the ``default`` tenant unless the master's ``tenants:`` lists
+    it); objects; hits and misses of replica lists and exists; objects
+    evicted; puts refused with QUOTA_EXCEEDED."""
+
+    name: str
+    memory_quota: int
+    disk_quota: int
+    guaranteed: int
+    memory_used: int
+    disk_used: int
+    objects: int
+    hits: int
+    misses: int
+    evictions: int
+    refusals: int
+
+
+class TenantListReply(Reply):
+    tenants: list[TenantRow]
+
+
+@register(Op.TENANT_SET, TenantListReply,
+          "set a tenant's quotas live (bytes; -1 = unlimited / no guaranteed share); "
+          "journaled and replicated; the reply is the tenant's row; INVALID_PARAMS for a "
+          "bad name or a limit below -1")
+class TenantSet(Request[TenantListReply]):
+    name: str
+    memory: int = -1
+    disk: int = -1
+    guaranteed: int = -1
+
+
+@register(Op.TENANT_LIST, TenantListReply,
+          "every tenant known to the master: quotas, usage, objects and counters")
+class TenantList(Request[TenantListReply]):
+    pass

@@ -16,7 +16,8 @@ from kvpool.core.errors import KVPoolError
 from kvpool.core.tenants import tenant_name
 from kvpool.master.tiering_config import TieringConfig
 
-__all__ = ["FsyncPolicy", "MasterConfig", "ReplicationTransport", "load_master_config"]
+__all__ = ["FsyncPolicy", "MasterConfig", "ReplicationTransport", "TenantQuota",
+           "load_master_config", "tenant_quotas"]
 
 
 class FsyncPolicy(StrEnum):
@@ -45,6 +46,24 @@ class ReplicationTransport(StrEnum):
     AUTO = "auto"
     SOCKET = "socket"
     ZMQ = "zmq"
+
+
+@dataclass
+class TenantQuota:
+    """One tenant's limits (an entry of ``tenants:``, or ``default_tenant_quota:``;
+    docs/tenants-quotas.md). Bytes of object data (size x replicas); -1 = unlimited."""
+
+    memory: int = setting(-1, size=True, help="bytes of memory replicas at most; -1 = unlimited")
+    disk: int = setting(
+        -1, size=True, help="bytes of disk (file segment) replicas at most; -1 = unlimited")
+    guaranteed: int = setting(
+        -1, size=True, help="memory share kept under pool-wide pressure: tenants above theirs "
+        "are evicted first; -1 = none")
+
+    def validate(self) -> None:
+        for name in ("memory", "disk", "guaranteed"):
+            if getattr(self, name) < -1:
+                raise ConfigError(f"{name} must be >= 0 or -1 (unlimited)")
 
 
 @dataclass
@@ -181,6 +200,15 @@ class MasterConfig:
         ReplicationTransport.AUTO, help="journal stream to the standbys: socket (a plain TCP "
         "connection served on the leader's loop), zmq (ZeroMQ, needed for CURVE), auto (socket "
         "unless CURVE is active for host)")
+    tenants: dict[str, Any] = setting(
+        default_factory=dict, cli=False,
+        help="per-tenant quotas (docs/tenants-quotas.md): {NAME: {memory: SIZE, disk: SIZE, "
+        "guaranteed: SIZE}}; a missing limit = unlimited. Live changes (kvpool tenant set) are "
+        "journaled and win over this file")
+    default_tenant_quota: TenantQuota = setting(
+        default_factory=TenantQuota, cli=False,
+        help="the quota of a named tenant not listed in tenants (the default tenant is limited "
+        "only when listed there)")
 
     def validate(self) -> None:
         """Raise ConfigError on values that cannot work."""
@@ -232,7 +260,11 @@ class MasterConfig:
             except ValueError as exc:
                 raise ConfigError(f"etcd: {exc}") from None
         self.tiering.validate()
-
+        if not isinstance(self.default_tenant_quota, TenantQuota):
+            self.default_tenant_quota = load_dataclass(
+                TenantQuota, self.default_tenant_quota or {}, prefix="default_tenant_quota.")
+        self.default_tenant_quota.validate()
+        self.tenants = tenant_quotas(self.tenants)
 
     def tenant_key_sets(self) -> dict[str, frozenset[str]]:
         """``tenant_keys`` resolved: tenant -> the z85 public keys (text, as
@@ -250,6 +282,22 @@ class MasterConfig:
                 raise ConfigError(f"tenant_keys.{name}: expected a non-empty list of keys")
             out[tenant] = frozenset(_public_key_text(f"tenant_keys.{name}", k) for k in keys)
         return out
+
+
+def tenant_quotas(tenants: Mapping[str, Any] | None) -> dict[str, TenantQuota]:
+    """The ``tenants:`` mapping as canonical names -> :class:`TenantQuota`
+    (sizes parsed); raises ConfigError on a bad name or limit."""
+    quotas: dict[str, TenantQuota] = {}
+    for name, q in (tenants or {}).items():
+        try:
+            canon = tenant_name(str(name))
+        except KVPoolError as exc:
+            raise ConfigError(f"tenants: {exc}") from None
+        if not isinstance(q, TenantQuota):
+            q = load_dataclass(TenantQuota, q or {}, prefix=f"tenants.{canon}.")
+        q.validate()
+        quotas[canon] = q
+    return quotas
 
 
 def _public_key_text(what: str, key: Any) -> str:

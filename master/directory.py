@@ -40,10 +40,11 @@ from kvpool.master.liveness import Liveness
 from kvpool.master.objects import HARD_PIN, SOFT_PIN, Obj, ObjectTable, Pending
 from kvpool.master.placement import MostFree
 from kvpool.master.reads import Reads
-from kvpool.master.records import Changes, Rec
+from kvpool.master.records import Changes, Rec, SetQuota
 from kvpool.master.removal import Removal
 from kvpool.master.replay import Replay
 from kvpool.master.segments import Segment, SegmentTable, SegState
+from kvpool.master.tenants import TenantTable
 from kvpool.master.writes import DEFAULT_PUT, PutSpec, Writes, write_grant_ms
 
 __all__ = [
@@ -113,11 +114,15 @@ class Directory:
         self.changes = Changes()
         self.records = self.changes.records
         self.segtab = segtab = SegmentTable(cfg, self.changes)
+        #: tenants' quotas, usage and counters (kvpool.master.tenants)
+        self.tenants = tenants = TenantTable(cfg)
         # shard_bits=0: one shard, exact LRU
-        self.objects = objects = ObjectTable(segtab, self.changes, shard_bits)
+        self.objects = objects = ObjectTable(segtab, self.changes, shard_bits, tenants)
         self.liveness = Liveness(cfg, clock, segtab, self)
         self.evictor = Evictor(cfg, clock, segtab, objects, Lru(cfg, objects, segtab))
         self.evictor.directory = self
+        self.evictor.tenants = tenants
+        tenants.evictor = self.evictor
         self.placement = MostFree(segtab, cfg.eviction_high_watermark, self.evictor.evict)
         self.writes = Writes(cfg, clock, segtab, objects, self.liveness.clients,
                              self.placement, self.evictor.evict, self)
@@ -285,6 +290,13 @@ class Directory:
         self.segtab.await_owners(self.clock())
         self.hooks.after_restore(self)
         self.records.clear()
+        self.tenants.rebuild(self.objects, self.objects.pending)
+
+    def set_tenant_quota(self, name: str, memory: int, disk: int, guaranteed: int) -> None:
+        """Tenant ``name``'s live quotas (-1 = unlimited/none), recorded."""
+        self.tenants.set_quota(name, memory, disk, guaranteed)
+        if self.changes.journaling:
+            self.records.append(SetQuota(name, memory, disk, guaranteed))
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

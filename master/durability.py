@@ -229,6 +229,7 @@ class Durability:
             try:
                 header, records = iter_snapshot(path)
                 d.replay.bulk_load(list(header["segments"]), records)
+                d.tenants.load_live(header.get("tenants"))
                 stream = header.get("stream")
                 pos = None if stream is None else StreamPosition(
                     int(stream[0]), int(stream[1]), _history(stream[2]))
@@ -326,7 +327,8 @@ class Durability:
         try:
             journal.rotate(new_seq, sync=True)
             writer = SnapshotWriter(self.data_dir, new_seq, directory.segtab.wires(),
-                                    directory.objects.key_chunks(), stream=position.wire())
+                                    directory.objects.key_chunks(), stream=position.wire(),
+                                    tenants=directory.tenants.live_records())
             while not writer.step(directory.replay.snapshot_record, 1.0):
                 pass
             writer.done.wait()
@@ -366,7 +368,8 @@ class Durability:
         # keys are copied one shard at a time as the snapshot reaches them
         self._snapshot = SnapshotWriter(self.data_dir or ".", new_seq, d.segtab.wires(),
                                         d.objects.key_chunks(), old_fd,
-                                        position.wire() if position is not None else None)
+                                        position.wire() if position is not None else None,
+                                        d.tenants.live_records())
         st.snapshot_in_progress = True
         st.last_snapshot_pause_ms = (time.perf_counter() - t0) * 1000
         st.last_snapshot_pause_cpu_ms = (time.thread_time() - c0) * 1000

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvpool.core.protocol import SegmentKind
@@ -31,6 +31,7 @@ from kvpool.master.segments import SegmentTable, SegState
 
 if TYPE_CHECKING:
     from kvpool.master.directory import Directory
+    from kvpool.master.tenants import TenantTable
 
 __all__ = ["EvictionPolicy", "Evictor", "Lru", "Victims"]
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _ACTIVE = SegState.ACTIVE
 _DEAD = SegState.DEAD
+_MEM = SegmentKind.MEMORY
 
 #: ``(victims, cut)``: the ``(key, object)`` pairs chosen, and whether the
 #: choice stopped at the object limit (more may be evictable)
@@ -48,12 +50,20 @@ class EvictionPolicy(ABC):
     """Chooses what to evict from one pool."""
 
     @abstractmethod
-    def evict(self, kind: SegmentKind, to_free: float, limit: int, now: float) -> Victims | None:
+    def evict(self, kind: SegmentKind, to_free: float, limit: int, now: float,
+              items: Iterable[tuple[str, Obj]] | None = None,
+              only: Callable[[str, Obj], bool] | None = None) -> Victims | None:
         """Objects with replicas in pool ``kind`` whose replicas there free at
         least ``to_free`` bytes (as far as any can), at most ``limit`` of them
         unless a group must go whole. None when nothing is evictable.
         Atomic: if None is returned, no state changes are made; otherwise
-        the only change is that an expired soft pin of a victim is cleared."""
+        the only change is that an expired soft pin of a victim is cleared.
+
+        ``items``: the candidates in use order (least recent first) instead
+        of the whole table's: one tenant's objects (its quota); grouped
+        objects are then skipped (a group may span tenants). ``only``: a
+        candidate goes only if ``only(key, obj)`` (pool-wide eviction's pass
+        over the tenants above their guaranteed share)."""
 
 
 class Lru(EvictionPolicy):
@@ -64,7 +74,9 @@ class Lru(EvictionPolicy):
         self.objects = objects
         self.segtab = segtab
 
-    def evict(self, kind: SegmentKind, to_free: float, limit: int, now: float) -> Victims | None:
+    def evict(self, kind: SegmentKind, to_free: float, limit: int, now: float,
+              items: Iterable[tuple[str, Obj]] | None = None,
+              only: Callable[[str, Obj], bool] | None = None) -> Victims | None:
         objects = self.objects
         pool_bytes = self.segtab.pool_bytes
         grouped = objects.group_of
@@ -75,11 +87,14 @@ class Lru(EvictionPolicy):
         freed = 0
         scanned = 0
         cut = False
-        for key, obj in objects.lru_items():
+        own = items is not None
+        for key, obj in (objects.lru_items() if items is None else items):
             scanned += 1
             if scanned > self.max_scan:
                 break
             if obj.flags & HARD_PIN or obj.lease > now:
+                continue
+            if own and grouped and key in grouped:
                 continue
             b = pool_bytes(obj.replicas, obj.size, kind)
             if not b:
@@ -91,6 +106,8 @@ class Lru(EvictionPolicy):
                 obj.flags &= ~SOFT_PIN  # its pin ended: ordinary cache now
                 soft_until.pop(key, None)
             if key in taken:  # a group member taken with an earlier victim
+                continue
+            if only is not None and not only(key, obj):
                 continue
             victims.append((key, obj))
             freed += b
@@ -105,6 +122,8 @@ class Lru(EvictionPolicy):
             for key, obj in soft:
                 if freed >= to_free or len(victims) >= limit:
                     break
+                if only is not None and not only(key, obj):
+                    continue
                 victims.append((key, obj))
                 freed += pool_bytes(obj.replicas, obj.size, kind)
         return (victims, cut) if victims else None
@@ -148,6 +167,7 @@ class Evictor:
         self.evicting: set[SegmentKind] = set()  # pools whose eviction continues
         self.evictions = 0
         self.evicted_bytes = 0
+        self.tenants: TenantTable | None = None  # set by the directory
 
     def evict(self, kind: SegmentKind, need: int = 0) -> int:
         """Evict from pool ``kind`` until usage is ``eviction_ratio`` below the
@@ -171,9 +191,17 @@ class Evictor:
         if self.objects.lease_grace_until > now:  # every object counts as leased
             self.evicting.discard(kind)
             return 0
-        chosen = self.policy.evict(kind, to_free, (1 << 62) if need else cfg.eviction_batch, now)
-        victims, cut = chosen if chosen is not None else ([], False)
+        limit = (1 << 62) if need else cfg.eviction_batch
         actual = 0
+        tenants = self.tenants
+        if tenants is not None and tenants.guarantees and kind is _MEM:
+            # first the tenants above their guaranteed share
+            first = self.policy.evict(kind, to_free, limit, now, None, tenants.over_share())
+            for key, obj in first[0] if first is not None else ():
+                actual += self.evict_object(key, obj, kind)
+            to_free -= actual
+        chosen = self.policy.evict(kind, to_free, limit, now) if to_free > 0 else None
+        victims, cut = chosen if chosen is not None else ([], False)
         for key, obj in victims:
             actual += self.evict_object(key, obj, kind)
         if victims:
@@ -188,12 +216,18 @@ class Evictor:
         """Continue watermark eviction (one batch per pool); return bytes freed."""
         return sum(self.evict(kind) for kind in list(self.evicting))
 
-    def evict_object(self, key: str, obj: Obj, kind: SegmentKind) -> int:
+    def evict_object(self, key: str, obj: Obj, kind: SegmentKind, offload: bool = True) -> int:
         """Free ``obj``'s replicas in pool ``kind`` (unless the tier hooks took
-        it); remove the object when no replica is left. Return bytes freed."""
+        it; never with ``offload`` False: a tenant's quota needs the room
+        now); remove the object when no replica is left. Return bytes freed."""
         d = self.directory
-        if d is not None and d.hooks.on_evict(d, key, obj, kind):
+        if offload and d is not None and d.hooks.on_evict(d, key, obj, kind):
             return 0
+        tenants = self.tenants
+        if tenants is not None and (key < " " or tenants.track_default):
+            t = tenants.of(key)
+            if t is not None:
+                t.evictions += 1
         segtab = self.segtab
         reps = obj.replicas
         kept: list[Any] = []
@@ -209,6 +243,8 @@ class Evictor:
         if not kept:
             self.objects.remove(key, obj)
         else:
+            if tenants is not None and (key < " " or tenants.track_default):
+                tenants.rereps(key, obj.size, reps, tuple(kept))
             obj.replicas = tuple(kept)
             changes = self.objects.changes
             for i in range(0, len(gone), 2):

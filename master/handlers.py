@@ -5,8 +5,9 @@ against a :class:`~kvpool.master.directory.Directory`: each op by the
 method named after it (``Op.BATCH_PUT_START`` -> ``batch_put_start``) of
 one of its groups, each a room of its own: :class:`WriteOps` (puts,
 commits, reservations, revokes), :class:`ReadOps` (replica lists, exist,
-sizes), :class:`SegmentOps` (ping, mounts, segments, tier tasks) and
-:class:`AdminOps` (removal, listing, stats). A handler takes the decoded
+sizes), :class:`SegmentOps` (ping, mounts, segments, tier tasks),
+:class:`AdminOps` (removal, listing, stats) and :class:`TenantOps` (tenant
+quotas). A handler takes the decoded
 request and returns the reply or raises :class:`KVPoolError`.
 :meth:`OpHandlers.handle_payload` is the whole request path (decode, run,
 encode, count) as bytes in, bytes out: the event loop calls it for ZeroMQ
@@ -40,6 +41,7 @@ from kvpool.master.op_group import ServerInfo
 from kvpool.master.read_ops import ReadOps
 from kvpool.master.segment_ops import SegmentOps
 from kvpool.master.stats import OpCounters
+from kvpool.master.tenant_ops import TenantOps
 from kvpool.master.tiering import TieringPolicy
 from kvpool.master.write_ops import WriteOps
 
@@ -65,7 +67,8 @@ class OpHandlers:
         self.reads = ReadOps(*args)
         self.segments = SegmentOps(*args)
         self.admin = AdminOps(*args)
-        groups = (self.writes, self.reads, self.segments, self.admin)
+        self.tenants = TenantOps(*args)
+        groups = (self.writes, self.reads, self.segments, self.admin, self.tenants)
         self._run: dict[int, tuple[str, Callable[[Any], Reply]]] = {}
         for op, spec in OPS.items():
             fns = [fn for g in groups if (fn := getattr(g, spec.handler_name, None))]

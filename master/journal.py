@@ -401,7 +401,8 @@ class SnapshotWriter:
 
     def __init__(self, data_dir: str, seq: int, segments: list[dict[str, Any]],
                  key_chunks: Iterable[list[str]], old_journal_fd: int = -1,
-                 stream: list[Any] | None = None) -> None:
+                 stream: list[Any] | None = None,
+                 tenants: list[list[Any]] | None = None) -> None:
         self.data_dir = data_dir
         self.seq = seq
         self._chunks = iter(key_chunks)  # pulled lazily: each chunk is copied when reached
@@ -419,6 +420,8 @@ class SnapshotWriter:
                                   "created": time.time(), "segments": segments}
         if stream is not None:  # a standby's: its position in the leader's log
             header["stream"] = stream
+        if tenants:  # quotas set live (TENANT_SET): [[name, memory, disk, guaranteed], ...]
+            header["tenants"] = tenants
         self._q.put(self._packer.pack(header))
         self._finished_feeding = False
         self._thread = threading.Thread(target=self._run, args=(old_journal_fd,),

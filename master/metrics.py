@@ -168,6 +168,8 @@ class MasterCollector(Collector):
         yield from _scalars(_LOOP, st)
         if snap.ha is not None:
             yield from _ha_metrics(snap.ha)
+        if snap.tenants:
+            yield from _tenant_metrics(snap.tenants)
         ev = snap.events  # object events (docs/events.md); absent when off
         if ev:
             yield CounterMetricFamily("kvpool_master_events_batches", "event batches published",
@@ -181,6 +183,44 @@ class MasterCollector(Collector):
                 value=ev["overflows"])
             yield GaugeMetricFamily("kvpool_master_events_seq", "seq of the last event batch",
                                     value=ev["seq"])
+
+
+#: (name, help, row field) of the per-tenant counters
+_TENANT_COUNTERS = (
+    ("kvpool_master_tenant_hits", "replica lists and exists that found the object", "hits"),
+    ("kvpool_master_tenant_misses", "replica lists and exists that did not", "misses"),
+    ("kvpool_master_tenant_evictions", "objects evicted (pool pressure or the tenant's quota)",
+     "evictions"),
+    ("kvpool_master_tenant_refusals", "puts refused with QUOTA_EXCEEDED", "refusals"),
+)
+
+
+def _tenant_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Per-tenant series, label ``tenant`` (docs/tenants-quotas.md); a quota
+    of -1 (unlimited) and bytes not counted (None) are left out."""
+    used = GaugeMetricFamily("kvpool_master_tenant_used_bytes",
+                             "bytes of object data per tenant and tier (size x replicas)",
+                             labels=["tenant", "kind"])
+    quota = GaugeMetricFamily("kvpool_master_tenant_quota_bytes",
+                              "quota per tenant and kind (memory, disk, guaranteed)",
+                              labels=["tenant", "kind"])
+    objects = GaugeMetricFamily("kvpool_master_tenant_objects", "complete objects per tenant",
+                                labels=["tenant"])
+    for r in rows:
+        name = r["name"]
+        for kind, field in (("memory", "memory_used"), ("disk", "disk_used")):
+            if r[field] is not None:
+                used.add_metric([name, kind], r[field])
+        for kind, field in (("memory", "memory_quota"), ("disk", "disk_quota"),
+                            ("guaranteed", "guaranteed")):
+            if r[field] >= 0:
+                quota.add_metric([name, kind], r[field])
+        objects.add_metric([name], r["objects"])
+    yield used
+    yield quota
+    yield objects
+    for name, text, field in _TENANT_COUNTERS:
+        yield _labelled(name, text, ["tenant"], (([r["name"]], r[field]) for r in rows))
 
 
 def _ha_metrics(ha: HaStats) -> Iterator[Metric]:

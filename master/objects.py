@@ -23,12 +23,15 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvpool.master.records import Changes, Put, Remove
 from kvpool.master.segments import Segment, SegmentTable, SegState
+
+if TYPE_CHECKING:
+    from kvpool.master.tenants import TenantTable
 
 __all__ = ["HARD_PIN", "SOFT_PIN", "TICKS", "Obj", "ObjectTable", "Pending"]
 
@@ -88,7 +91,11 @@ class ObjectTable:
     Iteration order is shard by shard. Do not mutate while iterating.
     """
 
-    def __init__(self, segtab: SegmentTable, changes: Changes, bits: int = 8) -> None:
+    def __init__(self, segtab: SegmentTable, changes: Changes, bits: int = 8,
+                 tenants: TenantTable | None = None) -> None:
+        #: usage per tenant (kvpool.master.tenants): told of every object
+        #: stored, forgotten or changed here; None in bare tests
+        self.tenants = tenants
         self.shards: list[dict[str, Obj]] = [{} for _ in range(1 << bits)]
         self.mask = (1 << bits) - 1
         self.segtab = segtab
@@ -206,6 +213,9 @@ class ObjectTable:
         record it."""
         obj = Obj(size, reps, flags, checksum, writer)
         self.shards[hash(key) & self.mask][key] = obj
+        tenants = self.tenants
+        if tenants is not None and (key < " " or tenants.track_default):
+            tenants.stored(key, obj)
         changes = self.changes
         if not changes.journaling:  # replay, a standby: no record to build
             for i in range(0, len(reps), 2):
@@ -230,6 +240,9 @@ class ObjectTable:
         """Take ``obj`` out of the table, its pin and its group (its replicas'
         space is the caller's)."""
         del self.shards[hash(key) & self.mask][key]
+        tenants = self.tenants
+        if tenants is not None and (key < " " or tenants.track_default):
+            tenants.forgotten(key, obj)
         if obj.flags & SOFT_PIN:
             self.soft_until.pop(key, None)
         if self.group_of:
@@ -276,6 +289,9 @@ class ObjectTable:
                     if reps[i] is not seg:
                         kept += (reps[i], reps[i + 1])
                 if kept:
+                    tenants = self.tenants
+                    if tenants is not None and (key < " " or tenants.track_default):
+                        tenants.rereps(key, obj.size, reps, tuple(kept))
                     obj.replicas = tuple(kept)
                 else:
                     self.forget(key, obj)

@@ -66,6 +66,10 @@ class Reads:
         bad = start > 0 or mark_bad_keys(keys, max_key or self.max_key, codes, key_min)
         now = self.clock()
         lease = now + self.lease_s
+        tenants = objects.tenants
+        track = tenants is not None and tenants.track_default
+        misses = 0
+        hits = 0
         for i in range(start, n):
             if bad and codes[i]:
                 continue
@@ -73,6 +77,9 @@ class Reads:
             shard = shards[hash(key) & mask]
             obj = shard.get(key)
             if obj is None:
+                misses += 1
+                if (key < " " or track) and tenants is not None:
+                    tenants.read(key, None)
                 if not exist:
                     codes[i] = NOT_READY if key in objects.pending else NOT_FOUND
                 continue
@@ -80,6 +87,9 @@ class Reads:
             if len(reps) != 2 or (seg := reps[0]).state is not _ACTIVE or seg.kind is _FILE:
                 code, reps = self._locate(obj, exist)
                 if code:
+                    misses += 1
+                    if (key < " " or track) and tenants is not None:
+                        tenants.read(key, None)
                     if not exist:
                         codes[i] = code
                     continue
@@ -89,11 +99,22 @@ class Reads:
             obj.tick = tick()
             del shard[key]
             shard[key] = obj  # LRU: most recent at the end of its shard
+            hits += 1
+            if (key < " " or track) and tenants is not None:
+                tenants.read(key, obj)
             objs[i] = obj
             found[i] = reps
             if reps[0].kind is _FILE and not exist:
+                self._count(hits, misses)
                 return i
+        self._count(hits, misses)
         return n
+
+    def _count(self, hits: int, misses: int) -> None:
+        tenants = self.objects.tenants
+        if tenants is not None:
+            tenants.hits += hits
+            tenants.misses += misses
 
     def exist_many(self, keys: Sequence[str], key_min: str = KEY_MIN,
                    max_key: int = 0) -> tuple[list[int], list[bool]]:

@@ -32,6 +32,7 @@ __all__ = [
     "Rec",
     "Record",
     "Remove",
+    "SetQuota",
     "StreamPos",
     "decode_frame",
 ]
@@ -45,6 +46,7 @@ class Rec(IntEnum):
     PUT = 3
     REMOVE = 4
     DROP_REPLICA = 5
+    TENANT_SET = 6
     #: a standby's position in the leader's log (journal only, never shipped)
     STREAM_POS = 101
 
@@ -93,6 +95,15 @@ class DropReplica(Record, tag=int(Rec.DROP_REPLICA)):
     segment_id: str
 
 
+class SetQuota(Record, tag=int(Rec.TENANT_SET)):
+    """A tenant's quotas were set live (TENANT_SET): bytes, -1 = unlimited/none."""
+
+    name: str
+    memory: int
+    disk: int
+    guaranteed: int
+
+
 class StreamPos(Record, tag=int(Rec.STREAM_POS)):
     """A standby's place in the leader's log after the records before it.
     ``history``: ``[[epoch, first_lsn], ...]``, None when unchanged since the
@@ -104,7 +115,7 @@ class StreamPos(Record, tag=int(Rec.STREAM_POS)):
 
 
 #: what the directory emits and applies
-DirRecord = Mount | DropSegment | Put | Remove | DropReplica
+DirRecord = Mount | DropSegment | Put | Remove | DropReplica | SetQuota
 #: what a journal file holds
 JournalRecord = DirRecord | StreamPos
 

@@ -99,6 +99,9 @@ class Removal:
         if not kept:
             objects.remove(key, obj)
             return 0
+        tenants = objects.tenants
+        if tenants is not None and (key < " " or tenants.track_default):
+            tenants.rereps(key, obj.size, reps, tuple(kept))
         obj.replicas = tuple(kept)
         gone[0].keys.discard(key)
         objects.segtab.free(tuple(gone), obj.size)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.core.errors import KVPoolError
 from kvpool.master.objects import Obj
-from kvpool.master.records import DropReplica, DropSegment, Mount, Put, Remove
+from kvpool.master.records import DropReplica, DropSegment, Mount, Put, Remove, SetQuota
 from kvpool.master.segments import Segment, SegState
 
 if TYPE_CHECKING:
@@ -127,6 +127,8 @@ class Replay:
                     obj.replicas = tuple(kept)
                 else:
                     objects.remove(key, obj)
+        elif isinstance(rec, SetQuota):
+            d.tenants.set_quota(rec.name, rec.memory, rec.disk, rec.guaranteed)
         else:
             raise ValueError(f"not a journal record: {rec!r:.200}")
 

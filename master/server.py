@@ -164,7 +164,8 @@ class MasterServer:
             return MasterStats(h.admin.stats(), h.segments.list_segments().segments, dict(c.ops),
                                dict(c.key_ops), dict(c.errors), self.port,
                                self.events.stats() if self.events is not None else {},
-                               ha.stats() if ha is not None else None)
+                               ha.stats() if ha is not None else None,
+                               self.dir.tenants.rows(len(self.dir.objects)))
 
         return copy_retrying(take)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvpool.core.protocol import SegmentInfo, StatsReply
 
@@ -101,6 +101,8 @@ class MasterStats:
     port: int
     events: dict[str, int] = field(default_factory=dict)  # EventPublisher.stats(); {} when off
     ha: HaStats | None = None  # None: not part of an HA group
+    #: TenantTable.rows(): one dict per tenant (quotas, usage, counters)
+    tenants: list[dict[str, Any]] = field(default_factory=list)
 
 
 def copy_retrying(fn: Callable[[], _T], tries: int = 10) -> _T:

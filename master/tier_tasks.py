@@ -278,7 +278,10 @@ class ReplicaJobs:
         job = self._job(key, bool(source), src[0].owner)
         if not todo:
             if source:  # the target holds a replica already: drop the source's
+                before = obj.replicas
                 self.drop_source(d, key, obj, src[0], src[1])
+                if key < " " or d.tenants.track_default:
+                    d.tenants.rereps(key, obj.size, before, obj.replicas)
                 if d.journaling:
                     d.records.append(d.objects.put_record(key, obj))
             job.status = JobStatus.SUCCESS

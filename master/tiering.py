@@ -129,6 +129,11 @@ class TieringPolicy(TierHooks):
         """Queue a ``kind`` copy of ``obj`` from ``src`` onto a new replica in
         pool ``to`` (on the source's host first). None: no room; False: the
         object went while room was made (nothing queued)."""
+        tenants = d.tenants
+        if to is _FILE and (key < " " or tenants.track_default):
+            tt = tenants.of(key)
+            if tt is not None and tt.disk + obj.size > tt.disk_quota:
+                return None  # the tenant's disk quota: no copy to disk
         out: list[Any] = []
         host = src[0].desc.host_id
         pref = [s.id for s in d.pools[to] if s.desc.host_id == host]
@@ -324,6 +329,9 @@ class TieringPolicy(TierHooks):
         else:
             obj.replicas = (*reps, t.dst, t.dst_off)
             self.counters["promote_done"] += 1
+        tenants = d.tenants
+        if t.key < " " or tenants.track_default:
+            tenants.rereps(t.key, obj.size, reps, obj.replicas)
         self._journal_replicas(d, t.key, obj)
         return ErrorCode.OK
 

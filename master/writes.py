@@ -137,6 +137,8 @@ class Writes:
         high = self.high
         sizes_get = objects._sizes.get
         plan_run = self.placement.plan_run
+        tenants = objects.tenants
+        track = tenants is not None and tenants.track_default
         now = self.clock()
         stamped = False
         # a run of equal sizes is placed at once (plan_run: the segment each key
@@ -162,6 +164,22 @@ class Writes:
                 if not stamped:
                     self.clients[client_id] = now
                     stamped = True
+                t = None
+                if (key < " " or track) and tenants is not None:
+                    t = tenants.of(key)
+                    # at its quota: the general step makes room (or refuses)
+                    if t is not None and t.mem + size > t.memory_quota:
+                        t = None
+                        if plan is not None:
+                            unplan(plan, plan_at, plan_size)
+                            plan = None
+                        code, p = self._start_one(client_id, key, size, spec, None, None)
+                        if code:
+                            codes[i] = int(code)
+                        else:
+                            out[i] = p.replicas  # type: ignore[union-attr]
+                        cap = self.segtab.pool_cap[_MEM]
+                        continue
                 if plan_ok and key not in pending:
                     if plan is None or plan_at == len(plan) or size != plan_size:
                         if plan is not None and plan_at < len(plan):
@@ -186,6 +204,8 @@ class Writes:
                         pending[key] = Pending(objects.intern_size(size) if isize is None
                                                else isize, reps, 0, None, client_id, now)
                         out[i] = reps
+                        if t is not None:
+                            t.mem += size
                         if used > high * cap:
                             # what is carved ahead goes back before evicting
                             unplan(plan, plan_at, plan_size)
@@ -231,8 +251,14 @@ class Writes:
         # an upsert takes the key over from an in-flight put at once
         if p is not None and not self._preempt(key, p, now, spec.replace):
             return ErrorCode.OBJECT_ALREADY_EXISTS, None
-        out: list[Any] = []
         rn, dn = spec.replica_num, spec.disk_replica_num
+        tenants = objects.tenants
+        t = None
+        if tenants is not None and (key < " " or tenants.track_default):
+            t = tenants.of(key)
+            if t is not None and not tenants.admit(t, size, rn, dn):
+                return ErrorCode.QUOTA_EXCEEDED, None
+        out: list[Any] = []
         pref = list(spec.preferred)
         placement = self.placement
         if not (rn == 1 and not dn and not pref and placement.place_one(size, out)):
@@ -241,6 +267,8 @@ class Writes:
             # wait for their copy to disk): the disk tier takes the object now
             d = self.directory
             spill = rn if rn and not got and d.hooks.spill_on_full(d) else 0
+            if spill and t is not None and t.disk + size * spill > t.disk_quota:
+                spill = 0  # the tenant's disk quota does not take it
             if dn or spill:
                 if placement.place(size, max(dn, spill), _FILE, pref, out) and spill:
                     self.spilled += 1
@@ -249,6 +277,8 @@ class Writes:
         p = Pending(objects.intern_size(size), tuple(out), flags, checksum, client_id, now, pin,
                     group)
         self.pending[key] = p
+        if t is not None:
+            tenants.charge(t, p.replicas, size)  # type: ignore[union-attr]
         return _OK, p
 
     # ---------------------------------------------------------------- commit
@@ -276,6 +306,8 @@ class Writes:
         mask = self.mask
         changes = self.changes
         append = changes.records.append if changes.journaling else None
+        tenants = objects.tenants
+        track = tenants is not None and tenants.track_default
         writer = objects._writers.get(client_id) or objects.writer(client_id)
         # a commit names its reservation first (one clock read for the batch,
         # and no naming of a pending put the inline path drops)
@@ -316,13 +348,17 @@ class Writes:
                     stamped = True
                 del pending[placeholder]
                 reps = p.replicas
+                if tenants is not None:
+                    tenants.renamed(placeholder, key, reps, p.size)
                 if p.pin or p.group or len(reps) != 2 or reps[0].state == _DEAD:
                     pending[key] = p  # the general step
                     codes[i] = self._commit_one(client_id, key)
                     continue
             seg = reps[0]  # a new, unpinned, ungrouped object with one live replica
             size, flags, checksum = p.size, p.flags, p.checksum
-            shard[key] = Obj(size, reps, flags, checksum, writer)
+            shard[key] = obj = Obj(size, reps, flags, checksum, writer)
+            if (key < " " or track) and tenants is not None:
+                tenants.stored(key, obj)
             if seg is not last_seg:
                 last_seg, seg_add = seg, seg.keys.add
             seg_add(key)
@@ -347,6 +383,9 @@ class Writes:
         if any(reps[i].state == _DEAD for i in range(0, len(reps), 2)):
             reps = tuple(x for i in range(0, len(reps), 2) if reps[i].state != _DEAD
                          for x in (reps[i], reps[i + 1]))
+            tenants = objects.tenants
+            if tenants is not None and (key < " " or tenants.track_default):
+                tenants.rereps(key, p.size, p.replicas, reps)
             if not reps:
                 return NOT_FOUND
         old = shard.get(key)
@@ -379,6 +418,9 @@ class Writes:
         replaces it on replay). Its space is freed once its read lease has
         ended: a reader may still be copying the old bytes."""
         del self.objects[key]
+        tenants = self.objects.tenants
+        if tenants is not None and (key < " " or tenants.track_default):
+            tenants.forgotten(key, old)
         reps = old.replicas
         for i in range(0, len(reps), 2):
             reps[i].keys.discard(key)
@@ -402,10 +444,10 @@ class Writes:
                 codes[i] = INVALID_WRITE
             else:
                 del pending[key]
-                self._release(p)
+                self._release(p, key)
         return codes
 
-    def _release(self, p: Pending) -> None:
+    def _release(self, p: Pending, key: str) -> None:
         """Give back an abandoned put's space, once no write into it can land.
 
         A writer that gave up (its transfer timed out) may still have bytes
@@ -414,7 +456,11 @@ class Writes:
         object placed there (seen: a 2-byte object read back as the 'zz' of
         a revoked 100 KB put after its stalled holder resumed). So the space
         stays allocated until the WRITE capability granted with the put has
-        expired everywhere (``write_window_s`` after the start)."""
+        expired everywhere (``write_window_s`` after the start). ``key``'s
+        tenant no longer counts it."""
+        tenants = self.objects.tenants
+        if tenants is not None and (key < " " or tenants.track_default):
+            tenants.released(key, p.replicas, p.size)
         self.hold(p.replicas, p.size, p.started + self.write_window_s)
 
     def _preempt(self, key: str, p: Pending, now: float, force: bool = False) -> bool:
@@ -425,7 +471,7 @@ class Writes:
         if not force and now - p.started <= self.cfg.put_start_discard_timeout_s:
             return False
         del self.pending[key]
-        self._release(p)
+        self._release(p, key)
         self.preemptions += 1
         return True
 
@@ -455,7 +501,7 @@ class Writes:
                  if now - p.started > (resv if k.startswith(RESERVED_KEY_PREFIX) else limit)
                  or p.client_id not in clients]
         for k in stale:
-            self._release(self.pending.pop(k))
+            self._release(self.pending.pop(k), k)
         return len(stale)
 
     def stats(self) -> dict[str, int]:

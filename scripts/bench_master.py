@@ -22,8 +22,16 @@ CPU-second with capabilities on; RSS <= 400 B per object at 1M objects.
   run (scripts/bench_host.py): per-CPU-second numbers of different days
   compare through it (this VM's speed varies up to ~2x).
 
+- ``--tenants N``: the master is configured with N tenants (quotas far above
+  what the run stores) and every ops/s phase runs twice without tenants and
+  twice with its batches spread over the N tenants (each request names one,
+  round robin), interleaved (0, N, 0, N); ``tenants_cost`` reports, per op and
+  batch, the key-ops per master CPU-second with tenants over without (the
+  target: within 5%, docs/tenants-quotas.md).
+
 Usage: scripts/bench_master.py --json OUT [--objects 1000000] [--seconds 2]
 Profiling: scripts/bench_master.py --quick --batches 128 --ops put --seconds 20
+Tenants' cost: scripts/bench_master.py --quick --tenants 4 --batches 128 --seconds 2
 """
 
 from __future__ import annotations
@@ -81,9 +89,12 @@ class Meter:
 
 
 def run_phase(c: MasterClient, meter: Meter, name: str, batch: int, seconds: float,
-              prefix: str, counter: list[int]) -> dict[str, Any]:
-    """Run one op kind for ``seconds``; return rates."""
+              prefix: str, counter: list[int], tenants: int = 0) -> dict[str, Any]:
+    """Run one op kind for ``seconds``; return rates. ``tenants`` > 0: request
+    ``i`` acts for tenant ``t{i % tenants}`` (its keys are in that tenant's
+    namespace; a read phase reads them back in the same tenants)."""
     n_keys = 0
+    nreq = 0
     key_ops = 0
     t0 = time.perf_counter()
     cpu0 = meter.cpu()
@@ -93,32 +104,36 @@ def run_phase(c: MasterClient, meter: Meter, name: str, batch: int, seconds: flo
         keys = [key(prefix, start + j) for j in range(batch)]
         t1 = time.perf_counter()
         if name == "put":
+            # the tenant of a batch follows from its first key's number
+            tenant = f"t{(start // batch) % tenants}" if tenants else ""
             counter[0] += batch
             if batch == 1:
-                c.call(PutStart(client_id="bench", key=keys[0], size=4096))
-                c.call(PutEnd(client_id="bench", key=keys[0]))
+                c.call(PutStart(client_id="bench", key=keys[0], size=4096, tenant=tenant))
+                c.call(PutEnd(client_id="bench", key=keys[0], tenant=tenant))
             else:
-                c.call(BatchPutStart("bench", keys, [4096] * batch))
-                c.call(BatchPutEnd(client_id="bench", keys=keys))
+                c.call(BatchPutStart("bench", keys, [4096] * batch, tenant=tenant))
+                c.call(BatchPutEnd(client_id="bench", keys=keys, tenant=tenant))
             key_ops += 2 * batch
         else:
-            # read keys that exist: cycle over what the put phase wrote
-            base = (counter[1] * batch) % max(counter[0] - batch, 1)
+            # read keys that exist: cycle over what the put phase wrote (whole batches)
+            base = (counter[1] * batch) % max(counter[0] - batch, 1) // batch * batch
             counter[1] += 1
+            tenant = f"t{(base // batch) % tenants}" if tenants else ""
             keys = [key(prefix, base + j) for j in range(batch)]
             if batch == 1:
-                c.call(GetReplicaList(keys[0]) if name == "get_replica_list"
-                       else Exist(keys[0]))
+                c.call(GetReplicaList(keys[0], tenant=tenant) if name == "get_replica_list"
+                       else Exist(keys[0], tenant=tenant))
             else:
-                c.call(BatchGetReplicaList(keys) if name == "get_replica_list"
-                       else BatchExist(keys))
+                c.call(BatchGetReplicaList(keys, tenant=tenant) if name == "get_replica_list"
+                       else BatchExist(keys, tenant=tenant))
             key_ops += batch
+        nreq += 1
         lat.append(time.perf_counter() - t1)
         n_keys += batch
     wall = time.perf_counter() - t0
     cpu = meter.cpu() - cpu0
     return {
-        "op": name, "batch": batch, "keys": n_keys, "key_ops": key_ops,
+        "op": name, "batch": batch, "tenants": tenants, "keys": n_keys, "key_ops": key_ops,
         "wall_s": round(wall, 3), "master_cpu_s": round(cpu, 3),
         "key_ops_per_s": round(key_ops / wall),
         "master_cpu_key_ops_per_s": round(key_ops / cpu) if cpu > 0 else None,
@@ -181,6 +196,22 @@ def snapshot_pause(m: MasterProcess, c: MasterClient) -> dict[str, Any]:
     }
 
 
+def tenants_cost(phases: list[dict[str, Any]], tenants: int) -> list[dict[str, Any]]:
+    """Per op and batch: key-ops per master CPU-second with ``tenants``
+    tenants over without (total key-ops over total CPU of each mode's runs)."""
+    out = []
+    for op, batch in dict.fromkeys((p["op"], p["batch"]) for p in phases):
+        rate = {}
+        for mode in (0, tenants):
+            runs = [p for p in phases if (p["op"], p["batch"], p["tenants"]) == (op, batch, mode)]
+            cpu = sum(p["master_cpu_s"] for p in runs)
+            rate[mode] = sum(p["key_ops"] for p in runs) / cpu if cpu > 0 else 0.0
+        out.append({"op": op, "batch": batch, "no_tenants": round(rate[0]),
+                    "tenants": round(rate[tenants]),
+                    "ratio": round(rate[tenants] / rate[0], 4) if rate[0] else None})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", help="write results here")
@@ -195,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the master's reply poll after each answer (rpc_spin_us; its default "
                     "is 200): off here, as it fills the gap before this one client's next "
                     "request with polling CPU that a master with requests waiting never spends")
+    ap.add_argument("--tenants", type=int, default=0,
+                    help="also run every ops/s phase with its requests spread over this many "
+                    "tenants (interleaved with runs without, twice each); reports the ratio")
     ap.add_argument("--quick", action="store_true",
                     help="ops/s phases only (no RSS fill, snapshot or restart): for profiling")
     args = ap.parse_args(argv)
@@ -205,10 +239,16 @@ def main(argv: list[str] | None = None) -> int:
                                "key_length": 40, "cpus": os.cpu_count(),
                                "python_loop_us_start": python_loop_us()}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-master-") as data:
-        with MasterProcess(data_dir=data, client_ttl_s=3600, start_timeout_s=300,
-                           extra_args=["--snapshot-interval-s", "0", "--journal-fsync",
-                                       args.fsync, "--rpc-spin-us", str(args.rpc_spin_us)]
-                           ) as m, \
+        extra = ["--snapshot-interval-s", "0", "--journal-fsync", args.fsync,
+                 "--rpc-spin-us", str(args.rpc_spin_us)]
+        if args.tenants:  # quotas far above what the run stores: the accounting's cost only
+            cfg_path = os.path.join(data, "tenants.yaml")
+            with open(cfg_path, "w") as f:
+                f.write("tenants:\n" + "".join(f"  t{i}: {{memory: 1PiB, disk: 1PiB}}\n"
+                                                for i in range(args.tenants)))
+            extra += ["--config", cfg_path]
+        with MasterProcess(data_dir=os.path.join(data, "d"), client_ttl_s=3600,
+                           start_timeout_s=300, extra_args=extra) as m, \
                 MasterClient(m.address, timeout_s=30) as c:
             assert m.pid is not None
             meter = Meter(m.pid)
@@ -220,16 +260,23 @@ def main(argv: list[str] | None = None) -> int:
                                                  f"kvpool-bench-seg-{i}")))
             phases = []
             counter = [0, 0]
+            modes = [0, args.tenants, 0, args.tenants] if args.tenants else [0]
             for batch in batches:
-                prefix = f"b{batch}"
-                counter = [0, 0]
-                for name in op_names:
-                    r = run_phase(c, meter, name, batch, args.seconds, prefix, counter)
-                    phases.append(r)
-                    print(f"{name:17s} batch {batch:4d}: {r['key_ops_per_s']:>9,} key-ops/s wall, "
-                          f"{r['master_cpu_key_ops_per_s'] or 0:>9,} per master-CPU-s, "
-                          f"p50 {r['rpc_p50_us']} us", file=sys.stderr)
+                for run, tenants in enumerate(modes):
+                    prefix = f"b{batch}" if len(modes) == 1 else f"b{batch}r{run}"
+                    counter = [0, 0]
+                    for name in op_names:
+                        r = run_phase(c, meter, name, batch, args.seconds, prefix, counter,
+                                      tenants)
+                        phases.append(r)
+                        print(f"{name:17s} batch {batch:4d} tenants {tenants}: "
+                              f"{r['key_ops_per_s']:>9,} key-ops/s wall, "
+                              f"{r['master_cpu_key_ops_per_s'] or 0:>9,} per master-CPU-s, "
+                              f"p50 {r['rpc_p50_us']} us", file=sys.stderr)
             results["ops"] = phases
+            if args.tenants:
+                results["tenants_cost"] = tenants_cost(phases, args.tenants)
+                print(json.dumps(results["tenants_cost"], indent=2), file=sys.stderr)
             if args.quick:
                 print(json.dumps(phases, indent=2))
                 results["python_loop_us"] = [results["python_loop_us_start"], python_loop_us()]

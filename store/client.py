@@ -18,7 +18,9 @@ call to the part that does it (:mod:`kvpool.store.lifecycle` holds them):
   (:mod:`kvpool.transfer`) and its segment registry shared by all of them.
 
 Single-key calls raise typed errors (:mod:`kvpool.store.errors`); batch calls
-answer per key and raise only for call-level failures.
+answer per key and raise only for call-level failures. Every call acts for
+the client's tenant (``ClientConfig.tenant``, docs/tenants.md): the keys it
+names, lists, counts and removes are that tenant's only.
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ class Client:
     # ------------------------------------------------------------------ lifecycle
 
     @property
+    def tenant(self) -> str:
+        """The tenant every call of this client acts for (``config.tenant``;
+        ``default`` unless configured): its keys are that tenant's only."""
+        return self.config.tenant
+
+    @property
     def segment_ids(self) -> list[str]:
         """Ids of the segments this client contributes (empty for a pure client)."""
         return self._parts.host.segment_ids
@@ -144,8 +152,9 @@ class Client:
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> None:
         """Store ``value`` (bytes-like or any buffer) under ``key``.
 
-        Raises AlreadyExists (value unchanged), NoSpace, TransferFailed (the
-        put was revoked), MasterUnreachable, StoreTimeout, StoreError(INVALID_KEY).
+        Raises AlreadyExists (value unchanged), NoSpace, QuotaExceeded (the
+        tenant is at its quota; nothing stored), TransferFailed (the put was
+        revoked), MasterUnreachable, StoreTimeout, StoreError(INVALID_KEY).
         """
         self._parts.writes.put(key, value, config)
 

@@ -24,8 +24,10 @@ from typing import Any
 
 from kvpool.core.auth import CurveConfig, is_loopback
 from kvpool.core.config import ConfigError, load_dataclass, load_yaml_mapping, setting
+from kvpool.core.errors import KVPoolError
 from kvpool.core.etcd import policy_address
 from kvpool.core.rpc_client import RpcPollConfig
+from kvpool.core.tenants import DEFAULT_TENANT, tenant_name
 
 __all__ = [
     "CHECKSUM_ALGOS",
@@ -63,6 +65,12 @@ class ClientConfig:
 
     master_address: str = setting(
         "127.0.0.1:50051", flag="--master", help="master address HOST:PORT (or tcp://HOST:PORT)")
+    tenant: str = setting(
+        DEFAULT_TENANT, flag="--tenant",
+        help="the tenant this client acts for (docs/tenants.md): every key it puts, reads, "
+        "lists or removes is that tenant's (the same key in two tenants is two objects) and "
+        "its puts count against that tenant's quota. 1-64 of [A-Za-z0-9._-]; default: the "
+        "default tenant (what every client without the setting uses)")
     memory_size: int = setting(
         0, flag="--memory", size=True,
         help="memory contributed to the pool as one shared-memory segment "
@@ -142,6 +150,14 @@ class ClientConfig:
         0, help="node daemon: Prometheus /metrics (kvpool_node_*: segments, transfers "
         "served and made, capability refusals, guard, SSD tier; docs/metrics.md) and JSON "
         "/health on 127.0.0.1:PORT; 0 = off")
+
+    def __post_init__(self) -> None:
+        # checked at construction (not only by load_client_config's validate()):
+        # a client must never start acting for a name the master would refuse
+        try:
+            self.tenant = tenant_name(self.tenant)
+        except KVPoolError as exc:
+            raise ConfigError(f"tenant: {exc.args[0]}") from None
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on values that cannot work."""

@@ -45,8 +45,8 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
     """Run a contributing client until ``stop`` is set or SIGTERM/SIGINT arrives.
 
     Returns the exit code (0 after a clean unmount). ``ready_file`` receives
-    ``{pid, client_id, host_id, segment_ids, endpoint, master}`` once the
-    segments are mounted.
+    ``{pid, client_id, host_id, segment_ids, endpoint, master, tenant}`` once
+    the segments are mounted.
     """
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -65,6 +65,7 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
             "shm_names": client.shm_names,
             "endpoint": client.endpoint,
             "master": config.master_address,
+            "tenant": client.tenant,
             "memory_size": config.memory_size,
             "guard_pid": client.segment_host.guard.pid if client.segment_host.guard else None,
         }

@@ -19,6 +19,7 @@ __all__ = [
     "MasterUnreachable",
     "NoSpace",
     "ObjectNotFound",
+    "QuotaExceeded",
     "StaleEpoch",
     "StoreError",
     "StoreTimeout",
@@ -58,6 +59,13 @@ class BufferTooSmall(StoreError, code=ErrorCode.BUFFER_OVERFLOW):
 
 class NoSpace(StoreError, code=ErrorCode.NO_AVAILABLE_HANDLE):
     """The master could not allocate the requested replicas (pool full, nothing evictable)."""
+
+
+class QuotaExceeded(StoreError, code=ErrorCode.QUOTA_EXCEEDED):
+    """The client's tenant is at its quota (memory, or disk for disk
+    replicas) and none of its own objects could be evicted to make room
+    (all leased or pinned); nothing was stored (docs/tenants.md). Other
+    tenants' objects are never evicted for it."""
 
 
 class AlreadyExists(StoreError, code=ErrorCode.OBJECT_ALREADY_EXISTS):

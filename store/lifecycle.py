@@ -19,7 +19,7 @@ import threading
 from typing import Any, NoReturn
 
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.protocol import SegmentKind
+from kvpool.core.protocol import BatchExist, SegmentKind
 from kvpool.core.rpc_client import MasterRPCError
 from kvpool.store.admin import Admin
 from kvpool.store.config import ClientConfig
@@ -97,6 +97,12 @@ class ClientParts:
         except MasterRPCError as exc:
             raise MasterUnreachable(
                 f"master {cfg.master_address} unreachable: {exc}", exc.code) from exc
+        if self.session.tenant:  # one empty scoped call: a tenant this connection may
+            # not act as (tenant_keys under CURVE) is refused now, not at the first put
+            try:
+                self.session.call(BatchExist([]))
+            except StoreError as exc:
+                raise error_for_code(exc.code, f"tenant {cfg.tenant!r}: {exc.args[0]}") from exc
         tcfg = transfer.load_transfer_config(cfg.transfer_config, cfg.transfer_overrides or None)
         self.engine = transfer.TransferEngine(
             tcfg, host_id=self.host_id, bind_host=cfg.bind_host, port=cfg.transfer_port,

@@ -18,7 +18,7 @@ from kvpool.core.errors import KVPoolError
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.errors import AlreadyExists, ObjectNotFound
 from kvpool.store.mooncake_codes import INVALID, code_of, log, mooncake_code
-from kvpool.store.mooncake_core import TENANT_SEP, MooncakeCore
+from kvpool.store.mooncake_core import MooncakeCore
 from kvpool.store.mooncake_objects import ObjectIO
 
 __all__ = ["BytesCalls", "part_views"]
@@ -139,11 +139,15 @@ class BytesCalls:
 
     def remove_where(self, pattern: str, force: bool) -> int:
         """Remove the keys of this store's tenant that ``pattern`` finds
-        (``re.search``; "" every key): the count or a Mooncake code."""
-        core = self._core
-        # the default tenant's keys are the ones without a tenant prefix
-        exclude = "" if core.prefix else TENANT_SEP
-        try:
-            return core.live().remove_by_regex(str(pattern), force, core.prefix, exclude)
+        (``re.search``): the count or a Mooncake code."""
+        try:  # the master keeps the removal inside the client's tenant
+            return self._core.live().remove_by_regex(str(pattern), force)
+        except KVPoolError as exc:
+            return code_of(exc)
+
+    def remove_all(self, force: bool) -> int:
+        """Remove every object of this store's tenant: the count or a Mooncake code."""
+        try:  # the master keeps the removal inside the client's tenant
+            return self._core.live().remove_all(force)
         except KVPoolError as exc:
             return code_of(exc)

@@ -7,9 +7,9 @@ administration); they all hold the one :class:`MooncakeCore` of their store:
 - the kvpool :class:`~kvpool.store.client.Client` behind the store, None
   while it is not set up (a call then fails with ``INVALID_PARAMS``, as
   Mooncake's "client is not initialized");
-- ``tenant_id``: a namespace for keys. A non-default tenant's keys are
-  stored as ``"\\x1f<tenant>\\x1f<key>"``; no caller key may start with
-  ``\\x1f``, so tenants never see each other's keys;
+- ``tenant_id`` is the client's tenant (``ClientConfig.tenant``): the master
+  keeps each tenant's keys apart (docs/tenants.md), so the keys here are the
+  caller's as they are. No caller key may start below U+0020 (``KEY_MIN``);
 - ``local_buffer_size``: Mooncake stages every non-zero-copy call (bytes
   put/get, parts, buffers, tensors) through a buffer of this size, and a call
   that needs more fails. kvpool copies straight between the caller's memory
@@ -25,21 +25,18 @@ from typing import Any
 
 from kvpool.core.config import parse_size
 from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import KEY_MIN
 from kvpool.store.client import Client
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.mooncake_codes import log
 
 __all__ = [
-    "DEFAULT_TENANT",
-    "TENANT_SEP",
     "MooncakeCore",
     "NotSetUp",
     "mooncake_size",
     "pick_groups",
 ]
 
-DEFAULT_TENANT = "default"
-TENANT_SEP = "\x1f"
 _STR_ONLY = {str}
 
 
@@ -71,14 +68,12 @@ class NotSetUp(KVPoolError):
 
 
 class MooncakeCore:
-    """The client, key namespace, staging limit and config rules of one store
+    """The client, key checks, staging limit and config rules of one store
     (module docstring)."""
 
     def __init__(self) -> None:
         self.client: Client | None = None
         self.hostname = ""
-        self.tenant = DEFAULT_TENANT
-        self.prefix = ""
         self.local_buffer_size = 16 << 20
 
     def live(self) -> Client:
@@ -88,36 +83,25 @@ class MooncakeCore:
             raise NotSetUp("store is not set up (call setup() first)")
         return client
 
-    def set_tenant(self, tenant_id: str) -> None:
-        """Namespace every key of this store under ``tenant_id``. Raises
-        KVPoolError(INVALID_PARAMS) for a name holding the separator."""
-        tenant = str(tenant_id).strip() or DEFAULT_TENANT
-        if TENANT_SEP in tenant:
-            raise KVPoolError("tenant_id must not contain \\x1f", ErrorCode.INVALID_PARAMS)
-        self.tenant = tenant
-        self.prefix = "" if tenant == DEFAULT_TENANT else f"{TENANT_SEP}{tenant}{TENANT_SEP}"
-
     def key(self, key: str) -> str:
-        """The pool key of caller key ``key`` (tenant namespace applied). Raises
-        TypeError for a non-str, KVPoolError(INVALID_PARAMS) for an empty key
-        or one starting with the tenant separator."""
+        """Caller key ``key``, checked. Raises TypeError for a non-str,
+        KVPoolError(INVALID_PARAMS) for an empty key or one starting below
+        U+0020 (the master's reserved and tenant-namespace prefixes)."""
         if not isinstance(key, str):
             raise TypeError(f"key must be str, got {type(key).__name__}")
-        if not key or key.startswith(TENANT_SEP):
+        if key < KEY_MIN:
             raise KVPoolError(f"invalid key {key!r}", ErrorCode.INVALID_PARAMS)
-        return self.prefix + key if self.prefix else key
+        return key
 
     def _all_valid(self, keys: Sequence[str]) -> list[str] | None:
-        """The pool keys when every key is a str starting at or above " " (none
-        empty or starting with the separator; the common case, checked
-        without a frame per key), else None."""
-        if keys and set(map(type, keys)) == _STR_ONLY and min(keys) >= " ":
-            prefix = self.prefix
-            return [prefix + k for k in keys] if prefix else list(keys)
+        """The keys when every key is a str starting at or above " " (the
+        common case, checked without a frame per key), else None."""
+        if keys and set(map(type, keys)) == _STR_ONLY and min(keys) >= KEY_MIN:
+            return list(keys)
         return None
 
     def keys(self, keys: Sequence[str]) -> list[str]:
-        """:meth:`key` of every key (raises for the first invalid one)."""
+        """Every key checked by :meth:`key` (raises for the first invalid one)."""
         pool = self._all_valid(keys)
         return pool if pool is not None else [self.key(k) for k in keys]
 
@@ -129,7 +113,7 @@ class MooncakeCore:
             return None
 
     def valid_keys(self, keys: Sequence[str]) -> list[tuple[int, str]]:
-        """``(position, pool key)`` of the keys Mooncake does not treat as absent."""
+        """``(position, key)`` of the keys Mooncake does not treat as absent."""
         pool = self._all_valid(keys)
         if pool is not None:
             return list(enumerate(pool))

@@ -6,8 +6,9 @@ Mooncake's keys and units) and starts a kvpool
 ``local_hostname`` (a free port in Mooncake's client range unless one is
 named), ``global_segment_size`` bytes of memory, the cross-host transport
 ``protocol`` names (same-host transfers use shared memory whatever it says),
-an SSD tier when ``enable_ssd_offload`` asks for one, the tenant namespace
-and the client HTTP endpoints. ``setup_dummy`` is Mooncake's standalone
+an SSD tier when ``enable_ssd_offload`` asks for one, the client's tenant
+(``tenant_id``: the master keeps each tenant's keys apart) and the client
+HTTP endpoints. ``setup_dummy`` is Mooncake's standalone
 mode: a pure client beside the node daemon of this host. A setup that fails
 returns a Mooncake code and never raises.
 """
@@ -27,10 +28,11 @@ from typing import Any
 from kvpool.core.auth import is_loopback
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import SegmentKind
+from kvpool.core.tenants import DEFAULT_TENANT, tenant_name
 from kvpool.store.client import Client
 from kvpool.store.config import ClientConfig, client_config_from_env
 from kvpool.store.mooncake_codes import INTERNAL, INVALID, code_of, log
-from kvpool.store.mooncake_core import DEFAULT_TENANT, MooncakeCore, mooncake_size
+from kvpool.store.mooncake_core import MooncakeCore, mooncake_size
 from kvpool.store.mooncake_http import ClientHttpServer
 from kvpool.store.mooncake_memory import CallerMemory
 from kvpool.store.mooncake_session import SessionCalls
@@ -279,7 +281,11 @@ class Lifecycle:
         if engine is not None:
             log.info("engine accepted and not used: kvpool runs its own transfer engine")
         del metadata_server  # the kvpool master serves segment metadata itself
-        self._core.set_tenant(tenant_id)
+        # The master scopes every request by the client's tenant; tenant t's key
+        # k is stored as "\x1ft\x1fk", the bytes this class prefixed on the
+        # client side before, so what a store wrote under tenant_id t then
+        # stays readable by a store with tenant_id t now.
+        tenant = tenant_name(tenant_id.strip())
         self._core.local_buffer_size = local_buffer_size
         bind = str(extra.pop("bind_host", "")) or _bind_address(host, master)
         overrides: dict[str, Any] = {
@@ -293,6 +299,8 @@ class Lifecycle:
             "transfer_overrides": {"rules": _transport_rules(protocol)},
             **extra,
         }
+        if tenant != DEFAULT_TENANT:  # else KVPOOL_CONFIG's (or the dict's) tenant, if any
+            overrides["tenant"] = tenant
         disk_wanted = enable_ssd_offload and bool(
             ssd_offload_path or os.environ.get(_OFFLOAD_PATH_ENV, ""))
         base_cfg = client_config_from_env(overrides)
@@ -388,7 +396,6 @@ class Lifecycle:
             return INTERNAL
         del mem_pool_size
         self._core.local_buffer_size = mooncake_size(local_buffer_size)
-        self._core.set_tenant(DEFAULT_TENANT)
         self._core.client = client
         self._core.hostname = f"{client.host_id}:{client.endpoint.rsplit(':', 1)[-1]}"
         return 0

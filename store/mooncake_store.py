@@ -25,11 +25,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvpool.core.tenants import DEFAULT_TENANT
 from kvpool.store.client import Client
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.mooncake_admin import AdminCalls, not_supported
 from kvpool.store.mooncake_bytes import BytesCalls, part_views
-from kvpool.store.mooncake_core import DEFAULT_TENANT, MooncakeCore
+from kvpool.store.mooncake_core import MooncakeCore
 from kvpool.store.mooncake_memory import CallerMemory
 from kvpool.store.mooncake_objects import ObjectIO
 from kvpool.store.mooncake_session import SessionCalls
@@ -99,7 +100,10 @@ class MooncakeDistributedStore:
         ``enable_ssd_offload``: this store gets an SSD tier under
         ``ssd_offload_path`` (or ``$MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``), or,
         without a path, the disk tier of a node daemon on this host serves it;
-        neither is an error. ``tenant_id`` namespaces every key.
+        neither is an error. ``tenant_id`` is the tenant the store acts for
+        (docs/tenants.md): its keys, removals and quota are that tenant's;
+        the default leaves the tenant to ``$KVPOOL_CONFIG``'s ``tenant``
+        (else ``default``).
         ``metadata_server``, ``rdma_devices`` and ``engine`` are accepted and
         not needed. Returns 0 or a negative code.
         """
@@ -222,7 +226,7 @@ class MooncakeDistributedStore:
     def remove_all(self, force: bool = False) -> int:
         """Remove every object of this store's tenant (unleased ones, or all
         with ``force``): the count, or a negative code. One master RPC."""
-        return self._bytes.remove_where("", force)
+        return self._bytes.remove_all(force)
 
     # ------------------------------------------------------------------ zero copy
 

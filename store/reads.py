@@ -29,7 +29,12 @@ import msgspec
 import numpy as np
 
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import MAX_KEY_LENGTH, BatchGetReplicaListReply, ReplicaStatus
+from kvpool.core.protocol import (
+    KEY_MIN,
+    MAX_KEY_LENGTH,
+    BatchGetReplicaListReply,
+    ReplicaStatus,
+)
 from kvpool.store._bufutil import alloc_bytes, buffer_nbytes, host_view, verify_checksum
 from kvpool.store.config import ClientConfig
 from kvpool.store.errors import BufferTooSmall, StaleEpoch, StoreError, error_for_code
@@ -59,14 +64,16 @@ _STR_ONLY = {str}
 
 
 def valid_key(key: Any) -> bool:
-    """Whether ``key`` may name an object (a non-empty str of at most MAX_KEY_LENGTH)."""
-    return type(key) is str and 0 < len(key) <= MAX_KEY_LENGTH
+    """Whether ``key`` may name an object: a str of at most MAX_KEY_LENGTH,
+    not empty and not starting below ``KEY_MIN`` (the master's reserved and
+    tenant-namespace prefixes; the master refuses those too)."""
+    return type(key) is str and key >= KEY_MIN and len(key) <= MAX_KEY_LENGTH
 
 
 def all_valid_keys(keys: Sequence[Any]) -> bool:
     """Whether every one of (non-empty) ``keys`` is :func:`valid_key` (by C
     callables mapped over them: no Python frame per key)."""
-    return set(map(type, keys)) == _STR_ONLY and 0 < min(map(len, keys)) \
+    return set(map(type, keys)) == _STR_ONLY and min(keys) >= KEY_MIN \
         and max(map(len, keys)) <= MAX_KEY_LENGTH
 
 

@@ -11,8 +11,15 @@ A :class:`MasterSession` is how every part of a client talks to the master:
   (``term_changed``, ``redoing``), and a commit answered
   WRITE_OUTCOME_UNKNOWN is sent once more (``send_commit``);
 - locating keys for reads (one BATCH_GET_REPLICA_LIST, with the deadline of
-  the read lease it granted), also from a helper thread (``locate_later``).
+  the read lease it granted), also from a helper thread (``locate_later``);
+- the tenant (``ClientConfig.tenant``, docs/tenants.md): every request sent
+  here that has a ``tenant`` field (each that names, lists, counts or removes
+  objects) is stamped with it on its way out (:meth:`MasterSession.scoped`),
+  so no part of the client builds a request for another tenant, or forgets
+  to name its own. The default tenant leaves the field ``""``, what a
+  client from before tenants means by sending nothing there.
 """
+
 
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ from typing import TypeVar
 
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import (
+    OPS,
+    TENANT_FIELD_DEFAULT,
     BatchGetReplicaList,
     BatchGetReplicaListReply,
     BatchPutEnd,
@@ -37,6 +46,7 @@ from kvpool.core.protocol import (
     Request,
 )
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
+from kvpool.core.tenants import DEFAULT_TENANT
 from kvpool.store.config import ClientConfig
 from kvpool.store.errors import MasterUnreachable, StoreError, error_for_code
 from kvpool.store.guard import master_stub
@@ -50,6 +60,9 @@ _MAX_STUBS = 16  # per client; threads beyond share them
 # what a master answers about one key rather than about the call
 _KEY_CODES = frozenset({ErrorCode.OBJECT_NOT_FOUND, ErrorCode.INVALID_KEY,
                         ErrorCode.REPLICA_IS_NOT_READY, ErrorCode.OBJECT_HAS_LEASE})
+#: the request types that act for a tenant (their last field is ``tenant``)
+_SCOPED: frozenset[type] = frozenset(
+    spec.request for spec in OPS.values() if "tenant" in spec.request.__struct_fields__)
 
 
 class MasterSession:
@@ -58,6 +71,8 @@ class MasterSession:
     def __init__(self, config: ClientConfig, client_id: str) -> None:
         self.config = config
         self.client_id = client_id
+        #: the ``tenant`` field of this client's requests ("" = default: left as built)
+        self.tenant = TENANT_FIELD_DEFAULT if config.tenant == DEFAULT_TENANT else config.tenant
         self.first: MasterClient | None = None  # the setup thread's stub
         self._local = threading.local()
         self._all: list[MasterClient] = []
@@ -121,11 +136,21 @@ class MasterSession:
         self._local.master = master
         return master
 
+    def scoped(self, request: Request[R]) -> Request[R]:
+        """``request`` acting for this client's tenant (the one place a
+        request's ``tenant`` field is set; a no-op for the default tenant)."""
+        if self.tenant and type(request) in _SCOPED:
+            request.tenant = self.tenant  # type: ignore[attr-defined]
+        return request
+
     def call(self, request: Request[R]) -> R:
-        """Send ``request`` on this thread's stub; its typed reply. Raises the
-        StoreError of the master's code (MasterUnreachable for RPC failures)."""
+        """Send ``request`` (:meth:`scoped`) on this thread's stub; its typed
+        reply. Raises the StoreError of the master's code (MasterUnreachable
+        for RPC failures)."""
         if self.closed:
             raise StoreError("client is closed", ErrorCode.CLOSED)
+        if self.tenant:
+            self.scoped(request)
         master = getattr(self._local, "master", None)
         if master is None:
             master = self.stub()
@@ -135,10 +160,10 @@ class MasterSession:
             raise error_for_code(exc.code, str(exc)) from exc
 
     def call_quick(self, request: Request[R], timeout_s: float) -> R:
-        """``request`` on the first stub with a short timeout (close-time
-        clean-up, from any thread)."""
+        """``request`` (:meth:`scoped`) on the first stub with a short timeout
+        (close-time clean-up, from any thread)."""
         assert self.first is not None
-        return self.first.call(request, timeout_s)  # type: ignore[no-any-return]
+        return self.first.call(self.scoped(request), timeout_s)  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ terms
 

@@ -144,7 +144,12 @@ class Writes:
         errors: dict[int, str] = {}
         code = self.put_many([key], [buffer], config, errors=errors)[0]
         if code:
-            raise error_for_code(code, f"put {key!r}: {errors.get(0) or code.name}")
+            why = errors.get(0) or code.name
+            if code == ErrorCode.QUOTA_EXCEEDED:
+                why = (f"tenant {self.config.tenant!r} is at its quota and no room could be "
+                       f"made by evicting its own objects (leased or pinned, or the value "
+                       f"exceeds the quota); nothing stored ({why})")
+            raise error_for_code(code, f"put {key!r}: {why}")
 
     def put_many(self, keys: Sequence[str], buffers: Sequence[Any],
                  config: ReplicateConfig | None = None, upsert: bool = False,

@@ -75,7 +75,7 @@ _WRITES = frozenset(int(o) for o in (
     Op.PUT_COMMIT, Op.REMOVE_ALL, Op.REMOVE_BY_REGEX, Op.UPSERT_START, Op.BATCH_PUT_START,
     Op.BATCH_PUT_END, Op.BATCH_PUT_COMMIT,
     Op.BATCH_PUT_REVOKE, Op.BATCH_REMOVE, Op.BATCH_UPSERT_START, Op.BATCH_REPLICA_CLEAR,
-    Op.TIER_TASK_DONE, Op.CREATE_COPY_TASK, Op.CREATE_MOVE_TASK))
+    Op.TIER_TASK_DONE, Op.CREATE_COPY_TASK, Op.CREATE_MOVE_TASK, Op.TENANT_SET))
 _REBIND_S = 2.0  # how long promote waits for the replication port to be free
 _RECONNECT_S = 1.0  # a sink silent this long (no batch, no heartbeat) says hello again
 #: batches for a standby outside the in-sync set are sent together, at most this

@@ -83,7 +83,7 @@ class MsgType(IntEnum):
     # journal frames; urgent: replies wait for this standby's ack (ack at once)
     BATCH = 2
     ACK = 3  # standby -> leader: [3, epoch, last_lsn]
-    SNAP_BEGIN = 4  # leader -> standby: [4, epoch, lsn, [segment wire, ...], history]
+    SNAP_BEGIN = 4  # leader -> standby: [4, epoch, lsn, [segment wire, ...], history, tenants]
     SNAP_CHUNK = 5  # leader -> standby: [5, epoch, [snapshot record, ...]]
     SNAP_END = 6  # leader -> standby: [6, epoch, lsn, objects]
     HEARTBEAT = 7  # leader -> standby: [7, epoch, last_lsn] (idle stream)

@@ -368,6 +368,8 @@ class ReplicaSink:
             d.journaling = False
             for wire in msg[3]:
                 d.restore_segment(wire)
+            if len(msg) > 5:  # the leader's live tenant quotas
+                d.tenants.load_live(msg[5])
             self.directory = d
             self.log.reset(epoch, int(msg[2]), msg[4])
             self.state = SinkState.SNAPSHOT
@@ -457,4 +459,5 @@ def promote_directory(d: Directory, now: float | None = None) -> int:
     d.segtab.awaiting.clear()
     d.journaling = True
     d.records.clear()
+    d.tenants.rebuild(d.objects, d.objects.pending)  # usage as the objects say
     return n

@@ -396,7 +396,8 @@ class ReplicationSource:
         self.standbys[instance_id] = sb
         self._count_snapshots()
         self._send(ident, pack([MsgType.SNAP_BEGIN, self.epoch, self.log.last_lsn,
-                                 d.segtab.wires(), self.log.history]))
+                                 d.segtab.wires(), self.log.history,
+                                 d.tenants.live_records()]))
         self.snapshots_sent += 1
         log.info("standby %s (last %d/%d): sending a snapshot at lsn %d", instance_id,
                  last_epoch, last_lsn, self.log.last_lsn)

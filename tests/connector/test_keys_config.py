@@ -145,3 +145,23 @@ def test_store_client_config_for_a_multi_host_pool(tmp_path: object) -> None:
                                                              "gpu-node-7")
     assert cc.curve.enabled is False and cc.transfer_timeout_s == 12
     assert cc.rpc_timeout_s == 2.0  # the connector's rpc_timeout_s beats the YAML
+
+
+def test_tenant_reaches_the_store_client(tmp_path: object,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"tenant"`` of the extra config becomes the client's tenant (over the
+    YAML's); without it the YAML's holds; a bad name is a ConfigError naming it."""
+    from pathlib import Path
+
+    from kvpool.connector.store_access import client_config
+
+    monkeypatch.delenv("KVPOOL_CONFIG", raising=False)
+    yaml = Path(str(tmp_path)) / "client.yaml"
+    yaml.write_text("tenant: from-yaml\n")
+    assert client_config(ConnectorConfig.from_extra_config(
+        {"client_config": str(yaml), "tenant": "team-a"})).tenant == "team-a"
+    assert client_config(ConnectorConfig.from_extra_config(
+        {"client_config": str(yaml)})).tenant == "from-yaml"
+    assert client_config(ConnectorConfig.from_extra_config({})).tenant == "default"
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.tenant"):
+        ConnectorConfig.from_extra_config({"tenant": "a b"})

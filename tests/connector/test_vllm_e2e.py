@@ -109,20 +109,29 @@ def test_store_hit_prefix_noise_and_master_down(tiny_model: str, pool: tuple[Any
 
 def test_async_load_and_decode_chunks(tiny_model: str, pool: tuple[Any, Any]) -> None:
     master, _daemon = pool
-    # save_decode: chunks filled by generated tokens are stored too.
-    with _engine(tiny_model, master.address, save_decode=True, load_async=True) as e1:
+    # save_decode: chunks filled by generated tokens are stored too. Both engines act
+    # for tenant team-a (its chunks are no other tenant's: checked at the end).
+    with _engine(tiny_model, master.address, save_decode=True, load_async=True,
+                 tenant="team-a") as e1:
         r1 = e1.generate([P1], max_tokens=88)
     ids, toks = r1["results"][0]["prompt_token_ids"], r1["results"][0]["token_ids"]
     w1 = r1["connector"]["worker"]
     assert w1["saved_chunks"] == (200 + 88 - 1) // CHUNK == 4, w1
 
     # A fresh engine loading asynchronously (request waits in WAITING_FOR_REMOTE_KVS).
-    with _engine(tiny_model, master.address, prefix_caching=False, load_async=True) as e2:
+    with _engine(tiny_model, master.address, prefix_caching=False, load_async=True,
+                 tenant="team-a") as e2:
         r2 = e2.generate([{"prompt_token_ids": ids + toks[:80]}], max_tokens=8)
     s2, w2 = r2["connector"]["scheduler"], r2["connector"]["worker"]
     assert s2["hit_tokens"] == 4 * CHUNK, s2  # 3 prompt chunks + 1 decode chunk
     assert w2["loaded_chunks"] == 4 and w2["load_errors"] == 0, w2
     assert r2["results"][0]["token_ids"] == toks[80:88]
+    from kvpool.store import Client, ClientConfig
+
+    keys = _keys(tiny_model, ids, 3)
+    for tenant, held in (("team-a", True), ("default", False), ("team-b", False)):
+        with Client(ClientConfig(master_address=master.address, tenant=tenant)) as c:
+            assert c.batch_exists(keys) == [held] * len(keys), tenant
 
 
 def test_frozen_pool_recomputes_under_vllm_defaults(tiny_model: str) -> None:

@@ -194,6 +194,9 @@ def test_late_standby_gets_a_snapshot_interleaved_with_live_changes(ctx: zmq.Con
     leader.src.log.ring_limit = 1000  # the ring no longer holds the start: a snapshot
     sink = sink_for(ctx, "late")
     try:
+        # a tenant quota set live: long out of the ring, it comes with the snapshot
+        leader.d.set_tenant_quota("q", 1 << 20, -1, 4096)
+        leader.commit()
         leader.mount("seg-a", 256 << 20)
         leader.mount("seg-b", 256 << 20)
         keys = leader.put(4000, size=1024)
@@ -212,6 +215,7 @@ def test_late_standby_gets_a_snapshot_interleaved_with_live_changes(ctx: zmq.Con
         assert sink.stats.snapshots == 1
         assert state(sink.directory) == state(leader.d)
         assert len(sink.directory.objects) == len(leader.d.objects) == len(keys)
+        assert sink.directory.tenants.live == {"q": (1 << 20, -1, 4096)}
     finally:
         sink.close()
         leader.src.close()

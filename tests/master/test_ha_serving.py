@@ -103,7 +103,7 @@ def _quiet(leader: HaMasterProcess, standbys: int) -> bool:
 #: ops that change nothing a standby replicates: served by a fenced leader
 _READS = {Op.PING, Op.GET_REPLICA_LIST, Op.EXIST, Op.GET_SIZE, Op.BATCH_GET_REPLICA_LIST,
           Op.BATCH_EXIST, Op.BATCH_GET_SIZE, Op.STATS, Op.LIST_SEGMENTS, Op.GET_SEGMENTS,
-          Op.LOCAL_ENDPOINT, Op.LIST_OBJECTS, Op.QUERY_TASK}
+          Op.LOCAL_ENDPOINT, Op.LIST_OBJECTS, Op.QUERY_TASK, Op.TENANT_LIST}
 
 
 def test_every_op_is_a_read_or_refused_while_fenced() -> None:

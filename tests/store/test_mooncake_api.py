@@ -56,7 +56,7 @@ def make_store(master: MasterProcess) -> Iterator[Callable[..., MooncakeDistribu
 
     yield make
     for s in made:
-        s.remove_all(True) if s._client is not None and not s._core.prefix else None
+        s.remove_all(True) if s._client is not None else None
         assert s.close() == 0
 
 

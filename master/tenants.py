@@ -1,0 +1,382 @@
+"""The tenant table: per-tenant usage, quotas and counters (docs/tenants-quotas.md).
+
+A tenant's objects are the stored keys in its namespace
+(:func:`kvpool.core.tenants.tenant_of`). Usage is counted in bytes of
+object data: an object of ``size`` bytes with ``m`` memory and ``d`` file
+(disk) replicas uses ``m * size`` of memory and ``d * size`` of disk; a put
+in flight counts from its start (its replicas are allocated then) until it
+is committed (the object's then), revoked or preempted. The directory
+calls the table at its single points of allocation and freeing (put start,
+commit, a replica set changed, an object forgotten), so usage never needs a
+scan; after a restart (snapshot + journal replay) or an HA promotion it is
+rebuilt from the objects (:meth:`TenantTable.rebuild`), so it cannot drift.
+
+Cost for the ``default`` tenant: its usage is not tracked unless it is
+listed under ``tenants:`` (``track_default``); every hook is behind a
+``key < " "`` test (a scoped key starts with U+001F, a reservation with
+NUL; no caller's key starts below U+0020), so default keys pay one string
+comparison. Its objects, hits, misses and evictions in :meth:`TenantTable.rows` are
+then derived (the totals less the named tenants'), its bytes not counted.
+
+Quotas come from the config (``tenants:``, ``default_tenant_quota:`` for
+the tenants not listed there) and from TENANT_SET (journaled as
+:class:`~kvpool.master.records.TenantSet`, in snapshots, replicated; a
+live setting wins over the file). A put start that would take a tenant
+over a quota makes room by evicting that tenant's own least recently used
+evictable objects (:meth:`TenantTable.make_room`, the eviction policy
+asked for victims in the tenant's own use order); when they cannot free
+enough the key fails with QUOTA_EXCEEDED and nothing changes. Each tenant
+with a quota keeps its complete objects in use order (``Tenant.objs``),
+which is what makes that choice cheap (a tenant without one keeps them
+unordered, and sorts them by their use stamps when it gets a quota); the
+default tenant's (untracked) objects are only in the global order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from kvpool.core.errors import ErrorCode
+from kvpool.core.protocol import SegmentKind
+from kvpool.core.tenants import DEFAULT_TENANT, TENANT_SEP
+from kvpool.master.config import MasterConfig, TenantQuota, tenant_quotas
+from kvpool.master.objects import Obj
+
+if TYPE_CHECKING:
+    from kvpool.master.eviction import Evictor
+
+__all__ = ["UNLIMITED", "Tenant", "TenantTable"]
+
+log = logging.getLogger(__name__)
+
+#: a limit that is never reached (-1 on the wire and in the config)
+UNLIMITED = 1 << 62
+_MEM = SegmentKind.MEMORY
+_FILE = SegmentKind.FILE
+QUOTA_EXCEEDED = int(ErrorCode.QUOTA_EXCEEDED)
+
+
+def _limit(v: int | None) -> int:
+    return UNLIMITED if v is None or v < 0 else v
+
+
+def _tick(item: tuple[str, Obj]) -> int:
+    return item[1].tick
+
+
+def _wire(v: int) -> int:
+    return -1 if v >= UNLIMITED else v
+
+
+class Tenant:
+    """One tenant's quotas (``UNLIMITED`` when none), usage and counters."""
+
+    __slots__ = ("disk", "disk_quota", "evictions", "guaranteed", "hits", "mem",
+                 "memory_quota", "misses", "name", "objs", "ordered", "refusals")
+
+    def __init__(self, name: str, memory: int, disk: int, guaranteed: int) -> None:
+        self.name = name
+        self.memory_quota = memory
+        self.disk_quota = disk
+        self.guaranteed = guaranteed
+        self.mem = 0
+        self.disk = 0
+        #: complete objects; in use order (least recent first) while ``ordered``,
+        #: else in the order they were stored
+        self.objs: dict[str, Obj] = {}
+        #: whether reads keep ``objs`` in use order: only a tenant with a quota
+        #: needs it (its own LRU victims); an unlimited one skips the cost
+        self.ordered = memory < UNLIMITED or disk < UNLIMITED
+        self.hits = self.misses = self.evictions = self.refusals = 0
+
+    def quotas(self) -> tuple[int, int, int]:
+        """(memory, disk, guaranteed) as the wire states them: -1 = unlimited/none."""
+        return _wire(self.memory_quota), _wire(self.disk_quota), _wire(self.guaranteed)
+
+
+class TenantTable:
+    """The tenants a master knows (see the module docstring)."""
+
+    def __init__(self, cfg: MasterConfig) -> None:
+        self.cfg = cfg
+        #: the configured quotas (``tenants:``), sizes parsed
+        self.configured = tenant_quotas(cfg.tenants)
+        self.default_quota = cfg.default_tenant_quota
+        self.by_name: dict[str, Tenant] = {}
+        #: quotas set live (TENANT_SET), name -> (memory, disk, guaranteed), wire form
+        self.live: dict[str, tuple[int, int, int]] = {}
+        self.track_default = DEFAULT_TENANT in self.configured
+        self.default: Tenant | None = None
+        self.guarantees = False
+        # reads of the default tenant's keys, counted for every key (its
+        # numbers are the totals less the named tenants')
+        self.hits = 0
+        self.misses = 0
+        self.evictor: Evictor | None = None  # set by the directory
+        # the namespace prefix of the tenant :meth:`of` found last ("\x1fname\x1f")
+        self._last_prefix = "\x1f\x1f"  # (no stored key starts so: a tenant name is not empty)
+        self._last: Tenant | None = None
+        for name in self.configured:
+            self.tenant(name)
+
+    # ---------------------------------------------------------------- lookup
+    def _quota_of(self, name: str) -> tuple[int, int, int]:
+        got = self.live.get(name)
+        if got is not None:
+            return _limit(got[0]), _limit(got[1]), _limit(got[2])
+        q: TenantQuota = self.configured.get(name) or self.default_quota
+        if name == DEFAULT_TENANT and name not in self.configured:
+            return UNLIMITED, UNLIMITED, UNLIMITED
+        return _limit(q.memory), _limit(q.disk), _limit(q.guaranteed)
+
+    def tenant(self, name: str) -> Tenant:
+        """Tenant ``name`` (canonical), created with its configured quotas."""
+        t = self.by_name.get(name)
+        if t is None:
+            t = self.by_name[name] = Tenant(name, *self._quota_of(name))
+            if name == DEFAULT_TENANT:
+                self.default = t
+                self.track_default = True
+            if t.guaranteed < UNLIMITED:
+                self.guarantees = True
+        return t
+
+    def of(self, key: str) -> Tenant | None:
+        """The tracked tenant of stored key ``key``, or None (the default
+        tenant's key while it is untracked)."""
+        # a batch is one tenant's: the last namespace seen is checked first
+        if key.startswith(self._last_prefix):
+            return self._last
+        if key.startswith(TENANT_SEP):
+            end = key.find(TENANT_SEP, 1)
+            if end > 1:
+                name = key[1:end]
+                t = self.by_name.get(name)
+                if t is None:
+                    t = self.tenant(name)
+                self._last_prefix = key[:end + 1]
+                self._last = t
+                return t
+        return self.default
+
+    # ---------------------------------------------------------------- quotas
+    def set_quota(self, name: str, memory: int, disk: int, guaranteed: int) -> Tenant:
+        """TENANT_SET (or its record replayed): the live quotas of ``name``
+        (-1 = unlimited/none). Nothing is evicted here: a tenant left above a
+        lowered quota keeps its objects and its next puts make room within it."""
+        self.live[name] = (_wire(_limit(memory)), _wire(_limit(disk)),
+                           _wire(_limit(guaranteed)))
+        t = self.tenant(name)
+        t.memory_quota, t.disk_quota, t.guaranteed = self._quota_of(name)
+        ordered = t.memory_quota < UNLIMITED or t.disk_quota < UNLIMITED
+        if ordered and not t.ordered:  # its objects' use order, from their use stamps
+            t.objs = dict(sorted(t.objs.items(), key=_tick))
+        t.ordered = ordered
+        self.guarantees = any(x.guaranteed < UNLIMITED for x in self.by_name.values())
+        return t
+
+    def live_records(self) -> list[list[Any]]:
+        """The live quotas, ``[[name, memory, disk, guaranteed], ...]`` (a snapshot's)."""
+        return [[n, *q] for n, q in self.live.items()]
+
+    def load_live(self, rows: Any) -> None:
+        """Apply a snapshot's :meth:`live_records`."""
+        for name, memory, disk, guaranteed in rows or ():
+            self.set_quota(str(name), int(memory), int(disk), int(guaranteed))
+
+    def admit(self, t: Tenant, size: int, mem_n: int, disk_n: int) -> bool:
+        """Whether a put of ``size`` bytes with ``mem_n`` memory and ``disk_n``
+        disk replicas fits ``t``'s quotas, after evicting ``t``'s own least
+        recently used objects when it would not. False (counted as a
+        refusal): nothing was evicted."""
+        over_mem = t.mem + size * mem_n - t.memory_quota if mem_n else 0
+        over_disk = t.disk + size * disk_n - t.disk_quota if disk_n else 0
+        if over_mem <= 0 and over_disk <= 0:
+            return True
+        mem_victims = self.victims(t, _MEM, over_mem) if over_mem > 0 else []
+        disk_victims = self.victims(t, _FILE, over_disk) if over_disk > 0 else []
+        if mem_victims is None or disk_victims is None:
+            t.refusals += 1
+            return False
+        ev = self.evictor
+        assert ev is not None
+        for kind, victims in ((_MEM, mem_victims), (_FILE, disk_victims)):
+            for key, obj in victims:
+                if t.objs.get(key) is obj:  # (not gone with an earlier victim)
+                    ev.evict_object(key, obj, kind, offload=False)
+        return True
+
+    def victims(self, t: Tenant, kind: SegmentKind,
+                need: int) -> list[tuple[str, Obj]] | None:
+        """``t``'s own evictable objects freeing at least ``need`` bytes of
+        its ``kind`` usage, least recently used first (the eviction policy
+        asked over ``t``'s use order), or None when they cannot."""
+        ev = self.evictor
+        assert ev is not None
+        now = ev.clock()
+        if ev.objects.lease_grace_until > now:
+            return None
+        chosen = ev.policy.evict(kind, need, 1 << 62, now, t.objs.items())
+        if chosen is None:
+            return None
+        freed = 0
+        out: list[tuple[str, Obj]] = []
+        for key, obj in chosen[0]:
+            reps = obj.replicas
+            n = sum(1 for s in reps[::2] if s.kind is kind)
+            freed += n * obj.size
+            out.append((key, obj))
+            if freed >= need:
+                return out
+        return None
+
+    def over_share(self) -> Callable[[str, Obj], bool]:
+        """Pool-wide eviction's first pass: whether an object may go because
+        its tenant is above its guaranteed share (a tenant without one always
+        is), counting what the pass has chosen so far."""
+        left: dict[Tenant, int] = {}
+        track = self.track_default
+
+        def pick(key: str, obj: Obj) -> bool:
+            if not (key < " " or track):
+                return True
+            t = self.of(key)
+            if t is None or t.guaranteed >= UNLIMITED:
+                return True
+            spare = left.get(t)
+            if spare is None:
+                spare = t.mem - t.guaranteed
+            if spare <= 0:
+                return False
+            left[t] = spare - obj.size
+            return True
+
+        return pick
+
+    # ---------------------------------------------------------------- accounting
+    @staticmethod
+    def charge(t: Tenant, reps: tuple[Any, ...], size: int) -> None:
+        """Add ``size`` (negative: take away) per replica in ``reps`` to ``t``'s usage."""
+        if len(reps) == 2:
+            if reps[0].kind is _FILE:
+                t.disk += size
+            else:
+                t.mem += size
+            return
+        for i in range(0, len(reps), 2):
+            if reps[i].kind is _FILE:
+                t.disk += size
+            else:
+                t.mem += size
+
+    def started(self, key: str, reps: tuple[Any, ...], size: int) -> None:
+        """A put of ``key`` was placed on ``reps``."""
+        t = self.of(key)
+        if t is not None:
+            self.charge(t, reps, size)
+
+    def released(self, key: str, reps: tuple[Any, ...], size: int) -> None:
+        """A put in flight of ``key`` (on ``reps``) is gone uncommitted."""
+        t = self.of(key)
+        if t is not None:
+            self.charge(t, reps, -size)
+
+    def renamed(self, placeholder: str, key: str, reps: tuple[Any, ...], size: int) -> None:
+        """A reservation's put moves from ``placeholder`` to ``key``."""
+        a, b = self.of(placeholder), self.of(key)
+        if a is not b:
+            if a is not None:
+                self.charge(a, reps, -size)
+            if b is not None:
+                self.charge(b, reps, size)
+
+    def stored(self, key: str, obj: Obj) -> None:
+        """``key`` became the COMPLETE ``obj`` (its put's charge stays)."""
+        t = self.of(key)
+        if t is not None:
+            t.objs[key] = obj
+
+    def forgotten(self, key: str, obj: Obj) -> None:
+        """``obj`` left the table with its replicas."""
+        t = self.of(key)
+        if t is not None:
+            self.charge(t, obj.replicas, -obj.size)
+            if t.objs.get(key) is obj:
+                del t.objs[key]
+
+    def rereps(self, key: str, size: int, old: tuple[Any, ...], new: tuple[Any, ...]) -> None:
+        """``key``'s replica set changed from ``old`` to ``new``."""
+        t = self.of(key)
+        if t is not None:
+            self.charge(t, old, -size)
+            self.charge(t, new, size)
+
+    def read(self, key: str, obj: Obj | None) -> None:
+        """A read of ``key`` found ``obj`` (a hit: most recent in its tenant's
+        order) or not (None: a miss). A miss of a tenant that never stored
+        anything is not counted: a read alone does not make a tenant."""
+        if obj is None and key.startswith(TENANT_SEP):
+            end = key.find(TENANT_SEP, 1)
+            t = self.by_name.get(key[1:end]) if end > 1 else None
+        else:
+            t = self.of(key)
+        if t is None:
+            return
+        if obj is None:
+            t.misses += 1
+            return
+        t.hits += 1
+        if t.ordered:
+            objs = t.objs
+            if objs.pop(key, None) is not None:
+                objs[key] = obj
+
+    def rebuild(self, objects: Any, pending: dict[str, Any]) -> None:
+        """Recount every tenant's usage and use order from the objects and the
+        puts in flight (after a restore or an HA promotion)."""
+        for t in self.by_name.values():
+            t.mem = t.disk = 0
+            t.objs = {}
+        items: Iterator[tuple[str, Obj]] = objects.lru_items()
+        track = self.track_default
+        for key, obj in items:
+            if key < " " or track:
+                owner = self.of(key)
+                if owner is not None:
+                    self.charge(owner, obj.replicas, obj.size)
+                    owner.objs[key] = obj
+        for key, p in pending.items():
+            if key < " " or track:
+                self.started(key, p.replicas, p.size)
+
+    # ---------------------------------------------------------------- reading
+    def rows(self, objects: int) -> list[dict[str, Any]]:
+        """One row per tenant (TENANT_LIST, /metrics): quotas (-1 unlimited),
+        usage and counters. An untracked default tenant's row is derived from
+        the totals (``objects``: the table's count) less the named tenants';
+        its bytes used are None (not counted)."""
+        out: list[dict[str, Any]] = []
+        named = [t for t in self.by_name.values() if t.name != DEFAULT_TENANT]
+        for t in sorted(self.by_name.values(), key=lambda x: (x.name != DEFAULT_TENANT, x.name)):
+            out.append(self._row(t.name, t.quotas(), t.mem, t.disk, len(t.objs), t.hits,
+                                 t.misses, t.evictions, t.refusals))
+        if self.default is None:
+            ev = self.evictor
+            out.insert(0, self._row(
+                DEFAULT_TENANT, (-1, -1, -1), None, None,
+                max(0, objects - sum(len(t.objs) for t in named)),
+                max(0, self.hits - sum(t.hits for t in named)),
+                max(0, self.misses - sum(t.misses for t in named)),
+                max(0, (ev.evictions if ev else 0) - sum(t.evictions for t in named)), 0))
+        return out
+
+    @staticmethod
+    def _row(name: str, quotas: tuple[int, int, int], mem: int | None, disk: int | None,
+             objects: int,
+             hits: int, misses: int, evictions: int, refusals: int) -> dict[str, Any]:
+        return {"name": name, "memory_quota": quotas[0], "disk_quota": quotas[1],
+                "guaranteed": quotas[2], "memory_used": mem, "disk_used": disk,
+                "objects": objects, "hits": hits, "misses": misses, "evictions": evictions,
+                "refusals": refusals}

@@ -1,0 +1,202 @@
+"""Tenant quotas at the master's op handlers (no sockets; docs/tenants-quotas.md).
+
+Requests carry the ``tenant`` field as a client sends it; the master scopes
+keys, counts usage, evicts a tenant's own least recently used objects at its
+quota and refuses with QUOTA_EXCEEDED when none can go. Time is a hand-driven
+clock (read leases end when the test says so)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.core.protocol import (
+    BatchExist,
+    BatchGetReplicaList,
+    BatchPutEnd,
+    BatchPutStart,
+    BatchRemove,
+    MountSegment,
+    PutOptions,
+    SegmentDescriptor,
+    SegmentKind,
+    TenantList,
+    TenantSet,
+)
+from kvpool.master.config import MasterConfig
+from kvpool.master.directory import Directory
+from kvpool.master.handlers import OpHandlers
+from kvpool.master.records import SetQuota
+from kvpool.master.tiering import TieringPolicy
+from support.clock import Clock
+
+pytestmark = pytest.mark.timeout(30)
+
+SIZE = 4096
+QUOTA = int(ErrorCode.QUOTA_EXCEEDED)
+
+
+class Master:
+    """Op handlers over a directory on a hand-driven clock, one memory segment."""
+
+    def __init__(self, segment: int = 1 << 20, **cfg: Any) -> None:
+        self.clock = Clock()
+        self.cfg = MasterConfig(capabilities=False, **cfg)
+        self.cfg.validate()
+        tiering = TieringPolicy(self.cfg.tiering)
+        self.d = Directory(self.cfg, clock=self.clock, hooks=tiering)
+        self.h = OpHandlers(self.cfg, self.d, tiering, None)
+        self.h.handle(MountSegment("c1", SegmentDescriptor("s1", "c1", "h", SegmentKind.MEMORY,
+                                                           segment, "kvpool-s1")))
+
+    def put(self, tenant: str, *keys: str, size: int = SIZE,
+            options: PutOptions | None = None) -> list[int]:
+        r = self.h.handle(BatchPutStart("c1", list(keys), [size] * len(keys),
+                                        options or PutOptions(), tenant=tenant))
+        ok = [k for k, c in zip(keys, r.codes, strict=True) if not c]
+        if ok:
+            self.h.handle(BatchPutEnd(client_id="c1", keys=ok, tenant=tenant))
+        return list(r.codes)
+
+    def exists(self, tenant: str, *keys: str) -> list[bool]:
+        return list(self.h.handle(BatchExist(list(keys), tenant=tenant)).exists)
+
+    def read(self, tenant: str, *keys: str) -> list[int]:
+        return list(self.h.handle(BatchGetReplicaList(list(keys), tenant=tenant)).codes)
+
+    def row(self, name: str) -> Any:
+        return next(r for r in self.h.handle(TenantList()).tenants if r.name == name)
+
+    def leases_end(self) -> None:
+        self.clock.t += self.cfg.lease_ttl_ms / 1000 + 1
+
+
+def test_quota_evicts_the_tenants_own_lru_and_leaves_other_tenants_alone() -> None:
+    m = Master(tenants={"a": {"memory": 3 * SIZE}})
+    assert m.put("a", "k0", "k1", "k2") == [0, 0, 0]
+    assert m.put("b", "k0", "k1", "k2") == [0, 0, 0]  # the same keys: other objects
+    assert m.put("", "k0") == [0]
+    m.leases_end()
+    assert m.read("a", "k0") == [0]  # k0 is now a's most recent
+    m.leases_end()
+    assert m.put("a", "k3") == [0]  # at its quota: a's least recent (k1) goes
+    assert m.exists("a", "k0", "k1", "k2", "k3") == [True, False, True, True]
+    # nobody else's object went: readable by replica lists
+    assert m.read("b", "k0", "k1", "k2") == [0, 0, 0]
+    assert m.read("", "k0") == [0]
+    a, b = m.row("a"), m.row("b")
+    assert (a.memory_used, a.objects, a.evictions, a.refusals) == (3 * SIZE, 3, 1, 0)
+    assert (b.memory_used, b.objects, b.evictions) == (3 * SIZE, 3, 0)
+    assert a.memory_quota == 3 * SIZE and b.memory_quota == -1
+    assert a.hits >= 1 and a.misses == 1  # the exist of k1
+
+
+def test_nothing_evictable_is_quota_exceeded_and_changes_nothing() -> None:
+    m = Master(tenants={"a": {"memory": 2 * SIZE}})
+    assert m.put("a", "k0", "k1") == [0, 0]
+    assert m.put("b", "x") == [0]
+    assert m.read("a", "k0", "k1") == [0, 0]  # both read-leased: neither may go
+    before = (len(m.d.objects), dict(m.d.pool_used), len(m.d.pending), m.row("a").memory_used)
+    m.d.records.clear()
+    assert m.put("a", "k2", "k3") == [QUOTA, QUOTA]
+    assert m.put("a", "huge", size=3 * SIZE) == [QUOTA]  # more than the whole quota
+    assert (len(m.d.objects), dict(m.d.pool_used), len(m.d.pending),
+            m.row("a").memory_used) == before
+    assert m.d.records == []  # nothing journaled
+    assert m.exists("a", "k0", "k1", "k2") == [True, True, False]
+    assert m.row("a").refusals == 3 and m.row("a").evictions == 0
+    # another tenant is not limited by a's quota
+    assert m.put("b", "y", "z") == [0, 0]
+    m.leases_end()
+    assert m.put("a", "k2") == [0]  # leases over: a's LRU (k0) makes room
+    assert m.exists("a", "k0", "k1", "k2") == [False, True, True]
+
+
+def test_disk_quota_evicts_the_tenants_own_disk_replicas() -> None:
+    m = Master(tenants={"a": {"disk": 2 * SIZE}})
+    m.h.handle(MountSegment("c1", SegmentDescriptor("f1", "c1", "h", SegmentKind.FILE,
+                                                    1 << 20, "/nonexistent/f1")))
+    both = PutOptions(replica_num=1, disk_replica_num=1)
+    assert m.put("a", "k0", "k1", options=both) == [0, 0]
+    assert m.put("b", "k0", options=both) == [0]
+    a = m.row("a")
+    assert (a.memory_used, a.disk_used) == (2 * SIZE, 2 * SIZE)
+    m.leases_end()
+    assert m.put("a", "k2", options=both) == [0]  # k0's disk replica goes, not b's
+    assert m.exists("a", "k0", "k1", "k2") == [True, True, True]  # k0 kept its memory one
+    a = m.row("a")
+    assert (a.memory_used, a.disk_used, a.evictions) == (3 * SIZE, 2 * SIZE, 1)
+    assert m.row("b").disk_used == SIZE
+    # a put needing more disk than the whole quota: refused, nothing changes
+    assert m.put("a", "big", size=3 * SIZE, options=both) == [QUOTA]
+    assert m.row("a").disk_used == 2 * SIZE and m.row("a").refusals == 1
+
+
+def test_pool_pressure_takes_tenants_above_their_guaranteed_share_first() -> None:
+    # 16 objects fill the segment; eviction starts above 90 %
+    m = Master(segment=16 * SIZE, tenants={"a": {"guaranteed": 4 * SIZE}, "b": {}})
+    assert m.put("a", "a0", "a1", "a2", "a3") == [0] * 4  # the oldest: LRU would take a0
+    assert m.put("b", "b0", "b1", "b2", "b3") == [0] * 4
+    assert m.put("", *(f"d{i}" for i in range(6))) == [0] * 6
+    m.leases_end()
+    assert m.put("", "d6") == [0]  # above the watermark: eviction
+    assert m.d.evictor.evictions >= 1
+    # a holds no more than its guaranteed share: b (no share) went first
+    assert m.exists("a", "a0", "a1", "a2", "a3") == [True] * 4
+    assert m.exists("b", "b0") == [False]
+    assert m.row("b").evictions >= 1 and m.row("a").evictions == 0
+
+
+def test_pool_pressure_without_guarantees_is_plain_lru() -> None:
+    m = Master(segment=16 * SIZE, tenants={"a": {}, "b": {}})
+    assert m.put("a", "a0", "a1", "a2", "a3") == [0] * 4
+    assert m.put("b", "b0", "b1", "b2", "b3") == [0] * 4
+    assert m.put("", *(f"d{i}" for i in range(6))) == [0] * 6
+    m.leases_end()
+    assert m.put("", "d6") == [0]
+    assert m.exists("a", "a0") == [False]  # the control: a's oldest went
+
+
+def test_tenant_set_is_live_journaled_and_validated() -> None:
+    m = Master()
+    assert m.put("b", "k0", "k1", "k2", "k3") == [0] * 4
+    m.leases_end()
+    assert m.read("b", "k0") == [0]  # b has no quota yet: its use order comes from the stamps
+    m.d.records.clear()
+    reply = m.h.handle(TenantSet("b", memory=2 * SIZE))
+    assert [r.name for r in reply.tenants] == ["b"]
+    assert reply.tenants[0].memory_quota == 2 * SIZE
+    assert reply.tenants[0].memory_used == 4 * SIZE  # lowered below use: nothing evicted yet
+    assert m.d.records == [SetQuota("b", 2 * SIZE, -1, -1)]
+    m.leases_end()
+    assert m.put("b", "k4") == [0]  # evicts b's own LRU down to the new quota
+    assert m.exists("b", "k0", "k1", "k2", "k3", "k4") == [True, False, False, False, True]
+    assert m.row("b").memory_used == 2 * SIZE
+    m.h.handle(TenantSet("b"))  # unlimited again
+    assert m.put("b", "k5", "k6") == [0, 0]
+    for bad in (TenantSet("-bad"), TenantSet("b", memory=-2), TenantSet("x" * 65)):
+        with pytest.raises(KVPoolError) as ei:
+            m.h.handle(bad)
+        assert ei.value.code == ErrorCode.INVALID_PARAMS
+    # a tenant seen only by its keys has the default_tenant_quota
+    m2 = Master(default_tenant_quota={"memory": SIZE})
+    assert m2.put("new", "k0", "k1") == [0, QUOTA]
+    assert m2.row("new").memory_quota == SIZE
+
+
+def test_usage_is_rebuilt_from_the_objects_on_restore() -> None:
+    m = Master(tenants={"a": {"memory": 8 * SIZE}})
+    assert m.put("a", "k0", "k1", "k2") == [0, 0, 0]
+    assert m.put("a", "gone") == [0]
+    m.h.handle(TenantSet("z", memory=SIZE, disk=2 * SIZE))
+    m.leases_end()
+    m.h.handle(BatchRemove(["gone"], tenant="a"))
+    fresh = Directory(m.cfg, clock=m.clock)
+    fresh.journaling = False
+    assert fresh.apply_records(list(m.d.records)) == []
+    fresh.finish_restore()
+    rows = {r["name"]: r for r in fresh.tenants.rows(len(fresh.objects))}
+    assert (rows["a"]["memory_used"], rows["a"]["objects"]) == (3 * SIZE, 3)
+    assert (rows["z"]["memory_quota"], rows["z"]["disk_quota"]) == (SIZE, 2 * SIZE)
