@@ -32,6 +32,7 @@ from kvpool.master.objects import HARD_PIN, SOFT_PIN, Obj, ObjectTable, Pending
 from kvpool.master.placement import MakeRoom, Placement, unplan
 from kvpool.master.records import Put
 from kvpool.master.segments import SegmentTable, SegState
+from kvpool.master.tenants import NO_PREFIX, Tenant
 
 if TYPE_CHECKING:
     from kvpool.master.directory import Directory
@@ -139,6 +140,8 @@ class Writes:
         plan_run = self.placement.plan_run
         tenants = objects.tenants
         track = tenants is not None and tenants.track_default
+        tt: Tenant | None = None  # the tenant of the last tenant key (a batch is one's)
+        tpref = NO_PREFIX
         now = self.clock()
         stamped = False
         # a run of equal sizes is placed at once (plan_run: the segment each key
@@ -166,7 +169,10 @@ class Writes:
                     stamped = True
                 t = None
                 if (key < " " or track) and tenants is not None:
-                    t = tenants.of(key)
+                    if not key.startswith(tpref):
+                        tt = tenants.of(key)
+                        tpref = NO_PREFIX if tt is None else tt.prefix
+                    t = tt
                     # at its quota: the general step makes room (or refuses)
                     if t is not None and t.mem + size > t.memory_quota:
                         t = None
@@ -308,6 +314,8 @@ class Writes:
         append = changes.records.append if changes.journaling else None
         tenants = objects.tenants
         track = tenants is not None and tenants.track_default
+        tt: Tenant | None = None  # as in put_start_many
+        tpref = NO_PREFIX
         writer = objects._writers.get(client_id) or objects.writer(client_id)
         # a commit names its reservation first (one clock read for the batch,
         # and no naming of a pending put the inline path drops)
@@ -358,7 +366,11 @@ class Writes:
             size, flags, checksum = p.size, p.flags, p.checksum
             shard[key] = obj = Obj(size, reps, flags, checksum, writer)
             if (key < " " or track) and tenants is not None:
-                tenants.stored(key, obj)
+                if not key.startswith(tpref):
+                    tt = tenants.of(key)
+                    tpref = NO_PREFIX if tt is None else tt.prefix
+                if tt is not None:
+                    tt.objs[key] = obj.tick  # (TenantTable.stored, inline)
             if seg is not last_seg:
                 last_seg, seg_add = seg, seg.keys.add
             seg_add(key)
