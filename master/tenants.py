@@ -25,14 +25,17 @@ live setting wins over the file). A put start that would take a tenant
 over a quota makes room by evicting that tenant's own least recently used
 evictable objects (:meth:`TenantTable.admit`, the eviction policy
 asked for victims in the tenant's own use order); when they cannot free
-enough the key fails with QUOTA_EXCEEDED and nothing changes. Each tenant
-keeps its complete objects in the order they took their place there, with
-the use stamp (``Obj.tick``) they had then (``Tenant.objs``); a read costs
-the tenant nothing (it stamps the object, as every read does), and the
-choice of victims walks that order, moving an object used since it took
-its place to the back (CLOCK's second chance, :meth:`TenantTable.use_order`):
-approximately least recently used, as the pool-wide order is. The default
-tenant's (untracked) objects are only in the global order.
+enough the key fails with QUOTA_EXCEEDED and nothing changes. A
+tenant that has had to make room keeps its complete objects in the order
+they took their place there, with the use stamp (``Obj.tick``) they had
+then (``Tenant.objs``); a read costs the tenant nothing (it stamps the
+object, as every read does), and the choice of victims walks that order,
+moving an object used since it took its place to the back (CLOCK's second
+chance, :meth:`TenantTable.use_order`): approximately least recently used,
+as the pool-wide order is. That order is built the first time the tenant
+must make room (one pass over the object table, the tenant's objects
+sorted by their stamps), so a tenant that never reaches its quota pays only
+its counters.
 
 Hits and misses are counted per batch (the op boundary scopes a request's
 keys into one tenant's namespace): a batch's are its first key's tenant's.
@@ -84,7 +87,7 @@ class Tenant:
     """One tenant's quotas (``UNLIMITED`` when none), usage and counters."""
 
     __slots__ = ("disk", "disk_quota", "evictions", "guaranteed", "hits", "mem",
-                 "memory_quota", "misses", "name", "objs", "prefix", "refusals")
+                 "memory_quota", "misses", "name", "objects", "objs", "prefix", "refusals")
 
     def __init__(self, name: str, memory: int, disk: int, guaranteed: int) -> None:
         self.name = name
@@ -95,9 +98,10 @@ class Tenant:
         self.guaranteed = guaranteed
         self.mem = 0
         self.disk = 0
+        self.objects = 0  # complete objects
         #: complete objects -> their use stamp when they took their place here
-        #: (see the module docstring)
-        self.objs: dict[str, int] = {}
+        #: (see the module docstring); None until the tenant first makes room
+        self.objs: dict[str, int] | None = None
         self.hits = self.misses = self.evictions = self.refusals = 0
 
     def quotas(self) -> tuple[int, int, int]:
@@ -243,9 +247,17 @@ class TenantTable:
         order, skipping each object used since it took its place (those come
         last, by use); once the walk ends they move to the back of the order
         with their current stamps."""
-        objs = t.objs
         ev = self.evictor
         assert ev is not None
+        objs = t.objs
+        if objs is None:  # the first time: the tenant's objects by their stamps
+            prefix = t.prefix
+            if t is self.default:  # the keys outside every namespace
+                mine = sorted((o.tick, k) for k, o in ev.objects.items()
+                              if not k.startswith(TENANT_SEP))
+            else:
+                mine = sorted((o.tick, k) for k, o in ev.objects.items() if k.startswith(prefix))
+            objs = t.objs = {k: tick for tick, k in mine}
         get = ev.objects.get
         moved: list[tuple[int, str, Obj]] = []
         try:
@@ -330,14 +342,22 @@ class TenantTable:
         """``key`` became the COMPLETE ``obj`` (its put's charge stays)."""
         t = self.of(key)
         if t is not None:
-            t.objs[key] = obj.tick
+            t.objects += 1
+            if t.objs is not None:
+                t.objs[key] = obj.tick
 
     def forgotten(self, key: str, obj: Obj) -> None:
         """``obj`` left the table with its replicas."""
         t = self.of(key)
         if t is not None:
-            self.charge(t, obj.replicas, -obj.size)
-            t.objs.pop(key, None)
+            reps = obj.replicas
+            if len(reps) == 2 and reps[0].kind is not _FILE:  # the common case, inline
+                t.mem -= obj.size
+            else:
+                self.charge(t, reps, -obj.size)
+            t.objects -= 1
+            if t.objs is not None:
+                t.objs.pop(key, None)
 
     def rereps(self, key: str, size: int, old: tuple[Any, ...], new: tuple[Any, ...]) -> None:
         """``key``'s replica set changed from ``old`` to ``new``."""
@@ -367,15 +387,15 @@ class TenantTable:
         puts in flight (after a restore or an HA promotion)."""
         for t in self.by_name.values():
             t.mem = t.disk = 0
-            t.objs = {}
-        items: Iterator[tuple[str, Obj]] = objects.lru_items()
+            t.objects = 0
+            t.objs = None  # built again when needed
         track = self.track_default
-        for key, obj in items:
+        for key, obj in objects.items():
             if key < " " or track:
                 owner = self.of(key)
                 if owner is not None:
                     self.charge(owner, obj.replicas, obj.size)
-                    owner.objs[key] = obj.tick
+                    owner.objects += 1
         for key, p in pending.items():
             if key < " " or track:
                 self.started(key, p.replicas, p.size)
@@ -389,13 +409,13 @@ class TenantTable:
         out: list[dict[str, Any]] = []
         named = [t for t in self.by_name.values() if t.name != DEFAULT_TENANT]
         for t in sorted(self.by_name.values(), key=lambda x: (x.name != DEFAULT_TENANT, x.name)):
-            out.append(self._row(t.name, t.quotas(), t.mem, t.disk, len(t.objs), t.hits,
+            out.append(self._row(t.name, t.quotas(), t.mem, t.disk, t.objects, t.hits,
                                  t.misses, t.evictions, t.refusals))
         if self.default is None:
             ev = self.evictor
             out.insert(0, self._row(
                 DEFAULT_TENANT, (-1, -1, -1), None, None,
-                max(0, objects - sum(len(t.objs) for t in named)),
+                max(0, objects - sum(t.objects for t in named)),
                 max(0, self.hits - sum(t.hits for t in named)),
                 max(0, self.misses - sum(t.misses for t in named)),
                 max(0, (ev.evictions if ev else 0) - sum(t.evictions for t in named)), 0))

@@ -369,8 +369,10 @@ class Writes:
                 if not key.startswith(tpref):
                     tt = tenants.of(key)
                     tpref = NO_PREFIX if tt is None else tt.prefix
-                if tt is not None:
-                    tt.objs[key] = obj.tick  # (TenantTable.stored, inline)
+                if tt is not None:  # (TenantTable.stored, inline)
+                    tt.objects += 1
+                    if tt.objs is not None:
+                        tt.objs[key] = obj.tick
             if seg is not last_seg:
                 last_seg, seg_add = seg, seg.keys.add
             seg_add(key)
