@@ -228,19 +228,26 @@ class TenantTable:
         now = ev.clock()
         if ev.objects.lease_grace_until > now:
             return None
-        chosen = ev.policy.evict(kind, need, 1 << 62, now, self.use_order(t))
-        if chosen is None:
-            return None
-        freed = 0
-        out: list[tuple[str, Obj]] = []
-        for key, obj in chosen[0]:
-            reps = obj.replicas
-            n = sum(1 for s in reps[::2] if s.kind is kind)
-            freed += n * obj.size
-            out.append((key, obj))
-            if freed >= need:
-                return out
-        return None
+        # the policy counts the space its victims free (aligned): ask again
+        # for the shortfall while that frees less of the tenant's bytes
+        ask = need
+        got = -1
+        pool_bytes = ev.segtab.pool_bytes
+        while True:
+            chosen = ev.policy.evict(kind, ask, 1 << 62, now, self.use_order(t))
+            if chosen is None or len(chosen[0]) <= got:
+                return None
+            got = len(chosen[0])
+            freed = space = 0
+            out: list[tuple[str, Obj]] = []
+            for key, obj in chosen[0]:
+                reps = obj.replicas
+                freed += sum(1 for s in reps[::2] if s.kind is kind) * obj.size
+                space += pool_bytes(reps, obj.size, kind)
+                out.append((key, obj))
+                if freed >= need:
+                    return out
+            ask = space + need - freed  # more than these: at least one more victim
 
     def use_order(self, t: Tenant) -> Iterator[tuple[str, Obj]]:
         """``t``'s objects, least recently used first (approximately): its

@@ -200,3 +200,14 @@ def test_usage_is_rebuilt_from_the_objects_on_restore() -> None:
     rows = {r["name"]: r for r in fresh.tenants.rows(len(fresh.objects))}
     assert (rows["a"]["memory_used"], rows["a"]["objects"]) == (3 * SIZE, 3)
     assert (rows["z"]["memory_quota"], rows["z"]["disk_quota"]) == (SIZE, 2 * SIZE)
+
+
+def test_quota_counts_object_bytes_not_aligned_space() -> None:
+    # 4000-byte objects take 4032 bytes of the segment (64-byte alignment): a
+    # put needing 4010 of them must evict two, though one frees 4032 of space
+    m = Master(tenants={"a": {"memory": 8000}})
+    assert m.put("a", "k0", "k1", size=4000) == [0, 0]
+    m.leases_end()
+    assert m.put("a", "k2", size=4010) == [0]  # 8000 + 4010 - 8000: both must go
+    assert m.exists("a", "k0", "k1", "k2") == [False, False, True]
+    assert m.row("a").memory_used == 4010
