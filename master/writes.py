@@ -316,6 +316,8 @@ class Writes:
         track = tenants is not None and tenants.track_default
         tt: Tenant | None = None  # as in put_start_many
         tpref = NO_PREFIX
+        tobjs: dict[str, int] | None = None  # tt's use order, when it keeps one
+        tcount = 0  # objects stored for tt, not added to it yet
         writer = objects._writers.get(client_id) or objects.writer(client_id)
         # a commit names its reservation first (one clock read for the batch,
         # and no naming of a pending put the inline path drops)
@@ -365,19 +367,24 @@ class Writes:
             seg = reps[0]  # a new, unpinned, ungrouped object with one live replica
             size, flags, checksum = p.size, p.flags, p.checksum
             shard[key] = obj = Obj(size, reps, flags, checksum, writer)
-            if (key < " " or track) and tenants is not None:
+            if (key < " " or track) and tenants is not None:  # TenantTable.stored, inline
                 if not key.startswith(tpref):
+                    if tt is not None:
+                        tt.objects += tcount
+                    tcount = 0
                     tt = tenants.of(key)
-                    tpref = NO_PREFIX if tt is None else tt.prefix
-                if tt is not None:  # (TenantTable.stored, inline)
-                    tt.objects += 1
-                    if tt.objs is not None:
-                        tt.objs[key] = obj.tick
+                    tpref, tobjs = (NO_PREFIX, None) if tt is None else (tt.prefix, tt.objs)
+                if tt is not None:
+                    tcount += 1
+                    if tobjs is not None:
+                        tobjs[key] = obj.tick
             if seg is not last_seg:
                 last_seg, seg_add = seg, seg.keys.add
             seg_add(key)
             if append is not None:
                 append(Put(key, size, flags, checksum, [seg.id, reps[1]]))
+        if tt is not None:
+            tt.objects += tcount
         return codes
 
     def _commit_one(self, client_id: str, key: str) -> int:
