@@ -123,8 +123,8 @@ class TenantTable:
         self.track_default = DEFAULT_TENANT in self.configured
         self.default: Tenant | None = None
         self.guarantees = False
-        # reads of the default tenant's keys, counted for every key (its
-        # numbers are the totals less the named tenants')
+        # every read's hits and misses (an untracked default tenant's are
+        # these less the named tenants')
         self.hits = 0
         self.misses = 0
         self.evictor: Evictor | None = None  # set by the directory
@@ -204,6 +204,9 @@ class TenantTable:
         over_disk = t.disk + size * disk_n - t.disk_quota if disk_n else 0
         if over_mem <= 0 and over_disk <= 0:
             return True
+        if size * mem_n > t.memory_quota or size * disk_n > t.disk_quota:
+            t.refusals += 1  # more than the whole quota: nothing to look for
+            return False
         mem_victims = self.victims(t, _MEM, over_mem) if over_mem > 0 else []
         disk_victims = self.victims(t, _FILE, over_disk) if over_disk > 0 else []
         if mem_victims is None or disk_victims is None:
