@@ -195,20 +195,32 @@ class TenantTable:
         for name, memory, disk, guaranteed in rows or ():
             self.set_quota(str(name), int(memory), int(disk), int(guaranteed))
 
-    def admit(self, t: Tenant, size: int, mem_n: int, disk_n: int) -> bool:
+    def admit(self, t: Tenant, size: int, mem_n: int, disk_n: int,
+              replacing: tuple[str, Obj] | None = None) -> bool:
         """Whether a put of ``size`` bytes with ``mem_n`` memory and ``disk_n``
         disk replicas fits ``t``'s quotas, after evicting ``t``'s own least
         recently used objects when it would not. False (counted as a
-        refusal): nothing was evicted."""
-        over_mem = t.mem + size * mem_n - t.memory_quota if mem_n else 0
-        over_disk = t.disk + size * disk_n - t.disk_quota if disk_n else 0
+        refusal): nothing was evicted. ``replacing``: the ``(key, object)``
+        an upsert replaces (its bytes go at the commit: they count as free
+        here, and it is no victim)."""
+        old_mem = old_disk = 0
+        if replacing is not None:
+            old = replacing[1]
+            for seg in old.replicas[::2]:
+                if seg.kind is _FILE:
+                    old_disk += old.size
+                else:
+                    old_mem += old.size
+        over_mem = t.mem - old_mem + size * mem_n - t.memory_quota if mem_n else 0
+        over_disk = t.disk - old_disk + size * disk_n - t.disk_quota if disk_n else 0
         if over_mem <= 0 and over_disk <= 0:
             return True
         if size * mem_n > t.memory_quota or size * disk_n > t.disk_quota:
             t.refusals += 1  # more than the whole quota: nothing to look for
             return False
-        mem_victims = self.victims(t, _MEM, over_mem) if over_mem > 0 else []
-        disk_victims = self.victims(t, _FILE, over_disk) if over_disk > 0 else []
+        skip = None if replacing is None else replacing[0]
+        mem_victims = self.victims(t, _MEM, over_mem, skip) if over_mem > 0 else []
+        disk_victims = self.victims(t, _FILE, over_disk, skip) if over_disk > 0 else []
         if mem_victims is None or disk_victims is None:
             t.refusals += 1
             return False
@@ -221,11 +233,12 @@ class TenantTable:
                     ev.evict_object(key, obj, kind, offload=False)
         return True
 
-    def victims(self, t: Tenant, kind: SegmentKind,
-                need: int) -> list[tuple[str, Obj]] | None:
-        """``t``'s own evictable objects freeing at least ``need`` bytes of
-        its ``kind`` usage, least recently used first (the eviction policy
-        asked over ``t``'s use order), or None when they cannot."""
+    def victims(self, t: Tenant, kind: SegmentKind, need: int,
+                skip: str | None = None) -> list[tuple[str, Obj]] | None:
+        """``t``'s own evictable objects (``skip`` not among them) freeing at
+        least ``need`` bytes of its ``kind`` usage, least recently used first
+        (the eviction policy asked over ``t``'s use order), or None when they
+        cannot."""
         ev = self.evictor
         assert ev is not None
         now = ev.clock()
@@ -236,8 +249,12 @@ class TenantTable:
         ask = need
         got = -1
         pool_bytes = ev.segtab.pool_bytes
+        only: Callable[[str, Obj], bool] | None = None
+        if skip is not None:
+            def only(k: str, _obj: Obj) -> bool:
+                return k != skip
         while True:
-            chosen = ev.policy.evict(kind, ask, 1 << 62, now, self.use_order(t))
+            chosen = ev.policy.evict(kind, ask, 1 << 62, now, self.use_order(t), only)
             if chosen is None or len(chosen[0]) <= got:
                 return None
             got = len(chosen[0])

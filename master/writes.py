@@ -262,7 +262,9 @@ class Writes:
         t = None
         if tenants is not None and (key < " " or tenants.track_default):
             t = tenants.of(key)
-            if t is not None and not tenants.admit(t, size, rn, dn):
+            old = objects.shards[hash(key) & objects.mask].get(key)  # an upsert's
+            if t is not None and not tenants.admit(t, size, rn, dn,
+                                                   None if old is None else (key, old)):
                 return ErrorCode.QUOTA_EXCEEDED, None
         out: list[Any] = []
         pref = list(spec.preferred)

@@ -18,6 +18,7 @@ from kvpool.core.protocol import (
     BatchPutEnd,
     BatchPutStart,
     BatchRemove,
+    BatchUpsertStart,
     MountSegment,
     PutOptions,
     SegmentDescriptor,
@@ -211,3 +212,22 @@ def test_quota_counts_object_bytes_not_aligned_space() -> None:
     assert m.put("a", "k2", size=4010) == [0]  # 8000 + 4010 - 8000: both must go
     assert m.exists("a", "k0", "k1", "k2") == [False, False, True]
     assert m.row("a").memory_used == 4010
+
+
+def test_upsert_at_the_quota_counts_the_replaced_object_as_free() -> None:
+    m = Master(tenants={"a": {"memory": 2 * SIZE}})
+    assert m.put("a", "k0", "k1") == [0, 0]
+    m.leases_end()
+    assert m.read("a", "k1") == [0]  # k0 is a's least recent, k1 read-leased
+    # upserting k1 at the full quota: k1's own bytes go at the commit, nothing else need go
+    r = m.h.handle(BatchUpsertStart("c1", ["k1"], [SIZE], tenant="a"))
+    assert list(r.codes) == [0]
+    assert m.exists("a", "k0") == [True]
+    m.h.handle(BatchPutEnd(client_id="c1", keys=["k1"], tenant="a"))
+    assert m.row("a").memory_used == 2 * SIZE and m.row("a").objects == 2
+    # a bigger upsert of k0 needs room beyond k0's own bytes: k1 (the new one,
+    # read) is leased, so refused
+    assert m.read("a", "k1") == [0]
+    r = m.h.handle(BatchUpsertStart("c1", ["k0"], [2 * SIZE], tenant="a"))
+    assert list(r.codes) == [QUOTA]
+    assert m.exists("a", "k0", "k1") == [True, True]
