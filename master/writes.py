@@ -142,6 +142,10 @@ class Writes:
         track = tenants is not None and tenants.track_default
         tt: Tenant | None = None  # the tenant of the last tenant key (a batch is one's)
         tpref = NO_PREFIX
+        # bytes placed inline for tt not added to tt.mem yet (added before
+        # anything else reads it: the general step, eviction, another tenant,
+        # the end), and tt's memory quota left less them
+        tadd = tleft = 0
         now = self.clock()
         stamped = False
         # a run of equal sizes is placed at once (plan_run: the segment each key
@@ -170,11 +174,20 @@ class Writes:
                 t = None
                 if (key < " " or track) and tenants is not None:
                     if not key.startswith(tpref):
+                        if tadd:
+                            tt.mem += tadd  # type: ignore[union-attr]
+                            tadd = 0
                         tt = tenants.of(key)
-                        tpref = NO_PREFIX if tt is None else tt.prefix
+                        if tt is None:
+                            tpref = NO_PREFIX
+                        else:
+                            tpref = tt.prefix
+                            tleft = tt.memory_quota - tt.mem
                     t = tt
                     # at its quota: the general step makes room (or refuses)
-                    if t is not None and t.mem + size > t.memory_quota:
+                    if t is not None and size > tleft:
+                        t.mem += tadd
+                        tadd = 0
                         t = None
                         if plan is not None:
                             unplan(plan, plan_at, plan_size)
@@ -184,6 +197,7 @@ class Writes:
                             codes[i] = int(code)
                         else:
                             out[i] = p.replicas  # type: ignore[union-attr]
+                        tleft = tt.memory_quota - tt.mem  # type: ignore[union-attr]
                         cap = self.segtab.pool_cap[_MEM]
                         continue
                 if plan_ok and key not in pending:
@@ -211,17 +225,26 @@ class Writes:
                                                else isize, reps, 0, None, client_id, now)
                         out[i] = reps
                         if t is not None:
-                            t.mem += size
+                            tadd += size
+                            tleft -= size
                         if used > high * cap:
                             # what is carved ahead goes back before evicting
                             unplan(plan, plan_at, plan_size)
                             plan = None
+                            if tadd:
+                                tt.mem += tadd  # type: ignore[union-attr]
+                                tadd = 0
                             self.evict(_MEM, 0)
+                            if tt is not None:
+                                tleft = tt.memory_quota - tt.mem
                             cap = self.segtab.pool_cap[_MEM]
                         continue
                 if plan is not None:  # placing below: the plan's rest goes back
                     unplan(plan, plan_at, plan_size)
                     plan = None
+            if tadd:
+                tt.mem += tadd  # type: ignore[union-attr]
+                tadd = 0
             code, p = self._start_one(client_id, key, size, spec,
                                       None if checksums is None else checksums[i],
                                       None if groups is None else groups[i])
@@ -229,7 +252,11 @@ class Writes:
                 codes[i] = int(code)
             else:
                 out[i] = p.replicas  # type: ignore[union-attr]
+            if tt is not None:
+                tleft = tt.memory_quota - tt.mem
             cap = self.segtab.pool_cap[_MEM]  # the general step may have evicted
+        if tadd:
+            tt.mem += tadd  # type: ignore[union-attr]
         if plan is not None and plan_at < len(plan):
             unplan(plan, plan_at, plan_size)
 

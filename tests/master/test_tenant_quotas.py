@@ -231,3 +231,16 @@ def test_upsert_at_the_quota_counts_the_replaced_object_as_free() -> None:
     r = m.h.handle(BatchUpsertStart("c1", ["k0"], [2 * SIZE], tenant="a"))
     assert list(r.codes) == [QUOTA]
     assert m.exists("a", "k0", "k1") == [True, True]
+
+
+def test_a_batch_crossing_the_quota_stops_at_it() -> None:
+    m = Master(tenants={"a": {"memory": 3 * SIZE}})
+    # the puts in flight of the batch itself count: nothing complete to evict
+    assert m.put("a", *(f"k{i}" for i in range(5))) == [0, 0, 0, QUOTA, QUOTA]
+    a = m.row("a")
+    assert (a.memory_used, a.objects, a.refusals) == (3 * SIZE, 3, 2)
+    m.leases_end()
+    # the next batch evicts the oldest of the last as it goes
+    assert m.put("a", "n0", "n1") == [0, 0]
+    assert m.exists("a", "k0", "k1", "k2", "n0", "n1") == [False, False, True, True, True]
+    assert m.row("a").memory_used == 3 * SIZE
