@@ -8,7 +8,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from kvpool.core.auth import CurveConfig, curve_required
+from zmq.utils import z85
+
+from kvpool.core.auth import CurveConfig, curve_required, load_public_key
 from kvpool.core.config import ConfigError, load_dataclass, setting
 from kvpool.core.errors import KVPoolError
 from kvpool.core.tenants import tenant_name
@@ -161,6 +163,12 @@ class MasterConfig:
     curve: CurveConfig = setting(
         default_factory=CurveConfig,
         help="authentication (ZeroMQ CURVE on the RPC socket; see docs/security.md)")
+    tenant_keys: dict[str, list[str]] = setting(
+        default_factory=dict, cli=False,
+        help="who may act as which tenant (docs/tenants.md): {TENANT: [client public key, "
+        "z85 or a *.key file, ...]}; when set, a request naming a tenant other than "
+        "default is refused (PERMISSION_DENIED) unless its CURVE connection's key is listed "
+        "for it (requests on the same-host socket act as default only); needs CURVE on")
     events_port: int = setting(
         0, help="object events for routers (docs/events.md): a ZeroMQ PUB socket on "
         "host:events_port (CURVE as the RPC socket) publishing stored/removed objects and "
@@ -239,6 +247,11 @@ class MasterConfig:
                 self.host, self.curve.enabled, self.curve.has_keys):
             raise ConfigError("replication_transport socket cannot carry CURVE, which is on "
                               f"for {self.host}: use auto or zmq")
+        if self.tenant_keys:
+            if not curve_required(self.host, self.curve.enabled, self.curve.has_keys):
+                raise ConfigError("tenant_keys needs CURVE on (a key to bind a tenant to): "
+                                  "set curve.enabled and a key (docs/security.md)")
+            self.tenant_key_sets()  # raises on a bad name or key
         if self.etcd:
             from kvpool.core.etcd import parse_etcd_url
 
@@ -268,6 +281,41 @@ def tenant_quotas(tenants: Mapping[str, Any] | None) -> dict[str, TenantQuota]:
         q.validate()
         quotas[canon] = q
     return quotas
+
+
+    def tenant_key_sets(self) -> dict[str, frozenset[str]]:
+        """``tenant_keys`` resolved: tenant -> the z85 public keys (text, as
+        ZeroMQ names a CURVE peer) that may act as it. ConfigError on a bad
+        tenant name, key or key file."""
+        out: dict[str, frozenset[str]] = {}
+        if not isinstance(self.tenant_keys, dict):
+            raise ConfigError("tenant_keys must map tenant names to lists of keys")
+        for name, keys in self.tenant_keys.items():
+            try:
+                tenant = tenant_name(str(name))
+            except KVPoolError as exc:
+                raise ConfigError(f"tenant_keys: {exc}") from None
+            if not isinstance(keys, list | tuple) or not keys:
+                raise ConfigError(f"tenant_keys.{name}: expected a non-empty list of keys")
+            out[tenant] = frozenset(_public_key_text(f"tenant_keys.{name}", k) for k in keys)
+        return out
+
+
+def _public_key_text(what: str, key: Any) -> str:
+    """A z85 public key (40 characters) as it is, or the public key of a
+    ``*.key`` file."""
+    text = str(key)
+    if len(text) == 40:
+        try:
+            if len(z85.decode(text)) == 32:
+                return text
+        except ValueError:
+            pass
+    try:
+        return load_public_key(text).decode("ascii")
+    except (OSError, KVPoolError, ValueError) as exc:
+        raise ConfigError(f"{what}: {text!r} is neither a z85 public key nor a key file: "
+                          f"{exc}") from None
 
 
 def load_master_config(

@@ -23,7 +23,7 @@ in its place: the codes of a batch come out of the one directory pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import KEY_MIN, RESERVED_KEY_PREFIX
@@ -156,26 +156,44 @@ class Scopes:
     """The :class:`Scope` of each tenant a request names, made once per name
     (the validation included); an invalid name raises
     KVPoolError(INVALID_PARAMS). A bounded cache: names beyond ``limit``
-    start it over."""
+    start it over. ``guard`` (the master's ``tenant_keys``): called with a
+    canonical tenant name other than default on every request that names
+    one; it raises to refuse the request (PERMISSION_DENIED)."""
 
-    def __init__(self, max_key: int, limit: int = 4096) -> None:
+    def __init__(self, max_key: int, limit: int = 4096,
+                 guard: Callable[[str], None] | None = None) -> None:
         self.max_key = max_key
         self.limit = limit
+        self.guard = guard
         self.default = Scope(DEFAULT_TENANT, max_key)
+        # the scopes a request gets at one lookup: the default tenant's, and
+        # without a guard every tenant's
         self._all: dict[str, Scope] = {}
+        self._named: dict[str, Scope] = {}  # with a guard: checked on each request
         self._reset()
 
     def _reset(self) -> None:
         self._all = {"": self.default, DEFAULT_TENANT: self.default}
+        self._named = {}
 
     def __call__(self, tenant: str) -> Scope:
         """The scope of a request's ``tenant`` field."""
         try:
             return self._all[tenant]
         except KeyError:
-            pass
-        name = tenant_name(tenant)
-        if len(self._all) >= self.limit:
-            self._reset()
-        s = self._all[tenant] = Scope(name, self.max_key)
+            return self._other(tenant)
+
+    def _other(self, tenant: str) -> Scope:
+        s = self._named.get(tenant)
+        if s is None:
+            name = tenant_name(tenant)
+            if len(self._all) + len(self._named) >= self.limit:
+                self._reset()
+            s = Scope(name, self.max_key)
+            if self.guard is None:
+                self._all[tenant] = s
+            else:
+                self._named[tenant] = s
+        if self.guard is not None:
+            self.guard(s.tenant)
         return s

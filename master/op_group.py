@@ -1,6 +1,7 @@
 """What every group of op handlers shares: the directory, the configuration,
 the counters, the grants and the argument checks the schema cannot make
-(key length, batch length, client ids), the tenant scope of a request's
+(key length, batch length, client ids), who may act as which tenant
+(``tenant_keys``), the tenant scope of a request's
 keys (:class:`~kvpool.master.keys.Scopes`: each handler maps the caller's
 keys to the stored ones through ``self.scope(req.tenant)`` before the
 directory sees them, and stored keys back before a reply shows them), and
@@ -52,9 +53,28 @@ class ServerInfo:
         self.local_counts: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.curve = False
         self.curve_denied: Callable[[], int] = lambda: 0
+        #: the CURVE public key (z85 text) of the connection whose request runs
+        #: now; None: unknown (no CURVE, the same-host socket). Set by the event
+        #: loop only when ``tenant_keys`` is configured.
+        self.peer: str | None = None
         #: (stream, seq, epoch) of a tenant's event stream (kvpool.master.events,
         #: by canonical tenant name); zeros when off
         self.events_position: Callable[[str], tuple[int, int, int]] = lambda t: (0, 0, 0)
+
+
+def _tenant_guard(cfg: MasterConfig, info: ServerInfo) -> Callable[[str], None]:
+    """The check of ``tenant_keys``: the connection of the request running
+    now (``info.peer``) must hold a key listed for the tenant it names."""
+    allowed = cfg.tenant_key_sets()
+
+    def guard(tenant: str) -> None:
+        keys = allowed.get(tenant)
+        if keys is None or info.peer not in keys:
+            raise KVPoolError(f"this connection may not act as tenant {tenant!r} (its CURVE "
+                              "key is not listed for it in tenant_keys)",
+                              ErrorCode.PERMISSION_DENIED)
+
+    return guard
 
 
 class OpGroup:
@@ -71,7 +91,8 @@ class OpGroup:
         self.counters = counters
         self.max_key = cfg.max_key_length
         #: a request's tenant field -> its Scope (the one place keys are scoped)
-        self.scope = Scopes(cfg.max_key_length)
+        self.scope = Scopes(cfg.max_key_length,
+                            guard=_tenant_guard(cfg, info) if cfg.tenant_keys else None)
         self.max_batch = cfg.max_batch_size
         # READ grants last a read lease; the directory holds revoked space as
         # long as a WRITE grant lasts

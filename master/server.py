@@ -331,6 +331,18 @@ class MasterServer:
     def stop(self) -> None:
         self._stop = True
 
+    def _recv_identified(self, flags: int, copy: bool = True) -> list[bytes]:
+        """``sock.recv_multipart`` that also sets ``info.peer`` to the
+        sender's CURVE public key (ZeroMQ's ``User-Id`` metadata: the z85
+        key the ZAP handler authenticated), for ``tenant_keys``."""
+        frames = self.sock.recv_multipart(flags, copy=False)
+        try:
+            peer = frames[-1].get("User-Id")
+        except zmq.ZMQError:  # no such metadata (no CURVE on this connection)
+            peer = None
+        self.info.peer = peer if isinstance(peer, str) else None
+        return [f.bytes for f in frames]
+
     def handle_frames(self, frames: list[bytes]) -> list[bytes] | None:
         """One ROUTER message -> the reply frames (None: nothing to answer)."""
         n = len(frames)
@@ -382,7 +394,9 @@ class MasterServer:
     def _serve(self, poller: LoopPoller) -> None:
         """The serving loop (a single master, or the elected leader until deposed)."""
         sock = self.sock
-        recv = sock.recv_multipart
+        # tenant_keys: each request runs knowing its connection's CURVE key
+        identify = bool(self.cfg.tenant_keys)
+        recv = self._recv_identified if identify else sock.recv_multipart
         handle = self.handle_frames
         handlers = self.handlers
         inflight_limit = self.cfg.max_inflight_per_client
@@ -463,6 +477,8 @@ class MasterServer:
                     out = handle(frames) if queued <= inflight_limit else self._too_many(frames)
                     if out is not None:
                         replies.append(out)
+                if identify:
+                    self.info.peer = None  # the same-host socket: no key, default only
                 local_replies = local.serve(events, self._payload,
                                             handlers.too_many, inflight_limit) \
                     if local is not None else None

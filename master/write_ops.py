@@ -20,6 +20,7 @@ from typing import Any
 from kvpool.core.capability import CapabilitySigner, CapOp
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import (
+    KEY_MIN,
     RESERVED_KEY_PREFIX,
     BatchKeysReply,
     BatchPutCommit,
@@ -104,8 +105,9 @@ class WriteOps(OpGroup):
         spec = self._spec(req.options, replace)
         group = req.group
         if group is not None:
-            if len(group) > self.max_key:
-                raise bad(f"group longer than max_key_length {self.max_key}")
+            if len(group) > self.max_key or (group and group < KEY_MIN):
+                raise bad(f"group longer than max_key_length {self.max_key} or starting "
+                          "below U+0020")
             if group and not s.default:  # a group lives in its tenant's namespace too
                 group = s.prefix + group
         self.count_one("upsert_start" if replace else "put_start")
@@ -134,8 +136,11 @@ class WriteOps(OpGroup):
         if len(sizes) != n or (checksums is not None and len(checksums) != n) \
                 or (groups is not None and len(groups) != n):
             raise bad("keys, sizes, checksums and groups must have the same length")
-        if groups is not None and any(len(g) > self.max_key for g in groups):
-            raise bad(f"a group is longer than max_key_length {self.max_key}")
+        if groups is not None and any(len(g) > self.max_key or (g and g < KEY_MIN)
+                                      for g in groups):
+            # (a group below U+0020 would name another tenant's)
+            raise bad(f"a group is longer than max_key_length {self.max_key} or starts "
+                      "below U+0020")
         spec = self._spec(req.options, replace)
         s = self.scope(req.tenant)
         if not s.default:

@@ -18,7 +18,9 @@ import pytest
 import zmq
 
 from kvpool.cluster.processes import MasterProcess, find_free_port
+from kvpool.core.auth import load_keypair, load_public_key, save_keypair
 from kvpool.core.capability import CapabilitySigner
+from kvpool.core.config import ConfigError
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.events import TOPIC, EventSubscriber, SegmentAdded, decode_message
 from kvpool.core.protocol import (
@@ -54,7 +56,7 @@ from kvpool.core.protocol import (
     encode_request,
 )
 from kvpool.core.rpc_client import MasterClient, MasterRPCError
-from kvpool.master.config import MasterConfig
+from kvpool.master.config import MasterConfig, load_master_config
 from kvpool.master.directory import Directory
 from kvpool.master.handlers import OpHandlers
 from kvpool.master.tiering import TieringPolicy
@@ -189,6 +191,13 @@ def test_writes_commits_revokes_and_reservations_stay_in_their_tenant() -> None:
     h.handle(PutStart("c1", "g1", 1, group="g", tenant="b"))
     h.handle(PutEnd("c1", "g1", tenant="b"))
     assert h.dir.objects.groups == {"\x1fa\x1fg": {"\x1fa\x1fg1"}, "\x1fb\x1fg": {"\x1fb\x1fg1"}}
+    # no tenant can name another's group
+    for t in TENANTS:
+        assert _code(h, PutStart("c1", "g2", 1, group="\x1fa\x1fg", tenant=t)) == \
+            int(ErrorCode.INVALID_PARAMS)
+        assert _code(h, BatchPutStart("c1", ["g2"], [1], groups=["\x1fa\x1fg"], tenant=t)) \
+            == int(ErrorCode.INVALID_PARAMS)
+    assert h.dir.objects.groups["\x1fa\x1fg"] == {"\x1fa\x1fg1"}
 
 
 def test_removal_sees_only_the_callers_tenant(h: OpHandlers) -> None:
@@ -364,3 +373,62 @@ def _wire_put(c: MasterClient, keys: list[str], tenant: str) -> None:
                              tenant=tenant))
     assert not any(r.codes)
     assert not any(c.call(BatchPutEnd("c1", keys, tenant=tenant)).codes)
+
+
+# ============================================================ identity (tenant_keys)
+def test_tenant_keys_bind_tenants_to_curve_keys(tmp_path: Path) -> None:
+    """With tenant_keys, a connection acts as a tenant only when its CURVE key
+    is listed for it (PERMISSION_DENIED otherwise); any key acts as default."""
+    keys = tmp_path / "keys"
+    cluster_pub, cluster_sec = save_keypair(keys, "cluster")
+    _, bob_sec = save_keypair(keys, "bob")
+    bob = load_keypair(bob_sec)
+    cfg = tmp_path / "master.yaml"
+    cfg.write_text(f"tenant_keys:\n  a: [{cluster_pub}]\n  b: ['{bob.public.decode()}']\n")
+    with MasterProcess(curve_key=str(cluster_sec),
+                       extra_args=["--config", str(cfg), "--curve-allow-dir", str(keys)]) as m, \
+            m.client() as alice, \
+            MasterClient(m.address, timeout_s=5, curve_server_key=load_public_key(cluster_pub),
+                         curve_keypair=(bob.public, bob.secret)) as bobc:
+        alice.call(MountSegment("c1", segment_desc("s1", "c1", 1 << 20)))
+        _wire_put(alice, ["k"], "a")
+        _wire_put(bobc, ["k"], "b")
+        _wire_put(bobc, ["k"], "")
+        assert alice.call(GetSize("k", tenant="a")).size == 100
+        assert bobc.call(GetSize("k", tenant="b")).size == 50
+        for c, tenant in ((alice, "b"), (bobc, "a"), (alice, "c"), (bobc, "c")):
+            for req in (GetReplicaList("k", tenant=tenant), ListObjects(tenant=tenant),
+                        BatchPutStart("c1", ["x"], [1], tenant=tenant),
+                        RemoveAll(True, tenant=tenant), Stats(tenant=tenant)):
+                with pytest.raises(MasterRPCError) as ei:
+                    c.call(req)
+                assert ei.value.code == ErrorCode.PERMISSION_DENIED, (tenant, req)
+        for c in (alice, bobc):  # anyone may act as default
+            assert c.call(GetSize("k")).size == 50
+        assert alice.call(GetSize("k", tenant="default")).size == 50
+        assert bobc.call(BatchExist(["k"], tenant="b")).exists == [True]
+        assert alice.call(Stats()).objects == 3
+
+
+def test_tenant_keys_need_curve_and_valid_entries(tmp_path: Path) -> None:
+    _pub, sec = save_keypair(tmp_path, "k")
+    good = load_keypair(sec).public.decode()
+    for bad, what in (({"a": [good]}, "needs CURVE"),):
+        with pytest.raises(ConfigError, match=what):
+            load_master_config(overrides={"tenant_keys": bad})
+    curve = {"enabled": True, "secret_key_file": str(sec)}
+    for bad, what in (({"a b": [good]}, "invalid tenant name"), ({"a": []}, "non-empty"),
+                      ({"a": ["nope"]}, "neither")):
+        with pytest.raises(ConfigError, match=what):
+            load_master_config(overrides={"tenant_keys": bad, "curve": curve})
+    cfg = load_master_config(overrides={"tenant_keys": {"a": [good, str(_pub)]},
+                                        "curve": curve})
+    assert cfg.tenant_key_sets() == {"a": frozenset({good})}
+    # handler level: the connection's key (info.peer) decides
+    h = OpHandlers(cfg, Directory(cfg), TieringPolicy(cfg.tiering), None)
+    assert _code(h, Exist("k", tenant="a")) == int(ErrorCode.PERMISSION_DENIED)
+    assert _code(h, Exist("k")) == 0
+    h.info.peer = good
+    assert _code(h, Exist("k", tenant="a")) == 0
+    assert _code(h, Exist("k", tenant="b")) == int(ErrorCode.PERMISSION_DENIED)
+
