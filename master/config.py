@@ -266,23 +266,6 @@ class MasterConfig:
         self.default_tenant_quota.validate()
         self.tenants = tenant_quotas(self.tenants)
 
-
-def tenant_quotas(tenants: Mapping[str, Any] | None) -> dict[str, TenantQuota]:
-    """The ``tenants:`` mapping as canonical names -> :class:`TenantQuota`
-    (sizes parsed); raises ConfigError on a bad name or limit."""
-    quotas: dict[str, TenantQuota] = {}
-    for name, q in (tenants or {}).items():
-        try:
-            canon = tenant_name(str(name))
-        except KVPoolError as exc:
-            raise ConfigError(f"tenants: {exc}") from None
-        if not isinstance(q, TenantQuota):
-            q = load_dataclass(TenantQuota, q or {}, prefix=f"tenants.{canon}.")
-        q.validate()
-        quotas[canon] = q
-    return quotas
-
-
     def tenant_key_sets(self) -> dict[str, frozenset[str]]:
         """``tenant_keys`` resolved: tenant -> the z85 public keys (text, as
         ZeroMQ names a CURVE peer) that may act as it. ConfigError on a bad
@@ -299,6 +282,22 @@ def tenant_quotas(tenants: Mapping[str, Any] | None) -> dict[str, TenantQuota]:
                 raise ConfigError(f"tenant_keys.{name}: expected a non-empty list of keys")
             out[tenant] = frozenset(_public_key_text(f"tenant_keys.{name}", k) for k in keys)
         return out
+
+
+def tenant_quotas(tenants: Mapping[str, Any] | None) -> dict[str, TenantQuota]:
+    """The ``tenants:`` mapping as canonical names -> :class:`TenantQuota`
+    (sizes parsed); raises ConfigError on a bad name or limit."""
+    quotas: dict[str, TenantQuota] = {}
+    for name, q in (tenants or {}).items():
+        try:
+            canon = tenant_name(str(name))
+        except KVPoolError as exc:
+            raise ConfigError(f"tenants: {exc}") from None
+        if not isinstance(q, TenantQuota):
+            q = load_dataclass(TenantQuota, q or {}, prefix=f"tenants.{canon}.")
+        q.validate()
+        quotas[canon] = q
+    return quotas
 
 
 def _public_key_text(what: str, key: Any) -> str:
