@@ -66,8 +66,6 @@ class Reads:
         bad = start > 0 or mark_bad_keys(keys, max_key or self.max_key, codes, key_min)
         now = self.clock()
         lease = now + self.lease_s
-        tenants = objects.tenants
-        track = tenants is not None and tenants.track_default
         misses = 0
         hits = 0
         for i in range(start, n):
@@ -78,8 +76,6 @@ class Reads:
             obj = shard.get(key)
             if obj is None:
                 misses += 1
-                if (key < " " or track) and tenants is not None:
-                    tenants.read(key, None)
                 if not exist:
                     codes[i] = NOT_READY if key in objects.pending else NOT_FOUND
                 continue
@@ -88,8 +84,6 @@ class Reads:
                 code, reps = self._locate(obj, exist)
                 if code:
                     misses += 1
-                    if (key < " " or track) and tenants is not None:
-                        tenants.read(key, None)
                     if not exist:
                         codes[i] = code
                     continue
@@ -100,21 +94,20 @@ class Reads:
             del shard[key]
             shard[key] = obj  # LRU: most recent at the end of its shard
             hits += 1
-            if (key < " " or track) and tenants is not None:
-                tenants.read(key, obj)
             objs[i] = obj
             found[i] = reps
             if reps[0].kind is _FILE and not exist:
-                self._count(hits, misses)
+                self._count(keys, start, hits, misses)
                 return i
-        self._count(hits, misses)
+        self._count(keys, start, hits, misses)
         return n
 
-    def _count(self, hits: int, misses: int) -> None:
+    def _count(self, keys: Sequence[str], start: int, hits: int, misses: int) -> None:
+        """Count a pass's hits and misses for the tenant of its keys (a
+        request's keys are one tenant's: the op boundary scopes them)."""
         tenants = self.objects.tenants
-        if tenants is not None:
-            tenants.hits += hits
-            tenants.misses += misses
+        if tenants is not None and start < len(keys):
+            tenants.reads(keys[start], hits, misses)
 
     def exist_many(self, keys: Sequence[str], key_min: str = KEY_MIN,
                    max_key: int = 0) -> tuple[list[int], list[bool]]:

@@ -23,13 +23,22 @@ the tenants not listed there) and from TENANT_SET (journaled as
 :class:`~kvpool.master.records.TenantSet`, in snapshots, replicated; a
 live setting wins over the file). A put start that would take a tenant
 over a quota makes room by evicting that tenant's own least recently used
-evictable objects (:meth:`TenantTable.make_room`, the eviction policy
+evictable objects (:meth:`TenantTable.admit`, the eviction policy
 asked for victims in the tenant's own use order); when they cannot free
-enough the key fails with QUOTA_EXCEEDED and nothing changes. Each tenant
-with a quota keeps its complete objects in use order (``Tenant.objs``),
-which is what makes that choice cheap (a tenant without one keeps them
-unordered, and sorts them by their use stamps when it gets a quota); the
-default tenant's (untracked) objects are only in the global order.
+enough the key fails with QUOTA_EXCEEDED and nothing changes. A
+tenant that has had to make room keeps its complete objects in the order
+they took their place there, with the use stamp (``Obj.tick``) they had
+then (``Tenant.objs``); a read costs the tenant nothing (it stamps the
+object, as every read does), and the choice of victims walks that order,
+moving an object used since it took its place to the back (CLOCK's second
+chance, :meth:`TenantTable.use_order`): approximately least recently used,
+as the pool-wide order is. That order is built the first time the tenant
+must make room (one pass over the object table, the tenant's objects
+sorted by their stamps), so a tenant that never reaches its quota pays only
+its counters.
+
+Hits and misses are counted per batch (the op boundary scopes a request's
+keys into one tenant's namespace): a batch's are its first key's tenant's.
 """
 
 from __future__ import annotations
@@ -40,19 +49,23 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentKind
-from kvpool.core.tenants import DEFAULT_TENANT, TENANT_SEP
+from kvpool.core.tenants import DEFAULT_TENANT, TENANT_SEP, scope_prefix
 from kvpool.master.config import MasterConfig, TenantQuota, tenant_quotas
 from kvpool.master.objects import Obj
 
 if TYPE_CHECKING:
     from kvpool.master.eviction import Evictor
 
-__all__ = ["UNLIMITED", "Tenant", "TenantTable"]
+__all__ = ["NO_PREFIX", "UNLIMITED", "Tenant", "TenantTable"]
 
 log = logging.getLogger(__name__)
 
 #: a limit that is never reached (-1 on the wire and in the config)
 UNLIMITED = 1 << 62
+#: a prefix no stored key starts with (a tenant name is never empty): the
+#: hot loops' "no tenant at hand" (they test ``key.startswith(t.prefix)``
+#: before asking :meth:`TenantTable.of`)
+NO_PREFIX = TENANT_SEP * 2
 _MEM = SegmentKind.MEMORY
 _FILE = SegmentKind.FILE
 QUOTA_EXCEEDED = int(ErrorCode.QUOTA_EXCEEDED)
@@ -62,8 +75,8 @@ def _limit(v: int | None) -> int:
     return UNLIMITED if v is None or v < 0 else v
 
 
-def _tick(item: tuple[str, Obj]) -> int:
-    return item[1].tick
+def _first(item: tuple[int, str, Obj]) -> int:
+    return item[0]
 
 
 def _wire(v: int) -> int:
@@ -74,21 +87,21 @@ class Tenant:
     """One tenant's quotas (``UNLIMITED`` when none), usage and counters."""
 
     __slots__ = ("disk", "disk_quota", "evictions", "guaranteed", "hits", "mem",
-                 "memory_quota", "misses", "name", "objs", "ordered", "refusals")
+                 "memory_quota", "misses", "name", "objects", "objs", "prefix", "refusals")
 
     def __init__(self, name: str, memory: int, disk: int, guaranteed: int) -> None:
         self.name = name
+        #: what its stored keys start with (:data:`NO_PREFIX` for the default tenant)
+        self.prefix = scope_prefix(name) or NO_PREFIX
         self.memory_quota = memory
         self.disk_quota = disk
         self.guaranteed = guaranteed
         self.mem = 0
         self.disk = 0
-        #: complete objects; in use order (least recent first) while ``ordered``,
-        #: else in the order they were stored
-        self.objs: dict[str, Obj] = {}
-        #: whether reads keep ``objs`` in use order: only a tenant with a quota
-        #: needs it (its own LRU victims); an unlimited one skips the cost
-        self.ordered = memory < UNLIMITED or disk < UNLIMITED
+        self.objects = 0  # complete objects
+        #: complete objects -> their use stamp when they took their place here
+        #: (see the module docstring); None until the tenant first makes room
+        self.objs: dict[str, int] | None = None
         self.hits = self.misses = self.evictions = self.refusals = 0
 
     def quotas(self) -> tuple[int, int, int]:
@@ -110,13 +123,13 @@ class TenantTable:
         self.track_default = DEFAULT_TENANT in self.configured
         self.default: Tenant | None = None
         self.guarantees = False
-        # reads of the default tenant's keys, counted for every key (its
-        # numbers are the totals less the named tenants')
+        # every read's hits and misses (an untracked default tenant's are
+        # these less the named tenants')
         self.hits = 0
         self.misses = 0
         self.evictor: Evictor | None = None  # set by the directory
         # the namespace prefix of the tenant :meth:`of` found last ("\x1fname\x1f")
-        self._last_prefix = "\x1f\x1f"  # (no stored key starts so: a tenant name is not empty)
+        self._last_prefix = NO_PREFIX
         self._last: Tenant | None = None
         for name in self.configured:
             self.tenant(name)
@@ -170,10 +183,6 @@ class TenantTable:
                            _wire(_limit(guaranteed)))
         t = self.tenant(name)
         t.memory_quota, t.disk_quota, t.guaranteed = self._quota_of(name)
-        ordered = t.memory_quota < UNLIMITED or t.disk_quota < UNLIMITED
-        if ordered and not t.ordered:  # its objects' use order, from their use stamps
-            t.objs = dict(sorted(t.objs.items(), key=_tick))
-        t.ordered = ordered
         self.guarantees = any(x.guaranteed < UNLIMITED for x in self.by_name.values())
         return t
 
@@ -186,51 +195,115 @@ class TenantTable:
         for name, memory, disk, guaranteed in rows or ():
             self.set_quota(str(name), int(memory), int(disk), int(guaranteed))
 
-    def admit(self, t: Tenant, size: int, mem_n: int, disk_n: int) -> bool:
+    def admit(self, t: Tenant, size: int, mem_n: int, disk_n: int,
+              replacing: tuple[str, Obj] | None = None) -> bool:
         """Whether a put of ``size`` bytes with ``mem_n`` memory and ``disk_n``
         disk replicas fits ``t``'s quotas, after evicting ``t``'s own least
         recently used objects when it would not. False (counted as a
-        refusal): nothing was evicted."""
-        over_mem = t.mem + size * mem_n - t.memory_quota if mem_n else 0
-        over_disk = t.disk + size * disk_n - t.disk_quota if disk_n else 0
+        refusal): nothing was evicted. ``replacing``: the ``(key, object)``
+        an upsert replaces (its bytes go at the commit: they count as free
+        here, and it is no victim)."""
+        old_mem = old_disk = 0
+        if replacing is not None:
+            old = replacing[1]
+            for seg in old.replicas[::2]:
+                if seg.kind is _FILE:
+                    old_disk += old.size
+                else:
+                    old_mem += old.size
+        over_mem = t.mem - old_mem + size * mem_n - t.memory_quota if mem_n else 0
+        over_disk = t.disk - old_disk + size * disk_n - t.disk_quota if disk_n else 0
         if over_mem <= 0 and over_disk <= 0:
             return True
-        mem_victims = self.victims(t, _MEM, over_mem) if over_mem > 0 else []
-        disk_victims = self.victims(t, _FILE, over_disk) if over_disk > 0 else []
+        if size * mem_n > t.memory_quota or size * disk_n > t.disk_quota:
+            t.refusals += 1  # more than the whole quota: nothing to look for
+            return False
+        skip = None if replacing is None else replacing[0]
+        mem_victims = self.victims(t, _MEM, over_mem, skip) if over_mem > 0 else []
+        disk_victims = self.victims(t, _FILE, over_disk, skip) if over_disk > 0 else []
         if mem_victims is None or disk_victims is None:
             t.refusals += 1
             return False
         ev = self.evictor
         assert ev is not None
+        get = ev.objects.get
         for kind, victims in ((_MEM, mem_victims), (_FILE, disk_victims)):
             for key, obj in victims:
-                if t.objs.get(key) is obj:  # (not gone with an earlier victim)
+                if get(key) is obj:  # (not gone with an earlier victim)
                     ev.evict_object(key, obj, kind, offload=False)
         return True
 
-    def victims(self, t: Tenant, kind: SegmentKind,
-                need: int) -> list[tuple[str, Obj]] | None:
-        """``t``'s own evictable objects freeing at least ``need`` bytes of
-        its ``kind`` usage, least recently used first (the eviction policy
-        asked over ``t``'s use order), or None when they cannot."""
+    def victims(self, t: Tenant, kind: SegmentKind, need: int,
+                skip: str | None = None) -> list[tuple[str, Obj]] | None:
+        """``t``'s own evictable objects (``skip`` not among them) freeing at
+        least ``need`` bytes of its ``kind`` usage, least recently used first
+        (the eviction policy asked over ``t``'s use order), or None when they
+        cannot."""
         ev = self.evictor
         assert ev is not None
         now = ev.clock()
         if ev.objects.lease_grace_until > now:
             return None
-        chosen = ev.policy.evict(kind, need, 1 << 62, now, t.objs.items())
-        if chosen is None:
-            return None
-        freed = 0
-        out: list[tuple[str, Obj]] = []
-        for key, obj in chosen[0]:
-            reps = obj.replicas
-            n = sum(1 for s in reps[::2] if s.kind is kind)
-            freed += n * obj.size
-            out.append((key, obj))
-            if freed >= need:
-                return out
-        return None
+        # the policy counts the space its victims free (aligned): ask again
+        # for the shortfall while that frees less of the tenant's bytes
+        ask = need
+        got = -1
+        pool_bytes = ev.segtab.pool_bytes
+        only: Callable[[str, Obj], bool] | None = None
+        if skip is not None:
+            def only(k: str, _obj: Obj) -> bool:
+                return k != skip
+        while True:
+            chosen = ev.policy.evict(kind, ask, 1 << 62, now, self.use_order(t), only)
+            if chosen is None or len(chosen[0]) <= got:
+                return None
+            got = len(chosen[0])
+            freed = space = 0
+            out: list[tuple[str, Obj]] = []
+            for key, obj in chosen[0]:
+                reps = obj.replicas
+                freed += sum(1 for s in reps[::2] if s.kind is kind) * obj.size
+                space += pool_bytes(reps, obj.size, kind)
+                out.append((key, obj))
+                if freed >= need:
+                    return out
+            ask = space + need - freed  # more than these: at least one more victim
+
+    def use_order(self, t: Tenant) -> Iterator[tuple[str, Obj]]:
+        """``t``'s objects, least recently used first (approximately): its
+        order, skipping each object used since it took its place (those come
+        last, by use); once the walk ends they move to the back of the order
+        with their current stamps."""
+        ev = self.evictor
+        assert ev is not None
+        objs = t.objs
+        if objs is None:  # the first time: the tenant's objects by their stamps
+            prefix = t.prefix
+            if t is self.default:  # the keys outside every namespace
+                mine = sorted((o.tick, k) for k, o in ev.objects.items()
+                              if not k.startswith(TENANT_SEP))
+            else:
+                mine = sorted((o.tick, k) for k, o in ev.objects.items() if k.startswith(prefix))
+            objs = t.objs = {k: tick for tick, k in mine}
+        get = ev.objects.get
+        moved: list[tuple[int, str, Obj]] = []
+        try:
+            for key, at in objs.items():
+                obj = get(key)
+                if obj is None:
+                    continue
+                if obj.tick > at:
+                    moved.append((obj.tick, key, obj))
+                    continue
+                yield key, obj
+            moved.sort(key=_first)
+            for _, key, obj in moved:
+                yield key, obj
+        finally:
+            for tick, key, _obj in moved:
+                if key in objs:
+                    del objs[key]
+                    objs[key] = tick
 
     def over_share(self) -> Callable[[str, Obj], bool]:
         """Pool-wide eviction's first pass: whether an object may go because
@@ -296,15 +369,22 @@ class TenantTable:
         """``key`` became the COMPLETE ``obj`` (its put's charge stays)."""
         t = self.of(key)
         if t is not None:
-            t.objs[key] = obj
+            t.objects += 1
+            if t.objs is not None:
+                t.objs[key] = obj.tick
 
     def forgotten(self, key: str, obj: Obj) -> None:
         """``obj`` left the table with its replicas."""
         t = self.of(key)
         if t is not None:
-            self.charge(t, obj.replicas, -obj.size)
-            if t.objs.get(key) is obj:
-                del t.objs[key]
+            reps = obj.replicas
+            if len(reps) == 2 and reps[0].kind is not _FILE:  # the common case, inline
+                t.mem -= obj.size
+            else:
+                self.charge(t, reps, -obj.size)
+            t.objects -= 1
+            if t.objs is not None:
+                t.objs.pop(key, None)
 
     def rereps(self, key: str, size: int, old: tuple[Any, ...], new: tuple[Any, ...]) -> None:
         """``key``'s replica set changed from ``old`` to ``new``."""
@@ -313,40 +393,36 @@ class TenantTable:
             self.charge(t, old, -size)
             self.charge(t, new, size)
 
-    def read(self, key: str, obj: Obj | None) -> None:
-        """A read of ``key`` found ``obj`` (a hit: most recent in its tenant's
-        order) or not (None: a miss). A miss of a tenant that never stored
-        anything is not counted: a read alone does not make a tenant."""
-        if obj is None and key.startswith(TENANT_SEP):
+    def reads(self, key: str, hits: int, misses: int) -> None:
+        """A batch of reads whose first key is ``key`` found ``hits`` objects
+        and missed ``misses`` (counted for its tenant; every read for the
+        totals). A miss of a tenant that never stored anything is not
+        counted: a read alone does not make a tenant."""
+        self.hits += hits
+        self.misses += misses
+        if key.startswith(TENANT_SEP):
             end = key.find(TENANT_SEP, 1)
             t = self.by_name.get(key[1:end]) if end > 1 else None
         else:
-            t = self.of(key)
-        if t is None:
-            return
-        if obj is None:
-            t.misses += 1
-            return
-        t.hits += 1
-        if t.ordered:
-            objs = t.objs
-            if objs.pop(key, None) is not None:
-                objs[key] = obj
+            t = self.default
+        if t is not None:
+            t.hits += hits
+            t.misses += misses
 
     def rebuild(self, objects: Any, pending: dict[str, Any]) -> None:
         """Recount every tenant's usage and use order from the objects and the
         puts in flight (after a restore or an HA promotion)."""
         for t in self.by_name.values():
             t.mem = t.disk = 0
-            t.objs = {}
-        items: Iterator[tuple[str, Obj]] = objects.lru_items()
+            t.objects = 0
+            t.objs = None  # built again when needed
         track = self.track_default
-        for key, obj in items:
+        for key, obj in objects.items():
             if key < " " or track:
                 owner = self.of(key)
                 if owner is not None:
                     self.charge(owner, obj.replicas, obj.size)
-                    owner.objs[key] = obj
+                    owner.objects += 1
         for key, p in pending.items():
             if key < " " or track:
                 self.started(key, p.replicas, p.size)
@@ -360,13 +436,13 @@ class TenantTable:
         out: list[dict[str, Any]] = []
         named = [t for t in self.by_name.values() if t.name != DEFAULT_TENANT]
         for t in sorted(self.by_name.values(), key=lambda x: (x.name != DEFAULT_TENANT, x.name)):
-            out.append(self._row(t.name, t.quotas(), t.mem, t.disk, len(t.objs), t.hits,
+            out.append(self._row(t.name, t.quotas(), t.mem, t.disk, t.objects, t.hits,
                                  t.misses, t.evictions, t.refusals))
         if self.default is None:
             ev = self.evictor
             out.insert(0, self._row(
                 DEFAULT_TENANT, (-1, -1, -1), None, None,
-                max(0, objects - sum(len(t.objs) for t in named)),
+                max(0, objects - sum(t.objects for t in named)),
                 max(0, self.hits - sum(t.hits for t in named)),
                 max(0, self.misses - sum(t.misses for t in named)),
                 max(0, (ev.evictions if ev else 0) - sum(t.evictions for t in named)), 0))

@@ -32,6 +32,7 @@ from kvpool.master.objects import HARD_PIN, SOFT_PIN, Obj, ObjectTable, Pending
 from kvpool.master.placement import MakeRoom, Placement, unplan
 from kvpool.master.records import Put
 from kvpool.master.segments import SegmentTable, SegState
+from kvpool.master.tenants import NO_PREFIX, Tenant
 
 if TYPE_CHECKING:
     from kvpool.master.directory import Directory
@@ -139,6 +140,12 @@ class Writes:
         plan_run = self.placement.plan_run
         tenants = objects.tenants
         track = tenants is not None and tenants.track_default
+        tt: Tenant | None = None  # the tenant of the last tenant key (a batch is one's)
+        tpref = NO_PREFIX
+        # bytes placed inline for tt not added to tt.mem yet (added before
+        # anything else reads it: the general step, eviction, another tenant,
+        # the end), and tt's memory quota left less them
+        tadd = tleft = 0
         now = self.clock()
         stamped = False
         # a run of equal sizes is placed at once (plan_run: the segment each key
@@ -166,9 +173,21 @@ class Writes:
                     stamped = True
                 t = None
                 if (key < " " or track) and tenants is not None:
-                    t = tenants.of(key)
+                    if not key.startswith(tpref):
+                        if tadd:
+                            tt.mem += tadd  # type: ignore[union-attr]
+                            tadd = 0
+                        tt = tenants.of(key)
+                        if tt is None:
+                            tpref = NO_PREFIX
+                        else:
+                            tpref = tt.prefix
+                            tleft = tt.memory_quota - tt.mem
+                    t = tt
                     # at its quota: the general step makes room (or refuses)
-                    if t is not None and t.mem + size > t.memory_quota:
+                    if t is not None and size > tleft:
+                        t.mem += tadd
+                        tadd = 0
                         t = None
                         if plan is not None:
                             unplan(plan, plan_at, plan_size)
@@ -178,6 +197,7 @@ class Writes:
                             codes[i] = int(code)
                         else:
                             out[i] = p.replicas  # type: ignore[union-attr]
+                        tleft = tt.memory_quota - tt.mem  # type: ignore[union-attr]
                         cap = self.segtab.pool_cap[_MEM]
                         continue
                 if plan_ok and key not in pending:
@@ -205,17 +225,26 @@ class Writes:
                                                else isize, reps, 0, None, client_id, now)
                         out[i] = reps
                         if t is not None:
-                            t.mem += size
+                            tadd += size
+                            tleft -= size
                         if used > high * cap:
                             # what is carved ahead goes back before evicting
                             unplan(plan, plan_at, plan_size)
                             plan = None
+                            if tadd:
+                                tt.mem += tadd  # type: ignore[union-attr]
+                                tadd = 0
                             self.evict(_MEM, 0)
+                            if tt is not None:
+                                tleft = tt.memory_quota - tt.mem
                             cap = self.segtab.pool_cap[_MEM]
                         continue
                 if plan is not None:  # placing below: the plan's rest goes back
                     unplan(plan, plan_at, plan_size)
                     plan = None
+            if tadd:
+                tt.mem += tadd  # type: ignore[union-attr]
+                tadd = 0
             code, p = self._start_one(client_id, key, size, spec,
                                       None if checksums is None else checksums[i],
                                       None if groups is None else groups[i])
@@ -223,7 +252,11 @@ class Writes:
                 codes[i] = int(code)
             else:
                 out[i] = p.replicas  # type: ignore[union-attr]
+            if tt is not None:
+                tleft = tt.memory_quota - tt.mem
             cap = self.segtab.pool_cap[_MEM]  # the general step may have evicted
+        if tadd:
+            tt.mem += tadd  # type: ignore[union-attr]
         if plan is not None and plan_at < len(plan):
             unplan(plan, plan_at, plan_size)
 
@@ -256,7 +289,9 @@ class Writes:
         t = None
         if tenants is not None and (key < " " or tenants.track_default):
             t = tenants.of(key)
-            if t is not None and not tenants.admit(t, size, rn, dn):
+            old = objects.shards[hash(key) & objects.mask].get(key)  # an upsert's
+            if t is not None and not tenants.admit(t, size, rn, dn,
+                                                   None if old is None else (key, old)):
                 return ErrorCode.QUOTA_EXCEEDED, None
         out: list[Any] = []
         pref = list(spec.preferred)
@@ -308,6 +343,10 @@ class Writes:
         append = changes.records.append if changes.journaling else None
         tenants = objects.tenants
         track = tenants is not None and tenants.track_default
+        tt: Tenant | None = None  # as in put_start_many
+        tpref = NO_PREFIX
+        tobjs: dict[str, int] | None = None  # tt's use order, when it keeps one
+        tcount = 0  # objects stored for tt, not added to it yet
         writer = objects._writers.get(client_id) or objects.writer(client_id)
         # a commit names its reservation first (one clock read for the batch,
         # and no naming of a pending put the inline path drops)
@@ -357,13 +396,24 @@ class Writes:
             seg = reps[0]  # a new, unpinned, ungrouped object with one live replica
             size, flags, checksum = p.size, p.flags, p.checksum
             shard[key] = obj = Obj(size, reps, flags, checksum, writer)
-            if (key < " " or track) and tenants is not None:
-                tenants.stored(key, obj)
+            if (key < " " or track) and tenants is not None:  # TenantTable.stored, inline
+                if not key.startswith(tpref):
+                    if tt is not None:
+                        tt.objects += tcount
+                    tcount = 0
+                    tt = tenants.of(key)
+                    tpref, tobjs = (NO_PREFIX, None) if tt is None else (tt.prefix, tt.objs)
+                if tt is not None:
+                    tcount += 1
+                    if tobjs is not None:
+                        tobjs[key] = obj.tick
             if seg is not last_seg:
                 last_seg, seg_add = seg, seg.keys.add
             seg_add(key)
             if append is not None:
                 append(Put(key, size, flags, checksum, [seg.id, reps[1]]))
+        if tt is not None:
+            tt.objects += tcount
         return codes
 
     def _commit_one(self, client_id: str, key: str) -> int:

@@ -18,6 +18,7 @@ from kvpool.core.protocol import (
     BatchPutEnd,
     BatchPutStart,
     BatchRemove,
+    BatchUpsertStart,
     MountSegment,
     PutOptions,
     SegmentDescriptor,
@@ -200,3 +201,46 @@ def test_usage_is_rebuilt_from_the_objects_on_restore() -> None:
     rows = {r["name"]: r for r in fresh.tenants.rows(len(fresh.objects))}
     assert (rows["a"]["memory_used"], rows["a"]["objects"]) == (3 * SIZE, 3)
     assert (rows["z"]["memory_quota"], rows["z"]["disk_quota"]) == (SIZE, 2 * SIZE)
+
+
+def test_quota_counts_object_bytes_not_aligned_space() -> None:
+    # 4000-byte objects take 4032 bytes of the segment (64-byte alignment): a
+    # put needing 4010 of them must evict two, though one frees 4032 of space
+    m = Master(tenants={"a": {"memory": 8000}})
+    assert m.put("a", "k0", "k1", size=4000) == [0, 0]
+    m.leases_end()
+    assert m.put("a", "k2", size=4010) == [0]  # 8000 + 4010 - 8000: both must go
+    assert m.exists("a", "k0", "k1", "k2") == [False, False, True]
+    assert m.row("a").memory_used == 4010
+
+
+def test_upsert_at_the_quota_counts_the_replaced_object_as_free() -> None:
+    m = Master(tenants={"a": {"memory": 2 * SIZE}})
+    assert m.put("a", "k0", "k1") == [0, 0]
+    m.leases_end()
+    assert m.read("a", "k1") == [0]  # k0 is a's least recent, k1 read-leased
+    # upserting k1 at the full quota: k1's own bytes go at the commit, nothing else need go
+    r = m.h.handle(BatchUpsertStart("c1", ["k1"], [SIZE], tenant="a"))
+    assert list(r.codes) == [0]
+    assert m.exists("a", "k0") == [True]
+    m.h.handle(BatchPutEnd(client_id="c1", keys=["k1"], tenant="a"))
+    assert m.row("a").memory_used == 2 * SIZE and m.row("a").objects == 2
+    # a bigger upsert of k0 needs room beyond k0's own bytes: k1 (the new one,
+    # read) is leased, so refused
+    assert m.read("a", "k1") == [0]
+    r = m.h.handle(BatchUpsertStart("c1", ["k0"], [2 * SIZE], tenant="a"))
+    assert list(r.codes) == [QUOTA]
+    assert m.exists("a", "k0", "k1") == [True, True]
+
+
+def test_a_batch_crossing_the_quota_stops_at_it() -> None:
+    m = Master(tenants={"a": {"memory": 3 * SIZE}})
+    # the puts in flight of the batch itself count: nothing complete to evict
+    assert m.put("a", *(f"k{i}" for i in range(5))) == [0, 0, 0, QUOTA, QUOTA]
+    a = m.row("a")
+    assert (a.memory_used, a.objects, a.refusals) == (3 * SIZE, 3, 2)
+    m.leases_end()
+    # the next batch evicts the oldest of the last as it goes
+    assert m.put("a", "n0", "n1") == [0, 0]
+    assert m.exists("a", "k0", "k1", "k2", "n0", "n1") == [False, False, True, True, True]
+    assert m.row("a").memory_used == 3 * SIZE
