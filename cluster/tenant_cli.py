@@ -1,5 +1,5 @@
 """``kvpool tenant``: set a tenant's quotas live and list the tenants
-(docs/tenants-quotas.md).
+(docs/tenants.md).
 
 ``kvpool tenant set NAME --memory SIZE [--disk SIZE] [--guaranteed SIZE]
 --master ADDR`` sends TENANT_SET (a limit left out or ``-1`` /
@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
 
     defaults = ClientConfig()
     p = subparsers.add_parser("tenant", help="set and list tenant quotas",
-                              description="Tenant quotas at a master (docs/tenants-quotas.md).")
+                              description="Tenant quotas at a master (docs/tenants.md).")
     sub = p.add_subparsers(dest="tenant_command", metavar="ACTION")
 
     def common(q: argparse.ArgumentParser) -> None:

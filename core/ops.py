@@ -589,7 +589,7 @@ class QueryTask(Request[QueryTaskReply]):
 
 
 class TenantRow(msgspec.Struct, array_like=True, gc=False):
-    """One tenant as the master counts it (docs/tenants-quotas.md): quotas in
+    """One tenant as the master counts it (docs/tenants.md): quotas in
     bytes (-1: unlimited / no guaranteed share); bytes used, -1 where not
     counted (the ``default`` tenant unless the master's ``tenants:`` lists
     it); objects; hits and misses of replica lists and exists; objects

@@ -51,7 +51,7 @@ class ReplicationTransport(StrEnum):
 @dataclass
 class TenantQuota:
     """One tenant's limits (an entry of ``tenants:``, or ``default_tenant_quota:``;
-    docs/tenants-quotas.md). Bytes of object data (size x replicas); -1 = unlimited."""
+    docs/tenants.md). Bytes of object data (size x replicas); -1 = unlimited."""
 
     memory: int = setting(-1, size=True, help="bytes of memory replicas at most; -1 = unlimited")
     disk: int = setting(
@@ -202,7 +202,7 @@ class MasterConfig:
         "unless CURVE is active for host)")
     tenants: dict[str, Any] = setting(
         default_factory=dict, cli=False,
-        help="per-tenant quotas (docs/tenants-quotas.md): {NAME: {memory: SIZE, disk: SIZE, "
+        help="per-tenant quotas (docs/tenants.md): {NAME: {memory: SIZE, disk: SIZE, "
         "guaranteed: SIZE}}; a missing limit = unlimited. Live changes (kvpool tenant set) are "
         "journaled and win over this file")
     default_tenant_quota: TenantQuota = setting(

@@ -196,7 +196,7 @@ _TENANT_COUNTERS = (
 
 
 def _tenant_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
-    """Per-tenant series, label ``tenant`` (docs/tenants-quotas.md); a quota
+    """Per-tenant series, label ``tenant`` (docs/tenants.md); a quota
     of -1 (unlimited) and bytes not counted (None) are left out."""
     used = GaugeMetricFamily("kvpool_master_tenant_used_bytes",
                              "bytes of object data per tenant and tier (size x replicas)",

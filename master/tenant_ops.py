@@ -1,4 +1,4 @@
-"""The handlers of tenant quotas: TENANT_SET and TENANT_LIST (docs/tenants-quotas.md)."""
+"""The handlers of tenant quotas: TENANT_SET and TENANT_LIST (docs/tenants.md)."""
 
 from __future__ import annotations
 

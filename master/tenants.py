@@ -1,4 +1,4 @@
-"""The tenant table: per-tenant usage, quotas and counters (docs/tenants-quotas.md).
+"""The tenant table: per-tenant usage, quotas and counters (docs/tenants.md).
 
 A tenant's objects are the stored keys in its namespace
 (:func:`kvpool.core.tenants.tenant_of`). Usage is counted in bytes of

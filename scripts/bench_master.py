@@ -27,7 +27,7 @@ CPU-second with capabilities on; RSS <= 400 B per object at 1M objects.
   twice with its batches spread over the N tenants (each request names one,
   round robin), interleaved (0, N, 0, N); ``tenants_cost`` reports, per op and
   batch, the key-ops per master CPU-second with tenants over without (the
-  target: within 5%, docs/tenants-quotas.md).
+  target: within 5%, docs/tenants.md).
 
 Usage: scripts/bench_master.py --json OUT [--objects 1000000] [--seconds 2]
 Profiling: scripts/bench_master.py --quick --batches 128 --ops put --seconds 20

@@ -1,5 +1,5 @@
 """``kvpool tenant set|list`` and ``kvpool status``'s tenant table against a
-real master (docs/tenants-quotas.md)."""
+real master (docs/tenants.md)."""
 
 from __future__ import annotations
 

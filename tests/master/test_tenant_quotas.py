@@ -1,4 +1,4 @@
-"""Tenant quotas at the master's op handlers (no sockets; docs/tenants-quotas.md).
+"""Tenant quotas at the master's op handlers (no sockets; docs/tenants.md).
 
 Requests carry the ``tenant`` field as a client sends it; the master scopes
 keys, counts usage, evicts a tenant's own least recently used objects at its

@@ -1,4 +1,4 @@
-"""Tenants sharing one pool, end to end (docs/tenants.md, docs/tenants-clients.md).
+"""Tenants sharing one pool, end to end (docs/tenants.md).
 
 A real master and real node daemons (processes); clients of several tenants
 in this process. The same key in two tenants is two objects, each read back
