@@ -192,7 +192,8 @@ class PutEnd(Request[ReserveReply]):
           "the caller's reservation (placeholder of a ReserveReply) becomes the pending put "
           "of key and is committed as PUT_END commits (OBJECT_NOT_FOUND: no such reservation "
           "of the caller; OBJECT_ALREADY_EXISTS: key stored or in flight, the reservation "
-          "stays); reserve > 0: a new reservation as PUT_END's")
+          "stays; QUOTA_EXCEEDED: the tenant is at its quota as at PUT_START, the reservation "
+          "released); reserve > 0: a new reservation as PUT_END's")
 class PutCommit(Request[ReserveReply]):
     client_id: str
     placeholder: str

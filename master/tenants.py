@@ -25,7 +25,9 @@ live setting wins over the file). A put start that would take a tenant
 over a quota makes room by evicting that tenant's own least recently used
 evictable objects (:meth:`TenantTable.admit`, the eviction policy
 asked for victims in the tenant's own use order); when they cannot free
-enough the key fails with QUOTA_EXCEEDED and nothing changes. A
+enough the key fails with QUOTA_EXCEEDED and nothing changes. A commit
+naming a reservation (PUT_COMMIT, BATCH_PUT_COMMIT: the reservation was
+in no tenant) is admitted the same way (:meth:`TenantTable.renamed`). A
 tenant that has had to make room keeps its complete objects in the order
 they took their place there, with the use stamp (``Obj.tick``) they had
 then (``Tenant.objs``); a read costs the tenant nothing (it stamps the
@@ -356,14 +358,24 @@ class TenantTable:
         if t is not None:
             self.charge(t, reps, -size)
 
-    def renamed(self, placeholder: str, key: str, reps: tuple[Any, ...], size: int) -> None:
-        """A reservation's put moves from ``placeholder`` to ``key``."""
+    def renamed(self, placeholder: str, key: str, reps: tuple[Any, ...], size: int) -> bool:
+        """A reservation's put (on ``reps``) moves from ``placeholder`` to
+        ``key`` (PUT_COMMIT, BATCH_PUT_COMMIT), admitted to ``key``'s tenant
+        as a put start is (:meth:`admit`: its own least recently used
+        objects make room). False (counted as a refusal): it does not fit,
+        nothing was evicted or charged. A tenant without quotas pays no check."""
         a, b = self.of(placeholder), self.of(key)
-        if a is not b:
-            if a is not None:
-                self.charge(a, reps, -size)
-            if b is not None:
-                self.charge(b, reps, size)
+        if a is b:
+            return True
+        if b is not None:
+            if b.memory_quota < UNLIMITED or b.disk_quota < UNLIMITED:
+                disk_n = sum(1 for s in reps[::2] if s.kind is _FILE)
+                if not self.admit(b, size, len(reps) // 2 - disk_n, disk_n):
+                    return False
+            self.charge(b, reps, size)
+        if a is not None:
+            self.charge(a, reps, -size)
+        return True
 
     def stored(self, key: str, obj: Obj) -> None:
         """``key`` became the COMPLETE ``obj`` (its put's charge stays)."""

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_PUT", "PutSpec", "Writes", "write_grant_ms"]
 
 _OK = 0
+QUOTA_EXCEEDED = int(ErrorCode.QUOTA_EXCEEDED)
 _MEM = SegmentKind.MEMORY
 _FILE = SegmentKind.FILE
 _DEAD = SegState.DEAD
@@ -326,7 +327,9 @@ class Writes:
         ``i``'s put is the reservation ``placeholders[i]`` of this client,
         named ``keys[i]`` first (OBJECT_NOT_FOUND: no such reservation;
         OBJECT_ALREADY_EXISTS: the key is stored or in flight, the
-        reservation stays). A new, unpinned, ungrouped object with one live
+        reservation stays; QUOTA_EXCEEDED: the key's tenant is at its quota
+        and none of its own objects could make room, as at a put start, the
+        reservation released). A new, unpinned, ungrouped object with one live
         replica (the common case) commits inline. ``key_min``/``max_key``
         (0: the configured length): the key check, as :meth:`put_start_many`."""
         n = len(keys)
@@ -387,8 +390,12 @@ class Writes:
                     stamped = True
                 del pending[placeholder]
                 reps = p.replicas
-                if tenants is not None:
-                    tenants.renamed(placeholder, key, reps, p.size)
+                if tenants is not None and not tenants.renamed(placeholder, key, reps, p.size):
+                    # over the key's tenant's quota, nothing of its own could go: the
+                    # reservation goes back (its holder drops it on this code)
+                    self._release(p, placeholder)
+                    codes[i] = QUOTA_EXCEEDED
+                    continue
                 if p.pin or p.group or len(reps) != 2 or reps[0].state == _DEAD:
                     pending[key] = p  # the general step
                     codes[i] = self._commit_one(client_id, key)

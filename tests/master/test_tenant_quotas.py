@@ -15,12 +15,18 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import (
     BatchExist,
     BatchGetReplicaList,
+    BatchPutCommit,
     BatchPutEnd,
+    BatchPutRevoke,
     BatchPutStart,
     BatchRemove,
     BatchUpsertStart,
     MountSegment,
+    PutCommit,
+    PutEnd,
     PutOptions,
+    PutRevoke,
+    PutStart,
     SegmentDescriptor,
     SegmentKind,
     TenantList,
@@ -244,3 +250,93 @@ def test_a_batch_crossing_the_quota_stops_at_it() -> None:
     assert m.put("a", "n0", "n1") == [0, 0]
     assert m.exists("a", "k0", "k1", "k2", "n0", "n1") == [False, False, True, True, True]
     assert m.row("a").memory_used == 3 * SIZE
+
+
+def _state(m: Master) -> tuple[Any, ...]:
+    """What a refused commit must leave as it was (the reservation aside)."""
+    rows = [(r.memory_used, r.objects, r.evictions) for r in m.h.handle(TenantList()).tenants]
+    return len(m.d.objects), sorted(m.d.objects), dict(m.d.pool_used), rows
+
+
+def test_put_commit_of_a_reservation_is_held_to_the_quota() -> None:
+    """A spare allocation (PUT_END's reservation) named by PUT_COMMIT is
+    admitted as a put start is: the tenant's own LRU objects make room, else
+    QUOTA_EXCEEDED, nothing changes and the reservation is released."""
+    m = Master(tenants={"a": {"memory": 2 * SIZE}})
+    h = m.h.handle
+    assert m.put("b", "k0") == [0]  # another tenant's: never a victim
+    h(PutStart("c1", "k0", SIZE, tenant="a"))
+    r = h(PutEnd("c1", "k0", SIZE, tenant="a"))  # + a reservation (in no tenant yet)
+    assert r.placeholder and m.row("a").memory_used == SIZE
+    r = h(PutCommit("c1", r.placeholder, "k1", SIZE, tenant="a"))
+    assert (m.row("a").memory_used, m.row("a").objects) == (2 * SIZE, 2)
+    m.leases_end()
+    r = h(PutCommit("c1", r.placeholder, "k2", SIZE, tenant="a"))  # at the quota: k0 goes
+    assert m.exists("a", "k0", "k1", "k2") == [False, True, True]
+    a = m.row("a")
+    assert (a.memory_used, a.objects, a.evictions, a.refusals) == (2 * SIZE, 2, 1, 0)
+    assert m.read("b", "k0") == [0]
+    # k1 and k2 read-leased: nothing of a's may go
+    assert m.read("a", "k1", "k2") == [0, 0]
+    before = _state(m)
+    pending = len(m.d.pending)
+    m.d.records.clear()
+    with pytest.raises(KVPoolError) as ei:
+        h(PutCommit("c1", r.placeholder, "k3", SIZE, tenant="a"))
+    assert ei.value.code == ErrorCode.QUOTA_EXCEEDED
+    assert _state(m) == before and m.d.records == []  # nothing journaled
+    assert m.exists("a", "k3") == [False]
+    assert m.row("a").refusals == 1
+    # the reservation is released (no new one made): its space held for late writes only
+    assert len(m.d.pending) == pending - 1
+    with pytest.raises(KVPoolError) as ei:
+        h(PutRevoke("c1", r.placeholder))
+    assert ei.value.code == ErrorCode.OBJECT_NOT_FOUND
+    m.clock.t += m.d.writes.write_window_s + 1
+    m.d.writes.sweep()
+    assert m.d.pool_used[SegmentKind.MEMORY] == before[2][SegmentKind.MEMORY] - SIZE
+    # a tenant without a quota (and the default tenant) commits reservations freely
+    for tenant in ("b", ""):
+        h(PutStart("c1", "x0", SIZE, tenant=tenant))
+        r = h(PutEnd("c1", "x0", SIZE, tenant=tenant))
+        for i in range(1, 4):
+            r = h(PutCommit("c1", r.placeholder, f"x{i}", SIZE, tenant=tenant))
+        assert m.exists(tenant, "x0", "x1", "x2", "x3") == [True] * 4
+    assert m.read("b", "k0") == [0]
+
+
+def test_batch_put_commit_of_reservations_is_held_to_the_quota() -> None:
+    m = Master(tenants={"a": {"memory": 3 * SIZE}})
+    h = m.h.handle
+    assert m.put("b", "k0", "k1") == [0, 0]
+    h(BatchPutStart("c1", ["k0"], [SIZE], PutOptions(), tenant="a"))
+    r = h(BatchPutEnd("c1", ["k0"], SIZE, 1, tenant="a"))
+    assert len(r.placeholders) == 1
+    r = h(BatchPutCommit("c1", r.placeholders, ["k1"], SIZE, 2, tenant="a"))
+    assert len(r.placeholders) == 1  # no more than the commit had keys
+    # a second reservation (another batch of one), then a batch of two at the quota
+    h(BatchPutStart("c1", ["k2"], [SIZE], PutOptions(), tenant="a"))
+    r2 = h(BatchPutEnd("c1", ["k2"], SIZE, 1, tenant="a"))
+    assert m.row("a").memory_used == 3 * SIZE
+    m.leases_end()
+    got = h(BatchPutCommit("c1", [r.placeholders[0], r2.placeholders[0]], ["k3", "k4"], SIZE,
+                           2, tenant="a"))
+    assert list(got.codes) == [0, 0]  # a's two least recent (k0, k1) made room
+    assert m.exists("a", "k0", "k1", "k2", "k3", "k4") == [False, False, True, True, True]
+    a = m.row("a")
+    assert (a.memory_used, a.objects, a.evictions) == (3 * SIZE, 3, 2)
+    assert m.exists("b", "k0", "k1") == [True, True]
+    # every object of a's read-leased: the batch is refused key by key, nothing changes
+    assert len(got.placeholders) == 2
+    assert m.read("a", "k2", "k3", "k4") == [0, 0, 0]
+    before = _state(m)
+    pending = len(m.d.pending)
+    m.d.records.clear()
+    ref = h(BatchPutCommit("c1", list(got.placeholders), ["k5", "k6"], tenant="a"))
+    assert list(ref.codes) == [QUOTA, QUOTA]
+    assert _state(m) == before and m.d.records == []
+    assert len(m.d.pending) == pending - 2  # released
+    assert list(h(BatchPutRevoke("c1", list(got.placeholders))).codes) == [
+        int(ErrorCode.OBJECT_NOT_FOUND)] * 2
+    assert m.row("a").refusals == 2
+    assert m.exists("a", "k5", "k6") == [False, False]

@@ -222,15 +222,38 @@ def test_a_flood_evicts_its_own_and_a_full_quota_refuses(
         c.remove_all(force=True)
 
 
-@pytest.mark.xfail(strict=True, reason="master: a spare allocation (PUT_END/BATCH_PUT_END "
-                   "reserve, then PUT_COMMIT) is not charged to the tenant's quota")
 def test_spares_are_charged_to_the_quota(make_client: Callable[..., Client]) -> None:
     """A client's default puts (small values: through spare allocations) stay
-    within the tenant's quota as PUT_START's do."""
+    within the tenant's quota as PUT_START's do: the commit naming a spare
+    evicts the tenant's own LRU objects, or is refused (QuotaExceeded, the
+    value not stored, the spare released) when none can go."""
     flood = make_client(tenant="flood")
     try:
-        for i in range(12):
+        for i in range(12):  # the first through PUT_START, the others through spares
             flood.put(f"s{i}", bytes([i]) * (256 << 10))
-        assert sum(flood.batch_exists([f"s{i}" for i in range(12)])) <= 8
+        # batches: the first through BATCH_PUT_START, the second through its spares
+        assert flood.put_batch(["b0", "b1"], [b"x" * (256 << 10)] * 2) == [ErrorCode.OK] * 2
+        assert flood.put_batch(["b2", "b3"], [b"y" * (256 << 10)] * 2) == [ErrorCode.OK] * 2
+        kept = flood.batch_exists([f"s{i}" for i in range(12)] + [f"b{i}" for i in range(4)])
+        assert kept[-4:] == [True] * 4 and sum(kept) <= 8
+        assert flood.get("b3") == b"y" * (256 << 10)
     finally:
         flood.remove_all(force=True)
+    q = make_client(tenant="q")  # 1 MiB
+    pin = ReplicateConfig(with_hard_pin=True)
+    small = 100 << 10
+    try:
+        q.put("p0", b"a" * (500 << 10), pin)
+        q.put("s0", b"s" * small)  # its commit leaves q a spare of this size
+        assert q._parts.writes.spares.by_size.get(small)
+        q.remove("s0")
+        q.put("p1", b"b" * (500 << 10), pin)  # 1000 KiB pinned: nothing may go
+        with pytest.raises(QuotaExceeded, match="put 's1': tenant 'q' is at its quota"):
+            q.put("s1", b"t" * small)  # through the spare
+        assert not q._parts.writes.spares.by_size.get(small)  # released, not kept
+        assert q.batch_exists(["p0", "p1", "s1"]) == [True, True, False]
+        q.remove("p1", force=True)
+        q.put("s1", b"t" * small)
+        assert q.get("s1") == b"t" * small and q.get("p0") == b"a" * (500 << 10)
+    finally:
+        q.remove_all(force=True)
