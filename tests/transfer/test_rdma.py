@@ -368,7 +368,7 @@ def test_qp_depth_bounds_wrs_in_flight_for_many_small_requests() -> None:
 
 def test_without_descriptor_extra_registrations_come_from_the_connect_reply() -> None:
     """A descriptor with no extra['rdma'] makes the requester ask the owner's
-    transfer server, which (without the server hook) answers UNKNOWN_OP:
+    transfer server, which does not route OP_RDMA_CONNECT (UNKNOWN_OP):
     rdma fails retryably and the request fails over to tcp."""
     p = Pair(describe=False)
     try:
@@ -377,7 +377,7 @@ def test_without_descriptor_extra_registrations_come_from_the_connect_reply() ->
                             timeout=10)
         assert st.ok and st.transport == "tcp"
         assert len(st.errors) == 1 and st.errors[0].startswith("rdma:")
-        assert "UNKNOWN_OP" in st.errors[0] and "no rdma connect hook" in st.errors[0]
+        assert "UNKNOWN_OP" in st.errors[0] and "no rdma connect listener" in st.errors[0]
         assert np.all(p.seg.array()[:buf.nbytes] == 7)
     finally:
         p.close()
