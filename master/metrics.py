@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvpool.core.http import JSON, PROMETHEUS, TEXT, Route
+from kvpool.core.prom import labelled_counter
 from kvpool.master.ha.sink import SinkState
 from kvpool.master.stats import HaStats, MasterStats, copy_retrying
 
@@ -111,15 +112,6 @@ def _scalars(table: Any, src: Any) -> Iterator[Metric]:
         yield family(name, text, value=value / scale if scale != 1 else value)
 
 
-def _labelled(name: str, text: str, labels: list[str],
-              values: Iterator[tuple[list[str], float]]) -> Metric:
-    """A counter of ``values`` per label set (``_total`` added by the exposition)."""
-    c = CounterMetricFamily(name, text, labels=labels)
-    for label_values, n in values:
-        c.add_metric(label_values, n)
-    return c
-
-
 class MasterCollector(Collector):
     def __init__(self, source: StatsSource) -> None:
         self.source = source
@@ -152,17 +144,19 @@ class MasterCollector(Collector):
             pool.add_metric(["memory"], mem)
             pool.add_metric(["file"], file)
             yield pool
-        yield _labelled("kvpool_master_requests", "requests by op", ["op"],
-                        (([op.lower()], n) for op, n in snap.ops.items()))
-        yield _labelled("kvpool_master_key_ops", "per-key operations (batch items count)",
-                        ["op"], (([op.lower()], n) for op, n in snap.key_ops.items()))
-        yield _labelled("kvpool_master_errors", "error results by op and code", ["op", "code"],
-                        (([op.lower(), code], n) for (op, code), n in snap.errors.items()))
+        yield labelled_counter("kvpool_master_requests", "requests by op", ["op"],
+                               (([op.lower()], n) for op, n in snap.ops.items()))
+        yield labelled_counter("kvpool_master_key_ops", "per-key operations (batch items count)",
+                               ["op"], (([op.lower()], n) for op, n in snap.key_ops.items()))
+        yield labelled_counter("kvpool_master_errors", "error results by op and code",
+                               ["op", "code"],
+                               (([op.lower(), code], n) for (op, code), n in snap.errors.items()))
         yield from _scalars(_DIRECTORY, st)
         tier = st.tiering  # SSD tier
-        yield _labelled("kvpool_master_tier_events",
-                        "SSD tier: copy tasks and file segments, by event", ["event"],
-                        (([name], n) for name, n in tier.items() if name not in _TIER_GAUGES))
+        yield labelled_counter("kvpool_master_tier_events",
+                               "SSD tier: copy tasks and file segments, by event", ["event"],
+                               (([name], n) for name, n in tier.items()
+                                if name not in _TIER_GAUGES))
         for name, text, key in _TIER:
             yield GaugeMetricFamily(name, text, value=tier.get(key, 0))
         yield from _scalars(_LOOP, st)
@@ -220,7 +214,7 @@ def _tenant_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
     yield quota
     yield objects
     for name, text, field in _TENANT_COUNTERS:
-        yield _labelled(name, text, ["tenant"], (([r["name"]], r[field]) for r in rows))
+        yield labelled_counter(name, text, ["tenant"], (([r["name"]], r[field]) for r in rows))
 
 
 def _ha_metrics(ha: HaStats) -> Iterator[Metric]:

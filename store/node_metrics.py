@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from kvpool.core.capability import refusal_metrics
 from kvpool.core.descriptors import SegmentInfo
 from kvpool.core.http import JSON, PROMETHEUS, Route
+from kvpool.core.prom import labelled_counter
 from kvpool.core.protocol import ListSegments
 from kvpool.store.client import Client
 from kvpool.transfer.counters import LATENCY_BUCKETS_S
@@ -95,14 +96,6 @@ class SegmentUsage:
             if self._stub is not None:
                 self._stub.close()
                 self._stub = None
-
-
-def _counter(name: str, text: str, labels: list[str],
-             rows: Iterator[tuple[list[str], float]]) -> CounterMetricFamily:
-    c = CounterMetricFamily(name, text, labels=labels)
-    for values, n in rows:
-        c.add_metric(values, n)
-    return c
 
 
 class NodeCollector(Collector):
@@ -187,12 +180,14 @@ class NodeCollector(Collector):
         yield nbytes
         yield hist
         counters = engine.counters
-        yield _counter("kvpool_node_transfer_failures",
-                       "requests whose attempt on a transport failed (made)", ["transport"],
-                       (([t], n) for t, n in list(counters.failures.items())))
-        yield _counter("kvpool_node_transfer_failovers",
-                       "requests moved from a transport to the next one (made)", ["transport"],
-                       (([t], n) for t, n in list(counters.failovers.items())))
+        yield labelled_counter("kvpool_node_transfer_failures",
+                               "requests whose attempt on a transport failed (made)",
+                               ["transport"],
+                               (([t], n) for t, n in list(counters.failures.items())))
+        yield labelled_counter("kvpool_node_transfer_failovers",
+                               "requests moved from a transport to the next one (made)",
+                               ["transport"],
+                               (([t], n) for t, n in list(counters.failovers.items())))
 
     def _guard(self) -> Iterator[Metric]:
         host = self.m.client.segment_host
@@ -234,12 +229,14 @@ class NodeCollector(Collector):
         yield nbytes
         runner = self.m.client.segment_host.tier_runner
         if runner is not None:
-            yield _counter("kvpool_node_tier_tasks", "SSD-tier copy tasks run, by kind and result",
-                           ["kind", "result"],
-                           (([kind, "done" if ok else "failed"], n)
-                            for (kind, ok), n in list(runner.by_kind.items())))
-            yield _counter("kvpool_node_tier_task_bytes", "bytes copied by SSD-tier tasks done",
-                           ["kind"], (([k], n) for k, n in list(runner.bytes_by_kind.items())))
+            yield labelled_counter("kvpool_node_tier_tasks",
+                                   "SSD-tier copy tasks run, by kind and result",
+                                   ["kind", "result"],
+                                   (([kind, "done" if ok else "failed"], n)
+                                    for (kind, ok), n in list(runner.by_kind.items())))
+            yield labelled_counter("kvpool_node_tier_task_bytes",
+                                   "bytes copied by SSD-tier tasks done", ["kind"],
+                                   (([k], n) for k, n in list(runner.bytes_by_kind.items())))
             yield GaugeMetricFamily("kvpool_node_tier_tasks_pending",
                                     "SSD-tier copy tasks queued here", value=runner.pending())
 
