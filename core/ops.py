@@ -245,7 +245,8 @@ class GetSize(Request[GetSizeReply]):
     tenant: str = TENANT_FIELD_DEFAULT
 
 
-@register(Op.REMOVE, Empty, "remove an object (OBJECT_HAS_LEASE unless force)")
+@register(Op.REMOVE, Empty, "remove an object (OBJECT_HAS_LEASE unless force; a forced "
+          "removal of a leased object holds its space until the lease ends)")
 class Remove(Request[Empty]):
     key: str
     force: bool = False

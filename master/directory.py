@@ -127,7 +127,7 @@ class Directory:
         self.writes = Writes(cfg, clock, segtab, objects, self.liveness.clients,
                              self.placement, self.evictor.evict, self)
         self.reads = Reads(cfg, clock, objects)
-        self.removal = Removal(cfg, clock, objects)
+        self.removal = Removal(cfg, clock, objects, self.writes.hold)
         self.replay = Replay(self)
         # the rooms' tables, for readers
         self.segments = segtab.segments

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -248,13 +248,15 @@ class ObjectTable:
         if self.group_of:
             self.leave_group(key)
 
-    def remove(self, key: str, obj: Obj) -> None:
-        """Remove ``obj`` and free its replicas now (recorded)."""
+    def remove(self, key: str, obj: Obj,
+               free: Callable[[tuple[Any, ...], int], None] | None = None) -> None:
+        """Remove ``obj`` and free its replicas now (recorded); ``free``
+        (replicas, size): how to free them instead (held until a time)."""
         self.forget(key, obj)
         reps = obj.replicas
         for i in range(0, len(reps), 2):
             reps[i].keys.discard(key)
-        self.segtab.free(reps, obj.size)
+        (free or self.segtab.free)(reps, obj.size)
         changes = self.changes
         if changes.journaling:
             changes.records.append(Remove(key))

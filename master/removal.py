@@ -3,8 +3,12 @@ REMOVE_BY_REGEX.
 
 A read-leased object is not removed (OBJECT_HAS_LEASE, counted in
 ``lease_refusals``) unless forced, and nothing is while every object counts
-as leased (an HA leader's first lease TTL). Every removal is recorded
-(:class:`Remove`, or :class:`DropReplica` for one tier's copy).
+as leased (an HA leader's first lease TTL). A forced removal of a leased
+object removes it at once but holds its space until the lease ends: the
+READ capabilities granted with the lease name its byte ranges and stay
+valid as long, so no later put (of any tenant) is placed where they still
+read. Every removal is recorded (:class:`Remove`, or :class:`DropReplica`
+for one tier's copy).
 """
 
 from __future__ import annotations
@@ -27,12 +31,24 @@ _DEAD = SegState.DEAD
 class Removal:
     """Removes objects, or one segment's replicas of them (see the module docstring)."""
 
-    def __init__(self, cfg: MasterConfig, clock: Callable[[], float],
-                 objects: ObjectTable) -> None:
+    def __init__(self, cfg: MasterConfig, clock: Callable[[], float], objects: ObjectTable,
+                 hold: Callable[[tuple[Any, ...], int, float], None] | None = None) -> None:
         self.cfg = cfg
         self.clock = clock
         self.objects = objects
+        #: (replicas, size, until): free at ``until`` (Writes.hold); None: free at once
+        self.hold = hold
         self.lease_refusals = 0
+
+    def _remove_forced(self, key: str, obj: Obj, now: float) -> None:
+        """Remove ``obj`` regardless of its lease; its space is held until
+        the lease (or an HA leader's first lease TTL) ends."""
+        until = max(obj.lease, self.objects.lease_grace_until)
+        hold = self.hold
+        if hold is None or until <= now:
+            self.objects.remove(key, obj)
+        else:
+            self.objects.remove(key, obj, lambda reps, size: hold(reps, size, until))
 
     def _leased(self, obj: Obj) -> bool:
         if max(obj.lease, self.objects.lease_grace_until) > self.clock():
@@ -49,11 +65,14 @@ class Removal:
         stored keys, :class:`~kvpool.master.keys.Scope`)."""
         codes = [0] * len(keys)
         objects = self.objects
+        now = self.clock() if force else 0.0
         for i, key in valid_keys(keys, max_key or self.cfg.max_key_length, codes, key_min):
             obj = objects.get(key)
             if obj is None:
                 codes[i] = NOT_READY if key in objects.pending else NOT_FOUND
-            elif not force and self._leased(obj):
+            elif force:
+                self._remove_forced(key, obj, now)
+            elif self._leased(obj):
                 codes[i] = HAS_LEASE
             else:
                 objects.remove(key, obj)
@@ -127,5 +146,5 @@ class Removal:
                    and not (exclude_prefix and k.startswith(exclude_prefix))
                    and (match is None or match(k[cut:]))]
         for k, o in victims:
-            objects.remove(k, o)
+            self._remove_forced(k, o, now)
         return len(victims)

@@ -110,7 +110,16 @@ def test_lease_blocks_remove_unless_forced_and_expires() -> None:
     assert d.remove("k") == ErrorCode.OBJECT_HAS_LEASE
     assert d.remove("k", force=True) == 0
     assert d.remove("k") == ErrorCode.OBJECT_NOT_FOUND
+    # the space stays held while the READ grants of the lease may still read it
+    assert d.pool_used[MEM] == 64
+    assert put(d, "k2", 1 << 20) == ErrorCode.NO_AVAILABLE_HANDLE
+    clock.t += 0.5
+    d.writes.sweep()
+    assert d.pool_used[MEM] == 64
+    clock.t += 0.6  # the lease ended
+    d.writes.sweep()
     assert d.pool_used[MEM] == 0
+    assert put(d, "k2", 1 << 20) == 0
 
 
 def test_inflight_put_preempted_after_discard_timeout() -> None:

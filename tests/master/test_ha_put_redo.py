@@ -134,9 +134,11 @@ def test_put_whose_leader_died_before_its_commit_succeeds_at_the_new_leader(
             assert st.pending == held and st.objects == len(keys), st
             for key in keys:
                 mc.call(Remove(key=key, force=True))
-            # an upsert's old space is held through the lease grace; a reservation is in use
+            # an upsert's old space is held through the lease grace; a reservation is in use;
+            # a forced removal's space is held until the read lease of the gets above
+            # ends (lease_ttl_ms, 10 s here)
             if path not in ("upsert", "reserved"):
-                deadline = time.monotonic() + 5
+                deadline = time.monotonic() + 15
                 while (used := mc.call(Stats()).memory_used) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 assert used == 0
