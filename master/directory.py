@@ -117,11 +117,10 @@ class Directory:
         #: tenants' quotas, usage and counters (kvpool.master.tenants)
         self.tenants = tenants = TenantTable(cfg)
         # shard_bits=0: one shard, exact LRU
-        self.objects = objects = ObjectTable(segtab, self.changes, shard_bits, tenants)
+        self.objects = objects = ObjectTable(segtab, self.changes, tenants, shard_bits)
         self.liveness = Liveness(cfg, clock, segtab, self)
         self.evictor = Evictor(cfg, clock, segtab, objects, Lru(cfg, objects, segtab))
         self.evictor.directory = self
-        self.evictor.tenants = tenants
         tenants.evictor = self.evictor
         self.placement = MostFree(segtab, cfg.eviction_high_watermark, self.evictor.evict)
         self.writes = Writes(cfg, clock, segtab, objects, self.liveness.clients,

@@ -31,7 +31,6 @@ from kvpool.master.segments import SegmentTable, SegState
 
 if TYPE_CHECKING:
     from kvpool.master.directory import Directory
-    from kvpool.master.tenants import TenantTable
 
 __all__ = ["EvictionPolicy", "Evictor", "Lru", "Victims"]
 
@@ -167,7 +166,7 @@ class Evictor:
         self.evicting: set[SegmentKind] = set()  # pools whose eviction continues
         self.evictions = 0
         self.evicted_bytes = 0
-        self.tenants: TenantTable | None = None  # set by the directory
+        self.tenants = objects.tenants
 
     def evict(self, kind: SegmentKind, need: int = 0) -> int:
         """Evict from pool ``kind`` until usage is ``eviction_ratio`` below the
@@ -194,7 +193,7 @@ class Evictor:
         limit = (1 << 62) if need else cfg.eviction_batch
         actual = 0
         tenants = self.tenants
-        if tenants is not None and tenants.guarantees and kind is _MEM:
+        if tenants.guarantees and kind is _MEM:
             # first the tenants above their guaranteed share
             first = self.policy.evict(kind, to_free, limit, now, None, tenants.over_share())
             for key, obj in first[0] if first is not None else ():
@@ -224,7 +223,7 @@ class Evictor:
         if offload and d is not None and d.hooks.on_evict(d, key, obj, kind):
             return 0
         tenants = self.tenants
-        if tenants is not None and (key < " " or tenants.track_default):
+        if key < " " or tenants.track_default:
             t = tenants.of(key)
             if t is not None:
                 t.evictions += 1
@@ -243,7 +242,7 @@ class Evictor:
         if not kept:
             self.objects.remove(key, obj)
         else:
-            if tenants is not None and (key < " " or tenants.track_default):
+            if key < " " or tenants.track_default:
                 tenants.rereps(key, obj.size, reps, tuple(kept))
             obj.replicas = tuple(kept)
             changes = self.objects.changes

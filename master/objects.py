@@ -91,10 +91,10 @@ class ObjectTable:
     Iteration order is shard by shard. Do not mutate while iterating.
     """
 
-    def __init__(self, segtab: SegmentTable, changes: Changes, bits: int = 8,
-                 tenants: TenantTable | None = None) -> None:
+    def __init__(self, segtab: SegmentTable, changes: Changes, tenants: TenantTable,
+                 bits: int = 8) -> None:
         #: usage per tenant (kvpool.master.tenants): told of every object
-        #: stored, forgotten or changed here; None in bare tests
+        #: stored, forgotten or changed here
         self.tenants = tenants
         self.shards: list[dict[str, Obj]] = [{} for _ in range(1 << bits)]
         self.mask = (1 << bits) - 1
@@ -214,7 +214,7 @@ class ObjectTable:
         obj = Obj(size, reps, flags, checksum, writer)
         self.shards[hash(key) & self.mask][key] = obj
         tenants = self.tenants
-        if tenants is not None and (key < " " or tenants.track_default):
+        if key < " " or tenants.track_default:
             tenants.stored(key, obj)
         changes = self.changes
         if not changes.journaling:  # replay, a standby: no record to build
@@ -241,7 +241,7 @@ class ObjectTable:
         space is the caller's)."""
         del self.shards[hash(key) & self.mask][key]
         tenants = self.tenants
-        if tenants is not None and (key < " " or tenants.track_default):
+        if key < " " or tenants.track_default:
             tenants.forgotten(key, obj)
         if obj.flags & SOFT_PIN:
             self.soft_until.pop(key, None)
@@ -292,7 +292,7 @@ class ObjectTable:
                         kept += (reps[i], reps[i + 1])
                 if kept:
                     tenants = self.tenants
-                    if tenants is not None and (key < " " or tenants.track_default):
+                    if key < " " or tenants.track_default:
                         tenants.rereps(key, obj.size, reps, tuple(kept))
                     obj.replicas = tuple(kept)
                 else:

@@ -106,7 +106,7 @@ class Reads:
         """Count a pass's hits and misses for the tenant of its keys (a
         request's keys are one tenant's: the op boundary scopes them)."""
         tenants = self.objects.tenants
-        if tenants is not None and start < len(keys):
+        if start < len(keys):
             tenants.reads(keys[start], hits, misses)
 
     def exist_many(self, keys: Sequence[str], key_min: str = KEY_MIN,

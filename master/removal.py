@@ -119,7 +119,7 @@ class Removal:
             objects.remove(key, obj)
             return 0
         tenants = objects.tenants
-        if tenants is not None and (key < " " or tenants.track_default):
+        if key < " " or tenants.track_default:
             tenants.rereps(key, obj.size, reps, tuple(kept))
         obj.replicas = tuple(kept)
         gone[0].keys.discard(key)

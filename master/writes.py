@@ -140,7 +140,7 @@ class Writes:
         sizes_get = objects._sizes.get
         plan_run = self.placement.plan_run
         tenants = objects.tenants
-        track = tenants is not None and tenants.track_default
+        track = tenants.track_default
         tt: Tenant | None = None  # the tenant of the last tenant key (a batch is one's)
         tpref = NO_PREFIX
         # bytes placed inline for tt not added to tt.mem yet (added before
@@ -173,7 +173,7 @@ class Writes:
                     self.clients[client_id] = now
                     stamped = True
                 t = None
-                if (key < " " or track) and tenants is not None:
+                if key < " " or track:
                     if not key.startswith(tpref):
                         if tadd:
                             tt.mem += tadd  # type: ignore[union-attr]
@@ -288,7 +288,7 @@ class Writes:
         rn, dn = spec.replica_num, spec.disk_replica_num
         tenants = objects.tenants
         t = None
-        if tenants is not None and (key < " " or tenants.track_default):
+        if key < " " or tenants.track_default:
             t = tenants.of(key)
             old = objects.shards[hash(key) & objects.mask].get(key)  # an upsert's
             if t is not None and not tenants.admit(t, size, rn, dn,
@@ -345,7 +345,7 @@ class Writes:
         changes = self.changes
         append = changes.records.append if changes.journaling else None
         tenants = objects.tenants
-        track = tenants is not None and tenants.track_default
+        track = tenants.track_default
         tt: Tenant | None = None  # as in put_start_many
         tpref = NO_PREFIX
         tobjs: dict[str, int] | None = None  # tt's use order, when it keeps one
@@ -390,7 +390,7 @@ class Writes:
                     stamped = True
                 del pending[placeholder]
                 reps = p.replicas
-                if tenants is not None and not tenants.renamed(placeholder, key, reps, p.size):
+                if not tenants.renamed(placeholder, key, reps, p.size):
                     # over the key's tenant's quota, nothing of its own could go: the
                     # reservation goes back (its holder drops it on this code)
                     self._release(p, placeholder)
@@ -403,7 +403,7 @@ class Writes:
             seg = reps[0]  # a new, unpinned, ungrouped object with one live replica
             size, flags, checksum = p.size, p.flags, p.checksum
             shard[key] = obj = Obj(size, reps, flags, checksum, writer)
-            if (key < " " or track) and tenants is not None:  # TenantTable.stored, inline
+            if key < " " or track:  # TenantTable.stored, inline
                 if not key.startswith(tpref):
                     if tt is not None:
                         tt.objects += tcount
@@ -441,7 +441,7 @@ class Writes:
             reps = tuple(x for i in range(0, len(reps), 2) if reps[i].state != _DEAD
                          for x in (reps[i], reps[i + 1]))
             tenants = objects.tenants
-            if tenants is not None and (key < " " or tenants.track_default):
+            if key < " " or tenants.track_default:
                 tenants.rereps(key, p.size, p.replicas, reps)
             if not reps:
                 return NOT_FOUND
@@ -476,7 +476,7 @@ class Writes:
         ended: a reader may still be copying the old bytes."""
         del self.objects[key]
         tenants = self.objects.tenants
-        if tenants is not None and (key < " " or tenants.track_default):
+        if key < " " or tenants.track_default:
             tenants.forgotten(key, old)
         reps = old.replicas
         for i in range(0, len(reps), 2):
@@ -516,7 +516,7 @@ class Writes:
         expired everywhere (``write_window_s`` after the start). ``key``'s
         tenant no longer counts it."""
         tenants = self.objects.tenants
-        if tenants is not None and (key < " " or tenants.track_default):
+        if key < " " or tenants.track_default:
             tenants.released(key, p.replicas, p.size)
         self.hold(p.replicas, p.size, p.started + self.write_window_s)
 
