@@ -20,7 +20,6 @@ A :class:`MasterSession` is how every part of a client talks to the master:
   client from before tenants means by sending nothing there.
 """
 
-
 from __future__ import annotations
 
 import logging
