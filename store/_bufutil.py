@@ -98,14 +98,20 @@ def host_view(buf: Any) -> memoryview | None:
         return None
 
 
-def alloc_bytes(n: int) -> tuple[bytes, tuple[int, int]]:
-    """A new ``bytes`` of ``n`` bytes plus ``(address, n)`` of its payload.
+def alloc_bytes(n: int) -> tuple[bytes, BufferHandle]:
+    """A new ``bytes`` of ``n`` bytes plus a writable host buffer over its payload.
 
     The caller fills the payload (e.g. a transfer READ) before the object is
-    shared or hashed, so get() returns bytes without a second copy.
+    shared or hashed, so get() returns bytes without a second copy. The
+    buffer holds the ``bytes`` object (``owner``): while any transfer thread
+    still holds the request, its memory cannot be freed and handed to
+    another object.
     """
     b = bytes(n)
-    return b, (id(b) + _BYTES_HEADER, n)
+    addr = id(b) + _BYTES_HEADER
+    arr = np.frombuffer((ctypes.c_ubyte * n).from_address(addr),  # type: ignore[call-overload]
+                        np.uint8) if n else np.empty(0, np.uint8)
+    return b, BufferHandle(addr if n else 0, n, "cpu", 0, False, arr, b)
 
 
 def host_array(buf: Any) -> np.ndarray | None:

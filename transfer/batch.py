@@ -151,11 +151,18 @@ class Track:
 
 class BatchHandle:
     """Handle of a submitted batch: :meth:`wait`, :meth:`status`, :attr:`ok`;
-    ``sub_batches`` lists every sub-batch attempt (for inspection and tests)."""
+    ``sub_batches`` lists every sub-batch attempt (for inspection and tests).
 
-    __slots__ = ("_cond", "_lock", "_remaining", "_status", "_tracks", "sub_batches")
+    ``deadline`` (monotonic seconds, None: none) bounds every attempt of the
+    batch, retries and failovers included. A caller that stops waiting calls
+    :meth:`abandon`: nothing new starts, and it waits for the slices still
+    running, so that no transport writes into the batch's buffers after the
+    caller was told the batch is over."""
 
-    def __init__(self, n: int) -> None:
+    __slots__ = ("_active", "_cond", "_lock", "_remaining", "_status", "_tracks", "abandoned",
+                 "deadline", "sub_batches")
+
+    def __init__(self, n: int, deadline: float | None = None) -> None:
         # entered directly on hot paths (a C-level context manager); the
         # condition on it is made only when someone has to wait
         self._lock = threading.Lock()
@@ -164,6 +171,9 @@ class BatchHandle:
         self._tracks: dict[int, Track] = {}
         self._remaining = n
         self.sub_batches: list[SubBatch] = []
+        self.deadline = deadline
+        self.abandoned = False
+        self._active = 0  # slices started and not yet ended (begin_slices/end_slice)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every request is DONE or FAILED; False on timeout."""
@@ -207,7 +217,35 @@ class BatchHandle:
         with self._lock:
             return all(st is not None and st.state is _DONE for st in self._status)
 
+    def abandon(self, grace_s: float) -> bool:
+        """The caller stops waiting: no slice starts from now on, and this
+        waits up to ``grace_s`` seconds for the running ones to end (each is
+        bounded by :attr:`deadline`). False if some still ran then."""
+        with self._lock:
+            self.abandoned = True
+            if self._active == 0:
+                return True
+            if self._cond is None:
+                self._cond = threading.Condition(self._lock)
+            return self._cond.wait_for(lambda: self._active == 0, grace_s)
+
     # -- engine side ------------------------------------------------------------
+    def begin_slices(self, n: int) -> bool:
+        """Count ``n`` slices about to start; False (nothing counted) once
+        the batch is abandoned or past its deadline: they must not start."""
+        with self._lock:
+            if self.abandoned:
+                return False
+            self._active += n
+            return True
+
+    def end_slice(self) -> None:
+        """A slice counted by :meth:`begin_slices` has ended (its transport returned)."""
+        with self._lock:
+            self._active -= 1
+            if self._active == 0 and self._cond is not None:
+                self._cond.notify_all()
+
     def track(self, idx: int, candidates: Sequence[str], first: str) -> Track:
         """Request ``idx``'s track, made on first use (its first transport
         ``first``); call with the lock held."""

@@ -57,6 +57,10 @@ _PENDING, _RUNNING = SubBatchState.PENDING, SubBatchState.RUNNING
 #: many bytes (below it one thread finishes sooner than two threads start)
 _MIN_SLICE_BYTES = 4 << 20
 _TWO_SLICES = 2 * _MIN_SLICE_BYTES  # below it a sub-batch is one slice
+# how long a caller that stopped waiting waits for its batch's running slices:
+# they end at its deadline (every transport bounds its waits by it), so this
+# only covers a thread that got the CPU late
+_ABANDON_GRACE_S = 10.0
 
 
 
@@ -86,6 +90,7 @@ class BatchRunner:
             handle.wait(max(0.0, deadline - time.monotonic()))
         if not handle._remaining:
             return handle._status  # type: ignore[return-value]  # all terminal, never changed
+        self._abandon(handle)
         now = handle.status()
         return [st if st.state is _DONE or st.state is _FAILED else RequestStatus(
                     _FAILED, st.transport, ErrorCode.TIMEOUT,
@@ -107,6 +112,7 @@ class BatchRunner:
         if deadline is not None and time.monotonic() >= deadline and not handle.ok:
             finished = False  # a slice on this thread was cut short by the deadline
         if not finished:
+            self._abandon(handle)
             raise TransferError(f"batch of {len(requests)} not finished within {timeout}s",
                                 ErrorCode.TIMEOUT)
         return handle.statuses()
@@ -117,11 +123,20 @@ class BatchRunner:
         one slice runs on its thread). Invalid requests fail at once with
         their code; the others run in per-transport sub-batches."""
         groups, early = self._group(requests)
-        handle = BatchHandle(len(requests))
+        handle = BatchHandle(len(requests), deadline)
         for i, state, code, error in early:
             handle.finish(i, state, None, code, error)
-        self._launch(handle, groups, sync, deadline)
+        self._launch(handle, groups, sync)
         return handle
+
+    @staticmethod
+    def _abandon(handle: BatchHandle) -> None:
+        """The caller stops waiting for ``handle``: wait for its running
+        slices to end (they are bounded by its deadline), so no bytes land in
+        its buffers afterwards."""
+        if not handle.abandon(_ABANDON_GRACE_S):
+            log.error("a transport still ran a slice %.1fs after its batch's deadline; "
+                      "its buffers may still be written", _ABANDON_GRACE_S)
 
     def _sync(self, requests: Sequence[TransferRequest], deadline: float | None
               ) -> list[RequestStatus] | BatchHandle:
@@ -146,14 +161,15 @@ class BatchRunner:
                     if n == 1:
                         return [RequestStatus(_DONE, name, _OK)]
                     return [RequestStatus(_DONE, name, _OK) for _ in items]
-                handle = BatchHandle(len(requests))
+                handle = BatchHandle(len(requests), deadline)
                 sb.adopt(handle, next(self._sb_ids))
+                handle.begin_slices(1)  # (ended by _slice_done, as a launched slice)
                 self._slice_done(handle, sb, slot, items, crash)
                 return handle
-        handle = BatchHandle(len(requests))
+        handle = BatchHandle(len(requests), deadline)
         for i, state, code, error in early:
             handle.finish(i, state, None, code, error)
-        self._launch(handle, groups, True, deadline)
+        self._launch(handle, groups, True)
         return handle
 
     def _group(self, requests: Sequence[TransferRequest]
@@ -265,12 +281,14 @@ class BatchRunner:
 
     # -- running ----------------------------------------------------------------
     def _launch(self, handle: BatchHandle, groups: dict[str, list[TransferRequest]],
-                sync: bool = False, deadline: float | None = None) -> None:
+                sync: bool = False) -> None:
+        """Start each group as a sub-batch on its transport, in slices; a
+        batch abandoned by its caller (or past its deadline) starts nothing:
+        its requests fail with TIMEOUT."""
         slots = self.transports.slots
+        deadline = handle.deadline
         for name, items in groups.items():
             slot = slots[name]
-            sb = SubBatch(handle, next(self._sb_ids), name, items)
-            handle.sub_batches.append(sb)  # (list.append is atomic)
             total = items[0].length if len(items) == 1 else sum(map(_LENGTH, items))
             n = _slices(slot, total, len(items))
             if n > 1:
@@ -278,13 +296,21 @@ class BatchRunner:
                 slices = [items[k:k + step] for k in range(0, len(items), step)]
             else:
                 slices = [items]
+            if (deadline is not None and time.monotonic() >= deadline) \
+                    or not handle.begin_slices(len(slices)):
+                for it in items:
+                    handle.finish(it.index, _FAILED, name, ErrorCode.TIMEOUT,
+                                  f"{name}: not started: the batch's deadline passed")
+                continue
+            sb = SubBatch(handle, next(self._sb_ids), name, items)
+            handle.sub_batches.append(sb)  # (list.append is atomic)
             sb.slices_left = len(slices)
             # no thread hop for one slice (the caller waits anyway, or the copy is tiny)
             inline = (sync and len(groups) == 1) or (
                 n == 1 and total <= int(slot.settings.inline_max_bytes))
             for part in slices[:-1] if inline else slices:
                 try:
-                    slot.pool.submit(self._run_slice, handle, sb, slot, part, None)
+                    slot.pool.submit(self._run_slice, handle, sb, slot, part, deadline)
                 except RuntimeError as exc:  # pool shut down (engine closing)
                     self._slice_done(handle, sb, slot, part,
                                      TransferError(str(exc), ErrorCode.CLOSED, retryable=False))
@@ -293,7 +319,12 @@ class BatchRunner:
 
     def _run_slice(self, handle: BatchHandle, sb: SubBatch, slot: TransportSlot,
                    part: list[TransferRequest], caller_deadline: float | None) -> None:
-        self._slice_done(handle, sb, slot, part, self._execute(sb, slot, part, caller_deadline))
+        if handle.abandoned:  # queued behind other work until its caller gave up
+            crash: TransferError | None = TransferError(
+                "not started: the caller stopped waiting", ErrorCode.TIMEOUT, retryable=False)
+        else:
+            crash = self._execute(sb, slot, part, caller_deadline)
+        self._slice_done(handle, sb, slot, part, crash)
 
     @staticmethod
     def _execute(sb: SubBatch, slot: TransportSlot, part: list[TransferRequest],
@@ -323,6 +354,16 @@ class BatchRunner:
 
     def _slice_done(self, handle: BatchHandle, sb: SubBatch, slot: TransportSlot,
                     part: list[TransferRequest], crash: TransferError | None) -> None:
+        """A slice's transport returned: settle its sub-batch when it was the
+        last slice, retrying or failing over its failed requests while the
+        batch's deadline allows; then the slice counts as ended."""
+        try:
+            self._settle(handle, sb, slot, part, crash)
+        finally:
+            handle.end_slice()
+
+    def _settle(self, handle: BatchHandle, sb: SubBatch, slot: TransportSlot,
+                part: list[TransferRequest], crash: TransferError | None) -> None:
         with handle._lock:
             failures: list[tuple[TransferRequest, TransferError]] = []
             if crash is None and not sb.failures and sb.slices_left == 1 \
@@ -353,6 +394,10 @@ class BatchRunner:
         groups: dict[str, list[TransferRequest]] = {}
         name = sb.transport
         self.transports.counters.failed(name, len(failures))
+        # past the deadline (or given up by its caller) a batch starts no
+        # attempt: a late one could write into buffers the caller reused
+        over = handle.abandoned or (handle.deadline is not None
+                                    and time.monotonic() >= handle.deadline)
         for item, err in failures:
             idx = item.index
             with handle._lock:
@@ -362,7 +407,7 @@ class BatchRunner:
                 track.errors.append(f"{name}: {err}")
                 track.code = err.code
                 track.attempts[name] = track.attempts.get(name, 0) + 1
-            if not err.retryable or self.closed:
+            if not err.retryable or self.closed or over:
                 handle.finish(idx, _FAILED, name, err.code)
                 continue
             if track.attempts[name] <= slot.settings.retries \

@@ -92,9 +92,12 @@ def test_buffer_helpers() -> None:
 
 
 def test_alloc_bytes_is_writable_in_place() -> None:
-    b, (addr, n) = alloc_bytes(4096)
-    ctypes.memmove(addr, b"x" * n, n)
+    b, buf = alloc_bytes(4096)
+    ctypes.memmove(buf.ptr, b"x" * buf.length, buf.length)
     assert b == b"x" * 4096
+    assert buf.owner is b  # the buffer keeps the bytes alive while a transfer holds it
+    buf.array[:2] = 7
+    assert b[:3] == b"\x07\x07x"
 
 
 def test_checksums() -> None:

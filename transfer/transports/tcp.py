@@ -20,6 +20,7 @@ What is known of the peers' bulk sockets and the connections to them:
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -38,6 +39,8 @@ from kvpool.transfer.transports.tcp_zmq import FINAL_CODES, ZmqRun, ZmqSockets
 from kvpool.transfer.types import TransferError, TransferOp
 
 __all__ = ["TcpTransport"]
+
+log = logging.getLogger(__name__)
 
 _STRIPE_MIN = 8 << 20  # a lone request this large goes over several connections at once
 
@@ -181,8 +184,12 @@ class TcpTransport(Transport):
         waits = [self._helpers.submit(run, job) for job in jobs[1:]]
         if jobs:
             run(*jobs[0])
+        # every job's socket waits end at the deadline; returning before a job
+        # ends would let its stripe write into a buffer the caller moved on from
         for done in waits:
-            done.wait(max(0.0, deadline - time.monotonic()) + 1.0)
+            if not done.wait(max(0.0, deadline - time.monotonic()) + 1.0):
+                log.warning("tcp: a bulk job still runs 1s after its deadline; waiting for it")
+                done.wait()
         return rest
 
     def _counted(self, report: ReportFn) -> ReportFn:
