@@ -10,6 +10,7 @@ max_size, bad enum values) raise ``ConfigError`` at startup.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -46,6 +47,15 @@ def _size(name: str, value: Any, allow_none: bool = False) -> int | None:
         raise ConfigError(f"{name}: {exc}") from exc
 
 
+def auto_threads() -> int:
+    """``threads: auto``: half the CPUs this process may run on, from 2 to 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 2
+    return max(2, min(8, cpus // 2))
+
+
 @dataclass
 class TransportSettings:
     """Settings of one transport (``transports.<name>`` in the YAML).
@@ -53,7 +63,11 @@ class TransportSettings:
     ``enabled``: true (must be available, else ConfigError at startup), false,
     or auto (used when available). ``timeout_s``: deadline of one sub-batch
     attempt. ``retries``: extra attempts on the same transport before failing
-    over. ``threads``: worker threads (parallel slices of a sub-batch).
+    over. ``threads``: worker threads (parallel slices of a sub-batch; a
+    large lone tcp request is striped over as many connections); ``auto``:
+    half the CPUs this process may run on, from 2 to 8 (each stream's copy
+    in the kernel takes a core: one or two streams leave a many-core host's
+    link half used, and more than the cores only contend).
     ``chunk_size``: unit of pipelining (tcp). ``window``: chunks in flight per
     connection (tcp). ``staging_buffers``/``staging_size``: pinned host pool for
     GPU staging. ``pause_after_failures``: consecutive failed attempts that
@@ -67,7 +81,7 @@ class TransportSettings:
     enabled: bool | str = "auto"
     timeout_s: float = 30.0
     retries: int = 0
-    threads: int = 1
+    threads: int | str = 1
     chunk_size: int | str = 4 << 20
     window: int = 8
     staging_buffers: int = 8
@@ -90,6 +104,10 @@ class TransportSettings:
             raise ConfigError(f"timeout_s must be > 0: {self.timeout_s}")
         if self.retries < 0:
             raise ConfigError(f"retries must be >= 0: {self.retries}")
+        if isinstance(self.threads, str):
+            if self.threads.lower() != "auto":
+                raise ConfigError(f"threads: {self.threads!r} is neither a number nor auto")
+            self.threads = auto_threads()
         if self.threads < 1:
             raise ConfigError(f"threads must be >= 1: {self.threads}")
         if self.chunk_size < 4096:
@@ -317,6 +335,6 @@ DEFAULT_RULES: list[dict[str, Any]] = [
 #: Per-transport settings that differ from :class:`TransportSettings`' defaults.
 TRANSPORT_DEFAULTS: dict[str, dict[str, Any]] = {
     "shm": {"inline_max_bytes": 256 << 10},  # a memcpy this small costs less than a thread hop
-    "tcp": {"retries": 1, "threads": 2},
+    "tcp": {"retries": 1, "threads": "auto"},
     "rdma": {"threads": 2, "staging_size": 1 << 20},
 }

@@ -450,7 +450,7 @@ def _slices(slot: TransportSlot, total: int, count: int) -> int:
     sub-batch gains from it."""
     if total < _TWO_SLICES:
         return 1
-    return max(1, min(slot.settings.threads, count, total // _MIN_SLICE_BYTES))
+    return max(1, min(int(slot.settings.threads), count, total // _MIN_SLICE_BYTES))
 
 
 def _settled(early: list[_Early], one: _Early) -> list[_Early]:

@@ -42,7 +42,7 @@ class TransportSlot:
         self.transport = transport
         self.settings = settings
         self.made: OpCells = made or (OpCounter(), OpCounter(), OpCounter())
-        self.pool = ThreadPoolExecutor(max_workers=settings.threads,
+        self.pool = ThreadPoolExecutor(max_workers=int(settings.threads),
                                        thread_name_prefix=f"kvpool-xfer-{transport.name}")
         # peer key -> [consecutive failed attempts, paused until (monotonic)]
         self.health: dict[str, list[float]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,12 @@ def test_shipped_yaml_loads_with_documented_defaults() -> None:
     assert "posix" in names["local-file"] and "gds" in names["local-file-gpu"]
     assert cfg.transports["tcp"].chunk_bytes == 4 << 20
     assert cfg.server.max_request_bytes == 64 << 20
+    # tcp streams: half the CPUs this process may use, from 2 to 8 (the YAML says auto too)
+    want = max(2, min(8, len(os.sched_getaffinity(0)) // 2))
+    assert cfg.transports["tcp"].threads == want
+    assert load_transfer_config(DEFAULT_CONFIG_PATH).transports["tcp"].threads == want
+    assert load_transfer_config(overrides={"transports": {"tcp": {"threads": 3}}}) \
+        .transports["tcp"].threads == 3
 
 
 def test_rule_matching_order() -> None:
@@ -48,6 +55,7 @@ def test_rule_matching_order() -> None:
     ({"max_failover": -1}, "max_failover"),
     ({"transports": {"tcp": {"enabled": "sometimes"}}}, "enabled"),
     ({"transports": {"tcp": {"threads": 0}}}, "threads"),
+    ({"transports": {"tcp": {"threads": "many"}}}, "threads"),
     ({"transports": {"tcp": {"timeout_s": 0}}}, "timeout_s"),
     ({"transports": {"tcp": {"chunk_size": "12 parsecs"}}}, "chunk_size"),
 ])
