@@ -310,3 +310,36 @@ class Controller:
             if n < len(batch):
                 break
         return done
+
+
+def real_sglang_pool(kind: str, layout: str, tokens: int = 32) -> Any:
+    """SGLang's own host pool (MHATokenToKVPoolHost / MLATokenToKVPoolHost) on
+    CPU, of the replicas' default geometry; needs SGLang importable."""
+    from sglang.srt.mem_cache.device_pool_info import (
+        KVBufferLayout,
+        KVBuffers,
+        MHABufferInfo,
+        MLABufferInfo,
+    )
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    layers, page, dtype, cpu = 3, 4, torch.bfloat16, torch.device("cpu")
+    geometry = {"device_capacity_tokens": tokens, "start_layer": 0, "end_layer": layers}
+    if kind == "mha":
+        k = tuple(torch.zeros(tokens, 2, 8, dtype=dtype) for _ in range(layers))
+        v = tuple(torch.zeros(tokens, 2, 8, dtype=dtype) for _ in range(layers))
+        bufs = KVBuffers(k=k, v=v, k_data_ptrs=torch.tensor([t.data_ptr() for t in k]),
+                         v_data_ptrs=torch.tensor([t.data_ptr() for t in v]),
+                         layout=KVBufferLayout.NHD)
+        info = MHABufferInfo(buffers=bufs, page_size=page, head_num=2, head_dim=8,
+                             v_head_dim=8, dtype=dtype, device=cpu)
+        return MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False,
+                                    device="cpu", **geometry)
+    rows = tuple(torch.zeros(tokens, 1, 24, dtype=dtype) for _ in range(layers))
+    mla = MLABufferInfo(buffers=rows, data_ptrs=torch.tensor([t.data_ptr() for t in rows]),
+                        layer_indices=tuple(range(layers)), device_layer_num=layers,
+                        page_size=page, kv_lora_rank=16, qk_rope_head_dim=8, kv_cache_dim=24,
+                        dtype=dtype, device=cpu)
+    return MLATokenToKVPoolHost(mla, 2.0, 0, page, layout, pin_memory=False, device="cpu",
+                                target_layer_num=layers, **geometry)

@@ -21,6 +21,7 @@ from sglang_replay import (  # noqa: E402
     fill_pages,
     load_dynamic_backend,
     page_hashes,
+    real_sglang_pool,
     storage_config,
 )
 
@@ -261,6 +262,20 @@ def test_clear_removes_this_models_pages_only(make_engine: Callable[..., Control
     assert other.backend.batch_exists(hashes) == 2
 
 
+def test_store_failures_are_misses(make_engine: Callable[..., Controller]) -> None:
+    """A client that can no longer reach the store (closed here) makes every call
+    answer "nothing" (SGLang treats any storage failure as a miss)."""
+    e = make_engine(MHAHostPool())
+    hashes = page_hashes(_tokens(2, seed=11), PAGE)
+    fill_pages(e.pool, _slots([0, 1]), seed=11)
+    assert e.backup(hashes, [0, 1]) == 2 * PAGE
+    e.backend.client.close()
+    assert e.backend.batch_exists(hashes) == 0
+    assert e.backend.batch_get_v1(hashes, _slots([2, 3])) == [False, False]
+    assert e.backend.batch_set_v1(hashes, _slots([0, 1])) == [False, False]
+    assert e.pool.page(2 * PAGE).abs().sum() == 0
+
+
 def test_bad_config_is_a_typed_error(master: MasterProcess) -> None:
     cfg = storage_config(extra={"master_address": master.address})
     cfg.should_split_heads = True
@@ -314,3 +329,34 @@ def test_sglang_factory_builds_the_backend(master: MasterProcess, daemon: NodeDa
         assert torch.equal(pool.page(3 * PAGE), pool.page(1 * PAGE))
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("interface_v1", [1, 0])
+@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mha", "layer_first"),
+                                         ("mla", "page_first"), ("mla", "layer_first")])
+def test_sglang_own_host_pools(make_engine: Callable[..., Controller], kind: str,
+                               layout: str, interface_v1: int) -> None:
+    """Where SGLang imports: its own host pool classes. The replicas these tests
+    use give the same page addresses (relative to the buffer), and pages move
+    between two real pools byte for byte."""
+    pytest.importorskip("sglang.srt.mem_cache.pool_host.mha")
+    a_pool = real_sglang_pool(kind, layout)
+    replica = MHAHostPool(layout=layout, pages=a_pool.size // PAGE) if kind == "mha" \
+        else MLAHostPool(layout=layout, pages=a_pool.size // PAGE)
+    idx = _slots([2, 0, 5])
+    real_ptrs, real_sizes = a_pool.get_page_buffer_meta(idx)
+    rep_ptrs, rep_sizes = replica.get_page_buffer_meta(idx)
+    assert real_sizes == rep_sizes
+    assert [p - a_pool.kv_buffer.data_ptr() for p in real_ptrs] == \
+        [p - replica.kv_buffer.data_ptr() for p in rep_ptrs]
+    mla = kind == "mla"
+    a = make_engine(a_pool, interface_v1, mla=mla)
+    b = make_engine(real_sglang_pool(kind, layout), interface_v1, mla=mla)
+    a_pool.kv_buffer.copy_(torch.randn(a_pool.kv_buffer.shape).to(a_pool.kv_buffer.dtype))
+    hashes = page_hashes(_tokens(3, seed=10), PAGE)
+    assert a.backup(hashes, [0, 1, 2]) == 3 * PAGE
+    assert b.hit_query(hashes) == hashes
+    assert b.transfer(hashes, [4, 6, 5]) == 3
+    for s, d in zip([0, 1, 2], [4, 6, 5], strict=True):
+        assert torch.equal(b.pool.get_data_page(d * PAGE).view(torch.int16),
+                           a_pool.get_data_page(s * PAGE).view(torch.int16))
