@@ -20,7 +20,8 @@ it SGLang copies pages through ``batch_get``/``batch_set`` (flat pages).
 
 Keys: ``<key_prefix>/<model>/<format>/<shard>/<pool>/<page hash>``. The
 format is the host layout for zero-copy objects (``page_first``,
-``layer_first``: their bytes differ) and ``flat`` for the copying calls, so
+``page_first_direct``, ``layer_first``: each orders a page's bytes its own
+way) and ``flat-<layout>`` for the copying calls' flat pages, so
 engines of another layout or interface miss rather than read garbled pages.
 The shard is ``tp<r>of<n>`` for MHA, so each TP rank stores its heads, and
 ``mla`` for MLA (one copy: only the storage writer, rank 0, writes; every
@@ -100,8 +101,6 @@ _SGLANG_KEYS = frozenset({
     "hicache_storage_pass_prefix_keys",
 })
 _STORED = (ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS)
-# host layouts whose pages have the same bytes (page_first_direct: one tensor per page)
-_LAYOUT_FORMAT = {"page_first_direct": "page_first"}
 _FLAT = "flat"
 
 
@@ -250,9 +249,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         # MLA KV and its side pools are the same on every rank; Mamba state is TP-sharded
         return self.is_mla and pool != _kv(PoolName.MAMBA)
 
-    def _format(self, host_pool: Any) -> str:
-        layout = str(getattr(host_pool, "layout", "") or "na")
-        return _LAYOUT_FORMAT.get(layout, layout)
+    @staticmethod
+    def _format(host_pool: Any) -> str:
+        # every layout orders a page's bytes its own way (page_first_direct too:
+        # layer-major inside the page, where page_first is token-major)
+        return str(getattr(host_pool, "layout", "") or "na")
 
     def _keys(self, hashes: Sequence[str], pool: str = "kv", fmt: str | None = None) -> list[str]:
         if fmt is None:
@@ -260,12 +261,13 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         shard = self.mla_shard if self._replicated(pool) else self.tp_shard
         return [page_object_key(self.key_prefix, fmt, shard, pool, h) for h in hashes]
 
-    def _kv_format(self) -> str:
-        if not self.zero_copy:
-            return _FLAT
+    def _kv_format(self, zero_copy: bool | None = None) -> str:
+        """The format of KV pages: the host layout (zero-copy objects) or
+        ``flat-<layout>`` (SGLang's flat pages, flattened from that layout too)."""
         if self.mem_pool_host is None:
             raise ConfigError("kvpool HiCache backend: register_mem_pool_host was not called")
-        return self._format(self.mem_pool_host)
+        fmt = self._format(self.mem_pool_host)
+        return fmt if (self.zero_copy if zero_copy is None else zero_copy) else f"{_FLAT}-{fmt}"
 
     # ------------------------------------------------------------------ host pools
 
@@ -348,7 +350,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if target_locations is None or len(target_locations) != len(keys):
             raise ConfigError("kvpool HiCache backend: batch_get needs one target per key")
         try:
-            got = self.client.batch_get_into(self._keys(keys, fmt=_FLAT), list(target_locations))
+            flat = self._keys(keys, fmt=self._kv_format(zero_copy=False))
+            got = self.client.batch_get_into(flat, list(target_locations))
         except KVPoolError as exc:
             log.warning("kvpool HiCache backend: read of %d pages failed: %s", len(keys), exc)
             return [None] * len(keys)
@@ -370,7 +373,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if not self.is_writer:
             return True
         bufs = [v if v.is_contiguous() else v.contiguous() for v in values]
-        return all(self._write(self._keys(keys, fmt=_FLAT), [[b] for b in bufs]))
+        flat = self._keys(keys, fmt=self._kv_format(zero_copy=False))
+        return all(self._write(flat, [[b] for b in bufs]))
 
     # ------------------------------------------------------------------ existence
 
