@@ -105,6 +105,9 @@ def test_v1_pages_round_trip_between_two_engines(make_engine: Callable[..., Cont
     assert a.calls == ["batch_set_v1"] and b.calls == ["batch_exists", "batch_get_v1"]
     # a second backup of the same pages is a success that stores nothing new
     assert all(a.backend.batch_set_v1(hashes, _slots(src)))
+    # an engine of the other layout orders page bytes otherwise: a miss, not garbled pages
+    other = "layer_first" if layout == "page_first" else "page_first"
+    assert make_engine(MHAHostPool(layout=other)).backend.batch_exists(hashes) == 0
 
 
 def test_batch_exists_counts_the_leading_run(make_engine: Callable[..., Controller]) -> None:
