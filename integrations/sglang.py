@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -120,42 +121,48 @@ class _PoolMemory:
     SGLang's host pools describe a page by raw addresses (``get_page_buffer_meta``);
     an address inside a registered buffer becomes a numpy view of it (what the
     transfer engine moves without per-call setup), any other one a raw
-    ``(address, length)`` pair.
+    ``(address, length)`` pair. Registrations replace the index as a whole, so
+    the I/O threads read it without a lock while a late side pool registers.
     """
 
     def __init__(self, client: Client) -> None:
         self._client = client
-        self._starts: list[int] = []
-        self._regions: dict[int, tuple[int, Any]] = {}  # start -> (end, handle)
+        self._lock = threading.Lock()
+        # (sorted starts, start -> (end, handle)), replaced, never changed in place
+        self._index: tuple[list[int], dict[int, tuple[int, Any]]] = ([], {})
 
     def register(self, tensor: Any) -> None:
         if tensor is None:
             return
         start = int(tensor.data_ptr())
-        if start in self._regions:
-            return
-        handle = self._client.register_buffer(tensor)
-        bisect.insort(self._starts, start)
-        self._regions[start] = (start + int(handle.length), handle)
+        with self._lock:
+            regions = self._index[1]
+            if start in regions:
+                return
+            handle = self._client.register_buffer(tensor)
+            regions = {**regions, start: (start + int(handle.length), handle)}
+            self._index = (sorted(regions), regions)
 
     def view(self, ptr: int, size: int) -> Any:
-        i = bisect.bisect_right(self._starts, ptr) - 1
+        starts, regions = self._index
+        i = bisect.bisect_right(starts, ptr) - 1
         if i >= 0:
-            start = self._starts[i]
-            end, handle = self._regions[start]
+            start = starts[i]
+            end, handle = regions[start]
             array = getattr(handle, "array", None)
             if ptr + size <= end and array is not None:
                 return array[ptr - start:ptr - start + size]
         return (ptr, size)
 
     def release(self) -> None:
-        for start in self._starts:
+        with self._lock:
+            _, regions = self._index
+            self._index = ([], {})
+        for _, handle in regions.values():
             try:
-                self._client.unregister_buffer(self._regions[start][1])
+                self._client.unregister_buffer(handle)
             except KVPoolError as exc:
                 log.debug("unregister host pool buffer: %s", exc)
-        self._starts.clear()
-        self._regions.clear()
 
 
 def _page_parts(memory: _PoolMemory, host_pool: Any, host_indices: Any,
@@ -206,7 +213,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.storage_config = cfg
         self.zero_copy = bool(extra.get("interface_v1", 0))
         self.is_mla = bool(cfg.is_mla_model) if cfg is not None else False
-        self.is_writer = bool(cfg.is_storage_writer) if cfg is not None else True
+        # (SGLang releases before DCP have no is_storage_writer: rank 0 writes MLA)
+        self.is_writer = cfg is None or bool(getattr(
+            cfg, "is_storage_writer", not self.is_mla or cfg.tp_rank == 0))
         model = (cfg.model_name if cfg is not None else None) or "default"
         tag = str(extra.get("key_prefix") or "sglang")
         self.key_prefix = f"{tag}/{'-'.join(model.split('/'))}"
@@ -235,8 +244,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         extra = ""
         if cfg.pp_size > 1:
             extra += f"-pp{cfg.pp_rank}of{cfg.pp_size}"
-        if cfg.attn_cp_size > 1:
-            extra += f"-cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}"
+        cp = getattr(cfg, "attn_cp_size", 1)  # (absent from older SGLang releases)
+        if cp > 1:
+            extra += f"-cp{cfg.attn_cp_rank}of{cp}"
         mla = "mla" + extra
         dcp = getattr(cfg, "dcp_size", 1)
         if dcp > 1:  # an MLA shard per DCP rank; reuse needs the same TP and page
