@@ -5,6 +5,7 @@ SGLang 0.5.23), and by SGLang's own classes where SGLang imports."""
 from __future__ import annotations
 
 import inspect
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -127,6 +128,60 @@ def test_batch_exists_counts_the_leading_run(make_engine: Callable[..., Controll
     assert e.pool.page(23 * PAGE).abs().sum() == 0
     other_rank = make_engine(MHAHostPool(), tp_rank=1, tp_size=2)
     assert other_rank.backend.batch_exists(hashes) == 0
+
+
+def test_long_sequences_go_in_batches_of_128(make_engine: Callable[..., Controller]) -> None:
+    """A 130-page prefix: SGLang backs it up, queries and loads it in two
+    batches of STORAGE_BATCH_SIZE (128 + 2) pages."""
+    a = make_engine(MHAHostPool(pages=300))
+    hashes = page_hashes(_tokens(130, seed=12), PAGE)
+    fill_pages(a.pool, _slots(list(range(130))), seed=12)
+    assert a.backup(hashes, list(range(130))) == 130 * PAGE
+    assert a.hit_query(hashes) == hashes
+    assert a.transfer(hashes, list(range(140, 270))) == 130
+    assert torch.equal(a.pool.kv_buffer[:, 140 * PAGE:270 * PAGE], a.pool.kv_buffer[:, :130 * PAGE])
+    assert a.calls == ["batch_set_v1"] * 2 + ["batch_exists"] * 2 + ["batch_get_v1"] * 2
+
+
+def test_backup_and_prefetch_threads_at_once(make_engine: Callable[..., Controller]) -> None:
+    """SGLang's backup thread stores while its prefetch threads query and load:
+    one backend, three threads, every page read is the page written."""
+    e = make_engine(MHAHostPool(pages=64))
+    seqs = [page_hashes(_tokens(4, seed=20 + i), PAGE) for i in range(6)]
+    fill_pages(e.pool, _slots(list(range(24))), seed=20)
+    errors: list[BaseException] = []
+
+    def backup() -> None:
+        for i, h in enumerate(seqs):
+            assert all(e.backend.batch_set_v1(h, _slots(list(range(4 * i, 4 * i + 4)))))
+
+    def prefetch(slot0: int) -> None:
+        for _ in range(20):
+            for i, h in enumerate(seqs):
+                n = e.backend.batch_exists(h)
+                if n:
+                    dst = list(range(slot0 + 4 * (i % 2), slot0 + 4 * (i % 2) + n))
+                    ok = e.backend.batch_get_v1(h[:n], _slots(dst))
+                    assert all(ok)
+                    for j in range(n):
+                        assert torch.equal(e.pool.page(dst[j] * PAGE),
+                                           e.pool.page((4 * i + j) * PAGE))
+
+    def run(fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(backup,)),
+               threading.Thread(target=run, args=(prefetch, 32)),
+               threading.Thread(target=run, args=(prefetch, 48))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert all(e.backend.batch_exists(h) == 4 for h in seqs)
 
 
 def test_a_missing_page_is_a_miss(make_engine: Callable[..., Controller]) -> None:
