@@ -44,6 +44,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -186,6 +187,26 @@ def _page_parts(memory: _PoolMemory, host_pool: Any, host_indices: Any,
     return parts, totals
 
 
+class _IOStats:
+    """Pages and GiB/s per zero-copy call since the last :meth:`take` (SGLang's
+    storage metrics: ``prefetch_pgs``, ``backup_pgs`` and their bandwidths)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lists: dict[str, list[float]] = {}
+
+    def add(self, kind: str, pages: int, nbytes: int, seconds: float) -> None:
+        gibps = nbytes / (1 << 30) / seconds if seconds > 0 else 0.0
+        with self._lock:
+            self._lists.setdefault(f"{kind}_pgs", []).append(pages)
+            self._lists.setdefault(f"{kind}_bandwidth", []).append(gibps)
+
+    def take(self) -> dict[str, list[float]]:
+        with self._lock:
+            lists, self._lists = self._lists, {}
+        return lists
+
+
 class KVPoolHiCacheStorage(HiCacheStorage):
     """SGLang HiCache storage on a kvpool cluster (module docstring).
 
@@ -222,6 +243,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.tp_shard, self.mla_shard = self._shards(cfg)
         self.registered_pools: dict[Any, Any] = {}
         self.mem_pool_host: Any = None
+        self._stats = _IOStats() if cfg is not None and cfg.enable_storage_metrics else None
         self._owns_client = client is None
         if client is None:
             overrides: dict[str, Any] = dict(extra.get("client_overrides") or {})
@@ -313,8 +335,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             return []
         if getattr(self.mem_pool_host, "kv_buffer", None) is None:
             return [True] * len(keys)  # a logical anchor has no bytes of its own
+        start = time.perf_counter()
         parts, totals = _page_parts(self._memory, self.mem_pool_host, host_indices, len(keys))
-        return self._read(self._keys(keys), parts, totals)
+        ok = self._read(self._keys(keys), parts, totals)
+        if self._stats is not None:
+            self._stats.add("prefetch", len(keys), sum(totals), time.perf_counter() - start)
+        return ok
 
     def batch_set_v1(self, keys: list[str], host_indices: Any,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -325,8 +351,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             return []
         if not self.is_writer or getattr(self.mem_pool_host, "kv_buffer", None) is None:
             return [True] * len(keys)
-        parts, _ = _page_parts(self._memory, self.mem_pool_host, host_indices, len(keys))
-        return self._write(self._keys(keys), parts)
+        start = time.perf_counter()
+        parts, totals = _page_parts(self._memory, self.mem_pool_host, host_indices, len(keys))
+        ok = self._write(self._keys(keys), parts)
+        if self._stats is not None:
+            self._stats.add("backup", len(keys), sum(totals), time.perf_counter() - start)
+        return ok
 
     def _read(self, keys: list[str], parts: list[list[Any]], totals: list[int]) -> list[bool]:
         try:
@@ -518,7 +548,18 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             log.warning("kvpool HiCache backend: clear failed: %s", exc)
 
     def get_stats(self) -> Any:
-        return None
+        """SGLang's StorageMetrics of the zero-copy calls since the last call
+        (with ``enable_storage_metrics``; else None, as SGLang's default)."""
+        if self._stats is None or not SGLANG_IMPORTED:
+            return None
+        from sglang.srt.observability.metrics_collector import (  # type: ignore[import-not-found]
+            StorageMetrics,
+        )
+
+        metrics = StorageMetrics()
+        for name, values in self._stats.take().items():
+            getattr(metrics, name).extend(values)
+        return metrics
 
     def close(self) -> None:
         """Release the registered host memory and (if this backend made it) the client."""

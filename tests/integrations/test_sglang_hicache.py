@@ -317,6 +317,7 @@ def test_clear_removes_this_models_pages_only(make_engine: Callable[..., Control
         assert e.backup(hashes, [0, 1]) == 2 * PAGE
     a.backend.clear()
     assert a.backend.batch_exists(hashes) == 0
+    assert a.backend.get_stats() is None  # no enable_storage_metrics
     assert other.backend.batch_exists(hashes) == 2
 
 
@@ -376,6 +377,7 @@ def test_sglang_factory_builds_the_backend(master: MasterProcess, daemon: NodeDa
         "backend_name": "kvpool", "module_path": "kvpool.integrations.sglang",
         "class_name": "KVPoolHiCacheStorage", "interface_v1": 1,
         "master_address": master.address})
+    cfg.enable_storage_metrics = True
     backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     try:
         backend.register_mem_pool_host(pool)
@@ -385,6 +387,10 @@ def test_sglang_factory_builds_the_backend(master: MasterProcess, daemon: NodeDa
         assert backend.batch_exists(hashes) == 2
         assert backend.batch_get_v1(hashes, _slots([2, 3])) == [True, True]
         assert torch.equal(pool.page(3 * PAGE), pool.page(1 * PAGE))
+        stats = backend.get_stats()
+        assert stats.backup_pgs == [2] and stats.prefetch_pgs == [2]
+        assert len(stats.prefetch_bandwidth) == 1 and stats.prefetch_bandwidth[0] > 0
+        assert backend.get_stats().backup_pgs == []  # taken
     finally:
         backend.close()
 
