@@ -19,14 +19,15 @@ component for layer-first) are the parts of one object, written by one
 it SGLang copies pages through ``batch_get``/``batch_set`` (flat pages).
 
 Keys: ``<key_prefix>/<model>/<format>/<shard>/<pool>/<page hash>``. The
-format is the host layout for zero-copy objects (``page_first``,
-``page_first_direct``, ``layer_first``: each orders a page's bytes its own
-way) and ``flat-<layout>`` for the copying calls' flat pages, so
-engines of another layout or interface miss rather than read garbled pages.
+format is the host layout and KV dtype for zero-copy objects
+(``page_first-bfloat16``; ``page_first``, ``page_first_direct`` and
+``layer_first`` each order a page's bytes their own way) and
+``flat-<layout>-<dtype>`` for the copying calls' flat pages, so engines of
+another layout, dtype or interface miss rather than read garbled pages.
 The shard is ``tp<r>of<n>`` for MHA, so each TP rank stores its heads, and
 ``mla`` for MLA (one copy: only the storage writer, rank 0, writes; every
 rank reads the same object); pipeline and context parallelism add their
-rank. Two engines of the same model, layout and parallelism share every
+rank. Two engines of the same model, format and parallelism share every
 page, as SGLang's page hashes chain from the sequence start.
 
 Hybrid models (``register_mem_host_pool_v2``, ``batch_*_v2`` with
@@ -284,8 +285,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     @staticmethod
     def _format(host_pool: Any) -> str:
         # every layout orders a page's bytes its own way (page_first_direct too:
-        # layer-major inside the page, where page_first is token-major)
-        return str(getattr(host_pool, "layout", "") or "na")
+        # layer-major inside the page, where page_first is token-major), and two
+        # KV dtypes of one width (fp16, bf16) would read as each other
+        fmt = str(getattr(host_pool, "layout", "") or "na")
+        dtype = getattr(host_pool, "dtype", None)
+        return fmt if dtype is None else f"{fmt}-{str(dtype).removeprefix('torch.')}"
 
     def _keys(self, hashes: Sequence[str], pool: str = "kv", fmt: str | None = None) -> list[str]:
         if fmt is None:

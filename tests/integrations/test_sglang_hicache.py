@@ -109,6 +109,9 @@ def test_v1_pages_round_trip_between_two_engines(make_engine: Callable[..., Cont
     # an engine of the other layout orders page bytes otherwise: a miss, not garbled pages
     other = "layer_first" if layout == "page_first" else "page_first"
     assert make_engine(MHAHostPool(layout=other)).backend.batch_exists(hashes) == 0
+    # so does one of another KV dtype of the same width
+    fp16 = MHAHostPool(layout=layout, dtype=torch.float16)
+    assert make_engine(fp16).backend.batch_exists(hashes) == 0
 
 
 def test_batch_exists_counts_the_leading_run(make_engine: Callable[..., Controller]) -> None:
