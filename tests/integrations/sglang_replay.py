@@ -343,3 +343,14 @@ def real_sglang_pool(kind: str, layout: str, tokens: int = 32) -> Any:
                         dtype=dtype, device=cpu)
     return MLATokenToKVPoolHost(mla, 2.0, 0, page, layout, pin_memory=False, device="cpu",
                                 target_layer_num=layers, **geometry)
+
+
+def real_sglang_mamba_pool(slots: int = 8) -> Any:
+    """SGLang's own MambaPoolHost (page_first) on CPU; needs SGLang importable."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, slots, 4, 8, dtype=torch.float32),
+                                conv=(torch.zeros(2, slots, 3, 16, dtype=torch.bfloat16),))
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
+                         layout="page_first")

@@ -22,6 +22,7 @@ from sglang_replay import (  # noqa: E402
     fill_pages,
     load_dynamic_backend,
     page_hashes,
+    real_sglang_mamba_pool,
     real_sglang_pool,
     storage_config,
 )
@@ -427,3 +428,37 @@ def test_sglang_own_host_pools(make_engine: Callable[..., Controller], kind: str
     for s, d in zip([0, 1, 2], [4, 6, 5], strict=True):
         assert torch.equal(b.pool.get_data_page(d * PAGE).view(torch.int16),
                            a_pool.get_data_page(s * PAGE).view(torch.int16))
+
+
+def test_sglang_own_mamba_pool_v2(make_engine: Callable[..., Controller]) -> None:
+    """Where SGLang imports: a hybrid engine with SGLang's own MHA and Mamba host
+    pools; a second engine restores the prefix with its trailing state."""
+    pytest.importorskip("sglang.srt.mem_cache.pool_host.mamba")
+    engines = []
+    for _ in range(2):
+        e = make_engine(real_sglang_pool("mha", "page_first"))
+        m = real_sglang_mamba_pool()
+        e.backend.register_mem_host_pool_v2(e.pool, PoolName.KV)
+        e.backend.register_mem_host_pool_v2(m, PoolName.MAMBA)
+        e.backend.on_host_pools_registered()
+        engines.append((e, m))
+    (a, am), (b, bm) = engines
+    for buf in am.get_hybrid_pool_buffer():
+        buf.copy_(torch.randn(buf.shape).to(buf.dtype))
+    a.pool.kv_buffer.copy_(torch.randn(a.pool.kv_buffer.shape).to(a.pool.kv_buffer.dtype))
+    hashes = page_hashes(_tokens(3, seed=13), PAGE)
+    assert a.backup(hashes, [0, 1, 2]) == 3 * PAGE
+    trailing = PoolTransfer(name=PoolName.MAMBA, keys=[hashes[-1]], host_indices=torch.tensor([4]),
+                            hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    assert a.backend.batch_set_v2([trailing]) == {"mamba": [True]}
+    hit = b.backend.batch_exists_v2(hashes, [PoolTransfer(
+        name=PoolName.MAMBA, keys=[hashes[-1]], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert hit.kv_hit_pages == 3 and hit.restorable_prefix_pages == [3]
+    assert b.transfer(hashes, [5, 6, 7]) == 3
+    got = b.backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=[hashes[-1]],
+                                               host_indices=torch.tensor([1]))])
+    assert got == {"mamba": [True]}
+    for src, dst in zip(am.get_hybrid_pool_buffer(), bm.get_hybrid_pool_buffer(), strict=True):
+        assert torch.equal(dst[1].view(torch.uint8), src[4].view(torch.uint8))
+    assert torch.equal(b.pool.get_data_page(7 * PAGE).view(torch.int16),
+                       a.pool.get_data_page(2 * PAGE).view(torch.int16))
