@@ -391,10 +391,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         """:meth:`get` for many pages: one master call, one transfer batch."""
         if not keys:
             return []
-        if target_locations is None or len(target_locations) != len(keys):
+        if target_locations is None or len(target_locations) != len(keys) \
+                or any(t is None for t in target_locations):
             raise ConfigError("kvpool HiCache backend: batch_get needs one target per key")
+        flat = self._keys(keys, fmt=self._kv_format(zero_copy=False))
         try:
-            flat = self._keys(keys, fmt=self._kv_format(zero_copy=False))
             got = self.client.batch_get_into(flat, list(target_locations))
         except KVPoolError as exc:
             log.warning("kvpool HiCache backend: read of %d pages failed: %s", len(keys), exc)
@@ -412,7 +413,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         """Store many flat pages; True when every one is stored (or was)."""
         if not keys:
             return True
-        if values is None or len(values) != len(keys):
+        if values is None or len(values) != len(keys) or any(v is None for v in values):
             raise ConfigError("kvpool HiCache backend: batch_set needs one value per key")
         if not self.is_writer:
             return True

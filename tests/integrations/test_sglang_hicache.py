@@ -253,6 +253,10 @@ def test_copying_interface_round_trip(make_engine: Callable[..., Controller]) ->
     assert out is not None and torch.equal(out, page)
     with pytest.raises(ConfigError):
         a.backend.batch_get(hashes, None)
+    with pytest.raises(ConfigError):
+        a.backend.get(hashes[0])
+    with pytest.raises(ConfigError):
+        a.backend.set(hashes[0])
 
 
 def test_hybrid_pools_v2(make_engine: Callable[..., Controller]) -> None:
