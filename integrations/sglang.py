@@ -447,7 +447,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
     def _pool(self, name: Any) -> Any:
         pool = self.registered_pools.get(name)
         if pool is None:
-            pool = next((p for n, p in self.registered_pools.items() if _kv(n) == _kv(name)), None)
+            # (a copy: a late side pool may register from another thread)
+            pools = list(self.registered_pools.items())
+            pool = next((p for n, p in pools if _kv(n) == _kv(name)), None)
         if pool is None and _kv(name) == _kv(PoolName.KV):
             pool = self.mem_pool_host
         if pool is None:
