@@ -4,10 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-"$PY" -m ruff check core master store transfer connector cluster tests scripts
+"$PY" -m ruff check core master store transfer connector cluster integrations tests scripts
 tree=.tmp/mypy/kvpool
 mkdir -p "$tree"
-for layer in core master store transfer connector cluster; do
+for layer in core master store transfer connector cluster integrations; do
   ln -sfn "$PWD/$layer" "$tree/$layer"
 done
 # The link tree is given as files, named from their base .tmp/mypy: with
@@ -15,4 +15,4 @@ done
 # has it, and an editable install that puts a build/ tree on sys.path wins over
 # MYPYPATH (then the `^build/` exclude leaves only the six __init__ files).
 MYPYPATH=.tmp/mypy "$PY" -m mypy --cache-dir .tmp/mypy-cache --explicit-package-bases \
-  "$tree"/core "$tree"/master "$tree"/store "$tree"/transfer "$tree"/connector "$tree"/cluster
+  "$tree"/core "$tree"/master "$tree"/store "$tree"/transfer "$tree"/connector "$tree"/cluster "$tree"/integrations

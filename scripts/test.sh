@@ -28,5 +28,7 @@ if [ "${KVPOOL_SKIP_VLLM:-0}" != 1 ] && [ -d tests/connector ]; then
   # arrives with the vllm extra)
   .venv/bin/python -m pytest -q -k torch tests/transfer/test_buffers.py tests/transfer/test_engine.py
   .venv/bin/python -m pytest -q tests/store/test_mooncake_tensor.py
+  # the SGLang HiCache backend's replay of SGLang's calls (host pools are torch tensors)
+  .venv/bin/python -m pytest -q tests/integrations
   .venv/bin/python -m pytest -q -m vllm tests/connector
 fi
