@@ -9,18 +9,24 @@ named), ``global_segment_size`` bytes of memory, the cross-host transport
 an SSD tier when ``enable_ssd_offload`` asks for one, the client's tenant
 (``tenant_id``: the master keeps each tenant's keys apart) and the client
 HTTP endpoints. ``setup_dummy`` is Mooncake's standalone
-mode: a pure client beside the node daemon of this host. A setup that fails
-returns a Mooncake code and never raises.
+mode: a pure client beside the node daemon of this host, which it finds at
+the address Mooncake code passes (the daemon's standalone port,
+:mod:`kvpool.store.daemon`). A setup that fails returns a Mooncake code and
+never raises.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
+import http.client
+import json
 import os
 import random
 import shutil
 import socket
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,7 +36,13 @@ from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import SegmentKind
 from kvpool.core.tenants import DEFAULT_TENANT, tenant_name
 from kvpool.store.client import Client
-from kvpool.store.config import ClientConfig, client_config_from_env
+from kvpool.store.config import (
+    CONFIG_ENV,
+    DEFAULT_DUMMY_PORT,
+    ClientConfig,
+    client_config_from_env,
+)
+from kvpool.store.daemon import STANDALONE_PATH
 from kvpool.store.mooncake_codes import INTERNAL, INVALID, code_of, log
 from kvpool.store.mooncake_core import MooncakeCore, mooncake_size
 from kvpool.store.mooncake_http import ClientHttpServer
@@ -55,6 +67,7 @@ _PORT_TRIES = 20
 _OFFLOAD_PATH_ENV = "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"
 _OFFLOAD_SIZE_ENV = "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES"
 _OFFLOAD_DEFAULT_MAX = 64 << 30  # preallocated: a quarter of the free space, at most this
+_NODE_TIMEOUT_S = 3.0  # the node daemon's standalone port answers from memory
 
 
 def _split_host(local_hostname: str) -> tuple[str, int]:
@@ -123,6 +136,29 @@ def _free_port(bind_host: str) -> int:
     return 0  # the range is full: any free port
 
 
+def _ask_node(address: str) -> tuple[dict[str, Any] | None, str]:
+    """Ask the node daemon's standalone port at ``address`` (``host:port``)
+    who it is: ``(info, "")``, or ``(None, why)`` when nothing (or something
+    else) answers there."""
+    host, port = _split_host(address.split("://", 1)[-1])
+    if not port:
+        return None, "no port in the address"
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}{STANDALONE_PATH}"
+    try:
+        # no proxy: the daemon is on this host, whatever $http_proxy says
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=_NODE_TIMEOUT_S) as reply:
+            info = json.loads(reply.read())
+    except urllib.error.URLError as exc:
+        return None, str(exc.reason)
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        return None, f"not a kvpool node daemon ({exc!r})"
+    if not isinstance(info, dict) or not all(isinstance(info.get(k), str) for k in
+                                             ("master", "tenant", "host_id", "segment_id")):
+        return None, "not a kvpool node daemon (unexpected reply)"
+    return info, ""
+
+
 def _as_bool(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
@@ -187,6 +223,7 @@ class Lifecycle:
         self._memory = memory
         self._sessions = sessions
         self._http: ClientHttpServer | None = None
+        self._node = ""  # standalone mode: the node daemon's address (setup_dummy)
 
     def setup(self, local_hostname: str | Mapping[str, Any] | None, metadata_server: str,
               global_segment_size: int | str, local_buffer_size: int | str, protocol: str,
@@ -367,37 +404,52 @@ class Lifecycle:
     def setup_dummy(self, mem_pool_size: int, local_buffer_size: int,
                     server_address: str) -> int:
         """Standalone mode: a thin client in the engine process, the memory
-        (and disk) held by the node daemon on this host (``kvpool client``).
+        (and disk) held by the node daemon on this host (``kvpool client``,
+        Mooncake's ``mooncake_client``).
 
-        Connects to the master named by ``$KVPOOL_CONFIG`` (``master_address``)
-        when set, else to ``server_address``; contributes nothing. Returns -1
-        when no node daemon on this host contributes memory (Mooncake: the
-        local client is not reachable). ``mem_pool_size`` is accepted: the
-        engine's buffers need no pre-mapping on kvpool.
+        ``server_address`` is the daemon's standalone port
+        (``127.0.0.1:50052`` unless it was started with ``--dummy-port``):
+        the daemon answers with its master, tenant, host id and memory
+        segment, and this store connects to that master as a pure client
+        (contributes nothing; ``get_hostname()`` is the daemon's segment).
+        When nothing answers there and ``$KVPOOL_CONFIG`` is set, the master
+        it names is used and a daemon of this host must contribute memory.
+        Returns 0, or -1 (Mooncake: the local client is not reachable) after
+        one log line saying what to start. ``mem_pool_size`` is accepted:
+        the engine's buffers need no pre-mapping on kvpool.
         """
         if self._core.client is not None:
             self.close()
+        del mem_pool_size
+        node, why = _ask_node(str(server_address))
+        overrides: dict[str, Any] = {"memory_size": 0}
+        if node is not None:
+            overrides.update(master_address=node["master"], tenant=node["tenant"],
+                             host_id=node["host_id"])
+        elif not os.environ.get(CONFIG_ENV):
+            log.error("setup_dummy: no kvpool node daemon answers at %s (%s): start `kvpool "
+                      "client --master MASTER --memory SIZE` on this host (it answers "
+                      "standalone clients on 127.0.0.1:%d, or --dummy-port PORT)",
+                      server_address, why, DEFAULT_DUMMY_PORT)
+            return INTERNAL
         try:
-            env_has_master = bool(os.environ.get("KVPOOL_CONFIG"))
-            overrides: dict[str, Any] = {"memory_size": 0}
-            if not env_has_master:
-                overrides["master_address"] = str(server_address)
             cfg = client_config_from_env(overrides)
             client = Client(cfg)
             client.setup()
         except Exception as exc:
             log.error("setup_dummy: %r", exc)
             return INTERNAL
-        if not self._node_has_memory(client):
+        if node is None and not self._node_has_memory(client):
             client.close()
             log.error("setup_dummy: no node daemon on this host contributes memory "
                       "(start `kvpool client --master %s --memory SIZE` here)",
                       cfg.master_address)
             return INTERNAL
-        del mem_pool_size
         self._core.local_buffer_size = mooncake_size(local_buffer_size)
         self._core.client = client
-        self._core.hostname = f"{client.host_id}:{client.endpoint.rsplit(':', 1)[-1]}"
+        self._node = str(server_address) if node is not None else ""
+        self._core.hostname = (node or {}).get("segment_id") or \
+            f"{client.host_id}:{client.endpoint.rsplit(':', 1)[-1]}"
         return 0
 
     def _node_has_memory(self, client: Client) -> bool:
@@ -432,6 +484,7 @@ class Lifecycle:
         if client is not None:
             client.close()
         self._core.hostname = ""
+        self._node = ""
         return 0
 
     def health_check(self) -> int:
@@ -439,6 +492,8 @@ class Lifecycle:
         client = self._core.client
         if client is None:
             return HC_NOT_INITIALIZED
+        if self._node and _ask_node(self._node)[0] is None:
+            return HC_MASTER_UNREACHABLE  # standalone: the node daemon holding the memory is gone
         try:
             client.stats()
             return HC_HEALTHY
