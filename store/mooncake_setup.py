@@ -48,6 +48,7 @@ from kvpool.store.mooncake_core import MooncakeCore, mooncake_size
 from kvpool.store.mooncake_http import ClientHttpServer
 from kvpool.store.mooncake_memory import CallerMemory
 from kvpool.store.mooncake_session import SessionCalls
+from kvpool.store.mooncake_types import MooncakeHostMemAllocator
 
 __all__ = ["DEFAULT_CLIENT_HTTP_PORT", "DEFAULT_SEGMENT", "Lifecycle"]
 
@@ -67,6 +68,8 @@ _PORT_TRIES = 20
 _OFFLOAD_PATH_ENV = "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"
 _OFFLOAD_SIZE_ENV = "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES"
 _OFFLOAD_DEFAULT_MAX = 64 << 30  # preallocated: a quarter of the free space, at most this
+#: explicit transfer ports (local_hostname's) held by live stores of this process
+_PORTS_HERE: set[int] = set()
 _NODE_TIMEOUT_S = 3.0  # the node daemon's standalone port answers from memory
 
 
@@ -224,6 +227,12 @@ class Lifecycle:
         self._sessions = sessions
         self._http: ClientHttpServer | None = None
         self._node = ""  # standalone mode: the node daemon's address (setup_dummy)
+        self._standalone = False
+        self._port = 0  # the explicit port of local_hostname this store holds
+        # standalone mode: alloc_from_mem_pool's mappings and the bytes left of mem_pool_size
+        self._pool = MooncakeHostMemAllocator()
+        self._pool_ptrs: list[int] = []
+        self._pool_left = 0
 
     def setup(self, local_hostname: str | Mapping[str, Any] | None, metadata_server: str,
               global_segment_size: int | str, local_buffer_size: int | str, protocol: str,
@@ -370,12 +379,22 @@ class Lifecycle:
         (retried when another process takes it first); its segment is named
         ``host:port`` (Mooncake's hostname). Raises KVPoolError."""
         last: KVPoolError | None = None
+        if port and port in _PORTS_HERE:
+            # Mooncake lets two stores of a process name the same host:port;
+            # kvpool's transfer servers cannot share one: this store takes a
+            # free port (and its segment that name)
+            log.warning("%s:%d is taken by another store of this process: this one takes "
+                        "another port (get_hostname() says which)", host, port)
+            port = 0
         for _ in range(1 if port or cfg.transfer_port else _PORT_TRIES):
             p = port or cfg.transfer_port or _free_port(cfg.bind_host)
             seg = cfg.segment_id or (f"{host}:{p}" if p else None)
             client = Client(dataclasses.replace(cfg, transfer_port=p, segment_id=seg))
             try:
                 client.setup()
+                if port:
+                    _PORTS_HERE.add(port)
+                    self._port = port
                 return client
             except KVPoolError as exc:
                 last = exc
@@ -415,12 +434,11 @@ class Lifecycle:
         When nothing answers there and ``$KVPOOL_CONFIG`` is set, the master
         it names is used and a daemon of this host must contribute memory.
         Returns 0, or -1 (Mooncake: the local client is not reachable) after
-        one log line saying what to start. ``mem_pool_size`` is accepted:
-        the engine's buffers need no pre-mapping on kvpool.
+        one log line saying what to start. ``mem_pool_size`` bounds what
+        :meth:`alloc_from_mem_pool` hands out.
         """
         if self._core.client is not None:
             self.close()
-        del mem_pool_size
         node, why = _ask_node(str(server_address))
         overrides: dict[str, Any] = {"memory_size": 0}
         if node is not None:
@@ -448,6 +466,8 @@ class Lifecycle:
         self._core.local_buffer_size = mooncake_size(local_buffer_size)
         self._core.client = client
         self._node = str(server_address) if node is not None else ""
+        self._standalone = True
+        self._pool_left = max(0, mooncake_size(mem_pool_size))
         self._core.hostname = (node or {}).get("segment_id") or \
             f"{client.host_id}:{client.endpoint.rsplit(':', 1)[-1]}"
         return 0
@@ -459,6 +479,24 @@ class Lifecycle:
             return False
         return any(s.descriptor.kind == SegmentKind.MEMORY
                    and s.descriptor.host_id == client.host_id for s in segments)
+
+    def alloc_from_mem_pool(self, size: int) -> int:
+        """Standalone mode: ``size`` bytes of page-aligned host memory for the
+        zero-copy calls (Mooncake: a new shared-memory region the local client
+        maps), at most ``mem_pool_size`` in all, freed at :meth:`close`; 0 when
+        the pool is spent. 0 for a store set up with ``setup`` (as Mooncake's
+        real client)."""
+        size = int(size)
+        if not self._standalone or size <= 0 or size > self._pool_left:
+            if self._standalone and size > self._pool_left:
+                log.error("alloc_from_mem_pool(%d): %d bytes of mem_pool_size left", size,
+                          self._pool_left)
+            return 0
+        ptr = self._pool.alloc(size)
+        if ptr:
+            self._pool_ptrs.append(ptr)
+            self._pool_left -= size
+        return ptr
 
     def init_all(self, protocol: str, device_name: str,
                  mount_segment_size: int = DEFAULT_SEGMENT) -> int:
@@ -485,6 +523,12 @@ class Lifecycle:
             client.close()
         self._core.hostname = ""
         self._node = ""
+        self._standalone = False
+        _PORTS_HERE.discard(self._port)
+        self._port = 0
+        for ptr in self._pool_ptrs:
+            self._pool.free(ptr)
+        self._pool_ptrs.clear()
         return 0
 
     def health_check(self) -> int:
