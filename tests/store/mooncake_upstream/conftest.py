@@ -27,10 +27,12 @@ import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
+from kvpool.store.mooncake import MooncakeDistributedStore
 
 collect_ignore = ["test_multi_dummy_clients.py"]
 
@@ -51,6 +53,24 @@ def _port_free(port: int) -> bool:
             return False
 
 
+#: the transfer ports files hard-code in their local_hostname
+PORTS = {"test_batch_replica_clear": [12345, 12346],
+         "test_replicated_distributed_object_store": [12345, 12346]}
+
+
+def _close_stores(module: ModuleType) -> None:
+    """Close the stores a file's classes keep (Mooncake runs each file in a
+    process of its own, whose exit ends them; here the next file needs
+    their ports)."""
+    for cls in vars(module).values():
+        if not isinstance(cls, type):
+            continue
+        for value in list(vars(cls).values()):
+            for store in value if isinstance(value, list) else [value]:
+                if isinstance(store, MooncakeDistributedStore):
+                    store.close()
+
+
 #: the files that run beside a node's client (Mooncake: mooncake_client on 50052)
 BESIDE_A_NODE = {"test_dummy_client", "test_multi_dummy_clients_run"}
 
@@ -64,7 +84,7 @@ def mooncake_env(request: pytest.FixtureRequest,
     before the unittest classes' setUpClass."""
     name = request.module.__name__.rsplit(".", 1)[-1]
     beside_node = name in BESIDE_A_NODE
-    ports = [MOONCAKE_CLIENT_PORT] if beside_node else [12345, 12346]  # hard-coded there
+    ports = [MOONCAKE_CLIENT_PORT] if beside_node else PORTS.get(name, [])
     for port in ports:
         if not _port_free(port):
             pytest.fail(f"127.0.0.1:{port} is taken: Mooncake's {name} needs it")
@@ -95,6 +115,7 @@ def mooncake_env(request: pytest.FixtureRequest,
                     pytest.fail(f"the node daemon does not answer on {MOONCAKE_CLIENT_PORT}")
                 yield env
         finally:
+            _close_stores(request.module)
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
