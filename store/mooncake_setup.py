@@ -439,6 +439,11 @@ class Lifecycle:
         """
         if self._core.client is not None:
             self.close()
+        try:
+            pool_size, buffer_size = mooncake_size(mem_pool_size), mooncake_size(local_buffer_size)
+        except (KVPoolError, ValueError, TypeError) as exc:
+            log.error("setup_dummy: %s", exc)
+            return INVALID
         node, why = _ask_node(str(server_address))
         overrides: dict[str, Any] = {"memory_size": 0}
         if node is not None:
@@ -463,11 +468,11 @@ class Lifecycle:
                       "(start `kvpool client --master %s --memory SIZE` here)",
                       cfg.master_address)
             return INTERNAL
-        self._core.local_buffer_size = mooncake_size(local_buffer_size)
+        self._core.local_buffer_size = buffer_size
         self._core.client = client
         self._node = str(server_address) if node is not None else ""
         self._standalone = True
-        self._pool_left = max(0, mooncake_size(mem_pool_size))
+        self._pool_left = max(0, pool_size)
         self._core.hostname = (node or {}).get("segment_id") or \
             f"{client.host_id}:{client.endpoint.rsplit(':', 1)[-1]}"
         return 0

@@ -11,6 +11,7 @@ returning Mooncake codes (never raising), and ``health_check`` says 2.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import socket
@@ -76,6 +77,14 @@ def test_engine_process_puts_and_gets_through_the_daemons_memory(
             assert desc.is_memory_replica() and desc.segment_id == d.segment_ids[0]
             assert store._c().segment_ids == []  # the engine holds no memory
             assert store.health_check() == 0
+            # zero-copy buffers from the pool of mem_pool_size bytes, as Mooncake's dummy client
+            ptr = store.alloc_from_mem_pool(4096)
+            assert ptr != 0
+            ctypes.memmove(ptr, b"z" * 4096, 4096)
+            assert store.register_buffer(ptr, 4096) == 0
+            assert store.put_from("sa/zc", ptr, 4096) == 0
+            assert store.get("sa/zc") == b"z" * 4096
+            assert store.alloc_from_mem_pool(64 << 20) == 0  # 4096 bytes of it are gone
         finally:
             store.close()
 
