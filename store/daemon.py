@@ -69,7 +69,11 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
     http: HttpEndpoints | None = None
     metrics: NodeMetrics | None = None
     standalone: HttpEndpoints | None = None
+    answer: dict[str, Any] = {}  # what the standalone port answers, once the segments are up
     try:
+        # bound before the segments are mounted (and prefaulted): a port that
+        # cannot be had fails the start at once
+        standalone = _serve_standalone(config, answer)
         client.setup()
         info = {
             "pid": os.getpid(),
@@ -83,7 +87,7 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
             "memory_size": config.memory_size,
             "guard_pid": client.segment_host.guard.pid if client.segment_host.guard else None,
         }
-        standalone = _serve_standalone(client, config)
+        answer.update(standalone_info(client))
         info["dummy_port"] = standalone.port if standalone is not None else None
         log.info("node daemon ready: %s", info)
         if config.metrics_port:
@@ -138,18 +142,24 @@ def standalone_info(client: Client) -> dict[str, Any]:
     }
 
 
-def _serve_standalone(client: Client, config: ClientConfig) -> HttpEndpoints | None:
+def _serve_standalone(config: ClientConfig, answer: dict[str, Any]) -> HttpEndpoints | None:
     """The dummy-port listener on 127.0.0.1 (loopback only: standalone
-    clients run on this host), or None when ``dummy_port`` is 0 or the
-    default port is held by another process (a warning: another daemon of
-    this host answers there). Raises KVPoolError for any other port that
+    clients run on this host), answering ``answer`` as JSON (503 while it is
+    empty: the segments are not up yet), or None when ``dummy_port`` is 0 or
+    the default port is held by another process (a warning: another daemon
+    of this host answers there). Raises KVPoolError for any other port that
     cannot be bound."""
     if not config.dummy_port:
         return None
-    body = json.dumps(standalone_info(client))
+
+    def route() -> tuple[int, str, str]:
+        if not answer:
+            return 503, json.dumps({"error": "starting"}), JSON
+        return 200, json.dumps(answer), JSON
+
     try:
-        http = HttpEndpoints({STANDALONE_PATH: lambda: (200, body, JSON)}, "127.0.0.1",
-                             config.dummy_port, "kvpool-daemon-standalone")
+        http = HttpEndpoints({STANDALONE_PATH: route}, "127.0.0.1", config.dummy_port,
+                             "kvpool-daemon-standalone")
     except OSError as exc:
         if config.dummy_port == DEFAULT_DUMMY_PORT:
             log.warning("standalone clients: 127.0.0.1:%d is taken (%s); this daemon does "

@@ -152,6 +152,8 @@ def _ask_node(address: str) -> tuple[dict[str, Any] | None, str]:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         with opener.open(url, timeout=_NODE_TIMEOUT_S) as reply:
             info = json.loads(reply.read())
+    except urllib.error.HTTPError as exc:  # 503: its segments are not mounted yet
+        return None, f"the node daemon answered {exc.code} {exc.reason}"
     except urllib.error.URLError as exc:
         return None, str(exc.reason)
     except (OSError, ValueError, http.client.HTTPException) as exc:
