@@ -451,6 +451,10 @@ class Lifecycle:
         if node is not None:
             overrides.update(master_address=node["master"], tenant=node["tenant"],
                              host_id=node["host_id"])
+            if not node.get("memory_size"):
+                log.warning("setup_dummy: the node daemon at %s contributes no memory (start "
+                            "it with --memory SIZE): puts go to other nodes' memory only",
+                            server_address)
         elif not os.environ.get(CONFIG_ENV):
             log.error("setup_dummy: no kvpool node daemon answers at %s (%s): start `kvpool "
                       "client --master MASTER --memory SIZE` on this host (it answers "
