@@ -11,7 +11,7 @@ of both, an OOM kill) and unmounts it at the master
 On 127.0.0.1:``dummy_port`` (50052, Mooncake's ``mooncake_client`` port) it
 answers Mooncake standalone clients: ``setup_dummy(..., "127.0.0.1:50052")``
 in an engine process GETs :data:`STANDALONE_PATH` and learns the master,
-tenant, host id and this daemon's memory segment (JSON, :func:`standalone_info`),
+tenant, host id and this daemon's memory segment (JSON, :class:`StandaloneInfo`),
 so it needs no configuration of its own.
 """
 
@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvpool.core import __version__
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.http import JSON, HttpEndpoints
@@ -33,7 +35,7 @@ from kvpool.store.client import Client
 from kvpool.store.config import DEFAULT_DUMMY_PORT, ClientConfig
 from kvpool.store.node_metrics import NodeMetrics
 
-__all__ = ["STANDALONE_PATH", "run_daemon", "standalone_info"]
+__all__ = ["STANDALONE_PATH", "StandaloneInfo", "run_daemon", "standalone_info"]
 
 #: what a Mooncake standalone client GETs on the daemon's dummy port
 STANDALONE_PATH = "/kvpool/standalone"
@@ -69,7 +71,7 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
     http: HttpEndpoints | None = None
     metrics: NodeMetrics | None = None
     standalone: HttpEndpoints | None = None
-    answer: dict[str, Any] = {}  # what the standalone port answers, once the segments are up
+    answer: list[bytes] = []  # what the standalone port answers, once the segments are up
     try:
         # bound before the segments are mounted (and prefaulted): a port that
         # cannot be had fails the start at once
@@ -87,7 +89,7 @@ def run_daemon(config: ClientConfig, ready_file: str | None = None,
             "memory_size": config.memory_size,
             "guard_pid": client.segment_host.guard.pid if client.segment_host.guard else None,
         }
-        answer.update(standalone_info(client))
+        answer.append(msgspec.json.encode(standalone_info(client)))
         info["dummy_port"] = standalone.port if standalone is not None else None
         log.info("node daemon ready: %s", info)
         if config.metrics_port:
@@ -125,37 +127,44 @@ def _serve_metrics(client: Client, port: int, info: dict[str, Any]
     return http, metrics
 
 
-def standalone_info(client: Client) -> dict[str, Any]:
-    """What a standalone client needs from its node daemon: the master
-    address, the tenant it acts for, the host id (so its transfers with the
-    daemon go through shared memory) and the daemon's memory segment (the
-    standalone store's ``get_hostname()``)."""
-    config = client.config
-    return {
-        "kvpool": __version__,
-        "pid": os.getpid(),
-        "master": config.master_address,
-        "tenant": client.tenant,
-        "host_id": client.host_id,
-        "segment_id": client.segment_ids[0] if client.segment_ids else "",
-        "memory_size": config.memory_size,
-    }
+class StandaloneInfo(msgspec.Struct, frozen=True):
+    """What a standalone client needs from its node daemon (JSON on the
+    standalone port): the master address, the tenant it acts for, the host
+    id (so its transfers with the daemon go through shared memory) and the
+    daemon's memory segment (the standalone store's ``get_hostname()``)."""
+
+    master: str
+    tenant: str
+    host_id: str
+    segment_id: str
+    memory_size: int
+    pid: int
+    kvpool: str  # the daemon's kvpool version
 
 
-def _serve_standalone(config: ClientConfig, answer: dict[str, Any]) -> HttpEndpoints | None:
+def standalone_info(client: Client) -> StandaloneInfo:
+    """This daemon's :class:`StandaloneInfo` (its segments are up)."""
+    return StandaloneInfo(
+        master=client.config.master_address, tenant=client.tenant, host_id=client.host_id,
+        segment_id=client.segment_ids[0] if client.segment_ids else "",
+        memory_size=client.config.memory_size, pid=os.getpid(), kvpool=__version__)
+
+
+def _serve_standalone(config: ClientConfig, answer: list[bytes]) -> HttpEndpoints | None:
     """The dummy-port listener on 127.0.0.1 (loopback only: standalone
-    clients run on this host), answering ``answer`` as JSON (503 while it is
-    empty: the segments are not up yet), or None when ``dummy_port`` is 0 or
+    clients run on this host), answering ``answer[0]`` (an encoded
+    :class:`StandaloneInfo`; 503 while ``answer`` is empty: the segments are
+    not up yet), or None when ``dummy_port`` is 0 or
     the default port is held by another process (a warning: another daemon
     of this host answers there). Raises KVPoolError for any other port that
     cannot be bound."""
     if not config.dummy_port:
         return None
 
-    def route() -> tuple[int, str, str]:
+    def route() -> tuple[int, bytes | str, str]:
         if not answer:
             return 503, json.dumps({"error": "starting"}), JSON
-        return 200, json.dumps(answer), JSON
+        return 200, answer[0], JSON
 
     try:
         http = HttpEndpoints({STANDALONE_PATH: route}, "127.0.0.1", config.dummy_port,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import http.client
-import json
 import os
 import random
 import shutil
@@ -30,6 +29,8 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from kvpool.core.auth import is_loopback
 from kvpool.core.errors import ErrorCode, KVPoolError
@@ -42,7 +43,7 @@ from kvpool.store.config import (
     ClientConfig,
     client_config_from_env,
 )
-from kvpool.store.daemon import STANDALONE_PATH
+from kvpool.store.daemon import STANDALONE_PATH, StandaloneInfo
 from kvpool.store.mooncake_codes import INTERNAL, INVALID, code_of, log
 from kvpool.store.mooncake_core import MooncakeCore, mooncake_size
 from kvpool.store.mooncake_http import ClientHttpServer
@@ -139,7 +140,7 @@ def _free_port(bind_host: str) -> int:
     return 0  # the range is full: any free port
 
 
-def _ask_node(address: str) -> tuple[dict[str, Any] | None, str]:
+def _ask_node(address: str) -> tuple[StandaloneInfo | None, str]:
     """Ask the node daemon's standalone port at ``address`` (``host:port``)
     who it is: ``(info, "")``, or ``(None, why)`` when nothing (or something
     else) answers there."""
@@ -151,17 +152,13 @@ def _ask_node(address: str) -> tuple[dict[str, Any] | None, str]:
         # no proxy: the daemon is on this host, whatever $http_proxy says
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         with opener.open(url, timeout=_NODE_TIMEOUT_S) as reply:
-            info = json.loads(reply.read())
+            return msgspec.json.decode(reply.read(), type=StandaloneInfo), ""
     except urllib.error.HTTPError as exc:  # 503: its segments are not mounted yet
         return None, f"the node daemon answered {exc.code} {exc.reason}"
     except urllib.error.URLError as exc:
         return None, str(exc.reason)
-    except (OSError, ValueError, http.client.HTTPException) as exc:
+    except (OSError, msgspec.DecodeError, http.client.HTTPException) as exc:
         return None, f"not a kvpool node daemon ({exc!r})"
-    if not isinstance(info, dict) or not all(isinstance(info.get(k), str) for k in
-                                             ("master", "tenant", "host_id", "segment_id")):
-        return None, "not a kvpool node daemon (unexpected reply)"
-    return info, ""
 
 
 def _as_bool(value: Any) -> bool:
@@ -449,9 +446,9 @@ class Lifecycle:
         node, why = _ask_node(str(server_address))
         overrides: dict[str, Any] = {"memory_size": 0}
         if node is not None:
-            overrides.update(master_address=node["master"], tenant=node["tenant"],
-                             host_id=node["host_id"])
-            if not node.get("memory_size"):
+            overrides.update(master_address=node.master, tenant=node.tenant,
+                             host_id=node.host_id)
+            if not node.memory_size:
                 log.warning("setup_dummy: the node daemon at %s contributes no memory (start "
                             "it with --memory SIZE): puts go to other nodes' memory only",
                             server_address)
@@ -479,7 +476,7 @@ class Lifecycle:
         self._node = str(server_address) if node is not None else ""
         self._standalone = True
         self._pool_left = max(0, pool_size)
-        self._core.hostname = (node or {}).get("segment_id") or \
+        self._core.hostname = node.segment_id if node is not None and node.segment_id else \
             f"{client.host_id}:{client.endpoint.rsplit(':', 1)[-1]}"
         return 0
 
