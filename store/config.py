@@ -33,6 +33,7 @@ __all__ = [
     "CHECKSUM_ALGOS",
     "CONFIG_ENV",
     "CURVE_KEY_DIR_ENV",
+    "DEFAULT_DUMMY_PORT",
     "ClientConfig",
     "ObjectDataType",
     "ReplicateConfig",
@@ -46,6 +47,8 @@ __all__ = [
 
 CONFIG_ENV = "KVPOOL_CONFIG"  # a client YAML for entry points that take no file
 CURVE_KEY_DIR_ENV = "KVPOOL_CURVE_KEY_DIR"  # directory holding cluster.key_secret
+#: where a node daemon answers Mooncake standalone clients (mooncake_client's default port)
+DEFAULT_DUMMY_PORT = 50052
 
 CHECKSUM_ALGOS = ("none", "crc32", "xxhash", "auto")
 
@@ -150,6 +153,14 @@ class ClientConfig:
         0, help="node daemon: Prometheus /metrics (kvpool_node_*: segments, transfers "
         "served and made, capability refusals, guard, SSD tier; docs/metrics.md) and JSON "
         "/health on 127.0.0.1:PORT; 0 = off")
+    dummy_port: int = setting(
+        DEFAULT_DUMMY_PORT, flag="--dummy-port",
+        help="node daemon: answer Mooncake standalone clients (setup_dummy(mem_pool_size, "
+        "local_buffer_size, \"127.0.0.1:PORT\") in an engine process, as Mooncake's "
+        "mooncake_client does) on 127.0.0.1:PORT: they learn the master, tenant, host id "
+        "and this daemon's segment and leave the memory to it (docs/mooncake_compat.md). "
+        "50052 is mooncake_client's default; when another process holds it already the "
+        "daemon logs a warning and runs without (any other port taken is an error); 0 = off")
 
     def __post_init__(self) -> None:
         # checked at construction (not only by load_client_config's validate()):
@@ -172,6 +183,8 @@ class ClientConfig:
             raise ConfigError(f"checksum must be one of {', '.join(CHECKSUM_ALGOS)}")
         if not (0 <= self.transfer_port < 65536):
             raise ConfigError("transfer_port must be in 0..65535")
+        if not (0 <= self.dummy_port < 65536):
+            raise ConfigError("dummy_port must be in 0..65535")
         if not self.master_address:
             raise ConfigError("master_address is required")
 

@@ -9,33 +9,47 @@ named), ``global_segment_size`` bytes of memory, the cross-host transport
 an SSD tier when ``enable_ssd_offload`` asks for one, the client's tenant
 (``tenant_id``: the master keeps each tenant's keys apart) and the client
 HTTP endpoints. ``setup_dummy`` is Mooncake's standalone
-mode: a pure client beside the node daemon of this host. A setup that fails
-returns a Mooncake code and never raises.
+mode: a pure client beside the node daemon of this host, which it finds at
+the address Mooncake code passes (the daemon's standalone port,
+:mod:`kvpool.store.daemon`). A setup that fails returns a Mooncake code and
+never raises.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
+import http.client
 import os
 import random
 import shutil
 import socket
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from kvpool.core.auth import is_loopback
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import SegmentKind
 from kvpool.core.tenants import DEFAULT_TENANT, tenant_name
 from kvpool.store.client import Client
-from kvpool.store.config import ClientConfig, client_config_from_env
+from kvpool.store.config import (
+    CONFIG_ENV,
+    DEFAULT_DUMMY_PORT,
+    ClientConfig,
+    client_config_from_env,
+)
+from kvpool.store.daemon import STANDALONE_PATH, StandaloneInfo
 from kvpool.store.mooncake_codes import INTERNAL, INVALID, code_of, log
 from kvpool.store.mooncake_core import MooncakeCore, mooncake_size
 from kvpool.store.mooncake_http import ClientHttpServer
 from kvpool.store.mooncake_memory import CallerMemory
 from kvpool.store.mooncake_session import SessionCalls
+from kvpool.store.mooncake_types import MooncakeHostMemAllocator
 
 __all__ = ["DEFAULT_CLIENT_HTTP_PORT", "DEFAULT_SEGMENT", "Lifecycle"]
 
@@ -55,6 +69,9 @@ _PORT_TRIES = 20
 _OFFLOAD_PATH_ENV = "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH"
 _OFFLOAD_SIZE_ENV = "MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES"
 _OFFLOAD_DEFAULT_MAX = 64 << 30  # preallocated: a quarter of the free space, at most this
+#: explicit transfer ports (local_hostname's) held by live stores of this process
+_PORTS_HERE: set[int] = set()
+_NODE_TIMEOUT_S = 3.0  # the node daemon's standalone port answers from memory
 
 
 def _split_host(local_hostname: str) -> tuple[str, int]:
@@ -123,6 +140,27 @@ def _free_port(bind_host: str) -> int:
     return 0  # the range is full: any free port
 
 
+def _ask_node(address: str) -> tuple[StandaloneInfo | None, str]:
+    """Ask the node daemon's standalone port at ``address`` (``host:port``)
+    who it is: ``(info, "")``, or ``(None, why)`` when nothing (or something
+    else) answers there."""
+    host, port = _split_host(address.split("://", 1)[-1])
+    if not port:
+        return None, "no port in the address"
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}{STANDALONE_PATH}"
+    try:
+        # no proxy: the daemon is on this host, whatever $http_proxy says
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=_NODE_TIMEOUT_S) as reply:
+            return msgspec.json.decode(reply.read(), type=StandaloneInfo), ""
+    except urllib.error.HTTPError as exc:  # 503: its segments are not mounted yet
+        return None, f"the node daemon answered {exc.code} {exc.reason}"
+    except urllib.error.URLError as exc:
+        return None, str(exc.reason)
+    except (OSError, msgspec.DecodeError, http.client.HTTPException) as exc:
+        return None, f"not a kvpool node daemon ({exc!r})"
+
+
 def _as_bool(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
@@ -187,6 +225,13 @@ class Lifecycle:
         self._memory = memory
         self._sessions = sessions
         self._http: ClientHttpServer | None = None
+        self._node = ""  # standalone mode: the node daemon's address (setup_dummy)
+        self._standalone = False
+        self._port = 0  # the explicit port of local_hostname this store holds
+        # standalone mode: alloc_from_mem_pool's mappings and the bytes left of mem_pool_size
+        self._pool = MooncakeHostMemAllocator()
+        self._pool_ptrs: list[int] = []
+        self._pool_left = 0
 
     def setup(self, local_hostname: str | Mapping[str, Any] | None, metadata_server: str,
               global_segment_size: int | str, local_buffer_size: int | str, protocol: str,
@@ -333,12 +378,22 @@ class Lifecycle:
         (retried when another process takes it first); its segment is named
         ``host:port`` (Mooncake's hostname). Raises KVPoolError."""
         last: KVPoolError | None = None
+        if port and port in _PORTS_HERE:
+            # Mooncake lets two stores of a process name the same host:port;
+            # kvpool's transfer servers cannot share one: this store takes a
+            # free port (and its segment that name)
+            log.warning("%s:%d is taken by another store of this process: this one takes "
+                        "another port (get_hostname() says which)", host, port)
+            port = 0
         for _ in range(1 if port or cfg.transfer_port else _PORT_TRIES):
             p = port or cfg.transfer_port or _free_port(cfg.bind_host)
             seg = cfg.segment_id or (f"{host}:{p}" if p else None)
             client = Client(dataclasses.replace(cfg, transfer_port=p, segment_id=seg))
             try:
                 client.setup()
+                if port:
+                    _PORTS_HERE.add(port)
+                    self._port = port
                 return client
             except KVPoolError as exc:
                 last = exc
@@ -367,37 +422,62 @@ class Lifecycle:
     def setup_dummy(self, mem_pool_size: int, local_buffer_size: int,
                     server_address: str) -> int:
         """Standalone mode: a thin client in the engine process, the memory
-        (and disk) held by the node daemon on this host (``kvpool client``).
+        (and disk) held by the node daemon on this host (``kvpool client``,
+        Mooncake's ``mooncake_client``).
 
-        Connects to the master named by ``$KVPOOL_CONFIG`` (``master_address``)
-        when set, else to ``server_address``; contributes nothing. Returns -1
-        when no node daemon on this host contributes memory (Mooncake: the
-        local client is not reachable). ``mem_pool_size`` is accepted: the
-        engine's buffers need no pre-mapping on kvpool.
+        ``server_address`` is the daemon's standalone port
+        (``127.0.0.1:50052`` unless it was started with ``--dummy-port``):
+        the daemon answers with its master, tenant, host id and memory
+        segment, and this store connects to that master as a pure client
+        (contributes nothing; ``get_hostname()`` is the daemon's segment).
+        When nothing answers there and ``$KVPOOL_CONFIG`` is set, the master
+        it names is used and a daemon of this host must contribute memory.
+        Returns 0, or -1 (Mooncake: the local client is not reachable) after
+        one log line saying what to start. ``mem_pool_size`` bounds what
+        :meth:`alloc_from_mem_pool` hands out.
         """
         if self._core.client is not None:
             self.close()
         try:
-            env_has_master = bool(os.environ.get("KVPOOL_CONFIG"))
-            overrides: dict[str, Any] = {"memory_size": 0}
-            if not env_has_master:
-                overrides["master_address"] = str(server_address)
+            pool_size, buffer_size = mooncake_size(mem_pool_size), mooncake_size(local_buffer_size)
+        except (KVPoolError, ValueError, TypeError) as exc:
+            log.error("setup_dummy: %s", exc)
+            return INVALID
+        node, why = _ask_node(str(server_address))
+        overrides: dict[str, Any] = {"memory_size": 0}
+        if node is not None:
+            overrides.update(master_address=node.master, tenant=node.tenant,
+                             host_id=node.host_id)
+            if not node.memory_size:
+                log.warning("setup_dummy: the node daemon at %s contributes no memory (start "
+                            "it with --memory SIZE): puts go to other nodes' memory only",
+                            server_address)
+        elif not os.environ.get(CONFIG_ENV):
+            log.error("setup_dummy: no kvpool node daemon answers at %s (%s): start `kvpool "
+                      "client --master MASTER --memory SIZE` on this host (it answers "
+                      "standalone clients on 127.0.0.1:%d, or --dummy-port PORT)",
+                      server_address, why, DEFAULT_DUMMY_PORT)
+            return INTERNAL
+        try:
             cfg = client_config_from_env(overrides)
             client = Client(cfg)
             client.setup()
         except Exception as exc:
             log.error("setup_dummy: %r", exc)
             return INTERNAL
-        if not self._node_has_memory(client):
+        if node is None and not self._node_has_memory(client):
             client.close()
             log.error("setup_dummy: no node daemon on this host contributes memory "
                       "(start `kvpool client --master %s --memory SIZE` here)",
                       cfg.master_address)
             return INTERNAL
-        del mem_pool_size
-        self._core.local_buffer_size = mooncake_size(local_buffer_size)
+        self._core.local_buffer_size = buffer_size
         self._core.client = client
-        self._core.hostname = f"{client.host_id}:{client.endpoint.rsplit(':', 1)[-1]}"
+        self._node = str(server_address) if node is not None else ""
+        self._standalone = True
+        self._pool_left = max(0, pool_size)
+        self._core.hostname = node.segment_id if node is not None and node.segment_id else \
+            f"{client.host_id}:{client.endpoint.rsplit(':', 1)[-1]}"
         return 0
 
     def _node_has_memory(self, client: Client) -> bool:
@@ -407,6 +487,24 @@ class Lifecycle:
             return False
         return any(s.descriptor.kind == SegmentKind.MEMORY
                    and s.descriptor.host_id == client.host_id for s in segments)
+
+    def alloc_from_mem_pool(self, size: int) -> int:
+        """Standalone mode: ``size`` bytes of page-aligned host memory for the
+        zero-copy calls (Mooncake: a new shared-memory region the local client
+        maps), at most ``mem_pool_size`` in all, freed at :meth:`close`; 0 when
+        the pool is spent. 0 for a store set up with ``setup`` (as Mooncake's
+        real client)."""
+        size = int(size)
+        if not self._standalone or size <= 0 or size > self._pool_left:
+            if self._standalone and size > self._pool_left:
+                log.error("alloc_from_mem_pool(%d): %d bytes of mem_pool_size left", size,
+                          self._pool_left)
+            return 0
+        ptr = self._pool.alloc(size)
+        if ptr:
+            self._pool_ptrs.append(ptr)
+            self._pool_left -= size
+        return ptr
 
     def init_all(self, protocol: str, device_name: str,
                  mount_segment_size: int = DEFAULT_SEGMENT) -> int:
@@ -432,6 +530,13 @@ class Lifecycle:
         if client is not None:
             client.close()
         self._core.hostname = ""
+        self._node = ""
+        self._standalone = False
+        _PORTS_HERE.discard(self._port)
+        self._port = 0
+        for ptr in self._pool_ptrs:
+            self._pool.free(ptr)
+        self._pool_ptrs.clear()
         return 0
 
     def health_check(self) -> int:
@@ -439,6 +544,8 @@ class Lifecycle:
         client = self._core.client
         if client is None:
             return HC_NOT_INITIALIZED
+        if self._node and _ask_node(self._node)[0] is None:
+            return HC_MASTER_UNREACHABLE  # standalone: the node daemon holding the memory is gone
         try:
             client.stats()
             return HC_HEALTHY

@@ -240,9 +240,11 @@ class MooncakeDistributedStore:
         return self._memory.unregister_buffer(buffer_ptr)
 
     def alloc_from_mem_pool(self, size: int) -> int:
-        """Mooncake: an address in a dummy client's shared pool, 0 for a real
-        client. kvpool needs no pool for zero-copy calls: returns 0."""
-        return 0
+        """Standalone mode (``setup_dummy``): the address of ``size`` bytes of
+        host memory for the zero-copy calls, at most ``mem_pool_size`` in all,
+        freed at ``close()``; 0 when spent. After ``setup``: 0 (Mooncake's real
+        client too; kvpool needs no pool for zero-copy calls)."""
+        return self._life.alloc_from_mem_pool(size)
 
     def put_from(self, key: str, buffer_ptr: int, size: int, config: Config = None) -> int:
         """Store ``size`` bytes at ``buffer_ptr``. 0 (also for an existing key,

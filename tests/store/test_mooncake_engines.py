@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import socket
 import struct
 import time
 from collections.abc import Iterator
@@ -235,7 +236,8 @@ def test_sglang_check_server_polls_get_all_segments(tmp_path: Path) -> None:
 
 
 def test_sglang_standalone_mode_beside_a_node_daemon(master: MasterProcess) -> None:
-    with NodeDaemonProcess(master.address, "32MiB"):
+    port = free_port()
+    with NodeDaemonProcess(master.address, "32MiB", extra_args=["--dummy-port", str(port)]):
         allocator = MooncakeHostMemAllocator()  # MooncakeHostTensorAllocator.allocate
         size = 8 * 4096
         ptr = allocator.alloc(size)
@@ -244,7 +246,8 @@ def test_sglang_standalone_mode_beside_a_node_daemon(master: MasterProcess) -> N
         pool = np.frombuffer(c_array, dtype=np.uint8)
         pool[:] = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
         store = MooncakeDistributedStore()
-        assert store.setup_dummy(size, 16 << 20, master.address) == 0
+        # the address of the node's client (the daemon's standalone port), as Mooncake
+        assert store.setup_dummy(size, 16 << 20, f"127.0.0.1:{port}") == 0
         try:
             assert store.get_hostname()
             sglang_warmup(store)
@@ -270,7 +273,14 @@ def test_sglang_standalone_mode_beside_a_node_daemon(master: MasterProcess) -> N
             assert allocator.free(ptr) == 0
     # without a daemon on this host: Mooncake's -1 (the local client is not reachable)
     lonely = MooncakeDistributedStore()
-    assert lonely.setup_dummy(size, 16 << 20, master.address) == -1
+    assert lonely.setup_dummy(size, 16 << 20, f"127.0.0.1:{port}") == -1
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for a daemon's --dummy-port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 METADATA_BYTES_LEN = 28
