@@ -6,6 +6,10 @@ again); batch calls report per-key codes for a mixed batch."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -43,6 +47,33 @@ def doomed(master: MasterProcess) -> Iterator[NodeDaemonProcess]:
         yield d
 
 
+@contextlib.contextmanager
+def _killed_keeping_segment(c: Client, d: NodeDaemonProcess) -> Iterator[None]:
+    """kill -9 ``d`` with its segment left mounted for the test: a thread of
+    the test waits for the lock of its /dev/shm file and takes it over as the
+    owner dies, so the janitor of a live daemon on this host (every 2 s) does
+    not reap the file and unmount the segment at the master midway, which
+    would place the test's puts on a live holder. The lock is dropped when
+    the block ends (the file is reaped then)."""
+    names = {s.descriptor.name for s in c.list_segments()
+             if s.descriptor.segment_id in d.segment_ids}
+    assert names, "the doomed daemon's segment is not listed"
+    fds = [os.open(os.path.join("/dev/shm", n), os.O_RDONLY) for n in names]
+    waiters = [threading.Thread(target=fcntl.flock, args=(fd, fcntl.LOCK_EX), daemon=True)
+               for fd in fds]
+    try:
+        for t in waiters:
+            t.start()
+        d.kill()
+        for t in waiters:
+            t.join(10)
+            assert not t.is_alive(), "the dead daemon's segment lock was not released"
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def _vals(n: int, seed: int, size: int = K) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
@@ -61,9 +92,9 @@ def test_batch_put_mixed_codes_and_failed_writes_revoked(
     keys = [f"{tag}/w{i}" for i in range(8)]
     vals = _vals(8, 1)
     c.put(f"{tag}/old", b"old")
-    doomed.kill()
-    # the dead holder is tried first; once its 256 KiB are taken the rest go elsewhere
-    codes = c.batch_put_from(keys, vals, ReplicateConfig(preferred_segments=[dead]))
+    with _killed_keeping_segment(c, doomed):
+        # the dead holder is tried first; once its 256 KiB are taken the rest go elsewhere
+        codes = c.batch_put_from(keys, vals, ReplicateConfig(preferred_segments=[dead]))
     assert set(codes) == {ErrorCode.OK, ErrorCode.TRANSFER_FAIL}, codes
     failed = [k for k, code in zip(keys, codes, strict=True) if code]
     landed = [i for i, code in enumerate(codes) if not code]
@@ -91,8 +122,7 @@ def test_single_put_to_dead_holder_is_revoked(daemons: list[NodeDaemonProcess],
     dead = doomed.segment_ids[0]
     k = f"{uuid.uuid4().hex[:8]}/single"
     (v,) = _vals(1, 3)
-    doomed.kill()
-    with pytest.raises(TransferFailed):
+    with _killed_keeping_segment(c, doomed), pytest.raises(TransferFailed):
         c.put_from(k, v, ReplicateConfig(preferred_segments=[dead]))
     assert not c.exists(k)
     live = daemons[0].segment_ids[0]
