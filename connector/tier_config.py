@@ -60,8 +60,9 @@ class OffloadTierConfig:
         "kvpool-tier", help="first part of every key; engines that share chunks use the same "
         "value (the rest is vLLM's file name of the chunk: model, layout digest, chunk hash)")
     locality: str = setting(
-        "REMOTE", help="vLLM locality of the tier (`LOCAL` or `REMOTE`): request tier filters, "
-        "KV events and the backpressure detector's default water marks use it")
+        "REMOTE", help="vLLM locality of the tier (`LOCAL` or `REMOTE`), seen by request tier "
+        "filters and KV events (vLLM's backpressure presets read the entry's own key: set it "
+        "there for them)")
     load_threads: int = setting(
         2, ge=1, le=64, help="threads moving chunks from the pool into the CPU tier")
     store_threads: int = setting(
