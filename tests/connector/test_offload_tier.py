@@ -9,7 +9,6 @@ A real master and node daemon hold the pool."""
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import os
 import signal
 import time
@@ -19,6 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from support.offload_tier import Engine
+
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
     reason="vllm not importable: install the vllm extra (scripts/install_vllm.sh)",
@@ -26,8 +27,6 @@ needs_vllm = pytest.mark.skipif(
 pytestmark = [pytest.mark.vllm, needs_vllm, pytest.mark.timeout(60)]
 
 ROW = 16384  # bytes of one CPU-tier chunk row (page-aligned, as vLLM requires)
-CHUNKS = 16  # rows of each engine's CPU tier
-_engines = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -47,103 +46,12 @@ def own_pool() -> Iterator[Any]:
         yield m
 
 
-class Engine:
-    """One vLLM scheduler's offloading manager (real spec, real CPU tier)."""
-
-    def __init__(self, master: str, events: bool = False, **tier: Any) -> None:
-        from vllm.v1.kv_offload.config import (
-            OffloadingCacheConfig,
-            OffloadingConfig,
-            OffloadingModelConfig,
-            OffloadingParallelConfig,
-        )
-        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-
-        entry = {"type": "KVPoolTier", "module_path": "kvpool.connector.offload_tier",
-                 "master_address": master, "rpc_timeout_s": 1.0, **tier}
-        config = OffloadingConfig(
-            groups=(), worker_kv_bytes_per_block=ROW, enable_kv_cache_events=events,
-            extra_config={"cpu_bytes_to_use": CHUNKS * ROW, "secondary_tiers": [entry]},
-            engine_id=f"kvpool-tier-test-{os.getpid()}-{next(_engines)}",
-            model=OffloadingModelConfig(name="org/tiny-model", dtype="bfloat16"),
-            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-            parallel=OffloadingParallelConfig(
-                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                is_parallelism_agnostic=False))
-        manager: Any = TieringOffloadingSpec(config).get_manager()
-        self.manager = manager
-        self.tier: Any = self.manager.secondary_tiers[0]
-        self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint8)
-
-    def step(self) -> None:
-        from vllm.v1.kv_offload.base import ScheduleEndContext
-
-        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
-
-    def settle(self, timeout_s: float = 10.0) -> None:
-        """Step until no transfer or lookup is in flight."""
-        deadline = time.monotonic() + timeout_s
-        while self.manager.has_pending_work():
-            assert time.monotonic() < deadline, "tier jobs did not finish"
-            self.step()
-            time.sleep(0.01)
-        self.step()
-
-    def store(self, req: str, keys: list[bytes], data: list[np.ndarray]) -> None:
-        """What the offloading scheduler and worker do for a request's computed
-        chunks: the CPU tier takes them, then cascades them to the pool."""
-        ctx = self.ctx(req)
-        self.manager.on_new_request(ctx)
-        out = self.manager.prepare_store(keys, ctx)
-        assert out is not None and list(out.keys_to_store) == keys
-        for cid, value in zip(out.store_spec.chunk_ids, data, strict=True):
-            self.rows[int(cid)] = value  # the GPU -> CPU copy
-        self.manager.complete_store(keys, ctx)
-        self.manager.on_request_finished(ctx)
-
-    def lookup(self, ctx: Any, keys: list[bytes], timeout_s: float = 10.0,
-               until: Callable[[list[Any]], bool] | None = None) -> list[Any]:
-        """Look the keys up step after step (as the scheduler does for a waiting
-        request) until no answer is RETRY/HIT_PENDING (or ``until`` holds)."""
-        from vllm.v1.kv_offload.base import LookupResult
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            res = [self.manager.lookup(k, ctx) for k in keys]
-            done = until(res) if until is not None else not any(
-                r in (LookupResult.RETRY, LookupResult.HIT_PENDING) for r in res)
-            if done:
-                return res
-            assert time.monotonic() < deadline, f"lookups still pending: {res}"
-            self.step()
-            time.sleep(0.01)
-
-    def read(self, ctx: Any, keys: list[bytes]) -> list[bytes]:
-        """Prepare a load of HIT keys and return their CPU-tier rows (the CPU
-        -> GPU copy), then complete it."""
-        spec = self.manager.prepare_load(keys, ctx)
-        out = [self.rows[int(c)].tobytes() for c in spec.chunk_ids]
-        self.manager.complete_load(keys, ctx)
-        return out
-
-    @staticmethod
-    def ctx(req: str) -> Any:
-        from vllm.v1.kv_offload.base import ReqContext
-
-        return ReqContext(req_id=req)
-
-    def close(self) -> None:
-        del self.rows  # (vLLM closes the region's mmap: no view of it may be left)
-        self.manager.shutdown()
-
-
 @pytest.fixture
 def engines() -> Iterator[Callable[..., Engine]]:
     made: list[Engine] = []
 
     def make(master: str, **kw: Any) -> Engine:
-        e = Engine(master, **kw)
+        e = Engine(master, row=ROW, **kw)
         made.append(e)
         return e
 
