@@ -13,8 +13,8 @@ Every method of :class:`KVPoolTier` runs on the scheduler thread and returns
 at once; the pool is reached only from worker threads:
 
 - lookups: the chunks asked about during a step are sent, at the step's end
-  (``on_schedule_end``), as one ``batch_locate`` to the master; until the
-  answer comes a lookup is RETRY. A chunk whose put is in flight (this tier's
+  (``on_schedule_end``), as one ``batch_locate`` to the master (with at most
+  one such call in flight); until the answer comes a lookup is RETRY. A chunk whose put is in flight (this tier's
   own store, or the master says another engine's put has not ended) is RETRY
   too, for at most ``lookup_wait_s``; then, as for a master that does not
   answer, a miss.
@@ -208,8 +208,12 @@ class KVPoolTier(SecondaryTierManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Send this step's new lookups as one master call (from the lookup
-        thread); a pool marked down answers them all miss at once."""
+        thread); a pool marked down answers them all miss at once. While a
+        call is still unanswered, new keys wait for the first step end after
+        it (one call in flight: a slow master is not sent a queue of them)."""
         self._take_answers()
+        if self._lookups_in_flight:
+            return
         asking, self._asking = self._asking, []
         keys: list[OffloadKey] = []
         gens: list[int] = []

@@ -76,7 +76,9 @@ def test_two_engines_share_chunks_through_the_pool(pool: Any, engines: Any) -> N
 
     from kvpool.store import Client, ClientConfig
 
-    a = engines(pool.address, events=True, enable_kv_events=True, prefix="t-share")
+    a = engines(pool.address, events=True, enable_kv_events=True, prefix="t-share",
+                backpressure={"backpressure_cls": "EMABackpressureDetector",
+                              "warmup_completions": 1})
     b = engines(pool.address, prefix="t-share")
     ka, da = _keys(3, "a"), _data(3, 1)
     kb, db = _keys(2, "b"), _data(2, 2)
@@ -87,6 +89,8 @@ def test_two_engines_share_chunks_through_the_pool(pool: Any, engines: Any) -> N
     a.settle()
     b.settle()
     assert a.tier.stats.stores == 1 and a.tier.stats.bytes_stored == 3 * ROW
+    # vLLM's backpressure detector (built by its factory) saw the store's latency
+    assert a.tier.bp_detector is not None and a.tier.bp_detector.store_latency_ema > 0
     assert b.tier.stats.stores == 1 and b.tier.stats.store_failures == 0
     # The pool keys are vLLM's chunk file names: the same on both engines.
     assert a.tier.key_name(ka[0]) == b.tier.key_name(ka[0])
@@ -211,12 +215,18 @@ def test_slow_or_dead_pool_gives_backpressure_and_misses(own_pool: Any, engines:
         assert e.tier.stats.store_failures == 1
 
         # A chunk that is in the pool, asked of a dead master: a miss within
-        # the RPC timeout, never a hang; no load is attempted.
+        # the RPC timeout, never a hang; no load is attempted. Keys asked
+        # while that call hangs are not sent after it: one call in flight.
         ctx = fresh.ctx("d-3")
         fresh.manager.on_new_request(ctx)
         t0 = time.monotonic()
-        assert fresh.lookup(ctx, k_ok) == [LookupResult.MISS]
+        assert fresh.manager.lookup(k_ok[0], ctx) is LookupResult.RETRY
+        fresh.step()  # sent; the master does not answer
+        more = _keys(2, "more")
+        assert [fresh.manager.lookup(k, ctx) for k in more] == [LookupResult.RETRY] * 2
+        assert fresh.lookup(ctx, k_ok + more) == [LookupResult.MISS] * 3
         assert time.monotonic() - t0 < 3.0
+        assert fresh.tier.stats.lookup_calls == 1 and fresh.tier.stats.keys_looked_up == 1
         assert fresh.tier.stats.loads == 0
         fresh.manager.on_request_finished(ctx)
 
