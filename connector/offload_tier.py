@@ -14,10 +14,10 @@ at once; the pool is reached only from worker threads:
 
 - lookups: the chunks asked about during a step are sent, at the step's end
   (``on_schedule_end``), as one ``batch_locate`` to the master (with at most
-  one such call in flight); until the answer comes a lookup is RETRY. A chunk whose put is in flight (this tier's
-  own store, or the master says another engine's put has not ended) is RETRY
-  too, for at most ``lookup_wait_s``; then, as for a master that does not
-  answer, a miss.
+  one such call in flight); until the answer comes a lookup is RETRY. A
+  chunk whose put is in flight (this tier's own store, or the master says
+  another engine's put has not ended) is RETRY too, for at most
+  ``lookup_wait_s``; then, as for a master that does not answer, a miss.
 - stores and loads: one ``batch_put_from`` / ``batch_get_into`` per job,
   straight between the rows of the CPU tier's memory and the pool (no copy in
   this process), on their own thread pools so loads never queue behind stores.
