@@ -193,11 +193,17 @@ class KVPoolTier(SecondaryTierManager):
         if key in self._storing:
             return LookupResult.RETRY
         now = time.monotonic()
+        req_id = req_context.req_id
         v = self._verdicts.get(key)
         if v is None:
             v = self._verdicts[key] = _Verdict(next(self._gen), now)
             self._asking.append((key, v.gen))
-        req_id = req_context.req_id
+        elif v.result is False and req_id not in v.reqs and \
+                now - v.since >= self.cfg.lookup_wait_s:
+            # a miss kept alive by earlier requests may be stale (another engine
+            # may have stored the chunk since): a new request asks again
+            v.gen, v.since, v.result = next(self._gen), now, None
+            self._asking.append((key, v.gen))
         v.reqs.add(req_id)
         self._req_keys.setdefault(req_id, set()).add(key)
         if v.result is None:
@@ -371,6 +377,10 @@ class KVPoolTier(SecondaryTierManager):
             else:
                 del self._storing[k]
         stored = [k for k, good in zip(job.keys, ok, strict=True) if good]
+        for k in stored:  # the pool has it now, whatever a lookup said before
+            v = self._verdicts.get(k)
+            if v is not None:
+                v.gen, v.result = next(self._gen), True
         self.stats.stores += 1
         self.stats.bytes_stored += len(stored) * self._row_bytes
         if self._events is not None and stored:

@@ -75,7 +75,8 @@ class OffloadTierConfig:
         "are dropped as above")
     lookup_wait_s: float = setting(
         2.0, gt=0, help="a chunk whose lookup has no answer this long after it was first asked "
-        "(slow master, or another engine's store of it still in flight) is a miss")
+        "(slow master, or another engine's store of it still in flight) is a miss; a miss this "
+        "old is asked again for a request that had not asked it yet")
     enable_kv_events: bool = setting(
         False, help="emit vLLM's offloading events (BlockStored, medium CPU, the tier's "
         "locality) for chunks stored into the pool; effective only with KV cache events on")

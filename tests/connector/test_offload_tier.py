@@ -188,6 +188,31 @@ def test_in_flight_chunks_answer_retry_and_bad_sizes_never_load(
         failures = tier.stats.load_failures
         assert e.lookup(ctx, [k_short]) == [LookupResult.MISS]
         assert tier.stats.load_failures == failures + 1
+
+        # 5. A miss kept alive by a running request is asked again for a new
+        # request once it is lookup_wait_s old: a chunk stored since is a hit.
+        [k_late] = _keys(1, "late")
+        assert e.lookup(ctx, [k_late]) == [LookupResult.MISS]
+        [late] = _data(1, 4)
+        c.put(tier.key_name(k_late), late.tobytes())
+        assert e.lookup(ctx, [k_late]) == [LookupResult.MISS]  # (the same request)
+        time.sleep(0.5)
+        ctx2 = e.ctx("r-1")
+        e.manager.on_new_request(ctx2)
+        assert e.lookup(ctx2, [k_late]) == [LookupResult.HIT]
+        assert e.read(ctx2, [k_late]) == [late.tobytes()]
+        e.manager.on_request_finished(ctx2)
+
+    # 6. A miss the tier then stores itself is a hit at once, for the same request.
+    [k_mine] = _keys(1, "mine")
+    assert tier.lookup(k_mine, ctx) is LookupResult.RETRY
+    e.step()
+    assert e.lookup(ctx, [k_mine]) == [LookupResult.MISS]
+    tier.submit_store(TransferJob(job_id=10_001, keys=[k_mine], chunk_ids=np.array([3]),
+                                  is_promotion=False, req_context=ctx))
+    tier.drain_jobs()
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    assert tier.lookup(k_mine, ctx) is LookupResult.HIT
     e.manager.on_request_finished(ctx)
 
 
