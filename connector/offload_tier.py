@@ -44,6 +44,7 @@ import itertools
 import logging
 import queue
 import time
+import traceback
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -114,6 +115,16 @@ class _Job:
     is_load: bool
     nbytes: int
     future: Future[None] | None = None
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """Clear the locals of the finished frames in ``exc``'s tracebacks (and
+    its causes'): whoever keeps the exception keeps no buffer they named."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 class KVPoolTier(SecondaryTierManager):
@@ -308,8 +319,8 @@ class KVPoolTier(SecondaryTierManager):
             self._storing[k] = self._storing.get(k, 0) + 1
         self._store_jobs += 1
         self._store_bytes += nbytes
-        job.future = self._store_pool.submit(self._store_task, job_metadata.job_id,
-                                             [self.key_name(k) for k in keys], rows)
+        job.future = self._store_pool.submit(self._task, job_metadata.job_id,
+                                             [self.key_name(k) for k in keys], rows, False)
 
     def _store_refused(self, nbytes: int) -> bool:
         if self._access.is_down:
@@ -325,30 +336,31 @@ class KVPoolTier(SecondaryTierManager):
         keys = list(job_metadata.keys)
         rows = [self._rows[int(c)] for c in job_metadata.chunk_ids]
         job = self._jobs[job_metadata.job_id] = _Job(keys, True, len(keys) * self._row_bytes)
-        job.future = self._load_pool.submit(self._load_task, job_metadata.job_id,
-                                            [self.key_name(k) for k in keys], rows)
+        job.future = self._load_pool.submit(self._task, job_metadata.job_id,
+                                            [self.key_name(k) for k in keys], rows, True)
 
-    def _store_task(self, job_id: int, names: list[str], rows: list[np.ndarray]) -> None:
-        """Store thread: one batch put; always reports the job."""
+    def _task(self, job_id: int, names: list[str], rows: list[np.ndarray], is_load: bool) -> None:
+        """Store or load thread: one batch call; always reports the job. A
+        loaded chunk counts only when exactly one row of bytes came (a shorter
+        or longer object is a failed chunk)."""
         t0 = time.monotonic()
         try:
-            codes = self._access.call(lambda c: c.batch_put_from(names, rows, self._replicate))
-            ok = [code in _STORED for code in codes]
-        except Exception as exc:  # a failed store only costs a future hit
-            log.debug("kvpool tier store of %d chunks failed: %s", len(names), exc)
+            if is_load:
+                got = self._access.call(lambda c: c.batch_get_into(names, rows))
+                ok = [n == self._row_bytes for n in got]
+            else:
+                codes = self._access.call(
+                    lambda c: c.batch_put_from(names, rows, self._replicate))
+                ok = [code in _STORED for code in codes]
+        except Exception as exc:  # a failed load is recomputed, a failed store a later miss
+            log.debug("kvpool tier %s of %d chunks failed: %s",
+                      "load" if is_load else "store", len(names), exc)
+            _drop_frames(exc)
             ok = [False] * len(names)
-        self._done.put((job_id, ok, time.monotonic() - t0))
-
-    def _load_task(self, job_id: int, names: list[str], rows: list[np.ndarray]) -> None:
-        """Load thread: one batch read; a chunk counts only when exactly one
-        row of bytes came (a shorter or longer object is a failed chunk)."""
-        t0 = time.monotonic()
-        try:
-            got = self._access.call(lambda c: c.batch_get_into(names, rows))
-            ok = [n == self._row_bytes for n in got]
-        except Exception as exc:  # the chunks are recomputed
-            log.debug("kvpool tier load of %d chunks failed: %s", len(names), exc)
-            ok = [False] * len(names)
+        finally:
+            # a traceback a log handler keeps must not pin the CPU tier's
+            # memory (vLLM closes its mmap at shutdown)
+            rows.clear()
         self._done.put((job_id, ok, time.monotonic() - t0))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
