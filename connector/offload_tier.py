@@ -51,11 +51,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
     OffloadingEvent,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -82,9 +87,22 @@ _MIB = 1 << 20
 _STORED = frozenset({ErrorCode.OK, ErrorCode.OBJECT_ALREADY_EXISTS})
 
 
+# Counters exported through vLLM's offloading metrics (``get_stats``), per tier.
+_METRICS = {
+    "lookup_calls": "master calls the tier made to look chunks up (one per step at most)",
+    "in_flight_answers": "chunks the master said were still being put (answered RETRY)",
+    "stores_dropped": "store jobs the tier dropped at once: in-flight bounds reached, or the "
+                      "pool marked down",
+    "store_failures": "store jobs the pool failed, in whole or part",
+    "load_failures": "load jobs the pool failed, in whole or part (the chunks are recomputed)",
+}
+_METRIC_PREFIX = "kvpool_offload_tier_"
+
+
 @dataclass
 class TierStats:
-    """Counters of one tier since it started (read by tests and logs)."""
+    """Counters of one tier since it started (read by tests, exported through
+    vLLM's metrics: see ``_METRICS``)."""
 
     lookup_calls: int = 0  # batch_locate calls sent to the master
     keys_looked_up: int = 0
@@ -158,6 +176,7 @@ class KVPoolTier(SecondaryTierManager):
             from kvpool.store import ReplicateConfig
             self._replicate = ReplicateConfig(replica_num=self.cfg.replica_num)
         self.stats = TierStats()
+        self._reported = TierStats()  # what get_stats handed vLLM so far
 
         self._events: list[OffloadingEvent] | None = None
         if self.cfg.enable_kv_events:
@@ -434,6 +453,24 @@ class KVPoolTier(SecondaryTierManager):
         """Nothing to do: the master moves a chunk to the recent end of its LRU
         whenever a lookup or read locates it."""
         return
+
+    @classmethod
+    def build_metric_definitions(
+            cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """The tier's counters, labelled by tier type, as vLLM registers them."""
+        return {_METRIC_PREFIX + name: OffloadingCounterMetadata(documentation=doc,
+                                                                 labelnames=("tier",))
+                for name, doc in _METRICS.items()}
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The counters' increases since the last call (None: no change)."""
+        stats = OffloadingConnectorStats()
+        for name in _METRICS:
+            delta = getattr(self.stats, name) - getattr(self._reported, name)
+            if delta:
+                stats.increase_counter(_METRIC_PREFIX + name, delta, (self.tier_type,))
+                setattr(self._reported, name, getattr(self.stats, name))
+        return None if stats.is_empty() else stats
 
     def drain_jobs(self) -> None:
         """Block until every submitted job has finished (each is bounded by the

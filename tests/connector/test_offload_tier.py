@@ -268,9 +268,25 @@ def test_slow_or_dead_pool_gives_backpressure_and_misses(own_pool: Any, engines:
         os.kill(own_pool.pid, signal.SIGCONT)
     e.settle()
 
+    # The tier's counters reach vLLM's offloading metrics, each increase once.
+    stats = e.manager.get_stats()
+    assert stats is not None
+    data = stats.data["data"]
+    assert data["kvpool_offload_tier_stores_dropped"] == {("KVPoolTier",): 2}
+    assert data["kvpool_offload_tier_store_failures"] == {("KVPoolTier",): 1}
+    again = e.manager.get_stats()
+    assert again is None or "kvpool_offload_tier_stores_dropped" not in again.data["data"]
 
-def test_bad_settings_raise_config_errors(pool: Any) -> None:
+
+def test_metrics_and_bad_settings(pool: Any) -> None:
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
     from kvpool.core.config import ConfigError
+
+    # vLLM registers the tier's metrics from its config entry alone
+    metrics = TieringOffloadingSpec.build_metric_definitions({"secondary_tiers": [
+        {"type": "KVPoolTier", "module_path": "kvpool.connector.offload_tier"}]})
+    assert metrics["kvpool_offload_tier_lookup_calls"].labelnames == ("tier",)
 
     with pytest.raises(ConfigError, match="unknown config key"):
         Engine(pool.address, no_such_key=1)
