@@ -137,6 +137,12 @@ def test_two_engines_share_chunks_through_the_pool(pool: Any, engines: Any) -> N
     assert a.lookup(ctx, _keys(1, "none")) == [LookupResult.MISS]
     a.manager.on_request_finished(ctx)
 
+    # vLLM's reset_cache (sleep, weight update) drains the stores in flight.
+    stores = a.tier.stats.stores
+    a.store("a-4", _keys(2, "reset"), _data(2, 5))
+    a.manager.reset_cache()
+    assert a.tier.stats.stores == stores + 1 and not a.manager.has_pending_work()
+
 
 def test_in_flight_chunks_answer_retry_and_bad_sizes_never_load(
         pool: Any, engines: Any) -> None:
