@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Write configs/master.yaml, configs/client.yaml and docs/vllm.md's key table
+"""Write configs/master.yaml, configs/client.yaml and docs/vllm.md's key tables
 from the config dataclasses.
 
 Every key, its help text and its default come from the dataclass fields
 (kvpool.core.config.setting); run this after adding or changing a setting.
-In docs/vllm.md only the lines between the two ``config_docs`` markers are
-rewritten.
+In docs/vllm.md only the lines between each table's ``config_docs`` markers
+are rewritten.
 ``--check`` writes nothing and exits 1 when a file is stale (what
 tests/core/test_config_docs.py checks).
 """
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.tier_config import OffloadTierConfig
 from kvpool.core.config_docs import render_markdown_table, render_yaml
 from kvpool.master.config import MasterConfig
 from kvpool.store.config import ClientConfig
@@ -24,8 +25,9 @@ from kvpool.store.config import ClientConfig
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 VLLM_DOC = ROOT / "docs" / "vllm.md"
-BEGIN = "<!-- config_docs: ConnectorConfig (python scripts/config_docs.py) -->\n"
 END = "<!-- config_docs: end -->\n"
+# docs/vllm.md's tables: the key tables of the connector and of the offloading tier
+VLLM_TABLES: tuple[type, ...] = (ConnectorConfig, OffloadTierConfig)
 
 DOCS: dict[str, tuple[type, str]] = {
     "master.yaml": (MasterConfig, """\
@@ -46,9 +48,12 @@ def rendered() -> dict[Path, str]:
     """The text each generated file should hold."""
     out = {CONFIGS / name: render_yaml(cls, header) for name, (cls, header) in DOCS.items()}
     doc = VLLM_DOC.read_text()
-    head, rest = doc.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    out[VLLM_DOC] = head + BEGIN + render_markdown_table(ConnectorConfig) + END + tail
+    for cls in VLLM_TABLES:
+        begin = f"<!-- config_docs: {cls.__name__} (python scripts/config_docs.py) -->\n"
+        head, rest = doc.split(begin, 1)
+        tail = rest.split(END, 1)[1]
+        doc = head + begin + render_markdown_table(cls) + END + tail
+    out[VLLM_DOC] = doc
     return out
 
 
