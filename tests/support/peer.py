@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import zlib
 
 import numpy as np
@@ -29,7 +30,7 @@ from kvpool.transfer.config import load_transfer_config
 from kvpool.transfer.engine import TransferEngine
 from kvpool.transfer.segment import LocalSegment, MemorySegment
 
-__all__ = ["SCRIPT", "PeerProcess", "fill_pattern", "main", "serve_stdin"]
+__all__ = ["SCRIPT", "PeerProcess", "fill_pattern", "freeze", "main", "serve_stdin"]
 
 #: the path to run this module as a script (it imports only kvpool)
 SCRIPT = os.path.abspath(__file__)
@@ -38,6 +39,26 @@ SCRIPT = os.path.abspath(__file__)
 def fill_pattern(seed: int, n: int) -> np.ndarray:
     """``n`` deterministic pseudo-random bytes for ``seed``."""
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def freeze(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: a thread
+    busy polling a socket stops only at its next trip into the kernel, and
+    may serve one more request meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that just exited
+                continue
+        if all(st in "tT" for st in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s}s")
 
 
 def serve_stdin(engine: TransferEngine, seg: LocalSegment) -> None:

@@ -21,7 +21,7 @@ from kvpool.transfer import RequestState, TransferOp, TransferRequest, wire
 from kvpool.transfer.server import OP_BULK
 from support.bulk import exchange as raw_exchange
 from support.bulk import frame, split_reply
-from support.peer import fill_pattern
+from support.peer import fill_pattern, freeze
 from support.wait import wait_until
 
 MiB = 1 << 20
@@ -668,7 +668,7 @@ def test_frozen_peer_times_out_on_the_bulk_socket(make_engine: Any, make_peer: A
     tcp = _bulk_ready(e, peer)
     small = np.zeros(4096, np.uint8)
     big = np.zeros(64 * MiB, np.uint8)
-    os.kill(peer.proc.pid, signal.SIGSTOP)
+    freeze(peer.proc.pid)
     try:
         for req in (TransferRequest(R, small, peer.segment_id, 0, 4096),
                     TransferRequest(W, big, peer.segment_id, 0, 64 * MiB)):

@@ -15,7 +15,7 @@ import pytest
 
 from kvpool.core.errors import ErrorCode
 from kvpool.transfer import RequestState, TransferOp, TransferRequest
-from support.peer import fill_pattern
+from support.peer import fill_pattern, freeze
 
 R, W = TransferOp.READ, TransferOp.WRITE
 MiB = 1 << 20
@@ -116,7 +116,7 @@ def test_peer_killed_mid_transfer_errors_within_timeout(make_engine: Any,
                             buffer_offset=i * 4 * MiB) for i in range(16)]
     # freeze the peer first so the batch cannot finish before the kill lands
     # (on an idle box 64 MiB can cross loopback within the 50 ms below)
-    os.kill(peer.proc.pid, signal.SIGSTOP)
+    freeze(peer.proc.pid)
     t0 = time.monotonic()
     h = e.submit(reqs)
     time.sleep(0.05)
@@ -183,8 +183,6 @@ def test_server_refuses_unowned_and_out_of_bounds(make_engine: Any, make_peer: A
 
 
 def test_frozen_peer_times_out_at_deadline(make_engine: Any, make_peer: Any) -> None:
-    import os
-    import signal
 
     peer = make_peer(MiB, host_id="far-away")
     e = make_engine("host-test", overrides={"transports": {"tcp": {"timeout_s": 1.0,
@@ -192,7 +190,7 @@ def test_frozen_peer_times_out_at_deadline(make_engine: Any, make_peer: Any) -> 
     e.add_peer_segment(peer.desc)
     buf = np.zeros(MiB, np.uint8)
     assert e.transfer([TransferRequest(R, buf, peer.segment_id, 0, 4096)], 5)[0].ok
-    os.kill(peer.proc.pid, signal.SIGSTOP)  # connected but silent: only the deadline helps
+    freeze(peer.proc.pid)  # connected but silent: only the deadline helps
     try:
         t0 = time.monotonic()
         h = e.submit([TransferRequest(R, buf, peer.segment_id, 0, MiB)])

@@ -18,25 +18,10 @@ import numpy as np
 
 from kvpool.core.errors import ErrorCode
 from kvpool.transfer import RequestState, TransferOp, TransferRequest
+from support.peer import freeze
 
 R = TransferOp.READ
 KiB, MiB = 1 << 10, 1 << 20
-
-
-def _freeze(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait until every thread of it is stopped (a thread
-    busy polling a socket stops only at its next trip into the kernel)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        if all(st in "tT" for st in states):
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"process {pid} did not stop")
 
 
 def test_read_timed_out_by_the_caller_never_lands_later(make_engine: Any,
@@ -51,7 +36,7 @@ def test_read_timed_out_by_the_caller_never_lands_later(make_engine: Any,
     assert e.transfer([TransferRequest(R, warm, peer.segment_id, 0, 4 * KiB)], 5)[0].ok
     for size in (4 * KiB, 512 * KiB):  # a lone request and a striped one
         buf = np.zeros(size, np.uint8)
-        _freeze(peer.proc.pid)  # connected but silent
+        freeze(peer.proc.pid)  # connected but silent
         try:
             t0 = time.monotonic()
             st = e.run([TransferRequest(R, buf, peer.segment_id, 0, size)], 0.5)
