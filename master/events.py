@@ -134,6 +134,7 @@ class EventPublisher:
         self.overflows = 0
         self.heartbeats = 0
         self.subscriptions = 0
+        self.refused = 0  # subscriptions refused under tenant_keys
         # (commit, the default tenant's events, the tenants' events: (tenant, event)
         # of a subscribed tenant, (None, event) for every one)
         self._pending: list[tuple[int, list[Event], list[tuple[str | None, Event]]]] = []
@@ -151,6 +152,12 @@ class EventPublisher:
         self.sock.setsockopt(zmq.SNDHWM, cfg.events_hwm)
         self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only the first
         self.sock.setsockopt(zmq.XPUB_NODROP, 1)  # a full queue fails the send: counted
+        # tenant_keys: a subscription takes effect only when the subscriber's
+        # CURVE key may act as the tenant of its topic (see _joined)
+        self._allowed: dict[str, frozenset[str]] | None = None
+        if cfg.tenant_keys:
+            self._allowed = cfg.tenant_key_sets()
+            self.sock.setsockopt(zmq.XPUB_MANUAL, 1)
         self._auth = cfg.curve.setup_server(self.sock, cfg.host)
         try:
             self.sock.bind(f"tcp://{cfg.host}:{cfg.events_port}")
@@ -334,13 +341,49 @@ class EventPublisher:
         joined = False
         sock = self.sock
         while sock.get(_EVENTS) & _POLLIN:
-            msg = sock.recv(_NOBLOCK)
+            if self._allowed is not None:
+                msg = self._checked_subscription()
+                if msg is None:
+                    continue
+            else:
+                msg = sock.recv(_NOBLOCK)
             if msg[1:2] == b"\x1f" and msg[-1:] == b"\x1f" and len(msg) > 3:
                 self._tenant_subscription(msg[2:-1], msg[:1] == b"\x01")
             if msg[:1] == b"\x01":
                 self.subscriptions += 1
                 joined = True
         return joined
+
+    def _checked_subscription(self) -> bytes | None:
+        """Under ``tenant_keys`` (XPUB_MANUAL: no subscription applies by
+        itself): read one subscription message and apply it when the
+        subscriber's CURVE key may follow its topic: the default tenant's
+        (anyone), or a tenant's whose ``tenant_keys`` list the key. Any
+        other prefix (``b""``, ``b"\\x1f"``: every tenant's topic) is
+        refused: the message, or None when refused."""
+        frame = self.sock.recv(_NOBLOCK, copy=False)
+        msg = frame.bytes
+        if msg[:1] not in (b"\x00", b"\x01"):
+            return None
+        prefix = msg[1:]
+        ok = prefix == TOPIC
+        if not ok and len(prefix) > 2 and prefix[:1] == prefix[-1:] == b"\x1f":
+            try:
+                tenant = tenant_name(prefix[1:-1].decode())
+                peer = frame.get("User-Id")
+            except (UnicodeDecodeError, KVPoolError, zmq.ZMQError):
+                tenant, peer = "", None
+            assert self._allowed is not None
+            ok = tenant == "default" or (
+                isinstance(peer, str) and peer in self._allowed.get(tenant, ()))
+        if not ok:
+            if msg[:1] == b"\x01":
+                self.refused += 1
+                log.warning("events: refused a subscription to %r: the subscriber's key may "
+                            "not follow it (tenant_keys)", prefix[:64])
+            return None
+        self.sock.setsockopt(zmq.SUBSCRIBE if msg[:1] == b"\x01" else zmq.UNSUBSCRIBE, prefix)
+        return msg
 
     def _tenant_subscription(self, name: bytes, on: bool) -> None:
         """The last subscriber of tenant ``name``'s topic came (``on``) or left."""
@@ -389,7 +432,7 @@ class EventPublisher:
     def stats(self) -> dict[str, int]:
         return {"batches": self.batches, "events": self.events, "overflows": self.overflows,
                 "heartbeats": self.heartbeats, "subscriptions": self.subscriptions,
-                "seq": self.seq}
+                "refused": self.refused, "seq": self.seq}
 
     def close(self) -> None:
         self.sock.close(0)

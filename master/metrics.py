@@ -177,6 +177,10 @@ class MasterCollector(Collector):
                 value=ev["overflows"])
             yield GaugeMetricFamily("kvpool_master_events_seq", "seq of the last event batch",
                                     value=ev["seq"])
+            yield CounterMetricFamily(
+                "kvpool_master_events_subscriptions_refused",
+                "subscriptions refused under tenant_keys (a topic the subscriber's CURVE key "
+                "may not follow)", value=ev.get("refused", 0))
 
 
 #: (name, help, row field) of the per-tenant counters

@@ -18,11 +18,11 @@ import pytest
 import zmq
 
 from kvpool.cluster.processes import MasterProcess, find_free_port
-from kvpool.core.auth import load_keypair, load_public_key, save_keypair
+from kvpool.core.auth import apply_client_curve, load_keypair, load_public_key, save_keypair
 from kvpool.core.capability import CapabilitySigner
 from kvpool.core.config import ConfigError
 from kvpool.core.errors import ErrorCode, KVPoolError
-from kvpool.core.events import TOPIC, EventSubscriber, SegmentAdded, decode_message
+from kvpool.core.events import TOPIC, EventSubscriber, SegmentAdded, decode_message, topic
 from kvpool.core.protocol import (
     BatchExist,
     BatchGetReplicaList,
@@ -408,6 +408,68 @@ def test_tenant_keys_bind_tenants_to_curve_keys(tmp_path: Path) -> None:
         assert alice.call(GetSize("k", tenant="default")).size == 50
         assert bobc.call(BatchExist(["k"], tenant="b")).exists == [True]
         assert alice.call(Stats()).objects == 3
+
+
+def test_event_subscriptions_follow_tenant_keys(tmp_path: Path) -> None:
+    """With tenant_keys, a subscription to a tenant's topic takes effect only
+    for a key listed for that tenant; every-topic prefixes (b"", b"\\x1f")
+    never do; the default topic is anyone's."""
+    keys = tmp_path / "keys"
+    cluster_pub, cluster_sec = save_keypair(keys, "cluster")
+    _, bob_sec = save_keypair(keys, "bob")
+    alice, bob = load_keypair(cluster_sec), load_keypair(bob_sec)
+    cfg = tmp_path / "master.yaml"
+    cfg.write_text(f"tenant_keys:\n  a: [{cluster_pub}]\n  b: ['{bob.public.decode()}']\n")
+    port = find_free_port()
+    server = load_public_key(cluster_pub)
+    ctx = zmq.Context.instance()
+    subs: dict[str, zmq.Socket[Any]] = {}
+
+    def sub(name: str, pair: Any, *prefixes: bytes) -> None:
+        s = subs[name] = ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.LINGER, 0)
+        apply_client_curve(s, server, pair)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        for p in prefixes:
+            s.setsockopt(zmq.SUBSCRIBE, p)
+
+    def keys_heard(name: str, until: str, timeout_s: float = 10.0) -> set[str]:
+        """The object keys ``subs[name]`` hears until the segment ``until`` is announced."""
+        got: set[str] = set()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if subs[name].poll(200):
+                events = decode_message(subs[name].recv()).events
+                got |= {e.key for e in events if hasattr(e, "key")}
+                if any(isinstance(e, SegmentAdded) and e.segment == until for e in events):
+                    return got
+        raise AssertionError(f"{name} never heard segment {until} (heard {got})")
+
+    with MasterProcess(curve_key=str(cluster_sec),
+                       extra_args=["--config", str(cfg), "--curve-allow-dir", str(keys),
+                                   "--events-port", str(port)]) as m, \
+            m.client() as ac, \
+            MasterClient(m.address, timeout_s=5, curve_server_key=server,
+                         curve_keypair=(bob.public, bob.secret)) as bc:
+        ac.call(MountSegment("c1", segment_desc("s1", "c1", 16 << 20)))
+        try:
+            sub("alice-a", alice, topic("a"))
+            sub("bob-b", bob, topic("b"))
+            sub("bob-default", bob, TOPIC)
+            sub("bob-prying", bob, topic("a"), b"", b"\x1f", b"\x1fa")
+            time.sleep(1.0)  # the subscriptions reach the master
+            _wire_put(ac, ["a-key"], "a")
+            _wire_put(bc, ["b-key"], "b")
+            _wire_put(bc, ["d-key"], "")
+            ac.call(MountSegment("c1", segment_desc("s2", "c1", 1 << 20)))
+            assert keys_heard("alice-a", "s2") == {"a-key"}
+            assert keys_heard("bob-b", "s2") == {"b-key"}
+            assert keys_heard("bob-default", "s2") == {"d-key"}
+            assert not subs["bob-prying"].poll(1500), \
+                decode_message(subs["bob-prying"].recv()).events
+        finally:
+            for s in subs.values():
+                s.close(0)
 
 
 def test_tenant_keys_need_curve_and_valid_entries(tmp_path: Path) -> None:
