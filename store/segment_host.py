@@ -136,8 +136,9 @@ class SegmentHost:
 
         An existing segment file in ``disk_dir`` is reopened (warm restart:
         its id comes from the file header, so the master re-adopts the objects
-        recorded in it); a file that does not match (foreign, truncated,
-        another size) is refused with ``SEGMENT_MISMATCH`` and left untouched.
+        recorded in it); a file of another size starts the tier afresh with a
+        warning (:meth:`FileSegment.create`); a foreign or truncated file is
+        refused with ``SEGMENT_MISMATCH`` and left untouched.
         """
         cfg = self.config
         if not cfg.disk_dir or cfg.disk_size <= 0:
@@ -166,6 +167,10 @@ class SegmentHost:
         self.master = master
         for desc in self.descs.values():
             self._mount(desc)
+        for seg in self.segments:
+            replaced = getattr(seg, "replaced", None)
+            if replaced:
+                self._unmount_replaced(master, replaced)
         self._start_guard()
         self._ping_thread = threading.Thread(
             target=self._ping_loop, name=f"kvpool-ping-{self.client_id[:6]}", daemon=True
@@ -252,6 +257,21 @@ class SegmentHost:
         if self.guard is not None:
             self.guard.close()
             self.guard = None
+
+    def _unmount_replaced(self, master: MasterClient, segment_id: str) -> None:
+        """The SSD tier started afresh at another size: unmount the segment of
+        the file it replaced, so its objects are misses now rather than reads
+        of a file that is gone (its owner was this node's earlier run)."""
+        try:
+            for info in master.call(ListSegments()).segments:
+                d = info.descriptor
+                if d.segment_id == segment_id and d.kind == SegmentKind.FILE:
+                    master.call(UnmountSegment(d.client_id, d.segment_id))
+                    log.warning("unmounted %s: its file was replaced by a tier of another size",
+                                segment_id)
+        except MasterRPCError as exc:
+            log.warning("could not unmount the replaced disk segment %s (%s); the master "
+                        "drops it when its owner's grace ends", segment_id, exc)
 
     def reap_orphans(self) -> list[str]:
         """The janitor: remove this host's ``/dev/shm`` segments whose owner

@@ -281,6 +281,16 @@ class FileIO:
         self.fd = self.direct_fd = -1
 
 
+def _resized(path: str, size: int) -> SegmentHeader | None:
+    """The header of the segment file ``path`` when it is valid and of
+    another size than ``size``; None otherwise (the open path decides)."""
+    try:
+        header = read_header(path)
+    except (SegmentFileError, TransferError, OSError):
+        return None
+    return header if header.size != size else None
+
+
 class FileSegment(LocalSegment):
     """A preallocated segment file owned (flocked) by this process.
 
@@ -299,6 +309,8 @@ class FileSegment(LocalSegment):
         self.base_offset = header.base_offset
         self.generation = header.generation
         self.created = created  # False: reopened an existing file (warm restart)
+        #: the id of the segment file this one replaced at another size (create)
+        self.replaced: str | None = None
         self.io = io
         self.cache: dict[str, object] = {}  # per-transport state (e.g. kvikio handle)
         self._lock = threading.Lock()
@@ -337,10 +349,25 @@ class FileSegment(LocalSegment):
                file_name: str = DEFAULT_FILE_NAME, direct: bool = True) -> FileSegment:
         """Open the node's segment file in ``directory`` for warm restart:
         reopen it if it exists (its id comes from the header; ``segment_id``
-        is ignored then), else create it with id ``segment_id``."""
+        is ignored then), else create it with id ``segment_id``.
+
+        A valid file of another size (the configured size changed, e.g. one
+        derived from the free disk space) is not refused: the tier starts
+        afresh with a warning. The old file is removed (its objects are lost
+        to the pool: the master drops its segment) and a new one is made
+        with a fresh id, so no replica recorded in the old one can name the
+        new file's bytes."""
         directory = os.path.abspath(directory)
-        if os.path.exists(os.path.join(directory, file_name)):
-            return cls.open(directory, size, None, file_name=file_name, direct=direct)
+        path = os.path.join(directory, file_name)
+        if os.path.exists(path):
+            old = _resized(path, size)
+            if old is None:
+                return cls.open(directory, size, None, file_name=file_name, direct=direct)
+            cls._discard(path, old, size)
+            seg = cls.open(directory, size, f"{segment_id}:{uuid.uuid4().hex[:8]}",
+                           file_name=file_name, direct=direct)
+            seg.replaced = old.segment_id
+            return seg
         try:
             return cls.open(directory, size, segment_id, file_name=file_name, direct=direct)
         except SegmentFileError as exc:
@@ -348,6 +375,24 @@ class FileSegment(LocalSegment):
                 raise
             # another process created it between our check and our link
             return cls.open(directory, size, None, file_name=file_name, direct=direct)
+
+    @staticmethod
+    def _discard(path: str, old: SegmentHeader, size: int) -> None:
+        """Remove the segment file ``path`` (header ``old``) to start the tier
+        afresh at ``size`` bytes; refused while another process owns it."""
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                raise SegmentFileError(f"{path}: in use by another process ({exc.strerror})",
+                                       ErrorCode.SEGMENT_ALREADY_EXISTS) from exc
+            log.warning("%s: the SSD tier was %d bytes, now %d: starting it afresh (the %d "
+                        "bytes of segment %s and its objects are dropped)", path, old.size,
+                        size, old.size, old.segment_id)
+            os.unlink(path)
+        finally:
+            os.close(fd)
 
     @classmethod
     def _create(cls, path: str, size: int, segment_id: str, direct: bool) -> FileSegment:

@@ -268,5 +268,33 @@ def test_create_reopens_existing_file_and_keeps_its_id(tmp_path):
         assert bytes(out) == b"warm"
     finally:
         again.close()
-    with pytest.raises(SegmentFileError):
-        FileSegment.create("x", str(tmp_path), 2 * MiB)  # other size: refused
+
+
+def test_create_with_another_size_starts_the_tier_afresh(tmp_path):
+    """The configured size changed (e.g. derived from the free disk): the
+    node still starts; the tier is new (another id, no old byte), smaller
+    or larger; a file another process owns is never discarded."""
+    first = FileSegment.create("host:1:disk", str(tmp_path), MiB)
+    first.write_from(0, b"warm")
+    first.close()
+    ids = {first.segment_id}
+    for size in (2 * MiB, MiB // 2):
+        seg = FileSegment.create("host:1:disk", str(tmp_path), size)
+        try:
+            assert seg.created and seg.size == size and seg.segment_id not in ids
+            ids.add(seg.segment_id)
+            out = bytearray(4)
+            seg.read_into(0, memoryview(out))
+            assert bytes(out) == bytes(4)  # nothing of the old tier
+            assert os.path.getsize(seg.path) == HEADER_SIZE + size
+        finally:
+            seg.close()
+    owned = FileSegment.create("host:1:disk", str(tmp_path), MiB // 2)  # same size: reopened
+    try:
+        assert not owned.created and owned.segment_id in ids
+        with pytest.raises(SegmentFileError) as ei:
+            FileSegment.create("host:1:disk", str(tmp_path), MiB)
+        assert ei.value.code == ErrorCode.SEGMENT_ALREADY_EXISTS
+        assert os.path.getsize(owned.path) == HEADER_SIZE + MiB // 2  # untouched
+    finally:
+        owned.close()

@@ -214,6 +214,25 @@ def test_mismatched_or_truncated_segment_file_is_refused(make_daemon, tmp_path):
     assert os.path.getsize(path) == HEADER_SIZE + MiB
 
 
+def test_restart_with_another_disk_size_starts_the_tier_afresh(make_daemon, make_client):
+    """SGLang derives the SSD size from the free disk: a restart with a smaller
+    or a larger size runs, with an empty tier (old objects are misses, never
+    another object's bytes), and the new tier takes objects."""
+    d = make_daemon(disk="16MiB")
+    c = make_client()
+    tag = uuid.uuid4().hex[:6]
+    old = pattern(7, 300_000).tobytes()
+    c.put(f"{tag}/old", old, DISK)
+    d.stop()
+    for i, disk in enumerate(("8MiB", "32MiB")):
+        again = make_daemon(disk=disk, disk_dir=d.disk_dir)  # type: ignore[attr-defined]
+        assert c.get_batch([f"{tag}/old"]) == [None]  # gone with the old tier
+        v = pattern(8 + i, 200_000).tobytes()
+        _put_retry(c, f"{tag}/new{i}", v, DISK)
+        assert c.get(f"{tag}/new{i}") == v
+        again.stop()
+
+
 def test_full_disk_gives_no_available_handle(make_daemon, make_client, master):
     make_daemon(memory="8MiB", disk="4MiB")
     c = make_client()
