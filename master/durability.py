@@ -64,10 +64,10 @@ from kvpool.master.journal import (
     Journal,
     SnapshotWriter,
     encode_frames,
+    iter_journal,
     iter_snapshot,
     list_journals,
     list_snapshots,
-    read_journal,
 )
 from kvpool.master.records import DirRecord, Rec, StreamPos
 from kvpool.master.stats import LoopStats
@@ -253,23 +253,24 @@ class Durability:
             last_seq = max(last_seq, seq)
             if seq < snap_seq:
                 continue
-            journal_records, _torn = read_journal(path, truncate=True)
-            run: list[Any] = []  # directory records since the last position
-            for rec in journal_records:
-                if type(rec) is list and rec and rec[0] == Rec.STREAM_POS:
-                    pos = history = None  # a position record that does not read
-                    continue
-                if type(rec) is not StreamPos:
-                    run.append(rec)
-                    pos = None  # a record after the last position: the position is unknown
-                    continue
+            # frame by frame: one frame's records (a group commit) live at a time
+            for journal_records in iter_journal(path, truncate=True):
+                run: list[Any] = []  # directory records since the last position
+                for rec in journal_records:
+                    if type(rec) is list and rec and rec[0] == Rec.STREAM_POS:
+                        pos = history = None  # a position record that does not read
+                        continue
+                    if type(rec) is not StreamPos:
+                        run.append(rec)
+                        pos = None  # a record after the last position: the position is unknown
+                        continue
+                    self._replay(d, run, path)
+                    if rec.history is not None:
+                        history = _history(rec.history)
+                    pos = None if history is None else StreamPosition(rec.epoch, rec.lsn,
+                                                                      list(history))
                 self._replay(d, run, path)
-                if rec.history is not None:
-                    history = _history(rec.history)
-                pos = None if history is None else StreamPosition(rec.epoch, rec.lsn,
-                                                                  list(history))
-            self._replay(d, run, path)
-            replayed += len(journal_records)
+                replayed += len(journal_records)
         self.position = pos
         self._journaled_history = list(pos.history) if pos is not None else None
         d.finish_restore()
@@ -329,7 +330,7 @@ class Durability:
             writer = SnapshotWriter(self.data_dir, new_seq, directory.segtab.wires(),
                                     directory.objects.key_chunks(), stream=position.wire(),
                                     tenants=directory.tenants.live_records())
-            while not writer.step(directory.replay.snapshot_record, 1.0):
+            while not writer.step(directory.replay.snapshot_chunk, 1.0):
                 pass
             writer.done.wait()
         except OSError as exc:
@@ -384,7 +385,7 @@ class Durability:
         st = self.stats
         t0 = time.perf_counter()
         c0 = time.thread_time()
-        snap.step(d.replay.snapshot_record, self.cfg.snapshot_slice_ms / 1000.0)
+        snap.step(d.replay.snapshot_chunk, self.cfg.snapshot_slice_ms / 1000.0)
         st.max_snapshot_step_ms = max(st.max_snapshot_step_ms,
                                       (time.perf_counter() - t0) * 1000)
         st.max_snapshot_step_cpu_ms = max(st.max_snapshot_step_cpu_ms,

@@ -429,10 +429,12 @@ class TenantTable:
             t.objects = 0
             t.objs = None  # built again when needed
         track = self.track_default
-        for key, obj in objects.items():
-            if key < " " or track:
+        for shard in objects.shards:
+            # untracked default tenant: only the keys below " " (C-level filter)
+            for key in (shard if track else filter(" ".__gt__, shard)):
                 owner = self.of(key)
                 if owner is not None:
+                    obj = shard[key]
                     self.charge(owner, obj.replicas, obj.size)
                     owner.objects += 1
         for key, p in pending.items():
