@@ -202,10 +202,13 @@ class Durability:
         journal.maybe_fsync()
         self._snapshot_step(directory)
         cfg = self.cfg
+        written = journal.records_written
         if self._snap_requested or (
                 cfg.snapshot_interval_s
                 and now - self._last_snapshot >= cfg.snapshot_interval_s
-                and journal.records_written >= cfg.snapshot_min_journal_records):
+                and written >= cfg.snapshot_min_journal_records) or (
+                cfg.snapshot_journal_records and written >= cfg.snapshot_journal_records
+                and written >= len(directory.objects) and self._snapshot is None):
             self._snap_requested = False
             self._start_snapshot(directory, position() if callable(position) else position)
 
@@ -273,6 +276,10 @@ class Durability:
                 replayed += len(journal_records)
         self.position = pos
         self._journaled_history = list(pos.history) if pos is not None else None
+        limit = self.cfg.snapshot_journal_records
+        if limit and replayed >= limit and replayed >= len(d.objects):
+            # the next restart would replay it all again: compact at the first tick
+            self._snap_requested = True
         d.finish_restore()
         d.journaling = True
         self.stats.restored_objects = len(d.objects)

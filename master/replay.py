@@ -295,12 +295,19 @@ class Replay:
             offsets, sizes, keys = per_seg.pop(seg, ([], [], []))
             alloc = seg.alloc
             aligned = {s: alloc.aligned(max(s, 1)) for s in set(sizes)}
-            lengths = list(map(aligned.__getitem__, sizes))
-            order = sorted(range(len(offsets)), key=offsets.__getitem__)
-            offsets = list(map(offsets.__getitem__, order))
-            lengths = list(map(lengths.__getitem__, order))
-            if not alloc.rebuild(offsets, lengths):
-                self._load_conflicts(seg, offsets, lengths, list(map(keys.__getitem__, order)))
+            if len(aligned) == 1:  # one length (the common case): sort the offsets alone
+                ok = alloc.rebuild(sorted(offsets), [*aligned.values()] * len(offsets))
+            else:
+                lengths = list(map(aligned.__getitem__, sizes))
+                order = sorted(range(len(offsets)), key=offsets.__getitem__)
+                ok = alloc.rebuild(list(map(offsets.__getitem__, order)),
+                                   list(map(lengths.__getitem__, order)))
+            if not ok:
+                lengths = list(map(aligned.__getitem__, sizes))
+                order = sorted(range(len(offsets)), key=offsets.__getitem__)
+                self._load_conflicts(seg, list(map(offsets.__getitem__, order)),
+                                     list(map(lengths.__getitem__, order)),
+                                     list(map(keys.__getitem__, order)))
         return len(objects)
 
     def _load_record(self, rec: list[Any],

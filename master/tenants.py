@@ -430,7 +430,10 @@ class TenantTable:
             t.objs = None  # built again when needed
         track = self.track_default
         for shard in objects.shards:
-            # untracked default tenant: only the keys below " " (C-level filter)
+            # untracked default tenant: only the keys below " " (min: a C-level
+            # scan, so a shard without tenants' keys costs no Python per key)
+            if not shard or (not track and min(shard) >= " "):
+                continue
             for key in (shard if track else filter(" ".__gt__, shard)):
                 owner = self.of(key)
                 if owner is not None:

@@ -15,8 +15,34 @@ tree in DIR (e.g. ``git worktree add /tmp/lim-base <commit>``), interleaved
 run by run with this tree, and report this tree's speed over the base's
 (the VM's speed drifts; a ratio of interleaved runs does not).
 
+``clients``: ``--clients 1,8,64,512`` concurrent clients, each a thread
+with its own connection (ZeroMQ, as clients on other hosts; ``--local
+auto``: the direct socket of clients on the master's host), spread over
+``--procs`` processes, hammer one master (journal on) with batch ops for
+``--seconds`` per level: a put (BATCH_PUT_START + BATCH_PUT_END of
+``--batch`` new keys), BATCH_GET_REPLICA_LIST and BATCH_EXIST of them, and
+a forced BATCH_REMOVE, so the object count stays flat and memory growth is
+a leak. Per level: RPCs/s and key-ops/s, p50/p99/p99.9/max latency per op,
+errors by code, and the master's RSS, CPU, queue (bytes waiting in the
+kernel's receive queues of its TCP connections, sampled every 50 ms;
+ZeroMQ's own queues hold at most one request per synchronous client) and
+loop stall (max_loop_ms); at the end, whether the master is alive, answers,
+and its RSS growth from the first level to the last.
+
+``journal``: "a week of journal in an hour". One master (journal on,
+``--snapshot-interval-s`` compressed: 2 s here stands for the default 300 s,
+so one hour holds ~a week of snapshot cycles) holds ``--live`` objects
+while a client streams puts of new keys, removes of the oldest and reads
+(read-lease renewals) for ``--seconds``; every ``--restart-every`` seconds
+the master is killed (SIGKILL) and restarted: each point reports the data
+dir (journal and snapshot bytes and files), the restart seconds and the
+objects restored (== the live ones). ``bounded``: the data dir and restart
+time of the last third of the points are within 2x of the first third's.
+
 Usage:
+  scripts/bench_limits.py journal --seconds 60 --restart-every 10 --live 50000 --json OUT
   scripts/bench_limits.py restore --objects 1000000 [--base /tmp/lim-base] --json OUT
+  scripts/bench_limits.py clients --clients 1,8,64,512 --procs 8 --seconds 3 --json OUT
 """
 
 from __future__ import annotations
@@ -170,6 +196,313 @@ def restore_mode(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+# ---------------------------------------------------------------- clients
+_OPS = ("put", "get_replica_list", "exist", "remove")
+
+
+def client_worker(address: str, threads: int, seconds: float, batch: int, tag: str,
+                  local: str, out: Any) -> None:
+    """(A process of the clients mode) ``threads`` clients hammering the
+    master for ``seconds``; puts the latencies and counts on ``out``."""
+    import threading as th
+
+    from kvpool.core.protocol import (
+        BatchExist,
+        BatchGetReplicaList,
+        BatchPutEnd,
+        BatchPutStart,
+        BatchRemove,
+    )
+    from kvpool.core.rpc_client import MasterClient, MasterRPCError
+
+    start = th.Barrier(threads + 1)
+    results: list[dict[str, Any]] = []
+    lock = th.Lock()
+
+    def run(i: int) -> None:
+        lat: dict[str, list[float]] = {op: [] for op in _OPS}
+        errors: dict[str, int] = {}
+        key_ops = 0
+        n = 0
+        client = f"{tag}-{i}"
+        with MasterClient(address, timeout_s=30, local=local) as c:
+            start.wait()
+            end = time.perf_counter() + seconds
+            clock = time.perf_counter
+            while clock() < end:
+                keys = [f"{client}-{n + j}" for j in range(batch)]
+                n += batch
+                for op in _OPS:
+                    t0 = clock()
+                    try:
+                        if op == "put":
+                            r = c.call(BatchPutStart(client, keys, [4096] * batch))
+                            c.call(BatchPutEnd(client_id=client, keys=keys))
+                            codes = r.codes
+                        elif op == "get_replica_list":
+                            codes = c.call(BatchGetReplicaList(keys)).codes
+                        elif op == "exist":
+                            codes = [0]
+                            c.call(BatchExist(keys))
+                        else:
+                            codes = c.call(BatchRemove(keys, force=True)).codes
+                        for code in codes:
+                            if code:
+                                errors[str(code)] = errors.get(str(code), 0) + 1
+                    except MasterRPCError as exc:
+                        errors[exc.code.name] = errors.get(exc.code.name, 0) + 1
+                    lat[op].append(clock() - t0)
+                    key_ops += batch * (2 if op == "put" else 1)
+        with lock:
+            results.append({"lat": lat, "errors": errors, "key_ops": key_ops})
+
+    workers = [th.Thread(target=run, args=(i,), daemon=True) for i in range(threads)]
+    for w in workers:
+        w.start()
+    start.wait()
+    for w in workers:
+        w.join(seconds + 120)
+    out.put(results)
+
+
+def _queue_bytes(port: int) -> int:
+    """Bytes waiting in the receive queues of the TCP connections to ``port``."""
+    try:
+        lines = subprocess.run(["ss", "-tnH", "state", "established", f"( sport = :{port} )"],
+                               capture_output=True, text=True, timeout=5).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return -1
+    return sum(int(line.split()[0]) for line in lines if line.split())
+
+
+def _quantiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    xs = sorted(xs)
+    q = lambda p: round(xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3, 3)  # noqa: E731
+    return {"count": len(xs), "p50_ms": q(0.5), "p99_ms": q(0.99), "p999_ms": q(0.999),
+            "max_ms": round(xs[-1] * 1e3, 3)}
+
+
+def clients_mode(args: argparse.Namespace) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    import psutil
+
+    from kvpool.cluster.processes import MasterProcess
+    from kvpool.core.protocol import MountSegment, Ping, SegmentDescriptor, SegmentKind, Stats
+    from kvpool.core.rpc_client import MasterClient
+
+    levels = [int(x) for x in args.clients.split(",")]
+    ctx = mp.get_context("spawn")  # the parent holds ZeroMQ sockets: no fork
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "batch": args.batch,
+                               "seconds": args.seconds, "procs": args.procs,
+                               "local": args.local, "levels": []}
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-clients-") as data:
+        extra = ["--snapshot-interval-s", "0"]
+        with MasterProcess(data_dir=os.path.join(data, "d"), client_ttl_s=3600,
+                           start_timeout_s=120, extra_args=extra) as m, \
+                MasterClient(m.address, timeout_s=30) as c:
+            assert m.pid is not None
+            proc = psutil.Process(m.pid)
+            port = int(m.address.rsplit(":", 1)[1])
+            for i in range(4):
+                c.call(MountSegment(client_id="bench", segment=SegmentDescriptor(
+                    f"bench-seg-{i}", "bench", "host-bench", SegmentKind.MEMORY, 64 << 40,
+                    f"kvpool-bench-seg-{i}")))
+            rss_first = None
+            for level in levels:
+                nprocs = min(args.procs, level)
+                per = [level // nprocs + (1 if i < level % nprocs else 0) for i in range(nprocs)]
+                q = ctx.Queue()
+                st0 = c.call(Stats())
+                cpu0 = sum(proc.cpu_times()[:2])
+                rss0 = proc.memory_info().rss
+                ps = [ctx.Process(target=client_worker,
+                                  args=(m.address, n, args.seconds, args.batch,
+                                        f"L{level}p{i}", args.local, q))
+                      for i, n in enumerate(per)]
+                for p in ps:
+                    p.start()
+                queue_max = 0
+                rss_max = rss0
+                got: list[dict[str, Any]] = []
+                t0 = time.perf_counter()
+                while len(got) < level and time.perf_counter() - t0 < args.seconds + 300:
+                    queue_max = max(queue_max, _queue_bytes(port))
+                    rss_max = max(rss_max, proc.memory_info().rss)
+                    try:
+                        got += q.get(timeout=0.05)
+                    except Exception:  # queue.Empty
+                        pass
+                for p in ps:
+                    p.join(30)
+                st1 = c.call(Stats(), timeout_s=60)
+                cpu = sum(proc.cpu_times()[:2]) - cpu0
+                rss1 = proc.memory_info().rss
+                rss_first = rss_first or rss1
+                lat: dict[str, list[float]] = {op: [] for op in _OPS}
+                errors: dict[str, int] = {}
+                for r in got:
+                    for op in _OPS:
+                        lat[op] += r["lat"][op]
+                    for code, k in r["errors"].items():
+                        errors[code] = errors.get(code, 0) + k
+                rpcs = sum(len(v) for v in lat.values()) + len(lat["put"])  # a put: 2 RPCs
+                key_ops = sum(r["key_ops"] for r in got)
+                row = {"clients": level, "procs": nprocs, "clients_reported": len(got),
+                       "rpcs_per_s": round(rpcs / args.seconds),
+                       "key_ops_per_s": round(key_ops / args.seconds),
+                       "latency": {op: _quantiles(v) for op, v in lat.items()},
+                       "p99_ms_all": _quantiles([x for v in lat.values() for x in v]).get(
+                           "p99_ms"),
+                       "errors": errors,
+                       "master_cpu_s": round(cpu, 2),
+                       "master_rss_before": rss0, "master_rss_after": rss1,
+                       "master_rss_max": rss_max,
+                       "queue_bytes_max": queue_max,
+                       "max_loop_ms": round(st1.max_loop_ms, 2),
+                       "too_many_requests": st1.too_many_requests - st0.too_many_requests,
+                       "objects_after": st1.objects, "pending_after": st1.pending}
+                results["levels"].append(row)
+                print(f"{level:4d} clients: {row['rpcs_per_s']:>7,} RPC/s "
+                      f"{row['key_ops_per_s']:>9,} key-ops/s, p99 {row['p99_ms_all']} ms, "
+                      f"errors {errors}, RSS {rss1 >> 20} MiB, queue max {queue_max} B, "
+                      f"clients reported {len(got)}/{level}", file=sys.stderr, flush=True)
+            alive = m.running
+            ping_ok = False
+            if alive:
+                c.call(Ping(client_id="bench"), timeout_s=10)
+                ping_ok = True
+            rss_last = proc.memory_info().rss if alive else 0
+            results["check"] = {
+                "master_alive": alive, "answers_ping": ping_ok,
+                "rss_first_level": rss_first, "rss_last_level": rss_last,
+                "rss_growth_bytes": rss_last - (rss_first or 0),
+                "all_clients_reported": all(r["clients_reported"] == r["clients"]
+                                            for r in results["levels"]),
+            }
+    return results
+
+
+# ---------------------------------------------------------------- journal
+def _data_dir_sizes(path: str) -> dict[str, int]:
+    out = {"journal_bytes": 0, "journal_files": 0, "snapshot_bytes": 0, "snapshot_files": 0}
+    for name in os.listdir(path):
+        kind = "journal" if name.startswith("journal-") else \
+            "snapshot" if name.startswith("snapshot-") else None
+        if kind:
+            out[f"{kind}_bytes"] += os.path.getsize(os.path.join(path, name))
+            out[f"{kind}_files"] += 1
+    return out
+
+
+def journal_mode(args: argparse.Namespace) -> dict[str, Any]:
+    from kvpool.cluster.processes import MasterProcess
+    from kvpool.core.protocol import (
+        BatchGetReplicaList,
+        BatchPutEnd,
+        BatchPutStart,
+        BatchRemove,
+        MountSegment,
+        Ping,
+        SegmentDescriptor,
+        SegmentKind,
+        Stats,
+    )
+    from kvpool.core.rpc_client import MasterClient
+
+    results: dict[str, Any] = {"seconds": args.seconds, "live": args.live,
+                               "snapshot_interval_s": args.snapshot_interval_s,
+                               "batch": args.batch, "points": []}
+    batch = args.batch
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-journal-") as tmp:
+        data = os.path.join(tmp, "d")
+        extra = ["--snapshot-interval-s", str(args.snapshot_interval_s)]
+        if args.snapshot_journal_records is not None:
+            extra += ["--snapshot-journal-records", str(args.snapshot_journal_records)]
+        m = MasterProcess(data_dir=data, client_ttl_s=3600, start_timeout_s=300,
+                          extra_args=extra)
+        m.start()
+        try:
+            c = MasterClient(m.address, timeout_s=60)
+            for i in range(2):
+                c.call(MountSegment(client_id="bench", segment=SegmentDescriptor(
+                    f"bench-seg-{i}", "bench", "host-bench", SegmentKind.MEMORY, 64 << 40,
+                    f"kvpool-bench-seg-{i}")))
+            first = 0  # the oldest live key
+            nxt = 0  # the next new key
+            ops = {"put": 0, "remove": 0, "get": 0, "ping": 0}
+            t_end = time.perf_counter() + args.seconds
+            next_restart = time.perf_counter() + args.restart_every
+            while True:
+                now = time.perf_counter()
+                if now >= next_restart or now >= t_end:
+                    sizes = _data_dir_sizes(data)
+                    live = nxt - first
+                    t0 = time.perf_counter()
+                    c.close()
+                    m.kill()
+                    m.start()
+                    c = MasterClient(m.address, timeout_s=60)
+                    st = c.call(Stats())
+                    restart_s = time.perf_counter() - t0
+                    point = {"t_s": round(args.seconds - (t_end - now), 1), **sizes,
+                             "restart_s": round(restart_s, 3),
+                             "restored_objects": st.restored_objects, "live_objects": live,
+                             "ops_so_far": dict(ops)}
+                    results["points"].append(point)
+                    print(f"t={point['t_s']:6.1f}s journal {sizes['journal_bytes'] >> 10} KiB "
+                          f"in {sizes['journal_files']} files, snapshots "
+                          f"{sizes['snapshot_bytes'] >> 10} KiB in {sizes['snapshot_files']}, "
+                          f"restart {restart_s:.2f} s, restored {st.restored_objects}/{live}",
+                          file=sys.stderr, flush=True)
+                    # the segments await their owner after a restart: the owner pings back
+                    c.call(Ping(client_id="bench"))
+                    if now >= t_end:
+                        break
+                    next_restart = time.perf_counter() + args.restart_every
+                keys = [key("w", i) for i in range(nxt, nxt + batch)]
+                c.call(BatchPutStart("bench", keys, [4096] * batch))
+                c.call(BatchPutEnd(client_id="bench", keys=keys))
+                nxt += batch
+                ops["put"] += batch
+                if nxt - first > args.live:
+                    old = [key("w", i) for i in range(first, first + batch)]
+                    c.call(BatchRemove(old, force=True))
+                    first += batch
+                    ops["remove"] += batch
+                # read leases: a batch of live keys, here and there
+                base = first + (nxt * 7919) % max(nxt - first - batch, 1)
+                c.call(BatchGetReplicaList([key("w", i) for i in range(base, base + batch)]))
+                ops["get"] += batch
+                c.call(Ping(client_id="bench"))
+                ops["ping"] += 1
+            c.close()
+        finally:
+            m.stop()
+    pts = results["points"]
+    third = max(len(pts) // 3, 1)
+
+    def worst(rows: list[dict[str, Any]], f: str) -> float:
+        return float(max(r[f] for r in rows))
+
+    head, tail = pts[:third], pts[-third:]
+    disk = lambda r: r["journal_bytes"] + r["snapshot_bytes"]  # noqa: E731
+    results["summary"] = {
+        "points": len(pts),
+        "disk_bytes_first_third_max": max(disk(r) for r in head),
+        "disk_bytes_last_third_max": max(disk(r) for r in tail),
+        "files_max": max(r["journal_files"] + r["snapshot_files"] for r in pts),
+        "restart_s_first_third_max": worst(head, "restart_s"),
+        "restart_s_last_third_max": worst(tail, "restart_s"),
+        "restored_all": all(r["restored_objects"] == r["live_objects"] for r in pts),
+        "bounded": max(disk(r) for r in tail) <= 2 * max(disk(r) for r in head)
+        and worst(tail, "restart_s") <= 2 * max(worst(head, "restart_s"), 0.5),
+    }
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_restore_once":
@@ -187,9 +520,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="snapshot: objects in a snapshot; journal: in the journal only")
     rp.add_argument("--base", help="also restore with this tree (interleaved) and compare")
     rp.add_argument("--json", help="write results here")
+    cp = sub.add_parser("clients", help="many concurrent clients against one master")
+    cp.add_argument("--clients", default="1,8,64,512", help="levels (comma-separated)")
+    cp.add_argument("--procs", type=int, default=8, help="client processes at most")
+    cp.add_argument("--seconds", type=float, default=3.0, help="per level")
+    cp.add_argument("--batch", type=int, default=32, help="keys per batch op")
+    cp.add_argument("--local", default="off", choices=["off", "auto"],
+                    help="off: ZeroMQ (clients on other hosts); auto: the direct socket")
+    cp.add_argument("--json", help="write results here")
+    jp = sub.add_parser("journal", help="a long stream of changes: bounded files, flat restart")
+    jp.add_argument("--seconds", type=float, default=60.0)
+    jp.add_argument("--restart-every", type=float, default=10.0)
+    jp.add_argument("--live", type=int, default=50_000, help="objects held")
+    jp.add_argument("--batch", type=int, default=256)
+    jp.add_argument("--snapshot-interval-s", type=float, default=2.0)
+    jp.add_argument("--snapshot-journal-records", type=int,
+                    help="the master's setting (default: its own)")
+    jp.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    results = restore_mode(args)
+    modes = {"restore": restore_mode, "clients": clients_mode, "journal": journal_mode}
+    results = modes[args.mode](args)
     out = json.dumps(results, indent=2)
     print(out)
     if args.json:
