@@ -15,7 +15,7 @@ tree in DIR (e.g. ``git worktree add /tmp/lim-base <commit>``), interleaved
 run by run with this tree, and report this tree's speed over the base's
 (the VM's speed drifts; a ratio of interleaved runs does not).
 
-``clients``: ``--clients 1,8,64,512`` concurrent clients, each a thread
+``clients``: ``--clients 1,8,64,512,512`` concurrent clients, each a thread
 with its own connection (ZeroMQ, as clients on other hosts; ``--local
 auto``: the direct socket of clients on the master's host), spread over
 ``--procs`` processes, hammer one master (journal on) with batch ops for
@@ -27,7 +27,9 @@ errors by code, and the master's RSS, CPU, queue (bytes waiting in the
 kernel's receive queues of its TCP connections, sampled every 50 ms;
 ZeroMQ's own queues hold at most one request per synchronous client) and
 loop stall (max_loop_ms); at the end, whether the master is alive, answers,
-and its RSS growth from the first level to the last.
+and its RSS growth from the first level to the last and from the top
+level's first run to its second (a leak shows there; the first run's
+growth is the connections' buffers, kept by the allocator).
 
 ``journal``: "a week of journal in an hour". One master (journal on,
 ``--snapshot-interval-s`` compressed: 2 s here stands for the default 300 s,
@@ -365,7 +367,7 @@ def clients_mode(args: argparse.Namespace) -> dict[str, Any]:
                        "too_many_requests": st1.too_many_requests - st0.too_many_requests,
                        "objects_after": st1.objects, "pending_after": st1.pending}
                 results["levels"].append(row)
-                print(f"{level:4d} clients: {row['rpcs_per_s']:>7,} RPC/s "
+                print(f"clients {level}: {row['rpcs_per_s']:>7,} RPC/s "
                       f"{row['key_ops_per_s']:>9,} key-ops/s, p99 {row['p99_ms_all']} ms, "
                       f"errors {errors}, RSS {rss1 >> 20} MiB, queue max {queue_max} B, "
                       f"clients reported {len(got)}/{level}", file=sys.stderr, flush=True)
@@ -375,12 +377,19 @@ def clients_mode(args: argparse.Namespace) -> dict[str, Any]:
                 c.call(Ping(client_id="bench"), timeout_s=10)
                 ping_ok = True
             rss_last = proc.memory_info().rss if alive else 0
+            rows = results["levels"]
+            # the top level run again (--clients ...,512,512): what it adds is a leak
+            again = [r for r in rows if r["clients"] == rows[-1]["clients"]]
             results["check"] = {
                 "master_alive": alive, "answers_ping": ping_ok,
                 "rss_first_level": rss_first, "rss_last_level": rss_last,
                 "rss_growth_bytes": rss_last - (rss_first or 0),
-                "all_clients_reported": all(r["clients_reported"] == r["clients"]
-                                            for r in results["levels"]),
+                "rss_growth_top_level_again_bytes":
+                    again[-1]["master_rss_after"] - again[-2]["master_rss_after"]
+                    if len(again) > 1 else None,
+                "queue_bytes_max": max(r["queue_bytes_max"] for r in rows),
+                "errors": sum(sum(r["errors"].values()) for r in rows),
+                "all_clients_reported": all(r["clients_reported"] == r["clients"] for r in rows),
             }
     return results
 
@@ -521,7 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--base", help="also restore with this tree (interleaved) and compare")
     rp.add_argument("--json", help="write results here")
     cp = sub.add_parser("clients", help="many concurrent clients against one master")
-    cp.add_argument("--clients", default="1,8,64,512", help="levels (comma-separated)")
+    cp.add_argument("--clients", default="1,8,64,512,512",
+                    help="levels (comma-separated); the top one twice: what the second "
+                    "run adds to the master's RSS is a leak")
     cp.add_argument("--procs", type=int, default=8, help="client processes at most")
     cp.add_argument("--seconds", type=float, default=3.0, help="per level")
     cp.add_argument("--batch", type=int, default=32, help="keys per batch op")
