@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 from kvpool.core.errors import KVPoolError
@@ -38,6 +39,9 @@ __all__ = ["Replay"]
 log = logging.getLogger(__name__)
 
 _DEAD = SegState.DEAD
+_SIZE, _FLAGS, _CHECKSUM, _REPLICAS = (attrgetter(f) for f in ("size", "flags", "checksum",
+                                                                "replicas"))
+_OFFSET = itemgetter(1)
 
 
 class Replay:
@@ -205,12 +209,13 @@ class Replay:
         """The column chunk of ``keys`` now (:mod:`kvpool.master.journal`: the
         objects with one live replica as columns per segment, the others as
         records; keys gone are left out) and how many objects it holds."""
-        get = self.d.objects.get
-        groups: dict[Segment, list[Any]] = {}
+        objects = self.d.objects
+        shards, mask = objects.shards, objects.mask
+        # per segment: its keys and objects (the columns are made from them in C)
+        groups: dict[Segment, tuple[list[str], list[Obj]]] = {}
         others: list[list[Any]] = []
-        n = 0
         for key in keys:
-            obj = get(key)
+            obj = shards[hash(key) & mask].get(key)
             if obj is None:
                 continue
             reps = obj.replicas
@@ -218,19 +223,17 @@ class Replay:
             if len(reps) == 2 and seg.state != _DEAD:
                 g = groups.get(seg)
                 if g is None:
-                    g = groups[seg] = [seg.id, [], [], [], [], []]
-                g[1].append(key)
-                g[2].append(obj.size)
-                g[3].append(obj.flags)
-                g[4].append(obj.checksum)
-                g[5].append(reps[1])
-                n += 1
+                    g = groups[seg] = ([], [])
+                g[0].append(key)
+                g[1].append(obj)
             else:
                 rec = self.snapshot_record(key)
                 if rec is not None:
                     others.append(rec)
-                    n += 1
-        return [CHUNK, list(groups.values()), others], n
+        cols = [[seg.id, ks, list(map(_SIZE, objs)), list(map(_FLAGS, objs)),
+                 list(map(_CHECKSUM, objs)), list(map(_OFFSET, map(_REPLICAS, objs)))]
+                for seg, (ks, objs) in groups.items()]
+        return [CHUNK, cols, others], sum(len(g[0]) for g in groups.values()) + len(others)
 
     def bulk_load(self, segments: list[dict[str, Any]], items: Iterable[list[Any]]) -> int:
         """Load a snapshot (:func:`kvpool.master.journal.iter_snapshot`'s
