@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 from itertools import compress
-from operator import add, gt, sub
+from operator import add, sub
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 
@@ -157,30 +157,26 @@ class Allocator:
 
     def rebuild(self, offsets: list[int], lengths: list[int]) -> bool:
         """Reset to exactly the allocated ranges ``offsets[i], lengths[i]``
-        (aligned lengths; offsets sorted): bulk restore, every step a C-level
+        (aligned lengths, offsets sorted): bulk restore, every step a C-level
         pass over the lists. False (nothing changed) when they are not
         sorted, overlap, are unaligned or pass the capacity."""
-        n = len(offsets)
         cap = self.capacity
-        if n == 0:
-            self._starts, self._lens = ([0], [cap]) if cap > 0 else ([], [])
-            self._by_size = list(zip(self._lens, self._starts, strict=True))
-            self.used, self.free = 0, cap
-            return True
         ends = list(map(add, offsets, lengths))
-        a = self.alignment - 1
-        if (offsets[0] < 0 or ends[-1] > cap or any(map(gt, ends[:-1], offsets[1:]))
-                or any(map(a.__and__, offsets))):
-            return False
-        # the gaps before each range and after the last one, empty ones left out
+        # the gaps before each range and after the last one: a negative one is
+        # an overlap (or a range before 0 or past the capacity)
         gap_starts = [0, *ends]
         gap_lens = list(map(sub, [*offsets, cap], gap_starts))
-        starts = list(compress(gap_starts, gap_lens))
+        if min(gap_lens) < 0:
+            return False
+        starts = list(compress(gap_starts, gap_lens))  # the empty gaps left out
         lens = list(filter(None, gap_lens))
+        # the lengths are aligned: every offset is iff every gap is (few: no pass over all)
+        if any(map((self.alignment - 1).__and__, lens)):
+            return False
         self._starts, self._lens = starts, lens
         self._by_size = sorted(zip(lens, starts, strict=True))
-        self.used = sum(lengths)
-        self.free = cap - self.used
+        self.free = sum(lens)
+        self.used = cap - self.free
         return True
 
     def release(self, off: int, size: int) -> None:

@@ -70,6 +70,8 @@ class Replay:
             try:
                 if type(rec) is Put and inline:
                     key = rec.key
+                    if key < " ":
+                        d.tenants.namespaced = True
                     wire = rec.replicas
                     shard = shards[hash(key) & mask]
                     if len(wire) == 2 and key not in shard:
@@ -272,6 +274,8 @@ class Replay:
                 for key, obj in zip(keys, objs, strict=True):
                     shards[hash(key) & mask][key] = obj
                 seg.keys.update(keys)
+                if min(keys) < " ":  # a tenant's (tenants.rebuild counts them)
+                    d.tenants.namespaced = True
                 lists = per_seg.get(seg)
                 if lists is None:
                     per_seg[seg] = (offsets, sizes, keys)
@@ -318,6 +322,8 @@ class Replay:
         """Store a snapshot's object record (not a key already stored: 0) and
         list its replicas for :meth:`bulk_load`; 1 if stored."""
         key, size, flags, checksum, wire = rec
+        if key < " ":
+            self.d.tenants.namespaced = True
         objects = self.d.objects
         segs = self.d.segtab.segments
         reps: list[Any] = []

@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
+from kvpool.core.tenants import scope_prefix
 from kvpool.master.config import FsyncPolicy, MasterConfig
 from kvpool.master.directory import Directory, SegState
 from kvpool.master.durability import Durability
@@ -38,6 +39,14 @@ def state(d: Directory) -> dict[str, Any]:
     return {"objects": objs, "segments": segs, "tenants": tenants}
 
 
+def put_scoped(d: Directory, key: str, size: int) -> None:
+    """A put of ``key`` in a tenant's namespace (below " ", as the handlers store it)."""
+    codes, placed = [0], [None]
+    d.writes.put_start_many("w", [key], [size], codes, placed, key_min="\x00")
+    assert codes == [0]
+    assert d.writes.commit_many("w", [key], None, "\x00") == [0]
+
+
 def mixed_directory(seed: int) -> Directory:
     """Objects of several sizes on four segments (memory and file), some with
     two replicas, flags and checksums, tenants' keys, holes left by removes."""
@@ -46,7 +55,10 @@ def mixed_directory(seed: int) -> Directory:
     for i, kind in enumerate([SegmentKind.MEMORY] * 3 + [SegmentKind.FILE]):
         d.mount(f"c{i}", SegmentDescriptor(f"s{i}", f"c{i}", "h", kind, 1 << 24, f"kvpool-s{i}"))
     for n in range(3000):
-        key = f"\x1ft{n % 3}\x1fk{n}" if n % 5 == 0 else f"k{n}"
+        if n % 5 == 0:
+            put_scoped(d, f"{scope_prefix(f't{n % 3}')}k{n}", rng.choice([64, 4096]))
+            continue
+        key = f"k{n}"
         code, _ = d.put_start("w", key, rng.choice([64, 100, 4096, 7000]),
                               replica_num=1 if n % 7 else 2, flags=n % 3,
                               checksum=None if n % 4 else n)
@@ -82,6 +94,7 @@ def test_column_snapshot_restores_the_exact_directory(tmp_path: Path) -> None:
     d = mixed_directory(1)
     assert any(len(o.replicas) == 4 for _, o in d.objects.items())  # two replicas
     d.finish_restore()  # the tenants' usage as a restore computes it, to compare
+    assert len(state(d)["tenants"]) >= 3  # t0, t1, t2 (and the default)
     path = snapshot(d, str(tmp_path), chunk=97)
     with open(path, "rb") as f:
         items = list(msgpack.Unpacker(f, raw=False))
@@ -183,4 +196,27 @@ def test_restart_after_a_long_replay_compacts_at_once(tmp_path: Path) -> None:
     assert again.stats.snapshots == 1
     assert again.journal is not None
     assert [s for s, _ in list_journals(data)] == [again.journal.seq]
+    again.close([])
+
+
+def test_journal_replay_counts_the_tenants_usage(tmp_path: Path) -> None:
+    """Tenants' keys restored from the journal alone (the inline replay of new
+    objects) are counted as the live directory counted them."""
+    data = str(tmp_path / "d")
+    cfg = MasterConfig(data_dir=data, journal_fsync=FsyncPolicy.NEVER, snapshot_interval_s=0)
+    dur = Durability(cfg)
+    d = dur.restore(lambda: Directory(cfg))
+    d.mount("c", SegmentDescriptor("s", "c", "h", SegmentKind.MEMORY, 1 << 26, "kvpool-s"))
+    for n in range(300):
+        if n % 3:
+            put_scoped(d, f"{scope_prefix(f't{n % 2}')}k{n}", 100 + n)
+        else:
+            assert d.put_start("w", f"k{n}", 100 + n)[0] == 0 and d.put_end("w", f"k{n}") == 0
+        dur.commit(d.records)
+    live = state(d)["tenants"]
+    assert [t[3] for t in live] == [100, 100]  # t0 and t1: 100 objects each
+    dur.close([])
+    again = Durability(cfg)
+    r = again.restore(lambda: Directory(cfg))
+    assert state(r)["tenants"] == live
     again.close([])
