@@ -48,6 +48,7 @@ The commit seam is where replication hooks in:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -77,6 +78,17 @@ __all__ = ["CommitListener", "Durability", "FrameListener", "StreamPosition"]
 log = logging.getLogger(__name__)
 
 _KEYS_FILE = "capability-keys.msgpack"
+
+
+def _release_heap() -> None:
+    """Give the heap pages a restore's temporaries (decoded chunks, the
+    per-segment range lists) left free back to the OS: glibc keeps them
+    otherwise, ~10% of the RSS of millions of restored objects (a few ms)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # glibc only
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 @dataclass
@@ -283,6 +295,8 @@ class Durability:
         d.finish_restore()
         d.journaling = True
         self.stats.restored_objects = len(d.objects)
+        if snap_seq or replayed:
+            _release_heap()
         self.journal = Journal(data_dir, last_seq + 1, self.cfg.journal_fsync,
                                self.cfg.journal_fsync_interval_ms / 1000.0)
         self.stats.journal_seq = self.journal.seq
