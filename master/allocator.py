@@ -11,6 +11,8 @@ which keeps per-object memory at zero here.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
+from itertools import compress
+from operator import add, sub
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 
@@ -153,28 +155,29 @@ class Allocator:
         self.used += need
         self.free -= need
 
-    def rebuild(self, ranges: list[tuple[int, int]]) -> None:
-        """Reset to exactly these allocated ``(offset, aligned_length)`` ranges,
-        sorted by offset and non-overlapping (bulk restore: O(n log n))."""
-        starts: list[int] = []
-        lens: list[int] = []
-        pos = 0
-        used = 0
-        for off, length in ranges:
-            if off < pos or off % self.alignment or off + length > self.capacity:
-                raise KVPoolError(f"bad range {off}+{length} in rebuild", ErrorCode.INVALID_PARAMS)
-            if off > pos:
-                starts.append(pos)
-                lens.append(off - pos)
-            pos = off + length
-            used += length
-        if pos < self.capacity:
-            starts.append(pos)
-            lens.append(self.capacity - pos)
+    def rebuild(self, offsets: list[int], lengths: list[int]) -> bool:
+        """Reset to exactly the allocated ranges ``offsets[i], lengths[i]``
+        (aligned lengths, offsets sorted): bulk restore, every step a C-level
+        pass over the lists. False (nothing changed) when they are not
+        sorted, overlap, are unaligned or pass the capacity."""
+        cap = self.capacity
+        ends = list(map(add, offsets, lengths))
+        # the gaps before each range and after the last one: a negative one is
+        # an overlap (or a range before 0 or past the capacity)
+        gap_starts = [0, *ends]
+        gap_lens = list(map(sub, [*offsets, cap], gap_starts))
+        if min(gap_lens) < 0:
+            return False
+        starts = list(compress(gap_starts, gap_lens))  # the empty gaps left out
+        lens = list(filter(None, gap_lens))
+        # the lengths are aligned: every offset is iff every gap is (few: no pass over all)
+        if any(map((self.alignment - 1).__and__, lens)):
+            return False
         self._starts, self._lens = starts, lens
         self._by_size = sorted(zip(lens, starts, strict=True))
-        self.used = used
-        self.free = self.capacity - used
+        self.free = sum(lens)
+        self.used = cap - self.free
+        return True
 
     def release(self, off: int, size: int) -> None:
         """Return a range obtained from ``allocate``/``reserve``; coalesces neighbours."""

@@ -111,6 +111,11 @@ class MasterConfig:
         "(SIGUSR1 still snapshots)")
     snapshot_min_journal_records: int = setting(
         1, help="skip a periodic snapshot when fewer records were journaled since the last")
+    snapshot_journal_records: int = setting(
+        1_000_000, help="also snapshot once this many records were journaled since the last "
+        "snapshot and at least as many as the directory holds objects (the journal then never "
+        "outgrows a snapshot by much: disk use and restart time stay bounded whatever the "
+        "write rate); a restart that replayed as many takes one at once; 0: time only")
     snapshot_keep: int = setting(2, help="snapshots kept (with the journals they need)")
     snapshot_slice_ms: float = setting(
         4.0, help="loop time per iteration spent serializing a snapshot")
@@ -237,6 +242,7 @@ class MasterConfig:
                 (self.capability_ttl_ms >= 0, "capability_ttl_ms must be >= 0 (0 = lease_ttl_ms)"),
                 (self.snapshot_slice_ms > 0, "snapshot_slice_ms must be > 0"),
                 (self.snapshot_interval_s >= 0, "snapshot_interval_s must be >= 0"),
+                (self.snapshot_journal_records >= 0, "snapshot_journal_records must be >= 0"),
                 (self.sync_standbys >= 0, "sync_standbys must be >= 0"),
                 (self.sync_timeout_s > 0, "sync_timeout_s must be > 0"),
                 (self.ha_lease_ttl_s >= 1, "ha_lease_ttl_s must be >= 1"),

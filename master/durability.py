@@ -48,6 +48,7 @@ The commit seam is where replication hooks in:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -64,10 +65,10 @@ from kvpool.master.journal import (
     Journal,
     SnapshotWriter,
     encode_frames,
+    iter_journal,
     iter_snapshot,
     list_journals,
     list_snapshots,
-    read_journal,
 )
 from kvpool.master.records import DirRecord, Rec, StreamPos
 from kvpool.master.stats import LoopStats
@@ -77,6 +78,17 @@ __all__ = ["CommitListener", "Durability", "FrameListener", "StreamPosition"]
 log = logging.getLogger(__name__)
 
 _KEYS_FILE = "capability-keys.msgpack"
+
+
+def _release_heap() -> None:
+    """Give the heap pages a restore's temporaries (decoded chunks, the
+    per-segment range lists) left free back to the OS: glibc keeps them
+    otherwise, ~10% of the RSS of millions of restored objects (a few ms)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # glibc only
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 @dataclass
@@ -202,10 +214,13 @@ class Durability:
         journal.maybe_fsync()
         self._snapshot_step(directory)
         cfg = self.cfg
+        written = journal.records_written
         if self._snap_requested or (
                 cfg.snapshot_interval_s
                 and now - self._last_snapshot >= cfg.snapshot_interval_s
-                and journal.records_written >= cfg.snapshot_min_journal_records):
+                and written >= cfg.snapshot_min_journal_records) or (
+                cfg.snapshot_journal_records and written >= cfg.snapshot_journal_records
+                and written >= len(directory.objects) and self._snapshot is None):
             self._snap_requested = False
             self._start_snapshot(directory, position() if callable(position) else position)
 
@@ -253,28 +268,35 @@ class Durability:
             last_seq = max(last_seq, seq)
             if seq < snap_seq:
                 continue
-            journal_records, _torn = read_journal(path, truncate=True)
-            run: list[Any] = []  # directory records since the last position
-            for rec in journal_records:
-                if type(rec) is list and rec and rec[0] == Rec.STREAM_POS:
-                    pos = history = None  # a position record that does not read
-                    continue
-                if type(rec) is not StreamPos:
-                    run.append(rec)
-                    pos = None  # a record after the last position: the position is unknown
-                    continue
+            # frame by frame: one frame's records (a group commit) live at a time
+            for journal_records in iter_journal(path, truncate=True):
+                run: list[Any] = []  # directory records since the last position
+                for rec in journal_records:
+                    if type(rec) is list and rec and rec[0] == Rec.STREAM_POS:
+                        pos = history = None  # a position record that does not read
+                        continue
+                    if type(rec) is not StreamPos:
+                        run.append(rec)
+                        pos = None  # a record after the last position: the position is unknown
+                        continue
+                    self._replay(d, run, path)
+                    if rec.history is not None:
+                        history = _history(rec.history)
+                    pos = None if history is None else StreamPosition(rec.epoch, rec.lsn,
+                                                                      list(history))
                 self._replay(d, run, path)
-                if rec.history is not None:
-                    history = _history(rec.history)
-                pos = None if history is None else StreamPosition(rec.epoch, rec.lsn,
-                                                                  list(history))
-            self._replay(d, run, path)
-            replayed += len(journal_records)
+                replayed += len(journal_records)
         self.position = pos
         self._journaled_history = list(pos.history) if pos is not None else None
+        limit = self.cfg.snapshot_journal_records
+        if limit and replayed >= limit and replayed >= len(d.objects):
+            # the next restart would replay it all again: compact at the first tick
+            self._snap_requested = True
         d.finish_restore()
         d.journaling = True
         self.stats.restored_objects = len(d.objects)
+        if snap_seq or replayed:
+            _release_heap()
         self.journal = Journal(data_dir, last_seq + 1, self.cfg.journal_fsync,
                                self.cfg.journal_fsync_interval_ms / 1000.0)
         self.stats.journal_seq = self.journal.seq
@@ -329,7 +351,7 @@ class Durability:
             writer = SnapshotWriter(self.data_dir, new_seq, directory.segtab.wires(),
                                     directory.objects.key_chunks(), stream=position.wire(),
                                     tenants=directory.tenants.live_records())
-            while not writer.step(directory.replay.snapshot_record, 1.0):
+            while not writer.step(directory.replay.snapshot_chunk, 1.0):
                 pass
             writer.done.wait()
         except OSError as exc:
@@ -384,7 +406,7 @@ class Durability:
         st = self.stats
         t0 = time.perf_counter()
         c0 = time.thread_time()
-        snap.step(d.replay.snapshot_record, self.cfg.snapshot_slice_ms / 1000.0)
+        snap.step(d.replay.snapshot_chunk, self.cfg.snapshot_slice_ms / 1000.0)
         st.max_snapshot_step_ms = max(st.max_snapshot_step_ms,
                                       (time.perf_counter() - t0) * 1000)
         st.max_snapshot_step_cpu_ms = max(st.max_snapshot_step_cpu_ms,

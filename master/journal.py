@@ -21,7 +21,14 @@ Files:
   ``interval`` fsync policy a host crash loses the last interval either way).
 - ``snapshot-<seq>.msgpack``: the state as of the *start* of journal ``seq``
   (so restore = newest valid snapshot + journals ``>= seq``). Written to a
-  temp file, fsync'ed, renamed, directory fsync'ed.
+  temp file, fsync'ed, renamed, directory fsync'ed. A stream of msgpack
+  values: a header map, then (version 2) one *column chunk* per slice of
+  keys, ``[2, groups, others]``: ``groups`` one ``[segment_id, keys, sizes,
+  flags, checksums, offsets]`` per segment of the slice's objects with one
+  replica (columns: loaded with C-level passes, no per-object record),
+  ``others`` the ``[key, size, flags, checksum, [segment_id, offset, ...]]``
+  records of the rest; then ``["__end__", object_count]``. Version 1 files
+  (one such record per object, no chunks) still load.
 
 The master opens a fresh journal (next seq) at every start and every
 snapshot, so it never appends to a file that may have a torn tail.
@@ -48,12 +55,15 @@ from kvpool.master.config import FsyncPolicy
 from kvpool.master.records import decode_frame
 
 __all__ = [
+    "CHUNK",
     "Journal",
     "SnapshotData",
     "SnapshotWriter",
     "check_frames",
     "encode_frames",
+    "expand_chunk",
     "iter_frame_payloads",
+    "iter_journal",
     "iter_snapshot",
     "list_journals",
     "list_snapshots",
@@ -66,7 +76,9 @@ log = logging.getLogger(__name__)
 _HDR = struct.Struct("<II")
 _JOURNAL_RE = re.compile(r"^journal-(\d{12})\.log$")
 _SNAPSHOT_RE = re.compile(r"^snapshot-(\d{12})\.msgpack$")
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+CHUNK = 2  # a column chunk's tag (a version-1 record starts with its key: a str)
 _MAX_RECORD = 1 << 30
 _FRAME_RECORDS = 4096  # records per batch frame at most (bounds one frame's size)
 _encode = msgspec.msgpack.Encoder().encode
@@ -337,17 +349,20 @@ class Journal:
             self._syncer = None
 
 
-def read_journal(path: str, truncate: bool = True) -> tuple[list[Any], bool]:
-    """Read every valid record (typed: :func:`kvpool.master.records.decode_frame`;
-    one that does not fit its type stays the plain value it decoded to); on a
-    torn/corrupt tail stop there and (if ``truncate``) cut the file to its
-    valid prefix. Return (records, was_torn)."""
+def iter_journal(path: str, truncate: bool = True,
+                 torn_at: list[int] | None = None) -> Iterator[list[Any]]:
+    """The records of journal ``path`` frame by frame (typed:
+    :func:`kvpool.master.records.decode_frame`; one that does not fit its
+    type stays the plain value it decoded to), so a restore holds one
+    frame's records at a time. On a torn/corrupt tail it stops there, appends
+    where to ``torn_at`` and (if ``truncate``) cuts the file to its valid
+    prefix."""
     with open(path, "rb") as f:
         data = f.read()
-    records: list[Any] = []
     pos = 0
     n = len(data)
     torn = False
+    view = memoryview(data)
     while pos < n:
         if pos + _HDR.size > n:
             torn = True
@@ -358,24 +373,36 @@ def read_journal(path: str, truncate: bool = True) -> tuple[list[Any], bool]:
         if length > _MAX_RECORD or end > n:
             torn = True
             break
-        payload = data[start:end]
+        payload = view[start:end]
         if zlib.crc32(payload) != crc:
             torn = True
             break
         try:
-            records += decode_frame(payload)
+            records = decode_frame(payload)
         except Exception:
             torn = True
             break
         pos = end
+        yield records
     if torn:
         log.warning("journal %s: corrupt/torn tail at byte %d of %d; truncating", path, pos, n)
+        if torn_at is not None:
+            torn_at.append(pos)
         if truncate:
             with open(path, "r+b") as f:
                 f.truncate(pos)
                 f.flush()
                 os.fsync(f.fileno())
-    return records, torn
+
+
+def read_journal(path: str, truncate: bool = True) -> tuple[list[Any], bool]:
+    """Every valid record of journal ``path`` (:func:`iter_journal`) and
+    whether its tail was torn (and, if ``truncate``, cut)."""
+    records: list[Any] = []
+    torn: list[int] = []
+    for frame_records in iter_journal(path, truncate, torn):
+        records += frame_records
+    return records, bool(torn)
 
 
 @dataclass
@@ -428,9 +455,11 @@ class SnapshotWriter:
                                         name="kvpool-snapshot", daemon=True)
         self._thread.start()
 
-    def step(self, record_of: Any, budget_s: float = 0.004, chunk: int = 512) -> bool:
-        """Serialize keys until ``budget_s`` is spent; ``record_of(key)`` gives
-        the object record or None (gone). Return True when all are queued."""
+    def step(self, chunk_of: Any, budget_s: float = 0.004, chunk: int = 512) -> bool:
+        """Serialize keys until ``budget_s`` is spent; ``chunk_of(keys)`` gives
+        ``(column chunk, objects in it)`` of the keys still there
+        (:meth:`kvpool.master.replay.Replay.snapshot_chunk`). Return True when
+        all are queued."""
         if self._finished_feeding:
             return True
         pack = self._packer.pack
@@ -448,14 +477,11 @@ class SnapshotWriter:
             did_work = True
             keys = self.keys
             end = min(self.pos + chunk, len(keys))
-            out = []
-            for k in keys[self.pos:end]:
-                rec = record_of(k)
-                if rec is not None:
-                    out.append(pack(rec))
+            rec, n = chunk_of(keys[self.pos:end])
             self.pos = end
-            self.count += len(out)
-            self._q.put(b"".join(out))
+            if n:
+                self.count += n
+                self._q.put(pack(rec))
         self._q.put(pack([_END, self.count]))
         self._q.put(None)
         self._finished_feeding = True
@@ -503,10 +529,40 @@ class SnapshotWriter:
                 pass
 
 
+def _check_chunk(rec: list[Any]) -> int:
+    """The objects of column chunk ``rec``; ValueError if it is malformed."""
+    if len(rec) != 3 or type(rec[1]) is not list or type(rec[2]) is not list:
+        raise ValueError("bad column chunk")
+    n = 0
+    for group in rec[1]:
+        if type(group) is not list or len(group) != 6 or type(group[0]) is not str:
+            raise ValueError("bad column group")
+        keys = group[1]
+        m = len(keys)
+        if any(type(col) is not list or len(col) != m for col in group[1:]):
+            raise ValueError("column group of uneven columns")
+        n += m
+    for other in rec[2]:
+        if type(other) is not list or len(other) != 5:
+            raise ValueError("bad record")
+    return n + len(rec[2])
+
+
+def expand_chunk(rec: list[Any]) -> list[list[Any]]:
+    """The object records (``[key, size, flags, checksum, wire]``) of column chunk ``rec``."""
+    out: list[list[Any]] = []
+    for seg_id, keys, sizes, flags, checksums, offsets in rec[1]:
+        out += ([k, z, f, c, [seg_id, o]]
+                for k, z, f, c, o in zip(keys, sizes, flags, checksums, offsets, strict=True))
+    return out + list(rec[2])
+
+
 def iter_snapshot(path: str) -> tuple[dict[str, Any], Iterator[list[Any]]]:
-    """Stream a snapshot: (header, object records). The iterator raises
-    ValueError at the end if the snapshot is torn (no end marker) or corrupt,
-    so a caller applying records as they come must be ready to discard them."""
+    """Stream a snapshot: (header, items): version 1 object records, or
+    version 2 column chunks (``item[0] == CHUNK``, see the module docstring;
+    checked: groups of even columns). The iterator raises ValueError at the
+    end if the snapshot is torn (no end marker) or corrupt, so a caller
+    applying items as they come must be ready to discard them."""
     f = open(path, "rb")  # closed by the generator
     unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False, max_buffer_size=1 << 30,
                                 read_size=1 << 20)
@@ -515,7 +571,7 @@ def iter_snapshot(path: str) -> tuple[dict[str, Any], Iterator[list[Any]]]:
     except Exception as exc:
         f.close()
         raise ValueError(f"{path}: unreadable snapshot header: {exc}") from exc
-    if not isinstance(header, dict) or header.get("version") != SNAPSHOT_VERSION:
+    if not isinstance(header, dict) or header.get("version") not in _READABLE_VERSIONS:
         f.close()
         raise ValueError(f"{path}: bad snapshot header")
 
@@ -523,8 +579,14 @@ def iter_snapshot(path: str) -> tuple[dict[str, Any], Iterator[list[Any]]]:
         count = 0
         try:
             for rec in unpacker:
-                if type(rec) is not list or len(rec) != 5:
-                    if rec and rec[0] == _END:
+                if type(rec) is not list or not rec:
+                    raise ValueError(f"{path}: bad record")
+                if rec[0] == CHUNK:
+                    count += _check_chunk(rec)
+                    yield rec
+                    continue
+                if len(rec) != 5:
+                    if rec[0] == _END:
                         if rec[1] != count:
                             raise ValueError(f"{path}: count mismatch")
                         return
@@ -541,31 +603,14 @@ def iter_snapshot(path: str) -> tuple[dict[str, Any], Iterator[list[Any]]]:
 
 
 def read_snapshot(path: str) -> SnapshotData:
-    """Load a snapshot; raise ValueError if it is incomplete or corrupt."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=1 << 31)
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(1 << 20)
-            if not chunk:
-                break
-            unpacker.feed(chunk)
-    try:
-        header = next(unpacker)
-    except StopIteration:
-        raise ValueError(f"{path}: empty snapshot") from None
-    if not isinstance(header, dict) or header.get("version") != SNAPSHOT_VERSION:
-        raise ValueError(f"{path}: bad snapshot header")
+    """Load a snapshot whole (object records, column chunks expanded); raise
+    ValueError if it is incomplete or corrupt."""
+    header, items = iter_snapshot(path)
     snap = SnapshotData(int(header["seq"]), list(header["segments"]),
                         created=float(header.get("created", 0)))
-    try:
-        for rec in unpacker:
-            if rec and rec[0] == _END:
-                if rec[1] != len(snap.objects):
-                    raise ValueError(f"{path}: count mismatch")
-                return snap
+    for rec in items:
+        if rec[0] == CHUNK:
+            snap.objects += expand_chunk(rec)
+        else:
             snap.objects.append(rec)
-    except msgpack.ExtraData as exc:  # pragma: no cover - defensive
-        raise ValueError(f"{path}: {exc}") from exc
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise ValueError(f"{path}: corrupt snapshot: {exc}") from exc
-    raise ValueError(f"{path}: snapshot has no end marker (torn)")
+    return snap

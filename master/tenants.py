@@ -123,6 +123,10 @@ class TenantTable:
         #: quotas set live (TENANT_SET), name -> (memory, disk, guaranteed), wire form
         self.live: dict[str, tuple[int, int, int]] = {}
         self.track_default = DEFAULT_TENANT in self.configured
+        #: a restore loaded or replayed a key of a tenant's namespace (below
+        #: " "); without one, and without a tenant met by a request (``by_name``),
+        #: :meth:`rebuild` scans no keys
+        self.namespaced = False
         self.default: Tenant | None = None
         self.guarantees = False
         # every read's hits and misses (an untracked default tenant's are
@@ -423,16 +427,25 @@ class TenantTable:
 
     def rebuild(self, objects: Any, pending: dict[str, Any]) -> None:
         """Recount every tenant's usage and use order from the objects and the
-        puts in flight (after a restore or an HA promotion)."""
+        puts in flight (after a restore or an HA promotion). The objects are
+        scanned only if the default tenant is tracked, a tenant other than
+        the default was met (every request of one names it) or a restore
+        loaded a key of a tenant's namespace (:attr:`namespaced`)."""
         for t in self.by_name.values():
             t.mem = t.disk = 0
             t.objects = 0
             t.objs = None  # built again when needed
         track = self.track_default
-        for key, obj in objects.items():
-            if key < " " or track:
+        scan = track or self.namespaced or any(n != DEFAULT_TENANT for n in self.by_name)
+        for shard in objects.shards if scan else ():
+            # untracked default tenant: only the keys below " " (min: a C-level
+            # scan, so a shard without tenants' keys costs no Python per key)
+            if not shard or (not track and min(shard) >= " "):
+                continue
+            for key in (shard if track else filter(" ".__gt__, shard)):
                 owner = self.of(key)
                 if owner is not None:
+                    obj = shard[key]
                     self.charge(owner, obj.replicas, obj.size)
                     owner.objects += 1
         for key, p in pending.items():

@@ -80,7 +80,7 @@ def test_fuzzy_snapshot_plus_journal_restores_exact_state(tmp_path: Path, seed: 
     # snapshot: rotate, then serialize slices while mutating in between
     old = journal.rotate(2, sync=False)
     snap = SnapshotWriter(data, 2, d.segtab.wires(), d.objects.key_chunks(), old)
-    while not snap.step(d.replay.snapshot_record, budget_s=0.0, chunk=10):
+    while not snap.step(d.replay.snapshot_chunk, budget_s=0.0, chunk=10):
         mutate(40)
     snap.done.wait(10)
     assert snap.error is None
@@ -119,7 +119,7 @@ def test_fuzzy_snapshot_overlapping_capture_is_fixed_by_replay(tmp_path: Path) -
     d.records.clear()
     old = journal.rotate(2, sync=False)
     snap = SnapshotWriter(data, 2, d.segtab.wires(), d.objects.key_chunks(), old)
-    assert not snap.step(d.replay.snapshot_record, budget_s=0.0, chunk=1)  # captures a@0
+    assert not snap.step(d.replay.snapshot_chunk, budget_s=0.0, chunk=1)  # captures a@0
     d.remove("a")
     d.remove("b")
     code, p = d.put_start("w", "b", 64)
@@ -127,7 +127,7 @@ def test_fuzzy_snapshot_overlapping_capture_is_fixed_by_replay(tmp_path: Path) -
     d.put_end("w", "b")
     journal.append_many(d.records)
     d.records.clear()
-    assert snap.step(d.replay.snapshot_record, budget_s=0.0, chunk=1)  # captures b@0
+    assert snap.step(d.replay.snapshot_chunk, budget_s=0.0, chunk=1)  # captures b@0
     snap.done.wait(10)
     journal.close()
     raw = read_snapshot(snap.final)
