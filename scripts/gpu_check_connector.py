@@ -660,11 +660,12 @@ def run(report: dict[str, Any], **overrides: Any) -> None:
     caches = {f"model.layers.{i}.self_attn.attn": kv[i].permute(0, 2, 1, 3) for i in range(L)}
     kv_bytes = kv.view(torch.uint8).view(L, B, -1)  # per layer, per block, opaque bytes
     store_bytes = int(p["stored_gib"] * (1 << 30))
-    # one more round's room: remove_all(force=True) between rounds holds the space of
-    # read-leased chunks until their leases end (master/removal.py)
-    pool_bytes = int(store_bytes * 3.5) + (64 << 20)
-    with MasterProcess() as m, NodeDaemonProcess(m.address, memory=pool_bytes,
-                                                 start_timeout_s=120) as _d:
+    # remove_all(force=True) between rounds holds the space of read-leased chunks until
+    # their leases end (master/removal.py): a 1 s lease (every load here takes
+    # milliseconds) and room for the rounds of that second
+    pool_bytes = int(store_bytes * 4.5) + (64 << 20)
+    with MasterProcess(extra_args=["--lease-ttl-ms", "1000"]) as m, \
+            NodeDaemonProcess(m.address, memory=pool_bytes, start_timeout_s=120) as _d:
         if p["chunk_tokens"]:
             _throughput(torch, m.address, kv_bytes, caches, p, res, device)
         if p["pipeline_groups"]:

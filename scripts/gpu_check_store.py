@@ -176,10 +176,11 @@ def run(report: dict[str, Any]) -> None:
     from kvpool.cluster.processes import MasterProcess, NodeDaemonProcess
 
     out: dict[str, Any] = report.setdefault("store", {})
-    # room for the single calls' objects twice: remove_all(force=True) holds the space of
-    # read-leased objects until their leases end (master/removal.py), so the rounds after
-    # it cannot reuse it at once
-    with MasterProcess() as m, NodeDaemonProcess(m.address, (2 * ITERS + BATCH + 8) * SIZE):
+    # remove_all(force=True) holds the space of read-leased objects until their
+    # leases end (master/removal.py): room for every object read before a removal (the
+    # single calls', each round's batch) besides the working set
+    pool = (2 * ITERS + ROUNDS * BATCH + 2 * BATCH + 8) * SIZE
+    with MasterProcess() as m, NodeDaemonProcess(m.address, pool):
         for transport in ("shm", "tcp"):
             _client_checks(torch, m.address, transport, out)
         _mooncake_checks(torch, m.address, out)
