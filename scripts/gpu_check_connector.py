@@ -76,6 +76,9 @@ DEFAULTS: dict[str, Any] = dict(layers=32, blocks=2048, block=16, heads=8, head=
                                 pipeline_lookup=("scheduler",), idle_ms=100.0,
                                 wait_at="attention", gc_freeze=True)
 
+#: read lease of the check's master (s): the rounds wait it out after emptying the store
+LEASE_S = 0.5
+
 
 def _sync(torch: Any, device: str) -> None:
     if device == "cuda":
@@ -170,6 +173,8 @@ def _check_one(torch: Any, w: KVPoolWorker, kv: Any, chunk_tokens: int, block: i
         rounds.append(_round(torch, w, kv, chunk_tokens, block, n_chunks, scattered,
                              seed + 1000 * i, device))
         w.store.call(lambda c: c.remove_all(force=True))
+        # the removed chunks' space is held until the loads' leases end (master/removal.py)
+        time.sleep(LEASE_S + 0.1)
     best = dict(rounds[0])
     best["save_GBps"] = max(r["save_GBps"] for r in rounds)
     best["load_GBps"] = max(r["load_GBps"] for r in rounds)
@@ -585,6 +590,7 @@ def _pipeline(torch: Any, address: str, kv: Any, caches: dict[str, Any], p: dict
                   f"{r['hidden_fraction_rounds']['max']:.2f}) "
                   f"(bound {r['hidden_bound']:.2f}), bytes_equal={ok}")
         w.store.call(lambda c: c.remove_all(force=True))
+        time.sleep(LEASE_S + 0.1)  # (as in _throughput)
         w.close()
         w.store.close()
         if sched is not None:
@@ -661,10 +667,10 @@ def run(report: dict[str, Any], **overrides: Any) -> None:
     kv_bytes = kv.view(torch.uint8).view(L, B, -1)  # per layer, per block, opaque bytes
     store_bytes = int(p["stored_gib"] * (1 << 30))
     # remove_all(force=True) between rounds holds the space of read-leased chunks until
-    # their leases end (master/removal.py): a 1 s lease (every load here takes
-    # milliseconds) and room for the rounds of that second
-    pool_bytes = int(store_bytes * 4.5) + (64 << 20)
-    with MasterProcess(extra_args=["--lease-ttl-ms", "1000"]) as m, \
+    # their leases end (master/removal.py): a short lease (every load here takes
+    # milliseconds), waited out after each round, and one more round's room
+    pool_bytes = int(store_bytes * 3.5) + (64 << 20)
+    with MasterProcess(extra_args=["--lease-ttl-ms", str(int(LEASE_S * 1000))]) as m, \
             NodeDaemonProcess(m.address, memory=pool_bytes, start_timeout_s=120) as _d:
         if p["chunk_tokens"]:
             _throughput(torch, m.address, kv_bytes, caches, p, res, device)

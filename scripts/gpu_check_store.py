@@ -177,9 +177,9 @@ def run(report: dict[str, Any]) -> None:
 
     out: dict[str, Any] = report.setdefault("store", {})
     # remove_all(force=True) holds the space of read-leased objects until their
-    # leases end (master/removal.py): room for every object read before a removal (the
-    # single calls', each round's batch) besides the working set
-    pool = (2 * ITERS + ROUNDS * BATCH + 2 * BATCH + 8) * SIZE
+    # leases end (master/removal.py): room for every object either transport's checks
+    # read before a removal (the single calls', each round's batch) besides the working set
+    pool = (2 * (ITERS + 1 + ROUNDS * BATCH) + 3 * BATCH + 8) * SIZE
     with MasterProcess() as m, NodeDaemonProcess(m.address, pool):
         for transport in ("shm", "tcp"):
             _client_checks(torch, m.address, transport, out)
