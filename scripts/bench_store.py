@@ -1367,13 +1367,6 @@ def xhost_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _size_name(n: int) -> str:
-    for unit, shift in (("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return f"{n}B"
-
-
 def xhost_targets(records: list[dict[str, Any]], batch: int) -> list[tuple[str, float, float,
                                                                            bool]]:
     """(name, measured, target, ok) of the cross-host targets that were measured:
@@ -1385,6 +1378,8 @@ def xhost_targets(records: list[dict[str, Any]], batch: int) -> list[tuple[str, 
     - 4 KiB batch calls: >= 2x Mooncake's keys/s; 4 KiB single calls: p50 <= 0.8x
       Mooncake's.
     """
+    from kvpool.core.config import exact_size
+
     out = []
     for size, ops in ((16 << 20, ("batch_put_from", "batch_get_into", "put_from", "get_into")),
                       (2 << 20, ("batch_put_from", "batch_get_into"))):
@@ -1398,7 +1393,7 @@ def xhost_targets(records: list[dict[str, Any]], batch: int) -> list[tuple[str, 
             if r and lim:
                 ratio = r["gbps"] / lim["gbps"]
                 times = f" x{batch}" if op.startswith("batch") else ""
-                name = f"{_size_name(size)} {op}{times} / fastest link limit"
+                name = f"{exact_size(size)} {op}{times} / fastest link limit"
                 out.append((name, ratio, 0.9, ratio >= 0.9))
     for op in ("batch_put_from", "batch_get_into"):
         r = _find(records, "tcp", op, 4096, batch)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.transfer.buffers import BufferHandle
+from kvpool.transfer.buffers import BufferHandle, as_buffer
 
 __all__ = [
     "alloc_bytes",
@@ -108,10 +108,9 @@ def alloc_bytes(n: int) -> tuple[bytes, BufferHandle]:
     another object.
     """
     b = bytes(n)
-    addr = id(b) + _BYTES_HEADER
-    arr = np.frombuffer((ctypes.c_ubyte * n).from_address(addr),  # type: ignore[call-overload]
-                        np.uint8) if n else np.empty(0, np.uint8)
-    return b, BufferHandle(addr if n else 0, n, "cpu", 0, False, arr, b)
+    buf = as_buffer((id(b) + _BYTES_HEADER, n))
+    buf.owner = b
+    return b, buf
 
 
 def host_array(buf: Any) -> np.ndarray | None:

@@ -258,17 +258,26 @@ class SegmentHost:
             self.guard.close()
             self.guard = None
 
+    @staticmethod
+    def _unmount_gone(master: MasterClient, gone: Callable[[SegmentDescriptor], bool],
+                      why: str) -> None:
+        """Unmount at the master every segment ``gone`` picks, whichever client
+        mounted it (its memory or file is gone: its objects go now); raises
+        MasterRPCError."""
+        for info in master.call(ListSegments()).segments:
+            d = info.descriptor
+            if gone(d):
+                master.call(UnmountSegment(d.client_id, d.segment_id))
+                log.warning("unmounted %s of client %s: %s", d.segment_id, d.client_id[:8], why)
+
     def _unmount_replaced(self, master: MasterClient, segment_id: str) -> None:
         """The SSD tier started afresh at another size: unmount the segment of
         the file it replaced, so its objects are misses now rather than reads
         of a file that is gone (its owner was this node's earlier run)."""
         try:
-            for info in master.call(ListSegments()).segments:
-                d = info.descriptor
-                if d.segment_id == segment_id and d.kind == SegmentKind.FILE:
-                    master.call(UnmountSegment(d.client_id, d.segment_id))
-                    log.warning("unmounted %s: its file was replaced by a tier of another size",
-                                segment_id)
+            self._unmount_gone(
+                master, lambda d: d.segment_id == segment_id and d.kind == SegmentKind.FILE,
+                "its file was replaced by a tier of another size")
         except MasterRPCError as exc:
             log.warning("could not unmount the replaced disk segment %s (%s); the master "
                         "drops it when its owner's grace ends", segment_id, exc)
@@ -287,12 +296,9 @@ class SegmentHost:
         master = self.master or self.ping_master
         if master is not None:
             try:
-                for info in master.call(ListSegments()).segments:
-                    d = info.descriptor
-                    if d.name in names and d.kind == SegmentKind.MEMORY:
-                        master.call(UnmountSegment(d.client_id, d.segment_id))
-                        log.warning("unmounted %s: its owner %s died on this host",
-                                    d.segment_id, d.client_id[:8])
+                self._unmount_gone(
+                    master, lambda d: d.name in names and d.kind == SegmentKind.MEMORY,
+                    "its owner died on this host")
             except MasterRPCError as exc:
                 log.info("janitor: the master drops the orphans' segments itself (%s)", exc)
         return sorted(names)

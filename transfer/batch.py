@@ -13,6 +13,7 @@ its final statuses.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from enum import Enum
 
@@ -230,11 +231,17 @@ class BatchHandle:
             return self._cond.wait_for(lambda: self._active == 0, grace_s)
 
     # -- engine side ------------------------------------------------------------
+    def over(self) -> bool:
+        """Whether the caller abandoned the batch or its deadline passed: no
+        attempt of it may start."""
+        deadline = self.deadline
+        return self.abandoned or (deadline is not None and time.monotonic() >= deadline)
+
     def begin_slices(self, n: int) -> bool:
         """Count ``n`` slices about to start; False (nothing counted) once
-        the batch is abandoned or past its deadline: they must not start."""
+        the batch is :meth:`over`: they must not start."""
         with self._lock:
-            if self.abandoned:
+            if self.over():
                 return False
             self._active += n
             return True

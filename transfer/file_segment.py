@@ -281,6 +281,16 @@ class FileIO:
         self.fd = self.direct_fd = -1
 
 
+def _lock_as_owner(fd: int, path: str) -> None:
+    """Take the owner's exclusive ``flock`` of the segment file ``path``
+    (open as ``fd``); SEGMENT_ALREADY_EXISTS while another process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        raise SegmentFileError(f"{path}: in use by another process ({exc.strerror})",
+                               ErrorCode.SEGMENT_ALREADY_EXISTS) from exc
+
+
 def _resized(path: str, size: int) -> SegmentHeader | None:
     """The header of the segment file ``path`` when it is valid and of
     another size than ``size``; None otherwise (the open path decides)."""
@@ -382,11 +392,7 @@ class FileSegment(LocalSegment):
         afresh at ``size`` bytes; refused while another process owns it."""
         fd = os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                raise SegmentFileError(f"{path}: in use by another process ({exc.strerror})",
-                                       ErrorCode.SEGMENT_ALREADY_EXISTS) from exc
+            _lock_as_owner(fd, path)
             log.warning("%s: the SSD tier was %d bytes, now %d: starting it afresh (the %d "
                         "bytes of segment %s and its objects are dropped)", path, old.size,
                         size, old.size, old.segment_id)
@@ -469,11 +475,10 @@ class FileSegment(LocalSegment):
                 created: bool) -> FileSegment:
         io = FileIO(path, writable=True, direct=direct)
         try:
-            fcntl.flock(io.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+            _lock_as_owner(io.fd, path)
+        except SegmentFileError:
             io.close()
-            raise SegmentFileError(f"{path}: in use by another process ({exc.strerror})",
-                                   ErrorCode.SEGMENT_ALREADY_EXISTS) from exc
+            raise
         return cls(path, header, io, created)
 
     # -- LocalSegment -----------------------------------------------------------

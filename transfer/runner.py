@@ -296,8 +296,7 @@ class BatchRunner:
                 slices = [items[k:k + step] for k in range(0, len(items), step)]
             else:
                 slices = [items]
-            if (deadline is not None and time.monotonic() >= deadline) \
-                    or not handle.begin_slices(len(slices)):
+            if not handle.begin_slices(len(slices)):
                 for it in items:
                     handle.finish(it.index, _FAILED, name, ErrorCode.TIMEOUT,
                                   f"{name}: not started: the batch's deadline passed")
@@ -396,8 +395,7 @@ class BatchRunner:
         self.transports.counters.failed(name, len(failures))
         # past the deadline (or given up by its caller) a batch starts no
         # attempt: a late one could write into buffers the caller reused
-        over = handle.abandoned or (handle.deadline is not None
-                                    and time.monotonic() >= handle.deadline)
+        over = handle.over()
         for item, err in failures:
             idx = item.index
             with handle._lock:
