@@ -238,10 +238,11 @@ class BatchHandle:
         return self.abandoned or (deadline is not None and time.monotonic() >= deadline)
 
     def begin_slices(self, n: int) -> bool:
-        """Count ``n`` slices about to start; False (nothing counted) once
-        the batch is :meth:`over`: they must not start."""
+        """Count ``n`` slices about to start (or, for a first attempt run on
+        the caller's thread, just run: its end is counted too); False
+        (nothing counted) once the batch is abandoned: they must not start."""
         with self._lock:
-            if self.over():
+            if self.abandoned:
                 return False
             self._active += n
             return True

@@ -296,7 +296,7 @@ class BatchRunner:
                 slices = [items[k:k + step] for k in range(0, len(items), step)]
             else:
                 slices = [items]
-            if not handle.begin_slices(len(slices)):
+            if handle.over() or not handle.begin_slices(len(slices)):
                 for it in items:
                     handle.finish(it.index, _FAILED, name, ErrorCode.TIMEOUT,
                                   f"{name}: not started: the batch's deadline passed")
