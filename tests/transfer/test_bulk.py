@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -410,6 +411,17 @@ def test_lone_large_request_stripes_keep_codes_and_bytes(make_engine: Any,
     assert st[0].ok and dst[1:].tobytes() == src[:16 * MiB].tobytes()
 
 
+def _serving_conn() -> socket.socket:
+    """The connection the calling bulk-server thread serves (from its
+    ``_serve_conn`` frame)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "_serve_conn":
+            return f.f_locals["conn"]  # type: ignore[no-any-return]
+        f = f.f_back  # type: ignore[assignment]
+    raise AssertionError("not called from a bulk server's connection thread")
+
+
 def test_large_item_one_connection_cut_fails_once(make_engine: Any,
                                                   make_segment: Any) -> None:
     """One of the two stripe connections of a lone large item cut mid-item (the
@@ -420,15 +432,15 @@ def test_large_item_one_connection_cut_fails_once(make_engine: Any,
     seg = make_segment(40 * MiB)
     desc = srv.add_local_segment(seg)
     assert srv.server is not None and srv.server.bulk is not None
-    bulk = srv.server.bulk
     cut = threading.Event()
     arm = threading.Event()
 
     def verify(sg: Any, op: TransferOp, off: int, n: int, cap: bytes) -> ErrorCode | None:
         if arm.is_set() and off >= 4 * MiB and not cut.is_set():
             cut.set()
-            with bulk._lock:
-                victim = next(iter(bulk._conns))
+            # the connection this range came on (the serving thread's own): any
+            # other may be idle, and cutting it would fail nothing
+            victim = _serving_conn()
             # its thread closes it with a reset (an orderly close of a socket shut
             # for reading can leave the sender waiting on a zero window instead)
             victim.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
