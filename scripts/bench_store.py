@@ -1094,7 +1094,8 @@ class _KvpoolSide:
             [*self._py("holder"), "-m", "kvpool.cluster.cli", "--log-level", "WARNING",
              "client", "--master", self.master, "--memory", str(self.holder_bytes),
              "--host-id", self.holder_id, "--bind-host", holder.address, "--ready-file", ready,
-             "--curve", "off"], stdout=dlog, stderr=subprocess.STDOUT)
+             # (no Mooncake standalone port: --mooncake's master listens on 50052 there)
+             "--curve", "off", "--dummy-port", "0"], stdout=dlog, stderr=subprocess.STDOUT)
         self.started.append(self.daemon)
         sock = holder.popen([sys.executable, me, "--xhost-sockserver", holder.address],
                             stdout=subprocess.PIPE, text=True)
