@@ -7,7 +7,9 @@ timed-out txn may have been applied), etcd may hold any of the sets written
 since the last confirmed one: replies wait for every standby of each
 (``ReplicationSource.sync_members``, the union); those of the confirmed set
 count toward ``sync_standbys``. A leader short of ``sync_standbys`` counted
-members for ``sync_timeout_s`` refuses writes (:attr:`InSyncSet.short`).
+members refuses writes before applying them (:attr:`InSyncSet.short`): from
+the moment the set falls short, and in a new term once its standbys had
+``sync_timeout_s`` to join.
 """
 
 from __future__ import annotations
@@ -54,12 +56,16 @@ class InSyncSet:
         self.short = False
 
     def track(self, now: float) -> None:
-        """Whether the set has been short of ``sync_standbys`` for ``sync_timeout_s``."""
+        """Is the set short of ``sync_standbys`` (writes refused)? At once when
+        it falls short (the member it lost was silent for ``sync_timeout_s``
+        or its connection closed: it is not coming back soon); after
+        ``sync_timeout_s`` of a new term (its standbys are joining)."""
         if self.count >= self.want:
             self._short_since = 0.0
             self.short = False
         elif not self._short_since:
-            self._short_since = now
+            self._short_since = now - self.timeout_s
+            self.short = True
         else:
             self.short = now - self._short_since >= self.timeout_s
 
