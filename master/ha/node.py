@@ -534,7 +534,7 @@ class HaNode:
         if now >= self._next_sync_check and st.role is Role.LEADER:
             self._next_sync_check = now + 0.02
             in_sync.maintain(src)
-        in_sync.track(now)
+        in_sync.track(now, len(src.standbys))
         return True
 
     def _check_joined(self, src: ReplicationSource) -> None:
