@@ -63,6 +63,10 @@ class ErrorCode(IntEnum):
     # the leader is fenced or has no standby in sync): it may or may not survive
     # a failover; retryable exactly like RPC_TIMEOUT
     WRITE_OUTCOME_UNKNOWN = -1104
+    # the leader has fewer in-sync standbys than sync_standbys: the write was
+    # refused before it was applied (nothing changed); writes resume by
+    # themselves once a standby is back in sync. Not resent by group clients.
+    NOT_ENOUGH_STANDBYS = -1105
 
 
 class KVPoolError(Exception):

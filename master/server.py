@@ -535,7 +535,8 @@ class MasterServer:
                 self._release_acked(held, acked)
                 if held:
                     # an HA leader's replicated() passes acked() only while it may
-                    # not acknowledge (fenced): looked at only then, not per ack wait
+                    # not acknowledge (fenced, or short of in-sync standbys): looked
+                    # at only then, not per ack wait
                     why = ha.unacknowledgeable() if ha is not None else None
                     if ha is None or why is not None:
                         replicated = durability.replicated()
@@ -559,7 +560,8 @@ class MasterServer:
         """Send the held replies of iterations that changed nothing once what they
         show is replicated; acknowledgments of changes stay held (in order).
         Reached only while acknowledgments lag replication: an HA leader past its
-        fencing deadline (it must still answer reads and refuse writes)."""
+        fencing deadline, or short of in-sync standbys (it must still answer
+        reads and refuse writes)."""
         keep = [h for h in held if h[1] or h[0] > replicated]
         if len(keep) == len(held):
             return
@@ -570,21 +572,22 @@ class MasterServer:
         held.extend(keep)
 
     def _fail_unacknowledged(self, held: collections.deque[tuple[int, bool, list[list[bytes]],
-                                                                  Any]], why: str) -> None:
-        """An HA leader that cannot acknowledge (fenced, or no standby in sync
-        for ``sync_timeout_s``): answer the held replies of iterations that
-        changed the directory ``WRITE_OUTCOME_UNKNOWN`` now instead of letting
+                                                                  Any]],
+                             why: tuple[ErrorCode, str]) -> None:
+        """An HA leader that cannot acknowledge (``why``: the code and message of
+        ``HaNode.unacknowledgeable``): answer the held replies of iterations
+        that changed the directory with that code now instead of letting
         their callers time out. Those changes were applied here but not
-        replicated: a successor may or may not hold them, so the caller must
-        treat the call as timed out. Replies of iterations that changed
-        nothing stay held (they may show such a change; they leave once it is
-        replicated, or their callers time out)."""
+        replicated: fenced, a successor may or may not hold them
+        (``WRITE_OUTCOME_UNKNOWN``, taken as a timeout); short of in-sync
+        standbys, they stay (``NOT_ENOUGH_STANDBYS``). Replies of iterations
+        that changed nothing stay held (they may show such a change; they
+        leave once every instance that could be elected holds it, or their
+        callers time out)."""
         keep = [h for h in held if not h[1]]
         if len(keep) == len(held):
             return
-        msg = (f"write outcome unknown: applied at this leader but not replicated ({why}); "
-               "it may or may not survive a failover")
-        code = ErrorCode.WRITE_OUTCOME_UNKNOWN
+        code, msg = why
 
         def failed(payload: bytes) -> bytes:
             try:
@@ -602,7 +605,7 @@ class MasterServer:
         held.clear()
         held.extend(keep)
         log.warning("%d held replies of unreplicated changes answered %s (%s)", n,
-                    code.name, why)
+                    code.name, msg)
 
     def _send(self, replies: list[list[bytes]], local_replies: Any) -> None:
         if replies:

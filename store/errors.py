@@ -18,6 +18,7 @@ __all__ = [
     "LeaseExpired",
     "MasterUnreachable",
     "NoSpace",
+    "NotEnoughStandbys",
     "ObjectNotFound",
     "QuotaExceeded",
     "StaleEpoch",
@@ -84,6 +85,13 @@ class StoreTimeout(StoreError, code=ErrorCode.TIMEOUT):
 class MasterUnreachable(StoreError, code=ErrorCode.RPC_FAIL,
                         also=(ErrorCode.RPC_TIMEOUT, ErrorCode.WRITE_OUTCOME_UNKNOWN)):
     """The master did not answer (RPC_TIMEOUT) or could not be reached (RPC_FAIL)."""
+
+
+class NotEnoughStandbys(StoreError, code=ErrorCode.NOT_ENOUGH_STANDBYS):
+    """The master group's leader has fewer standbys in sync than its
+    ``sync_standbys`` (they died or fell behind): the write was refused
+    before anything was applied. Reads go on; writes succeed again, with no
+    operator action, once a standby is back in sync (docs/ha.md)."""
 
 
 class LeaseExpired(StoreError, code=ErrorCode.LEASE_EXPIRED):

@@ -70,6 +70,7 @@ _DEFAULT_OPTIONS = PutOptions()
 _CALL_CODES = frozenset({ErrorCode.RPC_FAIL, ErrorCode.RPC_TIMEOUT, ErrorCode.CLOSED,
                          ErrorCode.WRITE_OUTCOME_UNKNOWN, ErrorCode.NOT_LEADER,
                          ErrorCode.NO_LEADER, ErrorCode.COORDINATION_UNAVAILABLE,
+                         ErrorCode.NOT_ENOUGH_STANDBYS,
                          ErrorCode.TOO_MANY_REQUESTS, ErrorCode.TIMEOUT})
 
 

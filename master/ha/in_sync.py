@@ -7,7 +7,9 @@ timed-out txn may have been applied), etcd may hold any of the sets written
 since the last confirmed one: replies wait for every standby of each
 (``ReplicationSource.sync_members``, the union); those of the confirmed set
 count toward ``sync_standbys``. A leader short of ``sync_standbys`` counted
-members for ``sync_timeout_s`` refuses writes (:attr:`InSyncSet.short`).
+members refuses writes before applying them (:attr:`InSyncSet.short`): at
+once when too few standbys are connected to make up the count, else once
+the set has been short for ``sync_timeout_s``.
 """
 
 from __future__ import annotations
@@ -50,18 +52,24 @@ class InSyncSet:
         self._next_write = 0.0
         # since when the set is short of sync_standbys (0: it is not); short for
         # sync_timeout_s -> writes are refused, not held
-        self._short_since = time.monotonic()
+        self._short_since = self._term_start = time.monotonic()
         self.short = False
 
-    def track(self, now: float) -> None:
-        """Whether the set has been short of ``sync_standbys`` for ``sync_timeout_s``."""
+    def track(self, now: float, connected: int) -> None:
+        """Is the set short of ``sync_standbys`` (writes refused)? Once it has
+        been short for ``sync_timeout_s`` (a new term's standbys join, a
+        connected standby catches up to replace a lost member); at once when
+        it is short and fewer than ``sync_standbys`` standbys are even
+        ``connected`` (past a new term's first ``sync_timeout_s``): none can
+        join soon, so a write would only be applied and never acknowledged."""
         if self.count >= self.want:
             self._short_since = 0.0
             self.short = False
-        elif not self._short_since:
+            return
+        if not self._short_since:
             self._short_since = now
-        else:
-            self.short = now - self._short_since >= self.timeout_s
+        self.short = now - self._short_since >= self.timeout_s or (
+            connected < self.want and now - self._term_start >= self.timeout_s)
 
     def maintain(self, src: ReplicationSource) -> None:
         """Start the write of the set this leader wants, if it differs from

@@ -28,8 +28,9 @@ deadlines (the PUT record carries only the flag).
 A new leader counts every object as read-leased for one lease TTL (read
 leases are not replicated). While its lease is unconfirmed (``FENCED``) it
 refuses writes and its mutating timers pause (``MasterServer._serve``); it
-refuses writes too while the in-sync set has been short of ``sync_standbys``
-for ``sync_timeout_s``. Refusals leave at once, never held for acks.
+refuses writes too (``NOT_ENOUGH_STANDBYS``, before applying them) while
+the in-sync set is short of ``sync_standbys`` (:attr:`InSyncSet.short`).
+Refusals leave at once, never held for acks; reads go on.
 """
 
 from __future__ import annotations
@@ -362,25 +363,32 @@ class HaNode:
 
     def guard_writes(self, handle: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
         """``handle`` for the leader: ops that change the directory are refused
-        with ``COORDINATION_UNAVAILABLE`` (at once, nothing applied) while the
-        fencing deadline has passed (etcd unreachable, or this instance was
-        frozen) or while the in-sync set has been short of ``sync_standbys``
-        for ``sync_timeout_s`` (their replies could not be released); reads go
-        on. A client of the group (``etcd://``) resends them within its budget.
-        Refusals are collected in :attr:`refusals` for the loop to send at once
+        at once, before anything is applied, with ``COORDINATION_UNAVAILABLE``
+        while the fencing deadline has passed (etcd unreachable, or this
+        instance was frozen; a client of the group, ``etcd://``, resends them
+        within its budget), else with ``NOT_ENOUGH_STANDBYS`` while fewer than
+        ``sync_standbys`` standbys are in sync (:attr:`InSyncSet.short`: their
+        replies could not be released; not resent: writes resume by
+        themselves once a standby is back in sync). Reads go on. Refusals are
+        collected in :attr:`refusals` for the loop to send at once
         (:meth:`take_refusals`)."""
         may = self.elector.may_acknowledge
         node = self
+        in_sync = self.in_sync
 
         def guarded(payload: bytes) -> bytes:
-            if may() and not node.in_sync.short:
+            if may() and not in_sync.short:
                 return handle(payload)
             # [op, id, args]: a fixarray of 3 whose first item is a positive fixint
             if len(payload) > 1 and payload[0] == 0x93 and payload[1] in _WRITES:
-                why = ("no standby in sync: writes refused until one is" if may() else
-                       "etcd unreachable (lease unconfirmed): writes refused until it returns")
-                reply = encode_error(peek_id(payload), ErrorCode.COORDINATION_UNAVAILABLE,
-                                     f"master {node.me.address}: {why}")
+                if may():
+                    code = ErrorCode.NOT_ENOUGH_STANDBYS
+                    why = (f"{in_sync.count} of the {in_sync.want} standbys it needs in "
+                           "sync: writes refused until one is back in sync")
+                else:
+                    code = ErrorCode.COORDINATION_UNAVAILABLE
+                    why = "etcd unreachable (lease unconfirmed): writes refused until it returns"
+                reply = encode_error(peek_id(payload), code, f"master {node.me.address}: {why}")
                 node.refusals.append(reply)
                 return reply
             return handle(payload)
@@ -403,16 +411,27 @@ class HaNode:
             local_replies = [r for r in local_replies if id(r[1]) not in mine]
         return replies, local_replies, zmq_now, local_now
 
-    def unacknowledgeable(self) -> str | None:
+    def unacknowledgeable(self) -> tuple[ErrorCode, str] | None:
         """Why replies held for acks cannot be acknowledged soon (None: they
-        can): the fencing deadline passed, or the in-sync set has been short
-        of ``sync_standbys`` for ``sync_timeout_s``."""
+        can), as the code and message the held writes are answered with:
+        ``WRITE_OUTCOME_UNKNOWN`` past the fencing deadline (a successor may
+        be elected without them); ``NOT_ENOUGH_STANDBYS`` while the in-sync
+        set is short of ``sync_standbys`` (:attr:`InSyncSet.short`; they were
+        applied here and stay: etcd lists no standby that lacks them, so a
+        successor holds them; they reach a standby before it is in sync)."""
         if not self.serving:
             return None
         if not self.elector.may_acknowledge():
-            return "lease unconfirmed: etcd unreachable"
-        if self.in_sync.short:
-            return "no standby in sync"
+            return (ErrorCode.WRITE_OUTCOME_UNKNOWN,
+                    "write outcome unknown: applied at this leader but not replicated (lease "
+                    "unconfirmed: etcd unreachable); it may or may not survive a failover")
+        in_sync = self.in_sync
+        if in_sync.short:
+            return (ErrorCode.NOT_ENOUGH_STANDBYS,
+                    f"applied at this leader but not acknowledged: {in_sync.count} of the "
+                    f"{in_sync.want} standbys it needs in sync (it stays, and is replicated "
+                    "to a standby before it is back in sync; lost only with this leader's "
+                    "data dir); writes are refused until one is back in sync")
         return None
 
     def set_released(self, commit_no: int) -> None:
@@ -461,10 +480,20 @@ class HaNode:
         return src.acked_lsn()
 
     def replicated(self) -> int:
-        """The highest commit number every in-sync member holds (at least
-        ``sync_standbys`` of them), the fencing deadline aside: replies that
-        acknowledge no change (reads, refusals) may leave up to it."""
+        """The highest commit number that every instance that could be elected
+        holds, the fencing deadline aside: replies that acknowledge no change
+        (reads, refusals) may leave up to it, since no failover can lose what
+        they show. Those instances are this leader (its journal) and the
+        standbys of every in-sync set etcd may hold; once this term's set is
+        in etcd that is all of them, however few (none: a change held by this
+        leader alone survives every failover, as only it may be elected), so
+        a leader left with fewer than ``sync_standbys`` keeps answering reads.
+        Before that, etcd may still list the last term's set: as acknowledgments,
+        at least ``sync_standbys`` in-sync members must hold it."""
         lsn = self._replicated_lsn()
+        src = self.source
+        if lsn is None and src is not None and self.in_sync.confirmed is not None:
+            lsn = src.acked_lsn()
         if lsn is None:
             return self._released
         out = self._released
@@ -505,7 +534,7 @@ class HaNode:
         if now >= self._next_sync_check and st.role is Role.LEADER:
             self._next_sync_check = now + 0.02
             in_sync.maintain(src)
-        in_sync.track(now)
+        in_sync.track(now, len(src.standbys))
         return True
 
     def _check_joined(self, src: ReplicationSource) -> None:

@@ -123,6 +123,7 @@ class ReplicationSource:
         #: caller looks for joiners only when this moved
         self.sessions = 0
         self._last_send = time.monotonic()
+        self._drops_seen = 0  # transport.drops when last looked at
         self.batches_sent = 0
         self.snapshots_sent = 0
 
@@ -298,6 +299,8 @@ class ReplicationSource:
                 msg = unpack(data)
                 if msg is not None:
                     handle(ident, msg)
+        if self.transport.drops != self._drops_seen:
+            self._forget_gone()
         if self._snapshots:
             backlog = self.transport.backlog
             for sb in list(self.standbys.values()):
@@ -352,6 +355,21 @@ class ReplicationSource:
                         sb.status.instance_id if sb else ident, msg[2])
             if sb is not None:
                 self._forget(sb.status.instance_id)
+
+    def _forget_gone(self) -> None:
+        """Forget the standbys whose connection closed (killed, or it broke):
+        an in-sync member among them is :meth:`lagging` at once, so the
+        leader drops it from the set without waiting ``sync_timeout_s`` for
+        an ack it will never get (and learns it has too few standbys before
+        the next write comes, not after applying it). One that dials again
+        says hello and joins anew."""
+        transport = self.transport
+        self._drops_seen = transport.drops
+        gone = transport.gone
+        for sid, sb in list(self.standbys.items()):
+            if gone(sb.ident):
+                log.warning("standby %s: its connection closed", sid)
+                self._forget(sid)
 
     def _by_ident(self, ident: Any) -> _Standby | None:
         for sb in self.standbys.values():

@@ -131,6 +131,15 @@ class LeaderTransport(Protocol):
     def drop(self, peer: Any) -> None:
         """Close ``peer``'s connection (it was replaced or refused)."""
 
+    @property
+    def drops(self) -> int:
+        """Connections closed so far (by :meth:`drop`, or because the peer
+        closed its end or the connection failed): when it moves, look for
+        peers that are :meth:`gone`."""
+
+    def gone(self, peer: Any) -> bool:
+        """``peer``'s connection is closed (ZeroMQ cannot tell: False)."""
+
     def wait(self, timeout_ms: int) -> bool:
         """Block up to ``timeout_ms`` for something to do."""
 
@@ -212,6 +221,11 @@ class ZmqLeader:
 
     def drop(self, peer: Any) -> None:
         pass  # ROUTER: a stale identity's messages are dropped
+
+    drops = 0  # a ROUTER does not tell when a peer goes
+
+    def gone(self, peer: Any) -> bool:
+        return False
 
     def wait(self, timeout_ms: int) -> bool:
         return bool(self.sock.poll(timeout_ms))
@@ -298,6 +312,7 @@ class SocketLeader:
         self._rbuf = bytearray(_RECV)
         self._rview = memoryview(self._rbuf)
         self.accepted = 0
+        self.drops = 0
 
     @property
     def pollable(self) -> Any:
@@ -324,6 +339,7 @@ class SocketLeader:
         if p.closed:
             return
         p.closed = True
+        self.drops += 1
         if self._peers.get(p.fd) is p:
             del self._peers[p.fd]
             try:
@@ -387,6 +403,9 @@ class SocketLeader:
     def backlog(self, peer: Any) -> int:
         p = cast(_Peer, peer)
         return len(p.outbuf) - p.outpos
+
+    def gone(self, peer: Any) -> bool:
+        return cast(_Peer, peer).closed
 
     def recv_all(self) -> list[tuple[Any, bytes]]:
         out: list[tuple[Any, bytes]] = []

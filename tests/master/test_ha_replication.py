@@ -485,7 +485,9 @@ def test_standby_killed_with_batches_in_flight_holds_only_what_it_acked(
         for _ in range(5):
             leader.src.poll()
             time.sleep(0.01)
-        assert leader.src.acked_lsn() == acked_lsn < leader.src.last_lsn
+        # never acknowledged (the socket stream forgot the standby when its
+        # connection closed: a member it does not know holds nothing)
+        assert leader.src.acked_lsn() <= acked_lsn < leader.src.last_lsn
 
         store2, restored = _restart(cfg)
         assert store2.position is not None and store2.position.lsn == acked_lsn
