@@ -429,8 +429,8 @@ def test_layerwise_load_reads_first_group_from_the_lookup(pool: str) -> None:
     n, _ = sched.lookup("q", toks, 0)
     assert n == 2 * KS.chunk_size
     blocks = [9, 10, 5, 6, 11]
-    sched.after_alloc("q", None, toks, blocks, n)
-    meta = sched.build_meta(StepInfo(new=[NewReq("q", blocks, 0)],
+    sched.after_alloc("q", None, toks, [blocks], n)
+    meta = sched.build_meta(StepInfo(new=[NewReq("q", [blocks], 0)],
                                      num_scheduled_tokens={"q": len(toks)}))
     (spec,) = meta.loads
     first = layer_ranges(LAYERS, cfg.layer_groups)[0]
