@@ -220,3 +220,33 @@ def test_abort_during_async_load_keeps_blocks_until_loaded(pool: str, client: An
     s.after_alloc("b", FakeRequest(toks), toks, [[6, 7, 8, 9, 10]], 64)
     s.loads_done({"b"})
     assert s.finished("b") is False
+
+
+def test_sliding_window_saves_only_held_blocks_and_flushes_before_reuse() -> None:
+    """Two KV-cache groups, the first a 16-token sliding window: a chunk whose
+    window blocks vLLM freed before the step saves them as -1 (not stored),
+    and a step that hands a block an earlier save reads to another request
+    makes the workers finish their saves before the forward."""
+    from kvpool.connector.keys import CacheGroup
+
+    cfg = ConnectorConfig(master_address="127.0.0.1:1", chunk_size=CHUNK)
+    s = KVPoolScheduler(cfg, KS, [CacheGroup(2, 16), CacheGroup(1)], StoreAccess(cfg))
+    toks = list(range(1000, 1070))
+    sw, full = [1, 2, 3, 4], [11, 12, 13, 14]
+    s.after_alloc("r", FakeRequest(toks), toks, [sw, full], 0)
+    m1 = s.build_meta(StepInfo(new=[NewReq("r", [sw, full], 0)], num_scheduled_tokens={"r": 63}))
+    (save,) = m1.saves  # chunk 0 (tokens 0-31): every block still held
+    assert [(c.index, c.block_ids) for c in save.chunks] == [(0, [1, 2, 11, 12])]
+    assert not m1.flush_saves
+    # Step 2 starts at 63 tokens: the window keeps tokens 48.. (block 3 on), so
+    # vLLM freed blocks 1-3 (as the window moved) and gives block 1 to request q.
+    m2 = s.build_meta(StepInfo(new=[NewReq("q", [[1], [21]], 0)],
+                               cached=[CachedReq("r", [[], []], 63)],
+                               num_scheduled_tokens={"r": 1, "q": 8}))
+    assert m2.flush_saves  # step 1's save reads block 1
+    (save,) = [sv for sv in m2.saves if sv.req_id == "r"]
+    # chunk 1 (tokens 32-63): block 3 (tokens 32-47) left the window: not saved
+    assert [(c.index, c.block_ids) for c in save.chunks] == [(1, [-1, 4, 13, 14])]
+    m3 = s.build_meta(StepInfo(cached=[CachedReq("r", None, 64)],
+                               num_scheduled_tokens={"r": 1}))
+    assert not m3.flush_saves and not m3.saves

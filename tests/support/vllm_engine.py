@@ -52,8 +52,14 @@ def build_tiny_llama(
     vocab_size: int = 512,
     max_position_embeddings: int = 8192,
     seed: int = 0,
+    sliding_window: int | None = None,
 ) -> Path:
-    """Write a random Llama (safetensors) plus a WordLevel tokenizer into ``out_dir``."""
+    """Write a random Llama (safetensors) plus a WordLevel tokenizer into ``out_dir``.
+
+    ``sliding_window``: even layers attend within that many tokens, odd ones
+    to everything (``layer_types`` in config.json, which vLLM's Llama reads):
+    with the hybrid KV-cache manager, a sliding-window and a full-attention
+    KV-cache group."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -91,6 +97,12 @@ def build_tiny_llama(
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    if sliding_window is not None:
+        conf = json.loads((out / "config.json").read_text())
+        conf["sliding_window"] = sliding_window
+        conf["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                               for i in range(num_layers)]
+        (out / "config.json").write_text(json.dumps(conf, indent=2))
     # Keep generation greedy and unbounded by EOS in tests (ignore_eos is set too).
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
     return out
