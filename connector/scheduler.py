@@ -496,7 +496,7 @@ class KVPoolScheduler:
             st.hashes = self.keys.extend_hashes(st.hashes, list(tokens[: n * cs]))
         bs = self.keys.block_size
         gone = [first_window_block(before, g.window, bs) for g in self.cache_groups]
-        chunks = []
+        chunks: list[ChunkRef] = []
         for i in range(st.stored_chunks, n):
             ids = [b if j >= gone[c] else -1
                    for c, group in enumerate(st.block_ids)
@@ -508,8 +508,8 @@ class KVPoolScheduler:
                         self._sw_saving.update(b for b in ids[c * bpc : (c + 1) * bpc] if b >= 0)
         block_hashes = getattr(st.request, "block_hashes", None) if st.request else None
         if block_hashes:
-            for c in chunks:
-                self._event_stored(c.hash, c.index, tokens, block_hashes, Medium.DRAM)
+            for ref in chunks:
+                self._event_stored(ref.hash, ref.index, tokens, block_hashes, Medium.DRAM)
         st.stored_chunks = n
         st.had_saves = True
         return SaveSpec(req_id, chunks)
