@@ -318,7 +318,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.cfg = ConnectorConfig.from_extra_config(extra)
         block_size = int(vllm_config.cache_config.block_size)
-        self.cfg.validate(block_size)
+        groups, self.unsupported = cache_groups(kv_cache_config, block_size)
+        # a model whose KV kvpool cannot store runs with the pool off, whatever
+        # block size vLLM chose for it (Mamba hybrids: the state's page size)
+        self.cfg.validate(None if self.unsupported else block_size)
         self._set_failure_policy(role)
         mc = vllm_config.model_config
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
@@ -336,10 +339,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.keys = KeySpace(
             model=self.cfg.model_id or str(mc.model),
             kv_dtype=_kv_format(vllm_config, kv_cache_config),
-            block_size=block_size, chunk_size=self.cfg.chunk_size,
+            block_size=self.cfg.chunk_size if self.unsupported else block_size,
+            chunk_size=self.cfg.chunk_size,
         )
         self.layer_names = _layer_names(kv_cache_config)
-        groups, self.unsupported = cache_groups(kv_cache_config, block_size)
         self.cache_groups = groups or [CacheGroup(len(self.layer_names))]
         self.cache_group_of = {n: c for c, g in enumerate(
             getattr(kv_cache_config, "kv_cache_groups", None) or []) for n in g.layer_names}

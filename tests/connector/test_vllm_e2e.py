@@ -246,3 +246,28 @@ def test_sliding_window_model_loads_its_window(tiny_sliding_model: str,
                 for k, v in saved.items():
                     c.remove(k, force=True)
                     c.put(k, v)
+
+
+def test_linear_attention_hybrid_runs_with_the_pool_off(tiny_gdn_model: str,
+                                                        pool: tuple[Any, Any]) -> None:
+    """A model with a KV-cache group of linear-attention state (Qwen3-Next's
+    gated delta net: vLLM's MambaSpec), which kvpool does not store: the
+    engine runs with the connector, every prefix misses (a hit without the
+    state would be a silent partial load), nothing is stored, and the
+    tokens are those of an engine without kvpool."""
+    from kvpool.store import Client, ClientConfig
+
+    master, _daemon = pool
+    with EngineProc({"model": tiny_gdn_model, "block_size": BLOCK,
+                     "prefix_caching": False}) as e0:
+        ref = e0.generate([P1])["results"][0]["token_ids"]
+    with _engine(tiny_gdn_model, master.address, prefix_caching=False) as e1:
+        e1.generate([P1])
+        r = e1.generate([P1])
+    assert r["results"][0]["token_ids"] == ref
+    s, w = r["connector"]["scheduler"], r["connector"]["worker"]
+    assert s["lookups"] == 2 and s["hit_tokens"] == 0 and s["lookup_errors"] == 0, s
+    assert w["saved_chunks"] == 0 and w["loaded_chunks"] == 0, w
+    with Client(ClientConfig(master_address=master.address)) as c:
+        segs = c.list_segments()
+        assert segs and sum(seg.objects for seg in segs) == 0, segs
