@@ -240,6 +240,8 @@ def _group_kind(spec: Any) -> CacheGroup | str:
     kinds: set[int | None] = set()
     for sp in specs:
         name = type(sp).__name__
+        if not getattr(sp, "prefix_cacheable", True):  # e.g. a bounded-replay window
+            return f"{name} (not prefix-cacheable)"
         if name in _FULL_SPECS:
             kinds.add(None)
         elif name in _WINDOW_SPECS:
