@@ -462,7 +462,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         """(requests whose saves completed, requests whose async load completed)."""
         if self._worker is None:
             return None, None
-        sending, recving = self._worker.get_finished(finished_req_ids)
+        # a step that computes nothing: requests wait for their async loads
+        idle = self.has_connector_metadata() and self._meta().scheduled_tokens == 0
+        sending, recving = self._worker.get_finished(finished_req_ids, idle)
         return sending or None, recving or None
 
     def build_connector_worker_meta(self) -> KVPoolWorkerMeta | None:

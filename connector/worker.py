@@ -185,14 +185,18 @@ class KVPoolWorker:
         """Measurements since the last call (``build_connector_worker_meta``)."""
         return self.report.take()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def get_finished(self, finished_req_ids: set[str],
+                     idle: bool = False) -> tuple[set[str], set[str]]:
         """``(done_saving, done_loading)`` request ids.
 
         A finished request that had saves is reported once all its saves are
         done (the scheduler kept its blocks for us); async loads are reported
-        when their load completed (successfully or not).
+        when their load completed (successfully or not). ``idle``: the step
+        ran no forward (:meth:`LoadPipeline.take_done_async` then waits
+        briefly for a pending async load).
         """
-        return self.saves.take_finished(finished_req_ids), self.loads.take_done_async()
+        return (self.saves.take_finished(finished_req_ids),
+                self.loads.take_done_async(idle))
 
     def take_failed_requests(self) -> set[str]:
         """Requests whose load failed since the last call, for a model with
