@@ -9,7 +9,12 @@ mean equal prefixes. Hashes use :mod:`hashlib` (never Python's salted
 One store object holds one chunk for one layer group and one range of KV
 heads (head-major, see :mod:`kvpool.connector.layout`)::
 
-    kvpool/v3/<model>/<dtype>/b<block>/c<chunk>/l<first>-<end>/h<first>-<end>of<heads>/<hash>
+    kvpool/v3/<model>/<dtype>/b<block>/c<chunk>[/g<group>of<groups>]/l<first>-<end>/h<first>-<end>of<heads>/<hash>
+
+``g<group>of<groups>``: vLLM's KV-cache group (hybrid models: full-attention
+and sliding-window layers are separate groups, each with its own block
+table); absent when the model has one group. Layer numbers are positions
+inside that group (:class:`CacheGroup`).
 
 Layer groups split the model's layers into ``layer_groups`` runs, the first
 one short and the others equal (see :func:`layer_ranges`): a load waits
@@ -33,8 +38,8 @@ import numpy as np
 
 from kvpool.core.config import ConfigError
 
-__all__ = ["KeySpace", "chain_hashes", "head_granularities", "head_ranges", "kv_shard",
-           "layer_ranges", "rank_heads"]
+__all__ = ["CacheGroup", "KeySpace", "chain_hashes", "first_window_block", "head_granularities",
+           "head_ranges", "kv_shard", "layer_ranges", "rank_heads"]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -83,6 +88,26 @@ def head_granularities(num_kv_heads: int, own: int) -> list[int]:
             out.append(k)
         k *= 2
     return out
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One of vLLM's KV-cache groups as kvpool stores it: its layer count and,
+    for a sliding-window group, the tokens it keeps behind the next one
+    (vLLM's ``sliding_window + extra_retained_tokens``); None = full attention."""
+
+    num_layers: int
+    window: int | None = None
+
+
+def first_window_block(end_tokens: int, window: int | None, block_size: int) -> int:
+    """The first block of a group that a sequence of ``end_tokens`` computed tokens
+    still holds: 0 for full attention; for a sliding window, the blocks before
+    it are outside the window (vLLM's ``get_num_skipped_tokens`` frees them and
+    gives a hit null blocks there)."""
+    if window is None:
+        return 0
+    return max(0, end_tokens - window + 1) // block_size
 
 
 def layer_ranges(num_layers: int, groups: int) -> list[tuple[int, int]]:
@@ -171,16 +196,21 @@ class KeySpace:
         return hashes + chain_hashes(tail, self.chunk_size, self.seed, start=start)
 
     def object_key(self, chunk_hash: str, layers: tuple[int, int], heads: tuple[int, int],
-                   num_heads: int) -> str:
+                   num_heads: int, cache_group: tuple[int, int] = (0, 1)) -> str:
         """Key of the object holding layers ``[layers)`` and global KV heads
-        ``[heads)`` (of ``num_heads``) of the chunk with hash ``chunk_hash``."""
-        return (f"{self.prefix}/l{layers[0]}-{layers[1]}/h{heads[0]}-{heads[1]}of{num_heads}"
+        ``[heads)`` (of ``num_heads``) of the chunk with hash ``chunk_hash``;
+        ``cache_group``: (group, groups) of vLLM's KV-cache groups (named in the
+        key only when there are several)."""
+        g = f"/g{cache_group[0]}of{cache_group[1]}" if cache_group[1] > 1 else ""
+        return (f"{self.prefix}{g}/l{layers[0]}-{layers[1]}/h{heads[0]}-{heads[1]}of{num_heads}"
                 f"/{chunk_hash}")
 
     def chunk_keys(self, chunk_hash: str, num_layers: int, layer_groups: int,
-                   num_heads: int = 1, split: int = 1) -> list[str]:
-        """Every object key of a chunk of a ``num_layers``-layer model stored in
-        ``layer_groups`` layer groups by a writer with ``split`` head shards."""
-        return [self.object_key(chunk_hash, lr, hr, num_heads)
+                   num_heads: int = 1, split: int = 1,
+                   cache_group: tuple[int, int] = (0, 1)) -> list[str]:
+        """Every object key of a chunk of a ``num_layers``-layer model (or KV-cache
+        group ``cache_group``) stored in ``layer_groups`` layer groups by a
+        writer with ``split`` head shards."""
+        return [self.object_key(chunk_hash, lr, hr, num_heads, cache_group)
                 for lr in layer_ranges(num_layers, layer_groups)
                 for hr in head_ranges(num_heads, split)]

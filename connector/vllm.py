@@ -10,6 +10,12 @@ The class is a thin adapter: :class:`~kvpool.connector.scheduler.KVPoolScheduler
 (role SCHEDULER) and :class:`~kvpool.connector.worker.KVPoolWorker` (role
 WORKER) hold the logic; see ``docs/vllm.md``. Supported vLLM: 0.31.x to 0.33.x
 (checked at import; set ``KVPOOL_SKIP_VLLM_VERSION_CHECK=1`` to try another).
+
+The connector supports vLLM's hybrid KV-cache manager (``SupportsHMA``):
+full-attention and sliding-window KV-cache groups (see
+:func:`cache_groups`). A model with another kind of group (Mamba / linear
+attention state, chunked local attention, ...) runs with the pool off:
+every lookup misses and nothing is stored, never a partial load.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -39,7 +46,7 @@ except ImportError:  # vLLM 0.31
 
 from kvpool.connector.config import ConnectorConfig, LoadFailurePolicy
 from kvpool.connector.events import PoolEvent
-from kvpool.connector.keys import KeySpace, kv_shard, rank_heads
+from kvpool.connector.keys import CacheGroup, KeySpace, kv_shard, rank_heads
 from kvpool.connector.metadata import ConnectorMeta, WorkerReport
 from kvpool.connector.scheduler import CachedReq, KVPoolScheduler, NewReq, StepInfo
 from kvpool.connector.stats import ConnectorStats, merge_stats, reduce_stats
@@ -64,6 +71,7 @@ __all__ = [
     "KVPoolConnectorStats",
     "KVPoolPromMetrics",
     "KVPoolWorkerMeta",
+    "cache_groups",
     "check_vllm_version",
     "to_vllm_event",
 ]
@@ -219,6 +227,62 @@ def _layer_names(kv_cache_config: Any) -> list[str]:
     return names
 
 
+#: KV-cache spec classes (by name, across vLLM versions) kvpool stores: paged
+#: attention KV, whole (full) or within a sliding window
+_FULL_SPECS = {"FullAttentionSpec", "MLAAttentionSpec"}
+_WINDOW_SPECS = {"SlidingWindowSpec", "SlidingWindowMLASpec"}
+
+
+def _group_kind(spec: Any) -> CacheGroup | str:
+    """The :class:`CacheGroup` of one KV-cache group's spec (layer count 0), or
+    the name of the spec kvpool cannot store."""
+    specs = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]  # UniformType...
+    kinds: set[int | None] = set()
+    for sp in specs:
+        name = type(sp).__name__
+        if not getattr(sp, "prefix_cacheable", True):  # e.g. a bounded-replay window
+            return f"{name} (not prefix-cacheable)"
+        if name in _FULL_SPECS:
+            kinds.add(None)
+        elif name in _WINDOW_SPECS:
+            kinds.add(int(sp.sliding_window) + int(getattr(sp, "extra_retained_tokens", 0) or 0))
+        else:
+            return name
+    if len(kinds) != 1:
+        return f"{type(spec).__name__} mixing {sorted(map(str, kinds))}"
+    return CacheGroup(0, kinds.pop())
+
+
+def cache_groups(kv_cache_config: Any, block_size: int) -> tuple[list[CacheGroup], str]:
+    """vLLM's KV-cache groups as kvpool stores them (layers, sliding window),
+    and "" or why kvpool cannot store this model's KV (then the pool is off).
+
+    Stored: full-attention (incl. MLA) and sliding-window groups with
+    ``block_size``-token blocks. Not stored: Mamba / linear-attention state
+    (its prefix's state would have to be stored and restored with it; a
+    prefix without it must miss, so kvpool misses every prefix), chunked
+    local attention, R-SWA, cross/encoder attention."""
+    out: list[CacheGroup] = []
+    for i, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
+        spec = group.kv_cache_spec
+        kind = _group_kind(spec)
+        if isinstance(kind, str):
+            return [], f"KV-cache group {i} is {kind}"
+        bs = getattr(spec, "block_size", block_size)
+        if bs != block_size:
+            return [], f"KV-cache group {i} has {bs}-token blocks, not {block_size}"
+        out.append(CacheGroup(len(group.layer_names), kind.window))
+    if not out:
+        return [], "no KV-cache groups"
+    return out, ""
+
+
+def _null_free(block_ids: Any) -> list[list[int]]:
+    """vLLM's per-group block ids with its null block (id 0: a sliding window's
+    blocks outside the window) as -1."""
+    return [[b if b else -1 for b in ids] for ids in block_ids]
+
+
 def _kv_format(vllm_config: Any, kv_cache_config: Any) -> str:
     """KV dtype plus the byte order inside a block (e.g. ``bfloat16-HNC``): engines
     whose blocks hold different byte layouts (CPU's HNC vs CUDA's NHC) must
@@ -232,7 +296,7 @@ def _kv_format(vllm_config: Any, kv_cache_config: Any) -> str:
     return f"{cache_dtype}-{interior}"
 
 
-class KVPoolConnector(KVConnectorBase_V1):
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector storing prompt KV chunks in kvpool and loading them on a hit.
 
     Scheduler role: finds stored prefixes and plans loads/saves. Worker role:
@@ -256,7 +320,10 @@ class KVPoolConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.cfg = ConnectorConfig.from_extra_config(extra)
         block_size = int(vllm_config.cache_config.block_size)
-        self.cfg.validate(block_size)
+        groups, self.unsupported = cache_groups(kv_cache_config, block_size)
+        # a model whose KV kvpool cannot store runs with the pool off, whatever
+        # block size vLLM chose for it (Mamba hybrids: the state's page size)
+        self.cfg.validate(None if self.unsupported else block_size)
         self._set_failure_policy(role)
         mc = vllm_config.model_config
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
@@ -274,23 +341,39 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.keys = KeySpace(
             model=self.cfg.model_id or str(mc.model),
             kv_dtype=_kv_format(vllm_config, kv_cache_config),
-            block_size=block_size, chunk_size=self.cfg.chunk_size,
+            block_size=self.cfg.chunk_size if self.unsupported else block_size,
+            chunk_size=self.cfg.chunk_size,
         )
         self.layer_names = _layer_names(kv_cache_config)
+        self.cache_groups = groups or [CacheGroup(len(self.layer_names))]
+        self.cache_group_of = {n: c for c, g in enumerate(
+            getattr(kv_cache_config, "kv_cache_groups", None) or []) for n in g.layer_names}
+        if self.unsupported and role == KVConnectorRole.SCHEDULER:
+            log.warning("kvpool: %s, which kvpool does not store: the pool is off for this "
+                        "model (every lookup misses, nothing is saved)", self.unsupported)
+        if len(self.cache_groups) > 1 and not self.cfg.load_async:
+            # vLLM maps failed blocks to requests only with one KV-cache group;
+            # with several it recomputes failed loads of requests waiting for KV
+            self.cfg.load_async = True
+            if role == KVConnectorRole.SCHEDULER:
+                log.info("kvpool: %d KV-cache groups: loads run asynchronously (a failed load "
+                         "is then recomputed whole)", len(self.cache_groups))
         self.stats = ConnectorStats()
         self.store = StoreAccess(self.cfg)
         self._sched: KVPoolScheduler | None = None
         self._worker: KVPoolWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             ktc = self._kv_transfer_config
-            self._sched = KVPoolScheduler(self.cfg, self.keys, len(self.layer_names),
-                                          self.store, self.stats, load=bool(ktc.is_kv_consumer),
-                                          save=bool(ktc.is_kv_producer),
+            on = not self.unsupported
+            self._sched = KVPoolScheduler(self.cfg, self.keys, self.cache_groups,
+                                          self.store, self.stats,
+                                          load=on and bool(ktc.is_kv_consumer),
+                                          save=on and bool(ktc.is_kv_producer),
                                           num_heads=num_kv_heads, head_objects=self.head_objects)
         else:
             self._worker = KVPoolWorker(self.cfg, self.keys, self.store, self.stats, self.heads)
-        log.info("KVPoolConnector (%s): keys %s, %d layers, config %s",
-                 role.name, self.keys.prefix, len(self.layer_names), self.cfg)
+        log.info("KVPoolConnector (%s): keys %s, %d layers in KV-cache groups %s, config %s",
+                 role.name, self.keys.prefix, len(self.layer_names), self.cache_groups, self.cfg)
 
     def _set_failure_policy(self, role: KVConnectorRole) -> None:
         """Make vLLM recompute blocks whose load failed (see LoadFailurePolicy).
@@ -319,11 +402,15 @@ class KVPoolConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Record the paged KV tensors (their block layout) for the worker's copies."""
         assert self._worker is not None
+        if self.unsupported:
+            return  # the pool is off: no load or save ever reaches the worker
         index = {n: i for i, n in enumerate(self.layer_names)}
         for n in kv_caches:
             index.setdefault(n, len(index))
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
-        self._worker.register_kv_caches(kv_caches, index, num_blocks)
+        self._worker.register_kv_caches(kv_caches, index, num_blocks,
+                                        self.cache_group_of if len(self.cache_groups) > 1
+                                        else None)
 
     def _meta(self) -> ConnectorMeta:
         meta = self._get_connector_metadata()
@@ -375,7 +462,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         """(requests whose saves completed, requests whose async load completed)."""
         if self._worker is None:
             return None, None
-        sending, recving = self._worker.get_finished(finished_req_ids)
+        # a step that computes nothing: requests wait for their async loads
+        idle = self.has_connector_metadata() and self._meta().scheduled_tokens == 0
+        sending, recving = self._worker.get_finished(finished_req_ids, idle)
         return sending or None, recving or None
 
     def build_connector_worker_meta(self) -> KVPoolWorkerMeta | None:
@@ -384,6 +473,14 @@ class KVPoolConnector(KVConnectorBase_V1):
             return None
         r = self._worker.take_report()
         return KVPoolWorkerMeta(r.loads, r.failed_peers, r.forwards) if r is not None else None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """:meth:`get_finished` plus the requests whose load failed, for a model
+        with several KV-cache groups (vLLM computes them from the start)."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self._worker is not None:
+            results.failed_recving |= self._worker.take_failed_requests()
+        return results
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call; vLLM recomputes them."""
@@ -428,17 +525,17 @@ class KVPoolConnector(KVConnectorBase_V1):
                                  num_external_tokens: int) -> None:
         """Plan the load of ``num_external_tokens`` into the request's blocks."""
         assert self._sched is not None
-        block_ids = blocks.get_block_ids()[0] if blocks is not None else []
+        block_ids = _null_free(blocks.get_block_ids()) if blocks is not None else []
         self._sched.after_alloc(request.request_id, request, request.prompt_token_ids or [],
-                                list(block_ids), num_external_tokens)
+                                block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads and saves for the workers."""
         assert self._sched is not None
         so = scheduler_output
         step = StepInfo(
-            new=[NewReq(r.req_id, list(r.block_ids[0]) if r.block_ids else [],
-                        r.num_computed_tokens, r.prompt_token_ids)
+            new=[NewReq(r.req_id, _null_free(r.block_ids or ()), r.num_computed_tokens,
+                        r.prompt_token_ids)
                  for r in so.scheduled_new_reqs],
             num_scheduled_tokens=dict(so.num_scheduled_tokens),
             finished_req_ids=set(so.finished_req_ids),
@@ -448,13 +545,14 @@ class KVPoolConnector(KVConnectorBase_V1):
         for i, req_id in enumerate(cached.req_ids):
             nb = cached.new_block_ids[i]
             step.cached.append(CachedReq(
-                req_id, list(nb[0]) if nb is not None else None,
+                req_id, _null_free(nb) if nb is not None else None,
                 cached.num_computed_tokens[i], req_id in cached.resumed_req_ids,
             ))
         meta = self._sched.build_meta(step)
         return KVPoolConnectorMetadata(loads=meta.loads, saves=meta.saves,
                                        preempted_req_ids=meta.preempted_req_ids,
-                                       scheduled_tokens=meta.scheduled_tokens)
+                                       scheduled_tokens=meta.scheduled_tokens,
+                                       flush_saves=meta.flush_saves)
 
     def take_events(self) -> list[Any]:
         """kvpool's blocks for vLLM's KV event stream (see kvpool.connector.events):
@@ -468,6 +566,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         if self._sched is not None:
             self._sched.loads_done(connector_output.finished_recving)
             self._sched.loads_failed(getattr(connector_output, "invalid_block_ids", None))
+            self._sched.requests_failed(getattr(connector_output, "failed_recving", None))
             report = getattr(connector_output, "kv_connector_worker_meta", None)
             if isinstance(report, WorkerReport):
                 self._sched.observe(report)
@@ -477,3 +576,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         """Delay freeing the blocks while the request's saves are in flight."""
         assert self._sched is not None
         return self._sched.finished(request.request_id), None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with the hybrid KV-cache manager (every group's
+        blocks): delay freeing them all while the request's saves are in flight."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])

@@ -65,11 +65,13 @@ class KVPoolWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, Any],
                            layer_index: dict[str, int] | None = None,
-                           num_blocks: int | None = None) -> None:
-        """Record the paged KV tensors (``{layer_name: tensor}``, dim 0 = blocks);
-        see :meth:`CacheGeometry.from_caches`."""
+                           num_blocks: int | None = None,
+                           cache_group_of: dict[str, int] | None = None) -> None:
+        """Record the paged KV tensors (``{layer_name: tensor}``, dim 0 = blocks)
+        and each layer's vLLM KV-cache group; see :meth:`CacheGeometry.from_caches`."""
         geo = CacheGeometry.from_caches(kv_caches, self._heads, self.keys,
-                                        self.cfg.layer_groups, layer_index, num_blocks)
+                                        self.cfg.layer_groups, layer_index, num_blocks,
+                                        cache_group_of)
         self.geo = geo
         for room in (self.staging, self.loads, self.saves):
             room.attach(geo)
@@ -159,8 +161,10 @@ class KVPoolWorker:
         return self.saves.wait(timeout)
 
     def handle_preemptions(self, meta: ConnectorMeta) -> None:
-        """Preempted requests' blocks are about to be reused: finish pending saves."""
-        if meta.preempted_req_ids:
+        """Before the forward: preempted requests' blocks (or sliding-window
+        blocks a pending save reads, ``flush_saves``) are about to be reused:
+        finish pending saves."""
+        if meta.preempted_req_ids or meta.flush_saves:
             self.saves.wait()
 
     # ------------------------------------------------------------ the step
@@ -181,14 +185,23 @@ class KVPoolWorker:
         """Measurements since the last call (``build_connector_worker_meta``)."""
         return self.report.take()
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def get_finished(self, finished_req_ids: set[str],
+                     idle: bool = False) -> tuple[set[str], set[str]]:
         """``(done_saving, done_loading)`` request ids.
 
         A finished request that had saves is reported once all its saves are
         done (the scheduler kept its blocks for us); async loads are reported
-        when their load completed (successfully or not).
+        when their load completed (successfully or not). ``idle``: the step
+        ran no forward (:meth:`LoadPipeline.take_done_async` then waits
+        briefly for a pending async load).
         """
-        return self.saves.take_finished(finished_req_ids), self.loads.take_done_async()
+        return (self.saves.take_finished(finished_req_ids),
+                self.loads.take_done_async(idle))
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed since the last call, for a model with
+        several KV-cache groups (:meth:`LoadPipeline.take_failed_requests`)."""
+        return self.loads.take_failed_requests()
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""

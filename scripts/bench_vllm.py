@@ -24,6 +24,11 @@ recorded. No request may end with ``finish_reason=error``.
 
     .venv/bin/python scripts/bench_vllm.py --json out/bench_vllm.json
     [--mode fast slow] [--prompt-tokens 3072] [--prompts 5] [--slow-rate 16mbit]
+    [--sliding-window N]
+
+``--sliding-window N``: even layers attend within N tokens (a hybrid model:
+vLLM's hybrid KV-cache manager with a sliding-window and a full-attention
+KV-cache group; a hit loads only the window's chunks of the first).
 """
 
 from __future__ import annotations
@@ -194,6 +199,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--pool-memory", default="1GiB")
     ap.add_argument("--slow-rate", default="16mbit", help="tc tbf rate of the slow link")
+    ap.add_argument("--sliding-window", type=int, default=None,
+                    help="even layers attend within this many tokens (hybrid KV-cache groups)")
     args = ap.parse_args()
 
     vocab = 4096
@@ -203,9 +210,11 @@ def main() -> None:
     build_tiny_llama(model_dir, hidden_size=args.hidden, num_layers=args.layers,
                      num_heads=args.heads, num_kv_heads=args.heads, head_dim=head_dim,
                      intermediate_size=4 * args.hidden, vocab_size=vocab,
-                     max_position_embeddings=args.prompt_tokens + 1024)
+                     max_position_embeddings=args.prompt_tokens + 1024,
+                     sliding_window=args.sliding_window)
     out: dict[str, Any] = {"params": vars(args), "model": {
-        "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "head_dim": head_dim}}
+        "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "head_dim": head_dim,
+        "sliding_window": args.sliding_window}}
     t_start = time.perf_counter()
     if "fast" in args.mode:
         out["results"] = _fast(args, model_dir, vocab)

@@ -381,8 +381,8 @@ def _scheduled_meta(sched: KVPoolScheduler, prompt: list[int], block_ids: list[i
     hit, _ = sched.lookup(rid, prompt, 0)
     if hit <= 0:
         raise RuntimeError("the scheduler's lookup found nothing to load")
-    sched.after_alloc(rid, None, prompt, block_ids, hit)
-    meta = sched.build_meta(StepInfo(new=[NewReq(rid, block_ids, 0)],
+    sched.after_alloc(rid, None, prompt, [block_ids], hit)
+    meta = sched.build_meta(StepInfo(new=[NewReq(rid, [block_ids], 0)],
                                      num_scheduled_tokens={rid: len(prompt) - hit}))
     sched.build_meta(StepInfo(finished_req_ids={rid}))
     return meta

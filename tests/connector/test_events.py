@@ -66,8 +66,8 @@ def test_saves_and_lookups_announce_pool_blocks(pool: str) -> None:
     req = Req(list(toks), _hashes(4, 7))
     assert s.lookup("r", toks, 0, req.block_hashes) == (0, False)
     assert s.events.take() == []  # nothing stored, nothing announced
-    s.after_alloc("r", req, toks, [1, 2, 3, 4, 5], 0)
-    s.build_meta(StepInfo(new=[NewReq("r", [1, 2, 3, 4, 5], 0)], num_scheduled_tokens={"r": 70}))
+    s.after_alloc("r", req, toks, [[1, 2, 3, 4, 5]], 0)
+    s.build_meta(StepInfo(new=[NewReq("r", [[1, 2, 3, 4, 5]], 0)], num_scheduled_tokens={"r": 70}))
     ev = s.events.take()
     assert [(e.stored, e.block_hashes, e.medium) for e in ev] == [
         (True, tuple(req.block_hashes[0:2]), Medium.DRAM),

@@ -119,8 +119,8 @@ def test_evicted_between_lookup_and_load_is_recomputed_once(far_pool: tuple[str,
     toks = [21] * (KS.chunk_size * 2) + [5]
     assert sched.lookup("r", toks, 0) == (128, False)
     blocks = [8, 9, 10, 11, 12]
-    sched.after_alloc("r", None, toks, blocks, 128)
-    meta = sched.build_meta(StepInfo(new=[NewReq("r", blocks, 128)],
+    sched.after_alloc("r", None, toks, [blocks], 128)
+    meta = sched.build_meta(StepInfo(new=[NewReq("r", [blocks], 128)],
                                      num_scheduled_tokens={"r": 1}))
     store.call(lambda c: c.remove(KS.chunk_keys(chunks[1].hash, LAYERS, 4)[-1], force=True))
     dst = _caches(22)

@@ -103,8 +103,8 @@ def test_load_plan_uses_allocated_blocks(pool: str, client: Any) -> None:
     n, _ = s.lookup("r", toks, 16)  # one block computed locally (vLLM prefix cache)
     assert n == 80
     blocks = [7, 8, 3, 4, 9, 10, 11]
-    s.after_alloc("r", FakeRequest(toks), toks, blocks, n)
-    meta = s.build_meta(StepInfo(new=[NewReq("r", blocks, 96)],
+    s.after_alloc("r", FakeRequest(toks), toks, [blocks], n)
+    meta = s.build_meta(StepInfo(new=[NewReq("r", [blocks], 96)],
                                  num_scheduled_tokens={"r": 4}))
     (load,) = meta.loads
     assert [c.index for c in load.chunks] == [0, 1, 2]
@@ -122,8 +122,8 @@ def test_chunk_ending_at_prompt_end_loads_all_but_last_block(pool: str, client: 
     s = _sched(pool)
     assert s.lookup("r", toks, 0) == (80, False)
     blocks = [4, 5, 6, 7, 8, 9]
-    s.after_alloc("r", FakeRequest(toks), toks, blocks, 80)
-    (load,) = s.build_meta(StepInfo(new=[NewReq("r", blocks, 80)],
+    s.after_alloc("r", FakeRequest(toks), toks, [blocks], 80)
+    (load,) = s.build_meta(StepInfo(new=[NewReq("r", [blocks], 80)],
                                     num_scheduled_tokens={"r": 16})).loads
     assert [c.block_ids for c in load.chunks] == [[4, 5], [6, 7], [8, 9]]
     assert load.skip_blocks == 0 and load.last_blocks == 1
@@ -134,15 +134,15 @@ def test_saves_planned_once_as_chunks_complete(pool: str, client: Any) -> None:
     s = _sched(pool)
     assert s.lookup("r", toks, 0) == (0, False)
     blocks = [1, 2, 3, 4, 5, 6]
-    s.after_alloc("r", FakeRequest(list(toks)), toks, blocks, 0)
+    s.after_alloc("r", FakeRequest(list(toks)), toks, [blocks], 0)
     # Chunked prefill: 40 tokens this step -> chunk 0 complete.
-    m1 = s.build_meta(StepInfo(new=[NewReq("r", blocks, 0)], num_scheduled_tokens={"r": 40}))
+    m1 = s.build_meta(StepInfo(new=[NewReq("r", [blocks], 0)], num_scheduled_tokens={"r": 40}))
     assert [(sv.req_id, [c.index for c in sv.chunks]) for sv in m1.saves] == [("r", [0])]
     assert m1.saves[0].chunks[0].block_ids == [1, 2]
-    m2 = s.build_meta(StepInfo(cached=[CachedReq("r", [], 40)], num_scheduled_tokens={"r": 50}))
+    m2 = s.build_meta(StepInfo(cached=[CachedReq("r", [[]], 40)], num_scheduled_tokens={"r": 50}))
     assert [c.index for c in m2.saves[0].chunks] == [1]
     assert m2.saves[0].chunks[0].hash == KS.chunk_hashes(toks)[1]
-    m3 = s.build_meta(StepInfo(cached=[CachedReq("r", [7], 90)], num_scheduled_tokens={"r": 1}))
+    m3 = s.build_meta(StepInfo(cached=[CachedReq("r", [[7]], 90)], num_scheduled_tokens={"r": 1}))
     assert m3.saves == []  # decode tokens are not saved by default
     assert s.finished("r") is True  # saves were queued: vLLM must wait for the worker
     assert s.finished("never-saved") is False
@@ -153,11 +153,11 @@ def test_decode_chunks_saved_when_enabled(pool: str, client: Any) -> None:
     req = FakeRequest(list(toks))
     s = _sched(pool, save_decode=True)
     s.lookup("r", toks, 0)
-    s.after_alloc("r", req, toks, [1, 2, 3], 0)
-    m = s.build_meta(StepInfo(new=[NewReq("r", [1, 2, 3], 0)], num_scheduled_tokens={"r": 40}))
+    s.after_alloc("r", req, toks, [[1, 2, 3]], 0)
+    m = s.build_meta(StepInfo(new=[NewReq("r", [[1, 2, 3]], 0)], num_scheduled_tokens={"r": 40}))
     assert [c.index for c in m.saves[0].chunks] == [0]
     req.all_token_ids += list(range(500, 525))  # 65 tokens, 64 computed after next step
-    m = s.build_meta(StepInfo(cached=[CachedReq("r", [4], 63)], num_scheduled_tokens={"r": 1}))
+    m = s.build_meta(StepInfo(cached=[CachedReq("r", [[4]], 63)], num_scheduled_tokens={"r": 1}))
     (save,) = m.saves
     assert [c.index for c in save.chunks] == [1] and save.chunks[0].block_ids == [3, 4]
     assert save.chunks[0].hash == KS.chunk_hashes(req.all_token_ids)[1]
@@ -167,12 +167,12 @@ def test_preempted_request_resumes_with_new_blocks(pool: str, client: Any) -> No
     toks = list(range(70))
     s = _sched(pool)
     s.lookup("r", toks, 0)
-    s.after_alloc("r", FakeRequest(toks), toks, [1, 2], 0)
-    m = s.build_meta(StepInfo(new=[NewReq("r", [1, 2], 0)], num_scheduled_tokens={"r": 32}))
+    s.after_alloc("r", FakeRequest(toks), toks, [[1, 2]], 0)
+    m = s.build_meta(StepInfo(new=[NewReq("r", [[1, 2]], 0)], num_scheduled_tokens={"r": 32}))
     assert m.saves[0].chunks[0].block_ids == [1, 2]
     m = s.build_meta(StepInfo(preempted_req_ids={"r"}))
     assert m.preempted_req_ids == ["r"]
-    m = s.build_meta(StepInfo(cached=[CachedReq("r", [8, 9, 10, 11, 12], 0, resumed=True)],
+    m = s.build_meta(StepInfo(cached=[CachedReq("r", [[8, 9, 10, 11, 12]], 0, resumed=True)],
                               num_scheduled_tokens={"r": 70}))
     assert [c.block_ids for c in m.saves[0].chunks] == [[10, 11]]  # chunk 0 was stored
 
@@ -201,8 +201,8 @@ def test_roles_consumer_never_saves_producer_never_loads(pool: str, client: Any)
     assert producer.lookup("p", toks, 0) == (0, False)
     consumer = KVPoolScheduler(cfg, KS, LAYERS, StoreAccess(cfg), save=False)
     assert consumer.lookup("c", toks, 0) == (64, False)
-    consumer.after_alloc("c", FakeRequest(toks), toks, [1, 2, 3, 4, 5], 64)
-    m = consumer.build_meta(StepInfo(new=[NewReq("c", [1, 2, 3, 4, 5], 64)],
+    consumer.after_alloc("c", FakeRequest(toks), toks, [[1, 2, 3, 4, 5]], 64)
+    m = consumer.build_meta(StepInfo(new=[NewReq("c", [[1, 2, 3, 4, 5]], 64)],
                                      num_scheduled_tokens={"c": 6}))
     assert len(m.loads) == 1 and m.saves == []
 
@@ -212,11 +212,41 @@ def test_abort_during_async_load_keeps_blocks_until_loaded(pool: str, client: An
     _store_chunks(client, toks, 2)
     s = _sched(pool, load_async=True)
     assert s.lookup("a", toks, 0) == (64, True)
-    s.after_alloc("a", FakeRequest(toks), toks, [1, 2, 3, 4, 5], 64)
+    s.after_alloc("a", FakeRequest(toks), toks, [[1, 2, 3, 4, 5]], 64)
     assert s.build_meta(StepInfo()).loads[0].is_async
     s.loads_done({"other"})
     assert s.finished("a") is True  # the worker may still be writing into the blocks
     assert s.lookup("b", toks, 0) == (64, True)
-    s.after_alloc("b", FakeRequest(toks), toks, [6, 7, 8, 9, 10], 64)
+    s.after_alloc("b", FakeRequest(toks), toks, [[6, 7, 8, 9, 10]], 64)
     s.loads_done({"b"})
     assert s.finished("b") is False
+
+
+def test_sliding_window_saves_only_held_blocks_and_flushes_before_reuse() -> None:
+    """Two KV-cache groups, the first a 16-token sliding window: a chunk whose
+    window blocks vLLM freed before the step saves them as -1 (not stored),
+    and a step that hands a block an earlier save reads to another request
+    makes the workers finish their saves before the forward."""
+    from kvpool.connector.keys import CacheGroup
+
+    cfg = ConnectorConfig(master_address="127.0.0.1:1", chunk_size=CHUNK)
+    s = KVPoolScheduler(cfg, KS, [CacheGroup(2, 16), CacheGroup(1)], StoreAccess(cfg))
+    toks = list(range(1000, 1070))
+    sw, full = [1, 2, 3, 4], [11, 12, 13, 14]
+    s.after_alloc("r", FakeRequest(toks), toks, [sw, full], 0)
+    m1 = s.build_meta(StepInfo(new=[NewReq("r", [sw, full], 0)], num_scheduled_tokens={"r": 63}))
+    (save,) = m1.saves  # chunk 0 (tokens 0-31): every block still held
+    assert [(c.index, c.block_ids) for c in save.chunks] == [(0, [1, 2, 11, 12])]
+    assert not m1.flush_saves
+    # Step 2 starts at 63 tokens: the window keeps tokens 48.. (block 3 on), so
+    # vLLM freed blocks 1-3 (as the window moved) and gives block 1 to request q.
+    m2 = s.build_meta(StepInfo(new=[NewReq("q", [[1], [21]], 0)],
+                               cached=[CachedReq("r", [[], []], 63)],
+                               num_scheduled_tokens={"r": 1, "q": 8}))
+    assert m2.flush_saves  # step 1's save reads block 1
+    (save,) = [sv for sv in m2.saves if sv.req_id == "r"]
+    # chunk 1 (tokens 32-63): block 3 (tokens 32-47) left the window: not saved
+    assert [(c.index, c.block_ids) for c in save.chunks] == [(1, [-1, 4, 13, 14])]
+    m3 = s.build_meta(StepInfo(cached=[CachedReq("r", None, 64)],
+                               num_scheduled_tokens={"r": 1}))
+    assert not m3.flush_saves and not m3.saves

@@ -159,8 +159,8 @@ def test_scheduler_finds_chunks_of_any_tp_split(pool: str) -> None:
     assert s.lookup("r", toks, 0) == (3 * KS.chunk_size, False)
     assert s._lookups["r"].splits == [2, 1, 1]
     blocks = list(range(7))
-    s.after_alloc("r", None, toks, blocks, 3 * KS.chunk_size)
-    (load,) = s.build_meta(StepInfo(new=[NewReq("r", blocks, 96)],
+    s.after_alloc("r", None, toks, [blocks], 3 * KS.chunk_size)
+    (load,) = s.build_meta(StepInfo(new=[NewReq("r", [blocks], 96)],
                                     num_scheduled_tokens={"r": 1})).loads
     assert [c.head_objects for c in load.chunks] == [2, 1, 1]
     s.store.close()

@@ -190,3 +190,84 @@ def test_tp2_and_tp1_engines_share_chunks(tiny_model: str, pool: tuple[Any, Any]
         assert r1["connector"]["worker"]["load_errors"] == 0
         assert r1["connector"]["worker"]["layerwise_loads"] == 1
         assert r1["results"][0]["token_ids"][0] == rb["token_ids"][0]
+
+
+def test_sliding_window_model_loads_its_window(tiny_sliding_model: str,
+                                               pool: tuple[Any, Any]) -> None:
+    """A hybrid model (vLLM's hybrid KV-cache manager: a 64-token sliding-window
+    group and a full-attention group): the tokens of an engine without kvpool,
+    of one storing the prompt and of a fresh one loading it are identical;
+    the loaded KV is used (noise in either group's objects changes them)."""
+    from kvpool.store import Client, ClientConfig
+
+    master, _daemon = pool
+    with EngineProc({"model": tiny_sliding_model, "block_size": BLOCK,
+                     "prefix_caching": False}) as e0:
+        ref = e0.generate([P1])["results"][0]["token_ids"]
+    with _engine(tiny_sliding_model, master.address) as e1:
+        r1 = e1.generate([P1])
+    ids, w1 = r1["results"][0]["prompt_token_ids"], r1["connector"]["worker"]
+    assert r1["results"][0]["token_ids"] == ref
+    assert w1["saved_chunks"] == 3 and w1["save_errors"] == 0, w1
+    ks = KeySpace(model=tiny_sliding_model, kv_dtype="bfloat16-HNC", block_size=BLOCK,
+                  chunk_size=CHUNK)
+    hashes = ks.chunk_hashes(ids)[:3]
+    # per chunk: group 0 (sliding, layers 0 and 2) and group 1 (full, layers 1 and 3)
+    keys = {(c, i): ks.chunk_keys(h, 2, 8, 4, 1, (c, 2)) for c in (0, 1)
+            for i, h in enumerate(hashes)}
+    with Client(ClientConfig(master_address=master.address)) as c:
+        for k in keys.values():
+            assert c.batch_exists(k) == [True, True], k
+
+    with _engine(tiny_sliding_model, master.address, prefix_caching=False) as e2:
+        r2 = e2.generate([P1])
+        s2, w2 = r2["connector"]["scheduler"], r2["connector"]["worker"]
+        assert s2["hit_tokens"] == 192, s2
+        assert w2["loaded_chunks"] == 3 and w2["load_errors"] == 0, w2
+        # the sliding group reads chunk 2 only (its window: tokens 129..191)
+        obj = 2 * 4 * 32 * 64 * 2  # one layer: 2 blocks x 4 heads x 32 tokens x (2*32) x bf16
+        assert w2["loaded_bytes"] == (3 + 1) * 2 * obj, w2
+        assert r2["results"][0]["token_ids"] == ref
+
+        rng = np.random.default_rng(0)
+        done = w2["loaded_chunks"]
+        with Client(ClientConfig(master_address=master.address)) as c:
+            for group in (0, 1):  # noise in one group's loaded objects changes the tokens
+                saved = {}
+                for k in keys[(group, 2)]:
+                    saved[k] = c.get(k)
+                    c.remove(k, force=True)
+                    noise = (rng.standard_normal(obj // 2) * 8).astype(np.float32)
+                    c.put(k, (noise.view(np.uint32) >> 16).astype(np.uint16).tobytes())
+                r = e2.generate([P1])
+                assert r["connector"]["worker"]["loaded_chunks"] - done == 3
+                done = r["connector"]["worker"]["loaded_chunks"]
+                assert r["results"][0]["token_ids"] != ref, group
+                for k, v in saved.items():
+                    c.remove(k, force=True)
+                    c.put(k, v)
+
+
+def test_linear_attention_hybrid_runs_with_the_pool_off(tiny_gdn_model: str,
+                                                        pool: tuple[Any, Any]) -> None:
+    """A model with a KV-cache group of linear-attention state (Qwen3-Next's
+    gated delta net: vLLM's MambaSpec), which kvpool does not store: the
+    engine runs with the connector, every prefix misses (a hit without the
+    state would be a silent partial load), nothing is stored, and the
+    tokens are those of an engine without kvpool."""
+    from kvpool.store import Client, ClientConfig
+
+    master, _daemon = pool
+    with EngineProc({"model": tiny_gdn_model, "block_size": BLOCK,
+                     "prefix_caching": False}) as e0:
+        ref = e0.generate([P1])["results"][0]["token_ids"]
+    with _engine(tiny_gdn_model, master.address, prefix_caching=False) as e1:
+        e1.generate([P1])
+        r = e1.generate([P1])
+    assert r["results"][0]["token_ids"] == ref
+    s, w = r["connector"]["scheduler"], r["connector"]["worker"]
+    assert s["lookups"] == 2 and s["hit_tokens"] == 0 and s["lookup_errors"] == 0, s
+    assert w["saved_chunks"] == 0 and w["loaded_chunks"] == 0, w
+    with Client(ClientConfig(master_address=master.address)) as c:
+        segs = c.list_segments()
+        assert segs and sum(seg.objects for seg in segs) == 0, segs

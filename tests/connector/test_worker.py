@@ -429,8 +429,8 @@ def test_layerwise_load_reads_first_group_from_the_lookup(pool: str) -> None:
     n, _ = sched.lookup("q", toks, 0)
     assert n == 2 * KS.chunk_size
     blocks = [9, 10, 5, 6, 11]
-    sched.after_alloc("q", None, toks, blocks, n)
-    meta = sched.build_meta(StepInfo(new=[NewReq("q", blocks, 0)],
+    sched.after_alloc("q", None, toks, [blocks], n)
+    meta = sched.build_meta(StepInfo(new=[NewReq("q", [blocks], 0)],
                                      num_scheduled_tokens={"q": len(toks)}))
     (spec,) = meta.loads
     first = layer_ranges(LAYERS, cfg.layer_groups)[0]
@@ -456,3 +456,55 @@ def test_layerwise_load_reads_first_group_from_the_lookup(pool: str) -> None:
     sched.store.close()
     w.close()
     w2.close()
+
+
+def test_two_cache_groups_share_tensors_and_skip_null_blocks(pool: str) -> None:
+    """vLLM's hybrid KV-cache manager: layer j of each KV-cache group views the
+    same tensor, each group indexing it with its own block ids. Objects are
+    per group; a save stores a group's chunk only when the request holds all
+    its blocks there, and a load writes only the blocks the request holds
+    (-1: a sliding window's null blocks) and reads nothing for a group that
+    holds none of a chunk."""
+    import torch
+
+    g = torch.Generator().manual_seed(5)
+    buf = torch.randn(2, NB, HEADS, BLOCK, 2 * HEAD, generator=g).to(torch.bfloat16)
+    # group 0 (sliding): layers 0, 2; group 1 (full): layers 1, 3; 0/1 and 2/3 alias
+    caches = {"l0": buf[0], "l1": buf[0], "l2": buf[1], "l3": buf[1]}
+    order = {"l0": 0, "l2": 1, "l1": 2, "l3": 3}
+    cfg = ConnectorConfig(master_address=pool, chunk_size=KS.chunk_size, layer_groups=1)
+    w = KVPoolWorker(cfg, KS, StoreAccess(cfg))
+    w.register_kv_caches(caches, order, None, {"l0": 0, "l2": 0, "l1": 1, "l3": 1})
+    try:
+        assert w.geo is not None and w.geo.cache_sizes == [2, 2]
+        assert len(w.geo.layers) == 4  # shared tensors are no KV-sharing aliases
+        hashes = KS.chunk_hashes([9] * (KS.chunk_size * 2))
+        # chunk 0: the sliding group lost its blocks (-1); chunk 1: both held
+        src = [ChunkRef(0, hashes[0], [-1, -1, 4, 5]), ChunkRef(1, hashes[1], [6, 7, 8, 9])]
+        assert w.save([SaveSpec("r", src)]) == 2
+        keys = [w.object_key(h, gi, (0, 1)) for h in hashes for gi in range(2)]
+        assert "/g0of2/" in keys[0] and "/g1of2/" in keys[1]
+        assert w.store.call(lambda c: c.batch_exists(keys)) == [False, True, True, True]
+        before = buf.clone()
+        dst = [ChunkRef(0, hashes[0], [-1, -1, 10, 11]), ChunkRef(1, hashes[1], [12, 13, 14, 15])]
+        res = w.load(LoadSpec("q", dst))
+        assert res.failed_block_ids == set() and res.loaded_chunks == 2
+        for pos in (0, 1):  # layer position in each group's tensor
+            t = buf[pos]
+            assert torch.equal(t[[10, 11]], before[pos][[4, 5]])  # full group, chunk 0
+            assert torch.equal(t[[12, 13]], before[pos][[6, 7]])  # sliding group, chunk 1
+            assert torch.equal(t[[14, 15]], before[pos][[8, 9]])  # full group, chunk 1
+        unwritten = [b for b in range(NB) if b not in (10, 11, 12, 13, 14, 15)]
+        assert torch.equal(buf[:, unwritten], before[:, unwritten])
+        # a chunk whose window object is missing fails as a whole request
+        miss = ChunkRef(0, hashes[0], [2, 3, 10, 11])
+        res = w.load(LoadSpec("m", [miss]))
+        assert res.failed_block_ids == {2, 3, 10, 11}
+        # as vLLM runs it (async): block ids name no request with several
+        # groups, so the request is reported (vLLM's failed_recving)
+        w.start_load(ConnectorMeta(loads=[LoadSpec("m2", [miss], is_async=True)]))
+        w.loads._loader.submit(lambda: None).result(timeout=30)  # the load ran
+        assert w.get_finished(set())[1] == {"m2"}
+        assert w.take_failed_requests() == {"m2"} and w.take_load_errors() == set()
+    finally:
+        w.close()

