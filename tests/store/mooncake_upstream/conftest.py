@@ -11,8 +11,9 @@ default ``--dummy-port``), and the variables the files read
 (``MASTER_SERVER`` names the kvpool master).
 
 Changed from Mooncake's values, through the variables the files read:
-``PROMOTION_WAIT_SECONDS`` 3 (kvpool's tier tasks run within a ping
-interval, 1 s; Mooncake waits 25 s for its heartbeats) and the SSD tier's
+``PROMOTION_WAIT_SECONDS`` 6 (kvpool's tier tasks run within a ping
+interval, 1 s, but a promotion under a fully loaded 2-core CI once took
+more than 3 s; Mooncake waits 25 s for its heartbeats) and the SSD tier's
 size (``MOONCAKE_OFFLOAD_TOTAL_SIZE_LIMIT_BYTES``, 256 MiB). Segments are not
 prefaulted (``$KVPOOL_CONFIG``: ``prefault: false``), so the 1600 MB
 segments the replica-clear tests ask for cost only the bytes written.
@@ -40,7 +41,7 @@ LEASE_TTL_MS = 500
 MOONCAKE_CLIENT_PORT = 50052
 # read by the files at import (collection), so set before it
 os.environ.setdefault("DEFAULT_KV_LEASE_TTL", str(LEASE_TTL_MS))
-os.environ.setdefault("PROMOTION_WAIT_SECONDS", "3")
+os.environ.setdefault("PROMOTION_WAIT_SECONDS", "6")
 
 
 def _port_free(port: int) -> bool:
