@@ -281,15 +281,15 @@ class KVPoolScheduler:
             for (i, sp, c), (k0, cnt) in where.items():
                 found = [locs[k] for k in range(k0, k0 + cnt)]
                 have[(i, sp, c)] = ok = all(loc is not None for loc in found)
-                if ok and (i, sp) not in info:
+                if not ok:
+                    continue
+                size = sum(loc[0].size for loc in found) // min(sp, self.head_objects)
+                known = info.get((i, sp))
+                if known is None:  # the chunk's peer: its first complete group's
                     near = found[0][0]
-                    total = sum(loc[0].size for loc in found)
-                    info[(i, sp)] = (peer_key(near.kind, near.same_host, near.host_id),
-                                     total // min(sp, self.head_objects))
-                elif ok:
-                    peer, size = info[(i, sp)]
-                    info[(i, sp)] = (peer, size + sum(loc[0].size for loc in found)
-                                     // min(sp, self.head_objects))
+                    info[(i, sp)] = (peer_key(near.kind, near.same_host, near.host_id), size)
+                else:
+                    info[(i, sp)] = (known[0], known[1] + size)
 
         def complete(i: int, sp: int) -> bool:
             return all(have.get((i, sp, c), False) for c in full)
