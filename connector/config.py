@@ -21,7 +21,7 @@ from kvpool.core.config import ConfigError, check_settings, load_dataclass, sett
 from kvpool.core.errors import KVPoolError
 from kvpool.core.tenants import tenant_name
 
-__all__ = ["ConnectorConfig", "LoadFailurePolicy"]
+__all__ = ["ConnectorConfig", "LoadFailurePolicy", "PoolClientSettings"]
 
 
 class LoadFailurePolicy(StrEnum):
@@ -39,14 +39,16 @@ class LoadFailurePolicy(StrEnum):
 
 
 @dataclass
-class ConnectorConfig:
-    """Connector settings (``kv_connector_extra_config``). Unknown keys raise
-    :class:`ConfigError`; docs/vllm.md's key table is rendered from the fields."""
+class PoolClientSettings:
+    """How an engine-side integration reaches the pool: the settings of its
+    store client, shared by the connector (:class:`ConnectorConfig`) and the
+    offloading tier (``OffloadTierConfig``); the client is built from them by
+    :func:`kvpool.connector.store_access.client_config`."""
 
     master_address: str | None = setting(
         None, help="kvpool master `HOST:PORT`; overrides the client YAML's")
     local_address: str | None = setting(
-        None, help="this host's address for the connector client's transfer server (bind and "
+        None, help="this host's address for the client's transfer server (bind and "
         "advertise; the node's IP in a multi-host pool); null: the client YAML's (127.0.0.1)")
     host_id: str | None = setting(
         None, help="this host's id (processes with one id share memory through shm); "
@@ -60,7 +62,15 @@ class ConnectorConfig:
         "evict them; null: the client YAML's (else `default`)")
     client_overrides: dict[str, Any] = setting(
         default_factory=dict, help="extra client keys, e.g. `{\"memory_size\": \"8GiB\"}` to "
-        "also contribute memory from the vLLM process")
+        "also contribute memory from the engine's process")
+
+
+@dataclass
+class ConnectorConfig(PoolClientSettings):
+    """Connector settings (``kv_connector_extra_config``): the pool client's
+    (:class:`PoolClientSettings`) and the connector's own. Unknown keys raise
+    :class:`ConfigError`; docs/vllm.md's key table is rendered from the fields."""
+
     chunk_size: int = setting(
         256, gt=0, help="tokens per stored chunk; a multiple of vLLM's `--block-size` (CPU: block "
         "size multiple of 32)")

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.connector.config import ConnectorConfig
+from kvpool.connector.config import ConnectorConfig, PoolClientSettings
 from kvpool.core.config import ConfigError, check_settings, load_dataclass, setting
 
 __all__ = ["LOCALITIES", "OffloadTierConfig"]
@@ -28,27 +28,12 @@ LOCALITIES = ("LOCAL", "REMOTE")
 
 
 @dataclass
-class OffloadTierConfig:
+class OffloadTierConfig(PoolClientSettings):
     """Settings of the kvpool secondary tier (keys of its ``secondary_tiers``
-    entry). Unknown keys raise :class:`ConfigError`; docs/vllm.md's table of
-    them is rendered from these fields."""
+    entry): the pool client's (:class:`PoolClientSettings`) and the tier's own.
+    Unknown keys raise :class:`ConfigError`; docs/vllm.md's table of them is
+    rendered from these fields."""
 
-    master_address: str | None = setting(
-        None, help="kvpool master `HOST:PORT`; overrides the client YAML's")
-    client_config: str | None = setting(
-        None, help="path of a kvpool client YAML (`configs/client.yaml` keys); null: "
-        "`$KVPOOL_CONFIG` if set")
-    tenant: str | None = setting(
-        None, help="the tenant the tier's client acts for (docs/tenants.md); null: the client "
-        "YAML's (else `default`)")
-    host_id: str | None = setting(
-        None, help="this host's id (processes with one id share memory through shm); "
-        "null: the hostname")
-    local_address: str | None = setting(
-        None, help="bind and advertised address of the client's transfer server; null: the "
-        "client YAML's (127.0.0.1)")
-    client_overrides: dict[str, Any] = setting(
-        default_factory=dict, help="extra client keys (`configs/client.yaml`)")
     rpc_timeout_s: float = setting(
         2.0, gt=0, help="master RPC timeout of the tier's client (short: a dead master costs "
         "little)")
