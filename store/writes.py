@@ -138,13 +138,14 @@ class Writes:
 
     def put(self, key: str, buffer: Any, config: ReplicateConfig | None) -> None:
         """Put one key; raises the error of its code (see Client.put_from)."""
-        if not valid_key(key):
-            raise StoreError(f"invalid key {key!r}", ErrorCode.INVALID_KEY)
-        if buffer_nbytes(buffer) <= 0:
-            raise StoreError("cannot put an empty value", ErrorCode.INVALID_PARAMS)
         errors: dict[int, str] = {}
         code = self.put_many([key], [buffer], config, errors=errors)[0]
         if code:
+            # (put_many checks the key and the size: named here, where it failed)
+            if code == ErrorCode.INVALID_KEY:
+                raise StoreError(f"invalid key {key!r}", code)
+            if code == ErrorCode.INVALID_PARAMS and buffer_nbytes(buffer) <= 0:
+                raise StoreError("cannot put an empty value", code)
             why = errors.get(0) or code.name
             if code == ErrorCode.QUOTA_EXCEEDED:
                 why = (f"tenant {self.config.tenant!r} is at its quota and no room could be "
