@@ -77,10 +77,9 @@ class Client:
     """
 
     def __init__(self, config: ClientConfig | None = None, **overrides: Any) -> None:
-        self.config = _config(config, overrides)
-        self.client_id = uuid.uuid4().hex
-        self.host_id = self.config.host_id or default_host_id()
-        self._parts = ClientParts(self.config, self.client_id, self.host_id)
+        self.config = cfg = _config(config, overrides)
+        self._parts = ClientParts(cfg, uuid.uuid4().hex, cfg.host_id or default_host_id())
+        self.client_id, self.host_id = self._parts.client_id, self._parts.host_id
         # close(), garbage collection or interpreter exit: whichever comes first
         self._finalizer = weakref.finalize(self, self._parts.release)
 

@@ -52,17 +52,24 @@ def _listed(value: Any) -> list[Any] | None:
     return None if value is None else [value]
 
 
+def _rooms(core: MooncakeCore) -> tuple[CallerMemory, ObjectIO, SessionCalls, Lifecycle,
+                                          BytesCalls, ZeroCopyCalls, TensorCalls,
+                                          ParallelTensorCalls, AdminCalls]:
+    """The rooms of one store over ``core``, in the order the facade keeps them."""
+    memory, io = CallerMemory(core), ObjectIO(core)
+    sessions, zero_copy = SessionCalls(core, memory), ZeroCopyCalls(core, memory, io)
+    tensors = TensorCalls(core, memory, io, zero_copy)
+    return (memory, io, sessions, Lifecycle(core, memory, sessions), BytesCalls(core, io),
+            zero_copy, tensors, ParallelTensorCalls(io, tensors), AdminCalls(core))
+
+
 class MooncakeDistributedStore:
     """Drop-in for ``mooncake.store.MooncakeDistributedStore`` (module docstring)."""
 
     def __init__(self) -> None:
         self._core = core = MooncakeCore()
-        memory, io = CallerMemory(core), ObjectIO(core)
-        self._memory, self._io, self._sessions = memory, io, SessionCalls(core, memory)
-        self._life = Lifecycle(core, memory, self._sessions)
-        self._bytes, self._zero_copy = BytesCalls(core, io), ZeroCopyCalls(core, memory, io)
-        self._tensors = TensorCalls(core, memory, io, self._zero_copy)
-        self._parallel, self._admin = ParallelTensorCalls(io, self._tensors), AdminCalls(core)
+        (self._memory, self._io, self._sessions, self._life, self._bytes, self._zero_copy,
+         self._tensors, self._parallel, self._admin) = _rooms(core)
 
     @property
     def _client(self) -> Client | None:
