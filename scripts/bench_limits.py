@@ -148,21 +148,16 @@ def restore_once() -> dict[str, Any]:
     return out
 
 
-def _tree_env(tree: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    if tree:  # the base tree as the package kvpool
-        pkg = tempfile.mkdtemp(prefix="kvpool-base-pkg-")
-        os.symlink(os.path.abspath(tree), os.path.join(pkg, "kvpool"))
-        env["PYTHONPATH"] = pkg
-    return env
-
-
 def in_tree(tree: str | None, *args: str) -> dict[str, Any]:
     """Run this script's ``args`` in a fresh process with ``tree`` as the
-    package (None: this tree); its last stdout line (JSON)."""
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), *args],
-                         env=_tree_env(tree), check=True, capture_output=True, text=True,
-                         timeout=1800)
+    package kvpool (None: this tree); its last stdout line (JSON)."""
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="kvpool-base-pkg-") as pkg:
+        if tree:  # the base tree as the package kvpool (a link, removed after the run)
+            os.symlink(os.path.abspath(tree), os.path.join(pkg, "kvpool"))
+            env["PYTHONPATH"] = pkg
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env,
+                             check=True, capture_output=True, text=True, timeout=1800)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
