@@ -4,8 +4,30 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_ipc_dir() -> Iterator[str]:
+    """vLLM names its engine's ZeroMQ IPC sockets ``$VLLM_RPC_BASE_PATH/<uuid>``
+    (default /tmp) and leaves them when a process ends: the tests' go to a
+    directory of their own (inherited by the servers they start), removed after."""
+    path = tempfile.mkdtemp(prefix="kvpool-vllm-ipc-")
+    old = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = old
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
