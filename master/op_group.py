@@ -110,9 +110,10 @@ class OpGroup:
                 if c:
                     err(name, _CODE_NAMES.get(c, str(c)))
 
-    def count_one(self, name: str) -> None:
+    def count_one(self, name: str, n: int = 1) -> None:
+        """Count ``n`` key-ops without errors."""
         key_ops = self.counters.key_ops
-        key_ops[name] = key_ops.get(name, 0) + 1
+        key_ops[name] = key_ops.get(name, 0) + n
 
     def check_batch(self, keys: Sequence[Any]) -> None:
         if len(keys) > self.max_batch:

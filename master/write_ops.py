@@ -70,6 +70,7 @@ class WriteOps(OpGroup):
         # new leader never names another range the same) and to the reservation
         self._resv_prefix = f"{RESERVED_KEY_PREFIX}resv/{secrets.token_hex(8)}/"
         self._resv_seq = itertools.count()
+        self._resv_max_key = len(self._resv_prefix) + 32
         # how long a client may start its write into a reservation: within its
         # WRITE grant and well before the pending-put sweep revokes it
         life = min(self.granter.write_ttl_ms, int(cfg.put_start_release_timeout_s * 1000))
@@ -168,24 +169,42 @@ class WriteOps(OpGroup):
             return [], []
         prefix = self._resv_prefix
         seq = self._resv_seq
-        keys = [f"{prefix}{next(seq)}" for _ in range(count)]
-        codes = [0] * count
-        placed: list[Any] = [None] * count
+        if count == 1:  # a single commit's: no comprehensions to build
+            keys = [f"{prefix}{next(seq)}"]
+            codes = [0]
+            placed: list[Any] = [None]
+            sizes = (size,)
+        else:
+            keys = [f"{prefix}{next(seq)}" for _ in range(count)]
+            codes = [0] * count
+            placed = [None] * count
+            sizes = (size,) * count
         writes = self.dir.writes
-        writes.put_start_many(client_id, keys, [size] * count, codes, placed,
-                              key_min=RESERVED_KEY_PREFIX, max_key=len(prefix) + 32)
+        writes.put_start_many(client_id, keys, sizes, codes, placed, DEFAULT_PUT, None, None,
+                              RESERVED_KEY_PREFIX, self._resv_max_key)
+        names, reps = keys, placed
+        for r in placed:
+            if r is None or len(r) != 2:  # not every one placed with one replica
+                names, reps = self._kept(client_id, keys, placed)
+                break
+        if names:
+            self.count_one("reserve", len(names))
+        return names, reps
+
+    def _kept(self, client_id: str, keys: list[str], placed: list[Any]
+              ) -> tuple[list[str], list[Any]]:
+        """The reservations of :meth:`_reservations` that were placed with one
+        replica; one with more is revoked (not a reservation's shape)."""
         names: list[str] = []
         reps: list[Any] = []
-        for i in range(count):
-            if placed[i] is None:
+        for key, r in zip(keys, placed, strict=True):
+            if r is None:
                 continue
-            if len(placed[i]) != 2:  # more than one replica: not a reservation's shape
-                writes.revoke_many(client_id, (keys[i],))
+            if len(r) != 2:
+                self.dir.writes.revoke_many(client_id, (key,))
                 continue
-            names.append(keys[i])
-            reps.append(placed[i])
-        if names:
-            self.count("reserve", [0] * len(names))
+            names.append(key)
+            reps.append(r)
         return names, reps
 
     def _reserve(self, client_id: str, size: int) -> ReserveReply:
@@ -213,7 +232,8 @@ class WriteOps(OpGroup):
 
     # ================================================================ commit
     def put_end(self, req: PutEnd) -> ReserveReply:
-        return self._commit(req.client_id, req.key, None, req.reserve, req.tenant)
+        return self._commit(self.check_client(req.client_id), req.key, None, req.reserve,
+                            req.tenant)
 
     def put_commit(self, req: PutCommit) -> ReserveReply:
         client_id = self.check_client(req.client_id)
@@ -224,17 +244,18 @@ class WriteOps(OpGroup):
     def _commit(self, client_id: str, key: str, placeholder: str | None,
                 reserve: int, tenant: str) -> ReserveReply:
         """PUT_END (``placeholder`` None) or PUT_COMMIT of one key of
-        ``tenant``: the commit, and a reservation of ``reserve`` bytes after
-        it (a placeholder is the client's own, in no tenant's namespace)."""
-        client_id = self.check_client(client_id)
+        ``tenant`` by (checked) ``client_id``: the commit, and a reservation
+        of ``reserve`` bytes after it (a placeholder is the client's own, in
+        no tenant's namespace)."""
         s = self.scope(tenant)
         code = self.dir.writes.commit_many(
-            client_id, (s.key(key),), None if placeholder is None else (placeholder,),
-            s.key_min, s.max_key)[0]
-        if code != INVALID_KEY:
-            self.count_one("put_end")
+            client_id, (key if s.default else s.key(key),),
+            None if placeholder is None else (placeholder,), s.key_min, s.max_key)[0]
         if code:
+            if code != INVALID_KEY:
+                self.count_one("put_end")
             self.fail(code, "put_end" if placeholder is None else "put_commit", key)
+        self.count_one("put_end")
         return self._reserve(client_id, reserve) if reserve else _NO_RESERVATION
 
     def batch_put_end(self, req: BatchPutEnd) -> BatchReserveReply:

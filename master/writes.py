@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import KEY_MIN, RESERVED_KEY_PREFIX, SegmentKind
+from kvpool.core.tenants import TENANT_SEP
 from kvpool.master.config import MasterConfig
 from kvpool.master.keys import (
     EXISTS,
@@ -173,7 +174,8 @@ class Writes:
                     self.clients[client_id] = now
                     stamped = True
                 t = None
-                if key < " " or track:
+                # (a placeholder, below TENANT_SEP, is the default tenant's)
+                if (key < " " and key >= TENANT_SEP) or track:
                     if not key.startswith(tpref):
                         if tadd:
                             tt.mem += tadd  # type: ignore[union-attr]
@@ -390,7 +392,8 @@ class Writes:
                     stamped = True
                 del pending[placeholder]
                 reps = p.replicas
-                if not tenants.renamed(placeholder, key, reps, p.size):
+                # (a key outside every namespace is the placeholder's tenant's)
+                if key < " " and not tenants.renamed(placeholder, key, reps, p.size):
                     # over the key's tenant's quota, nothing of its own could go: the
                     # reservation goes back (its holder drops it on this code)
                     self._release(p, placeholder)
