@@ -173,7 +173,7 @@ class WriteOps(OpGroup):
             keys = [f"{prefix}{next(seq)}"]
             codes = [0]
             placed: list[Any] = [None]
-            sizes = (size,)
+            sizes: tuple[int, ...] = (size,)
         else:
             keys = [f"{prefix}{next(seq)}" for _ in range(count)]
             codes = [0] * count
