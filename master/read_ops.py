@@ -88,7 +88,7 @@ class ReadOps(OpGroup):
         self.check_batch(keys)
         n = len(keys)
         s = self.scope(req.tenant)
-        codes, objs, found = self._locate(s.keys(keys), s)
+        codes, objs, found = self._locate(keys if s.default else s.keys(keys), s)
         sizes = [0] * n
         checksums: list[Any] | None = None
         for i in range(n):
@@ -112,8 +112,9 @@ class ReadOps(OpGroup):
         codes = [0]
         found: list[Any] = [None]
         s = self.scope(req.tenant)
-        self.dir.reads.get_replicas_many((s.key(req.key),), 0, codes, [None], found, True,
-                                         s.key_min, s.max_key)
+        key = req.key
+        self.dir.reads.get_replicas_many((key if s.default else s.key(key),), 0, codes, [None],
+                                         found, True, s.key_min, s.max_key)
         if codes[0]:
             self.fail(codes[0], "exist", req.key)
         return ExistReply(found[0] is not None)

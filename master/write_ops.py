@@ -99,11 +99,14 @@ class WriteOps(OpGroup):
     def put_start(self, req: PutStart, replace: bool = False) -> PutStartReply:
         client_id = self.check_client(req.client_id)
         s = self.scope(req.tenant)
-        key = check_key(req.key, self.max_key)
+        key = req.key
+        if key < KEY_MIN or len(key) > self.max_key:
+            check_key(key, self.max_key)  # (raises its error)
         size = req.size
         if size <= 0 or size > self.cfg.max_object_size:
             raise bad("size must be an int in [1, max_object_size]")
-        spec = self._spec(req.options, replace)
+        o = req.options
+        spec = (_UPSERT if replace else DEFAULT_PUT) if o is None else self._spec(o, replace)
         group = req.group
         if group is not None:
             if len(group) > self.max_key or (group and group < KEY_MIN):
@@ -114,8 +117,9 @@ class WriteOps(OpGroup):
         self.count_one("upsert_start" if replace else "put_start")
         codes = [0]
         placed: list[Any] = [None]
-        self.dir.writes.put_start_many(client_id, (s.prefix + key,), (size,), codes, placed,
-                                       spec, None if req.checksum is None else (req.checksum,),
+        self.dir.writes.put_start_many(client_id, (key if s.default else s.prefix + key,),
+                                       (size,), codes, placed, spec,
+                                       None if req.checksum is None else (req.checksum,),
                                        None if group is None else (group,), s.key_min,
                                        s.max_key)
         if codes[0]:
