@@ -139,7 +139,7 @@ class AdminOps(OpGroup):
         return d
 
     def stats(self, req: Stats | None = None) -> StatsReply:
-        s = self.scope(req.tenant) if req is not None else self.scope.default
+        s = self.scope(req.tenant) if req is not None else self.scopes.default
         d = dict(self.dir.stats())
         if not s.default:
             d = self._tenant_stats(s, d)

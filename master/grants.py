@@ -144,17 +144,17 @@ class Granter:
         """(replicas, segments, caps) of one key's reply: what
         :func:`replica_descriptors` and :meth:`Grants.sign` give, with one
         replica (the common case) signed directly."""
-        segs: dict[str, SegmentDescriptor] = {}
         if len(reps) != 2:
+            segs: dict[str, SegmentDescriptor] = {}
             grants = self.grants(op)
             return replica_descriptors(reps, size, status, segs, grants), segs, grants.sign()
         seg = reps[0]
         sid = seg.id
         off = reps[1]
-        segs[sid] = seg.desc
         signer = self.signer
         if signer is None:
-            return [ReplicaDescriptor(sid, off, size, status, -1)], segs, []
-        ttl = self.write_ttl_ms if op == _CAP_WRITE else self.read_ttl_ms
-        cap = signer.grant_ranges(sid, (off, size), op, _time_ns() // 1_000_000 + ttl)
-        return [ReplicaDescriptor(sid, off, size, status, 0)], segs, [cap]
+            return [ReplicaDescriptor(sid, off, size, status, -1)], {sid: seg.desc}, []
+        exp = _time_ns() // 1_000_000 + (self.write_ttl_ms if op == _CAP_WRITE
+                                         else self.read_ttl_ms)
+        return ([ReplicaDescriptor(sid, off, size, status, 0)], {sid: seg.desc},
+                [signer.grant_ranges(sid, (off, size), op, exp)])

@@ -176,7 +176,7 @@ class Scopes:
         self._all = {"": self.default, DEFAULT_TENANT: self.default}
         self._named = {}
 
-    def __call__(self, tenant: str) -> Scope:
+    def of(self, tenant: str) -> Scope:
         """The scope of a request's ``tenant`` field."""
         try:
             return self._all[tenant]

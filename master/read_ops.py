@@ -31,7 +31,7 @@ from kvpool.core.protocol import (
     SegmentDescriptor,
 )
 from kvpool.master.grants import describe
-from kvpool.master.keys import INVALID_KEY, Scope
+from kvpool.master.keys import INVALID_KEY
 from kvpool.master.op_group import OpGroup
 
 __all__ = ["ReadOps"]
@@ -42,25 +42,6 @@ _CAP_READ = int(CapOp.READ)
 
 class ReadOps(OpGroup):
     """Where objects are, whether they exist, their sizes."""
-
-    def _locate(self, keys: Sequence[str], s: Scope) -> tuple[list[int], list[Any], list[Any]]:
-        """(codes, objects, the flat replicas served) of the stored ``keys``
-        of scope ``s``: one pass of the directory, paused at each disk hit
-        for the tier's hook."""
-        n = len(keys)
-        d = self.dir
-        many = d.reads.get_replicas_many
-        codes = [0] * n
-        objs: list[Any] = [None] * n
-        found: list[Any] = [None] * n
-        kmin, kmax = s.key_min, s.max_key
-        i = many(keys, 0, codes, objs, found, False, kmin, kmax)
-        if i < n:
-            on_disk_hit = self.tiering.on_disk_hit
-            while i < n:
-                on_disk_hit(d, keys[i], objs[i], found[i])
-                i = many(keys, i + 1, codes, objs, found, False, kmin, kmax)
-        return codes, objs, found
 
     def get_replica_list(self, req: GetReplicaList) -> GetReplicaListReply:
         s = self.scope(req.tenant)
@@ -84,11 +65,23 @@ class ReadOps(OpGroup):
                                    segs, caps)
 
     def batch_get_replica_list(self, req: BatchGetReplicaList) -> BatchGetReplicaListReply:
-        keys = req.keys
+        keys: Sequence[str] = req.keys
         self.check_batch(keys)
         n = len(keys)
         s = self.scope(req.tenant)
-        codes, objs, found = self._locate(s.keys(keys), s)
+        if not s.default:
+            keys = s.keys(keys)
+        d = self.dir
+        many = d.reads.get_replicas_many
+        codes = [0] * n
+        objs: list[Any] = [None] * n
+        found: list[Any] = [None] * n  # the flat replicas served
+        kmin, kmax = s.key_min, s.max_key
+        # one pass of the directory, paused at each disk hit for the tier's hook
+        i = many(keys, 0, codes, objs, found, False, kmin, kmax)
+        while i < n:
+            self.tiering.on_disk_hit(d, keys[i], objs[i], found[i])
+            i = many(keys, i + 1, codes, objs, found, False, kmin, kmax)
         sizes = [0] * n
         checksums: list[Any] | None = None
         for i in range(n):
@@ -112,8 +105,9 @@ class ReadOps(OpGroup):
         codes = [0]
         found: list[Any] = [None]
         s = self.scope(req.tenant)
-        self.dir.reads.get_replicas_many((s.key(req.key),), 0, codes, [None], found, True,
-                                         s.key_min, s.max_key)
+        key = req.key
+        self.dir.reads.get_replicas_many((key if s.default else s.key(key),), 0, codes, [None],
+                                         found, True, s.key_min, s.max_key)
         if codes[0]:
             self.fail(codes[0], "exist", req.key)
         return ExistReply(found[0] is not None)

@@ -63,7 +63,9 @@ class Reads:
         n = len(keys)
         # the first pass checks every key (C speed); a resumed pass finds the
         # bad ones already marked
-        bad = start > 0 or mark_bad_keys(keys, max_key or self.max_key, codes, key_min)
+        max_key = max_key or self.max_key
+        bad = start > 0 or ((n != 1 or keys[0] < key_min or len(keys[0]) > max_key)
+                            and mark_bad_keys(keys, max_key, codes, key_min))
         now = self.clock()
         lease = now + self.lease_s
         misses = 0
@@ -97,17 +99,13 @@ class Reads:
             objs[i] = obj
             found[i] = reps
             if reps[0].kind is _FILE and not exist:
-                self._count(keys, start, hits, misses)
+                objects.tenants.reads(keys[start], hits, misses)
                 return i
-        self._count(keys, start, hits, misses)
+        # a pass's hits and misses count for the tenant of its keys (a
+        # request's keys are one tenant's: the op boundary scopes them)
+        if start < n:
+            objects.tenants.reads(keys[start], hits, misses)
         return n
-
-    def _count(self, keys: Sequence[str], start: int, hits: int, misses: int) -> None:
-        """Count a pass's hits and misses for the tenant of its keys (a
-        request's keys are one tenant's: the op boundary scopes them)."""
-        tenants = self.objects.tenants
-        if start < len(keys):
-            tenants.reads(keys[start], hits, misses)
 
     def exist_many(self, keys: Sequence[str], key_min: str = KEY_MIN,
                    max_key: int = 0) -> tuple[list[int], list[bool]]:

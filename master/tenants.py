@@ -168,7 +168,7 @@ class TenantTable:
         # a batch is one tenant's: the last namespace seen is checked first
         if key.startswith(self._last_prefix):
             return self._last
-        if key.startswith(TENANT_SEP):
+        if key < " " and key.startswith(TENANT_SEP):  # (a caller's key: one comparison)
             end = key.find(TENANT_SEP, 1)
             if end > 1:
                 name = key[1:end]
@@ -416,7 +416,7 @@ class TenantTable:
         counted: a read alone does not make a tenant."""
         self.hits += hits
         self.misses += misses
-        if key.startswith(TENANT_SEP):
+        if key < " " and key.startswith(TENANT_SEP):  # (a caller's key: one comparison)
             end = key.find(TENANT_SEP, 1)
             t = self.by_name.get(key[1:end]) if end > 1 else None
         else:

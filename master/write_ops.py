@@ -70,6 +70,7 @@ class WriteOps(OpGroup):
         # new leader never names another range the same) and to the reservation
         self._resv_prefix = f"{RESERVED_KEY_PREFIX}resv/{secrets.token_hex(8)}/"
         self._resv_seq = itertools.count()
+        self._resv_max_key = len(self._resv_prefix) + 32
         # how long a client may start its write into a reservation: within its
         # WRITE grant and well before the pending-put sweep revokes it
         life = min(self.granter.write_ttl_ms, int(cfg.put_start_release_timeout_s * 1000))
@@ -98,11 +99,14 @@ class WriteOps(OpGroup):
     def put_start(self, req: PutStart, replace: bool = False) -> PutStartReply:
         client_id = self.check_client(req.client_id)
         s = self.scope(req.tenant)
-        key = check_key(req.key, self.max_key)
+        key = req.key
+        if key < KEY_MIN or len(key) > self.max_key:
+            check_key(key, self.max_key)  # (raises its error)
         size = req.size
         if size <= 0 or size > self.cfg.max_object_size:
             raise bad("size must be an int in [1, max_object_size]")
-        spec = self._spec(req.options, replace)
+        o = req.options
+        spec = (_UPSERT if replace else DEFAULT_PUT) if o is None else self._spec(o, replace)
         group = req.group
         if group is not None:
             if len(group) > self.max_key or (group and group < KEY_MIN):
@@ -113,8 +117,9 @@ class WriteOps(OpGroup):
         self.count_one("upsert_start" if replace else "put_start")
         codes = [0]
         placed: list[Any] = [None]
-        self.dir.writes.put_start_many(client_id, (s.prefix + key,), (size,), codes, placed,
-                                       spec, None if req.checksum is None else (req.checksum,),
+        self.dir.writes.put_start_many(client_id, (key if s.default else s.prefix + key,),
+                                       (size,), codes, placed, spec,
+                                       None if req.checksum is None else (req.checksum,),
                                        None if group is None else (group,), s.key_min,
                                        s.max_key)
         if codes[0]:
@@ -168,24 +173,42 @@ class WriteOps(OpGroup):
             return [], []
         prefix = self._resv_prefix
         seq = self._resv_seq
-        keys = [f"{prefix}{next(seq)}" for _ in range(count)]
-        codes = [0] * count
-        placed: list[Any] = [None] * count
+        if count == 1:  # a single commit's: no comprehensions to build
+            keys = [f"{prefix}{next(seq)}"]
+            codes = [0]
+            placed: list[Any] = [None]
+            sizes: tuple[int, ...] = (size,)
+        else:
+            keys = [f"{prefix}{next(seq)}" for _ in range(count)]
+            codes = [0] * count
+            placed = [None] * count
+            sizes = (size,) * count
         writes = self.dir.writes
-        writes.put_start_many(client_id, keys, [size] * count, codes, placed,
-                              key_min=RESERVED_KEY_PREFIX, max_key=len(prefix) + 32)
+        writes.put_start_many(client_id, keys, sizes, codes, placed, DEFAULT_PUT, None, None,
+                              RESERVED_KEY_PREFIX, self._resv_max_key)
+        names, reps = keys, placed
+        for r in placed:
+            if r is None or len(r) != 2:  # not every one placed with one replica
+                names, reps = self._kept(client_id, keys, placed)
+                break
+        if names:
+            self.count_one("reserve", len(names))
+        return names, reps
+
+    def _kept(self, client_id: str, keys: list[str], placed: list[Any]
+              ) -> tuple[list[str], list[Any]]:
+        """The reservations of :meth:`_reservations` that were placed with one
+        replica; one with more is revoked (not a reservation's shape)."""
         names: list[str] = []
         reps: list[Any] = []
-        for i in range(count):
-            if placed[i] is None:
+        for key, r in zip(keys, placed, strict=True):
+            if r is None:
                 continue
-            if len(placed[i]) != 2:  # more than one replica: not a reservation's shape
-                writes.revoke_many(client_id, (keys[i],))
+            if len(r) != 2:
+                self.dir.writes.revoke_many(client_id, (key,))
                 continue
-            names.append(keys[i])
-            reps.append(placed[i])
-        if names:
-            self.count("reserve", [0] * len(names))
+            names.append(key)
+            reps.append(r)
         return names, reps
 
     def _reserve(self, client_id: str, size: int) -> ReserveReply:
@@ -213,7 +236,8 @@ class WriteOps(OpGroup):
 
     # ================================================================ commit
     def put_end(self, req: PutEnd) -> ReserveReply:
-        return self._commit(req.client_id, req.key, None, req.reserve, req.tenant)
+        return self._commit(self.check_client(req.client_id), req.key, None, req.reserve,
+                            req.tenant)
 
     def put_commit(self, req: PutCommit) -> ReserveReply:
         client_id = self.check_client(req.client_id)
@@ -224,17 +248,18 @@ class WriteOps(OpGroup):
     def _commit(self, client_id: str, key: str, placeholder: str | None,
                 reserve: int, tenant: str) -> ReserveReply:
         """PUT_END (``placeholder`` None) or PUT_COMMIT of one key of
-        ``tenant``: the commit, and a reservation of ``reserve`` bytes after
-        it (a placeholder is the client's own, in no tenant's namespace)."""
-        client_id = self.check_client(client_id)
+        ``tenant`` by (checked) ``client_id``: the commit, and a reservation
+        of ``reserve`` bytes after it (a placeholder is the client's own, in
+        no tenant's namespace)."""
         s = self.scope(tenant)
         code = self.dir.writes.commit_many(
-            client_id, (s.key(key),), None if placeholder is None else (placeholder,),
-            s.key_min, s.max_key)[0]
-        if code != INVALID_KEY:
-            self.count_one("put_end")
+            client_id, (key if s.default else s.key(key),),
+            None if placeholder is None else (placeholder,), s.key_min, s.max_key)[0]
         if code:
+            if code != INVALID_KEY:
+                self.count_one("put_end")
             self.fail(code, "put_end" if placeholder is None else "put_commit", key)
+        self.count_one("put_end")
         return self._reserve(client_id, reserve) if reserve else _NO_RESERVATION
 
     def batch_put_end(self, req: BatchPutEnd) -> BatchReserveReply:

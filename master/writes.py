@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import KEY_MIN, RESERVED_KEY_PREFIX, SegmentKind
+from kvpool.core.tenants import TENANT_SEP
 from kvpool.master.config import MasterConfig
 from kvpool.master.keys import (
     EXISTS,
@@ -124,7 +125,10 @@ class Writes:
         ``checksums[i]``, ``groups[i]`` (the group it joins at the commit: ""
         none, None unset) go with key ``i``."""
         n = len(keys)
-        bad = mark_bad_keys(keys, max_key or self.max_key, codes, key_min)
+        max_key = max_key or self.max_key
+        # (a single valid key, the single-key ops', needs no pass over the batch)
+        bad = (n != 1 or keys[0] < key_min or len(keys[0]) > max_key) \
+            and mark_bad_keys(keys, max_key, codes, key_min)
         max_size = self.max_size
         simple = checksums is None and groups is None and (spec is DEFAULT_PUT or (
             spec.replica_num == 1 and not spec.disk_replica_num and not spec.preferred
@@ -135,10 +139,9 @@ class Writes:
         mask = self.mask
         pending = self.pending
         pool_used = self.pool_used
-        cap = self.segtab.pool_cap[_MEM]
         high = self.high
+        limit = high * self.segtab.pool_cap[_MEM]  # the memory pool's high watermark
         sizes_get = objects._sizes.get
-        plan_run = self.placement.plan_run
         tenants = objects.tenants
         track = tenants.track_default
         tt: Tenant | None = None  # the tenant of the last tenant key (a batch is one's)
@@ -154,8 +157,7 @@ class Writes:
         # (segment, offset) in it. A run that cannot be planned: key by key
         # for the rest of the batch
         plan: list[tuple[Any, int]] | None = None
-        plan_at = 0
-        plan_size = plan_need = -1
+        plan_at = plan_size = plan_need = -1
         plan_ok = True
         for i in range(n):
             if bad and codes[i]:
@@ -173,7 +175,8 @@ class Writes:
                     self.clients[client_id] = now
                     stamped = True
                 t = None
-                if key < " " or track:
+                # (a placeholder, below TENANT_SEP, is the default tenant's)
+                if (key < " " and key >= TENANT_SEP) or track:
                     if not key.startswith(tpref):
                         if tadd:
                             tt.mem += tadd  # type: ignore[union-attr]
@@ -199,7 +202,7 @@ class Writes:
                         else:
                             out[i] = p.replicas  # type: ignore[union-attr]
                         tleft = tt.memory_quota - tt.mem  # type: ignore[union-attr]
-                        cap = self.segtab.pool_cap[_MEM]
+                        limit = high * self.segtab.pool_cap[_MEM]
                         continue
                 if plan_ok and key not in pending:
                     if plan is None or plan_at == len(plan) or size != plan_size:
@@ -208,7 +211,7 @@ class Writes:
                         m = i + 1
                         while m < n and sizes[m] == size:
                             m += 1
-                        plan = plan_run(size, m - i)
+                        plan = self.placement.plan_run(size, m - i)
                         plan_at = 0
                         plan_size = size
                         if plan is None:
@@ -228,7 +231,7 @@ class Writes:
                         if t is not None:
                             tadd += size
                             tleft -= size
-                        if used > high * cap:
+                        if used > limit:
                             # what is carved ahead goes back before evicting
                             unplan(plan, plan_at, plan_size)
                             plan = None
@@ -238,7 +241,7 @@ class Writes:
                             self.evict(_MEM, 0)
                             if tt is not None:
                                 tleft = tt.memory_quota - tt.mem
-                            cap = self.segtab.pool_cap[_MEM]
+                            limit = high * self.segtab.pool_cap[_MEM]
                         continue
                 if plan is not None:  # placing below: the plan's rest goes back
                     unplan(plan, plan_at, plan_size)
@@ -255,7 +258,7 @@ class Writes:
                 out[i] = p.replicas  # type: ignore[union-attr]
             if tt is not None:
                 tleft = tt.memory_quota - tt.mem
-            cap = self.segtab.pool_cap[_MEM]  # the general step may have evicted
+            limit = high * self.segtab.pool_cap[_MEM]  # the general step may have evicted
         if tadd:
             tt.mem += tadd  # type: ignore[union-attr]
         if plan is not None and plan_at < len(plan):
@@ -336,19 +339,22 @@ class Writes:
         if placeholders is not None and len(placeholders) != n:
             raise ValueError("placeholders and keys differ in length")
         codes = [0] * n
-        bad = mark_bad_keys(keys, max_key or self.max_key, codes, key_min)
+        max_key = max_key or self.max_key
+        bad = (n != 1 or keys[0] < key_min or len(keys[0]) > max_key) \
+            and mark_bad_keys(keys, max_key, codes, key_min)  # (as in put_start_many)
         pending = self.pending
         get = pending.get
-        objects = self.objects
         shards = self.shards
         mask = self.mask
         changes = self.changes
         append = changes.records.append if changes.journaling else None
+        objects = self.objects
         tenants = objects.tenants
         track = tenants.track_default
         tt: Tenant | None = None  # as in put_start_many
+        # tt's use order, when it keeps one
+        tobjs: dict[str, int] | None = None
         tpref = NO_PREFIX
-        tobjs: dict[str, int] | None = None  # tt's use order, when it keeps one
         tcount = 0  # objects stored for tt, not added to it yet
         writer = objects._writers.get(client_id) or objects.writer(client_id)
         # a commit names its reservation first (one clock read for the batch,
@@ -390,7 +396,8 @@ class Writes:
                     stamped = True
                 del pending[placeholder]
                 reps = p.replicas
-                if not tenants.renamed(placeholder, key, reps, p.size):
+                # (a key outside every namespace is the placeholder's tenant's)
+                if key < " " and not tenants.renamed(placeholder, key, reps, p.size):
                     # over the key's tenant's quota, nothing of its own could go: the
                     # reservation goes back (its holder drops it on this code)
                     self._release(p, placeholder)
