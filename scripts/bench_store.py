@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     raw = _RawSocket()
     ctx = mp.get_context("spawn")
-    holder_bytes = parse_size(args.holder_memory)
+    holder_bytes = parse_size(args.holder_memory or "1GiB")
     with MasterProcess() as master, \
             NodeDaemonProcess(master.address, holder_bytes) as _holder, \
             master.client(timeout_s=30) as mc:
@@ -467,7 +467,7 @@ def run_multi_buffer(args: argparse.Namespace) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     ctx = mp.get_context("spawn")
     with MasterProcess() as master, \
-            NodeDaemonProcess(master.address, parse_size(args.holder_memory)):
+            NodeDaemonProcess(master.address, parse_size(args.holder_memory or "1GiB")):
         a, b = ctx.Pipe()
         proc = ctx.Process(target=_mb_worker, args=(b, master.address), daemon=True)
         proc.start()
@@ -1062,7 +1062,7 @@ class _KvpoolSide:
         self.topo, self.args, self.work, self.holder_id = topo, args, work, holder_id
         self.holder, self.client = topo.host("holder"), topo.host("client")
         self.master = f"{self.holder.address}:{XHOST_PORT}"
-        self.holder_bytes = parse_size(args.holder_memory)
+        self.holder_bytes = parse_size(args.holder_memory or "4GiB")
         self.helpers: list[_NsProc] = []
         self.started: list[subprocess.Popen[Any]] = []
         self.daemon: subprocess.Popen[Any] | None = None
@@ -1151,7 +1151,7 @@ class _MooncakeSide:
         self.topo, self.args, self.work = topo, args, work
         self.holder, self.client = topo.host("holder"), topo.host("client")
         self.master = f"{self.holder.address}:{XHOST_PORT + 1}"
-        self.holder_bytes = parse_size(args.holder_memory)
+        self.holder_bytes = parse_size(args.holder_memory or "4GiB")
         self.helpers: list[_NsProc] = []
         self.started: list[subprocess.Popen[Any]] = []
         self.workers: dict[str, _NsProc] = {}
@@ -1446,7 +1446,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bytes-per-op", default="128MiB",
                    help="bytes moved per (transport, size, op) measurement")
     p.add_argument("--max-iters", type=int, default=1000, help="calls per measurement (max)")
-    p.add_argument("--holder-memory", default="1GiB", help="memory of the holder daemon")
+    p.add_argument("--holder-memory", default=None,
+                   help="memory of the holder daemon (default 1GiB; cross-host 4GiB: a "
+                   "measurement's objects, removed by force while read-leased, keep their "
+                   "space until the lease ends, beside the next measurement's)")
     p.add_argument("--op-timeout", type=float, default=120.0, help="seconds per measurement")
     p.add_argument("--mode", choices=("store", "multi-buffer"), default="store",
                    help="store: the Client ops above; multi-buffer: Mooncake's multi-buffer "
