@@ -55,6 +55,7 @@ __all__ = ["WriteOps"]
 
 _PROCESSING = ReplicaStatus.PROCESSING
 _CAP_WRITE = int(CapOp.WRITE)
+_NO_ROOM = int(ErrorCode.NO_AVAILABLE_HANDLE)
 _NO_RESERVATION = ReserveReply()
 _UPSERT = PutSpec(replace=True)
 
@@ -123,7 +124,8 @@ class WriteOps(OpGroup):
                                        None if group is None else (group,), s.key_min,
                                        s.max_key)
         if codes[0]:
-            self.fail(codes[0], "put_start failed", key)
+            self.fail(codes[0], "put_start failed" + (self.dir.writes.held_note()
+                                                      if codes[0] == _NO_ROOM else ""), key)
         return PutStartReply(*self.granter.granted(placed[0], size, _PROCESSING, _CAP_WRITE))
 
     def upsert_start(self, req: UpsertStart) -> PutStartReply:

@@ -546,6 +546,19 @@ class Writes:
         else:
             heapq.heappush(self._held, (until, next(self._held_seq), reps, size))
 
+    def held_note(self) -> str:
+        """Why a put may find no room though the pool looks free: the bytes
+        held for removed or abandoned objects' readers and writers, and when
+        the first of them is freed ("" when none are held)."""
+        held = self._held
+        if not held:
+            return ""
+        nbytes = sum(h[3] for h in held)
+        wait = max(0.0, held[0][0] - self.clock())
+        return (f" ({nbytes} bytes of {len(held)} removed or abandoned objects are held "
+                f"until their read leases or write grants end; the first is freed in about "
+                f"{wait:.1f} s)")
+
     def sweep(self) -> int:
         """Revoke in-flight puts older than put_start_release_timeout (a
         reservation: than its write window) or whose client was dropped (a

@@ -151,6 +151,29 @@ def test_put_get_remove_single_ops(mclient: MasterClient) -> None:
     assert st.lease_refusals == 2 and st.objects == 0
 
 
+def test_no_room_names_the_space_held_for_readers(mclient: MasterClient) -> None:
+    """A put that finds no room while a forced removal's space waits for the
+    removed object's read lease says so (and how long), and succeeds once
+    the lease (1 s here) has ended."""
+    c = mclient
+    mount(c, "small", size=64 * 1024)
+    put(c, "full", 64 * 1024)
+    c.call(GetReplicaList("full"))  # a reader's lease
+    c.call(Remove("full", force=True))
+    with pytest.raises(MasterRPCError) as ei:
+        c.call(PutStart("c1", "next", 64 * 1024))
+    assert ei.value.code == ErrorCode.NO_AVAILABLE_HANDLE
+    assert "65536 bytes of 1 removed or abandoned objects are held" in str(ei.value)
+    deadline = time.monotonic() + 5  # the lease's end, then the master's 1 s sweep
+    while True:
+        try:
+            put(c, "next", 64 * 1024)
+            break
+        except MasterRPCError as exc:
+            assert exc.code == ErrorCode.NO_AVAILABLE_HANDLE and time.monotonic() < deadline
+            time.sleep(0.1)
+
+
 def test_bad_arguments_rejected(mclient: MasterClient) -> None:
     c = mclient
     mount(c, "s1")
