@@ -82,6 +82,7 @@ _MEM = SegmentKind.MEMORY
 _FILE = SegmentKind.FILE
 _FAILED_MEMORY = 100_000  # keys remembered as "offload failed: evict plainly next time"
 _HIT_MEMORY = 100_000  # disk-only keys read recently, with their hit counts
+_TO_DISK = frozenset({TaskKind.OFFLOAD, TaskKind.COPY})  # copies that leave memory evictable
 _NEEDS_SOURCE = frozenset({TaskKind.OFFLOAD, TaskKind.REPLICA_COPY, TaskKind.REPLICA_MOVE})
 
 
@@ -333,7 +334,19 @@ class TieringPolicy(TierHooks):
         if t.key < " " or tenants.track_default:
             tenants.rereps(t.key, obj.size, reps, obj.replicas)
         self._journal_replicas(d, t.key, obj)
+        if t.kind in _TO_DISK:
+            self._evict_copied(d)
         return ErrorCode.OK
+
+    @staticmethod
+    def _evict_copied(d: Directory) -> None:
+        """A copy to disk landed while memory is above its watermark (it stayed
+        full while the copy ran; puts spilled to disk): the copied objects'
+        memory can go at once now, so watermark eviction runs in the loop,
+        not at the next put (a promotion meanwhile would find no room)."""
+        cap = d.pool_cap[_MEM]
+        if cap and d.pool_used[_MEM] > d.cfg.eviction_high_watermark * cap:
+            d.evictor.evicting.add(_MEM)
 
     def _cancel(self, d: Directory, t: CopyTask, why: str) -> None:
         """Detach a task from its key. A task already handed out keeps its

@@ -403,6 +403,42 @@ def test_copy_ahead_makes_eviction_immediate() -> None:
         assert d.get_replicas(k)[0] == ErrorCode.OK
 
 
+def test_copies_landing_above_the_watermark_free_memory_without_a_put() -> None:
+    """Memory filled up while its copies to disk ran (puts spilled to disk):
+    when the copies land, watermark eviction runs in the loop at once, not at
+    the next put, so a disk hit read right after finds room for a promotion
+    (the Mooncake promotion test failed when every memory object had been
+    copied and nothing was put afterwards)."""
+    d, p, _ = make({"offload_ahead_watermark": 0.5}, eviction_high_watermark=0.9,
+                   eviction_ratio=0.1)
+    d.mount("node", desc("mem", 1024 * KiB, MEM))
+    d.mount("node", desc("disk", 8192 * KiB + 4096, FILE))
+    for i in range(7):
+        assert put(d, f"k{i}", 100 * KiB) == ErrorCode.OK
+    p.tick(d)  # copy-ahead queued, not run yet
+    for i in range(7, 14):  # past the watermark: the in-flight copies hold memory
+        assert put(d, f"k{i}", 100 * KiB) == ErrorCode.OK
+    cap = d.pool_cap[MEM]
+    assert d.pool_used[MEM] > 0.9 * cap
+    spilled = [f"k{i}" for i in range(14) if kinds(d, f"k{i}") == [FILE]]
+    assert spilled
+    assert MEM not in d.evictor.evicting
+    tasks = run_tasks(d, p)
+    assert tasks and {t["kind"] for t in tasks} <= {TaskKind.COPY, TaskKind.OFFLOAD}
+    assert MEM in d.evictor.evicting  # the copies made memory evictable
+    while d.evictor.evicting:
+        d.evictor.step()
+    assert d.pool_used[MEM] <= 0.8 * cap + 100 * KiB
+    for i in range(14):  # nothing lost: every object still has a replica
+        assert d.get_replicas(f"k{i}")[0] == ErrorCode.OK
+    _, (obj, reps) = d.get_replicas(spilled[0])
+    for _ in range(2):
+        p.on_disk_hit(d, spilled[0], obj, reps)
+    assert p.counters["promote_started"] == 1
+    run_tasks(d, p)
+    assert sorted(kinds(d, spilled[0])) == [MEM, FILE]
+
+
 def test_copy_ahead_off_and_without_disk() -> None:
     for tier, disk in (({"offload_ahead_watermark": 0}, True), ({}, False)):
         d, p, _ = make(tier)
