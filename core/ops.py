@@ -454,14 +454,16 @@ class StatsReply(Reply):
     suspect_segments: int = 0
     suspected_clients: int = 0
     revived_clients: int = 0
-    # SSD tier: puts placed on disk because memory was full; abandoned puts whose
-    # space is held until their writer's WRITE capability has ended
+    # SSD tier: puts placed on disk because memory was full; abandoned puts and
+    # removed objects whose space is held until their writer's WRITE capability
+    # or their readers' leases have ended
     spilled: int = 0
     held_puts: int = 0
     # upserts that replaced an object; objects soft-pinned now (with a deadline)
     replaced: int = 0
     soft_pinned: int = 0
     groups: int = 0  # object groups with members now
+    held_bytes: int = 0  # the space held_puts hold (every replica counted)
 
     def as_dict(self) -> dict[str, Any]:
         """Every counter in one flat map (tiering and extra merged in)."""

@@ -41,7 +41,7 @@ _DEAD = SegState.DEAD
 _FILE = SegmentKind.FILE
 #: STATS fields that count what happened to the pool's objects (any tenant's)
 _POOL_HISTORY = ("evictions", "evicted_bytes", "lease_refusals", "preemptions", "spilled",
-                 "held_puts", "replaced", "soft_pinned", "groups")
+                 "held_puts", "held_bytes", "replaced", "soft_pinned", "groups")
 
 
 class AdminOps(OpGroup):

@@ -61,6 +61,9 @@ _DIRECTORY = (
     (_GAUGE, "kvpool_master_soft_pinned_objects",
      "objects with a soft pin deadline (some may have passed it)", "soft_pinned", 1),
     (_GAUGE, "kvpool_master_object_groups", "object groups with members", "groups", 1),
+    (_GAUGE, "kvpool_master_held_bytes",
+     "bytes of removed or abandoned objects held until their read leases or write grants end "
+     "(counted as used)", "held_bytes", 1),
 )
 #: (name, help, key of StatsReply.tiering) of the SSD tier's gauges
 _TIER = (

@@ -105,6 +105,7 @@ class Writes:
         # heap of (release time, seq, replicas, size)
         self._held: list[tuple[float, int, tuple[Any, ...], int]] = []
         self._held_seq = itertools.count()
+        self.held_bytes = 0  # what _held holds, every replica counted
         self.preemptions = 0
         self.spilled = 0  # puts placed on disk because memory was full
         self.replaced = 0  # objects replaced by an upsert
@@ -545,6 +546,7 @@ class Writes:
             self.segtab.free(reps, size)
         else:
             heapq.heappush(self._held, (until, next(self._held_seq), reps, size))
+            self.held_bytes += size * (len(reps) // 2)
 
     def held_note(self) -> str:
         """Why a put may find no room though the pool looks free: the bytes
@@ -553,9 +555,8 @@ class Writes:
         held = self._held
         if not held:
             return ""
-        nbytes = sum(h[3] for h in held)
         wait = max(0.0, held[0][0] - self.clock())
-        return (f" ({nbytes} bytes of {len(held)} removed or abandoned objects are held "
+        return (f" ({self.held_bytes} bytes of {len(held)} removed or abandoned objects are held "
                 f"until their read leases or write grants end; the first is freed in about "
                 f"{wait:.1f} s)")
 
@@ -569,6 +570,7 @@ class Writes:
         while held and held[0][0] <= now:
             _, _, reps, size = heapq.heappop(held)
             self.segtab.free(reps, size)
+            self.held_bytes -= size * (len(reps) // 2)
         limit = self.cfg.put_start_release_timeout_s
         # a reservation (placeholder key) is of no use once its WRITE grant ended:
         # one whose holder never learnt of it (its reply lost) goes then
@@ -584,4 +586,5 @@ class Writes:
     def stats(self) -> dict[str, int]:
         return {"pending": len(self.pending), "preemptions": self.preemptions,
                 "spilled": self.spilled, "held_puts": len(self._held),
+                "held_bytes": self.held_bytes,
                 "replaced": self.replaced}

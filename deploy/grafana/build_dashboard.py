@@ -124,8 +124,9 @@ def _panels(b: _Layout) -> None:
     b.row("Pool")
     b.panel("Pool used / capacity by tier", [
         (f"max by (kind) (kvpool_master_pool_used_bytes{{{M}}})", "used {{kind}}"),
-        (f"max by (kind) (kvpool_master_pool_capacity_bytes{{{M}}})", "capacity {{kind}}")],
-        "bytes", "Bytes allocated and contributed per tier (memory = shared-memory segments, file = SSD tier). Max over master instances: a standby reports 0.")
+        (f"max by (kind) (kvpool_master_pool_capacity_bytes{{{M}}})", "capacity {{kind}}"),
+        (f"max(kvpool_master_held_bytes{{{M}}})", "held (removed, still leased)")],
+        "bytes", "Bytes allocated and contributed per tier (memory = shared-memory segments, file = SSD tier). Held: bytes of removed or abandoned objects kept (and counted as used) until their read leases or write grants end. Max over master instances: a standby reports 0.")
     b.panel("Pool usage by tier", [
         (f"max by (kind) (kvpool_master_pool_used_bytes{{{M}}}) / max by (kind) (kvpool_master_pool_capacity_bytes{{{M}}} > 0)", "{{kind}}")],
         "percentunit", "Used / capacity per tier. Eviction starts at eviction_high_watermark (0.9 by default); KvpoolPoolNearlyFull fires above 0.95.",

@@ -164,6 +164,8 @@ def test_no_room_names_the_space_held_for_readers(mclient: MasterClient) -> None
         c.call(PutStart("c1", "next", 64 * 1024))
     assert ei.value.code == ErrorCode.NO_AVAILABLE_HANDLE
     assert "65536 bytes of 1 removed or abandoned objects are held" in str(ei.value)
+    st = c.call(Stats())  # an operator sees it too (STATS, /metrics, kvpool status)
+    assert (st.held_puts, st.held_bytes, st.memory_used) == (1, 64 * 1024, 64 * 1024)
     deadline = time.monotonic() + 5  # the lease's end, then the master's 1 s sweep
     while True:
         try:
@@ -172,6 +174,7 @@ def test_no_room_names_the_space_held_for_readers(mclient: MasterClient) -> None
         except MasterRPCError as exc:
             assert exc.code == ErrorCode.NO_AVAILABLE_HANDLE and time.monotonic() < deadline
             time.sleep(0.1)
+    assert (c.call(Stats()).held_puts, c.call(Stats()).held_bytes) == (0, 0)
 
 
 def test_bad_arguments_rejected(mclient: MasterClient) -> None:
