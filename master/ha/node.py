@@ -342,6 +342,16 @@ class HaNode:
         self.in_sync.submit(self.source, frozenset())
         return d
 
+    @property
+    def _silent_s(self) -> float:
+        """A standby that acked nothing, not even a heartbeat, this long counts
+        as gone until it acks again: six times the ack wait of an in-sync
+        member (3 s by default, as long as a standby waits on a silent
+        stream before it says hello again), so a standby slowed by a loaded
+        host is not taken for a dead one (at twice, one was under 3 busy
+        loops on 2 cores)."""
+        return 6 * self.cfg.sync_timeout_s
+
     def _bind_source(self, d: Directory, epoch: int) -> ReplicationSource:
         """The replication source on our port: the socket transport serves the
         held listener; ZeroMQ binds it anew. A leader deposed and elected
@@ -349,13 +359,15 @@ class HaNode:
         releases it asynchronously, so retry briefly."""
         if self.plain and self._hold is not None:
             return ReplicationSource(d, self.repl_bind, epoch, self.log,
-                                     lazy_send_s=LAZY_SEND_S, listener=self._hold)
+                                     lazy_send_s=LAZY_SEND_S, listener=self._hold,
+                                     silent_s=self._silent_s)
         self._release_port()
         deadline = time.monotonic() + _REBIND_S
         while True:
             try:
                 return ReplicationSource(d, self.repl_bind, epoch, self.log, self.ctx,
-                                         curve=self.cfg.curve, lazy_send_s=LAZY_SEND_S)
+                                         curve=self.cfg.curve, lazy_send_s=LAZY_SEND_S,
+                                         silent_s=self._silent_s)
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
                     raise
@@ -534,7 +546,7 @@ class HaNode:
         if now >= self._next_sync_check and st.role is Role.LEADER:
             self._next_sync_check = now + 0.02
             in_sync.maintain(src)
-        in_sync.track(now, len(src.standbys))
+        in_sync.track(now, src.connected())
         return True
 
     def _check_joined(self, src: ReplicationSource) -> None:

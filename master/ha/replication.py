@@ -92,8 +92,10 @@ class MsgType(IntEnum):
 
 
 #: the stream's format, in every HELLO: a leader refuses a standby of another
-#: (1: batches of decoded records, before the journal frames were shipped as written)
-REPLICATION_PROTOCOL = 2
+#: (1: batches of decoded records, before the journal frames were shipped as
+#: written; 2: a standby did not answer heartbeats, so a leader could not tell
+#: a silent one from an idle one)
+REPLICATION_PROTOCOL = 3
 
 # msgspec writes the same bytes as msgpack.packb(use_bin_type=True), ~4x faster
 # (a batch of 128 PUT records: ~4 us instead of ~18 us per group commit), and

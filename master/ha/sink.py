@@ -346,6 +346,9 @@ class ReplicaSink:
             self._refuse(f"message of epoch {epoch} after epoch {self.known_epoch}")
             return
         if kind == MsgType.HEARTBEAT:
+            # answered with an ack: the leader tells an idle standby from a
+            # silent one (a frozen process, a host gone without closing)
+            self._ack_due = True
             return
         if kind == MsgType.TAIL:
             self.known_epoch = max(self.known_epoch, epoch)

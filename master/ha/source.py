@@ -71,6 +71,11 @@ class _Standby:
     # batches held back for a standby outside the in-sync set (``lazy_send_s``):
     # sent together, before anything else sent to it
     queued: list[Batch] = field(default_factory=list)
+    # when it last acked anything (heartbeats too; 0.0: not since its hello,
+    # e.g. while it loads a snapshot), and whether it has been silent past
+    # ``silent_s`` (not counted as connected, lagging when in sync)
+    heard: float = 0.0
+    silent: bool = False
 
 
 class ReplicationSource:
@@ -99,13 +104,14 @@ class ReplicationSource:
                  log_: ReplicationLog | None = None, context: zmq.Context | None = None,
                  snapshot_slice_s: float = 0.004, heartbeat_s: float = 0.1,
                  curve: CurveConfig | None = None, lazy_send_s: float = 0.0,
-                 listener: socket.socket | None = None) -> None:
+                 listener: socket.socket | None = None, silent_s: float = 1.0) -> None:
         self.dir = directory
         self.epoch = epoch
         self.log = log_ or ReplicationLog()
         self.log.start_epoch(epoch)
         self.snapshot_slice_s = snapshot_slice_s
         self.heartbeat_s = heartbeat_s
+        self.silent_s = silent_s
         # ``socket://``: served on the caller's loop; else ZeroMQ (CURVE where active)
         self.transport: LeaderTransport
         if bind.startswith(SOCKET_SCHEME):
@@ -124,6 +130,7 @@ class ReplicationSource:
         self.sessions = 0
         self._last_send = time.monotonic()
         self._drops_seen = 0  # transport.drops when last looked at
+        self._next_silence_check = 0.0
         self.batches_sent = 0
         self.snapshots_sent = 0
 
@@ -256,7 +263,7 @@ class ReplicationSource:
 
     def lagging(self, timeout_s: float) -> list[str]:
         """In-sync members that owe an ack for longer than ``timeout_s``
-        (or are gone): candidates to remove (after etcd says so). Owing
+        (or are gone, or silent): candidates to remove (after etcd says so). Owing
         starts at the later of its last ack and the send of the first batch
         it has not acked."""
         now = time.monotonic()
@@ -264,8 +271,8 @@ class ReplicationSource:
         out = []
         for m in self.sync_members:
             sb = self.standbys.get(m)
-            if sb is None or (sb.status.acked_lsn < last
-                              and now - max(sb.status.last_ack, sb.owed_since) > timeout_s):
+            if sb is None or sb.silent or (sb.status.acked_lsn < last and now - max(
+                    sb.status.last_ack, sb.owed_since) > timeout_s):
                 out.append(m)
         return out
 
@@ -314,7 +321,29 @@ class ReplicationSource:
             frame = pack([MsgType.HEARTBEAT, self.epoch, self.log.last_lsn])
             for sb in self.standbys.values():
                 self._send(sb.ident, frame)
+        if now >= self._next_silence_check:
+            self._next_silence_check = now + self.heartbeat_s
+            self._mark_silent(now)
         return n
+
+    def _mark_silent(self, now: float) -> None:
+        """Mark the standbys that acked nothing, not even a heartbeat, for
+        ``silent_s`` (frozen, or their host went without closing the
+        connection): they do not count as :meth:`connected` and an in-sync
+        one is :meth:`lagging`, so the leader learns it has too few standbys
+        before the next write, not by applying it and waiting for an ack.
+        One loading a snapshot has not acked since its hello and is spared;
+        the next ack of one clears the mark."""
+        limit = self.silent_s
+        for sid, sb in self.standbys.items():
+            if not sb.silent and sb.heard and now - sb.heard > limit and sb.chunks is None:
+                sb.silent = True
+                log.warning("standby %s: silent for %.1f s (no ack, not even of a heartbeat)",
+                            sid, now - sb.heard)
+
+    def connected(self) -> int:
+        """Standbys connected and heard from within ``silent_s``."""
+        return sum(1 for sb in self.standbys.values() if not sb.silent)
 
     def _refuse(self, ident: Any, code: ErrorCode, message: str) -> None:
         self._send(ident, pack([MsgType.REFUSE, int(code), message, self.epoch]))
@@ -326,9 +355,13 @@ class ReplicationSource:
             sb = self._by_ident(ident)
             if sb is None or epoch != self.epoch or type(lsn) is not int:
                 return
+            sb.heard = now = time.monotonic()
+            if sb.silent:
+                sb.silent = False
+                log.info("standby %s: heard again", sb.status.instance_id)
             if sb.chunks is None and lsn > sb.status.acked_lsn:
                 sb.status.acked_lsn = min(lsn, self.log.last_lsn)
-                sb.status.last_ack = time.monotonic()
+                sb.status.last_ack = now
         elif kind == MsgType.HELLO and len(msg) in (5, 6):
             _t, instance_id, known_epoch, last_epoch, last_lsn = msg[:5]
             if type(instance_id) is not str or not all(

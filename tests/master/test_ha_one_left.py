@@ -2,15 +2,18 @@
 etcd, three real ``kvpool master --etcd`` instances (``sync_standbys: 1``), a
 real node daemon and a store client addressing the group as ``etcd://...``.
 
-Both standbys are killed -9. The leader keeps answering reads of every
-acknowledged object (bytes checked), refuses a put at once with
-``NOT_ENOUGH_STANDBYS`` (typed: :class:`NotEnoughStandbys`), nothing of it
-applied, still answers reads after that refusal, and takes writes again by
-itself once a restarted standby is back in sync."""
+Both standbys are killed -9 (or frozen: SIGSTOP, their connections open).
+The leader keeps answering reads of every acknowledged object (bytes
+checked), refuses a put at once with ``NOT_ENOUGH_STANDBYS`` (typed:
+:class:`NotEnoughStandbys`), nothing of it applied, still answers reads after
+that refusal, and takes writes again by itself once a restarted (or thawed)
+standby is back in sync."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import time
 
 import pytest
@@ -105,3 +108,55 @@ def test_leader_alone_serves_reads_refuses_writes_and_resumes(group: HaGroup) ->
               f"the refusal); writes refused {learn_s * 1000:.0f} ms after the kills; put "
               f"refused in {refused_s * 1000:.1f} ms; writes resumed {resumed_s:.2f} s after "
               "the restart began")
+
+
+def test_frozen_standbys_are_noticed_before_a_write(group: HaGroup) -> None:
+    """Both standbys frozen (SIGSTOP: their connections stay open, as when a
+    host hangs or vanishes without closing them). They no longer answer the
+    leader's heartbeats, so the leader counts them gone within about six times
+    ``sync_timeout_s`` while idle and refuses the next put at once, nothing
+    of it applied; before, it learned only by applying that put and waiting
+    for an ack. Thawed, they ack again and writes resume."""
+    leader = group.wait_leader(in_sync=1, streaming=2)
+    standbys = [m for m in group.members if m is not leader]
+    pids = [s.pid for s in standbys]
+    assert all(pids)
+    with NodeDaemonProcess(group.url, memory="64MiB") as _daemon, \
+            Client(ClientConfig(master_address=group.url, memory_size=0,
+                                rpc_timeout_s=5.0)) as client:
+        client.put("before", _value("before"))
+        try:
+            t_freeze = time.monotonic()
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+            # sync_timeout_s 0.5 (default): silent for 3 s, then gone
+            try:
+                wait_until(lambda: (leader.health() or {}).get("writes_refused"), 8.0,
+                           "the leader to notice its frozen standbys", interval_s=0.02)
+            except AssertionError:
+                print(leader.log_tail())
+                raise
+            learn_s = time.monotonic() - t_freeze
+            t0 = time.monotonic()
+            with pytest.raises(NotEnoughStandbys) as ei:
+                client.put("refused", _value("refused"))
+            assert time.monotonic() - t0 < PROMPT_S
+            assert "applied" not in str(ei.value), ei.value  # refused before applying
+            assert client.get("before") == _value("before")  # reads go on
+            with MasterClient(group.url, timeout_s=PROMPT_S) as mc:
+                assert not mc.call(Exist(key="refused")).exists
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
+
+        def put_ok() -> bool:
+            try:
+                client.put("thawed", _value("thawed"))
+            except StoreError as exc:
+                assert exc.code == ErrorCode.NOT_ENOUGH_STANDBYS, exc
+                return False
+            return True
+
+        wait_until(put_ok, 20, "writes to resume after the standbys thawed", interval_s=0.05)
+        assert client.get("thawed") == _value("thawed")
+        print(f"frozen standbys noticed {learn_s * 1000:.0f} ms after the freeze")
