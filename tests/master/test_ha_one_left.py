@@ -41,6 +41,17 @@ def _value(key: str, size: int = 20_000) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
+def _put_accepted(client: Client, key: str) -> bool:
+    """Put ``key``: True once taken; False while writes are refused for want
+    of standbys (any other error fails the test)."""
+    try:
+        client.put(key, _value(key))
+    except StoreError as exc:
+        assert exc.code == ErrorCode.NOT_ENOUGH_STANDBYS, exc
+        return False
+    return True
+
+
 def test_leader_alone_serves_reads_refuses_writes_and_resumes(group: HaGroup) -> None:
     leader = group.wait_leader(in_sync=1, streaming=2)
     standbys = [m for m in group.members if m is not leader]
@@ -92,15 +103,8 @@ def test_leader_alone_serves_reads_refuses_writes_and_resumes(group: HaGroup) ->
         t_restart = time.monotonic()
         standbys[0].start()
 
-        def put_ok() -> bool:
-            try:
-                client.put("resumed", _value("resumed"))
-            except StoreError as exc:
-                assert exc.code == ErrorCode.NOT_ENOUGH_STANDBYS, exc
-                return False
-            return True
-
-        wait_until(put_ok, 20, "writes to resume after a standby returned", interval_s=0.05)
+        wait_until(lambda: _put_accepted(client, "resumed"), 20,
+                   "writes to resume after a standby returned", interval_s=0.05)
         resumed_s = time.monotonic() - t_restart
         assert client.get("resumed") == _value("resumed")
         read_all("after writes resumed")
@@ -149,14 +153,7 @@ def test_frozen_standbys_are_noticed_before_a_write(group: HaGroup) -> None:
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)  # type: ignore[arg-type]
 
-        def put_ok() -> bool:
-            try:
-                client.put("thawed", _value("thawed"))
-            except StoreError as exc:
-                assert exc.code == ErrorCode.NOT_ENOUGH_STANDBYS, exc
-                return False
-            return True
-
-        wait_until(put_ok, 20, "writes to resume after the standbys thawed", interval_s=0.05)
+        wait_until(lambda: _put_accepted(client, "thawed"), 20,
+                   "writes to resume after the standbys thawed", interval_s=0.05)
         assert client.get("thawed") == _value("thawed")
         print(f"frozen standbys noticed {learn_s * 1000:.0f} ms after the freeze")
