@@ -143,32 +143,31 @@ def bench_engine(engine: TransferEngine, seg: FileSegment, transport: str, label
         acc.setdefault((label, op.name.lower()), []).extend(lat)
 
 
-def _wait_tasks(m: Any, timeout: float = 60.0) -> None:
-    """Wait until the master has no tier task in flight (promotions copied)."""
-    from kvpool.core.protocol import Stats
-
-    deadline = time.monotonic() + timeout
-    with m.client() as mc:
-        while mc.call(Stats()).as_dict().get("tier_tasks_inflight", 0):
-            if time.monotonic() > deadline:
-                print("# tier tasks still in flight; measuring anyway", file=sys.stderr)
-                return
-            time.sleep(0.05)
-
-
-def _wait_held(m: Any, timeout: float = 30.0) -> float:
-    """Wait until the master holds no removed object's space for its readers
-    (STATS ``held_bytes``; 0 in trees without it); the seconds waited."""
+def _wait_zero(m: Any, counter: str, what: str, timeout: float) -> float:
+    """Wait until the master's STATS ``counter`` is 0 (or missing: a tree
+    without it); the seconds waited. Past ``timeout`` it says ``what`` is
+    still there and returns (the measurement goes on)."""
     from kvpool.core.protocol import Stats
 
     t0 = time.monotonic()
     with m.client() as mc:
-        while mc.call(Stats()).as_dict().get("held_bytes", 0):
+        while mc.call(Stats()).as_dict().get(counter, 0):
             if time.monotonic() - t0 > timeout:
-                print("# space still held; measuring anyway", file=sys.stderr)
+                print(f"# {what} still there; measuring anyway", file=sys.stderr)
                 break
-            time.sleep(0.1)
+            time.sleep(0.05)
     return time.monotonic() - t0
+
+
+def _wait_tasks(m: Any) -> None:
+    """Wait until the master has no tier task in flight (promotions copied)."""
+    _wait_zero(m, "tier_tasks_inflight", "tier tasks in flight", 60.0)
+
+
+def _wait_held(m: Any) -> float:
+    """Wait until the master holds no removed object's space for its readers
+    (STATS ``held_bytes``); the seconds waited."""
+    return _wait_zero(m, "held_bytes", "space held for readers", 30.0)
 
 
 def _disk_offsets(m: Any, keys: list[str]) -> list[int]:
