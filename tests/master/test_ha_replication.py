@@ -586,6 +586,7 @@ def test_standby_outside_the_in_sync_set_acks_lazily(ctx: zmq.Context) -> None:
         leader.mount("seg-a")
         pump(leader, [s1, s2], lambda: sorted(leader.src.caught_up()) == ["s1", "s2"])
         leader.src.add_sync("s1")
+        leader.src.heartbeat_s = 3600.0  # no heartbeats while counting: each is acked too
         acks = {"s1": 0, "s2": 0}
         idents = {leader.src.standbys[n].ident: n for n in acks}
         handle = leader.src._handle
