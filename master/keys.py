@@ -12,13 +12,13 @@ encoded into the reply as it is), named here once.
 
 A request acts for a tenant (:mod:`kvpool.core.tenants`): its :class:`Scope`
 turns the caller's keys into the keys the directory stores. The default
-tenant's keys are stored as they are, and the directory's own check is
-their one check (no copy, no loop). Another tenant's keys are checked here
-once, as the caller's keys (the ``max_key_length`` is the caller's), then
-prefixed with the tenant's namespace; an invalid one becomes ``""``, which
-the directory, checking stored keys against the scope's ``key_min``
-(U+001F, so it admits the namespace) and ``max_key``, answers INVALID_KEY
-in its place: the codes of a batch come out of the one directory pass.
+tenant's keys are stored as they are (no copy, no loop). Another tenant's
+keys are prefixed with the tenant's namespace, unchecked. Either way the
+directory's own check of the stored keys is their one check: against the
+scope's ``key_min`` (the namespace followed by U+0020) and ``max_key``
+(the ``max_key_length`` plus the namespace's length), a stored key passes
+exactly when the caller's key would pass as a default key, so the codes of
+a batch come out of the one directory pass.
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ class Scope:
     """One tenant's namespace as the master applies it to a request's keys
     (see the module docstring). ``prefix`` is empty for the default tenant;
     ``key_min`` and ``max_key`` are what the directory checks stored keys
-    against."""
+    against: ``prefix + KEY_MIN`` and the caller's limit plus the prefix's
+    length (a stored key below ``key_min`` is the prefix followed by an
+    empty key or one starting below U+0020)."""
 
     __slots__ = ("default", "key_min", "max_key", "prefix", "tenant", "user_max")
 
@@ -110,27 +112,21 @@ class Scope:
         self.prefix = scope_prefix(tenant)
         self.default = not self.prefix
         self.user_max = max_key
-        self.key_min = KEY_MIN if self.default else TENANT_SEP
+        self.key_min = self.prefix + KEY_MIN
         self.max_key = max_key + len(self.prefix)
 
     def keys(self, keys: Sequence[str]) -> Sequence[str]:
-        """The stored keys of the caller's ``keys``: ``keys`` itself for the
-        default tenant; else each prefixed, ``""`` for an invalid one."""
+        """The stored keys of the caller's ``keys`` (unchecked: the
+        directory checks them against ``key_min`` and ``max_key``): ``keys``
+        itself for the default tenant, else each prefixed."""
         p = self.prefix
         if not p:
             return keys
-        mx = self.user_max
-        if keys and min(keys) >= KEY_MIN and max(map(len, keys)) <= mx:
-            return [p + k for k in keys]
-        return ["" if _bad(k, mx, KEY_MIN) else p + k for k in keys]
+        return list(map(p.__add__, keys))
 
     def key(self, key: str) -> str:
-        """The stored key of the caller's ``key`` (``""`` when invalid; the
-        default tenant's as it is)."""
-        p = self.prefix
-        if not p:
-            return key
-        return "" if _bad(key, self.user_max, KEY_MIN) else p + key
+        """The stored key of the caller's ``key`` (unchecked, as :meth:`keys`)."""
+        return self.prefix + key
 
     def own_keys(self, keys: Sequence[str]) -> list[str]:
         """The stored keys of a PUT_REVOKE's ``keys``: a reservation's

@@ -46,7 +46,7 @@ keys into one tenant's namespace): a batch's are its first key's tenant's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool.core.errors import ErrorCode
@@ -134,7 +134,8 @@ class TenantTable:
         self.hits = 0
         self.misses = 0
         self.evictor: Evictor | None = None  # set by the directory
-        # the namespace prefix of the tenant :meth:`of` found last ("\x1fname\x1f")
+        # the namespace prefix of the tenant :meth:`of` or :meth:`reads` found
+        # last ("\x1fname\x1f")
         self._last_prefix = NO_PREFIX
         self._last: Tenant | None = None
         for name in self.configured:
@@ -178,6 +179,25 @@ class TenantTable:
                 self._last_prefix = key[:end + 1]
                 self._last = t
                 return t
+        return self.default
+
+    def of_batch(self, keys: Sequence[str], codes: Sequence[int] | None = None
+                 ) -> Tenant | None:
+        """The tracked tenant of a batch's stored keys, or None: a batch is
+        one tenant's (the op boundary scoped its keys; reservations'
+        placeholders are the default tenant's), so its first valid key names
+        it. ``codes``: the batch's key check (a key with a code is not
+        valid); None when every key is valid."""
+        if codes is None:
+            key = keys[0] if keys else ""
+        else:
+            key = next((k for k, c in zip(keys, codes, strict=False) if not c), "")
+        if key.startswith(self._last_prefix):  # the tenant met last
+            return self._last
+        if not key:
+            return None
+        if key < " " and key >= TENANT_SEP:
+            return self.of(key)
         return self.default
 
     # ---------------------------------------------------------------- quotas
@@ -416,9 +436,14 @@ class TenantTable:
         counted: a read alone does not make a tenant."""
         self.hits += hits
         self.misses += misses
-        if key < " " and key.startswith(TENANT_SEP):  # (a caller's key: one comparison)
+        if key.startswith(self._last_prefix):  # the tenant met last
+            t = self._last
+        elif key < " " and key.startswith(TENANT_SEP):  # (a caller's key: one comparison)
             end = key.find(TENANT_SEP, 1)
             t = self.by_name.get(key[1:end]) if end > 1 else None
+            if t is not None:
+                self._last_prefix = key[:end + 1]
+                self._last = t
         else:
             t = self.default
         if t is not None:

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import KEY_MIN, RESERVED_KEY_PREFIX, SegmentKind
-from kvpool.core.tenants import TENANT_SEP
 from kvpool.master.config import MasterConfig
 from kvpool.master.keys import (
     EXISTS,
@@ -33,7 +32,6 @@ from kvpool.master.objects import HARD_PIN, SOFT_PIN, Obj, ObjectTable, Pending
 from kvpool.master.placement import MakeRoom, Placement, unplan
 from kvpool.master.records import Put
 from kvpool.master.segments import SegmentTable, SegState
-from kvpool.master.tenants import NO_PREFIX, Tenant
 
 if TYPE_CHECKING:
     from kvpool.master.directory import Directory
@@ -143,14 +141,11 @@ class Writes:
         high = self.high
         limit = high * self.segtab.pool_cap[_MEM]  # the memory pool's high watermark
         sizes_get = objects._sizes.get
-        tenants = objects.tenants
-        track = tenants.track_default
-        tt: Tenant | None = None  # the tenant of the last tenant key (a batch is one's)
-        tpref = NO_PREFIX
-        # bytes placed inline for tt not added to tt.mem yet (added before
-        # anything else reads it: the general step, eviction, another tenant,
-        # the end), and tt's memory quota left less them
-        tadd = tleft = 0
+        # the batch's tenant (None: untracked), and its memory quota left less
+        # what was placed inline for it (tt.mem is brought up to date before
+        # anything else reads it: the general step, eviction, the end)
+        tt = objects.tenants.of_batch(keys, codes if bad else None)
+        tleft = 0 if tt is None else tt.memory_quota - tt.mem
         now = self.clock()
         stamped = False
         # a run of equal sizes is placed at once (plan_run: the segment each key
@@ -175,36 +170,20 @@ class Writes:
                 if not stamped:
                     self.clients[client_id] = now
                     stamped = True
-                t = None
-                # (a placeholder, below TENANT_SEP, is the default tenant's)
-                if (key < " " and key >= TENANT_SEP) or track:
-                    if not key.startswith(tpref):
-                        if tadd:
-                            tt.mem += tadd  # type: ignore[union-attr]
-                            tadd = 0
-                        tt = tenants.of(key)
-                        if tt is None:
-                            tpref = NO_PREFIX
-                        else:
-                            tpref = tt.prefix
-                            tleft = tt.memory_quota - tt.mem
-                    t = tt
-                    # at its quota: the general step makes room (or refuses)
-                    if t is not None and size > tleft:
-                        t.mem += tadd
-                        tadd = 0
-                        t = None
-                        if plan is not None:
-                            unplan(plan, plan_at, plan_size)
-                            plan = None
-                        code, p = self._start_one(client_id, key, size, spec, None, None)
-                        if code:
-                            codes[i] = int(code)
-                        else:
-                            out[i] = p.replicas  # type: ignore[union-attr]
-                        tleft = tt.memory_quota - tt.mem  # type: ignore[union-attr]
-                        limit = high * self.segtab.pool_cap[_MEM]
-                        continue
+                # the tenant at its quota: the general step makes room (or refuses)
+                if tt is not None and size > tleft:
+                    tt.mem = tt.memory_quota - tleft
+                    if plan is not None:
+                        unplan(plan, plan_at, plan_size)
+                        plan = None
+                    code, p = self._start_one(client_id, key, size, spec, None, None)
+                    if code:
+                        codes[i] = int(code)
+                    else:
+                        out[i] = p.replicas  # type: ignore[union-attr]
+                    tleft = tt.memory_quota - tt.mem
+                    limit = high * self.segtab.pool_cap[_MEM]
+                    continue
                 if plan_ok and key not in pending:
                     if plan is None or plan_at == len(plan) or size != plan_size:
                         if plan is not None and plan_at < len(plan):
@@ -229,16 +208,14 @@ class Writes:
                         pending[key] = Pending(objects.intern_size(size) if isize is None
                                                else isize, reps, 0, None, client_id, now)
                         out[i] = reps
-                        if t is not None:
-                            tadd += size
+                        if tt is not None:
                             tleft -= size
                         if used > limit:
                             # what is carved ahead goes back before evicting
                             unplan(plan, plan_at, plan_size)
                             plan = None
-                            if tadd:
-                                tt.mem += tadd  # type: ignore[union-attr]
-                                tadd = 0
+                            if tt is not None:
+                                tt.mem = tt.memory_quota - tleft
                             self.evict(_MEM, 0)
                             if tt is not None:
                                 tleft = tt.memory_quota - tt.mem
@@ -247,9 +224,8 @@ class Writes:
                 if plan is not None:  # placing below: the plan's rest goes back
                     unplan(plan, plan_at, plan_size)
                     plan = None
-            if tadd:
-                tt.mem += tadd  # type: ignore[union-attr]
-                tadd = 0
+            if tt is not None:
+                tt.mem = tt.memory_quota - tleft
             code, p = self._start_one(client_id, key, size, spec,
                                       None if checksums is None else checksums[i],
                                       None if groups is None else groups[i])
@@ -260,8 +236,8 @@ class Writes:
             if tt is not None:
                 tleft = tt.memory_quota - tt.mem
             limit = high * self.segtab.pool_cap[_MEM]  # the general step may have evicted
-        if tadd:
-            tt.mem += tadd  # type: ignore[union-attr]
+        if tt is not None:
+            tt.mem = tt.memory_quota - tleft
         if plan is not None and plan_at < len(plan):
             unplan(plan, plan_at, plan_size)
 
@@ -351,11 +327,9 @@ class Writes:
         append = changes.records.append if changes.journaling else None
         objects = self.objects
         tenants = objects.tenants
-        track = tenants.track_default
-        tt: Tenant | None = None  # as in put_start_many
+        tt = tenants.of_batch(keys, codes if bad else None)  # as in put_start_many
         # tt's use order, when it keeps one
-        tobjs: dict[str, int] | None = None
-        tpref = NO_PREFIX
+        tobjs = None if tt is None else tt.objs
         tcount = 0  # objects stored for tt, not added to it yet
         writer = objects._writers.get(client_id) or objects.writer(client_id)
         # a commit names its reservation first (one clock read for the batch,
@@ -398,12 +372,15 @@ class Writes:
                 del pending[placeholder]
                 reps = p.replicas
                 # (a key outside every namespace is the placeholder's tenant's)
-                if key < " " and not tenants.renamed(placeholder, key, reps, p.size):
-                    # over the key's tenant's quota, nothing of its own could go: the
-                    # reservation goes back (its holder drops it on this code)
-                    self._release(p, placeholder)
-                    codes[i] = QUOTA_EXCEEDED
-                    continue
+                if key < " ":
+                    if not tenants.renamed(placeholder, key, reps, p.size):
+                        # over the key's tenant's quota, nothing of its own could go:
+                        # the reservation goes back (its holder drops it on this code)
+                        self._release(p, placeholder)
+                        codes[i] = QUOTA_EXCEEDED
+                        continue
+                    if tt is not None:  # (making room may have started its use order)
+                        tobjs = tt.objs
                 if p.pin or p.group or len(reps) != 2 or reps[0].state == _DEAD:
                     pending[key] = p  # the general step
                     codes[i] = self._commit_one(client_id, key)
@@ -411,17 +388,10 @@ class Writes:
             seg = reps[0]  # a new, unpinned, ungrouped object with one live replica
             size, flags, checksum = p.size, p.flags, p.checksum
             shard[key] = obj = Obj(size, reps, flags, checksum, writer)
-            if key < " " or track:  # TenantTable.stored, inline
-                if not key.startswith(tpref):
-                    if tt is not None:
-                        tt.objects += tcount
-                    tcount = 0
-                    tt = tenants.of(key)
-                    tpref, tobjs = (NO_PREFIX, None) if tt is None else (tt.prefix, tt.objs)
-                if tt is not None:
-                    tcount += 1
-                    if tobjs is not None:
-                        tobjs[key] = obj.tick
+            if tt is not None:  # TenantTable.stored, inline
+                tcount += 1
+                if tobjs is not None:
+                    tobjs[key] = obj.tick
             if seg is not last_seg:
                 last_seg, seg_add = seg, seg.keys.add
             seg_add(key)
