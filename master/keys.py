@@ -122,6 +122,8 @@ class Scope:
         p = self.prefix
         if not p:
             return keys
+        if len(keys) == 1:  # a single-key op's
+            return [p + keys[0]]
         return list(map(p.__add__, keys))
 
     def key(self, key: str) -> str:

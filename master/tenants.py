@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import SegmentKind
+from kvpool.core.protocol import KEY_MIN, SegmentKind
 from kvpool.core.tenants import DEFAULT_TENANT, TENANT_SEP, scope_prefix
 from kvpool.master.config import MasterConfig, TenantQuota, tenant_quotas
 from kvpool.master.objects import Obj
@@ -138,6 +138,8 @@ class TenantTable:
         # last ("\x1fname\x1f")
         self._last_prefix = NO_PREFIX
         self._last: Tenant | None = None
+        # a tenant scope's key_min (namespace + U+0020) -> the tenant (of_batch)
+        self._scoped: dict[str, Tenant] = {}
         for name in self.configured:
             self.tenant(name)
 
@@ -181,13 +183,24 @@ class TenantTable:
                 return t
         return self.default
 
-    def of_batch(self, keys: Sequence[str], codes: Sequence[int] | None = None
-                 ) -> Tenant | None:
+    def of_batch(self, keys: Sequence[str], codes: Sequence[int] | None = None,
+                 key_min: str = "") -> Tenant | None:
         """The tracked tenant of a batch's stored keys, or None: a batch is
         one tenant's (the op boundary scoped its keys; reservations'
-        placeholders are the default tenant's), so its first valid key names
-        it. ``codes``: the batch's key check (a key with a code is not
-        valid); None when every key is valid."""
+        placeholders are the default tenant's). ``key_min``, the lower bound
+        of the batch's key check: a tenant's scope's (its namespace and
+        U+0020, :class:`~kvpool.master.keys.Scope`) names the tenant at one
+        dict lookup; else the batch's first valid key names it. ``codes``:
+        the batch's key check (a key with a code is not valid); None when
+        every key is valid."""
+        t = self._scoped.get(key_min)
+        if t is not None:
+            return t
+        if key_min < " " and key_min >= TENANT_SEP:  # a tenant's scope, met first
+            t = self.of(key_min)
+            if t is not None:
+                self._scoped[key_min] = t
+            return t
         if codes is None:
             key = keys[0] if keys else ""
         else:
@@ -382,21 +395,27 @@ class TenantTable:
         if t is not None:
             self.charge(t, reps, -size)
 
-    def renamed(self, placeholder: str, key: str, reps: tuple[Any, ...], size: int) -> bool:
-        """A reservation's put (on ``reps``) moves from ``placeholder`` to
-        ``key`` (PUT_COMMIT, BATCH_PUT_COMMIT), admitted to ``key``'s tenant
-        as a put start is (:meth:`admit`: its own least recently used
-        objects make room). False (counted as a refusal): it does not fit,
-        nothing was evicted or charged. A tenant without quotas pays no check."""
-        a, b = self.of(placeholder), self.of(key)
-        if a is b:
+    def renamed(self, t: Tenant | None, reps: tuple[Any, ...], size: int) -> bool:
+        """A reservation's put (on ``reps``; the reservation was the default
+        tenant's) becomes a put of a key of tenant ``t`` (PUT_COMMIT,
+        BATCH_PUT_COMMIT; None: the default tenant, untracked), admitted as
+        a put start is (:meth:`admit`: its own least recently used objects
+        make room). False (counted as a refusal): it does not fit, nothing
+        was evicted or charged. A tenant without quotas pays no check."""
+        a = self.default
+        if a is t:
             return True
-        if b is not None:
-            if b.memory_quota < UNLIMITED or b.disk_quota < UNLIMITED:
+        if t is not None and len(reps) == 2 and reps[0].kind is not _FILE:
+            # a reservation's shape, one memory replica: the quota test inline
+            if t.mem + size > t.memory_quota and not self.admit(t, size, 1, 0):
+                return False
+            t.mem += size
+        elif t is not None:
+            if t.memory_quota < UNLIMITED or t.disk_quota < UNLIMITED:
                 disk_n = sum(1 for s in reps[::2] if s.kind is _FILE)
-                if not self.admit(b, size, len(reps) // 2 - disk_n, disk_n):
+                if not self.admit(t, size, len(reps) // 2 - disk_n, disk_n):
                     return False
-            self.charge(b, reps, size)
+            self.charge(t, reps, size)
         if a is not None:
             self.charge(a, reps, -size)
         return True
@@ -429,14 +448,20 @@ class TenantTable:
             self.charge(t, old, -size)
             self.charge(t, new, size)
 
-    def reads(self, key: str, hits: int, misses: int) -> None:
-        """A batch of reads whose first key is ``key`` found ``hits`` objects
-        and missed ``misses`` (counted for its tenant; every read for the
-        totals). A miss of a tenant that never stored anything is not
+    def reads(self, key_min: str, key: str, hits: int, misses: int) -> None:
+        """A batch of reads whose first key is ``key`` and whose key check's
+        lower bound is ``key_min`` (as :meth:`of_batch`'s) found ``hits``
+        objects and missed ``misses`` (counted for its tenant; every read for
+        the totals). A miss of a tenant that never stored anything is not
         counted: a read alone does not make a tenant."""
         self.hits += hits
         self.misses += misses
-        if key.startswith(self._last_prefix):  # the tenant met last
+        t = self._scoped.get(key_min)
+        if t is not None:
+            pass
+        elif key_min == KEY_MIN:  # the default tenant's scope
+            t = self.default
+        elif key.startswith(self._last_prefix):  # the tenant met last
             t = self._last
         elif key < " " and key.startswith(TENANT_SEP):  # (a caller's key: one comparison)
             end = key.find(TENANT_SEP, 1)

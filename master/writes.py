@@ -144,7 +144,7 @@ class Writes:
         # the batch's tenant (None: untracked), and its memory quota left less
         # what was placed inline for it (tt.mem is brought up to date before
         # anything else reads it: the general step, eviction, the end)
-        tt = objects.tenants.of_batch(keys, codes if bad else None)
+        tt = objects.tenants.of_batch(keys, codes if bad else None, key_min)
         tleft = 0 if tt is None else tt.memory_quota - tt.mem
         now = self.clock()
         stamped = False
@@ -327,7 +327,7 @@ class Writes:
         append = changes.records.append if changes.journaling else None
         objects = self.objects
         tenants = objects.tenants
-        tt = tenants.of_batch(keys, codes if bad else None)  # as in put_start_many
+        tt = tenants.of_batch(keys, codes if bad else None, key_min)  # as in put_start_many
         # tt's use order, when it keeps one
         tobjs = None if tt is None else tt.objs
         tcount = 0  # objects stored for tt, not added to it yet
@@ -373,7 +373,7 @@ class Writes:
                 reps = p.replicas
                 # (a key outside every namespace is the placeholder's tenant's)
                 if key < " ":
-                    if not tenants.renamed(placeholder, key, reps, p.size):
+                    if not tenants.renamed(tt, reps, p.size):
                         # over the key's tenant's quota, nothing of its own could go:
                         # the reservation goes back (its holder drops it on this code)
                         self._release(p, placeholder)

@@ -23,13 +23,15 @@ CPU-second with capabilities on; RSS <= 400 B per object at 1M objects.
   compare through it (this VM's speed varies up to ~2x).
 
 - ``--tenants N``: the master is configured with N tenants (quotas far above
-  what the run stores) and every ops/s phase runs twice without tenants and
-  twice with its batches spread over the N tenants (each request names one,
-  round robin), in the order 0, N, N, 0 (a drift of the machine's speed, or
-  the object table growing run after run, weighs on both modes alike);
-  ``tenants_cost`` reports, per op and
-  batch, the key-ops per master CPU-second with tenants over without (the
-  target: within 5%, docs/tenants.md).
+  what the run stores) and every op runs for 2 x ``--seconds`` without
+  tenants and as long with its batches spread over the N tenants (each
+  request names one, round robin), in ``--tenant-slices`` slices per mode
+  that alternate 0, N, N, 0, 0, N, ... (the machines here change speed
+  within seconds: a drift weighs on both modes alike); the master's CPU is
+  read at ns resolution (the scheduler's per-thread run time).
+  ``tenants_cost`` reports, per op and batch, the key-ops per master
+  CPU-second with tenants over without (the target: within 5%,
+  docs/tenants.md).
 
 - restart: the master is killed and started again on its data dir (the
   snapshot just taken): seconds until it answers, objects restored per
@@ -87,8 +89,17 @@ class Meter:
         self.proc = psutil.Process(pid)
 
     def cpu(self) -> float:
-        t = self.proc.cpu_times()
-        return t.user + t.system
+        """The process's CPU seconds: the sum of its threads' run time from
+        /proc (ns; ``cpu_times`` counts 10 ms ticks), ``cpu_times`` elsewhere."""
+        try:
+            total = 0
+            for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+                with open(f"/proc/{self.proc.pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            return total / 1e9
+        except (OSError, ValueError, IndexError):
+            t = self.proc.cpu_times()
+            return t.user + t.system
 
     def rss(self) -> int:
         return int(self.proc.memory_info().rss)
@@ -140,7 +151,7 @@ def run_phase(c: MasterClient, meter: Meter, name: str, batch: int, seconds: flo
     cpu = meter.cpu() - cpu0
     return {
         "op": name, "batch": batch, "tenants": tenants, "keys": n_keys, "key_ops": key_ops,
-        "wall_s": round(wall, 3), "master_cpu_s": round(cpu, 3),
+        "wall_s": round(wall, 3), "master_cpu_s": round(cpu, 6),
         "key_ops_per_s": round(key_ops / wall),
         "master_cpu_key_ops_per_s": round(key_ops / cpu) if cpu > 0 else None,
         "rpc_p50_us": round(statistics.median(lat) * 1e6, 1),
@@ -202,6 +213,30 @@ def snapshot_pause(m: MasterProcess, c: MasterClient) -> dict[str, Any]:
     }
 
 
+def cost_phases(c: MasterClient, meter: Meter, op_names: list[str], batch: int,
+                seconds: float, tenants: int, slices: int) -> list[dict[str, Any]]:
+    """Each op for 2 x ``seconds`` without tenants and as long over
+    ``tenants`` tenants, in ``slices`` slices per mode alternating 0, N, N,
+    0, ... (each mode's reads read back the keys its own puts wrote)."""
+    counters = {0: [0, 0], tenants: [0, 0]}
+    out = []
+    for name in op_names:
+        for sl in range(slices):
+            for mode in ((0, tenants) if sl % 2 == 0 else (tenants, 0)):
+                r = run_phase(c, meter, name, batch, 2 * seconds / slices,
+                              f"b{batch}m{mode}", counters[mode], mode)
+                r["slice"] = sl
+                out.append(r)
+        rates = []
+        for mode in (0, tenants):
+            got = [p for p in out if p["op"] == name and p["tenants"] == mode]
+            cpu = sum(p["master_cpu_s"] for p in got)
+            rates.append(f"tenants {mode} {sum(p['key_ops'] for p in got) / cpu:,.0f}")
+        print(f"{name:17s} batch {batch:4d}: {', '.join(rates)} key-ops per master-CPU-s",
+              file=sys.stderr)
+    return out
+
+
 def tenants_cost(phases: list[dict[str, Any]], tenants: int) -> list[dict[str, Any]]:
     """Per op and batch: key-ops per master CPU-second with ``tenants``
     tenants over without (total key-ops over total CPU of each mode's runs)."""
@@ -235,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tenants", type=int, default=0,
                     help="also run every ops/s phase with its requests spread over this many "
                     "tenants (interleaved with runs without, twice each); reports the ratio")
+    ap.add_argument("--tenant-slices", type=int, default=8,
+                    help="with --tenants: the slices each mode's 2 x --seconds is cut into, "
+                    "alternating with the other mode's")
     ap.add_argument("--quick", action="store_true",
                     help="ops/s phases only (no RSS fill, snapshot or restart): for profiling")
     args = ap.parse_args(argv)
@@ -265,20 +303,19 @@ def main(argv: list[str] | None = None) -> int:
                                                  SegmentKind.MEMORY, 64 << 40,
                                                  f"kvpool-bench-seg-{i}")))
             phases = []
-            counter = [0, 0]
-            modes = [0, args.tenants, args.tenants, 0] if args.tenants else [0]
             for batch in batches:
-                for run, tenants in enumerate(modes):
-                    prefix = f"b{batch}" if len(modes) == 1 else f"b{batch}r{run}"
-                    counter = [0, 0]
-                    for name in op_names:
-                        r = run_phase(c, meter, name, batch, args.seconds, prefix, counter,
-                                      tenants)
-                        phases.append(r)
-                        print(f"{name:17s} batch {batch:4d} tenants {tenants}: "
-                              f"{r['key_ops_per_s']:>9,} key-ops/s wall, "
-                              f"{r['master_cpu_key_ops_per_s'] or 0:>9,} per master-CPU-s, "
-                              f"p50 {r['rpc_p50_us']} us", file=sys.stderr)
+                if args.tenants:
+                    phases += cost_phases(c, meter, op_names, batch, args.seconds,
+                                          args.tenants, args.tenant_slices)
+                    continue
+                counter = [0, 0]
+                for name in op_names:
+                    r = run_phase(c, meter, name, batch, args.seconds, f"b{batch}", counter)
+                    phases.append(r)
+                    print(f"{name:17s} batch {batch:4d}: "
+                          f"{r['key_ops_per_s']:>9,} key-ops/s wall, "
+                          f"{r['master_cpu_key_ops_per_s'] or 0:>9,} per master-CPU-s, "
+                          f"p50 {r['rpc_p50_us']} us", file=sys.stderr)
             results["ops"] = phases
             if args.tenants:
                 results["tenants_cost"] = tenants_cost(phases, args.tenants)
