@@ -13,8 +13,8 @@ from typing import Any
 
 import msgpack
 
-from kvpool.core.protocol import SegmentDescriptor, SegmentKind
-from kvpool.core.tenants import scope_prefix
+from kvpool.core.protocol import KEY_MIN, SegmentDescriptor, SegmentKind
+from kvpool.core.tenants import scope_prefix, split_scoped
 from kvpool.master.config import FsyncPolicy, MasterConfig
 from kvpool.master.directory import Directory, SegState
 from kvpool.master.durability import Durability
@@ -40,11 +40,13 @@ def state(d: Directory) -> dict[str, Any]:
 
 
 def put_scoped(d: Directory, key: str, size: int) -> None:
-    """A put of ``key`` in a tenant's namespace (below " ", as the handlers store it)."""
+    """A put of ``key`` in a tenant's namespace (below " ", as the handlers
+    store it, checked against its scope's lower bound as they check it)."""
     codes, placed = [0], [None]
-    d.writes.put_start_many("w", [key], [size], codes, placed, key_min="\x00")
+    key_min = scope_prefix(split_scoped(key)[0]) + KEY_MIN
+    d.writes.put_start_many("w", [key], [size], codes, placed, key_min=key_min, max_key=1000)
     assert codes == [0]
-    assert d.writes.commit_many("w", [key], None, "\x00") == [0]
+    assert d.writes.commit_many("w", [key], None, key_min, 1000) == [0]
 
 
 def mixed_directory(seed: int) -> Directory:
