@@ -45,7 +45,7 @@ class ReadOps(OpGroup):
 
     def get_replica_list(self, req: GetReplicaList) -> GetReplicaListReply:
         s = self.scope(req.tenant)
-        key = s.prefix + req.key  # (Scope.key, inline: "" + key is key itself)
+        key = req.key if s.default else s.prefix + req.key  # (Scope.key, inline)
         d = self.dir
         codes = [0]
         objs: list[Any] = [None]
@@ -106,7 +106,7 @@ class ReadOps(OpGroup):
         found: list[Any] = [None]
         s = self.scope(req.tenant)
         key = req.key
-        self.dir.reads.get_replicas_many((s.prefix + key,), 0, codes, [None],
+        self.dir.reads.get_replicas_many((key if s.default else s.prefix + key,), 0, codes, [None],
                                          found, True, s.key_min, s.max_key)
         if codes[0]:
             self.fail(codes[0], "exist", req.key)

@@ -456,11 +456,10 @@ class TenantTable:
         counted: a read alone does not make a tenant."""
         self.hits += hits
         self.misses += misses
-        t = self._scoped.get(key_min)
-        if t is not None:
-            pass
-        elif key_min == KEY_MIN:  # the default tenant's scope
+        if key_min == KEY_MIN:  # the default tenant's scope
             t = self.default
+        elif (t := self._scoped.get(key_min)) is not None:
+            pass
         elif key.startswith(self._last_prefix):  # the tenant met last
             t = self._last
         elif key < " " and key.startswith(TENANT_SEP):  # (a caller's key: one comparison)

@@ -118,7 +118,7 @@ class WriteOps(OpGroup):
         self.count_one("upsert_start" if replace else "put_start")
         codes = [0]
         placed: list[Any] = [None]
-        self.dir.writes.put_start_many(client_id, (s.prefix + key,),
+        self.dir.writes.put_start_many(client_id, (key if s.default else s.prefix + key,),
                                        (size,), codes, placed, spec,
                                        None if req.checksum is None else (req.checksum,),
                                        None if group is None else (group,), s.key_min,
@@ -255,7 +255,7 @@ class WriteOps(OpGroup):
         no tenant's namespace)."""
         s = self.scope(tenant)
         code = self.dir.writes.commit_many(
-            client_id, (s.prefix + key,),
+            client_id, (key if s.default else s.prefix + key,),
             None if placeholder is None else (placeholder,), s.key_min, s.max_key)[0]
         if code:
             if code != INVALID_KEY:
