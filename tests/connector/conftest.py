@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import importlib.util
 import os
 import shutil
@@ -28,6 +30,21 @@ def _vllm_ipc_dir() -> Iterator[str]:
         else:
             os.environ["VLLM_RPC_BASE_PATH"] = old
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_dist_files() -> Iterator[None]:
+    """vLLM's CPU worker leaves a ``vllm_dist_<uuid>`` file (its
+    torch.distributed file store) in the temporary directory per engine it
+    starts: the ones that appeared during the session are removed after it."""
+    pattern = os.path.join(tempfile.gettempdir(), "vllm_dist_*")
+    before = set(glob.glob(pattern))
+    try:
+        yield
+    finally:
+        for path in set(glob.glob(pattern)) - before:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 @pytest.fixture(scope="session")
