@@ -58,9 +58,13 @@ def test_daemon_answers_on_its_dummy_port(master: MasterProcess) -> None:
         assert info["segment_id"] == d.segment_ids[0]
         assert info["host_id"] == d.info["host_id"]
         # a second daemon asked for the same (non-default) port refuses to start
-        with pytest.raises(Exception, match="dummy_port"):
-            NodeDaemonProcess(master.address, "16MiB",
-                              extra_args=["--dummy-port", str(port)]).start()
+        second = NodeDaemonProcess(master.address, "16MiB",
+                                   extra_args=["--dummy-port", str(port)])
+        try:
+            with pytest.raises(Exception, match="dummy_port"):
+                second.start()
+        finally:
+            second.close()  # its log directory
 
 
 def test_engine_process_puts_and_gets_through_the_daemons_memory(
