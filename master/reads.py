@@ -99,12 +99,12 @@ class Reads:
             objs[i] = obj
             found[i] = reps
             if reps[0].kind is _FILE and not exist:
-                objects.tenants.reads(key_min, keys[start], hits, misses)
+                objects.tenants.reads(key_min, hits, misses)
                 return i
         # a pass's hits and misses count for the tenant of its keys (a
-        # request's keys are one tenant's: the op boundary scopes them)
+        # request's keys are one tenant's, named by the scope's key_min)
         if start < n:
-            objects.tenants.reads(key_min, keys[start], hits, misses)
+            objects.tenants.reads(key_min, hits, misses)
         return n
 
     def exist_many(self, keys: Sequence[str], key_min: str = KEY_MIN,

@@ -40,17 +40,18 @@ sorted by their stamps), so a tenant that never reaches its quota pays only
 its counters.
 
 Hits and misses are counted per batch (the op boundary scopes a request's
-keys into one tenant's namespace): a batch's are its first key's tenant's.
+keys into one tenant's namespace): a batch's are the tenant its key check's
+lower bound names (:meth:`TenantTable.of_bound`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvpool.core.errors import ErrorCode
-from kvpool.core.protocol import KEY_MIN, SegmentKind
+from kvpool.core.protocol import SegmentKind
 from kvpool.core.tenants import DEFAULT_TENANT, TENANT_SEP, scope_prefix
 from kvpool.master.config import MasterConfig, TenantQuota, tenant_quotas
 from kvpool.master.objects import Obj
@@ -134,11 +135,10 @@ class TenantTable:
         self.hits = 0
         self.misses = 0
         self.evictor: Evictor | None = None  # set by the directory
-        # the namespace prefix of the tenant :meth:`of` or :meth:`reads` found
-        # last ("\x1fname\x1f")
+        # the namespace prefix of the tenant :meth:`of` found last ("\x1fname\x1f")
         self._last_prefix = NO_PREFIX
         self._last: Tenant | None = None
-        # a tenant scope's key_min (namespace + U+0020) -> the tenant (of_batch)
+        # a tenant scope's key_min (namespace + U+0020) -> the tenant (of_bound)
         self._scoped: dict[str, Tenant] = {}
         for name in self.configured:
             self.tenant(name)
@@ -183,35 +183,27 @@ class TenantTable:
                 return t
         return self.default
 
-    def of_batch(self, keys: Sequence[str], codes: Sequence[int] | None = None,
-                 key_min: str = "") -> Tenant | None:
-        """The tracked tenant of a batch's stored keys, or None: a batch is
-        one tenant's (the op boundary scoped its keys; reservations'
-        placeholders are the default tenant's). ``key_min``, the lower bound
-        of the batch's key check: a tenant's scope's (its namespace and
-        U+0020, :class:`~kvpool.master.keys.Scope`) names the tenant at one
-        dict lookup; else the batch's first valid key names it. ``codes``:
-        the batch's key check (a key with a code is not valid); None when
-        every key is valid."""
+    def of_bound(self, key_min: str, create: bool = True) -> Tenant | None:
+        """The tracked tenant of a batch whose keys were checked against the
+        lower bound ``key_min`` (a batch is one tenant's: the op boundary
+        scoped its keys), or None. A tenant's scope's bound (its namespace
+        and U+0020, :class:`~kvpool.master.keys.Scope`) names that tenant
+        (one dict lookup once met; ``create``: the tenant is made if it is
+        new, as a put makes it, not as a read); any other bound (``KEY_MIN``,
+        a reservation's ``RESERVED_KEY_PREFIX``) admits only keys outside
+        every namespace: the default tenant's."""
+        if key_min >= " " or key_min < TENANT_SEP:
+            return self.default
         t = self._scoped.get(key_min)
-        if t is not None:
-            return t
-        if key_min < " " and key_min >= TENANT_SEP:  # a tenant's scope, met first
-            t = self.of(key_min)
+        if t is None:
+            end = key_min.find(TENANT_SEP, 1)
+            if end <= 1:
+                return self.default
+            name = key_min[1:end]
+            t = self.tenant(name) if create else self.by_name.get(name)
             if t is not None:
                 self._scoped[key_min] = t
-            return t
-        if codes is None:
-            key = keys[0] if keys else ""
-        else:
-            key = next((k for k, c in zip(keys, codes, strict=False) if not c), "")
-        if key.startswith(self._last_prefix):  # the tenant met last
-            return self._last
-        if not key:
-            return None
-        if key < " " and key >= TENANT_SEP:
-            return self.of(key)
-        return self.default
+        return t
 
     # ---------------------------------------------------------------- quotas
     def set_quota(self, name: str, memory: int, disk: int, guaranteed: int) -> Tenant:
@@ -448,28 +440,15 @@ class TenantTable:
             self.charge(t, old, -size)
             self.charge(t, new, size)
 
-    def reads(self, key_min: str, key: str, hits: int, misses: int) -> None:
-        """A batch of reads whose first key is ``key`` and whose key check's
-        lower bound is ``key_min`` (as :meth:`of_batch`'s) found ``hits``
-        objects and missed ``misses`` (counted for its tenant; every read for
-        the totals). A miss of a tenant that never stored anything is not
-        counted: a read alone does not make a tenant."""
+    def reads(self, key_min: str, hits: int, misses: int) -> None:
+        """A batch of reads whose keys were checked against ``key_min`` (as
+        :meth:`of_bound`'s) found ``hits`` objects and missed ``misses``
+        (counted for its tenant; every read for the totals). A miss of a
+        tenant that never stored anything is not counted: a read alone does
+        not make a tenant."""
         self.hits += hits
         self.misses += misses
-        if key_min == KEY_MIN:  # the default tenant's scope
-            t = self.default
-        elif (t := self._scoped.get(key_min)) is not None:
-            pass
-        elif key.startswith(self._last_prefix):  # the tenant met last
-            t = self._last
-        elif key < " " and key.startswith(TENANT_SEP):  # (a caller's key: one comparison)
-            end = key.find(TENANT_SEP, 1)
-            t = self.by_name.get(key[1:end]) if end > 1 else None
-            if t is not None:
-                self._last_prefix = key[:end + 1]
-                self._last = t
-        else:
-            t = self.default
+        t = self.of_bound(key_min, create=False)
         if t is not None:
             t.hits += hits
             t.misses += misses

@@ -123,8 +123,8 @@ class Writes:
         INVALID_PARAMS) and, when OK, ``out[i]`` = its flat replicas.
         ``checksums[i]``, ``groups[i]`` (the group it joins at the commit: ""
         none, None unset) go with key ``i``. The keys are one tenant's: the
-        one ``key_min`` names (a scope's, :meth:`TenantTable.of_batch`;
-        ``KEY_MIN`` and ``RESERVED_KEY_PREFIX``: the default tenant)."""
+        one ``key_min`` names (:meth:`TenantTable.of_bound`: a scope's bound
+        its tenant; ``KEY_MIN`` and ``RESERVED_KEY_PREFIX`` the default)."""
         n = len(keys)
         max_key = max_key or self.max_key
         # (a single valid key, the single-key ops', needs no pass over the batch)
@@ -147,9 +147,7 @@ class Writes:
         # what was placed inline for it (tt.mem is brought up to date before
         # anything else reads it: the general step, eviction, the end)
         tenants = objects.tenants
-        # (the default tenant's scope and reservations: the default tenant's)
-        tt = tenants.default if key_min == KEY_MIN or key_min == RESERVED_KEY_PREFIX \
-            else tenants.of_batch(keys, codes if bad else None, key_min)
+        tt = tenants.of_bound(key_min)
         tleft = 0 if tt is None else tt.memory_quota - tt.mem
         now = self.clock()
         stamped = False
@@ -332,8 +330,7 @@ class Writes:
         append = changes.records.append if changes.journaling else None
         objects = self.objects
         tenants = objects.tenants
-        tt = tenants.default if key_min == KEY_MIN \
-            else tenants.of_batch(keys, codes if bad else None, key_min)  # as in put_start_many
+        tt = tenants.of_bound(key_min)  # as in put_start_many
         # tt's use order, when it keeps one
         tobjs = None if tt is None else tt.objs
         tcount = 0  # objects stored for tt, not added to it yet
