@@ -14,7 +14,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,18 @@ def _failover(group: HaGroup, leader: HaMasterProcess) -> Callable[[], None]:
         group.wait_leader(in_sync=1, exclude=leader, timeout_s=20)
 
     return action
+
+
+#: read leases of 3 s (the default is 10 s): the test waits one out after
+#: removing by force what it read, and its reads take milliseconds
+LEASE_TTL_MS = 3000
+
+
+@pytest.fixture
+def group(etcd: EtcdProcess, tmp_path: Path) -> Iterator[HaGroup]:
+    with HaGroup(etcd.endpoint, f"t-{uuid.uuid4().hex[:8]}", str(tmp_path),
+                 extra_args=["--lease-ttl-ms", str(LEASE_TTL_MS)]) as g:
+        yield g
 
 
 @pytest.mark.parametrize("path", ["put", "batch_put_from", "batch_put_parts", "upsert",
@@ -136,9 +148,9 @@ def test_put_whose_leader_died_before_its_commit_succeeds_at_the_new_leader(
                 mc.call(Remove(key=key, force=True))
             # an upsert's old space is held through the lease grace; a reservation is in use;
             # a forced removal's space is held until the read lease of the gets above
-            # ends (lease_ttl_ms, 10 s here)
+            # ends (LEASE_TTL_MS)
             if path not in ("upsert", "reserved"):
-                deadline = time.monotonic() + 15
+                deadline = time.monotonic() + LEASE_TTL_MS / 1000 + 5
                 while (used := mc.call(Stats()).memory_used) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 assert used == 0
