@@ -332,8 +332,16 @@ def test_stalled_subscriber_never_stalls_the_master(tmp_path: Path) -> None:
                 batch_put(c, [f"{b:04d}/{i:02d}/" + "x" * 1000 for i in range(50)], 64)
                 fast.poll(0)
             put_s = time.monotonic() - t0
-            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics",
-                                          timeout=5).read().decode()
+            # the last put's batch is published after its reply (once per loop
+            # turn) and the page is a copy made per scrape: poll it briefly
+            deadline = time.monotonic() + 5
+            while True:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics",
+                                              timeout=5).read().decode()
+                if "kvpool_master_events_batches_total 301.0" in text \
+                        or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             dropped = [float(line.split()[-1]) for line in text.splitlines()
                        if line.startswith("kvpool_master_events_dropped_total")]
             assert dropped and dropped[0] >= 1, text[-2000:]
