@@ -112,10 +112,14 @@ class PingReply(Reply):
           "epoch: the replying leader's term (0 without HA), raises the owner's capability "
           "epoch high-water; heartbeat=true (the client's guard process): its memory lives, "
           "the process may be stalled -- keeps a suspect client from being dropped, never "
-          "hands out tasks")
+          "hands out tasks; wait_ms > 0 (a node running tier tasks): when there is nothing "
+          "to hand, the master may hold the request up to that long and answer it as soon as "
+          "a task for the node is queued (a long poll; a master that does not hold it answers "
+          "at once)")
 class Ping(Request[PingReply]):
     client_id: str
     heartbeat: bool = False
+    wait_ms: int = 0
 
 
 class MountSegmentReply(Reply):

@@ -24,6 +24,7 @@ from kvpool.master.config import MasterConfig
 from kvpool.master.directory import Directory, write_grant_ms
 from kvpool.master.grants import Granter
 from kvpool.master.keys import Scopes, check_key
+from kvpool.master.parked import ParkedPings
 from kvpool.master.stats import LoopStats, OpCounters
 from kvpool.master.tiering import TieringPolicy
 
@@ -60,6 +61,8 @@ class ServerInfo:
         #: (stream, seq, epoch) of a tenant's event stream (kvpool.master.events,
         #: by canonical tenant name); zeros when off
         self.events_position: Callable[[str], tuple[int, int, int]] = lambda t: (0, 0, 0)
+        #: the serving loop's held PINGs (kvpool.master.parked); None: none held
+        self.parked: ParkedPings | None = None
 
 
 def _tenant_guard(cfg: MasterConfig, info: ServerInfo) -> Callable[[str], None]:

@@ -56,6 +56,9 @@ class SegmentOps(OpGroup):
         out = PingReply(remount, ids)
         if self.signer is not None and self.signer.epoch:
             out.epoch = self.signer.epoch  # the term this master signs in (HA fencing)
+        parked = self.info.parked
+        if parked is not None and not req.wait_ms:
+            parked.release(client_id)  # a ping that does not wait answers a held one
         if self.tiering.tasks:  # SSD tier: copy tasks this node executes
             wires, _segs = self.tiering.tasks_for(d, client_id)
             if wires:
@@ -74,6 +77,9 @@ class SegmentOps(OpGroup):
                 out.tasks = tasks
                 out.segments = segs
                 out.caps = grants.sign()
+                return out
+        if req.wait_ms and not remount and parked is not None:
+            parked.ask(client_id, req.wait_ms)  # held when the loop allows it
         return out
 
     def _task_expiry(self) -> int:

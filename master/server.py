@@ -38,6 +38,7 @@ from kvpool.master.events import EventPublisher
 from kvpool.master.ha.node import HaNode
 from kvpool.master.handlers import OpHandlers, ServerInfo
 from kvpool.master.local_rpc import LocalRpcServer, default_socket_path
+from kvpool.master.parked import ParkedPings
 from kvpool.master.poller import LoopPoller
 from kvpool.master.stats import MasterStats, copy_retrying
 from kvpool.master.tiering import TieringPolicy
@@ -68,6 +69,9 @@ class MasterServer:
         self.cfg = cfg
         self.tiering = TieringPolicy(cfg.tiering)
         self.info = ServerInfo()
+        #: PINGs held until a tier task for their node is queued (a long poll)
+        self.parked = self.info.parked = ParkedPings()
+        self.tiering.book.on_queued = self.parked.release  # a task wakes its node's PING
         self.durability = Durability(cfg, self.info.loop)
         self._stop = False
         self.signer: CapabilitySigner | None = None
@@ -408,6 +412,8 @@ class MasterServer:
         local = self.local_rpc
         publisher = self.events
         ha = self.ha
+        parked = self.parked
+        parked.drop()  # (a new term: nothing held from an earlier one)
         # replies waiting for the ack gate (durability.set_ack_gate), oldest first:
         # (commit number, whether the iteration changed anything, replies, local)
         held: collections.deque[tuple[int, bool, list[list[bytes]], Any]] = collections.deque()
@@ -436,11 +442,14 @@ class MasterServer:
         next_full = 0.0
         while not self._stop:
             timers = unfenced()
+            # held PINGs to answer this turn: a task for their node came (or their wait ended)
+            now = time.monotonic()
+            wake = parked.due(now) if parked.ready(now) else None
             # held replies wait for acks, which wake the poll; the timeout only
             # bounds how late a fencing deadline or a change of the in-sync set
             # is seen while they wait
             timeout = 0 if (timers and (d.objects.purge_pending or d.evictor.evicting)) \
-                or durability.busy \
+                or durability.busy or wake \
                 else _HELD_POLL_MS if held \
                 else _LAZY_POLL_MS if source is not None and source.lazy_due else 50
             events = None
@@ -456,17 +465,25 @@ class MasterServer:
                 events = poller.poll(timeout)
             # acks alone (the replication socket the only one readable): no request
             requests = bool(events) and (events[0][0] != repl_sock or len(events) > 1)
-            if requests:
+            if requests or wake:
                 t_start = clock()
                 commits_before = durability.commits
                 replies: list[list[bytes]] = []
                 per_peer: dict[bytes, int] = {}
-                if events[0][0] is sock:
+                for frames, peer in wake or ():  # answered now, as requests of this turn
+                    if identify:
+                        self.info.peer = peer
+                    out = handle(frames)
+                    if out is not None:
+                        replies.append(out)
+                from_sock = bool(events) and events[0][0] is sock
+                if from_sock:
                     poller.touch(sock)  # a drain cut at _DRAIN leaves messages
                 # the ROUTER socket, registered first, is first in ``events`` when
                 # it has messages: a round with direct-socket requests only skips
                 # its EVENTS check (a poll(2) and a getpid(2) inside ZeroMQ)
-                for _ in range(_DRAIN if events[0][0] is sock else 0):
+                parked.allowed = True  # a PING of this drain may be held
+                for _ in range(_DRAIN if from_sock else 0):
                     # check EVENTS rather than catching zmq.Again (exceptions are slow)
                     if not cast(int, sock.get(_EVENTS)) & _POLLIN:
                         break
@@ -475,13 +492,17 @@ class MasterServer:
                     queued = per_peer.get(ident, 0) + 1
                     per_peer[ident] = queued
                     out = handle(frames) if queued <= inflight_limit else self._too_many(frames)
+                    if parked.asked is not None:  # (an attribute test per request)
+                        parked.hold(frames, self.info.peer)
+                        continue  # held: answered by a later turn
                     if out is not None:
                         replies.append(out)
+                parked.allowed = False
                 if identify:
                     self.info.peer = None  # the same-host socket: no key, default only
                 local_replies = local.serve(events, self._payload,
                                             handlers.too_many, inflight_limit) \
-                    if local is not None else None
+                    if local is not None and events else None
                 if ha is not None and ha.refusals:  # they reveal nothing: not held
                     replies, local_replies, now_z, now_l = ha.take_refusals(replies,
                                                                             local_replies)
@@ -528,7 +549,7 @@ class MasterServer:
             if ha is not None and not ha.leader_tick(
                     now, bool(events) and any(e[0] == repl_sock for e in events)):
                 log.warning("no longer the leader: %d held replies dropped (never "
-                            "acknowledged)", len(held))
+                            "acknowledged), %d held PINGs unanswered", len(held), parked.drop())
                 return
             if held:
                 acked = durability.acked()

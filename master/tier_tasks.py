@@ -139,6 +139,8 @@ class TaskBook:
         self.by_key: dict[str, CopyTask] = {}
         self._queues: dict[str, list[CopyTask]] = {}
         self.inflight_bytes = 0
+        #: told the executor of each task queued (the master's held PINGs)
+        self.on_queued: Callable[[str], None] = lambda client_id: None
 
     def budget_ok(self, size: int) -> bool:
         """Whether a copy of ``size`` more bytes fits ``max_inflight_bytes``."""
@@ -155,6 +157,7 @@ class TaskBook:
         self.by_key[key] = t
         self._queues.setdefault(t.executor, []).append(t)
         self.inflight_bytes += t.size
+        self.on_queued(t.executor)
         return t
 
     def forget(self, t: CopyTask) -> None:

@@ -9,8 +9,9 @@ One master subprocess and two Mooncake-compatible stores in this process
 - ``put_batch`` of new keys against ``upsert_batch`` over existing ones
   (32 keys x 64 KiB; GB/s over the run);
 - ``create_copy_task`` onto the other store's segment until ``query_task``
-  says SUCCESS (p50/p99 in ms: the copy waits for the source owner's next
-  ping, ``ping_interval_s`` = 1 s by default).
+  says SUCCESS (p50/p99 in ms: the task reaches the source owner through its
+  held PING, docs/tier.md; before the long poll it waited for the owner's
+  next ping, ``ping_interval_s`` = 1 s by default).
 
     .venv/bin/python scripts/bench_upsert.py [--json out/bench_upsert.json]
 """

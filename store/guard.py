@@ -76,21 +76,22 @@ _UNMOUNT_RETRY_S = 30.0  # how long a dead parent's unmounts are retried (master
 
 
 def master_stub(address: str, timeout_s: float, curve: CurveConfig,
-                poll: RpcPollConfig | None = None) -> MasterClient:
+                poll: RpcPollConfig | None = None, local: str = "auto") -> MasterClient:
     """A master RPC stub; with CURVE when the policy makes it active for the
     master's address (off for loopback unless forced, on otherwise).
-    ``poll``: its reply poll (None: the defaults)."""
+    ``poll``: its reply poll (None: the defaults); ``local``: "off" keeps it
+    on ZeroMQ on the master's host too."""
     from kvpool.core.etcd import policy_address
     from kvpool.core.rpc_client import MasterClient
 
     addr = policy_address(address)
     addr = addr if "://" in addr else f"tcp://{addr}"
     if not curve.active(addr):
-        return MasterClient(address, timeout_s=timeout_s, poll=poll)
+        return MasterClient(address, timeout_s=timeout_s, poll=poll, local=local)
     kp = curve.keypair()
     return MasterClient(address, timeout_s=timeout_s,
                         curve_server_key=curve.server_public_key(),
-                        curve_keypair=(kp.public, kp.secret), poll=poll)
+                        curve_keypair=(kp.public, kp.secret), poll=poll, local=local)
 
 
 class GuardSpec(msgspec.Struct, tag_field="op", tag="spec", kw_only=True):

@@ -53,6 +53,11 @@ log = logging.getLogger(__name__)
 
 _TIER_POLL_S = 0.1  # ping period while tier tasks keep coming
 _TIER_BUSY_S = 5.0  # ... for this long after the last reply that carried tasks
+# the longest a tier node's PING asks to be held (kvpool.master.parked.MAX_WAIT_S)
+_LONG_POLL_MAX_S = 5.0
+# a held PING unanswered this long after its wait is taken as lost (its master
+# restarted, say): the node asks again at once rather than after rpc_timeout_s
+_LONG_POLL_LATE_S = 0.5
 _GUARD_RESPAWN_S = 10.0  # a guard that died is replaced at most this often
 _GUARD_READY_S = 30.0  # ... as is one that has not answered `ready` by then
 
@@ -68,7 +73,7 @@ class SegmentHost:
     """
 
     def __init__(self, config: ClientConfig, client_id: str, host_id: str,
-                 new_master: Callable[[], MasterClient]) -> None:
+                 new_master: Callable[..., MasterClient]) -> None:
         self.config = config
         self.client_id = client_id
         self.host_id = host_id
@@ -108,7 +113,9 @@ class SegmentHost:
     def check_master(self) -> None:
         """Fail fast (MasterRPCError) when the master does not answer a PING."""
         if self.ping_master is None:
-            self.ping_master = self._new_master()
+            # ZeroMQ even on the master's host: the master holds long-polling
+            # PINGs only there (kvpool.master.parked)
+            self.ping_master = self._new_master(local="off")
         self.ping_master.call(Ping(self.client_id))
 
     def create_segments(self, engine: Any, base_id: str) -> None:
@@ -306,29 +313,48 @@ class SegmentHost:
     # ------------------------------------------------------------------ liveness
 
     def _ping_loop(self) -> None:
-        """Ping every ``ping_interval_s``; re-mount our segments when the master asks."""
+        """Ping every ``ping_interval_s``; re-mount our segments when the master asks.
+
+        A node running tier tasks long-polls: its PING asks the master to hold
+        it up to the ping interval (``wait_ms``, :mod:`kvpool.master.parked`)
+        and to answer as soon as a task for this node is queued; after a held
+        PING, or one that carried tasks, it pings again at once. A master that
+        answers at once with nothing (one that predates ``wait_ms``, or one
+        that may not hold it) is pinged at the interval, every _TIER_POLL_S
+        while tasks keep coming."""
         assert self.ping_master is not None
         base_interval = self.config.ping_interval_s
         tier_busy_until = 0.0
+        # ping at once: the last PING was held, or carried tasks (a tier node
+        # starts its long poll at once)
+        again = self.tier_runner is not None
         while True:
-            # while the master hands out tier copy tasks (offload, promotion),
-            # poll for more every _TIER_POLL_S rather than every ping interval
-            interval = base_interval
-            if time.monotonic() < tier_busy_until:
-                interval = min(base_interval, _TIER_POLL_S)
-            self._wake.wait(interval)
-            self._wake.clear()
+            if not again:
+                interval = base_interval
+                if time.monotonic() < tier_busy_until:
+                    interval = min(base_interval, _TIER_POLL_S)
+                self._wake.wait(interval)
+                self._wake.clear()
+            again = False
             if self._stop.is_set():
                 break
             self._check_guard()
+            wait_s = min(base_interval, _LONG_POLL_MAX_S) if self.tier_runner is not None else 0.0
             try:
-                res = self.ping_master.call(Ping(self.client_id))
+                sent = time.monotonic()
+                res = self.ping_master.call(
+                    Ping(self.client_id, wait_ms=int(wait_s * 1000)),
+                    timeout_s=wait_s + min(self.config.rpc_timeout_s, _LONG_POLL_LATE_S)
+                    if wait_s else None)
+                # held (answered late) by a master that long-polls
+                again = wait_s > 0 and time.monotonic() - sent >= wait_s / 2
                 if res.epoch and self.engine is not None:
                     # fencing: grants of older leader terms are refused from now on
                     self.engine.observe_master_epoch(res.epoch)
                 if res.tasks and self.tier_runner is not None:
                     self.tier_runner.submit(res.tasks, res.segments, res.caps)
                     tier_busy_until = time.monotonic() + _TIER_BUSY_S
+                    again = True
                 remount = res.remount
                 if not remount and self.descs:
                     # the master knows us but lost a segment of ours: mount it again
@@ -336,6 +362,9 @@ class SegmentHost:
             except MasterRPCError as exc:
                 if exc.code != ErrorCode.CLIENT_NOT_FOUND:
                     log.debug("ping failed: %s", exc)
+                    # a held PING lost (e.g. with its master): ask again at once
+                    # (each attempt waits out its timeout: no spin)
+                    again = wait_s > 0 and exc.code == ErrorCode.RPC_TIMEOUT
                     continue
                 remount = True
             if remount and not self._stop.is_set():
@@ -358,11 +387,20 @@ class SegmentHost:
         """Stop the ping thread and the tier runner (segments stay mounted)."""
         self._stop.set()
         self._wake.set()
+        runner = self.tier_runner
+        if runner is not None:
+            runner.close()
+            if self._ping_thread is not None and self._ping_thread.is_alive():
+                # a PING that does not wait answers our held one (the runner's
+                # stub is idle now): the thread ends without waiting it out
+                try:
+                    runner.master.call(Ping(self.client_id), timeout_s=1.0)
+                except MasterRPCError as exc:
+                    log.debug("releasing the held ping: %s", exc)
         if self._ping_thread is not None:
-            self._ping_thread.join(timeout=self.config.rpc_timeout_s + 1)
-        if self.tier_runner is not None:
-            self.tier_runner.close()
-            self.tier_runner.master.close()
+            self._ping_thread.join(timeout=self.config.rpc_timeout_s + _LONG_POLL_MAX_S + 1)
+        if runner is not None:
+            runner.master.close()
 
     def unmount(self) -> None:
         """Unmount the memory segments at the master (best effort)."""

@@ -82,10 +82,11 @@ class MasterSession:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def new_stub(self) -> MasterClient:
-        """A master RPC stub (CURVE per the config's policy)."""
+    def new_stub(self, local: str = "auto") -> MasterClient:
+        """A master RPC stub (CURVE per the config's policy; ``local``: as
+        :class:`~kvpool.core.rpc_client.MasterClient`'s)."""
         cfg = self.config
-        return master_stub(cfg.master_address, cfg.rpc_timeout_s, cfg.curve, cfg.rpc_poll)
+        return master_stub(cfg.master_address, cfg.rpc_timeout_s, cfg.curve, cfg.rpc_poll, local)
 
     def open(self) -> MasterClient:
         """Make the first stub (the setup thread's) and mark the session started."""

@@ -261,7 +261,9 @@ def test_offload_to_another_hosts_disk_over_tcp(master, make_client, tmp_path):
         values = {f"{tag}/{i}": pattern(50 + i, MiB + i).tobytes() for i in range(20)}
         for k, v in values.items():
             _put_retry(c, k, v)
-        _wait(lambda: _disk_copies(master) >= 6)
+        # one eviction round offloads ~5 of the 8 MiB (puts that find no room
+        # meanwhile spill to the disk directly, and are not copies): at least 3
+        _wait(lambda: _disk_copies(master) >= 3)
         assert any(_kinds(master, k) == [SegmentKind.FILE] for k in values)
         for k, v in values.items():
             assert c.get(k) == v, k
