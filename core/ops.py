@@ -33,6 +33,7 @@ from kvpool.core.events import ObjectStored, SegmentAdded
 TENANT_FIELD_DEFAULT = ""
 
 __all__ = [
+    "PING_MAX_WAIT_S",
     "TENANT_FIELD_DEFAULT",
     "BatchExist",
     "BatchExistReply",
@@ -120,6 +121,11 @@ class Ping(Request[PingReply]):
     client_id: str
     heartbeat: bool = False
     wait_ms: int = 0
+
+
+#: the longest a master holds a PING, whatever its ``wait_ms`` asks
+#: (kvpool.master.parked; a node asks no more)
+PING_MAX_WAIT_S = 5.0
 
 
 class MountSegmentReply(Reply):

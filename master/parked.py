@@ -1,6 +1,7 @@
 """PINGs that wait for tier tasks (a long poll).
 
-A node that runs SSD-tier copy tasks sends ``Ping(wait_ms=W)``. When the
+A client that owns segments (it runs the SSD-tier and replica copy tasks of
+their replicas) sends ``Ping(wait_ms=W)``. When the
 master has nothing for it (no task, no remount), the serving loop holds the
 request instead of answering; it answers it, through the same handler and
 the same acknowledgement gate as any request, as soon as a task for that
@@ -28,10 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_WAIT_S", "ParkedPings"]
+from kvpool.core.protocol import PING_MAX_WAIT_S
 
-#: the longest a PING is held, whatever it asks (a node asks its ping interval)
-MAX_WAIT_S = 5.0
+__all__ = ["ParkedPings"]
 
 
 @dataclass(slots=True, eq=False)
@@ -68,7 +68,7 @@ class ParkedPings:
         discarded, the request answered again later)."""
         if not self.allowed or wait_ms <= 0:
             return False
-        self.asked = (client_id, min(wait_ms / 1000, MAX_WAIT_S))
+        self.asked = (client_id, min(wait_ms / 1000, PING_MAX_WAIT_S))
         return True
 
     def hold(self, frames: list[bytes], peer: Any) -> None:

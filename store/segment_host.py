@@ -35,6 +35,7 @@ from typing import Any
 
 from kvpool.core.errors import ErrorCode, KVPoolError
 from kvpool.core.protocol import (
+    PING_MAX_WAIT_S,
     ListSegments,
     MountSegment,
     Ping,
@@ -53,8 +54,6 @@ log = logging.getLogger(__name__)
 
 _TIER_POLL_S = 0.1  # ping period while tier tasks keep coming
 _TIER_BUSY_S = 5.0  # ... for this long after the last reply that carried tasks
-# the longest a tier node's PING asks to be held (kvpool.master.parked.MAX_WAIT_S)
-_LONG_POLL_MAX_S = 5.0
 # a held PING unanswered this long after its wait is taken as lost (its master
 # restarted, say): the node asks again at once rather than after rpc_timeout_s
 _LONG_POLL_LATE_S = 0.5
@@ -339,7 +338,7 @@ class SegmentHost:
             if self._stop.is_set():
                 break
             self._check_guard()
-            wait_s = min(base_interval, _LONG_POLL_MAX_S) if self.tier_runner is not None else 0.0
+            wait_s = min(base_interval, PING_MAX_WAIT_S) if self.tier_runner is not None else 0.0
             try:
                 sent = time.monotonic()
                 res = self.ping_master.call(
@@ -398,7 +397,7 @@ class SegmentHost:
                 except MasterRPCError as exc:
                     log.debug("releasing the held ping: %s", exc)
         if self._ping_thread is not None:
-            self._ping_thread.join(timeout=self.config.rpc_timeout_s + _LONG_POLL_MAX_S + 1)
+            self._ping_thread.join(timeout=self.config.rpc_timeout_s + PING_MAX_WAIT_S + 1)
         if runner is not None:
             runner.master.close()
 

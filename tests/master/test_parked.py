@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import time
 
-from kvpool.master.parked import MAX_WAIT_S, ParkedPings
+from kvpool.core.protocol import PING_MAX_WAIT_S
+from kvpool.master.parked import ParkedPings
 
 
 def _held(p: ParkedPings, client_id: str, wait_ms: int, tag: bytes) -> None:
@@ -24,7 +25,7 @@ def test_ask_only_while_the_loop_allows_and_for_a_positive_wait() -> None:
     assert not p.ask("a", 0) and not p.ask("a", -5)
     assert p.asked is None
     assert p.ask("a", 10**9)
-    assert p.asked == ("a", MAX_WAIT_S)  # capped
+    assert p.asked == ("a", PING_MAX_WAIT_S)  # capped
 
 
 def test_release_deadline_and_one_held_ping_per_client() -> None:
