@@ -474,6 +474,10 @@ class StatsReply(Reply):
     soft_pinned: int = 0
     groups: int = 0  # object groups with members now
     held_bytes: int = 0  # the space held_puts hold (every replica counted)
+    # a restart serves before its snapshot's objects are all made: those left
+    # to make, and how long the restore took before serving began
+    restore_unloaded: int = 0
+    restore_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Every counter in one flat map (tiering and extra merged in)."""

@@ -41,7 +41,7 @@ _DEAD = SegState.DEAD
 _FILE = SegmentKind.FILE
 #: STATS fields that count what happened to the pool's objects (any tenant's)
 _POOL_HISTORY = ("evictions", "evicted_bytes", "lease_refusals", "preemptions", "spilled",
-                 "held_puts", "held_bytes", "replaced", "soft_pinned", "groups")
+                 "held_puts", "held_bytes", "replaced", "soft_pinned", "groups", "restore_unloaded")
 
 
 class AdminOps(OpGroup):
@@ -161,6 +161,7 @@ class AdminOps(OpGroup):
             max_snapshot_step_cpu_ms=loop.max_snapshot_step_cpu_ms,
             last_snapshot_duration_s=loop.last_snapshot_duration_s,
             restored_objects=loop.restored_objects if s.default else 0,
+            restore_s=loop.restore_s,
             max_loop_ms=loop.max_loop_ms,
             journal_seq=loop.journal_seq, local_rpc_requests=local_requests,
             local_rpc_connections=local_conns,

@@ -11,10 +11,13 @@ which keeps per-object memory at zero here.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
-from itertools import compress
-from operator import add, sub
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvpool.core.errors import ErrorCode, KVPoolError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["Allocator"]
 
@@ -155,28 +158,32 @@ class Allocator:
         self.used += need
         self.free -= need
 
-    def rebuild(self, offsets: list[int], lengths: list[int]) -> bool:
+    def rebuild(self, offsets: Sequence[int] | np.ndarray,
+                lengths: Sequence[int] | np.ndarray) -> bool:
         """Reset to exactly the allocated ranges ``offsets[i], lengths[i]``
-        (aligned lengths, offsets sorted): bulk restore, every step a C-level
-        pass over the lists. False (nothing changed) when they are not
-        sorted, overlap, are unaligned or pass the capacity."""
-        cap = self.capacity
-        ends = list(map(add, offsets, lengths))
+        (aligned lengths, offsets sorted): bulk restore, numpy passes over
+        the ranges. False (nothing changed) when they are not sorted,
+        overlap, are unaligned or pass the capacity."""
+        import numpy as np  # (here: a master that restores nothing does not load it)
+
+        offs = np.asarray(offsets, np.int64)
+        ends = offs + np.asarray(lengths, np.int64)
         # the gaps before each range and after the last one: a negative one is
         # an overlap (or a range before 0 or past the capacity)
-        gap_starts = [0, *ends]
-        gap_lens = list(map(sub, [*offsets, cap], gap_starts))
-        if min(gap_lens) < 0:
+        gap_starts = np.concatenate((np.zeros(1, np.int64), ends))
+        gap_lens = np.concatenate((offs, np.asarray([self.capacity], np.int64))) - gap_starts
+        if gap_lens.min() < 0:
             return False
-        starts = list(compress(gap_starts, gap_lens))  # the empty gaps left out
-        lens = list(filter(None, gap_lens))
-        # the lengths are aligned: every offset is iff every gap is (few: no pass over all)
-        if any(map((self.alignment - 1).__and__, lens)):
+        free = gap_lens > 0  # the empty gaps left out
+        starts, lens = gap_starts[free], gap_lens[free]
+        # the lengths are aligned: every offset is iff every gap is
+        if np.any(lens & (self.alignment - 1)):
             return False
-        self._starts, self._lens = starts, lens
-        self._by_size = sorted(zip(lens, starts, strict=True))
-        self.free = sum(lens)
-        self.used = cap - self.free
+        by_size = np.lexsort((starts, lens))
+        self._starts, self._lens = starts.tolist(), lens.tolist()
+        self._by_size = list(zip(lens[by_size].tolist(), starts[by_size].tolist(), strict=True))
+        self.free = int(lens.sum())
+        self.used = self.capacity - self.free
         return True
 
     def release(self, off: int, size: int) -> None:

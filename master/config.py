@@ -119,6 +119,10 @@ class MasterConfig:
     snapshot_keep: int = setting(2, help="snapshots kept (with the journals they need)")
     snapshot_slice_ms: float = setting(
         4.0, help="loop time per iteration spent serializing a snapshot")
+    restore_slice_ms: float = setting(
+        4.0, help="after a restart the master serves at once and makes the restored snapshot's "
+        "objects in the background: loop time per iteration spent on it (one shard at least; a "
+        "request loads the shards of its own keys first)")
     journal_fsync: FsyncPolicy = setting(
         FsyncPolicy.INTERVAL, help="always: fsync every group commit before its replies go out "
         "(survives power loss); interval: written before the replies (survives a master crash "
@@ -241,6 +245,7 @@ class MasterConfig:
                 (self.rpc_spin_us >= 0, "rpc_spin_us must be >= 0"),
                 (self.capability_ttl_ms >= 0, "capability_ttl_ms must be >= 0 (0 = lease_ttl_ms)"),
                 (self.snapshot_slice_ms > 0, "snapshot_slice_ms must be > 0"),
+                (self.restore_slice_ms > 0, "restore_slice_ms must be > 0"),
                 (self.snapshot_interval_s >= 0, "snapshot_interval_s must be >= 0"),
                 (self.snapshot_journal_records >= 0, "snapshot_journal_records must be >= 0"),
                 (self.sync_standbys >= 0, "sync_standbys must be >= 0"),

@@ -203,6 +203,7 @@ class Directory:
     def drop_segment(self, seg: Segment, why: str) -> None:
         """Remove a segment now (recorded); its objects' replicas are purged
         in slices (:meth:`purge_step`); lookups already ignore it."""
+        self.objects.force_all()  # (the segment's key set lists every object on it)
         self.objects.purge_later(seg, self.segtab.drop(seg, why))
 
     def purge_step(self, budget: int) -> int:
@@ -307,4 +308,5 @@ class Directory:
             **self.writes.stats(), "evictions": ev.evictions,
             "evicted_bytes": ev.evicted_bytes, "lease_refusals": self.removal.lease_refusals,
             "groups": len(objects.groups), "soft_pinned": len(objects.soft_until),
+            "restore_unloaded": 0 if objects.unloaded is None else objects.unloaded.count,
         }

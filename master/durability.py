@@ -48,7 +48,6 @@ The commit seam is where replication hooks in:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -72,23 +71,13 @@ from kvpool.master.journal import (
 )
 from kvpool.master.records import DirRecord, Rec, StreamPos
 from kvpool.master.stats import LoopStats
+from kvpool.master.unloaded import release_heap
 
 __all__ = ["CommitListener", "Durability", "FrameListener", "StreamPosition"]
 
 log = logging.getLogger(__name__)
 
 _KEYS_FILE = "capability-keys.msgpack"
-
-
-def _release_heap() -> None:
-    """Give the heap pages a restore's temporaries (decoded chunks, the
-    per-segment range lists) left free back to the OS: glibc keeps them
-    otherwise, ~10% of the RSS of millions of restored objects (a few ms)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # glibc only
-    except (OSError, AttributeError):
-        return
-    trim(0)
 
 
 @dataclass
@@ -295,16 +284,19 @@ class Durability:
         d.finish_restore()
         d.journaling = True
         self.stats.restored_objects = len(d.objects)
+        self.stats.restore_s = round(time.monotonic() - t0, 3)
         if snap_seq or replayed:
-            _release_heap()
+            release_heap()
         self.journal = Journal(data_dir, last_seq + 1, self.cfg.journal_fsync,
                                self.cfg.journal_fsync_interval_ms / 1000.0)
         self.stats.journal_seq = self.journal.seq
         if snap_seq or replayed:
+            left = d.objects.unloaded
             log.info("restored %d segments, %d objects (snapshot %d + %d journal records) in %.2fs"
-                     "%s", len(d.segments), len(d.objects), snap_seq, replayed,
+                     "%s%s", len(d.segments), len(d.objects), snap_seq, replayed,
                      time.monotonic() - t0,
-                     f"; replicated up to lsn {pos.lsn} (epoch {pos.epoch})" if pos else "")
+                     f"; replicated up to lsn {pos.lsn} (epoch {pos.epoch})" if pos else "",
+                     f"; serving while {left.count} of them load" if left is not None else "")
         return d
 
     @staticmethod

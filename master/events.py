@@ -462,7 +462,7 @@ def list_objects(d: Directory, req: ListObjects, position: tuple[int, int, int],
     out: list[ObjectStored] = []
     i = cursor
     while i < len(shards) and len(out) < req.limit:
-        for key, obj in shards[i].items():
+        for key, obj in d.objects.shard_at(i).items():
             if prefix and not key.startswith(prefix):
                 continue
             if not cut and key[:1] == TENANT_SEP:  # another tenant's

@@ -61,6 +61,9 @@ _DIRECTORY = (
     (_GAUGE, "kvpool_master_soft_pinned_objects",
      "objects with a soft pin deadline (some may have passed it)", "soft_pinned", 1),
     (_GAUGE, "kvpool_master_object_groups", "object groups with members", "groups", 1),
+    (_GAUGE, "kvpool_master_restore_unloaded_objects",
+     "objects of the restored snapshot not made yet (served meanwhile: a request loads its "
+     "keys' shards first)", "restore_unloaded", 1),
     (_GAUGE, "kvpool_master_held_bytes",
      "bytes of removed or abandoned objects held until their read leases or write grants end "
      "(counted as used)", "held_bytes", 1),
@@ -83,6 +86,8 @@ _LOOP = (
     (_GAUGE, "kvpool_master_snapshot_pause_seconds", "loop pause to start the last snapshot",
      "last_snapshot_pause_ms", 1000),
     (_GAUGE, "kvpool_master_max_loop_seconds", "longest loop iteration", "max_loop_ms", 1000),
+    (_GAUGE, "kvpool_master_restore_seconds",
+     "the last restart's restore until serving began", "restore_s", 1),
 )
 #: (family, name, help, HaStats field) of every HA instance (bools as 0/1)
 _HA = (

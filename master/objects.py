@@ -21,19 +21,25 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
+import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
+from kvpool.core.errors import KVPoolError
 from kvpool.master.records import Changes, Put, Remove
 from kvpool.master.segments import Segment, SegmentTable, SegState
+from kvpool.master.unloaded import Unloaded, release_heap
 
 if TYPE_CHECKING:
     from kvpool.master.tenants import TenantTable
 
 __all__ = ["HARD_PIN", "SOFT_PIN", "TICKS", "Obj", "ObjectTable", "Pending"]
+
+log = logging.getLogger(__name__)
 
 HARD_PIN = 1
 SOFT_PIN = 2
@@ -87,7 +93,9 @@ class ObjectTable:
     state that goes with the objects (see the module docstring).
 
     Dict-like (``get``, ``in``, ``[]``, ``del``, ``len``, iteration, ``items``)
-    for the cold paths; hot paths index ``shards[hash(key) & mask]`` inline.
+    for the cold paths; hot paths index ``shards[hash(key) & mask]`` inline,
+    after :meth:`force` of their batch's keys while a restored snapshot is
+    not wholly loaded (``unloaded``, :mod:`kvpool.master.unloaded`).
     Iteration order is shard by shard. Do not mutate while iterating.
     """
 
@@ -115,47 +123,199 @@ class ObjectTable:
         self.lease_grace_until = 0.0
         #: dropped segments whose objects still name them: (segment, keys left)
         self._purge: deque[tuple[Segment, list[str]]] = deque()
+        #: a restored snapshot's objects not made yet (None: all are in the shards)
+        self.unloaded: Unloaded | None = None
+
+    # ---------------------------------------------------------------- loading
+    def force(self, keys: Iterable[str]) -> None:
+        """Make the restored objects of ``keys``' load buckets (while
+        :attr:`unloaded`): what a batch op calls before it indexes the
+        shards inline."""
+        u = self.unloaded
+        if u is None:
+            return
+        pending, bmask = u.pending, u.bmask
+        for key in keys:
+            b = hash(key) & bmask
+            if pending[b] is not None:
+                self._load(b)
+                if self.unloaded is None:
+                    return
+
+    def force_all(self) -> None:
+        """Make every restored object not made yet (before a pass over the
+        whole table)."""
+        u = self.unloaded
+        if u is None:
+            return
+        n = u.count
+        t0 = time.monotonic()
+        for b in range(u.bmask + 1):
+            if u.pending[b] is not None:
+                self._load(b)
+        if n:
+            log.info("made the last %d restored objects at once in %.2fs", n,
+                     time.monotonic() - t0)
+
+    def load_step(self, budget_s: float) -> bool:
+        """Make restored objects for about ``budget_s`` (one load bucket at
+        least); return whether any are left (the serving loop's background
+        load)."""
+        u = self.unloaded
+        if u is None:
+            return False
+        end = time.perf_counter() + budget_s
+        while True:
+            b = u.next_bucket()
+            if b is None:  # (none left: the last take cleared unloaded)
+                self.unloaded = None
+                return False
+            self._load(b)
+            if self.unloaded is None:
+                return False
+            if time.perf_counter() >= end:
+                return True
+
+    @property
+    def loading(self) -> bool:
+        """Whether restored objects remain to be made."""
+        return self.unloaded is not None
+
+    def _load(self, b: int) -> list[tuple[list[str], list[Obj]]]:
+        """Make load bucket ``b``'s restored objects into its shard
+        (:mod:`kvpool.master.unloaded`); return them, per table."""
+        u = self.unloaded
+        assert u is not None
+        shard = self.shards[b & self.mask]
+        parts: list[tuple[list[str], list[Obj]]] = []
+        expected = len(shard)
+        for keys, objs, per_seg in u.take(b):
+            parts.append((keys, objs))
+            shard.update(zip(keys, objs, strict=True))
+            expected += len(keys)
+            if per_seg is not None:
+                for seg, seg_keys in per_seg:
+                    seg.keys.update(seg_keys)
+            else:
+                for key, obj in zip(keys, objs, strict=True):
+                    reps = obj.replicas
+                    for j in range(0, len(reps), 2):
+                        reps[j].keys.add(key)
+        if len(shard) != expected:
+            self._came_twice(shard, parts)
+        if not u.buckets_left:
+            self.unloaded = None
+            release_heap()  # the decoded columns' pages
+            log.info("restored objects all made")
+        return parts
+
+    @staticmethod
+    def _came_twice(shard: dict[str, Obj], parts: list[tuple[list[str], list[Obj]]]) -> None:
+        """A key came twice in the snapshot: the later object is kept (as a
+        replay would); the space and segment listing of what only the
+        earlier had go (the allocators were rebuilt with both)."""
+        for keys, objs in parts:
+            for key, obj in zip(keys, objs, strict=True):
+                kept = shard[key]
+                if kept is obj:
+                    continue
+                reps, now = obj.replicas, kept.replicas
+                for j in range(0, len(reps), 2):
+                    seg, off = reps[j], reps[j + 1]
+                    if any(now[k] is seg and now[k + 1] == off for k in range(0, len(now), 2)):
+                        continue
+                    try:
+                        seg.alloc.release(off, obj.size)
+                    except KVPoolError:  # (a restore rebuilding the allocators from the table)
+                        pass
+                    if seg not in now[::2]:
+                        seg.keys.discard(key)
+                log.warning("restore: key %r came twice in the snapshot; the later kept", key)
 
     # ---------------------------------------------------------------- the map
     def shard(self, key: str) -> dict[str, Obj]:
+        u = self.unloaded
+        if u is not None:
+            b = hash(key) & u.bmask
+            if u.pending[b] is not None:
+                self._load(b)
         return self.shards[hash(key) & self.mask]
 
+    def shard_at(self, i: int) -> dict[str, Obj]:
+        """Shard ``i``, every restored object of it made."""
+        u = self.unloaded
+        if u is not None:
+            for b in u.buckets_of_shard(i):
+                if self.unloaded is not None and u.pending[b] is not None:
+                    self._load(b)
+        return self.shards[i]
+
     def get(self, key: str) -> Obj | None:
+        if self.unloaded is not None:
+            return self.shard(key).get(key)
         return self.shards[hash(key) & self.mask].get(key)
 
     def __contains__(self, key: object) -> bool:
+        if self.unloaded is not None:
+            return key in self.shard(cast(str, key))
         return key in self.shards[hash(key) & self.mask]
 
     def __getitem__(self, key: str) -> Obj:
-        return self.shards[hash(key) & self.mask][key]
+        return self.shard(key)[key]
 
     def __setitem__(self, key: str, obj: Obj) -> None:
         obj.tick = next(TICKS)  # it goes to the end of its shard: keep the shard in use order
-        self.shards[hash(key) & self.mask][key] = obj
+        self.shard(key)[key] = obj
 
     def __delitem__(self, key: str) -> None:
-        del self.shards[hash(key) & self.mask][key]
+        del self.shard(key)[key]
 
     def __len__(self) -> int:
-        return sum(map(len, self.shards))
+        n = sum(map(len, self.shards))
+        return n if self.unloaded is None else n + self.unloaded.count
 
     def __iter__(self) -> Iterator[str]:
+        self.force_all()
         for shard in self.shards:
             yield from shard
 
     def items(self) -> Iterator[tuple[str, Obj]]:
+        self.force_all()
         for shard in self.shards:
             yield from shard.items()
 
     def lru_items(self) -> Iterator[tuple[str, Obj]]:
         """Least recently used first: a lazy k-way merge of the shards (each in
-        use order) by their objects' ``tick`` (O(log shards) per item)."""
-        return heapq.merge(*(shard.items() for shard in self.shards if shard),
-                           key=_item_tick)
+        use order) by their objects' ``tick`` (O(log shards) per item). While
+        restored objects are not all loaded, the shards not loaded come
+        first, each loaded when reached (their objects, never used since
+        the restart, are the least recent; a shard's objects made after its
+        first use since the restart follow that use in its order, a small
+        departure from LRU that lasts until they are used)."""
+        u = self.unloaded
+        if u is None:
+            return heapq.merge(*(shard.items() for shard in self.shards if shard),
+                               key=_item_tick)
+        return self._lru_loading(u)
+
+    def _lru_loading(self, u: Unloaded) -> Iterator[tuple[str, Obj]]:
+        shards = [shard for shard in self.shards if shard]
+        made: set[str] = set()  # the objects made here (yielded once, before the rest)
+        for b in range(u.bmask + 1):
+            if self.unloaded is None:
+                break
+            if u.pending[b] is not None:
+                for keys, objs in self._load(b):
+                    made.update(keys)
+                    yield from zip(keys, objs, strict=True)
+        for key, obj in heapq.merge(*(shard.items() for shard in shards), key=_item_tick):
+            if key not in made:
+                yield key, obj
 
     def key_chunks(self) -> Iterator[list[str]]:
         """The keys, one shard per chunk, each copied when it is reached (for a
         fuzzy snapshot: no single O(n) copy)."""
+        self.force_all()
         for shard in self.shards:
             if shard:
                 yield list(shard)
@@ -212,7 +372,8 @@ class ObjectTable:
         """Store a COMPLETE object (replacing none: the caller retired any) and
         record it."""
         obj = Obj(size, reps, flags, checksum, writer)
-        self.shards[hash(key) & self.mask][key] = obj
+        shard = self.shards[hash(key) & self.mask] if self.unloaded is None else self.shard(key)
+        shard[key] = obj
         tenants = self.tenants
         if key < " " or tenants.track_default:
             tenants.stored(key, obj)

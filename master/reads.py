@@ -56,6 +56,8 @@ class Reads:
         configured length): the key check (a tenant's stored keys,
         :class:`~kvpool.master.keys.Scope`)."""
         objects = self.objects
+        if objects.unloaded is not None and start == 0:
+            objects.force(keys)  # (before the shards are indexed inline)
         shards = self.shards
         mask = self.mask
         grouped = objects.group_of

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +29,11 @@ from kvpool.master.journal import CHUNK
 from kvpool.master.objects import Obj
 from kvpool.master.records import DropReplica, DropSegment, Mount, Put, Remove, SetQuota
 from kvpool.master.segments import Segment, SegState
+from kvpool.master.unloaded import Unloaded
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvpool.master.directory import Directory
 
 __all__ = ["Replay"]
@@ -42,6 +44,8 @@ _DEAD = SegState.DEAD
 _SIZE, _FLAGS, _CHECKSUM, _REPLICAS = (attrgetter(f) for f in ("size", "flags", "checksum",
                                                                 "replicas"))
 _OFFSET = itemgetter(1)
+#: the records that name one key
+_KEYED = (Put, Remove, DropReplica)
 
 
 class Replay:
@@ -57,6 +61,8 @@ class Replay:
         the decoder could not type)."""
         d = self.d
         objects = d.objects
+        if objects.unloaded is not None:  # the records' shards are indexed inline
+            objects.force(rec.key for rec in records if type(rec) in _KEYED)
         shards, mask = objects.shards, objects.mask
         segments = d.segtab.segments
         intern = objects.intern_size
@@ -239,110 +245,134 @@ class Replay:
 
     def bulk_load(self, segments: list[dict[str, Any]], items: Iterable[list[Any]]) -> int:
         """Load a snapshot (:func:`kvpool.master.journal.iter_snapshot`'s
-        items) into an empty directory fast: a column chunk's objects are
-        made, stored and listed per segment by C-level passes (no per-object
-        record); then each segment's allocator is rebuilt from its sorted
-        ranges. Replicas on unknown segments are skipped; a replica
-        overlapping an earlier one (possible in a fuzzy snapshot; the journal
-        replay fixes it) is dropped, and an object left without one goes.
-        Return the number of objects loaded."""
+        items) into an empty directory, to be served at once: its objects
+        are filed under their shards as rows of the decoded columns and made
+        a shard at a time later (:mod:`kvpool.master.unloaded`); each
+        segment's allocator is rebuilt now from its sorted ranges (C-level
+        passes, no per-object Python). Replicas on unknown segments are
+        skipped. When ranges overlap (possible in a fuzzy snapshot; the
+        journal replay fixes it), everything is loaded and each overlapping
+        replica after the first is dropped (an object left without one
+        goes). Return the number of objects loaded or to load."""
+        import numpy as np  # (here: a master that restores nothing does not load it)
+
         d = self.d
         segtab = d.segtab
         for wire in segments:
             segtab.restore(wire)
         segs = segtab.segments
         objects = d.objects
-        shards, mask = objects.shards, objects.mask
         sizes_of = objects._sizes
         intern = objects.intern_size
-        # per segment: the offsets, sizes and keys of its replicas, in load order
-        per_seg: dict[Segment, tuple[list[int], list[int], list[str]]] = {}
-        stored = 0  # objects stored: more than the table holds = a key came twice
+        unloaded = Unloaded(objects.mask)
+        # per segment: the offsets and sizes of its records' replicas (the
+        # columns' come from the columns)
+        per_seg: dict[Segment, tuple[list[int], list[int]]] = {}
         for item in items:
             if item[0] != CHUNK:  # a version-1 record
-                stored += self._load_record(item, per_seg)
+                self._add_records([item], unloaded, per_seg)
                 continue
             for seg_id, keys, sizes, flags, checksums, offsets in item[1]:
                 seg = segs.get(seg_id)
-                if seg is None:
+                if seg is None or not keys:
                     continue  # replicas on unknown segments go
                 for size in set(sizes):
                     intern(size)
                 # one int object per size (KV-cache objects share a few sizes)
                 sizes = list(map(sizes_of.get, sizes, sizes))
-                objs = map(Obj, sizes, zip(repeat(seg), offsets), flags, checksums)
-                for key, obj in zip(keys, objs, strict=True):
-                    shards[hash(key) & mask][key] = obj
-                seg.keys.update(keys)
-                if min(keys) < " ":  # a tenant's (tenants.rebuild counts them)
-                    d.tenants.namespaced = True
-                lists = per_seg.get(seg)
-                if lists is None:
-                    per_seg[seg] = (offsets, sizes, keys)
-                else:
-                    lists[0].extend(offsets)
-                    lists[1].extend(sizes)
-                    lists[2].extend(keys)
-                stored += len(keys)
-            for rec in item[2]:
-                stored += self._load_record(rec, per_seg)
-        if stored != len(objects):  # a key came twice: list what the table holds
-            per_seg = {}
-            for key, obj in objects.items():
-                reps = obj.replicas
-                for i in range(0, len(reps), 2):
-                    lists = per_seg.setdefault(reps[i], ([], [], []))
-                    lists[0].append(reps[i + 1])
-                    lists[1].append(obj.size)
-                    lists[2].append(key)
-            for seg in segs.values():
-                seg.keys.clear()
-                seg.keys.update(per_seg.get(seg, ((), (), ()))[2])
-        for seg in segs.values():
-            offsets, sizes, keys = per_seg.pop(seg, ([], [], []))
-            alloc = seg.alloc
-            aligned = {s: alloc.aligned(max(s, 1)) for s in set(sizes)}
-            if len(aligned) == 1:  # one length (the common case): sort the offsets alone
-                ok = alloc.rebuild(sorted(offsets), [*aligned.values()] * len(offsets))
-            else:
-                lengths = list(map(aligned.__getitem__, sizes))
-                order = sorted(range(len(offsets)), key=offsets.__getitem__)
-                ok = alloc.rebuild(list(map(offsets.__getitem__, order)),
-                                   list(map(lengths.__getitem__, order)))
-            if not ok:
-                lengths = list(map(aligned.__getitem__, sizes))
-                order = sorted(range(len(offsets)), key=offsets.__getitem__)
-                self._load_conflicts(seg, list(map(offsets.__getitem__, order)),
-                                     list(map(lengths.__getitem__, order)),
-                                     list(map(keys.__getitem__, order)))
+                unloaded.add_column(seg, keys, sizes, flags, checksums, offsets)
+            if item[2]:
+                self._add_records(item[2], unloaded, per_seg)
+        unloaded.seal()
+        if unloaded.columns.keys and min(unloaded.columns.keys) < " ":
+            d.tenants.namespaced = True  # a tenant's key (tenants.rebuild counts them)
+        if unloaded.count:
+            objects.unloaded = unloaded
+        ranges = unloaded.columns.ranges()
+        empty = np.zeros(0, np.int64)
+        for seg, (offs, sizes) in per_seg.items():
+            o, z = ranges.get(seg, (empty, empty))
+            ranges[seg] = (np.concatenate((o, np.asarray(offs, np.int64))),
+                           np.concatenate((z, np.asarray(sizes, np.int64))))
+        if not all([self._rebuild(seg, *ranges.pop(seg, (empty, empty)))
+                    for seg in segs.values()]):
+            self._load_with_conflicts()
         return len(objects)
 
-    def _load_record(self, rec: list[Any],
-                     per_seg: dict[Segment, tuple[list[int], list[int], list[str]]]) -> int:
-        """Store a snapshot's object record (not a key already stored: 0) and
-        list its replicas for :meth:`bulk_load`; 1 if stored."""
-        key, size, flags, checksum, wire = rec
-        if key < " ":
-            self.d.tenants.namespaced = True
-        objects = self.d.objects
+    def _add_records(self, records: Iterable[list[Any]], unloaded: Unloaded,
+                     per_seg: dict[Segment, tuple[list[int], list[int]]]) -> None:
+        """Add a snapshot's object records (:meth:`snapshot_record`) to
+        ``unloaded`` and list their replicas' ranges."""
         segs = self.d.segtab.segments
-        reps: list[Any] = []
-        for i in range(0, len(wire), 2):
-            seg = segs.get(wire[i])
-            if seg is not None:
-                reps += (seg, wire[i + 1])
-        if not reps or key in objects:
-            return 0
-        size = objects.intern_size(size)
-        objects[key] = Obj(size, tuple(reps), flags, checksum)
-        for i in range(0, len(reps), 2):
-            seg = reps[i]
-            seg.keys.add(key)
-            lists = per_seg.setdefault(seg, ([], [], []))
-            lists[0].append(reps[i + 1])
-            lists[1].append(size)
-            lists[2].append(key)
-        return 1
+        intern = self.d.objects.intern_size
+        for key, size, flags, checksum, wire in records:
+            reps: list[Any] = []
+            for i in range(0, len(wire), 2):
+                seg = segs.get(wire[i])
+                if seg is not None:
+                    reps += (seg, wire[i + 1])
+            if not reps:
+                continue
+            if key < " ":
+                self.d.tenants.namespaced = True
+            size = intern(size)
+            unloaded.add_record(key, size, flags, checksum, tuple(reps))
+            for i in range(0, len(reps), 2):
+                lists = per_seg.setdefault(reps[i], ([], []))
+                lists[0].append(reps[i + 1])
+                lists[1].append(size)
+
+    @staticmethod
+    def _rebuild(seg: Segment, offsets: np.ndarray, sizes: np.ndarray) -> bool:
+        """Rebuild ``seg``'s allocator from its replicas' ranges; False (the
+        allocator unchanged) when they overlap or do not fit."""
+        import numpy as np
+
+        alloc = seg.alloc
+        a = alloc.alignment
+        lengths = (np.maximum(sizes, 1) + (a - 1)) & -a  # (Allocator.aligned)
+        order = np.argsort(offsets, kind="stable")
+        return alloc.rebuild(offsets[order], lengths[order])
+
+    def _load_with_conflicts(self) -> None:
+        """:meth:`bulk_load` when some segment's ranges overlap: load every
+        object, then rebuild each segment from what the table holds, keeping
+        each range that fits after the ones kept before it."""
+        import numpy as np
+
+        d = self.d
+        objects = d.objects
+        u = objects.unloaded
+        keys_in_order = [] if u is None else [*u.columns.keys, *u.records.keys]
+        objects.force_all()
+        per_seg: dict[Segment, tuple[list[int], list[int], list[str]]] = {}
+        seen: set[str] = set()
+        # in the snapshot's order: of two replicas on one range, the first stays
+        for key in keys_in_order:
+            if key in seen:
+                continue  # (a key that came twice: the later copy is the table's)
+            seen.add(key)
+            obj = objects.get(key)
+            if obj is None:
+                continue
+            reps = obj.replicas
+            for i in range(0, len(reps), 2):
+                lists = per_seg.setdefault(reps[i], ([], [], []))
+                lists[0].append(reps[i + 1])
+                lists[1].append(obj.size)
+                lists[2].append(key)
+        for seg in d.segtab.segments.values():
+            offsets, sizes, keys = per_seg.pop(seg, ([], [], []))
+            seg.keys.clear()
+            seg.keys.update(keys)
+            if self._rebuild(seg, np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)):
+                continue
+            alloc = seg.alloc
+            lengths = [alloc.aligned(max(s, 1)) for s in sizes]
+            order = sorted(range(len(offsets)), key=offsets.__getitem__)
+            self._load_conflicts(seg, list(map(offsets.__getitem__, order)),
+                                 list(map(lengths.__getitem__, order)),
+                                 list(map(keys.__getitem__, order)))
 
     def _load_conflicts(self, seg: Segment, offsets: list[int], lengths: list[int],
                         keys: list[str]) -> None:

@@ -278,7 +278,8 @@ class MasterServer:
                     if sink_sock is not None:
                         poller.register(sink_sock, zmq.POLLIN)
                 # messages read and not taken yet: no poll reports them
-                events = poller.poll(0 if sink.backlogged else 20)
+                loading = sink.directory.objects.unloaded is not None
+                events = poller.poll(0 if sink.backlogged or loading else 20)
                 if events:
                     # the ROUTER socket, registered first, is first when it has messages
                     if events[0][0] is sock:
@@ -298,6 +299,8 @@ class MasterServer:
                 # the poll above looked at the stream already: no second look
                 sink.poll(0, ready=bool(events) and sink_sock is not None
                           and any(e[0] == sink_sock for e in events))
+                if loading:
+                    sink.directory.objects.load_step(self.cfg.restore_slice_ms / 1000.0)
                 now = time.monotonic()
                 if sink.based:  # fsync per policy, snapshots of the journaled stream
                     self.durability.tick(sink.directory, now, sink.position)
@@ -440,6 +443,7 @@ class MasterServer:
         # and releases replies: timers and the HA upkeep wait (at most
         # _FULL_TURN_S; nothing is acknowledged past what acked() allows)
         next_full = 0.0
+        restore_slice = self.cfg.restore_slice_ms / 1000.0
         while not self._stop:
             timers = unfenced()
             # held PINGs to answer this turn: a task for their node came (or their wait ended)
@@ -449,7 +453,7 @@ class MasterServer:
             # bounds how late a fencing deadline or a change of the in-sync set
             # is seen while they wait
             timeout = 0 if (timers and (d.objects.purge_pending or d.evictor.evicting)) \
-                or durability.busy or wake \
+                or durability.busy or wake or d.objects.unloaded is not None \
                 else _HELD_POLL_MS if held \
                 else _LAZY_POLL_MS if source is not None and source.lazy_due else 50
             events = None
@@ -528,6 +532,8 @@ class MasterServer:
                     publisher.flush(durability.acked(), now)
                 continue
             next_full = now + _FULL_TURN_S
+            if d.objects.unloaded is not None:  # (no change of state: fenced or not)
+                d.objects.load_step(restore_slice)
             if unfenced():
                 if d.objects.purge_pending:
                     d.purge_step(self.cfg.purge_slice)

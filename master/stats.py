@@ -47,6 +47,7 @@ class LoopStats:
     last_snapshot_duration_s: float = 0.0
     snapshot_in_progress: bool = False
     restored_objects: int = 0
+    restore_s: float = 0.0  # the restart's restore, until serving began
     journal_seq: int | None = None
 
 

@@ -476,6 +476,12 @@ class TenantTable:
                     obj = shard[key]
                     self.charge(owner, obj.replicas, obj.size)
                     owner.objects += 1
+        unloaded = objects.unloaded if scan else None
+        for key, reps, size in unloaded.entries(not track) if unloaded is not None else ():
+            owner = self.of(key)  # (a restored object not loaded yet)
+            if owner is not None:
+                self.charge(owner, reps, size)
+                owner.objects += 1
         for key, p in pending.items():
             if key < " " or track:
                 self.started(key, p.replicas, p.size)

@@ -136,6 +136,8 @@ class Writes:
             and not spec.flags and spec.soft_pin_ms == -1 and not spec.replace
             and not spec.unpin))
         objects = self.objects
+        if objects.unloaded is not None:
+            objects.force(keys)  # (before the shards are indexed inline)
         shards = self.shards
         mask = self.mask
         pending = self.pending
@@ -246,9 +248,10 @@ class Writes:
 
     def _start_one(self, client_id: str, key: str, size: int, spec: PutSpec, checksum: Any,
                    group: str | None) -> tuple[int, Pending | None]:
-        """The general step of :meth:`put_start_many` for one (valid) key."""
+        """The general step of :meth:`put_start_many` for one (valid) key
+        (whose restored object, if any, :meth:`put_start_many` made)."""
         objects = self.objects
-        if key in objects.shards[hash(key) & objects.mask]:
+        if key in self.shards[hash(key) & self.mask]:
             if not spec.replace:
                 return ErrorCode.OBJECT_ALREADY_EXISTS, None
             if group is not None and group != objects.group_of.get(key, ""):
@@ -273,7 +276,7 @@ class Writes:
         t = None
         if key < " " or tenants.track_default:
             t = tenants.of(key)
-            old = objects.shards[hash(key) & objects.mask].get(key)  # an upsert's
+            old = self.shards[hash(key) & self.mask].get(key)  # an upsert's
             if t is not None and not tenants.admit(t, size, rn, dn,
                                                    None if old is None else (key, old)):
                 return ErrorCode.QUOTA_EXCEEDED, None
@@ -324,6 +327,8 @@ class Writes:
             and mark_bad_keys(keys, max_key, codes, key_min)  # (as in put_start_many)
         pending = self.pending
         get = pending.get
+        if self.objects.unloaded is not None:
+            self.objects.force(keys)  # (before the shards are indexed inline)
         shards = self.shards
         mask = self.mask
         changes = self.changes
@@ -405,7 +410,8 @@ class Writes:
         return codes
 
     def _commit_one(self, client_id: str, key: str) -> int:
-        """The general step of :meth:`commit_many` for one (valid) key."""
+        """The general step of :meth:`commit_many` for one (valid) key
+        (whose restored object, if any, :meth:`commit_many` made)."""
         p = self.pending.get(key)
         objects = self.objects
         if p is None:
@@ -414,7 +420,7 @@ class Writes:
             return INVALID_WRITE
         del self.pending[key]
         reps = p.replicas
-        shard = objects.shards[hash(key) & objects.mask]
+        shard = self.shards[hash(key) & self.mask]
         flags = p.flags
         if p.pin or p.group or key in shard:  # pin, group or upsert
             flags = self._commit_flags(key, p, shard.get(key))

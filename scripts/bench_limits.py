@@ -133,11 +133,24 @@ def restore_once() -> dict[str, Any]:
     gc.freeze()
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0
+    # a tree that serves before every object is made (kvpool.master.unloaded):
+    # the rest, loaded at once, as the serving loop's steps would
+    objects = d.objects
+    unloaded = getattr(objects, "unloaded", None)
+    left = 0 if unloaded is None else unloaded.count
+    if unloaded is not None:
+        gc.disable()
+        objects.force_all()
+        gc.enable()
+        gc.freeze()
+    loaded = time.perf_counter() - t0
     with open(f"/proc/{os.getpid()}/statm") as f:
         cur1 = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     n = len(d.objects)
     out = {"objects": n, "restore_s": round(wall, 3), "restore_cpu_s": round(cpu, 3),
-           "objects_per_s": round(n / wall), "rss_bytes_per_object": round((cur1 - cur0) / n, 1),
+           "objects_per_s": round(n / wall), "unloaded_at_serving": left,
+           "loaded_s": round(loaded, 3), "loaded_objects_per_s": round(n / loaded),
+           "rss_bytes_per_object": round((cur1 - cur0) / n, 1),
            "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "rss0_kb": rss0}
     # the newest journal the restore opened is empty: drop it, the next run opens its own
     assert dur.journal is not None
@@ -155,9 +168,12 @@ def in_tree(tree: str | None, *args: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvpool-base-pkg-") as pkg:
         if tree:  # the base tree as the package kvpool (a link, removed after the run)
             os.symlink(os.path.abspath(tree), os.path.join(pkg, "kvpool"))
-            env["PYTHONPATH"] = pkg
+            # first on the path, before what else the environment brings there
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg, env.get("PYTHONPATH")]))
         out = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env,
-                             check=True, capture_output=True, text=True, timeout=1800)
+                             capture_output=True, text=True, timeout=1800)
+        if out.returncode:
+            raise SystemExit(f"{args[0]} in {tree or 'this tree'} failed:\n{out.stderr[-3000:]}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -178,7 +194,10 @@ def restore_mode(args: argparse.Namespace) -> dict[str, Any]:
                     r = in_tree(tree, "_restore_once", os.path.join(tmp, f"{case}-{which}"))
                     runs[which].append(r)
                     print(f"{case} {which}: {r['objects']:,} objects in {r['restore_s']} s "
-                          f"({r['objects_per_s']:,}/s), {r['rss_bytes_per_object']} B/object",
+                          f"({r['objects_per_s']:,}/s) until serving, "
+                          f"{r.get('unloaded_at_serving', 0):,} left to load then; all loaded "
+                          f"in {r.get('loaded_s', r['restore_s'])} s; "
+                          f"{r['rss_bytes_per_object']} B/object",
                           file=sys.stderr, flush=True)
             case_out: dict[str, Any] = {"data_dir": built, "runs": runs}
             for which, rs in runs.items():

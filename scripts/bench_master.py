@@ -34,8 +34,12 @@ CPU-second with capabilities on; RSS <= 400 B per object at 1M objects.
   docs/tenants.md).
 
 - restart: the master is killed and started again on its data dir (the
-  snapshot just taken): seconds until it answers, objects restored per
-  second (restore speed in the one load path: scripts/bench_limits.py restore).
+  snapshot just taken): seconds until it answers (it serves while the
+  snapshot's objects are made: kvpool.master.unloaded), objects restored per
+  second until then, then BatchExist x128 of random filled keys back to back
+  until every object is made: their latencies while loading, and seconds
+  from the kill until all were loaded (restore speed in the one load path:
+  scripts/bench_limits.py restore).
 
 Usage: scripts/bench_master.py --json OUT [--objects 1000000] [--seconds 2]
 Profiling: scripts/bench_master.py --quick --batches 128 --ops put --seconds 20
@@ -47,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import sys
@@ -168,6 +173,32 @@ def fill(c: MasterClient, n: int, prefix: str, batch: int = 2048) -> float:
             raise SystemExit(f"fill failed: {bad[:3]}")
         c.call(BatchPutEnd(client_id="bench", keys=keys), timeout_s=60)
     return time.perf_counter() - t0
+
+
+def while_loading(c: MasterClient, n: int, t0: float) -> dict[str, Any]:
+    """A restarted master serving while it loads its snapshot's objects:
+    BatchExist of 128 random filled keys back to back (each must find all)
+    until STATS says every object is made; their latencies, and when that
+    was (seconds after ``t0``, the kill)."""
+    rng = random.Random(5)
+    lat: list[float] = []
+    while True:
+        keys = [key("obj", rng.randrange(n)) for _ in range(128)]
+        t = time.perf_counter()
+        r = c.call(BatchExist(keys), timeout_s=60)
+        lat.append(time.perf_counter() - t)
+        if not all(r.exists):
+            raise SystemExit("a restarted master lost objects: "
+                             f"{[k for k, e in zip(keys, r.exists, strict=True) if not e][:3]}")
+        if len(lat) % 8 == 0 and not c.call(Stats()).restore_unloaded:
+            break
+    loaded = time.perf_counter() - t0
+    lat.sort()
+    return {"restart_loaded_s": round(loaded, 2), "exist_calls_while_loading": len(lat),
+            "exist_p50_ms_while_loading": round(lat[len(lat) // 2] * 1e3, 2),
+            "exist_p99_ms_while_loading": round(lat[min(len(lat) - 1, len(lat) * 99 // 100)]
+                                                * 1e3, 2),
+            "exist_max_ms_while_loading": round(lat[-1] * 1e3, 2)}
 
 
 def snapshot_pause(m: MasterProcess, c: MasterClient) -> dict[str, Any]:
@@ -357,13 +388,24 @@ def main(argv: list[str] | None = None) -> int:
             m.start()
             results["snapshot"]["restart_restore_s"] = round(time.perf_counter() - t0, 2)
             with MasterClient(m.address, timeout_s=30) as c2:
-                restored = c2.call(Stats()).restored_objects
+                st2 = c2.call(Stats())
+                loading = while_loading(c2, args.objects, t0)
+            restored = st2.restored_objects
             snap_out = results["snapshot"]
             snap_out["restored_objects"] = restored
             # the whole restart (process start included) per object
             snap_out["restart_objects_per_s"] = round(restored / snap_out["restart_restore_s"])
+            snap_out["restore_s"] = st2.restore_s
+            snap_out["unloaded_at_first_answer"] = st2.restore_unloaded
+            snap_out.update(loading)
             print(f"restart: {restored:,} objects restored in {snap_out['restart_restore_s']} s "
-                  f"({snap_out['restart_objects_per_s']:,}/s)", file=sys.stderr)
+                  f"({snap_out['restart_objects_per_s']:,}/s) before serving "
+                  f"({st2.restore_unloaded:,} left to load); all loaded "
+                  f"{loading['restart_loaded_s']} s after the kill; "
+                  f"{loading['exist_calls_while_loading']} BatchExist x128 meanwhile: p50 "
+                  f"{loading['exist_p50_ms_while_loading']} ms, p99 "
+                  f"{loading['exist_p99_ms_while_loading']} ms, max "
+                  f"{loading['exist_max_ms_while_loading']} ms", file=sys.stderr)
     best = max((p["master_cpu_key_ops_per_s"] or 0) for p in results["ops"] if p["batch"] == 128)
     put = next(p["master_cpu_key_ops_per_s"] or 0 for p in results["ops"]
                if p["batch"] == 128 and p["op"] == "put")

@@ -149,8 +149,9 @@ def _panels(b: _Layout) -> None:
         (f"max(kvpool_master_objects{{{M}}})", "objects"),
         (f"max(kvpool_master_pending_puts{{{M}}})", "pending puts"),
         (f"max(kvpool_master_soft_pinned_objects{{{M}}})", "soft pinned"),
-        (f"max(kvpool_master_object_groups{{{M}}})", "object groups")],
-        "short", "Complete objects in the directory, puts in flight, soft-pinned objects, object groups.")
+        (f"max(kvpool_master_object_groups{{{M}}})", "object groups"),
+        (f"max(kvpool_master_restore_unloaded_objects{{{M}}})", "restored, not loaded yet")],
+        "short", "Complete objects in the directory, puts in flight, soft-pinned objects, object groups. After a restart the master serves at once and loads its snapshot's objects in the background: the last series counts those not loaded yet.")
     b.panel("Hit rate", [
         (f'1 - (sum(rate(kvpool_master_errors_total{{{GET}, code="OBJECT_NOT_FOUND"}}[{R}])) or vector(0)) / sum(rate(kvpool_master_key_ops_total{{{GET}}}[{R}]))', "hit rate")],
         "percentunit", "Share of key lookups (get_replica_list, single and batch items) that found the object. The vLLM row shows the token hit rate.",
@@ -169,8 +170,9 @@ def _panels(b: _Layout) -> None:
     b.panel("Master loop and snapshots", [
         (f"max by (instance) (kvpool_master_max_loop_seconds{{{M}}})", "longest loop iteration {{instance}}"),
         (f"max by (instance) (kvpool_master_snapshot_pause_seconds{{{M}}})", "last snapshot pause {{instance}}"),
-        (f"max by (instance) (kvpool_master_snapshot_duration_seconds{{{M}}})", "last snapshot duration {{instance}}")],
-        "s", "The master has no per-request latency histograms: the longest event-loop iteration bounds the time a request waits in the master. Snapshot pause: loop stop to fork a snapshot.")
+        (f"max by (instance) (kvpool_master_snapshot_duration_seconds{{{M}}})", "last snapshot duration {{instance}}"),
+        (f"max by (instance) (kvpool_master_restore_seconds{{{M}}})", "last restore until serving {{instance}}")],
+        "s", "The master has no per-request latency histograms: the longest event-loop iteration bounds the time a request waits in the master. Snapshot pause: loop stop to fork a snapshot. Restore: from the start of the last restart's restore until it served.")
 
     b.row("Evictions and SSD tier")
     b.panel("Evictions", [
