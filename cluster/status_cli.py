@@ -30,7 +30,7 @@ __all__ = ["STATUS_SCHEMA", "format_instances", "format_status", "group_instance
            "status_document"]
 
 #: the version of ``kvpool status --json``'s shape (docs/status_json.md)
-STATUS_SCHEMA = 3
+STATUS_SCHEMA = 4
 #: the keys of one ``instances`` row (None where unknown)
 _INSTANCE_KEYS = ("instance_id", "address", "role", "epoch", "lsn", "objects", "lag", "error")
 

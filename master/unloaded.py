@@ -24,7 +24,7 @@ order (its shard's use order when it was written).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import pairwise, repeat
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
@@ -243,19 +243,25 @@ class Unloaded:
         """``(key, replicas, size)`` of every object not made yet
         (``namespaced``: only keys below U+0020, a tenant's), for a recount
         of usage."""
+        import numpy as np
+
+        pending, bmask = self.pending, self.bmask
         for t in (self.columns, self.records):
             keys = t.keys
-            if not keys or (namespaced and min(keys) >= " "):
+            if not keys:
                 continue
-            run_segs = t.run_segs
-            seg_index = t.seg_index
-            for i in range(self.bmask + 1):
-                if self.pending[i] is None:
+            if namespaced:  # the tenants' rows, found at C speed
+                if min(keys) >= " ":
                     continue
-                for r in t.bucket_rows(i).tolist():
-                    key = keys[r]
-                    if namespaced and key >= " ":
-                        continue
-                    reps = t.places[r] if run_segs is None or seg_index is None \
-                        else (run_segs[int(seg_index[r])], t.places[r])
-                    yield key, reps, t.sizes[r]
+                rows: Iterable[int] = np.flatnonzero(
+                    np.fromiter(map(" ".__gt__, keys), bool, len(keys))).tolist()
+            else:
+                rows = range(len(keys))
+            run_segs, seg_index, places, sizes = t.run_segs, t.seg_index, t.places, t.sizes
+            for r in rows:
+                key = keys[r]
+                if pending[hash(key) & bmask] is None:
+                    continue  # made: the table holds it
+                reps = places[r] if run_segs is None or seg_index is None \
+                    else (run_segs[int(seg_index[r])], places[r])
+                yield key, reps, sizes[r]

@@ -37,7 +37,8 @@ SCHEMA_FILE = Path(__file__).with_name("status_schema.json")
 #: sha256 of each released shape (the canonical JSON of the file's "shape")
 DIGESTS = {1: "d2e65d6a0b5b6fa04a6767eb2c146e1bf3dff4f4617dcc3fe8df496bba0e58c5",
            2: "2e483a7f71639691fdcafc8b188a0337cda4d20a50616ebf577d54924f3e54a0",
-           3: "f7640cd80fa2d838b05d563253ad85b375ebfb13b46dfffca59066719dbc55e2"}
+           3: "f7640cd80fa2d838b05d563253ad85b375ebfb13b46dfffca59066719dbc55e2",
+           4: "cd4d64bd745ad302af9ff3b9f0f4958136acf6d77f3753a0e47fded5f749bed7"}
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "int": int, "float": float, "str": str, "bool": bool, "null": type(None), "object": dict}
 
