@@ -9,14 +9,13 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import Any
 
 import msgpack
 
 from kvpool.core.protocol import KEY_MIN, SegmentDescriptor, SegmentKind
 from kvpool.core.tenants import scope_prefix, split_scoped
 from kvpool.master.config import FsyncPolicy, MasterConfig
-from kvpool.master.directory import Directory, SegState
+from kvpool.master.directory import Directory
 from kvpool.master.durability import Durability
 from kvpool.master.journal import (
     CHUNK,
@@ -26,17 +25,7 @@ from kvpool.master.journal import (
     list_snapshots,
     read_snapshot,
 )
-
-
-def state(d: Directory) -> dict[str, Any]:
-    objs = {}
-    for k, o in d.objects.items():
-        reps = sorted((o.replicas[i].id, o.replicas[i + 1]) for i in range(0, len(o.replicas), 2)
-                      if o.replicas[i].state != SegState.DEAD)
-        objs[k] = (o.size, o.flags, o.checksum, reps)
-    segs = {s.id: (s.alloc.used, s.alloc.free, sorted(s.keys)) for s in d.segments.values()}
-    tenants = sorted((t.name, t.mem, t.disk, t.objects) for t in d.tenants.by_name.values())
-    return {"objects": objs, "segments": segs, "tenants": tenants}
+from support.directory import restored_state
 
 
 def put_scoped(d: Directory, key: str, size: int) -> None:
@@ -96,14 +85,14 @@ def test_column_snapshot_restores_the_exact_directory(tmp_path: Path) -> None:
     d = mixed_directory(1)
     assert any(len(o.replicas) == 4 for _, o in d.objects.items())  # two replicas
     d.finish_restore()  # the tenants' usage as a restore computes it, to compare
-    assert len(state(d)["tenants"]) >= 3  # t0, t1, t2 (and the default)
+    assert len(restored_state(d)["tenants"]) >= 3  # t0, t1, t2 (and the default)
     path = snapshot(d, str(tmp_path), chunk=97)
     with open(path, "rb") as f:
         items = list(msgpack.Unpacker(f, raw=False))
     assert items[0]["version"] == 2 and all(i[0] == CHUNK for i in items[1:-1])
     assert any(i[2] for i in items[1:-1])  # two-replica objects travel as records
     r = load(path)
-    assert state(r) == state(d)
+    assert restored_state(r) == restored_state(d)
     assert len(r.objects) == len(read_snapshot(path).objects)
 
 
@@ -117,7 +106,7 @@ def test_version1_snapshot_still_loads(tmp_path: Path) -> None:
         for rec in recs:
             f.write(msgpack.packb(rec))
         f.write(msgpack.packb(["__end__", len(recs)]))
-    assert state(load(path)) == state(d)
+    assert restored_state(load(path)) == restored_state(d)
 
 
 def test_a_key_twice_loads_once_with_consistent_allocators(tmp_path: Path) -> None:
@@ -167,11 +156,11 @@ def test_journal_stays_bounded_by_size_triggered_snapshots(tmp_path: Path) -> No
     assert max(sizes) < 3 * 500 * 40 and max(sizes[-4:]) <= 2 * max(sizes[:4])
     while dur.busy:  # a snapshot still being written: finish it
         dur.tick(d, 0.0)
-    expected = state(d)
+    expected = restored_state(d)
     dur.close([])
     again = Durability(cfg)
     r = again.restore(lambda: Directory(cfg))
-    assert state(r) == expected
+    assert restored_state(r) == expected
     again.close([])
 
 
@@ -215,10 +204,10 @@ def test_journal_replay_counts_the_tenants_usage(tmp_path: Path) -> None:
         else:
             assert d.put_start("w", f"k{n}", 100 + n)[0] == 0 and d.put_end("w", f"k{n}") == 0
         dur.commit(d.records)
-    live = state(d)["tenants"]
+    live = restored_state(d)["tenants"]
     assert [t[3] for t in live] == [100, 100]  # t0 and t1: 100 objects each
     dur.close([])
     again = Durability(cfg)
     r = again.restore(lambda: Directory(cfg))
-    assert state(r)["tenants"] == live
+    assert restored_state(r)["tenants"] == live
     again.close([])

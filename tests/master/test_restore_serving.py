@@ -40,10 +40,11 @@ from kvpool.core.protocol import (
 )
 from kvpool.core.tenants import scope_prefix
 from kvpool.master.config import FsyncPolicy, MasterConfig
-from kvpool.master.directory import Directory, SegState
+from kvpool.master.directory import Directory
 from kvpool.master.durability import Durability
 from kvpool.master.events import list_objects
 from kvpool.master.unloaded import Unloaded
+from support.directory import restored_state
 from support.factories import segment_desc
 
 _MEM = SegmentKind.MEMORY
@@ -52,19 +53,6 @@ _MEM = SegmentKind.MEMORY
 def _cfg(data: Path, **kw: Any) -> MasterConfig:
     return MasterConfig(data_dir=str(data), journal_fsync=FsyncPolicy.NEVER,
                         snapshot_interval_s=0, snapshot_journal_records=0, **kw)
-
-
-def state(d: Directory) -> dict[str, Any]:
-    objs = {}
-    for k, o in d.objects.items():
-        reps = sorted((o.replicas[i].id, o.replicas[i + 1]) for i in range(0, len(o.replicas), 2)
-                      if o.replicas[i].state != SegState.DEAD)
-        objs[k] = (o.size, o.flags, o.checksum, reps)
-    for seg in d.segments.values():
-        seg.alloc.check()
-    segs = {s.id: (s.alloc.used, s.alloc.free, sorted(s.keys)) for s in d.segments.values()}
-    tenants = sorted((t.name, t.mem, t.disk, t.objects) for t in d.tenants.by_name.values())
-    return {"objects": objs, "segments": segs, "tenants": tenants}
 
 
 def _put(d: Directory, key: str, size: int, **kw: Any) -> int:
@@ -218,7 +206,7 @@ def test_a_lazily_loaded_restore_answers_as_a_loaded_one(tmp_path: Path,
                 if step % 10 == 0:
                     b.objects.load_step(0.0)  # one shard in the background
         assert while_loading > 100  # (the ops' keys load their shards as they go)
-        assert state(b) == state(a)
+        assert restored_state(b) == restored_state(a)
         assert b.objects.unloaded is None
     finally:
         dur_a.close([])
@@ -236,7 +224,7 @@ def test_background_steps_load_everything_and_a_snapshot_loads_the_rest(
         while b.objects.load_step(0.0):
             steps += 1
         assert b.objects.unloaded is None and steps > 10
-        expected = state(b)
+        expected = restored_state(b)
     finally:
         dur.close([])
     # a snapshot taken while loading holds every object
@@ -252,7 +240,7 @@ def test_background_steps_load_everything_and_a_snapshot_loads_the_rest(
         dur.close([])
     dur, again = restore(tmp_path / "b")
     try:
-        assert state(again) == expected
+        assert restored_state(again) == expected
     finally:
         dur.close([])
 

@@ -7,10 +7,10 @@ from typing import Any
 
 from kvpool.core.protocol import RESERVED_KEY_PREFIX, SegmentDescriptor, SegmentKind
 from kvpool.master.config import MasterConfig
-from kvpool.master.directory import Directory
+from kvpool.master.directory import Directory, SegState
 from support.clock import Clock
 
-__all__ = ["FILE", "MEM", "make", "mount", "put", "reserve", "seg_ids"]
+__all__ = ["FILE", "MEM", "make", "mount", "put", "reserve", "restored_state", "seg_ids"]
 
 MEM = SegmentKind.MEMORY
 FILE = SegmentKind.FILE
@@ -48,3 +48,19 @@ def reserve(d: Directory, client: str, placeholder: str, size: int,
 def seg_ids(d: Directory, key: str) -> list[str]:
     """The segments holding ``key``'s replicas."""
     return [s.id for s in d.objects[key].replicas[::2]]
+
+
+def restored_state(d: Directory) -> dict[str, Any]:
+    """What a restore must bring back, comparable with ``==``: each object's
+    size, flags, checksum and live replicas; each segment's allocator
+    (checked consistent) and key set; each tenant's usage."""
+    objs = {}
+    for k, o in d.objects.items():
+        reps = sorted((o.replicas[i].id, o.replicas[i + 1]) for i in range(0, len(o.replicas), 2)
+                      if o.replicas[i].state != SegState.DEAD)
+        objs[k] = (o.size, o.flags, o.checksum, reps)
+    for seg in d.segments.values():
+        seg.alloc.check()
+    segs = {s.id: (s.alloc.used, s.alloc.free, sorted(s.keys)) for s in d.segments.values()}
+    tenants = sorted((t.name, t.mem, t.disk, t.objects) for t in d.tenants.by_name.values())
+    return {"objects": objs, "segments": segs, "tenants": tenants}
