@@ -109,10 +109,19 @@ def test_leader_alone_serves_reads_refuses_writes_and_resumes(group: HaGroup) ->
         t_restart = time.monotonic()
         standbys[0].start()
 
-        wait_until(lambda: _put_accepted(client, "resumed"), 20,
-                   "writes to resume after a standby returned", interval_s=0.05)
+        # a fresh key per attempt: an attempt whose PUT_START the leader took
+        # and whose PUT_END it refused leaves its key in flight (the client's
+        # own put: a retry of that key answers OBJECT_ALREADY_EXISTS until the
+        # put is released), which says nothing of whether writes resumed
+        attempts: list[str] = []
+
+        def attempt() -> bool:
+            attempts.append(f"resumed{len(attempts)}")
+            return _put_accepted(client, attempts[-1])
+
+        wait_until(attempt, 20, "writes to resume after a standby returned", interval_s=0.05)
         resumed_s = time.monotonic() - t_restart
-        assert client.get("resumed") == _value("resumed")
+        assert client.get(attempts[-1]) == _value(attempts[-1])
         read_all("after writes resumed")
         print(f"read p100 {read_s * 1000:.1f} ms (alone), {read_after_s * 1000:.1f} ms (after "
               f"the refusal); writes refused {learn_s * 1000:.0f} ms after the kills; put "
