@@ -287,11 +287,12 @@ class ObjectTable:
     def lru_items(self) -> Iterator[tuple[str, Obj]]:
         """Least recently used first: a lazy k-way merge of the shards (each in
         use order) by their objects' ``tick`` (O(log shards) per item). While
-        restored objects are not all loaded, the shards not loaded come
-        first, each loaded when reached (their objects, never used since
-        the restart, are the least recent; a shard's objects made after its
-        first use since the restart follow that use in its order, a small
-        departure from LRU that lasts until they are used)."""
+        restored objects are not all made, the load buckets not made yet
+        come first, each made when reached (their objects, never used since
+        the restart, are the least recent; a bucket made after its shard's
+        first use since the restart follows that use in the shard's order, a
+        small departure from LRU that lasts until its objects are used). The
+        merge of the shards starts once every bucket is made."""
         u = self.unloaded
         if u is None:
             return heapq.merge(*(shard.items() for shard in self.shards if shard),
