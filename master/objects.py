@@ -176,11 +176,6 @@ class ObjectTable:
             if time.perf_counter() >= end:
                 return True
 
-    @property
-    def loading(self) -> bool:
-        """Whether restored objects remain to be made."""
-        return self.unloaded is not None
-
     def _load(self, b: int) -> list[tuple[list[str], list[Obj]]]:
         """Make load bucket ``b``'s restored objects into its shard
         (:mod:`kvpool.master.unloaded`); return them, per table."""

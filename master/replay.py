@@ -246,8 +246,8 @@ class Replay:
     def bulk_load(self, segments: list[dict[str, Any]], items: Iterable[list[Any]]) -> int:
         """Load a snapshot (:func:`kvpool.master.journal.iter_snapshot`'s
         items) into an empty directory, to be served at once: its objects
-        are filed under their shards as rows of the decoded columns and made
-        a shard at a time later (:mod:`kvpool.master.unloaded`); each
+        are filed under their load buckets as rows of the decoded columns
+        and made a bucket at a time later (:mod:`kvpool.master.unloaded`); each
         segment's allocator is rebuilt now from its sorted ranges (C-level
         passes, no per-object Python). Replicas on unknown segments are
         skipped. When ranges overlap (possible in a fuzzy snapshot; the

@@ -205,9 +205,6 @@ class Unloaded:
         self.pending = pending
         self.buckets_left = sum(1 for p in pending if p)
 
-    def bucket_of(self, key: str) -> int:
-        return hash(key) & self.bmask
-
     def buckets_of_shard(self, i: int) -> range:
         """The load buckets that fill shard ``i``."""
         return range(i, self.bmask + 1, self.shard_mask + 1)
