@@ -154,8 +154,8 @@ class _Rows:
 
 
 class Unloaded:
-    """The snapshot's rows, indexed by load bucket (the low ``bucket_bits``
-    bits of a key's hash: bucket ``b`` fills shard ``b & shard_mask``), and
+    """The snapshot's rows, indexed by load bucket (``hash(key) & bmask``,
+    the bits chosen by :meth:`seal`: bucket ``b`` fills shard ``b & shard_mask``), and
     which buckets are not made yet (see the module docstring). A bucket
     holds a few hundred objects, so a request makes little more than its
     own keys' objects. ``count``: objects not made yet."""
