@@ -112,6 +112,24 @@ class Tenant:
         return _wire(self.memory_quota), _wire(self.disk_quota), _wire(self.guaranteed)
 
 
+def _bound_tenant(key_min: str) -> str | None:
+    """The tenant whose scope's bound ``key_min`` is (its namespace and
+    U+0020), or None for any other bound: the default tenant's."""
+    if key_min >= " " or key_min < TENANT_SEP:
+        return None
+    end = key_min.find(TENANT_SEP, 1)
+    return key_min[1:end] if end > 1 else None
+
+
+class _ReadCounts:
+    """Hits and misses of reads that no :class:`Tenant` counts."""
+
+    __slots__ = ("hits", "misses")
+
+    def __init__(self) -> None:
+        self.hits = self.misses = 0
+
+
 class TenantTable:
     """The tenants a master knows (see the module docstring)."""
 
@@ -130,16 +148,16 @@ class TenantTable:
         self.namespaced = False
         self.default: Tenant | None = None
         self.guarantees = False
-        # every read's hits and misses (an untracked default tenant's are
-        # these less the named tenants')
-        self.hits = 0
-        self.misses = 0
+        #: the reads of the default tenant while it is untracked (no Tenant)
+        self.untracked_reads = _ReadCounts()
+        # a read's key_min -> what counts its hits and misses (:meth:`reads`)
+        self._readers: dict[str, Tenant | _ReadCounts] = {}
         self.evictor: Evictor | None = None  # set by the directory
         # the namespace prefix of the tenant :meth:`of` found last ("\x1fname\x1f")
         self._last_prefix = NO_PREFIX
         self._last: Tenant | None = None
-        # a tenant scope's key_min (namespace + U+0020) -> the tenant (of_bound)
-        self._scoped: dict[str, Tenant] = {}
+        # a batch's key_min -> its tenant (of_bound; None: the untracked default)
+        self._bounds: dict[str, Tenant | None] = {}
         for name in self.configured:
             self.tenant(name)
 
@@ -161,6 +179,10 @@ class TenantTable:
             if name == DEFAULT_TENANT:
                 self.default = t
                 self.track_default = True
+                # its reads so far carry over; later ones count on it
+                t.hits, t.misses = self.untracked_reads.hits, self.untracked_reads.misses
+                self._readers.clear()
+                self._bounds.clear()
             if t.guaranteed < UNLIMITED:
                 self.guarantees = True
         return t
@@ -192,17 +214,18 @@ class TenantTable:
         new, as a put makes it, not as a read); any other bound (``KEY_MIN``,
         a reservation's ``RESERVED_KEY_PREFIX``) admits only keys outside
         every namespace: the default tenant's."""
-        if key_min >= " " or key_min < TENANT_SEP:
-            return self.default
-        t = self._scoped.get(key_min)
-        if t is None:
-            end = key_min.find(TENANT_SEP, 1)
-            if end <= 1:
-                return self.default
-            name = key_min[1:end]
+        try:
+            return self._bounds[key_min]  # (one dict lookup per request once met)
+        except KeyError:
+            pass
+        name = _bound_tenant(key_min)
+        if name is None:
+            t = self.default
+        else:
             t = self.tenant(name) if create else self.by_name.get(name)
-            if t is not None:
-                self._scoped[key_min] = t
+            if t is None:
+                return None  # (not remembered: its first put makes it)
+        self._bounds[key_min] = t
         return t
 
     # ---------------------------------------------------------------- quotas
@@ -443,15 +466,26 @@ class TenantTable:
     def reads(self, key_min: str, hits: int, misses: int) -> None:
         """A batch of reads whose keys were checked against ``key_min`` (as
         :meth:`of_bound`'s) found ``hits`` objects and missed ``misses``
-        (counted for its tenant; every read for the totals). A miss of a
-        tenant that never stored anything is not counted: a read alone does
-        not make a tenant."""
-        self.hits += hits
-        self.misses += misses
-        t = self.of_bound(key_min, create=False)
-        if t is not None:
-            t.hits += hits
-            t.misses += misses
+        (counted for its tenant: one dict lookup). A read of a tenant that
+        never stored anything is not counted: a read alone does not make a
+        tenant."""
+        t = self._readers.get(key_min)
+        if t is None:
+            t = self._reader(key_min)
+        t.hits += hits
+        t.misses += misses
+
+    def _reader(self, key_min: str) -> Tenant | _ReadCounts:
+        """What counts the reads checked against ``key_min`` (:meth:`reads`):
+        its tenant, the untracked default tenant's counts, or (a tenant never
+        met) a throwaway; remembered unless a throwaway."""
+        t: Tenant | _ReadCounts | None = self.of_bound(key_min, create=False)
+        if t is None:
+            if _bound_tenant(key_min) is not None:
+                return _ReadCounts()
+            t = self.untracked_reads
+        self._readers[key_min] = t
+        return t
 
     def rebuild(self, objects: Any, pending: dict[str, Any]) -> None:
         """Recount every tenant's usage and use order from the objects and the
@@ -489,9 +523,10 @@ class TenantTable:
     # ---------------------------------------------------------------- reading
     def rows(self, objects: int) -> list[dict[str, Any]]:
         """One row per tenant (TENANT_LIST, /metrics): quotas (-1 unlimited),
-        usage and counters. An untracked default tenant's row is derived from
-        the totals (``objects``: the table's count) less the named tenants';
-        its bytes used are None (not counted)."""
+        usage and counters. An untracked default tenant's objects and
+        evictions are derived from the totals (``objects``: the table's count)
+        less the named tenants', its hits and misses are
+        :attr:`untracked_reads`; its bytes used are None (not counted)."""
         out: list[dict[str, Any]] = []
         named = [t for t in self.by_name.values() if t.name != DEFAULT_TENANT]
         for t in sorted(self.by_name.values(), key=lambda x: (x.name != DEFAULT_TENANT, x.name)):
@@ -502,8 +537,7 @@ class TenantTable:
             out.insert(0, self._row(
                 DEFAULT_TENANT, (-1, -1, -1), None, None,
                 max(0, objects - sum(t.objects for t in named)),
-                max(0, self.hits - sum(t.hits for t in named)),
-                max(0, self.misses - sum(t.misses for t in named)),
+                self.untracked_reads.hits, self.untracked_reads.misses,
                 max(0, (ev.evictions if ev else 0) - sum(t.evictions for t in named)), 0))
         return out
 

@@ -340,3 +340,25 @@ def test_batch_put_commit_of_reservations_is_held_to_the_quota() -> None:
         int(ErrorCode.OBJECT_NOT_FOUND)] * 2
     assert m.row("a").refusals == 2
     assert m.exists("a", "k5", "k6") == [False, False]
+
+
+def test_hits_and_misses_count_for_the_readers_tenant_only() -> None:
+    """Each tenant's row counts its own reads; the untracked default tenant's
+    are its own (not the pool's less the others'), carried over when it
+    becomes tracked; a tenant that never stored anything counts nothing."""
+    m = Master()
+    assert m.put("a", "k0") == [0]
+    assert m.put("", "d0") == [0]
+    assert m.exists("a", "k0", "nope") == [True, False]
+    assert m.read("a", "k0") == [0]
+    assert m.exists("", "d0", "d1", "d2") == [True, False, False]
+    assert m.exists("never", "k0") == [False]  # a read alone does not make a tenant
+    a, d = m.row("a"), m.row("default")
+    assert (a.hits, a.misses) == (2, 1)
+    assert (d.hits, d.misses) == (1, 2)
+    assert "never" not in {r.name for r in m.h.handle(TenantList()).tenants}
+    m.h.handle(TenantSet("default", 1 << 20, -1, -1))  # tracked from now on
+    assert m.exists("", "d0") == [True]
+    d = m.row("default")
+    assert (d.hits, d.misses) == (2, 2)
+    assert (m.row("a").hits, m.row("a").misses) == (2, 1)
