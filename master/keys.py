@@ -122,9 +122,9 @@ class Scope:
         p = self.prefix
         if not p:
             return keys
-        if len(keys) == 1:  # a single-key op's
-            return [p + keys[0]]
-        return list(map(p.__add__, keys))
+        # (a comprehension's str + str is a specialized op: a quarter faster
+        # than map(p.__add__, keys), whose method-wrapper call is generic)
+        return [p + k for k in keys]
 
     def key(self, key: str) -> str:
         """The stored key of the caller's ``key`` (unchecked, as :meth:`keys`)."""

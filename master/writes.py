@@ -338,7 +338,9 @@ class Writes:
         tt = tenants.of_bound(key_min)  # as in put_start_many
         # tt's use order, when it keeps one
         tobjs = None if tt is None else tt.objs
-        tcount = 0  # objects stored for tt, not added to it yet
+        # commits the general step made (it counts them for their tenant): the
+        # inline ones are added to tt.objects at the end, with no per-key count
+        general_ok = 0
         writer = objects._writers.get(client_id) or objects.writer(client_id)
         # a commit names its reservation first (one clock read for the batch,
         # and no naming of a pending put the inline path drops)
@@ -354,11 +356,13 @@ class Writes:
             if placeholders is None:
                 p = get(key)
                 if p is None or p.client_id != client_id or p.pin or p.group:
-                    codes[i] = self._commit_one(client_id, key)
+                    codes[i] = c = self._commit_one(client_id, key)
+                    general_ok += not c
                     continue
                 reps = p.replicas
                 if len(reps) != 2 or key in shard or reps[0].state == _DEAD:
-                    codes[i] = self._commit_one(client_id, key)
+                    codes[i] = c = self._commit_one(client_id, key)
+                    general_ok += not c
                     continue
                 del pending[key]
             else:
@@ -391,22 +395,21 @@ class Writes:
                         tobjs = tt.objs
                 if p.pin or p.group or len(reps) != 2 or reps[0].state == _DEAD:
                     pending[key] = p  # the general step
-                    codes[i] = self._commit_one(client_id, key)
+                    codes[i] = c = self._commit_one(client_id, key)
+                    general_ok += not c
                     continue
             seg = reps[0]  # a new, unpinned, ungrouped object with one live replica
             size, flags, checksum = p.size, p.flags, p.checksum
             shard[key] = obj = Obj(size, reps, flags, checksum, writer)
-            if tt is not None:  # TenantTable.stored, inline
-                tcount += 1
-                if tobjs is not None:
-                    tobjs[key] = obj.tick
+            if tobjs is not None:  # (TenantTable.stored, inline: tt's use order)
+                tobjs[key] = obj.tick
             if seg is not last_seg:
                 last_seg, seg_add = seg, seg.keys.add
             seg_add(key)
             if append is not None:
                 append(Put(key, size, flags, checksum, [seg.id, reps[1]]))
-        if tt is not None:
-            tt.objects += tcount
+        if tt is not None:  # (TenantTable.stored, inline: each OK not the general step's)
+            tt.objects += codes.count(0) - general_ok
         return codes
 
     def _commit_one(self, client_id: str, key: str) -> int:
