@@ -46,6 +46,7 @@ _DEAD = SegState.DEAD
 # Beyond a WRITE capability's expiry, how long a transfer server may still
 # accept it (its capability_leeway_ms, 2 s by default, plus clock skew).
 _WRITE_LEEWAY_S = 5.0
+_NO_QUOTA = 1 << 62  # put_start_many's budget of a batch without a tracked tenant
 
 
 def write_grant_ms(cfg: MasterConfig) -> int:
@@ -150,7 +151,9 @@ class Writes:
         # anything else reads it: the general step, eviction, the end)
         tenants = objects.tenants
         tt = tenants.of_bound(key_min)
-        tleft = 0 if tt is None else tt.memory_quota - tt.mem
+        # (without one, a budget never reached: the per-key steps are the same
+        # for every batch, with no tenant test on the way)
+        tleft = _NO_QUOTA if tt is None else tt.memory_quota - tt.mem
         now = self.clock()
         stamped = False
         # a run of equal sizes is placed at once (plan_run: the segment each key
@@ -176,7 +179,8 @@ class Writes:
                     self.clients[client_id] = now
                     stamped = True
                 # the tenant at its quota: the general step makes room (or refuses)
-                if tt is not None and size > tleft:
+                if size > tleft:
+                    assert tt is not None
                     tt.mem = tt.memory_quota - tleft
                     if plan is not None:
                         unplan(plan, plan_at, plan_size)
@@ -213,8 +217,7 @@ class Writes:
                         pending[key] = Pending(objects.intern_size(size) if isize is None
                                                else isize, reps, 0, None, client_id, now)
                         out[i] = reps
-                        if tt is not None:
-                            tleft -= size
+                        tleft -= size
                         if used > limit:
                             # what is carved ahead goes back before evicting
                             unplan(plan, plan_at, plan_size)
