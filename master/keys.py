@@ -122,6 +122,8 @@ class Scope:
         p = self.prefix
         if not p:
             return keys
+        if len(keys) == 1:  # a single-key op's (no comprehension to set up)
+            return [p + keys[0]]
         # (a comprehension's str + str is a specialized op: a quarter faster
         # than map(p.__add__, keys), whose method-wrapper call is generic)
         return [p + k for k in keys]
