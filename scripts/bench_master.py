@@ -30,7 +30,8 @@ CPU-second with capabilities on; RSS <= 400 B per object at 1M objects.
   within seconds: a drift weighs on both modes alike); the master's CPU is
   read at ns resolution (the scheduler's per-thread run time).
   ``tenants_cost`` reports, per op and batch, the key-ops per master
-  CPU-second with tenants over without (the target: within 5%,
+  CPU-second with tenants over without: the median over slices of the
+  ratio of each slice's two back-to-back runs (the target: within 5%,
   docs/tenants.md).
 
 - restart: the master is killed and started again on its data dir (the
@@ -270,17 +271,29 @@ def cost_phases(c: MasterClient, meter: Meter, op_names: list[str], batch: int,
 
 def tenants_cost(phases: list[dict[str, Any]], tenants: int) -> list[dict[str, Any]]:
     """Per op and batch: key-ops per master CPU-second with ``tenants``
-    tenants over without (total key-ops over total CPU of each mode's runs)."""
+    tenants over without. ``ratio``: the median over slices of the ratio of
+    the two modes' runs of that slice (back to back: the box's drift and a
+    master-wide stall, such as a shard's table growing, weigh on one pair,
+    not on a mode's total); ``ratio_totals``: total key-ops over total CPU
+    of each mode's runs."""
     out = []
     for op, batch in dict.fromkeys((p["op"], p["batch"]) for p in phases):
+        runs = [p for p in phases if (p["op"], p["batch"]) == (op, batch)]
         rate = {}
         for mode in (0, tenants):
-            runs = [p for p in phases if (p["op"], p["batch"], p["tenants"]) == (op, batch, mode)]
-            cpu = sum(p["master_cpu_s"] for p in runs)
-            rate[mode] = sum(p["key_ops"] for p in runs) / cpu if cpu > 0 else 0.0
+            mine = [p for p in runs if p["tenants"] == mode]
+            cpu = sum(p["master_cpu_s"] for p in mine)
+            rate[mode] = sum(p["key_ops"] for p in mine) / cpu if cpu > 0 else 0.0
+        pairs: dict[int, dict[int, float]] = {}
+        for p in runs:
+            if p["master_cpu_s"] > 0:
+                pairs.setdefault(p["slice"], {})[p["tenants"]] = p["key_ops"] / p["master_cpu_s"]
+        per_slice = [r[tenants] / r[0] for r in pairs.values() if len(r) == 2 and r[0]]
         out.append({"op": op, "batch": batch, "no_tenants": round(rate[0]),
                     "tenants": round(rate[tenants]),
-                    "ratio": round(rate[tenants] / rate[0], 4) if rate[0] else None})
+                    "ratio": round(statistics.median(per_slice), 4) if per_slice else None,
+                    "ratio_totals": round(rate[tenants] / rate[0], 4) if rate[0] else None,
+                    "slice_ratios": [round(r, 3) for r in per_slice]})
     return out
 
 
