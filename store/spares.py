@@ -96,14 +96,26 @@ class SpareCache:
     def take(self, size: int, n: int) -> Spare | None:
         """``n`` spares for values of ``size`` bytes, taken (no other put may
         use them; the rest of their group stays held); None when no group of
-        at least ``n`` is still usable (an expired one is given back)."""
+        at least ``n`` is still usable (an expired one is given back). The
+        group is the smallest that holds ``n``, the newest of those (the
+        longest ttl left): a single put does not split the group a batch of
+        that size was granted while its own group of one is held."""
         if not self.by_size:
             return None
         with self._lock:
             held = self.by_size.get(size)
-            if not held or len(held[-1].placeholders) < n:
+            if not held:
                 return None
-            spare = held.pop()  # the newest: the longest ttl left
+            at = len(held) - 1
+            if len(held[at].placeholders) != n:  # (the newest fits exactly: the common case)
+                best = 0
+                for j in range(at, -1, -1):
+                    have = len(held[j].placeholders)
+                    if have >= n and (not best or have < best):
+                        at, best = j, have
+                if not best:
+                    return None
+            spare = held.pop(at)
             if len(spare.placeholders) > n:
                 spare, rest = spare.split(n)
                 held.append(rest)

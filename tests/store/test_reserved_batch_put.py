@@ -92,6 +92,31 @@ def test_second_batch_is_one_master_call(make_client: Callable[..., Client]) -> 
     assert pending(watcher) == before
 
 
+def test_single_puts_leave_a_batchs_group(make_client: Callable[..., Client]) -> None:
+    """Batch puts and single puts of one size, interleaved: a single put takes
+    the smallest group that holds it (its own group of one once it has
+    one), so the group a batch was granted stays whole for the next batch:
+    from the third round on, each batch is one BATCH_PUT_COMMIT and each
+    single put one PUT_COMMIT, and every value reads back."""
+    c = make_client()
+    tag = uuid.uuid4().hex[:8]
+    sent = spy_requests(c)
+    for r in range(5):
+        keys = [f"{tag}/{r}/{i}" for i in range(N)]
+        vals = _vals(20 + r)
+        sent.clear()
+        assert c.batch_put_from(keys, vals) == [ErrorCode.OK] * N
+        batch_sent = list(sent)
+        one = _vals(40 + r, 1)[0]
+        sent.clear()
+        c.put(f"{tag}/one/{r}", one.tobytes())
+        if r >= 2:
+            assert (batch_sent, sent) == (["BatchPutCommit"], ["PutCommit"]), r
+        _check(c, keys, vals)
+        assert c.get(f"{tag}/one/{r}") == one.tobytes()
+    c.close()
+
+
 def test_taken_and_repeated_keys(make_client: Callable[..., Client]) -> None:
     """A key that exists keeps its value (OBJECT_ALREADY_EXISTS) and its
     spare goes back to the cache (still reserved at the master: a later put of
