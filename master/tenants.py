@@ -150,14 +150,13 @@ class TenantTable:
         self.guarantees = False
         #: the reads of the default tenant while it is untracked (no Tenant)
         self.untracked_reads = _ReadCounts()
-        # a read's key_min -> what counts its hits and misses (:meth:`reads`)
-        self._readers: dict[str, Tenant | _ReadCounts] = {}
         self.evictor: Evictor | None = None  # set by the directory
         # the namespace prefix of the tenant :meth:`of` found last ("\x1fname\x1f")
         self._last_prefix = NO_PREFIX
         self._last: Tenant | None = None
         # a batch's key_min -> its tenant (of_bound; None: the untracked default)
-        self._bounds: dict[str, Tenant | None] = {}
+        # and what counts its reads (:meth:`reads`), for every bound met
+        self._bounds: dict[str, tuple[Tenant | None, Tenant | _ReadCounts]] = {}
         for name in self.configured:
             self.tenant(name)
 
@@ -181,7 +180,6 @@ class TenantTable:
                 self.track_default = True
                 # its reads so far carry over; later ones count on it
                 t.hits, t.misses = self.untracked_reads.hits, self.untracked_reads.misses
-                self._readers.clear()
                 self._bounds.clear()
             if t.guaranteed < UNLIMITED:
                 self.guarantees = True
@@ -215,18 +213,26 @@ class TenantTable:
         a reservation's ``RESERVED_KEY_PREFIX``) admits only keys outside
         every namespace: the default tenant's."""
         try:
-            return self._bounds[key_min]  # (one dict lookup per request once met)
+            return self._bounds[key_min][0]  # (one dict lookup per request once met)
         except KeyError:
             pass
+        got = self._bound(key_min, create)
+        return None if got is None else got[0]
+
+    def _bound(self, key_min: str, create: bool
+               ) -> tuple[Tenant | None, Tenant | _ReadCounts] | None:
+        """``key_min``'s entry of :attr:`_bounds` (its tenant, what counts
+        its reads), remembered; None for a tenant not met when ``create`` is
+        False (not remembered: its first put makes it)."""
         name = _bound_tenant(key_min)
         if name is None:
             t = self.default
         else:
             t = self.tenant(name) if create else self.by_name.get(name)
             if t is None:
-                return None  # (not remembered: its first put makes it)
-        self._bounds[key_min] = t
-        return t
+                return None
+        got = self._bounds[key_min] = (t, self.untracked_reads if t is None else t)
+        return got
 
     # ---------------------------------------------------------------- quotas
     def set_quota(self, name: str, memory: int, disk: int, guaranteed: int) -> Tenant:
@@ -469,23 +475,15 @@ class TenantTable:
         (counted for its tenant: one dict lookup). A read of a tenant that
         never stored anything is not counted: a read alone does not make a
         tenant."""
-        t = self._readers.get(key_min)
-        if t is None:
-            t = self._reader(key_min)
-        t.hits += hits
-        t.misses += misses
-
-    def _reader(self, key_min: str) -> Tenant | _ReadCounts:
-        """What counts the reads checked against ``key_min`` (:meth:`reads`):
-        its tenant, the untracked default tenant's counts, or (a tenant never
-        met) a throwaway; remembered unless a throwaway."""
-        t: Tenant | _ReadCounts | None = self.of_bound(key_min, create=False)
-        if t is None:
-            if _bound_tenant(key_min) is not None:
-                return _ReadCounts()
-            t = self.untracked_reads
-        self._readers[key_min] = t
-        return t
+        try:
+            counts = self._bounds[key_min][1]
+        except KeyError:
+            got = self._bound(key_min, False)
+            if got is None:
+                return
+            counts = got[1]
+        counts.hits += hits
+        counts.misses += misses
 
     def rebuild(self, objects: Any, pending: dict[str, Any]) -> None:
         """Recount every tenant's usage and use order from the objects and the
