@@ -89,18 +89,21 @@ def store_cpu(reps: int) -> list[dict[str, Any]]:
 
             value = bytes(arrs[0])
 
-            def keys(p: str) -> list[str]:
-                return [f"{p}/k/{j}" for j in range(32)]
+            # each prefix's 32 keys, made once (not inside the measured calls)
+            prefixes = ("r0", "r1", "m")
+            keys = {p: [f"{p}/k/{j}" for j in range(32)] for p in prefixes}
+            one = {p: f"{p}/one" for p in prefixes}
+            two = {p: f"{p}/two" for p in prefixes}
 
             # (op, batch, call on the keys of a prefix, calls, a put: recorded 3 times)
             cases: list[tuple[str, int, Callable[[str], Any], int, bool]] = [
-                ("batch_put_from", 32, lambda p: c.batch_put_from(keys(p), hs), 2000, True),
-                ("batch_get_into", 32, lambda p: c.batch_get_into(keys(p), hs), 2000, False),
-                ("get_batch", 32, lambda p: c.get_batch(keys(p)), 2000, False),
-                ("put_from", 1, lambda p: c.put_from(f"{p}/one", hs[0]), 20000, True),
-                ("get_into", 1, lambda p: c.get_into(f"{p}/one", hs[0]), 20000, False),
-                ("put", 1, lambda p: c.put(f"{p}/two", value), 20000, True),
-                ("get", 1, lambda p: c.get(f"{p}/two"), 20000, False),
+                ("batch_put_from", 32, lambda p: c.batch_put_from(keys[p], hs), 2000, True),
+                ("batch_get_into", 32, lambda p: c.batch_get_into(keys[p], hs), 2000, False),
+                ("get_batch", 32, lambda p: c.get_batch(keys[p]), 2000, False),
+                ("put_from", 1, lambda p: c.put_from(one[p], hs[0]), 20000, True),
+                ("get_into", 1, lambda p: c.get_into(one[p], hs[0]), 20000, False),
+                ("put", 1, lambda p: c.put(two[p], value), 20000, True),
+                ("get", 1, lambda p: c.get(two[p]), 20000, False),
             ]
             out = []
             try:
@@ -109,7 +112,7 @@ def store_cpu(reps: int) -> list[dict[str, Any]]:
                     # put's last recording (fresh keys, spares as a stream of such puts
                     # has them) is its steady state. Reads read what the puts put.
                     MasterClient.call = record  # type: ignore[method-assign]
-                    for p in (["r0", "r1", "m"] if put else ["m"]):
+                    for p in (prefixes if put else ["m"]):
                         fn(p)
                     MasterClient.call = replay  # type: ignore[method-assign]
                     cpu_us = _best(functools.partial(fn, "m"), n, reps)
