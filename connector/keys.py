@@ -11,6 +11,17 @@ heads (head-major, see :mod:`kvpool.connector.layout`)::
 
     kvpool/v3/<model>/<dtype>/b<block>/c<chunk>[/g<group>of<groups>]/l<first>-<end>/h<first>-<end>of<heads>/<hash>
 
+A recurrent state (Mamba / linear attention: a KV-cache group holding one
+state per sequence instead of per-token KV) is stored per chunk boundary
+whose state vLLM checkpointed, one object per layer and tensor-parallel
+rank (a rank holds its own heads' state; only an engine with the same TP
+size reads it)::
+
+    kvpool/v3/<model>/<dtype>/b<block>/c<chunk>/s<group>/l<layer>/r<rank>of<ranks>/<hash>
+
+where ``<hash>`` is the hash of the chunk the state ends, ``s<group>`` the
+state group (vLLM's state KV-cache groups, numbered apart from the others).
+
 ``g<group>of<groups>``: vLLM's KV-cache group (hybrid models: full-attention
 and sliding-window layers are separate groups, each with its own block
 table); absent when the model has one group. Layer numbers are positions
@@ -94,10 +105,14 @@ def head_granularities(num_kv_heads: int, own: int) -> list[int]:
 class CacheGroup:
     """One of vLLM's KV-cache groups as kvpool stores it: its layer count and,
     for a sliding-window group, the tokens it keeps behind the next one
-    (vLLM's ``sliding_window + extra_retained_tokens``); None = full attention."""
+    (vLLM's ``sliding_window + extra_retained_tokens``); None = full
+    attention. ``state``: the group holds recurrent state, not KV."""
 
     num_layers: int
     window: int | None = None
+    #: a recurrent state group (Mamba / linear attention), stored per
+    #: checkpointed boundary (:meth:`KeySpace.state_key`), not per chunk
+    state: bool = False
 
 
 def first_window_block(end_tokens: int, window: int | None, block_size: int) -> int:
@@ -214,3 +229,15 @@ class KeySpace:
         return [self.object_key(chunk_hash, lr, hr, num_heads, cache_group)
                 for lr in layer_ranges(num_layers, layer_groups)
                 for hr in head_ranges(num_heads, split)]
+
+    def state_key(self, chunk_hash: str, group: int, layer: int, rank: int, ranks: int) -> str:
+        """Key of the recurrent state of layer ``layer`` of state group ``group``
+        held by tensor-parallel rank ``rank`` of ``ranks``, after the chunk
+        with hash ``chunk_hash`` (the state of its prefix)."""
+        return f"{self.prefix}/s{group}/l{layer}/r{rank}of{ranks}/{chunk_hash}"
+
+    def state_keys(self, chunk_hash: str, group: int, num_layers: int, ranks: int) -> list[str]:
+        """Every object of a state group's state after chunk ``chunk_hash``:
+        each layer of each rank (a load needs them all)."""
+        return [self.state_key(chunk_hash, group, j, r, ranks)
+                for r in range(ranks) for j in range(num_layers)]

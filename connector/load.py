@@ -49,6 +49,7 @@ from kvpool.connector.keys import head_ranges
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec
 from kvpool.connector.report import StepReport
 from kvpool.connector.staging import MAX_LOAD_BUFFERS, StagingBuffers, StagingViews, release
+from kvpool.connector.state import StateCache
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess
 from kvpool.core.config import ConfigError
@@ -152,6 +153,10 @@ class LoadPipeline:
         self.report = report
         self.geo: CacheGeometry | None = None
         self.layerwise = cfg.layerwise
+        self.states: StateCache | None = None
+        # vLLM has several KV-cache groups (a state group counts): a failed
+        # load is reported per request, not per block
+        self.whole_requests = False
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load")
         self._fetcher = ThreadPoolExecutor(MAX_LOAD_BUFFERS, thread_name_prefix="kvpool-fetch")
@@ -495,7 +500,22 @@ class LoadPipeline:
             left = None if t_end is None else max(0.0, t_end - time.monotonic())
             n, f, _ = self.run(self.plan(batch, left))
             loaded, failed = loaded + n, failed | f
-        return LoadResult(spec.req_id, loaded, failed, loaded * geo.chunk_bytes)
+        nbytes = loaded * geo.chunk_bytes
+        if spec.states and not failed:
+            ok, state_bytes = (self.states.load(spec.states) if self.states is not None
+                               else (False, 0))
+            if ok:
+                nbytes += state_bytes
+                self.stats.add(loaded_states=len(spec.states), loaded_bytes=state_bytes)
+            else:  # the prefix cannot resume without its state: recompute it all
+                self._warn(spec.req_id, "missed its recurrent state")
+                self.stats.add(load_errors=1)
+                failed = {b for c in spec.chunks for b in c.block_ids if b >= 0}
+                failed |= {r.block_id for r in spec.states if r.block_id >= 0}
+                loaded = 0
+        elif spec.states:
+            failed |= {r.block_id for r in spec.states if r.block_id >= 0}
+        return LoadResult(spec.req_id, loaded, failed, nbytes)
 
     def start(self, meta: ConnectorMeta) -> Started:
         """Start this step's loads: async ones in the background; sync ones
@@ -503,6 +523,9 @@ class LoadPipeline:
         staging buffer, else now. Closes the previous step's load first."""
         self.finish_step(forward_ran=False)
         sync = [s for s in meta.loads if not s.is_async]
+        if any(s.states for s in sync):  # states load with the whole request (async)
+            self._fail_specs([s for s in sync if s.states])
+            sync = [s for s in sync if not s.states]
         for spec in meta.loads:
             if spec.is_async:
                 with self._lock:
@@ -569,7 +592,7 @@ class LoadPipeline:
         if not block_ids:
             return
         with self._lock:
-            if self.geo is not None and self.geo.num_cache_groups > 1:
+            if self.whole_requests or (self.geo is not None and self.geo.num_cache_groups > 1):
                 self._failed_reqs |= req_ids
             else:
                 self._errors |= block_ids

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ChunkRef", "ConnectorMeta", "LoadSpec", "SaveSpec", "WorkerReport"]
+__all__ = ["ChunkRef", "ConnectorMeta", "LoadSpec", "SaveSpec", "StateRef", "WorkerReport"]
 
 
 @dataclass
@@ -26,6 +26,19 @@ class ChunkRef:
     block_ids: list[int]
     peer: str = ""  # where its nearest replica is (estimate.peer_key); "" = unknown
     head_objects: int = 0  # objects per layer group it is stored as (0 = the reader's split)
+
+
+@dataclass
+class StateRef:
+    """The recurrent state (Mamba / linear attention) of state group ``group``
+    after chunk ``index`` (hash ``hash``): the block ``block_id`` of that
+    group holding it (vLLM's exact block: a state group's block table is
+    not positional). -1: the request holds no block there (a load fails)."""
+
+    group: int
+    index: int
+    hash: str
+    block_id: int
 
 
 @dataclass
@@ -52,14 +65,18 @@ class LoadSpec:
     deadline_s: float = 0.0
     predicted_s: float | None = None
     located: Any = None
+    # the state at the load's end, per state group (a load fails without it)
+    states: list[StateRef] = field(default_factory=list)
 
 
 @dataclass
 class SaveSpec:
-    """Store ``chunks`` of request ``req_id``; their blocks are complete after this step."""
+    """Store ``chunks`` of request ``req_id``, and the recurrent ``states``
+    vLLM checkpointed; their blocks are complete after this step."""
 
     req_id: str
     chunks: list[ChunkRef]
+    states: list[StateRef] = field(default_factory=list)
 
 
 @dataclass

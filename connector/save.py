@@ -29,6 +29,7 @@ from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.geometry import CacheGeometry
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, SaveSpec
 from kvpool.connector.staging import StagingBuffers, StagingViews
+from kvpool.connector.state import StateCache
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess
 from kvpool.core.config import ConfigError
@@ -57,6 +58,9 @@ class SaveJob:
     ready: list[threading.Event]
     events: list[Any]  # per group: CUDA event recorded after its last layer (or None)
     seen: list[set[str]] = field(default_factory=list)  # layers of each group saved
+    # the forward ended (recurrent states are read after it), and its CUDA event
+    ended: threading.Event = field(default_factory=threading.Event)
+    end_event: Any = None
 
 
 class SaveQueue:
@@ -77,6 +81,7 @@ class SaveQueue:
         self._finished_waiting: set[str] = set()
         self._step: SaveJob | None = None  # this step's layer-wise save
         self._side: Any = None  # CUDA stream of the save thread
+        self.states: StateCache | None = None
 
     def attach(self, geo: CacheGeometry) -> None:
         self.geo = geo
@@ -134,6 +139,12 @@ class SaveQueue:
             job = self.step_job(meta)
             for g in range(len(job.ready)):
                 self._mark_ready(job, g)
+            if self.geo is not None and self.geo.cuda:
+                import torch
+
+                job.end_event = torch.cuda.Event()
+                job.end_event.record()
+            job.ended.set()
         self._step = None
 
     def submit(self, meta: ConnectorMeta, ready: Any = None) -> None:
@@ -146,6 +157,8 @@ class SaveQueue:
         for g in range(len(job.ready)):
             job.events[g] = ready
             job.ready[g].set()
+        job.end_event = ready
+        job.ended.set()
         self._step = None
 
     def _run(self, job: SaveJob) -> None:
@@ -170,10 +183,44 @@ class SaveQueue:
         job = self._new_job(todo)
         for ev in job.ready:
             ev.set()
+        job.ended.set()
         return self._save_groups(job)
 
     def _save_groups(self, job: SaveJob) -> int:
-        """Gather and put each group of ``job`` once it is ready, in order."""
+        """Gather and put each group of ``job`` once it is ready, in order;
+        then the recurrent states, once the forward ended."""
+        t0 = time.perf_counter()
+        written, ran = self._save_chunks(job)
+        states = [r for s in job.specs for r in s.states]
+        if states and self.states is not None:
+            ran = self._save_states(job, states) or ran
+        if ran:
+            self.stats.sample("save_seconds", time.perf_counter() - t0)
+        return written
+
+    def _save_states(self, job: SaveJob, states: list[Any]) -> bool:
+        """Put the checkpointed states of ``job`` (read from their blocks once
+        the forward that wrote them finished). False when it gave up waiting."""
+        assert self.states is not None
+        if not job.ended.wait(_SAVE_WAIT_S):
+            log.warning("kvpool: state save gave up waiting for the forward")
+            self.stats.add(save_errors=1)
+            return False
+        if job.end_event is not None:
+            job.end_event.synchronize()
+        from kvpool.store import ReplicateConfig
+
+        t0 = time.perf_counter()
+        unique = list({(r.group, r.hash): r for r in states}.values())
+        rc = ReplicateConfig(replica_num=self.cfg.replica_num)
+        new, have, failed, nbytes = self.states.save(unique, rc)
+        self.stats.add(saved_states=new, skipped_states=have, save_errors=int(failed > 0),
+                       saved_bytes=nbytes, save_time_s=time.perf_counter() - t0)
+        return True
+
+    def _save_chunks(self, job: SaveJob) -> tuple[int, bool]:
+        """The chunk part of :meth:`_save_groups`: the chunks written, and
+        whether any chunk was tried."""
         t0 = time.perf_counter()
         geo = self.geo
         assert geo is not None
@@ -189,7 +236,7 @@ class SaveQueue:
             if len(c.block_ids) != bpc:
                 raise ConfigError(f"chunk {c.index}: {len(c.block_ids)} blocks, expected {bpc}")
         if not geo.heads.writes or not chunks:
-            return 0
+            return 0, False
         from kvpool.store import ReplicateConfig
 
         rc = ReplicateConfig(replica_num=self.cfg.replica_num)
@@ -241,8 +288,7 @@ class SaveQueue:
         self.stats.add(saved_chunks=written, saved_bytes=nbytes, skipped_chunks=skipped,
                        save_errors=len(errors), save_time_s=took,
                        save_batches=batches, staged_objects=staged)
-        self.stats.sample("save_seconds", took)
-        return written
+        return written, True
 
     def _gather(self, event: Any, batch: list[ChunkRef], g: int, buf: Any) -> None:
         """Gather group ``g`` of ``batch`` into ``buf`` after ``event`` (the

@@ -16,6 +16,15 @@ the blocks it still holds, and a hit of ``E`` tokens needs that group's
 objects only for the chunks of the window before ``E`` (vLLM gives the
 blocks before it as null blocks, -1 here); full-attention groups need every
 chunk. A hit is the longest prefix for which every needed object is stored.
+
+Recurrent state (Mamba / linear-attention groups, passed apart from the
+KV-cache groups above: ``state_groups``): vLLM checkpoints a state at some
+block boundaries and hands the exact block over (``StepInfo.state_offloads``);
+it is saved under the hash of the chunk it ends, and its block is pinned
+(:class:`BlockPins`) until the request's saves are done, since vLLM frees a
+state block from the request's table before the request ends. A hit then
+needs, beside the KV of every chunk, the state of every state group at its
+last chunk: a prefix without it is a miss, never a partial load.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.estimate import ChunkCost, Decision, SpeedBook, decide, peer_key
@@ -36,13 +45,21 @@ from kvpool.connector.keys import (
     head_ranges,
     layer_ranges,
 )
-from kvpool.connector.metadata import ChunkRef, ConnectorMeta, LoadSpec, SaveSpec, WorkerReport
+from kvpool.connector.metadata import (
+    ChunkRef,
+    ConnectorMeta,
+    LoadSpec,
+    SaveSpec,
+    StateRef,
+    WorkerReport,
+)
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess, StoreUnavailable
 from kvpool.core.errors import KVPoolError
 from kvpool.store.located import Located
 
 __all__ = [
+    "BlockPins",
     "CachedReq",
     "KVPoolScheduler",
     "Lookup",
@@ -92,6 +109,15 @@ class Lookup:
     located: list[Any] = field(default_factory=list)  # the lookup's replies (store Located)
 
 
+class BlockPins(Protocol):
+    """Holds vLLM blocks past their request's table (vLLM's block pool:
+    ``touch`` and ``free_blocks``): a state block a save still reads."""
+
+    def pin(self, block_ids: list[int]) -> None: ...
+
+    def unpin(self, block_ids: list[int]) -> None: ...
+
+
 @dataclass
 class NewReq:
     """A request scheduled for the first time (or from waiting) this step."""
@@ -121,6 +147,9 @@ class StepInfo:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # per request: (state group, block id, tokens) of each recurrent state
+    # vLLM checkpointed this step (its blocks hold it after the forward)
+    state_offloads: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -140,13 +169,17 @@ class KVPoolScheduler:
                  num_layers: int | Sequence[CacheGroup], store: StoreAccess,
                  stats: ConnectorStats | None = None,
                  load: bool = True, save: bool = True, num_heads: int = 1,
-                 head_objects: int = 1) -> None:
+                 head_objects: int = 1, state_groups: Sequence[int] = (),
+                 state_ranks: int = 1) -> None:
         """``num_layers``: the model's layers (one full-attention KV-cache
         group), or its KV-cache groups. ``load``/``save``: vLLM's kv_role
         (kv_consumer only loads, kv_producer only saves, kv_both does both).
         ``num_heads``: the model's KV heads (1 for MLA); ``head_objects``: the
         objects this engine's ranks store per chunk and layer group (its
-        distinct KV shards)."""
+        distinct KV shards). ``state_groups``: the layers of each recurrent
+        state group (the chunk size must then be the block size: states
+        are checkpointed at block boundaries), stored by ``state_ranks``
+        tensor-parallel ranks. Set :attr:`pins` before a state is saved."""
         self.cfg = cfg
         self.load_enabled = load
         self.save_enabled = save
@@ -171,6 +204,12 @@ class KVPoolScheduler:
         self.splits = head_granularities(num_heads, head_objects)
         self.speeds = SpeedBook(reprobe_s=cfg.reprobe_s)
         self.events = PoolEvents()
+        self.state_groups = list(state_groups)
+        self.state_ranks = state_ranks
+        if self.state_groups and keys.blocks_per_chunk != 1:
+            raise ValueError("recurrent state needs chunks of one block")
+        self.pins: BlockPins | None = None
+        self._pinned: dict[str, list[int]] = {}  # request -> state blocks its saves read
 
     # ------------------------------------------------------------ lookup
 
@@ -267,7 +306,9 @@ class KVPoolScheduler:
         info: dict[tuple[int, int], tuple[str, int]] = {}
         full = [c for c, g in enumerate(self.cache_groups) if g.window is None] or list(range(C))
 
-        def query(chunks: list[int], splits: list[int]) -> None:
+        state_ok = [True] * n  # every state group's state after chunk i is stored
+
+        def query(chunks: list[int], splits: list[int], states: bool = False) -> None:
             keys: list[str] = []
             where: dict[tuple[int, int, int], tuple[int, int]] = {}
             for i in chunks:
@@ -276,8 +317,18 @@ class KVPoolScheduler:
                         ks = self._keys(hashes[i], sp, c)
                         where[(i, sp, c)] = (len(keys), len(ks))
                         keys.extend(ks)
+            s0 = len(keys)
+            if states:
+                for i in chunks:
+                    for s, nl in enumerate(self.state_groups):
+                        keys.extend(self.keys.state_keys(hashes[i], s, nl, self.state_ranks))
             locs, located = self.store.batch_locate(keys)
             replies.append(located)
+            if states:
+                per = (len(keys) - s0) // max(1, len(chunks))
+                for k, i in enumerate(chunks):
+                    a = s0 + k * per
+                    state_ok[i] = all(locs[j] is not None for j in range(a, a + per))
             for (i, sp, c), (k0, cnt) in where.items():
                 found = [locs[k] for k in range(k0, k0 + cnt)]
                 have[(i, sp, c)] = ok = all(loc is not None for loc in found)
@@ -296,7 +347,7 @@ class KVPoolScheduler:
 
         own = self.splits[0]
         if n:
-            query(list(range(n)), [own])
+            query(list(range(n)), [own], states=bool(self.state_groups))
         lacking = [i for i in range(n) if not all(have[(i, own, c)] for c in range(C))]
         if lacking and len(self.splits) > 1:
             query(lacking, self.splits[1:])
@@ -317,6 +368,8 @@ class KVPoolScheduler:
             valid[h] = all(h <= lead[c] if c in lead else
                            all(stored(i, c) for i in self.needed_chunks(end, c))
                            for c in range(C))
+            if self.state_groups:  # resumable only where the states are
+                valid[h] = valid[h] and end == h * cs and state_ok[h - 1]
         peers = [info.get((i, sp), ("", 0))[0] if sp is not None else "" for i, sp in
                  enumerate(chosen)]
         sizes = [info.get((i, sp), ("", 0))[1] if sp is not None else 0 for i, sp in
@@ -354,10 +407,14 @@ class KVPoolScheduler:
     # ------------------------------------------------------------ allocation
 
     def after_alloc(self, req_id: str, request: Any, prompt_token_ids: Sequence[int],
-                    block_ids: list[list[int]], num_external_tokens: int) -> None:
+                    block_ids: list[list[int]], num_external_tokens: int,
+                    state_block_ids: Sequence[Sequence[int]] = ()) -> None:
         """``update_state_after_alloc``: remember the request; when
         ``num_external_tokens > 0`` plan the load of those tokens into
-        ``block_ids`` (per KV-cache group; -1: a null block, not loaded)."""
+        ``block_ids`` (per KV-cache group; -1: a null block, not loaded),
+        and of each state group's state at their end into its block there
+        (``state_block_ids``: per state group, positional: the block of the
+        hit's last block)."""
         st = self._reqs.get(req_id)
         lk = self._lookups.pop(req_id, None)
         if st is None:
@@ -400,6 +457,12 @@ class KVPoolScheduler:
                         deadline_s=d.deadline_s if d is not None else 0.0,
                         predicted_s=d.predicted_load_s if d is not None else None,
                         located=self._first_group_located(lk, chunks))
+        if self.state_groups:  # the state at the hit's end (a hit ends at a chunk's end)
+            at = end // bs - 1
+            tables = [list(ids) for ids in state_block_ids] + [[]] * len(self.state_groups)
+            spec.states = [StateRef(s, last, lk.hashes[last],
+                                    tables[s][at] if at < len(tables[s]) else -1)
+                           for s in range(len(self.state_groups))]
         if d is not None and d.predicted_load_s is not None:
             self.stats.add(predicted_load_s=d.predicted_load_s)
         self._loads.append(spec)
@@ -468,12 +531,61 @@ class KVPoolScheduler:
             spec = self._plan_save(st, req_id, before, done)
             if spec is not None:
                 meta.saves.append(spec)
+        if step.state_offloads and self.save_enabled and self.state_groups:
+            self._plan_state_saves(step.state_offloads, meta)
         for r in step.finished_req_ids:
             self._reqs.pop(r, None)
             self._lookups.pop(r, None)
             self._load_blocks.pop(r, None)
             self._no_load.discard(r)
         return meta
+
+    def _plan_state_saves(self, offloads: dict[str, list[tuple[int, int, int]]],
+                          meta: ConnectorMeta) -> None:
+        """Save the recurrent states vLLM checkpointed this step at a chunk's
+        end within the saved tokens (the prompt, or every token with
+        ``save_decode``), beside the request's chunks; pin their blocks."""
+        cs = self.keys.chunk_size
+        specs = {s.req_id: s for s in meta.saves}
+        for req_id, entries in offloads.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            tokens: Sequence[int] = st.prompt
+            if self.cfg.save_decode and st.request is not None:
+                tokens = st.request.all_token_ids
+            refs: list[StateRef] = []
+            for s, block_id, boundary in entries:
+                if not (0 <= s < len(self.state_groups) and block_id >= 0 and boundary > 0
+                        and boundary % cs == 0 and boundary <= len(tokens)):
+                    continue  # not at a chunk's end (no hit can resume there)
+                i = boundary // cs - 1
+                if len(st.hashes) <= i:
+                    st.hashes = self.keys.extend_hashes(st.hashes, list(tokens[: (i + 1) * cs]))
+                refs.append(StateRef(s, i, st.hashes[i], block_id))
+            if not refs:
+                continue
+            blocks = [r.block_id for r in refs]
+            if self.pins is not None:
+                self.pins.pin(blocks)
+            self._pinned.setdefault(req_id, []).extend(blocks)
+            spec = specs.get(req_id)
+            if spec is None:
+                spec = specs[req_id] = SaveSpec(req_id, [])
+                meta.saves.append(spec)
+            spec.states.extend(refs)
+            st.had_saves = True
+
+    def saves_done(self, req_ids: set[str] | None) -> None:
+        """``update_connector_output``: finished requests whose saves the
+        workers completed (``finished_sending``): unpin their state blocks."""
+        for r in req_ids or ():
+            self._unpin(r)
+
+    def _unpin(self, req_id: str) -> None:
+        blocks = self._pinned.pop(req_id, None)
+        if blocks and self.pins is not None:
+            self.pins.unpin(blocks)
 
     def _plan_save(self, st: _ReqState, req_id: str, before: int,
                    computed: int) -> SaveSpec | None:
@@ -549,4 +661,7 @@ class KVPoolScheduler:
         self._lookups.pop(req_id, None)
         self._load_blocks.pop(req_id, None)
         self._no_load.discard(req_id)
-        return bool(st and st.had_saves) or req_id in self._async_loading
+        keep = bool(st and st.had_saves) or req_id in self._async_loading
+        if not (st and st.had_saves):  # no save will report it: release now
+            self._unpin(req_id)
+        return keep

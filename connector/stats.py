@@ -48,6 +48,9 @@ FIELDS = (
     "predicted_loads_actual_s",  # ... and their actual time
     "load_timeouts",        # worker: loads abandoned at their deadline
     "layerwise_loads",      # worker: loads finished layer group by layer group in the forward
+    "saved_states",         # worker: recurrent states (Mamba) stored, all their layers
+    "skipped_states",       # worker: recurrent states already stored
+    "loaded_states",        # worker: recurrent states loaded (a hit's resume point)
 )
 
 

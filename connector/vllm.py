@@ -12,10 +12,13 @@ WORKER) hold the logic; see ``docs/vllm.md``. Supported vLLM: 0.31.x to 0.33.x
 (checked at import; set ``KVPOOL_SKIP_VLLM_VERSION_CHECK=1`` to try another).
 
 The connector supports vLLM's hybrid KV-cache manager (``SupportsHMA``):
-full-attention and sliding-window KV-cache groups (see
-:func:`cache_groups`). A model with another kind of group (Mamba / linear
-attention state, chunked local attention, ...) runs with the pool off:
-every lookup misses and nothing is stored, never a partial load.
+full-attention and sliding-window KV-cache groups, and Mamba / linear
+attention state groups with prefix caching on (vLLM's ``mamba_cache_mode=
+"align"``, vLLM >= 0.32: the state is stored at the block boundaries vLLM
+checkpoints and restored with its prefix; see :func:`cache_groups`). A
+model with another kind of group (chunked local attention, Mamba without
+prefix caching, ...) runs with the pool off: every lookup misses and
+nothing is stored, never a partial load.
 """
 
 from __future__ import annotations
@@ -44,14 +47,22 @@ try:  # vLLM >= 0.32: hit sources in the prefix-cache metrics
 except ImportError:  # vLLM 0.31
     CacheHitSource = None  # type: ignore[assignment,misc]
 
+try:  # vLLM >= 0.32: the scheduler hands a connector the Mamba states it checkpoints
+    from vllm.v1.core.sched.output import KVConnectorBlockState as _BlockState
+
+    STATE_HANDOFF = _BlockState is not None
+except ImportError:  # vLLM 0.31: no hand-off, a Mamba hybrid runs with the pool off
+    STATE_HANDOFF = False
+
 from kvpool.connector.config import ConnectorConfig, LoadFailurePolicy
 from kvpool.connector.events import PoolEvent
 from kvpool.connector.keys import CacheGroup, KeySpace, kv_shard, rank_heads
 from kvpool.connector.metadata import ConnectorMeta, WorkerReport
-from kvpool.connector.scheduler import CachedReq, KVPoolScheduler, NewReq, StepInfo
+from kvpool.connector.scheduler import BlockPins, CachedReq, KVPoolScheduler, NewReq, StepInfo
 from kvpool.connector.stats import ConnectorStats, merge_stats, reduce_stats
 from kvpool.connector.store_access import StoreAccess
 from kvpool.connector.worker import HeadSpec, KVPoolWorker
+from kvpool.core.config import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -151,6 +162,10 @@ PROM_COUNTERS = {
     "skipped_chunks": ("kvpool_connector_skipped_chunks",
                        "Chunks not saved: already stored"),
     "save_errors": ("kvpool_connector_save_errors", "Chunks whose save failed"),
+    "saved_states": ("kvpool_connector_saved_states",
+                     "Recurrent (Mamba) states saved with their prefix"),
+    "loaded_states": ("kvpool_connector_loaded_states",
+                      "Recurrent (Mamba) states loaded with their prefix"),
 }
 #: sample list -> (Prometheus histogram, help)
 PROM_HISTOGRAMS = {
@@ -218,6 +233,13 @@ def to_vllm_event(e: PoolEvent) -> Any:
                        lora_id=None, medium=e.medium.value, lora_name=None)
 
 
+@dataclass
+class _Groups:
+    """Some of a KVCacheConfig's groups, as :func:`_layer_names` reads them."""
+
+    kv_cache_groups: list[Any]
+
+
 def _layer_names(kv_cache_config: Any) -> list[str]:
     names: list[str] = []
     for group in getattr(kv_cache_config, "kv_cache_groups", []) or []:
@@ -231,6 +253,8 @@ def _layer_names(kv_cache_config: Any) -> list[str]:
 #: attention KV, whole (full) or within a sliding window
 _FULL_SPECS = {"FullAttentionSpec", "MLAAttentionSpec"}
 _WINDOW_SPECS = {"SlidingWindowSpec", "SlidingWindowMLASpec"}
+#: recurrent state (Mamba, gated delta net, ...): stored per checkpoint
+_STATE_SPECS = {"MambaSpec"}
 
 
 def _group_kind(spec: Any) -> CacheGroup | str:
@@ -240,6 +264,13 @@ def _group_kind(spec: Any) -> CacheGroup | str:
     kinds: set[int | None] = set()
     for sp in specs:
         name = type(sp).__name__
+        if name in _STATE_SPECS and len(specs) == 1:
+            mode = getattr(sp, "mamba_cache_mode", None)
+            if mode != "align":  # states only of whole sequences: nothing to resume from
+                return f"{name} with mamba_cache_mode={mode!r} (needs prefix caching: 'align')"
+            if not STATE_HANDOFF:
+                return f"{name} (needs vLLM >= 0.32 to hand its states over)"
+            return CacheGroup(0, state=True)
         if not getattr(sp, "prefix_cacheable", True):  # e.g. a bounded-replay window
             return f"{name} (not prefix-cacheable)"
         if name in _FULL_SPECS:
@@ -258,10 +289,11 @@ def cache_groups(kv_cache_config: Any, block_size: int) -> tuple[list[CacheGroup
     and "" or why kvpool cannot store this model's KV (then the pool is off).
 
     Stored: full-attention (incl. MLA) and sliding-window groups with
-    ``block_size``-token blocks. Not stored: Mamba / linear-attention state
-    (its prefix's state would have to be stored and restored with it; a
-    prefix without it must miss, so kvpool misses every prefix), chunked
-    local attention, R-SWA, cross/encoder attention."""
+    ``block_size``-token blocks, and Mamba / linear-attention state groups
+    in vLLM's ``align`` mode (``state=True``: the states vLLM checkpoints
+    at block boundaries). Not stored: Mamba state without prefix caching
+    (vLLM keeps no state a prefix could resume from), chunked local
+    attention, R-SWA, cross/encoder attention."""
     out: list[CacheGroup] = []
     for i, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
         spec = group.kv_cache_spec
@@ -271,10 +303,26 @@ def cache_groups(kv_cache_config: Any, block_size: int) -> tuple[list[CacheGroup
         bs = getattr(spec, "block_size", block_size)
         if bs != block_size:
             return [], f"KV-cache group {i} has {bs}-token blocks, not {block_size}"
-        out.append(CacheGroup(len(group.layer_names), kind.window))
+        out.append(CacheGroup(len(group.layer_names), kind.window, kind.state))
     if not out:
         return [], "no KV-cache groups"
+    if all(g.state for g in out):
+        return [], "only recurrent state groups (no KV a chunk could hold)"
     return out, ""
+
+
+class _PoolPins:
+    """:class:`BlockPins` over vLLM's block pool: a reference per pin keeps a
+    block out of the free queue (as a prefix-cache hit does)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def pin(self, block_ids: list[int]) -> None:
+        self.pool.touch([self.pool.blocks[b] for b in block_ids])
+
+    def unpin(self, block_ids: list[int]) -> None:
+        self.pool.free_blocks(self.pool.blocks[b] for b in reversed(block_ids))
 
 
 def _null_free(block_ids: Any) -> list[list[int]]:
@@ -321,8 +369,18 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.cfg = ConnectorConfig.from_extra_config(extra)
         block_size = int(vllm_config.cache_config.block_size)
         groups, self.unsupported = cache_groups(kv_cache_config, block_size)
+        vllm_groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        # vLLM's KV-cache groups holding KV (kvpool's cache groups) and state
+        self._kv_ids = [i for i, g in enumerate(groups) if not g.state]
+        self._state_ids = [i for i, g in enumerate(groups) if g.state]
+        if self._state_ids and self.cfg.chunk_size != block_size:
+            # vLLM checkpoints a state at block boundaries: a hit must end at one
+            if role == KVConnectorRole.SCHEDULER:
+                log.info("kvpool: recurrent state groups: chunk_size %d -> the block size %d",
+                         self.cfg.chunk_size, block_size)
+            self.cfg.chunk_size = block_size
         # a model whose KV kvpool cannot store runs with the pool off, whatever
-        # block size vLLM chose for it (Mamba hybrids: the state's page size)
+        # block size vLLM chose for it
         self.cfg.validate(None if self.unsupported else block_size)
         self._set_failure_policy(role)
         mc = vllm_config.model_config
@@ -335,6 +393,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank = int(get_tensor_model_parallel_rank())
         else:
             tp_rank = 0
+        self._tp = (tp_rank, tp_size)
         first, end, writes = rank_heads(tp_rank, tp_size, num_kv_heads)
         self.heads = HeadSpec(first, end, num_kv_heads, writes)
         self.head_objects = kv_shard(0, tp_size, num_kv_heads)[1]
@@ -344,14 +403,16 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             block_size=self.cfg.chunk_size if self.unsupported else block_size,
             chunk_size=self.cfg.chunk_size,
         )
-        self.layer_names = _layer_names(kv_cache_config)
-        self.cache_groups = groups or [CacheGroup(len(self.layer_names))]
-        self.cache_group_of = {n: c for c, g in enumerate(
-            getattr(kv_cache_config, "kv_cache_groups", None) or []) for n in g.layer_names}
+        kv_groups = [vllm_groups[i] for i in self._kv_ids] if groups else vllm_groups
+        self.layer_names = _layer_names(_Groups(kv_groups))
+        self.cache_groups = [g for g in groups if not g.state] or [
+            CacheGroup(len(self.layer_names))]
+        self.cache_group_of = {n: c for c, g in enumerate(kv_groups) for n in g.layer_names}
+        self.state_layer_names = [list(vllm_groups[i].layer_names) for i in self._state_ids]
         if self.unsupported and role == KVConnectorRole.SCHEDULER:
             log.warning("kvpool: %s, which kvpool does not store: the pool is off for this "
                         "model (every lookup misses, nothing is saved)", self.unsupported)
-        if len(self.cache_groups) > 1 and not self.cfg.load_async:
+        if len(groups) > 1 and not self.cfg.load_async:
             # vLLM maps failed blocks to requests only with one KV-cache group;
             # with several it recomputes failed loads of requests waiting for KV
             self.cfg.load_async = True
@@ -369,11 +430,14 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                                           self.store, self.stats,
                                           load=on and bool(ktc.is_kv_consumer),
                                           save=on and bool(ktc.is_kv_producer),
-                                          num_heads=num_kv_heads, head_objects=self.head_objects)
+                                          num_heads=num_kv_heads, head_objects=self.head_objects,
+                                          state_groups=[len(n) for n in self.state_layer_names],
+                                          state_ranks=tp_size)
         else:
             self._worker = KVPoolWorker(self.cfg, self.keys, self.store, self.stats, self.heads)
-        log.info("KVPoolConnector (%s): keys %s, %d layers in KV-cache groups %s, config %s",
-                 role.name, self.keys.prefix, len(self.layer_names), self.cache_groups, self.cfg)
+        log.info("KVPoolConnector (%s): keys %s, %d layers in KV-cache groups %s, %d state "
+                 "groups, config %s", role.name, self.keys.prefix, len(self.layer_names),
+                 self.cache_groups, len(self._state_ids), self.cfg)
 
     def _set_failure_policy(self, role: KVConnectorRole) -> None:
         """Make vLLM recompute blocks whose load failed (see LoadFailurePolicy).
@@ -404,13 +468,24 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         if self.unsupported:
             return  # the pool is off: no load or save ever reaches the worker
+        state_names = {n for names in self.state_layer_names for n in names}
+        kv = {n: t for n, t in kv_caches.items() if n not in state_names}
         index = {n: i for i, n in enumerate(self.layer_names)}
-        for n in kv_caches:
+        for n in kv:
             index.setdefault(n, len(index))
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
-        self._worker.register_kv_caches(kv_caches, index, num_blocks,
+        self._worker.register_kv_caches(kv, index, num_blocks,
                                         self.cache_group_of if len(self.cache_groups) > 1
                                         else None)
+        if self.state_layer_names:
+            try:
+                self._worker.register_state_caches(
+                    [[(n, kv_caches[n]) for n in names] for names in self.state_layer_names],
+                    *self._tp)
+            except (ConfigError, KeyError, AttributeError, RuntimeError) as exc:
+                # no state stored: loads with a state fail (recomputed), no hit follows
+                log.warning("kvpool: cannot store this model's recurrent state (%s): its "
+                            "prefixes will not hit", exc)
 
     def _meta(self) -> ConnectorMeta:
         meta = self._get_connector_metadata()
@@ -526,26 +601,46 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         """Plan the load of ``num_external_tokens`` into the request's blocks."""
         assert self._sched is not None
         block_ids = _null_free(blocks.get_block_ids()) if blocks is not None else []
+        kv_ids, state_ids = self._split(block_ids)
         self._sched.after_alloc(request.request_id, request, request.prompt_token_ids or [],
-                                block_ids, num_external_tokens)
+                                kv_ids, num_external_tokens, state_ids)
+
+    def _split(self, block_ids: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+        """vLLM's per-group block ids as (KV groups', state groups')."""
+        if not self._state_ids:
+            return block_ids, []
+        n = len(block_ids)
+        return ([block_ids[i] for i in self._kv_ids if i < n],
+                [block_ids[i] for i in self._state_ids if i < n])
+
+    def _state_offloads(self, so: SchedulerOutput) -> dict[str, list[tuple[int, int, int]]]:
+        """This step's Mamba state hand-offs as (state group, block, tokens)."""
+        bs = getattr(so, "kv_connector_block_state", None)
+        offloads = getattr(bs, "boundary_state_offloads", None)
+        if not offloads or not self._state_ids:
+            return {}
+        pos = {g: s for s, g in enumerate(self._state_ids)}
+        return {r: [(pos[g], b, t) for g, b, t in entries if g in pos and b > 0]
+                for r, entries in offloads.items()}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads and saves for the workers."""
         assert self._sched is not None
         so = scheduler_output
         step = StepInfo(
-            new=[NewReq(r.req_id, _null_free(r.block_ids or ()), r.num_computed_tokens,
-                        r.prompt_token_ids)
+            new=[NewReq(r.req_id, self._split(_null_free(r.block_ids or ()))[0],
+                        r.num_computed_tokens, r.prompt_token_ids)
                  for r in so.scheduled_new_reqs],
             num_scheduled_tokens=dict(so.num_scheduled_tokens),
             finished_req_ids=set(so.finished_req_ids),
             preempted_req_ids=set(so.preempted_req_ids or ()),
+            state_offloads=self._state_offloads(so),
         )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             nb = cached.new_block_ids[i]
             step.cached.append(CachedReq(
-                req_id, _null_free(nb) if nb is not None else None,
+                req_id, self._split(_null_free(nb))[0] if nb is not None else None,
                 cached.num_computed_tokens[i], req_id in cached.resumed_req_ids,
             ))
         meta = self._sched.build_meta(step)
@@ -553,6 +648,13 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                                        preempted_req_ids=meta.preempted_req_ids,
                                        scheduled_tokens=meta.scheduled_tokens,
                                        flush_saves=meta.flush_saves)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's block pool: a Mamba state block a save reads is pinned in it
+        (vLLM frees it from the request's table before the request ends)."""
+        if self._sched is not None:
+            pins: BlockPins = _PoolPins(gpu_block_pool)
+            self._sched.pins = pins
 
     def take_events(self) -> list[Any]:
         """kvpool's blocks for vLLM's KV event stream (see kvpool.connector.events):
@@ -565,6 +667,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         """Track which async loads the workers finished."""
         if self._sched is not None:
             self._sched.loads_done(connector_output.finished_recving)
+            self._sched.saves_done(getattr(connector_output, "finished_sending", None))
             self._sched.loads_failed(getattr(connector_output, "invalid_block_ids", None))
             self._sched.requests_failed(getattr(connector_output, "failed_recving", None))
             report = getattr(connector_output, "kv_connector_worker_meta", None)

@@ -9,6 +9,8 @@ is checked on GPUs) without vLLM installed.
 - :mod:`kvpool.connector.save`: the save queue (groups gathered and put in
   the background as the forward finishes them);
 - :mod:`kvpool.connector.staging`: the staging buffers both move through;
+- :mod:`kvpool.connector.state`: recurrent (Mamba) state blocks, stored
+  per checkpointed boundary beside the chunks;
 - :mod:`kvpool.connector.report`: measurements for the scheduler.
 
 Objects: one per (chunk, layer group, head range) (:mod:`kvpool.connector.keys`,
@@ -31,6 +33,7 @@ from kvpool.connector.metadata import ConnectorMeta, LoadSpec, SaveSpec, WorkerR
 from kvpool.connector.report import StepReport
 from kvpool.connector.save import SaveQueue
 from kvpool.connector.staging import StagingBuffers
+from kvpool.connector.state import StateCache
 from kvpool.connector.stats import ConnectorStats
 from kvpool.connector.store_access import StoreAccess, StoreUnavailable
 from kvpool.core.config import ConfigError
@@ -79,6 +82,16 @@ class KVPoolWorker:
             self.store.client()
         except StoreUnavailable:
             pass
+
+    def register_state_caches(self, groups: list[list[tuple[str, Any]]], rank: int = 0,
+                              ranks: int = 1) -> None:
+        """Record the recurrent-state layers (Mamba / linear attention) of each
+        state group, ``[(layer_name, tensor)]`` in model order, and this
+        worker's tensor-parallel ``rank`` of ``ranks``; see :mod:`kvpool.connector.state`.
+        A failed load is then reported per request (vLLM has several groups)."""
+        states = StateCache(groups, self.keys, self.store, rank, ranks)
+        self.loads.states = self.saves.states = states
+        self.loads.whole_requests = True
 
     def _on_connect(self, client: Any) -> None:
         secs = self.staging.on_connect(client)

@@ -644,6 +644,54 @@ def _throughput(torch: Any, address: str, kv_bytes: Any, caches: dict[str, Any],
             w.store.close()
 
 
+def _state_round_trip(torch: Any, address: str, device: str) -> dict[str, Any]:
+    """Recurrent (Mamba) states on the device: saved from the exact blocks of
+    4 GDN-sized layers (int8 views of padded pages, as vLLM hands them over)
+    straight through the store client's device path, and loaded into other
+    blocks of other tensors; bytes compared."""
+    from kvpool.connector.keys import KeySpace
+    from kvpool.connector.metadata import StateRef
+    from kvpool.connector.state import StateCache
+    from kvpool.connector.store_access import StoreAccess
+
+    nb, used, page = 64, 3 * 512 * 2 + 4 * 64 * 64 * 4, 81920  # Qwen3-Next-like test layer
+
+    def layers(seed: int) -> list[tuple[str, Any]]:
+        g = torch.Generator(device=device).manual_seed(seed)
+        out = []
+        for i in range(4):
+            pages = torch.randint(-128, 127, (nb, page), generator=g, dtype=torch.int8,
+                                  device=device)
+            out.append((f"model.layers.{2 * i}.linear_attn",
+                        pages[:, :used].view(nb, 1, 1, used)))
+        return out
+
+    cfg = ConnectorConfig(master_address=address, chunk_size=64)
+    keys = KeySpace("gpu-check-state", "bfloat16", 64, 64)
+    hashes = keys.chunk_hashes(list(range(64 * 3)))
+    src, dst = layers(1), layers(2)
+    store = StoreAccess(cfg)
+    try:
+        a = StateCache([src], keys, store)
+        b = StateCache([dst], keys, store)
+        refs = [StateRef(0, i, h, 5 + i) for i, h in enumerate(hashes)]
+        _sync(torch, device)
+        t0 = time.perf_counter()
+        written = a.save(refs)
+        t1 = time.perf_counter()
+        ok, nbytes = b.load([StateRef(0, r.index, r.hash, 40 + r.index) for r in refs])
+        _sync(torch, device)
+        t2 = time.perf_counter()
+        equal = ok and all(torch.equal(x[5 + i], y[40 + i]) for (_, x), (_, y)
+                           in zip(src, dst, strict=True) for i in range(len(refs)))
+    finally:
+        store.close()
+    out = {"states": len(refs), "layers": 4, "bytes": nbytes, "saved": written[0],
+           "save_s": t1 - t0, "load_s": t2 - t1, "bytes_equal": bool(equal)}
+    print(f"state round trip: {out}")
+    return out
+
+
 def run(report: dict[str, Any], **overrides: Any) -> None:
     """Record results under ``report["connector"]``; prints a summary line per case."""
     p = {**DEFAULTS, **overrides}
@@ -676,12 +724,14 @@ def run(report: dict[str, Any], **overrides: Any) -> None:
             _throughput(torch, m.address, kv_bytes, caches, p, res, device)
         if p["pipeline_groups"]:
             res["pipeline"] = _pipeline(torch, m.address, kv, caches, p, device)
+        res["state"] = _state_round_trip(torch, m.address, device)
     big = _pinned(torch, min(1 << 30, 4 * store_bytes), 64 << 20, device=device)
     res["pinned_64MiB_GBps"] = big
     cases = res.get("cases", [])
     pipe = res.get("pipeline", [])
     res["all_bytes_equal"] = (all(c["bytes_equal"] and not c["failed_blocks"] for c in cases)
-                              and all(r["bytes_equal"] for r in pipe))
+                              and all(r["bytes_equal"] for r in pipe)
+                              and res["state"]["bytes_equal"])
     best = max(cases, key=lambda c: min(c["save_GBps"], c["load_GBps"]), default=None)
     if best:
         res["best_vs_pinned"] = {"save": best["save_GBps"] / big["d2h"],

@@ -250,3 +250,125 @@ def test_sliding_window_saves_only_held_blocks_and_flushes_before_reuse() -> Non
     m3 = s.build_meta(StepInfo(cached=[CachedReq("r", None, 64)],
                                num_scheduled_tokens={"r": 1}))
     assert not m3.flush_saves and not m3.saves
+
+
+# ---------------------------------------------------------------- recurrent state
+
+STATE_KS = KeySpace("tiny-gdn", "bfloat16", BLOCK, BLOCK)  # a state model: chunk = block
+STATE_LAYERS = 2  # layers of the one state group
+
+
+class RecordingPins:
+    """Records pins (vLLM's block pool is not installed in this suite; the
+    vLLM e2e test runs the real one)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+
+    def pin(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            self.held[b] = self.held.get(b, 0) + 1
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            self.held[b] -= 1
+            if not self.held[b]:
+                del self.held[b]
+
+
+def _state_sched(address: str) -> KVPoolScheduler:
+    cfg = ConnectorConfig(master_address=address, chunk_size=BLOCK, load_or_recompute=False,
+                          load_async=True)
+    return KVPoolScheduler(cfg, STATE_KS, LAYERS, StoreAccess(cfg),
+                           state_groups=[STATE_LAYERS], state_ranks=1)
+
+
+def _store_state_model(client: Any, tokens: list[int], chunks: int, states: list[int]) -> None:
+    """KV of the first ``chunks`` chunks, and the state after each chunk of ``states``."""
+    hashes = STATE_KS.chunk_hashes(tokens)
+    for h in hashes[:chunks]:
+        for k in STATE_KS.chunk_keys(h, LAYERS, 4):
+            client.put(k, b"k" * 64)
+    for i in states:
+        for k in STATE_KS.state_keys(hashes[i], 0, STATE_LAYERS, 1):
+            client.put(k, b"s" * 64)
+
+
+def test_a_state_model_hits_only_where_a_state_is_stored(pool: str, client: Any) -> None:
+    """Every chunk's KV stored, states after chunks 1 and 3 (of 6): the hit
+    ends at the last chunk whose state is stored (4 chunks), and the load
+    carries that state into the block of the hit's last position."""
+    toks = list(range(300, 300 + 6 * BLOCK + 5))
+    _store_state_model(client, toks, 6, [1, 3])
+    s = _state_sched(pool)
+    assert s.lookup("a", toks, 0) == (4 * BLOCK, True)
+    kv_blocks = [list(range(10, 17))]
+    state_blocks = [[-1, -1, -1, 40, 41]]  # vLLM: null blocks, the hit's state, the running one
+    s.after_alloc("a", None, toks, kv_blocks, 4 * BLOCK, state_blocks)
+    (load,) = s.build_meta(StepInfo()).loads
+    assert [c.index for c in load.chunks] == [0, 1, 2, 3]
+    assert [(r.group, r.index, r.block_id) for r in load.states] == [(0, 3, 40)]
+    assert load.states[0].hash == STATE_KS.chunk_hashes(toks)[3]
+    # a table without the block there: the load carries -1 (the worker fails it)
+    s.lookup("b", toks, 0)
+    s.after_alloc("b", None, toks, kv_blocks, 4 * BLOCK, [[-1]])
+    (load_b,) = s.build_meta(StepInfo()).loads
+    assert [r.block_id for r in load_b.states] == [-1]
+
+
+def test_a_prefix_without_its_state_is_a_miss(pool: str, client: Any) -> None:
+    toks = list(range(500, 500 + 3 * BLOCK + 1))
+    _store_state_model(client, toks, 3, [])
+    s = _state_sched(pool)
+    assert s.lookup("a", toks, 0) == (0, False)
+    # one layer's state missing is no state
+    hashes = STATE_KS.chunk_hashes(toks)
+    client.put(STATE_KS.state_key(hashes[2], 0, 0, 0, 1), b"s" * 64)
+    assert s.lookup("b", toks, 0) == (0, False)
+    client.put(STATE_KS.state_key(hashes[2], 0, 1, 0, 1), b"s" * 64)
+    assert s.lookup("c", toks, 0) == (3 * BLOCK, True)
+    # a state written by an engine with another TP size is not this one's
+    two = KVPoolScheduler(s.cfg, STATE_KS, LAYERS, s.store, state_groups=[STATE_LAYERS],
+                          state_ranks=2)
+    assert two.lookup("d", toks, 0) == (0, False)
+
+
+def test_state_hand_offs_are_saved_and_their_blocks_pinned_until_saved(pool: str) -> None:
+    toks = list(range(700, 700 + 5 * BLOCK + 3))
+    s = _state_sched(pool)
+    pins = RecordingPins()
+    s.pins = pins
+    s.lookup("r", toks, 0)
+    s.after_alloc("r", None, toks, [[1, 2, 3, 4]], 0, [[-1, -1, -1, 9]])
+    # the step computing 4 blocks: vLLM checkpoints the state at 4 blocks into
+    # block 9, and one at a sub-block position (ignored: no hit ends there)
+    meta = s.build_meta(StepInfo(
+        new=[NewReq("r", [[1, 2, 3, 4]], 0, toks)], num_scheduled_tokens={"r": 4 * BLOCK},
+        state_offloads={"r": [(0, 9, 4 * BLOCK), (0, 12, 4 * BLOCK - 3)]}))
+    (save,) = meta.saves
+    assert [c.index for c in save.chunks] == [0, 1, 2, 3]
+    assert [(r.index, r.block_id) for r in save.states] == [(3, 9)]
+    assert save.states[0].hash == STATE_KS.chunk_hashes(toks)[3]
+    assert pins.held == {9: 1}
+    # the next chunk and its state
+    meta2 = s.build_meta(StepInfo(
+        cached=[CachedReq("r", [[5]], 4 * BLOCK)], num_scheduled_tokens={"r": BLOCK},
+        state_offloads={"r": [(0, 13, 5 * BLOCK)]}))
+    (save2,) = meta2.saves
+    assert [c.index for c in save2.chunks] == [4]
+    assert [(r.index, r.block_id) for r in save2.states] == [(4, 13)]
+    # a state handed over for chunks already stored (a hit's loaded state): saved
+    # alone (the store keeps the first copy)
+    meta3 = s.build_meta(StepInfo(
+        cached=[CachedReq("r", None, 5 * BLOCK)], num_scheduled_tokens={"r": 1},
+        state_offloads={"r": [(0, 14, 2 * BLOCK)]}))
+    (save3,) = meta3.saves
+    assert save3.chunks == [] and [(r.index, r.block_id) for r in save3.states] == [(1, 14)]
+    assert pins.held == {9: 1, 13: 1, 14: 1}
+    # finished: vLLM keeps the blocks until the saves are reported, then unpinned
+    assert s.finished("r") is True
+    assert pins.held == {9: 1, 13: 1, 14: 1}
+    s.saves_done({"r"})
+    assert pins.held == {}
+    s.saves_done({"r"})  # reported twice: nothing left to unpin
+    assert pins.held == {}

@@ -248,26 +248,57 @@ def test_sliding_window_model_loads_its_window(tiny_sliding_model: str,
                     c.put(k, v)
 
 
-def test_linear_attention_hybrid_runs_with_the_pool_off(tiny_gdn_model: str,
-                                                        pool: tuple[Any, Any]) -> None:
-    """A model with a KV-cache group of linear-attention state (Qwen3-Next's
-    gated delta net: vLLM's MambaSpec), which kvpool does not store: the
-    engine runs with the connector, every prefix misses (a hit without the
-    state would be a silent partial load), nothing is stored, and the
-    tokens are those of an engine without kvpool."""
+def test_linear_attention_state_is_stored_and_restored_with_its_prefix(
+        tiny_gdn_model: str, pool: tuple[Any, Any]) -> None:
+    """Qwen3-Next (gated delta net linear attention: vLLM's MambaSpec, in its
+    prefix-caching "align" mode, beside full attention): one engine stores
+    the prompt's chunks and the state vLLM checkpoints at the last block
+    boundary; a fresh engine hits the prefix, loads KV and state, and
+    generates the tokens of an engine without kvpool. Noise in the stored
+    state changes them (the state is used); without the state the prefix
+    misses (never a resume from another sequence's state)."""
     from kvpool.store import Client, ClientConfig
 
     master, _daemon = pool
-    with EngineProc({"model": tiny_gdn_model, "block_size": BLOCK,
-                     "prefix_caching": False}) as e0:
-        ref = e0.generate([P1])["results"][0]["token_ids"]
-    with _engine(tiny_gdn_model, master.address, prefix_caching=False) as e1:
-        e1.generate([P1])
-        r = e1.generate([P1])
-    assert r["results"][0]["token_ids"] == ref
-    s, w = r["connector"]["scheduler"], r["connector"]["worker"]
-    assert s["lookups"] == 2 and s["hit_tokens"] == 0 and s["lookup_errors"] == 0, s
-    assert w["saved_chunks"] == 0 and w["loaded_chunks"] == 0, w
+    block = 160  # vLLM sizes blocks to the state's page here (asked: 32)
+    prompt = make_prompt(1, 400)  # 400 tokens: the state at 320 (2 blocks)
+    with EngineProc({"model": tiny_gdn_model, "block_size": BLOCK}) as e0:
+        ref = e0.generate([prompt])["results"][0]["token_ids"]
+    with _engine(tiny_gdn_model, master.address) as e1:
+        r1 = e1.generate([prompt])
+    w1 = r1["connector"]["worker"]
+    assert (w1["saved_chunks"], w1["saved_states"], w1["save_errors"]) == (2, 1, 0), w1
+    ids = r1["results"][0]["prompt_token_ids"]
+    ks = KeySpace(model=tiny_gdn_model, kv_dtype="bfloat16-HNC", block_size=block,
+                  chunk_size=block)
+    state_keys = ks.state_keys(ks.chunk_hashes(ids)[1], 0, 2, 1)  # 2 GDN layers, TP 1
     with Client(ClientConfig(master_address=master.address)) as c:
-        segs = c.list_segments()
-        assert segs and sum(seg.objects for seg in segs) == 0, segs
+        assert c.batch_exists(state_keys) == [True, True]
+        sizes = [c.get_size(k) for k in state_keys]
+    # conv state (3 x 512 bf16) + recurrent state (4 heads x 64 x 64 fp32) per layer
+    assert sizes == [3 * 512 * 2 + 4 * 64 * 64 * 4] * 2
+
+    with _engine(tiny_gdn_model, master.address) as e2:
+        r2 = e2.generate([prompt])
+        s2, w2 = r2["connector"]["scheduler"], r2["connector"]["worker"]
+        assert s2["hit_tokens"] == 2 * block, s2
+        assert (w2["loaded_chunks"], w2["loaded_states"], w2["load_errors"]) == (2, 1, 0), w2
+        assert r2["results"][0]["token_ids"] == ref
+
+        rng = np.random.default_rng(0)
+        with Client(ClientConfig(master_address=master.address)) as c:
+            for k, n in zip(state_keys, sizes, strict=True):
+                c.remove(k, force=True)
+                c.put(k, rng.integers(0, 255, n, dtype=np.uint8).tobytes())
+        assert e2.reset_prefix_cache()
+        r3 = e2.generate([prompt])
+        assert r3["connector"]["worker"]["loaded_states"] == 2
+        assert r3["results"][0]["token_ids"] != ref
+
+        with Client(ClientConfig(master_address=master.address)) as c:
+            c.remove(state_keys[1], force=True)
+        assert e2.reset_prefix_cache()
+        r4 = e2.generate([prompt])
+        hits = r3["connector"]["scheduler"]["hit_tokens"]  # (counters are totals)
+        assert r4["connector"]["scheduler"]["hit_tokens"] == hits  # a miss
+        assert r4["results"][0]["token_ids"] == ref

@@ -1,8 +1,9 @@
 """The connector under vLLM's own scheduler and hybrid KV-cache manager (no
 model runs): a sliding-window and a full-attention KV-cache group, a real
 kvpool master and node daemon. Stores per group, hits that need only the
-window's chunks, ``request_finished_all_groups``, and the pool turning off
-for a KV-cache group it cannot store (Mamba state)."""
+window's chunks, ``request_finished_all_groups``, a Mamba state group
+(stored with prefix caching's "align" mode) and the pool turning off for
+one it cannot store (Mamba without prefix caching)."""
 
 from __future__ import annotations
 
@@ -151,26 +152,40 @@ def test_hybrid_groups_store_apart_and_hits_need_only_the_window(
         assert _hit(tiny_sliding_model, master, toks, "d") == (0, [])
 
 
-def test_a_mamba_group_turns_the_pool_off(tiny_sliding_model: str, master: str) -> None:
-    """A KV-cache group holding Mamba state: kvpool cannot store the state with
-    its prefix, so it misses every prefix and stores nothing (never a load
-    of the attention KV without the state)."""
+def test_a_mamba_group_without_prefix_caching_turns_the_pool_off(tiny_sliding_model: str,
+                                                                  master: str) -> None:
+    """A KV-cache group holding Mamba state that vLLM keeps for whole
+    sequences only (``mamba_cache_mode="none"``: prefix caching off): no
+    state a prefix could resume from, so kvpool misses every prefix and
+    stores nothing (never a load of the attention KV without the state).
+    In "align" mode the group is a state group: the pool is on, with
+    chunks of one block (vLLM checkpoints states at block boundaries)."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
     from kvpool.connector.vllm import KVPoolConnector
 
-    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.float32,))
-    groups = [*_attention_groups()[1:], KVCacheGroupSpec(SW_LAYERS, mamba)]
-    kcc = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
-    conn = KVPoolConnector(_vllm_config(tiny_sliding_model, master), KVConnectorRole.SCHEDULER,
-                           kcc)
-    try:
-        assert "MambaSpec" in conn.unsupported
-        sched = conn._sched
-        assert sched is not None and not sched.load_enabled and not sched.save_enabled
-        toks = list(range(7, 207))
-        assert conn.get_num_new_matched_tokens(_request("m", toks), 0) == (0, False)
-    finally:
-        conn.shutdown()
+    for mode in ("none", "align"):
+        mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.float32,),
+                          mamba_cache_mode=mode)
+        groups = [*_attention_groups()[1:], KVCacheGroupSpec(SW_LAYERS, mamba)]
+        kcc = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+        conn = KVPoolConnector(_vllm_config(tiny_sliding_model, master),
+                               KVConnectorRole.SCHEDULER, kcc)
+        try:
+            sched = conn._sched
+            assert sched is not None
+            toks = list(range(7, 207))
+            if mode == "none":
+                assert "MambaSpec" in conn.unsupported and "align" in conn.unsupported
+                assert not sched.load_enabled and not sched.save_enabled
+                assert conn.get_num_new_matched_tokens(_request("m", toks), 0) == (0, False)
+                continue
+            assert conn.unsupported == "" and sched.load_enabled and sched.save_enabled
+            assert sched.state_groups == [2] and len(sched.cache_groups) == 1
+            assert conn.keys.chunk_size == BLOCK and conn.cfg.load_async
+            # nothing stored: a miss (the state lookup rides the same query)
+            assert conn.get_num_new_matched_tokens(_request("a", toks), 0) == (0, False)
+        finally:
+            conn.shutdown()

@@ -219,6 +219,14 @@ class EngineProc:
         self.proc.stdin.flush()
         return self._wait_reply(timeout)
 
+    def reset_prefix_cache(self, timeout: float = 60.0) -> bool:
+        """Empty the engine's own prefix cache (later hits are the pool's);
+        True when vLLM did."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"reset_prefix_cache": True}) + "\n")
+        self.proc.stdin.flush()
+        return bool(self._wait_reply(timeout)["reset"])
+
     def close(self, timeout: float = 30.0) -> None:
         if self.proc.poll() is None:
             try:

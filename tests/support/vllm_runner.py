@@ -3,7 +3,8 @@ and scripts/bench_vllm.py through :class:`support.vllm_engine.EngineProc`).
 
     python tests/support/vllm_runner.py '<json engine config>'
 
-stdin: one JSON command per line, ``{"prompts": [...], "max_tokens": N}`` or
+stdin: one JSON command per line, ``{"prompts": [...], "max_tokens": N}``,
+``{"reset_prefix_cache": true}`` (vLLM's own prefix cache emptied) or
 ``{"quit": true}``. stdout: one line per command, ``@@KVPOOL@@ {json}`` with
 the generated token ids, finish reason, prompt token ids, time to first token
 per prompt, the connector's counters (scheduler and worker side, totals since
@@ -39,6 +40,20 @@ def _connector_totals(llm: Any) -> dict[str, Any]:
     return out
 
 
+def _reset_prefix_cache(llm: Any, timeout_s: float = 30.0) -> bool:
+    """Empty vLLM's prefix cache. Finished requests whose blocks wait for the
+    connector's saves hold them until an engine step sees the saves done (a
+    served engine steps on its own; this one steps only when driven): step
+    until the reset succeeds."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            return False
+        llm.llm_engine.step()
+        time.sleep(0.01)
+    return True
+
+
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,6 +79,9 @@ def main() -> None:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
+        if cmd.get("reset_prefix_cache"):  # forget the engine's own cached blocks
+            print(MARK + json.dumps({"reset": _reset_prefix_cache(llm)}), flush=True)
+            continue
         sp = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 8), ignore_eos=True)
         results = []
         for prompt in cmd["prompts"]:  # one at a time: per-prompt TTFT
