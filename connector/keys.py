@@ -241,3 +241,12 @@ class KeySpace:
         each layer of each rank (a load needs them all)."""
         return [self.state_key(chunk_hash, group, j, r, ranks)
                 for r in range(ranks) for j in range(num_layers)]
+
+    def state_probe_keys(self, chunk_hash: str, group: int, num_layers: int,
+                         ranks: int) -> list[str]:
+        """The objects a lookup asks for to learn whether that state is
+        stored: each rank's last layer (ranks save apart; one rank's layers
+        are put in one batch and read together, so they are evicted
+        together: a state found incomplete by its load fails that load)."""
+        return [self.state_key(chunk_hash, group, num_layers - 1, r, ranks)
+                for r in range(ranks)]

@@ -24,7 +24,11 @@ it is saved under the hash of the chunk it ends, and its block is pinned
 (:class:`BlockPins`) until the request's saves are done, since vLLM frees a
 state block from the request's table before the request ends. A hit then
 needs, beside the KV of every chunk, the state of every state group at its
-last chunk: a prefix without it is a miss, never a partial load.
+last chunk: a prefix without it is a miss, never a partial load. The lookup
+asks for each rank's last layer of a state (one key per chunk, group and
+rank instead of one per layer: a 36-layer model would multiply the lookup's
+keys); a state its load finds incomplete fails that load, and vLLM
+recomputes the request.
 """
 
 from __future__ import annotations
@@ -321,7 +325,8 @@ class KVPoolScheduler:
             if states:
                 for i in chunks:
                     for s, nl in enumerate(self.state_groups):
-                        keys.extend(self.keys.state_keys(hashes[i], s, nl, self.state_ranks))
+                        keys.extend(self.keys.state_probe_keys(hashes[i], s, nl,
+                                                               self.state_ranks))
             locs, located = self.store.batch_locate(keys)
             replies.append(located)
             if states:

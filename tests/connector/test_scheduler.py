@@ -321,12 +321,14 @@ def test_a_prefix_without_its_state_is_a_miss(pool: str, client: Any) -> None:
     _store_state_model(client, toks, 3, [])
     s = _state_sched(pool)
     assert s.lookup("a", toks, 0) == (0, False)
-    # one layer's state missing is no state
+    # the lookup asks for each rank's last layer (the load checks every layer)
     hashes = STATE_KS.chunk_hashes(toks)
     client.put(STATE_KS.state_key(hashes[2], 0, 0, 0, 1), b"s" * 64)
     assert s.lookup("b", toks, 0) == (0, False)
     client.put(STATE_KS.state_key(hashes[2], 0, 1, 0, 1), b"s" * 64)
     assert s.lookup("c", toks, 0) == (3 * BLOCK, True)
+    assert STATE_KS.state_probe_keys(hashes[2], 0, 2, 1) == [
+        STATE_KS.state_key(hashes[2], 0, 1, 0, 1)]
     # a state written by an engine with another TP size is not this one's
     two = KVPoolScheduler(s.cfg, STATE_KS, LAYERS, s.store, state_groups=[STATE_LAYERS],
                           state_ranks=2)

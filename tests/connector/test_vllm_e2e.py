@@ -256,7 +256,8 @@ def test_linear_attention_state_is_stored_and_restored_with_its_prefix(
     boundary; a fresh engine hits the prefix, loads KV and state, and
     generates the tokens of an engine without kvpool. Noise in the stored
     state changes them (the state is used); without the state the prefix
-    misses (never a resume from another sequence's state)."""
+    misses, and a state missing a layer fails its load, which vLLM then
+    computes (never a resume from another sequence's state)."""
     from kvpool.store import Client, ClientConfig
 
     master, _daemon = pool
@@ -302,3 +303,16 @@ def test_linear_attention_state_is_stored_and_restored_with_its_prefix(
         hits = r3["connector"]["scheduler"]["hit_tokens"]  # (counters are totals)
         assert r4["connector"]["scheduler"]["hit_tokens"] == hits  # a miss
         assert r4["results"][0]["token_ids"] == ref
+
+        # that miss stored the state again; now a layer the lookup does not ask
+        # for is missing: the hit's load fails and vLLM computes the request
+        with Client(ClientConfig(master_address=master.address)) as c:
+            assert c.batch_exists(state_keys) == [True, True]
+            c.remove(state_keys[0], force=True)
+        assert e2.reset_prefix_cache()
+        r5 = e2.generate([prompt])
+        w5 = r5["connector"]["worker"]
+        assert r5["connector"]["scheduler"]["hit_tokens"] == hits + 2 * block
+        assert w5["load_errors"] == w2["load_errors"] + 1, w5
+        assert w5["loaded_states"] == 2, w5
+        assert r5["results"][0]["token_ids"] == ref
