@@ -29,6 +29,12 @@ recorded. No request may end with ``finish_reason=error``.
 ``--sliding-window N``: even layers attend within N tokens (a hybrid model:
 vLLM's hybrid KV-cache manager with a sliding-window and a full-attention
 KV-cache group; a hit loads only the window's chunks of the first).
+
+``--linear-attention``: a random Qwen3-Next instead (gated delta net and full
+attention layers alternating: a Mamba-style state group beside an attention
+one). A hit loads its chunks and the state vLLM checkpointed at its end.
+Only the prefix-cache-on case runs (without vLLM's prefix caching such a
+model keeps no state a prefix could resume from: the pool is off).
 """
 
 from __future__ import annotations
@@ -47,7 +53,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # test support
-from support.vllm_engine import EngineProc, build_tiny_llama, kv_transfer_config
+from support.vllm_engine import (
+    EngineProc,
+    build_tiny_llama,
+    build_tiny_qwen3_next,
+    kv_transfer_config,
+)
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict[str, Any]]:
@@ -98,6 +109,8 @@ def _fast(args: argparse.Namespace, model_dir: str, vocab: int) -> dict[str, Any
                                   "hit_tokens": conn.get("scheduler", {}).get("hit_tokens"),
                                   "scheduler": conn.get("scheduler"),
                                   "worker": conn.get("worker")}
+        if args.linear_attention:  # no prefix caching: no state to resume from
+            return _summarise(res)
         with engine(False) as c:  # vLLM prefix cache off: kvpool is the only cache
             _ttfts(c, warm)
             miss2, _ = _ttfts(c, fresh)
@@ -105,6 +118,11 @@ def _fast(args: argparse.Namespace, model_dir: str, vocab: int) -> dict[str, Any
         res["prefix_cache_off"] = {"miss_ttft_s": miss2, "hit_ttft_s": hit2,
                                    "loaded_bytes": conn2.get("worker", {}).get("loaded_bytes"),
                                    "load_time_s": conn2.get("worker", {}).get("load_time_s")}
+    return _summarise(res)
+
+
+def _summarise(res: dict[str, Any]) -> dict[str, Any]:
+    """Medians and the hit/miss ratio of each case."""
     for case in res.values():
         case["miss_median_s"] = statistics.median(case["miss_ttft_s"])
         case["hit_median_s"] = statistics.median(case["hit_ttft_s"])
@@ -201,18 +219,28 @@ def main() -> None:
     ap.add_argument("--slow-rate", default="16mbit", help="tc tbf rate of the slow link")
     ap.add_argument("--sliding-window", type=int, default=None,
                     help="even layers attend within this many tokens (hybrid KV-cache groups)")
+    ap.add_argument("--linear-attention", action="store_true",
+                    help="a Qwen3-Next (linear attention state + full attention) instead")
     args = ap.parse_args()
 
     vocab = 4096
     model_dir = tempfile.mkdtemp(prefix="kvpool-bench-model-")
     atexit.register(shutil.rmtree, model_dir, True)  # the random model is throwaway
     head_dim = args.hidden // args.heads
-    build_tiny_llama(model_dir, hidden_size=args.hidden, num_layers=args.layers,
-                     num_heads=args.heads, num_kv_heads=args.heads, head_dim=head_dim,
-                     intermediate_size=4 * args.hidden, vocab_size=vocab,
-                     max_position_embeddings=args.prompt_tokens + 1024,
-                     sliding_window=args.sliding_window)
+    if args.linear_attention:
+        if "slow" in args.mode:
+            ap.error("--linear-attention runs the fast mode only")
+        build_tiny_qwen3_next(model_dir, hidden_size=args.hidden, num_layers=args.layers,
+                              vocab_size=vocab,
+                              max_position_embeddings=args.prompt_tokens + 1024)
+    else:
+        build_tiny_llama(model_dir, hidden_size=args.hidden, num_layers=args.layers,
+                         num_heads=args.heads, num_kv_heads=args.heads, head_dim=head_dim,
+                         intermediate_size=4 * args.hidden, vocab_size=vocab,
+                         max_position_embeddings=args.prompt_tokens + 1024,
+                         sliding_window=args.sliding_window)
     out: dict[str, Any] = {"params": vars(args), "model": {
+        "kind": "qwen3_next" if args.linear_attention else "llama",
         "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "head_dim": head_dim,
         "sliding_window": args.sliding_window}}
     t_start = time.perf_counter()

