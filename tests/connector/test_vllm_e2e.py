@@ -254,8 +254,9 @@ def test_linear_attention_state_is_stored_and_restored_with_its_prefix(
     prefix-caching "align" mode, beside full attention): one engine stores
     the prompt's chunks and the state vLLM checkpoints at the last block
     boundary; a fresh engine hits the prefix, loads KV and state, and
-    generates the tokens of an engine without kvpool. Noise in the stored
-    state changes them (the state is used); without the state the prefix
+    generates the tokens of an engine without kvpool, as does the next turn
+    of the conversation (resumed at the first turn's state). Noise in the
+    stored state changes them (the state is used); without the state the prefix
     misses, and a state missing a layer fails its load, which vLLM then
     computes (never a resume from another sequence's state)."""
     from kvpool.store import Client, ClientConfig
@@ -263,8 +264,9 @@ def test_linear_attention_state_is_stored_and_restored_with_its_prefix(
     master, _daemon = pool
     block = 160  # vLLM sizes blocks to the state's page here (asked: 32)
     prompt = make_prompt(1, 400)  # 400 tokens: the state at 320 (2 blocks)
+    turn2 = prompt + " " + make_prompt(5, 200)  # a conversation's next turn
     with EngineProc({"model": tiny_gdn_model, "block_size": BLOCK}) as e0:
-        ref = e0.generate([prompt])["results"][0]["token_ids"]
+        ref, ref2 = (r["token_ids"] for r in e0.generate([prompt, turn2])["results"])
     with _engine(tiny_gdn_model, master.address) as e1:
         r1 = e1.generate([prompt])
     w1 = r1["connector"]["worker"]
@@ -285,6 +287,12 @@ def test_linear_attention_state_is_stored_and_restored_with_its_prefix(
         assert s2["hit_tokens"] == 2 * block, s2
         assert (w2["loaded_chunks"], w2["loaded_states"], w2["load_errors"]) == (2, 1, 0), w2
         assert r2["results"][0]["token_ids"] == ref
+        # the next turn resumes where the first turn's prefill ended
+        assert e2.reset_prefix_cache()
+        r2b = e2.generate([turn2])
+        assert r2b["connector"]["scheduler"]["hit_tokens"] == 4 * block
+        assert r2b["connector"]["worker"]["loaded_states"] == 2
+        assert r2b["results"][0]["token_ids"] == ref2
 
         rng = np.random.default_rng(0)
         with Client(ClientConfig(master_address=master.address)) as c:
@@ -293,7 +301,7 @@ def test_linear_attention_state_is_stored_and_restored_with_its_prefix(
                 c.put(k, rng.integers(0, 255, n, dtype=np.uint8).tobytes())
         assert e2.reset_prefix_cache()
         r3 = e2.generate([prompt])
-        assert r3["connector"]["worker"]["loaded_states"] == 2
+        assert r3["connector"]["worker"]["loaded_states"] == 3
         assert r3["results"][0]["token_ids"] != ref
 
         with Client(ClientConfig(master_address=master.address)) as c:
@@ -314,5 +322,5 @@ def test_linear_attention_state_is_stored_and_restored_with_its_prefix(
         w5 = r5["connector"]["worker"]
         assert r5["connector"]["scheduler"]["hit_tokens"] == hits + 2 * block
         assert w5["load_errors"] == w2["load_errors"] + 1, w5
-        assert w5["loaded_states"] == 2, w5
+        assert w5["loaded_states"] == 3, w5
         assert r5["results"][0]["token_ids"] == ref
