@@ -39,6 +39,7 @@ class StateRef:
     index: int
     hash: str
     block_id: int
+    pin: int = -1  # the scheduler's pin of the block (a save reports it done)
 
 
 @dataclass
@@ -102,16 +103,20 @@ class ConnectorMeta:
 class WorkerReport:
     """What a worker measured since its last report, for the scheduler's
     load-or-recompute estimates: completed loads ``(peer, bytes, seconds)``,
-    peers whose load failed or overran, forward passes ``(tokens, seconds)``."""
+    peers whose load failed or overran, forward passes ``(tokens, seconds)``;
+    and the pins (:attr:`StateRef.pin`) of the state saves it finished
+    (their blocks may go once every rank reported them)."""
 
     loads: list[tuple[str, int, float]] = field(default_factory=list)
     failed_peers: list[str] = field(default_factory=list)
     forwards: list[tuple[int, float]] = field(default_factory=list)
+    states_saved: list[int] = field(default_factory=list)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Both reports in one (TP ranks' reports are merged by vLLM)."""
         return WorkerReport(self.loads + other.loads, self.failed_peers + other.failed_peers,
-                            self.forwards + other.forwards)
+                            self.forwards + other.forwards,
+                            self.states_saved + other.states_saved)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.failed_peers or self.forwards)
+        return not (self.loads or self.failed_peers or self.forwards or self.states_saved)

@@ -35,6 +35,11 @@ class StepReport:
         with self._lock:
             self._report.failed_peers.extend(peers)
 
+    def add_states_saved(self, pins: list[int]) -> None:
+        """State saves finished (or given up): their blocks' pins."""
+        with self._lock:
+            self._report.states_saved.extend(pins)
+
     def forward_started(self, tokens: int, cuda: bool | None) -> None:
         """Time a forward computing ``tokens`` (``cuda`` None: no cache
         registered yet, nothing is timed)."""

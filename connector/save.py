@@ -28,6 +28,7 @@ from typing import Any
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.geometry import CacheGeometry
 from kvpool.connector.metadata import ChunkRef, ConnectorMeta, SaveSpec
+from kvpool.connector.report import StepReport
 from kvpool.connector.staging import StagingBuffers, StagingViews
 from kvpool.connector.state import StateCache
 from kvpool.connector.stats import ConnectorStats
@@ -67,8 +68,9 @@ class SaveQueue:
     """Queues, gathers and puts saves (see the module docstring)."""
 
     def __init__(self, cfg: ConnectorConfig, store: StoreAccess, stats: ConnectorStats,
-                 staging: StagingBuffers) -> None:
+                 staging: StagingBuffers, report: StepReport | None = None) -> None:
         self.cfg = cfg
+        self.report = report or StepReport()
         self.store = store
         self.stats = stats
         self.staging = staging
@@ -192,8 +194,11 @@ class SaveQueue:
         t0 = time.perf_counter()
         written, ran = self._save_chunks(job)
         states = [r for s in job.specs for r in s.states]
-        if states and self.states is not None:
-            ran = self._save_states(job, states) or ran
+        if states:
+            if self.states is not None:
+                ran = self._save_states(job, states) or ran
+            # the blocks are read (or never will be): the scheduler may unpin them
+            self.report.add_states_saved([r.pin for r in states if r.pin >= 0])
         if ran:
             self.stats.sample("save_seconds", time.perf_counter() - t0)
         return written

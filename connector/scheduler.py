@@ -21,8 +21,9 @@ Recurrent state (Mamba / linear-attention groups, passed apart from the
 KV-cache groups above: ``state_groups``): vLLM checkpoints a state at some
 block boundaries and hands the exact block over (``StepInfo.state_offloads``);
 it is saved under the hash of the chunk it ends, and its block is pinned
-(:class:`BlockPins`) until the request's saves are done, since vLLM frees a
-state block from the request's table before the request ends. A hit then
+(:class:`BlockPins`) until every worker reported that save done (or the
+request's saves are done), since vLLM frees a state block from the
+request's table before the request ends. A hit then
 needs, beside the KV of every chunk, the state of every state group at its
 last chunk: a prefix without it is a miss, never a partial load. The lookup
 asks for each rank's last layer of a state (one key per chunk, group and
@@ -33,6 +34,7 @@ recomputes the request.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -213,7 +215,10 @@ class KVPoolScheduler:
         if self.state_groups and keys.blocks_per_chunk != 1:
             raise ValueError("recurrent state needs chunks of one block")
         self.pins: BlockPins | None = None
-        self._pinned: dict[str, list[int]] = {}  # request -> state blocks its saves read
+        self._pinned: dict[str, list[int]] = {}  # request -> pins of its state saves
+        # pin -> (its block, worker reports still to come): every rank saves its state
+        self._pin_waits: dict[int, tuple[int, int]] = {}
+        self._pin_ids = itertools.count()
 
     # ------------------------------------------------------------ lookup
 
@@ -399,7 +404,8 @@ class KVPoolScheduler:
         return d
 
     def observe(self, report: WorkerReport | None) -> None:
-        """``update_connector_output``: the workers' measurements (SpeedBook)."""
+        """``update_connector_output``: the workers' measurements (SpeedBook),
+        and the state saves they finished (their blocks are unpinned)."""
         if report is None:
             return
         for peer, nbytes, seconds in report.loads:
@@ -408,6 +414,8 @@ class KVPoolScheduler:
             self.speeds.observe_failure(peer)
         for tokens, seconds in report.forwards:
             self.speeds.observe_prefill(tokens, seconds)
+        if report.states_saved:
+            self._states_saved(report.states_saved)
 
     # ------------------------------------------------------------ allocation
 
@@ -567,13 +575,14 @@ class KVPoolScheduler:
                 i = boundary // cs - 1
                 if len(st.hashes) <= i:
                     st.hashes = self.keys.extend_hashes(st.hashes, list(tokens[: (i + 1) * cs]))
-                refs.append(StateRef(s, i, st.hashes[i], block_id))
+                pin = next(self._pin_ids)
+                self._pin_waits[pin] = (block_id, self.state_ranks)
+                refs.append(StateRef(s, i, st.hashes[i], block_id, pin))
             if not refs:
                 continue
-            blocks = [r.block_id for r in refs]
             if self.pins is not None:
-                self.pins.pin(blocks)
-            self._pinned.setdefault(req_id, []).extend(blocks)
+                self.pins.pin([r.block_id for r in refs])
+            self._pinned.setdefault(req_id, []).extend(r.pin for r in refs)
             spec = specs.get(req_id)
             if spec is None:
                 spec = specs[req_id] = SaveSpec(req_id, [])
@@ -583,14 +592,33 @@ class KVPoolScheduler:
 
     def saves_done(self, req_ids: set[str] | None) -> None:
         """``update_connector_output``: finished requests whose saves the
-        workers completed (``finished_sending``): unpin their state blocks."""
+        workers completed (``finished_sending``): unpin their state blocks
+        (those no worker report released yet)."""
         for r in req_ids or ():
             self._unpin(r)
 
     def _unpin(self, req_id: str) -> None:
-        blocks = self._pinned.pop(req_id, None)
+        blocks = [self._pin_waits.pop(p)[0] for p in self._pinned.pop(req_id, ())
+                  if p in self._pin_waits]
         if blocks and self.pins is not None:
             self.pins.unpin(blocks)
+
+    def _states_saved(self, pins: list[int]) -> None:
+        """Workers finished these state saves: a block goes once every rank did
+        (a pin already released with its request is ignored)."""
+        done: list[int] = []
+        for p in pins:
+            wait = self._pin_waits.get(p)
+            if wait is None:
+                continue
+            block, left = wait
+            if left > 1:
+                self._pin_waits[p] = (block, left - 1)
+                continue
+            del self._pin_waits[p]
+            done.append(block)
+        if done and self.pins is not None:
+            self.pins.unpin(done)
 
     def _plan_save(self, st: _ReqState, req_id: str, before: int,
                    computed: int) -> SaveSpec | None:

@@ -121,7 +121,7 @@ class KVPoolWorkerMeta(WorkerReport, KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, WorkerReport):
             m = self.merge(other)
-            return KVPoolWorkerMeta(m.loads, m.failed_peers, m.forwards)
+            return KVPoolWorkerMeta(m.loads, m.failed_peers, m.forwards, m.states_saved)
         return self
 
 
@@ -547,7 +547,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None
         r = self._worker.take_report()
-        return KVPoolWorkerMeta(r.loads, r.failed_peers, r.forwards) if r is not None else None
+        return (KVPoolWorkerMeta(r.loads, r.failed_peers, r.forwards, r.states_saved)
+                if r is not None else None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """:meth:`get_finished` plus the requests whose load failed, for a model

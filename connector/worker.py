@@ -60,7 +60,7 @@ class KVPoolWorker:
         self.staging = StagingBuffers(cfg.staging_mib, keys.prefix)
         self.report = StepReport()
         self.loads = LoadPipeline(cfg, store, self.stats, self.staging, self.report)
-        self.saves = SaveQueue(cfg, store, self.stats, self.staging)
+        self.saves = SaveQueue(cfg, store, self.stats, self.staging, self.report)
         self._closed = False
         store.on_connect = self._on_connect
 

@@ -11,6 +11,7 @@ import pytest
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.connector.keys import KeySpace
+from kvpool.connector.metadata import WorkerReport
 from kvpool.connector.scheduler import (
     CachedReq,
     KVPoolScheduler,
@@ -367,10 +368,33 @@ def test_state_hand_offs_are_saved_and_their_blocks_pinned_until_saved(pool: str
     (save3,) = meta3.saves
     assert save3.chunks == [] and [(r.index, r.block_id) for r in save3.states] == [(1, 14)]
     assert pins.held == {9: 1, 13: 1, 14: 1}
+    # a worker reports the first save done: its block goes (the request runs on)
+    s.observe(WorkerReport(states_saved=[save.states[0].pin]))
+    assert pins.held == {13: 1, 14: 1}
     # finished: vLLM keeps the blocks until the saves are reported, then unpinned
     assert s.finished("r") is True
-    assert pins.held == {9: 1, 13: 1, 14: 1}
+    assert pins.held == {13: 1, 14: 1}
     s.saves_done({"r"})
     assert pins.held == {}
     s.saves_done({"r"})  # reported twice: nothing left to unpin
+    s.observe(WorkerReport(states_saved=[save2.states[0].pin]))  # a late report
+    assert pins.held == {}
+
+
+def test_a_state_block_goes_once_every_rank_saved_it(pool: str) -> None:
+    cfg = ConnectorConfig(master_address=pool, chunk_size=BLOCK)
+    s = KVPoolScheduler(cfg, STATE_KS, LAYERS, StoreAccess(cfg), state_groups=[STATE_LAYERS],
+                        state_ranks=2)
+    pins = RecordingPins()
+    s.pins = pins
+    toks = list(range(900, 900 + 2 * BLOCK + 1))
+    s.lookup("r", toks, 0)
+    s.after_alloc("r", None, toks, [[1, 2]], 0, [[-1, 7]])
+    (save,) = s.build_meta(StepInfo(new=[NewReq("r", [[1, 2]], 0, toks)],
+                                    num_scheduled_tokens={"r": 2 * BLOCK},
+                                    state_offloads={"r": [(0, 7, 2 * BLOCK)]})).saves
+    pin = save.states[0].pin
+    s.observe(WorkerReport(states_saved=[pin]))  # rank 0
+    assert pins.held == {7: 1}
+    s.observe(WorkerReport(states_saved=[pin]))  # rank 1 (vLLM merges ranks' reports)
     assert pins.held == {}

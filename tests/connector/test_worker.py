@@ -556,10 +556,12 @@ def test_state_saved_from_its_block_and_loaded_into_another(pool: str) -> None:
     w1, caches1, states1 = _state_worker(pool, seed=3)
     hashes = STATE_KS.chunk_hashes([5] * (3 * BLOCK))
     chunks = [ChunkRef(i, hashes[i], [b]) for i, b in enumerate([4, 9, 2])]
-    state = StateRef(0, 2, hashes[2], 11)
+    state = StateRef(0, 2, hashes[2], 11, pin=5)
     try:
         assert w1.save([SaveSpec("r", chunks, [state])]) == 3
         assert w1.stats.totals()["saved_states"] == 1
+        report = w1.take_report()
+        assert report is not None and report.states_saved == [5]  # its block may go
     finally:
         w1.close()
     with Client(ClientConfig(master_address=pool)) as c:
