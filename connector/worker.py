@@ -88,10 +88,11 @@ class KVPoolWorker:
         """Record the recurrent-state layers (Mamba / linear attention) of each
         state group, ``[(layer_name, tensor)]`` in model order, and this
         worker's tensor-parallel ``rank`` of ``ranks``; see :mod:`kvpool.connector.state`.
-        A failed load is then reported per request (vLLM has several groups)."""
+        A failed load is then reported per request (vLLM has several groups),
+        also when these layers cannot be stored (ConfigError)."""
+        self.loads.whole_requests = True
         states = StateCache(groups, self.keys, self.store, rank, ranks)
         self.loads.states = self.saves.states = states
-        self.loads.whole_requests = True
 
     def _on_connect(self, client: Any) -> None:
         secs = self.staging.on_connect(client)

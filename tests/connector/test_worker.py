@@ -607,3 +607,26 @@ def test_state_saved_from_its_block_and_loaded_into_another(pool: str) -> None:
         assert w2.take_failed_requests() == {"q4"}
     finally:
         w2.close()
+
+
+def test_state_layers_that_cannot_be_stored_still_fail_loads_per_request(pool: str) -> None:
+    """A state layer kvpool cannot lay out (the adapter logs it and goes on):
+    a load carrying a state fails, reported per request as vLLM needs with
+    several KV-cache groups, never per block."""
+    import torch
+
+    from kvpool.connector.metadata import StateRef
+
+    cfg = ConnectorConfig(master_address=pool, chunk_size=BLOCK)
+    w = KVPoolWorker(cfg, STATE_KS, StoreAccess(cfg))
+    try:
+        w.register_kv_caches(_caches(seed=5))
+        with pytest.raises(ConfigError):
+            w.register_state_caches([[("model.layers.0.linear_attn", torch.zeros(NB))]])
+        hashes = STATE_KS.chunk_hashes([6] * BLOCK)
+        spec = LoadSpec("q", [ChunkRef(0, hashes[0], [3])], is_async=True,
+                        states=[StateRef(0, 0, hashes[0], 4)])
+        w.loads._load_async(spec)
+        assert w.take_failed_requests() == {"q"} and w.take_load_errors() == set()
+    finally:
+        w.close()
