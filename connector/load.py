@@ -501,20 +501,20 @@ class LoadPipeline:
             n, f, _ = self.run(self.plan(batch, left))
             loaded, failed = loaded + n, failed | f
         nbytes = loaded * geo.chunk_bytes
-        if spec.states and not failed:
-            ok, state_bytes = (self.states.load(spec.states) if self.states is not None
-                               else (False, 0))
+        if spec.states:
+            ok, state_bytes = False, 0
+            if not failed and self.states is not None:
+                ok, state_bytes = self.states.load(spec.states)
             if ok:
                 nbytes += state_bytes
                 self.stats.add(loaded_states=len(spec.states), loaded_bytes=state_bytes)
-            else:  # the prefix cannot resume without its state: recompute it all
-                self._warn(spec.req_id, "missed its recurrent state")
-                self.stats.add(load_errors=1)
-                failed = {b for c in spec.chunks for b in c.block_ids if b >= 0}
+            else:
+                if not failed:  # the prefix cannot resume without its state: recompute it all
+                    self._warn(spec.req_id, "missed its recurrent state")
+                    self.stats.add(load_errors=1)
+                    failed = {b for c in spec.chunks for b in c.block_ids if b >= 0}
+                    loaded = 0
                 failed |= {r.block_id for r in spec.states if r.block_id >= 0}
-                loaded = 0
-        elif spec.states:
-            failed |= {r.block_id for r in spec.states if r.block_id >= 0}
         return LoadResult(spec.req_id, loaded, failed, nbytes)
 
     def start(self, meta: ConnectorMeta) -> Started:

@@ -32,23 +32,15 @@ from kvpool.connector.report import StepReport
 from kvpool.connector.staging import StagingBuffers, StagingViews
 from kvpool.connector.state import StateCache
 from kvpool.connector.stats import ConnectorStats
-from kvpool.connector.store_access import StoreAccess
+from kvpool.connector.store_access import StoreAccess, put_from_ready
 from kvpool.core.config import ConfigError
 from kvpool.core.errors import ErrorCode
-from kvpool.transfer.gpu import independent_copies
 
 __all__ = ["SaveJob", "SaveQueue"]
 
 log = logging.getLogger("kvpool.connector")
 
 _SAVE_WAIT_S = 120.0  # a save job waits this long for its forward's layers
-
-
-def _batch_put_from(client: Any, keys: list[str], bufs: Sequence[Any], config: Any) -> list[Any]:
-    # the buffer was gathered on the save stream and synchronised: the copies
-    # need not queue behind the forward's kernels on the default stream
-    with independent_copies():
-        return list(client.batch_put_from(keys, bufs, config))
 
 
 @dataclass
@@ -272,7 +264,7 @@ class SaveQueue:
                 batches += 1
                 staged += len(batch)
                 try:
-                    codes = self.store.call(partial(_batch_put_from, keys=keys, bufs=bufs,
+                    codes = self.store.call(partial(put_from_ready, keys=keys, bufs=bufs,
                                                     config=rc))
                 except Exception as exc:  # saving is best effort
                     log.warning("kvpool: save failed: %r", exc)

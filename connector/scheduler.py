@@ -335,7 +335,7 @@ class KVPoolScheduler:
             locs, located = self.store.batch_locate(keys)
             replies.append(located)
             if states:
-                per = (len(keys) - s0) // max(1, len(chunks))
+                per = len(self.state_groups) * self.state_ranks  # probe keys per chunk
                 for k, i in enumerate(chunks):
                     a = s0 + k * per
                     state_ok[i] = all(locs[j] is not None for j in range(a, a + per))
@@ -472,9 +472,9 @@ class KVPoolScheduler:
                         located=self._first_group_located(lk, chunks))
         if self.state_groups:  # the state at the hit's end (a hit ends at a chunk's end)
             at = end // bs - 1
-            tables = [list(ids) for ids in state_block_ids] + [[]] * len(self.state_groups)
-            spec.states = [StateRef(s, last, lk.hashes[last],
-                                    tables[s][at] if at < len(tables[s]) else -1)
+            tables = state_block_ids
+            spec.states = [StateRef(s, last, lk.hashes[last], tables[s][at]
+                                    if s < len(tables) and at < len(tables[s]) else -1)
                            for s in range(len(self.state_groups))]
         if d is not None and d.predicted_load_s is not None:
             self.stats.add(predicted_load_s=d.predicted_load_s)
@@ -694,7 +694,7 @@ class KVPoolScheduler:
         self._lookups.pop(req_id, None)
         self._load_blocks.pop(req_id, None)
         self._no_load.discard(req_id)
-        keep = bool(st and st.had_saves) or req_id in self._async_loading
-        if not (st and st.had_saves):  # no save will report it: release now
+        had_saves = bool(st and st.had_saves)
+        if not had_saves:  # no save will report it: release now
             self._unpin(req_id)
-        return keep
+        return had_saves or req_id in self._async_loading

@@ -25,7 +25,7 @@ from typing import Any
 from kvpool.connector.keys import KeySpace
 from kvpool.connector.layout import LayerLayout
 from kvpool.connector.metadata import StateRef
-from kvpool.connector.store_access import StoreAccess
+from kvpool.connector.store_access import StoreAccess, put_from_ready
 from kvpool.core.config import ConfigError
 from kvpool.core.errors import ErrorCode
 
@@ -53,15 +53,6 @@ class StateCache:
         if not all(self.groups):
             raise ConfigError("a state group without layers")
         self.num_blocks = min(lay.num_blocks for g in self.groups for lay in g)
-        self.cuda = self.groups[0][0].device.type == "cuda"
-
-    @property
-    def layer_names(self) -> set[str]:
-        return {lay.name for g in self.groups for lay in g}
-
-    def block_bytes(self, refs: Sequence[StateRef]) -> int:
-        """Bytes of this rank's objects of ``refs``."""
-        return sum(lay.block_bytes for r in refs for lay in self.groups[r.group])
 
     def _objects(self, refs: Sequence[StateRef]) -> tuple[list[str], list[Any], list[int]]:
         """Keys, block views and sizes of every object of ``refs``."""
@@ -91,7 +82,7 @@ class StateCache:
         keys, views, sizes = self._objects(refs)
         try:
             codes = [ErrorCode(int(c)) for c in self.store.call(
-                partial(_put_from, keys=keys, views=views, config=config))]
+                partial(put_from_ready, keys=keys, bufs=views, config=config))]
         except Exception as exc:  # saving is best effort
             log.warning("kvpool: state save failed: %r", exc)
             return 0, 0, len(refs), 0
@@ -127,7 +118,3 @@ class StateCache:
             return False, 0
         ok = all(int(n) == size for n, size in zip(got, sizes, strict=True))
         return ok, sum(sizes) if ok else 0
-
-
-def _put_from(client: Any, keys: list[str], views: list[Any], config: Any) -> list[Any]:
-    return list(client.batch_put_from(keys, views, config))

@@ -17,8 +17,9 @@ from typing import Any
 
 from kvpool.connector.config import ConnectorConfig
 from kvpool.core.errors import ErrorCode, KVPoolError
+from kvpool.transfer.gpu import independent_copies
 
-__all__ = ["StoreAccess", "StoreUnavailable", "client_config", "make_client"]
+__all__ = ["StoreAccess", "StoreUnavailable", "client_config", "make_client", "put_from_ready"]
 
 log = logging.getLogger("kvpool.connector")
 
@@ -54,6 +55,14 @@ def client_config(cfg: ConnectorConfig) -> Any:
     if cfg.tenant:
         overrides["tenant"] = cfg.tenant
     return client_config_from_env(overrides, path=cfg.client_config)
+
+
+def put_from_ready(client: Any, keys: list[str], bufs: Sequence[Any], config: Any) -> list[Any]:
+    """``client.batch_put_from`` of buffers whose bytes are ready (the save
+    thread synchronised with what wrote them): on a GPU the copies need not
+    queue behind the forward's kernels on the default stream."""
+    with independent_copies():
+        return list(client.batch_put_from(keys, bufs, config))
 
 
 def make_client(cfg: ConnectorConfig) -> Any:

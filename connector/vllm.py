@@ -233,16 +233,10 @@ def to_vllm_event(e: PoolEvent) -> Any:
                        lora_id=None, medium=e.medium.value, lora_name=None)
 
 
-@dataclass
-class _Groups:
-    """Some of a KVCacheConfig's groups, as :func:`_layer_names` reads them."""
-
-    kv_cache_groups: list[Any]
-
-
-def _layer_names(kv_cache_config: Any) -> list[str]:
+def _layer_names(groups: list[Any]) -> list[str]:
+    """The layers of vLLM's KV-cache ``groups``, each once, in order."""
     names: list[str] = []
-    for group in getattr(kv_cache_config, "kv_cache_groups", []) or []:
+    for group in groups:
         for n in group.layer_names:
             if n not in names:
                 names.append(n)
@@ -404,7 +398,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             chunk_size=self.cfg.chunk_size,
         )
         kv_groups = [vllm_groups[i] for i in self._kv_ids] if groups else vllm_groups
-        self.layer_names = _layer_names(_Groups(kv_groups))
+        self.layer_names = _layer_names(kv_groups)
         self.cache_groups = [g for g in groups if not g.state] or [
             CacheGroup(len(self.layer_names))]
         self.cache_group_of = {n: c for c, g in enumerate(kv_groups) for n in g.layer_names}
