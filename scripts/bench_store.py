@@ -37,6 +37,15 @@ measured the same way in the same run::
 
     .venv/bin/python scripts/bench_store.py --cross-host --json out/xhost.json \
         [--mooncake /path/to/venv/bin/python] [--link veth] [--rps] [--profile DIR]
+
+Each store record there also says what a call cost from the caller's side
+(``phases``): master RPCs and transfer batches per call, the wall time of
+each, the rest, and the master ops by type. Single calls of 8 MiB and more
+have one more limit, ``xhost_striped_*``: one call after another, each moved
+as N stripes over N sockets at once (``--stripes``), what kvpool's striping
+of a lone large request can reach in plain Python. ``--tcp-options JSON``
+sets the clients' ``transports.tcp.options``; ``--profile-idle`` makes
+``--profile`` sample waiting threads too (where a call's wall time goes).
 """
 
 from __future__ import annotations
@@ -107,6 +116,61 @@ def _record(transport: str, op: str, size: int, batch: int, lat: list[float],
 
 # ----------------------------------------------------------------------------- workers
 
+class _PhaseClock:
+    """Where a client's calls spend their wall time: every master RPC
+    (``MasterClient.call``) and every transfer batch (``TransferEngine.run`` /
+    ``transfer``) of this process is counted and timed, so a record says how
+    many round trips of each kind an op costs and how long they take from the
+    caller's side (``phases.other_us``: the op's time outside both; a round
+    trip's time includes the peer's handling)."""
+
+    def __init__(self) -> None:
+        from kvpool.core.rpc_client import MasterClient
+        from kvpool.transfer.engine import TransferEngine
+
+        self.cells: dict[str, list[float]] = {"master": [0, 0.0], "transfer": [0, 0.0]}
+        self.by_op: dict[str, int] = {}
+        self._wrap(MasterClient, "call", "master")
+        self._wrap(TransferEngine, "run", "transfer")
+        self._wrap(TransferEngine, "transfer", "transfer")
+
+    def _wrap(self, cls: Any, name: str, cell_name: str) -> None:
+        orig = getattr(cls, name)
+        cell = self.cells[cell_name]
+        by_op = self.by_op
+        depth = threading.local()  # a wrapped call inside another counts once
+
+        def timed(obj: Any, *a: Any, **kw: Any) -> Any:
+            if getattr(depth, "n", 0):
+                return orig(obj, *a, **kw)
+            depth.n = 1
+            t = time.perf_counter()
+            try:
+                return orig(obj, *a, **kw)
+            finally:
+                cell[1] += time.perf_counter() - t
+                cell[0] += 1
+                depth.n = 0
+                if cell_name == "master" and a:
+                    op = type(a[0]).__name__
+                    by_op[op] = by_op.get(op, 0) + 1
+
+        setattr(cls, name, timed)
+
+    def reset(self) -> None:
+        for cell in self.cells.values():
+            cell[0], cell[1] = 0, 0.0
+        self.by_op.clear()
+
+    def per_op(self, n: int, total_s: float) -> dict[str, Any]:
+        m, t = self.cells["master"], self.cells["transfer"]
+        return {"phases": {
+            "master_rpcs": round(m[0] / n, 3), "master_us": round(m[1] / n * 1e6, 1),
+            "transfers": round(t[0] / n, 3), "transfer_us": round(t[1] / n * 1e6, 1),
+            "other_us": round((total_s - m[1] - t[1]) / n * 1e6, 1),
+            "master_ops": {k: round(v / n, 3) for k, v in sorted(self.by_op.items())}}}
+
+
 def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> None:
     """A pure client in its own process, driven over ``conn``.
 
@@ -117,6 +181,7 @@ def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> 
     from kvpool.store import Client, ClientConfig
 
     setup_logging("WARNING")
+    phases = _PhaseClock()
     clients: dict[str, Client] = {}
     bufs: dict[tuple[int, int], tuple[list[np.ndarray], list[Any]]] = {}
 
@@ -164,6 +229,7 @@ def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> 
         arrs, handles = buffers(c, size, batch)
         values = [a.tobytes() for a in arrs] if op in ("put", "put_batch") else []
         lat: list[float] = []
+        phases.reset()
         cpu0 = time.process_time()  # every thread of this client process
         host0 = host_cpu()
         t0 = time.perf_counter()
@@ -198,6 +264,7 @@ def _worker(conn: Any, master: str, client_kw: dict[str, Any] | None = None) -> 
         rec["client_cpu_us_per_key"] = round(
             (time.process_time() - cpu0) / (n * batch) * 1e6, 2)
         rec["host_steal_pct"] = steal_pct(host0, host_cpu())
+        rec.update(phases.per_op(n, total))
         return rec
 
     try:
@@ -514,6 +581,11 @@ def _show(rec: dict[str, Any]) -> None:
              if "client_cpu_us_per_key" in rec else "")
           + "".join(f" {r} {rec[f'{r}_cpu_us_per_key']:.1f}" for r in ("master", "holder")
                     if f"{r}_cpu_us_per_key" in rec), file=sys.stderr)
+    ph = rec.get("phases")
+    if ph:
+        print(f"         per call: {ph['master_rpcs']} master RPCs {ph['master_us']} us, "
+              f"{ph['transfers']} transfers {ph['transfer_us']} us, rest {ph['other_us']} us "
+              f"{ph['master_ops']}", file=sys.stderr)
 
 
 def _find(records: list[dict[str, Any]], transport: str, op: str, size: int,
@@ -815,6 +887,8 @@ def _xhost_prober() -> None:
                 conn.send({"removed": store.remove_all(force=True)})
             elif msg[0] == "streams":
                 conn.send(_socket_streams(*msg[1:]))
+            elif msg[0] == "striped":
+                conn.send(_socket_striped(*msg[1:]))
             elif msg[0] == "rtt":
                 conn.send(_socket_rtt(*msg[1:]))
             else:
@@ -887,6 +961,59 @@ def _socket_streams(addr: str, port: int, streams: int, size: int, seconds: floa
     return rec
 
 
+def _socket_striped(addr: str, port: int, stripes: int, size: int, seconds: float,
+                    op: str) -> dict[str, Any]:
+    """One ``size``-byte call after another, each moved as ``stripes`` equal
+    stripes over as many connections at once (threads meeting at a barrier
+    before and after each call): what a single striped call can reach in plain
+    Python, where the streams limit keeps every connection busy all the time."""
+    socks = [_connect(addr, port) for _ in range(stripes)]
+    piece = -(-size // stripes)
+    payload = memoryview(bytearray(piece))
+    start, end = threading.Barrier(stripes), threading.Barrier(stripes)
+    lat: list[float] = []
+    stop = time.perf_counter() + seconds
+    go = [True]
+
+    def run(i: int) -> None:
+        s, buf = socks[i], memoryview(bytearray(piece))
+        n = min(piece, size - i * piece)
+        hdr = (b"W" if op == "write" else b"R") + n.to_bytes(8, "little")
+        while True:
+            start.wait()
+            if not go[0]:
+                return
+            t = time.perf_counter()
+            if op == "write":
+                s.sendall(hdr)
+                s.sendall(payload[:n])
+                s.recv(1, socket.MSG_WAITALL)
+            else:
+                s.sendall(hdr)
+                got = 0
+                while got < n:
+                    got += s.recv_into(buf[got:n])
+            end.wait()
+            if i == 0:
+                lat.append(time.perf_counter() - t)
+                go[0] = time.perf_counter() < stop
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, stripes)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    run(0)
+    total = time.perf_counter() - t0
+    for t in threads:
+        t.join()
+    for s in socks:
+        s.close()
+    rec = _record("socket", f"xhost_striped_{op}", size, 1, lat, total)
+    rec["streams"] = stripes
+    rec["bytes"] = len(lat) * size
+    return rec
+
+
 def _socket_rtt(addr: str, port: int, size: int, n: int) -> dict[str, Any]:
     """``size`` bytes to the holder and an 8-byte answer, ``n`` times on one
     connection: the floor of one request/reply exchange over the link."""
@@ -912,11 +1039,16 @@ def _xhost_worker() -> None:
     from kvpool.core.auth import CurveConfig
 
     i = sys.argv.index("--xhost-worker")
-    master, host_id, bind, threads = sys.argv[i + 1:i + 5]
+    master, host_id, bind, threads, options = sys.argv[i + 1:i + 6]
     kw: dict[str, Any] = {"host_id": host_id, "bind_host": bind,
                           "curve": CurveConfig(enabled=False)}
+    tcp: dict[str, Any] = {}
     if int(threads):
-        kw["transfer_overrides"] = {"transports": {"tcp": {"threads": int(threads)}}}
+        tcp["threads"] = int(threads)
+    if json.loads(options):
+        tcp["options"] = json.loads(options)
+    if tcp:
+        kw["transfer_overrides"] = {"transports": {"tcp": tcp}}
     _worker(_StdioConn(), master, kw)
 
 
@@ -1075,9 +1207,10 @@ class _KvpoolSide:
         if not args.profile:
             return [sys.executable]
         os.makedirs(args.profile, exist_ok=True)
-        return [args.py_spy, "record", "--format", "raw", "--rate", "200", "--nonblocking",
-                "-o", os.path.join(os.path.abspath(args.profile), f"{role}.txt"), "--",
-                sys.executable]
+        idle = ["--idle", "--threads"] if args.profile_idle else []
+        return [args.py_spy, "record", "--format", "raw", "--rate", str(args.profile_rate),
+                "--nonblocking", *idle, "-o",
+                os.path.join(os.path.abspath(args.profile), f"{role}.txt"), "--", sys.executable]
 
     def start(self) -> None:
         me, work, holder = os.path.abspath(__file__), self.work, self.holder
@@ -1095,7 +1228,8 @@ class _KvpoolSide:
              "client", "--master", self.master, "--memory", str(self.holder_bytes),
              "--host-id", self.holder_id, "--bind-host", holder.address, "--ready-file", ready,
              # (no Mooncake standalone port: --mooncake's master listens on 50052 there)
-             "--curve", "off", "--dummy-port", "0"], stdout=dlog, stderr=subprocess.STDOUT)
+             "--curve", "off", "--dummy-port", "0", *self._holder_transfer()],
+            stdout=dlog, stderr=subprocess.STDOUT)
         self.started.append(self.daemon)
         sock = holder.popen([sys.executable, me, "--xhost-sockserver", holder.address],
                             stdout=subprocess.PIPE, text=True)
@@ -1110,9 +1244,19 @@ class _KvpoolSide:
         for role in ("putter", "getter"):
             self.workers[role] = _NsProc(
                 self.client, [*self._py(role), me, "--xhost-worker", self.master, "client",
-                              self.client.address, str(self.args.tcp_threads)],
+                              self.client.address, str(self.args.tcp_threads),
+                              self.args.tcp_options or "{}"],
                 os.path.join(work, f"{role}.log"))
             self.helpers.append(self.workers[role])
+
+    def _holder_transfer(self) -> list[str]:
+        """``--transfer-config`` of ``--holder-transfer`` (JSON is YAML), or nothing."""
+        if not self.args.holder_transfer:
+            return []
+        path = os.path.join(self.work, "holder_transfer.yaml")
+        with open(path, "w") as f:
+            f.write(self.args.holder_transfer)
+        return ["--transfer-config", path]
 
     def remove_all(self) -> None:
         self.prober.ask("remove_all")
@@ -1347,6 +1491,15 @@ def _xhost_limits(topo: Any, kv: _KvpoolSide, size: int,
             rec["tcp"] = ctr.delta()
             rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
             out.append(_show_x(rec))
+    if size >= (8 << 20):  # a single call of this size, striped as kvpool's tcp does
+        for stripes in args.stripes:
+            for op in ("write", "read"):
+                ctr = _Counters(hosts)
+                rec = kv.prober.ask("striped", kv.holder.address, kv.sock_port, stripes, size,
+                                    min(args.limit_seconds, 2.0), op)
+                rec["tcp"] = ctr.delta()
+                rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
+                out.append(_show_x(rec))
     return out
 
 
@@ -1464,11 +1617,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="",
                    help="cross-host: py-spy record every kvpool process into this folder")
     p.add_argument("--py-spy", default="py-spy", help="the py-spy executable")
+    p.add_argument("--profile-idle", action="store_true",
+                   help="--profile: sample waiting threads too, by thread (where the wall "
+                        "time of a call goes, not only its CPU)")
+    p.add_argument("--profile-rate", type=int, default=200, help="--profile: samples per second")
     p.add_argument("--mooncake", default="",
                    help="cross-host: also measure Mooncake; PYTHON of a venv with "
                         "mooncake-transfer-engine (mooncake_master beside it)")
     p.add_argument("--tcp-threads", type=int, default=0,
                    help="cross-host: the clients' tcp transport threads (0: its default)")
+    p.add_argument("--stripes", type=lambda s: [int(x) for x in s.split(",") if x],
+                   default=[4, 8], help="cross-host: also measure single calls of 8 MiB "
+                   "and more striped over this many sockets (comma-separated)")
+    p.add_argument("--holder-transfer", default="",
+                   help="cross-host: the holder daemon's transfer config, as JSON (e.g. "
+                   "'{\"server\": {\"bulk_spin_us\": 300}}')")
+    p.add_argument("--tcp-options", default="",
+                   help="cross-host: JSON of the clients' transports.tcp.options")
     p.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",") if x],
                    default=[1, 2, 4], help="cross-host: socket-stream counts of the link limit")
     p.add_argument("--rps", action="store_true",

@@ -138,17 +138,25 @@ class ClientConfig:
         default_factory=RpcPollConfig,
         help="how the client's master RPC stubs poll for a reply before sleeping")
     reserve_single_puts: bool = setting(
-        True, help="a single put of a small value (default options, no checksum, host "
-        "buffer, under 1MiB) asks its commit's reply for a reservation of the same size; the "
+        True, help="a single put (default options, no checksum, host buffer, at most "
+        "reserve_max_bytes) asks its commit's reply for a reservation of the same size; the "
         "next put of that size writes into it and commits with one master call (PUT_COMMIT) "
         "instead of two (PUT_START, PUT_END). At most 8 sizes are held; close() gives them "
         "back")
     reserve_batch_puts: bool = setting(
         True, help="a batch put of values of one size (default options, no checksum, at "
-        "most 1MiB in all) asks its commit's reply for reservations of the "
+        "most reserve_max_bytes in all) asks its commit's reply for reservations of the "
         "same shape; the next batch of that size and at most as many keys writes into them "
         "and commits with one master call (BATCH_PUT_COMMIT) instead of two "
         "(BATCH_PUT_START, BATCH_PUT_END). close() gives them back")
+    reserve_max_bytes: int = setting(
+        64 << 20, size=True,
+        help="the largest put (bytes of all its values) that asks for reservations "
+        "(reserve_single_puts, reserve_batch_puts). The reservations a client holds stay "
+        "below 4x this in all (a put that would pass it asks for none); they are pool "
+        "space held for its next puts until used, given back at close(), or swept by the "
+        "master when their grant expires. Across hosts a large put saves a master round "
+        "trip (docs/BENCHMARKS.md); 0 = no reservations")
     metrics_port: int = setting(
         0, help="node daemon: Prometheus /metrics (kvpool_node_*: segments, transfers "
         "served and made, capability refusals, guard, SSD tier; docs/metrics.md) and JSON "
@@ -174,6 +182,8 @@ class ClientConfig:
         """Raise :class:`ConfigError` on values that cannot work."""
         if self.memory_size < 0 or self.disk_size < 0:
             raise ConfigError("memory_size and disk_size must be >= 0")
+        if self.reserve_max_bytes < 0:
+            raise ConfigError("reserve_max_bytes must be >= 0")
         if self.disk_size > 0 and not self.disk_dir:
             raise ConfigError("disk_size > 0 needs disk_dir")
         for name in ("rpc_timeout_s", "transfer_timeout_s", "ping_interval_s"):

@@ -25,13 +25,12 @@ import msgspec
 from kvpool.core.protocol import BatchPutRevoke, ReplicaDescriptor
 from kvpool.store.session import MasterSession
 
-__all__ = ["MAX_SPARE_BYTES", "Spare", "SpareCache"]
+__all__ = ["HELD_FACTOR", "Spare", "SpareCache"]
 
 log = logging.getLogger(__name__)
 
-#: a put asks for spares when its values are of one size and at most this many bytes in all
-#: (the round trip saved matters less as the bytes grow)
-MAX_SPARE_BYTES = 1 << 20
+#: the spares a client holds stay below this many times ``ClientConfig.reserve_max_bytes``
+HELD_FACTOR = 4
 _MAX_SIZES = 8  # sizes held at most
 _PER_SIZE = 4  # groups held per size (threads putting the same size at once each find one)
 _CLOSE_TIMEOUT_S = 0.5
@@ -60,10 +59,19 @@ class Spare(msgspec.Struct):
 class SpareCache:
     """The spare allocations of one client, by value size (module docstring)."""
 
-    def __init__(self, session: MasterSession) -> None:
+    def __init__(self, session: MasterSession, max_bytes: int) -> None:
         self.session = session
+        self.max_bytes = max_bytes  # the largest put that asks for spares
         self.by_size: OrderedDict[int, list[Spare]] = OrderedDict()
+        self.held_bytes = 0  # of every group held (a taken one no longer counts)
         self._lock = threading.Lock()
+
+    def may_ask(self, size: int, n: int) -> bool:
+        """Whether a put of ``n`` values of ``size`` bytes may ask its commit for
+        spares: it is at most ``max_bytes``, and what is held stays below
+        ``HELD_FACTOR`` times that with them."""
+        want = size * n
+        return want <= self.max_bytes and self.held_bytes + want <= HELD_FACTOR * self.max_bytes
 
     def keep(self, size: int, placeholders: list[str], replicas: list[ReplicaDescriptor],
              caps: list[bytes], ttl_ms: int, term: int) -> None:
@@ -80,11 +88,14 @@ class SpareCache:
             held = self.by_size.pop(size, None) or []
             if len(held) < _PER_SIZE:
                 held.append(spare)
+                self.held_bytes += size * len(spare.placeholders)
             else:
                 drop.append(spare)
             self.by_size[size] = held  # the most recent size last
             while len(self.by_size) > _MAX_SIZES:
-                drop += self.by_size.popitem(last=False)[1]
+                old_size, groups = self.by_size.popitem(last=False)
+                self.held_bytes -= old_size * sum(len(g.placeholders) for g in groups)
+                drop += groups
         if drop:
             self.give_back([p for d in drop for p in d.placeholders])
 
@@ -121,6 +132,7 @@ class SpareCache:
                 held.append(rest)
             elif not held:
                 del self.by_size[size]
+            self.held_bytes -= size * n
         if time.monotonic() >= spare.deadline or spare.term != self.session.term:
             self.give_back(spare.placeholders)
             return None
@@ -136,6 +148,7 @@ class SpareCache:
         with self._lock:
             held = [p for group in self.by_size.values() for s in group for p in s.placeholders]
             self.by_size.clear()
+            self.held_bytes = 0
         if not held or not self.session.started or self.session.closed:
             return
         try:

@@ -53,7 +53,7 @@ from kvpool.store.errors import (
 from kvpool.store.reads import all_valid_keys, code_of, valid_key
 from kvpool.store.replicas import SUSPECT_S
 from kvpool.store.session import MasterSession
-from kvpool.store.spares import MAX_SPARE_BYTES, Spare, SpareCache
+from kvpool.store.spares import Spare, SpareCache
 from kvpool.transfer.buffers import BufferHandle
 from kvpool.transfer.types import RequestState, TransferOp, TransferRequest
 
@@ -132,7 +132,7 @@ class Writes:
         self.config = config
         self.client_id = session.client_id
         self.checksum_algo = resolve_checksum_algo(config.checksum)
-        self.spares = SpareCache(session)
+        self.spares = SpareCache(session, config.reserve_max_bytes)
 
     # ------------------------------------------------------------------ puts
 
@@ -201,8 +201,8 @@ class Writes:
         if spares and enabled and not upsert and checksums is None and groups is None \
                 and opts is None and type(idx) is range:
             size = put_sizes[0]
-            if size * n <= MAX_SPARE_BYTES and put_sizes.count(size) == n:
-                spare_size = size
+            if size * n <= self.spares.max_bytes and put_sizes.count(size) == n:
+                spare_size = size if self.spares.may_ask(size, n) else 0
                 held = self.spares.take(size, n)
                 if held is not None:
                     return self._put_spared(put_keys, buffers, size, held, config, errors)
@@ -508,10 +508,11 @@ class Writes:
         (WRITE_OUTCOME_UNKNOWN) is confirmed with the keys' PUT_END (OK when
         committed, OBJECT_NOT_FOUND when not applied)."""
         session = self.session
+        ask = size if self.spares.may_ask(size, len(keys)) else 0  # the next spares
         try:
             if len(keys) == 1:
                 try:
-                    one = session.call(PutCommit(self.client_id, placeholders[0], keys[0], size))
+                    one = session.call(PutCommit(self.client_id, placeholders[0], keys[0], ask))
                 except StoreError as exc:
                     if exc.code in _CALL_CODES:
                         raise
@@ -519,8 +520,8 @@ class Writes:
                 self.spares.keep(size, [one.placeholder] if one.placeholder else [],
                                  one.replicas, one.caps, one.ttl_ms, session.term)
                 return [_OK]
-            end = session.call(BatchPutCommit(self.client_id, placeholders, keys, size,
-                                              len(keys)))
+            end = session.call(BatchPutCommit(self.client_id, placeholders, keys, ask,
+                                              len(keys) if ask else 0))
         except MasterUnreachable as exc:
             if exc.code != ErrorCode.WRITE_OUTCOME_UNKNOWN:
                 raise

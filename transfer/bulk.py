@@ -136,6 +136,7 @@ class BulkStream:
         self._end = 0
         self._need = _HDR  # bytes the header being read needs in the buffer
         self.spin_until = 0.0  # perf_counter time: the next read polls until then
+        self.arrived = 0.0  # perf_counter time the last header was read in full
 
     def _arm(self, deadline: float) -> None:
         """Set the socket's kernel timeouts to what is left until ``deadline``."""
@@ -194,6 +195,7 @@ class BulkStream:
                                   ErrorCode.MALFORMED_FRAME)
         raw = bytes(self._buf[self._start + _HDR:self._start + _HDR + n])
         self._start += _HDR + n
+        self.arrived = time.perf_counter()
         return raw
 
     def read_into(self, views: list[memoryview], deadline: float) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.core import spin as _spin
 from kvpool.core.errors import KVPoolError
 from kvpool.transfer import wire
 from kvpool.transfer.bulk import BulkStream, bulk_frame, set_congestion
@@ -56,14 +57,17 @@ class BulkServer:
     refused. ``congestion``: the
     ``tcp_congestion`` policy of accepted connections (:func:`set_congestion`).
     ``cells``: where served requests are recorded, by op (own ones if None).
-    ``close()`` stops it.
+    ``spin_us``: how long a connection's thread polls for the next request
+    after a reply, while the peer's requests have of late come that soon
+    (0: never; :mod:`kvpool.core.spin`). ``close()`` stops it.
     """
 
     def __init__(self, bind_host: str, validate: RangeValidator,
                  count: Callable[[int, int], None], max_header_bytes: int,
                  max_request_bytes: int, congestion: str = "auto",
-                 cells: OpCells | None = None) -> None:
+                 cells: OpCells | None = None, spin_us: float = 0.0) -> None:
         self._validate = validate
+        self.spin_s = spin_us / 1e6
         self._congestion = congestion
         self._count = count
         self.cells: OpCells = cells or (OpCounter(), OpCounter(), OpCounter())
@@ -101,6 +105,9 @@ class BulkServer:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             scratch = memoryview(bytearray(_DISCARD))
+            if self.spin_s:
+                self._serve_polling(stream, scratch)
+                return
             while not self._stop.is_set() and self._serve_one(stream, scratch):
                 pass
         except (OSError, KVPoolError) as exc:
@@ -111,6 +118,28 @@ class BulkServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _serve_polling(self, stream: BulkStream, scratch: memoryview) -> None:
+        """The serving loop with a poll for the next request after each reply
+        (``spin_s``), while of late the next request came within it (a moving
+        average of the gaps, each capped at twice the window; a gap slept
+        through counts as the window, and a shut gate still polls now and
+        then: :mod:`kvpool.core.spin`)."""
+        spin = self.spin_s
+        gap = 0.0
+        skipped = [0]
+        clock = time.perf_counter
+        while not self._stop.is_set():
+            end = clock()
+            polled = False
+            if _spin.polling() and (gap < spin or _spin.probe(skipped, 0)):
+                polled = True
+                stream.spin_until = end + spin
+            stream.arrived = 0.0
+            if not self._serve_one(stream, scratch):
+                return
+            if stream.arrived:
+                gap += (_spin.wait_sample(stream.arrived - end, polled, spin) - gap) * 0.125
 
     def _check(self, req: wire.BulkRequest) -> tuple[list[int], list[Any], str]:
         """Validate and count every range: (codes, segments (None where

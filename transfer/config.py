@@ -194,6 +194,10 @@ class ServerConfig:
     ``max_queued_requests``: requests one peer connection may have queued
     (ZeroMQ receive high-water mark): beyond it the server stops reading that
     peer's socket (TCP back-pressure) instead of buffering without bound.
+    ``bulk_spin_us``: after answering on a bulk connection, its thread polls
+    for the peer's next request without sleeping for up to this long, while
+    that peer's requests have of late come that soon (a client's next get
+    after its next master call); 0 = always sleep (:mod:`kvpool.core.spin`).
     """
 
     enabled: bool = True
@@ -207,8 +211,11 @@ class ServerConfig:
     #: them in place (kvpool.transfer.bulk; one copy less than ZeroMQ). Never
     #: opened when the server uses CURVE.
     bulk: bool = True
+    bulk_spin_us: int = 0
 
     def validate(self) -> None:
+        if self.bulk_spin_us < 0:
+            raise ConfigError(f"server.bulk_spin_us must be >= 0: {self.bulk_spin_us}")
         if self.capabilities not in ("auto", "on", "off"):
             raise ConfigError(f"server.capabilities must be auto, on or off: "
                               f"{self.capabilities!r}")

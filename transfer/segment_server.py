@@ -102,7 +102,8 @@ class SegmentServer:
                 self.bulk = BulkServer(bind_host, self.check, self.count,
                                        int(self.config.max_header_bytes),
                                        self._max_request, tcp_congestion,
-                                       self.counters.cells(Direction.SERVED, "tcp_bulk"))
+                                       self.counters.cells(Direction.SERVED, "tcp_bulk"),
+                                       spin_us=self.config.bulk_spin_us)
             except BaseException:
                 self.zmq.close()
                 raise

@@ -80,6 +80,47 @@ def test_second_put_is_one_master_call(make_client: Callable[..., Client]) -> No
     assert c.get(f"{tag}/pinned") == vals[3].tobytes()
 
 
+def test_reserve_max_bytes_bounds_each_put_and_what_is_held(
+        make_client: Callable[..., Client]) -> None:
+    """A put of up to ``reserve_max_bytes`` reserves (a 1 MiB put is one master
+    call the second time); a larger one never does; a client holds below 4x
+    the bound in all: a put that would pass it asks for none, until a held one
+    is used."""
+    mib = 1 << 20
+    c = make_client(reserve_max_bytes=mib)
+    cache = c._parts.writes.spares
+    tag = uuid.uuid4().hex[:8]
+    big = _val(5, mib)
+    sent = spy_requests(c)
+    c.put_from(f"{tag}/m0", big)
+    c.put_from(f"{tag}/m1", big)
+    assert sent == ["PutStart", "PutEnd", "PutCommit"]
+    assert c.get(f"{tag}/m0") == big.tobytes() and c.get(f"{tag}/m1") == big.tobytes()
+    sent.clear()
+    over = _val(6, mib + K)
+    c.put_from(f"{tag}/o0", over)
+    c.put_from(f"{tag}/o1", over)
+    assert sent == ["PutStart", "PutEnd"] * 2 and mib + K not in spares(c)
+    assert c.get(f"{tag}/o1") == over.tobytes()
+    sizes = [mib - K * i for i in range(1, 5)]
+    for size in sizes:
+        c.put_from(f"{tag}/s{size}", _val(size, size))
+    # held: 1 MiB and three of the sizes (4 MiB - 6 KiB); a fourth would pass 4 MiB
+    assert sorted(spares(c)) == sorted([mib, *sizes[:3]])
+    assert cache.held_bytes == mib + sum(sizes[:3]) <= 4 * mib
+    sent.clear()
+    v = _val(7, sizes[3])
+    c.put_from(f"{tag}/t", v)
+    assert sent == ["PutStart", "PutEnd"] and sizes[3] not in spares(c)
+    sent.clear()
+    c.put_from(f"{tag}/u", big)  # uses the 1 MiB one: room again, so it asks for the next
+    assert sent == ["PutCommit"] and len(spares(c)[mib]) == 1
+    assert cache.held_bytes == mib + sum(sizes[:3])
+    assert c.get(f"{tag}/t") == v.tobytes() and c.get(f"{tag}/u") == big.tobytes()
+    c.close()
+    assert cache.held_bytes == 0
+
+
 def test_expired_reservation_is_given_back(make_client: Callable[..., Client]) -> None:
     c = make_client()
     tag = uuid.uuid4().hex[:8]

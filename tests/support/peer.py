@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-id", default="peer-host")
     ap.add_argument("--client-id", default="peer")
     ap.add_argument("--no-prefault", action="store_true")
+    ap.add_argument("--bulk-spin-us", type=int, default=0,
+                    help="server.bulk_spin_us of the peer's transfer server")
     ap.add_argument("--curve-key", default=None,
                     help="serve with ZeroMQ CURVE using this (cluster) *.key_secret")
     args = ap.parse_args(argv)
@@ -165,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         curve = CurveConfig(enabled=True, secret_key_file=args.curve_key)
     seg = MemorySegment.create(args.segment_id, parse_size(args.size),
                                prefault=not args.no_prefault)
-    engine = TransferEngine(load_transfer_config(), args.host_id, client_id=args.client_id,
-                            curve=curve)
+    overrides = {"server": {"bulk_spin_us": args.bulk_spin_us}} if args.bulk_spin_us else None
+    engine = TransferEngine(load_transfer_config(overrides=overrides), args.host_id,
+                            client_id=args.client_id, curve=curve)
     serve_stdin(engine, seg)
     return 0
 

@@ -21,12 +21,14 @@ class Peer(PeerProcess):
     """A ``tests/support/peer.py`` child owning one shm segment."""
 
     def __init__(self, size: int, host_id: str = "host-test", segment_id: str | None = None,
-                 prefault: bool = True) -> None:
+                 prefault: bool = True, bulk_spin_us: int = 0) -> None:
         self.segment_id = segment_id or f"peer-{uuid.uuid4().hex[:8]}"
         cmd = [sys.executable, PEER_SCRIPT, "--segment-id", self.segment_id,
                "--size", str(size), "--host-id", host_id]
         if not prefault:
             cmd.append("--no-prefault")
+        if bulk_spin_us:
+            cmd += ["--bulk-spin-us", str(bulk_spin_us)]
         super().__init__(cmd, what="peer process")
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import sys
@@ -224,6 +225,39 @@ def test_lone_large_request_goes_over_parallel_stripes(make_engine: Any, make_pe
     assert st[0].ok, st
     assert zlib.crc32(dst[5:]) == zlib.crc32(src[3:])
     assert tcp.stats()["bulk_requests"] == n0 + 4
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_polling_bulk_server_serves_and_stops_polling_when_idle(make_engine: Any,
+                                                                make_peer: Any) -> None:
+    """A holder whose bulk connections poll for the next request
+    (``server.bulk_spin_us``) serves requests back to back and after pauses
+    longer than its window, every byte intact, and does not keep polling an
+    idle connection: its CPU stays near nothing while the client is silent."""
+    peer = make_peer(4 * MiB, host_id="far-away", bulk_spin_us=20_000)
+    e = make_engine("host-test")
+    e.add_peer_segment(peer.desc)
+    _bulk_ready(e, peer)
+    rng = np.random.default_rng(11)
+    for i in range(40):
+        if i % 10 == 9:
+            time.sleep(0.05)  # a pause beyond the window: the poll ends, a blocking read serves
+        src = rng.integers(0, 256, 4096, dtype=np.uint8)
+        st = e.transfer([TransferRequest(W, src, peer.segment_id, i * 4096, 4096)], 10)
+        assert st[0].ok, st
+        dst = np.zeros(4096, np.uint8)
+        st = e.transfer([TransferRequest(R, dst, peer.segment_id, i * 4096, 4096)], 10)
+        assert st[0].ok and np.array_equal(dst, src), st
+    pid = peer.proc.pid
+    cpu0 = _cpu_s(pid)
+    time.sleep(0.5)  # silent: a poll of at most 20 ms, then the thread sleeps
+    assert _cpu_s(pid) - cpu0 < 0.15
 
 
 def test_first_request_takes_the_published_bulk_port(make_engine: Any,

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from kvpool.core.config import parse_size
 from kvpool.core.errors import ErrorCode
 from kvpool.core.protocol import SegmentDescriptor, SegmentKind
 from kvpool.transfer.bulk_client import BulkClient
@@ -42,10 +43,11 @@ __all__ = ["TcpTransport"]
 
 log = logging.getLogger(__name__)
 
-_STRIPE_MIN = 8 << 20  # a lone request this large goes over several connections at once
-# ... in stripes of at least this much (smaller ones measured slower on a 16-core host:
-# a 16 MiB get over 8 stripes ran at 0.88x of 4; docs/bench/xhost31_threads_h200_*.json)
-_STRIPE_PIECE = 4 << 20
+# a lone request of at least two stripes goes over several connections at once, in
+# stripes of at least this much (transports.tcp.options.stripe_bytes; smaller ones
+# measured slower on a 16-core host: a 16 MiB get over 8 stripes ran at 0.88x of 4;
+# docs/bench/xhost31_threads_h200_*.json)
+DEFAULT_STRIPE_BYTES = 4 << 20
 
 
 class TcpTransport(Transport):
@@ -67,6 +69,8 @@ class TcpTransport(Transport):
         #: the peers' bulk ports and the idle connections to them
         self.bulk_peers = BulkPeers(self)
         self._helpers = BulkHelpers()
+        self.stripe_bytes = max(64 << 10, parse_size(self.settings.options.get(
+            "stripe_bytes", DEFAULT_STRIPE_BYTES), binary_units=True))
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -220,15 +224,15 @@ class TcpTransport(Transport):
 
     def _stripes(self, items: list[WorkItem], parts: dict[int, list[Any]]
                  ) -> list[list[WorkItem]]:
-        """``items`` as one list, or, for a lone item of at least ``_STRIPE_MIN``
-        bytes, as ``threads`` stripes of it, each to go over its own connection
+        """``items`` as one list, or, for a lone item of at least two
+        ``stripe_bytes``, as ``threads`` stripes of it, each to go over its own connection
         (one TCP stream of one thread is slower than the link: docs/BENCHMARKS.md).
         ``parts`` maps each stripe
         to the whole item."""
-        if len(items) != 1 or items[0].length < _STRIPE_MIN:
+        if len(items) != 1 or items[0].length < 2 * self.stripe_bytes:
             return [items]
         it = items[0]
-        n = min(int(self.settings.threads), it.length // _STRIPE_PIECE)
+        n = min(int(self.settings.threads), it.length // self.stripe_bytes)
         if n < 2:
             return [items]
         step = -(-it.length // n) + 4095 & ~4095  # page-aligned stripes
@@ -265,7 +269,8 @@ class TcpTransport(Transport):
         max_bytes = peer.max_bytes
         if len(items) == 1:
             if it0.length > max_bytes or it0.buffer.device == "cuda" \
-                    or (it0.length >= _STRIPE_MIN and int(self.settings.threads) > 1):
+                    or (it0.length >= 2 * self.stripe_bytes
+                        and int(self.settings.threads) > 1):
                 return False
         else:  # (one list of several items is never striped)
             for it in items:
