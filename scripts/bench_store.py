@@ -919,6 +919,19 @@ def _kv_congestion() -> str:
         return set_congestion(s, "auto")
 
 
+def _exchange(s: socket.socket, op: str, payload: memoryview, buf: memoryview, n: int) -> None:
+    """One request to the socket server: ``n`` bytes of ``payload`` written
+    (op "write") or ``n`` bytes read into ``buf``."""
+    s.sendall((b"W" if op == "write" else b"R") + n.to_bytes(8, "little"))
+    if op == "write":
+        s.sendall(payload[:n])
+        s.recv(1, socket.MSG_WAITALL)
+        return
+    got = 0
+    while got < n:
+        got += s.recv_into(buf[got:n])
+
+
 def _socket_streams(addr: str, port: int, streams: int, size: int, seconds: float,
                     op: str) -> dict[str, Any]:
     """``streams`` connections, each doing ``size``-byte W (client -> holder) or R
@@ -931,18 +944,9 @@ def _socket_streams(addr: str, port: int, streams: int, size: int, seconds: floa
 
     def run(i: int) -> None:
         s, buf = socks[i], memoryview(bytearray(max(size, 1)))
-        hdr = (b"W" if op == "write" else b"R") + size.to_bytes(8, "little")
         while time.perf_counter() < stop:
             t = time.perf_counter()
-            if op == "write":
-                s.sendall(hdr)
-                s.sendall(payload)
-                s.recv(1, socket.MSG_WAITALL)
-            else:
-                s.sendall(hdr)
-                got = 0
-                while got < size:
-                    got += s.recv_into(buf[got:size])
+            _exchange(s, op, payload, buf, size)
             lat[i].append(time.perf_counter() - t)
 
     t0 = time.perf_counter()
@@ -978,21 +982,12 @@ def _socket_striped(addr: str, port: int, stripes: int, size: int, seconds: floa
     def run(i: int) -> None:
         s, buf = socks[i], memoryview(bytearray(piece))
         n = min(piece, size - i * piece)
-        hdr = (b"W" if op == "write" else b"R") + n.to_bytes(8, "little")
         while True:
             start.wait()
             if not go[0]:
                 return
             t = time.perf_counter()
-            if op == "write":
-                s.sendall(hdr)
-                s.sendall(payload[:n])
-                s.recv(1, socket.MSG_WAITALL)
-            else:
-                s.sendall(hdr)
-                got = 0
-                while got < n:
-                    got += s.recv_into(buf[got:n])
+            _exchange(s, op, payload, buf, n)
             end.wait()
             if i == 0:
                 lat.append(time.perf_counter() - t)
@@ -1483,23 +1478,17 @@ def _xhost_limits(topo: Any, kv: _KvpoolSide, size: int,
             rec["tcp"] = ctr.delta()
             rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
             out.append(_show_x(rec))
-    for streams in sorted({1, XHOST_STREAMS, *args.streams}):
+    socket_limits = [("streams", n) for n in sorted({1, XHOST_STREAMS, *args.streams})]
+    if size >= (8 << 20):  # a single call of this size, striped as kvpool's tcp does
+        socket_limits += [("striped", n) for n in args.stripes]
+    for kind, n in socket_limits:
         for op in ("write", "read"):
             ctr = _Counters(hosts)
-            rec = kv.prober.ask("streams", kv.holder.address, kv.sock_port, streams, size,
+            rec = kv.prober.ask(kind, kv.holder.address, kv.sock_port, n, size,
                                 min(args.limit_seconds, 2.0), op)
             rec["tcp"] = ctr.delta()
             rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
             out.append(_show_x(rec))
-    if size >= (8 << 20):  # a single call of this size, striped as kvpool's tcp does
-        for stripes in args.stripes:
-            for op in ("write", "read"):
-                ctr = _Counters(hosts)
-                rec = kv.prober.ask("striped", kv.holder.address, kv.sock_port, stripes, size,
-                                    min(args.limit_seconds, 2.0), op)
-                rec["tcp"] = ctr.delta()
-                rec["retrans"] = rec["tcp"].get("RetransSegs", 0)
-                out.append(_show_x(rec))
     return out
 
 
