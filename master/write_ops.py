@@ -169,7 +169,9 @@ class WriteOps(OpGroup):
                                                                             list[Any]]:
         """Up to ``count`` reservations of ``size`` bytes for ``client_id``'s
         next puts, placed in one pass: (placeholders, flat replicas). Fewer
-        (or none) when the pool cannot place them."""
+        (or none) when the pool cannot place them in free memory below its
+        high watermark (a reservation never evicts, spills or takes quota:
+        ``put_start_many(room_only=True)``)."""
         if size <= 0 or size > self.cfg.max_object_size or self._resv_ttl_ms <= 0 \
                 or count <= 0:
             return [], []
@@ -187,7 +189,7 @@ class WriteOps(OpGroup):
             sizes = (size,) * count
         writes = self.dir.writes
         writes.put_start_many(client_id, keys, sizes, codes, placed, DEFAULT_PUT, None, None,
-                              RESERVED_KEY_PREFIX, self._resv_max_key)
+                              RESERVED_KEY_PREFIX, self._resv_max_key, room_only=True)
         names, reps = keys, placed
         for r in placed:
             if r is None or len(r) != 2:  # not every one placed with one replica

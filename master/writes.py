@@ -40,6 +40,7 @@ __all__ = ["DEFAULT_PUT", "PutSpec", "Writes", "write_grant_ms"]
 
 _OK = 0
 QUOTA_EXCEEDED = int(ErrorCode.QUOTA_EXCEEDED)
+_NO_ROOM = int(ErrorCode.NO_AVAILABLE_HANDLE)
 _MEM = SegmentKind.MEMORY
 _FILE = SegmentKind.FILE
 _DEAD = SegState.DEAD
@@ -114,9 +115,13 @@ class Writes:
                        codes: list[int], out: list[Any], spec: PutSpec = DEFAULT_PUT,
                        checksums: Sequence[Any] | None = None,
                        groups: Sequence[str] | None = None, key_min: str = KEY_MIN,
-                       max_key: int = 0) -> None:
+                       max_key: int = 0, room_only: bool = False) -> None:
         """Start a put of each key: allocate its replicas and keep it in
-        flight. Key ``i`` sets ``codes[i]`` (INVALID_KEY for an empty, too
+        flight. ``room_only`` (reservations: space held ahead must never
+        cost a stored object): keys of the default spec only, placed where
+        they fit at once below the memory pool's high watermark, never by
+        evicting, spilling to disk or over a quota; the others get
+        NO_AVAILABLE_HANDLE. Key ``i`` sets ``codes[i]`` (INVALID_KEY for an empty, too
         long or reserved key (below ``key_min``; ``max_key`` 0: the
         configured length), INVALID_PARAMS for a size outside ``[1,
         max_object_size]``, OBJECT_ALREADY_EXISTS, NO_AVAILABLE_HANDLE, or,
@@ -145,6 +150,10 @@ class Writes:
         pool_used = self.pool_used
         high = self.high
         limit = high * self.segtab.pool_cap[_MEM]  # the memory pool's high watermark
+        if room_only and not simple:
+            for i in range(n):
+                codes[i] = codes[i] or _NO_ROOM
+            return
         sizes_get = objects._sizes.get
         # the batch's tenant (None: untracked), and its memory quota left less
         # what was placed inline for it (tt.mem is brought up to date before
@@ -181,6 +190,9 @@ class Writes:
                 # the tenant at its quota: the general step makes room (or refuses)
                 if size > tleft:
                     assert tt is not None
+                    if room_only:
+                        codes[i] = _NO_ROOM
+                        continue
                     tt.mem = tt.memory_quota - tleft
                     if plan is not None:
                         unplan(plan, plan_at, plan_size)
@@ -209,6 +221,9 @@ class Writes:
                             a = plan[0][0].alloc.alignment
                             plan_need = (size + a - 1) & -a
                     if plan is not None:
+                        if room_only and pool_used[_MEM] + plan_need > limit:
+                            codes[i] = _NO_ROOM  # (the plan's rest goes back at the end)
+                            continue
                         reps = plan[plan_at]
                         plan_at += 1
                         used = pool_used[_MEM] + plan_need
@@ -232,6 +247,9 @@ class Writes:
                 if plan is not None:  # placing below: the plan's rest goes back
                     unplan(plan, plan_at, plan_size)
                     plan = None
+                if room_only:  # no run fits at once: the general step may evict
+                    codes[i] = _NO_ROOM
+                    continue
             if tt is not None:
                 tt.mem = tt.memory_quota - tleft
             code, p = self._start_one(client_id, key, size, spec,

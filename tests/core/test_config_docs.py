@@ -27,6 +27,7 @@ from kvpool.transfer.config import (
 from kvpool.transfer.copy import DEFAULT_SPLIT_MIN_BYTES
 from kvpool.transfer.transports import TRANSPORT_CLASSES
 from kvpool.transfer.transports.rdma import RdmaOptions
+from kvpool.transfer.transports.tcp import DEFAULT_STRIPE_BYTES
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SCRIPTS = CONFIGS.parent / "scripts"
@@ -97,7 +98,9 @@ def test_transfer_yaml_documents_exactly_the_fields_and_defaults() -> None:
     shm = data["transports"]["shm"]["options"]
     assert shm == {"copy_threads": 0, "split_min_bytes": "4MiB"}
     assert parse_size(shm["split_min_bytes"]) == DEFAULT_SPLIT_MIN_BYTES
-    assert data["transports"]["tcp"]["options"] == {"reply_spin_us": DEFAULT_SPIN_US}
+    tcp = data["transports"]["tcp"]["options"]
+    assert tcp == {"reply_spin_us": DEFAULT_SPIN_US, "stripe_bytes": "4MiB"}
+    assert parse_size(tcp["stripe_bytes"]) == DEFAULT_STRIPE_BYTES
     # transports: sections use TransportSettings keys; the comment block lists
     # every key with the dataclass default
     ts_fields = {f.name for f in dataclasses.fields(TransportSettings)}

@@ -266,6 +266,30 @@ time.sleep(300)  # until killed
 """
 
 
+def test_a_reservation_never_evicts_what_is_stored(tmp_path: Any) -> None:
+    """Space held ahead for a client's next put is taken only where it is
+    free below the memory pool's high watermark (90% of 32 MiB here): a
+    12 MiB put is granted a 12 MiB reservation while both fit, the next one
+    writes into it and is refused another (it would evict the first value),
+    and every value stays readable."""
+    mib = 1 << 20
+    with MasterProcess(data_dir=str(tmp_path)) as m, NodeDaemonProcess(m.address, "32MiB"), \
+            client_factory(m.address, rpc_timeout_s=5.0) as make:
+        c = make()
+        a, b = _val(21, 12 * mib), _val(22, 12 * mib)
+        sent = spy_requests(c)
+        c.put_from("a", a)
+        assert sent == ["PutStart", "PutEnd"] and len(spares(c)[12 * mib]) == 1
+        sent.clear()
+        c.put_from("b", b)  # into the reservation; 24 MiB used, no room for another
+        assert sent == ["PutCommit"] and 12 * mib not in spares(c)
+        assert c.get("a") == a.tobytes() and c.get("b") == b.tobytes()
+        assert c.stats().pending == 0
+        # a small put still reserves where there is room
+        c.put_from("small", _val(23))
+        assert len(spares(c)[K]) == 1
+
+
 def test_client_killed_holding_reservations(tmp_path: Any) -> None:
     """A client process killed -9 while it holds reservations (it never gives
     them back): once the master drops the silent client, its reservations
