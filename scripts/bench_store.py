@@ -375,7 +375,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     raw = _RawSocket()
     ctx = mp.get_context("spawn")
-    holder_bytes = parse_size(args.holder_memory or "1GiB")
+    # by default room for five batches of the largest size: a measurement's puts
+    # (at most 0.4 of it, below) beside the last one's objects, removed by force but
+    # still under the getter's read leases, and the putter's reservations
+    holder_bytes = parse_size(args.holder_memory) if args.holder_memory else \
+        max(1 << 30, 5 * max(args.sizes) * args.batch)
     with MasterProcess() as master, \
             NodeDaemonProcess(master.address, holder_bytes) as _holder, \
             master.client(timeout_s=30) as mc:
@@ -408,8 +412,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     for batch, ops in ((1, SINGLE_OPS), (args.batch, BATCH_OPS)):
                         n = _iters(size * batch, args.bytes_per_op, 3, args.max_iters)
                         n = max(3, n // batch) if batch > 1 and size < (64 << 10) else n
-                        # every key a read measurement asks for must still be stored
-                        n = max(1, min(n, int(0.8 * holder_bytes) // (size * batch)))
+                        # every key a read measurement asks for must still be stored,
+                        # beside the last one's (removed by force, still read-leased)
+                        n = max(1, min(n, int(0.4 * holder_bytes) // (size * batch)))
                         for op in ops:
                             if op in WRITE_OF:  # read back what its write form stored
                                 tag = f"{transport}/{WRITE_OF[op]}/{size}/{batch}"
@@ -1589,7 +1594,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="bytes moved per (transport, size, op) measurement")
     p.add_argument("--max-iters", type=int, default=1000, help="calls per measurement (max)")
     p.add_argument("--holder-memory", default=None,
-                   help="memory of the holder daemon (default 1GiB; cross-host 4GiB: a "
+                   help="memory of the holder daemon (default the larger of 1GiB and five "
+                   "batches of the largest size; cross-host 4GiB: a "
                    "measurement's objects, removed by force while read-leased, keep their "
                    "space until the lease ends, beside the next measurement's)")
     p.add_argument("--op-timeout", type=float, default=120.0, help="seconds per measurement")
