@@ -44,6 +44,7 @@ from kvpool.master.config import MasterConfig
 from support.etcd import EtcdProcess, etcd_binary
 from support.factories import segment_desc
 from support.ha_master import HaGroup
+from support.proc_cpu import cpu_seconds
 
 
 def _exchange(s: socket.socket, payload: bytes) -> ReplyFrame:
@@ -301,12 +302,6 @@ def test_ha_fixture_removes_the_socket_files_of_killed_masters(tmp_path: Path) -
         assert not any(os.path.exists(p) for p in paths)
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @pytest.mark.parametrize("spin_us", [0, 50])
 def test_loop_polls_only_after_answers(tmp_path: Path, spin_us: int) -> None:
     """rpc_spin_us: back-to-back calls are answered (the loop polls after
@@ -319,9 +314,9 @@ def test_loop_polls_only_after_answers(tmp_path: Path, spin_us: int) -> None:
             assert c.call(Exist(f"k{i}")).exists is False
         assert c.local
         time.sleep(0.2)
-        before = _cpu_s(m.pid)
+        before = cpu_seconds(m.pid)
         time.sleep(1.0)
-        assert _cpu_s(m.pid) - before < 0.2  # its timers only (a spinning loop: ~1 s)
+        assert cpu_seconds(m.pid) - before < 0.2  # its timers only (a spinning loop: ~1 s)
         assert isinstance(c.call(Ping("c1")), PingReply)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import sys
@@ -24,6 +23,7 @@ from kvpool.transfer.server import OP_BULK
 from support.bulk import exchange as raw_exchange
 from support.bulk import frame, split_reply
 from support.peer import fill_pattern, freeze
+from support.proc_cpu import cpu_seconds
 from support.wait import wait_until
 
 MiB = 1 << 20
@@ -227,13 +227,6 @@ def test_lone_large_request_goes_over_parallel_stripes(make_engine: Any, make_pe
     assert tcp.stats()["bulk_requests"] == n0 + 4
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_polling_bulk_server_serves_and_stops_polling_when_idle(make_engine: Any,
                                                                 make_peer: Any) -> None:
     """A holder whose bulk connections poll for the next request
@@ -255,9 +248,9 @@ def test_polling_bulk_server_serves_and_stops_polling_when_idle(make_engine: Any
         st = e.transfer([TransferRequest(R, dst, peer.segment_id, i * 4096, 4096)], 10)
         assert st[0].ok and np.array_equal(dst, src), st
     pid = peer.proc.pid
-    cpu0 = _cpu_s(pid)
+    cpu0 = cpu_seconds(pid)
     time.sleep(0.5)  # silent: a poll of at most 20 ms, then the thread sleeps
-    assert _cpu_s(pid) - cpu0 < 0.15
+    assert cpu_seconds(pid) - cpu0 < 0.15
 
 
 def test_first_request_takes_the_published_bulk_port(make_engine: Any,
