@@ -104,12 +104,7 @@ class BulkServer:
         stream = BulkStream(conn, self.max_header_bytes)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            scratch = memoryview(bytearray(_DISCARD))
-            if self.spin_s:
-                self._serve_polling(stream, scratch)
-                return
-            while not self._stop.is_set() and self._serve_one(stream, scratch):
-                pass
+            self._serve_loop(stream, memoryview(bytearray(_DISCARD)))
         except (OSError, KVPoolError) as exc:
             log.debug("bulk connection closed: %s", exc)
         except Exception:  # never let one peer take the process down
@@ -119,26 +114,25 @@ class BulkServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _serve_polling(self, stream: BulkStream, scratch: memoryview) -> None:
-        """The serving loop with a poll for the next request after each reply
-        (``spin_s``), while of late the next request came within it (a moving
-        average of the gaps, each capped at twice the window; a gap slept
-        through counts as the window, and a shut gate still polls now and
-        then: :mod:`kvpool.core.spin`)."""
+    def _serve_loop(self, stream: BulkStream, scratch: memoryview) -> None:
+        """Serve one connection's requests until it ends. With ``spin_s``, a
+        poll for the next request after each reply, while of late the next
+        request came within it (a moving average of the gaps, each capped at
+        twice the window; a gap slept through counts as the window, and a
+        shut gate still polls now and then: :mod:`kvpool.core.spin`)."""
         spin = self.spin_s
-        gap = 0.0
+        gap = end = 0.0
+        polled = False
         skipped = [0]
-        clock = time.perf_counter
         while not self._stop.is_set():
-            end = clock()
-            polled = False
-            if _spin.polling() and (gap < spin or _spin.probe(skipped, 0)):
-                polled = True
-                stream.spin_until = end + spin
-            stream.arrived = 0.0
+            if spin:
+                end = time.perf_counter()
+                polled = _spin.polling() and (gap < spin or _spin.probe(skipped, 0))
+                if polled:
+                    stream.spin_until = end + spin
             if not self._serve_one(stream, scratch):
                 return
-            if stream.arrived:
+            if spin:  # (every served request read a header: its arrival is fresh)
                 gap += (_spin.wait_sample(stream.arrived - end, polled, spin) - gap) * 0.125
 
     def _check(self, req: wire.BulkRequest) -> tuple[list[int], list[Any], str]:
