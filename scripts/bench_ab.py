@@ -80,7 +80,8 @@ LOWER_BETTER = frozenset({
     "p50_us", "p99_us", "rpc_p50_us", "client_cpu_us_per_key", "master_cpu_us_per_key",
     "holder_cpu_us_per_key", "first_put_ms", "first_get_ms", "retrans",
     "rss_bytes_per_object", "start_pause_ms", "start_pause_cpu_ms", "max_step_ms",
-    "max_step_cpu_ms", "ping_max_ms_during", "cpu_us_per_call",
+    "max_step_cpu_ms", "ping_max_ms_during", "cpu_us_per_call", "opcodes_per_call",
+    "py_calls_per_call",
 })
 # Fields that measure the machine, not the code under test.
 MACHINE_METRICS = frozenset({"host_steal_pct", "python_loop_us"})
@@ -280,8 +281,8 @@ def metrics_of(record: Mapping[str, Any], which: str | Sequence[str]) -> list[st
     elif record.get("transport") == "master":
         wanted = ["master_cpu_key_ops_per_s", "rpc_p50_us", "rss_bytes_per_object",
                   "start_pause_ms", "max_step_ms"]
-    elif "cpu_us_per_call" in record:  # bench_client_cpu: CPU only
-        wanted = ["cpu_us_per_call"]
+    elif "cpu_us_per_call" in record:  # bench_client_cpu: CPU and bytecodes
+        wanted = ["cpu_us_per_call", "opcodes_per_call"]
     else:
         size = record.get("size")
         rate = "gbps" if isinstance(size, int) and size >= LARGE else "ops_per_s"

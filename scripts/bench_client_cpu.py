@@ -16,9 +16,15 @@ wall-clock rates.
   4 KiB to a local segment through a transport that reports every request at
   once: the engine's own cost per batch.
 
-Best of ``--reps`` repetitions each (the least disturbed). The JSON is a list
-of records ``{transport: "client" | "engine", op, size, batch,
-cpu_us_per_call}`` that ``scripts/bench_ab.py`` compares between two trees::
+Best of ``--reps`` repetitions each (the least disturbed). Each record also
+carries ``opcodes_per_call`` and ``py_calls_per_call``: the Python bytecodes
+executed and Python functions entered by one call, counted under a tracer.
+They are exact and do not move with the machine's speed, so they compare two
+trees on a VM whose CPU time moves 2x within an hour (a bytecode costs about
+the same wherever it runs; C work, a copy or a decode, is not counted). The
+JSON is a list of records ``{transport: "client" | "engine", op, size,
+batch, cpu_us_per_call, opcodes_per_call, py_calls_per_call}`` that
+``scripts/bench_ab.py`` compares between two trees::
 
     .venv/bin/python scripts/bench_client_cpu.py --json out/client_cpu.json
 """
@@ -51,9 +57,36 @@ def _best(fn: Callable[[], Any], n: int, reps: int) -> float:
     return round(best, 2)
 
 
-def _record(transport: str, op: str, batch: int, cpu_us: float) -> dict[str, Any]:
+def _work(fn: Callable[[], Any]) -> tuple[int, int]:
+    """(bytecodes executed, Python functions entered) by one ``fn()`` on this
+    thread (other threads are not traced)."""
+    counts = [0, 0]
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes = True
+            counts[1] += 1
+        elif event == "opcode":
+            counts[0] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return counts[0], counts[1] - 1  # (fn's own frame is not the code measured)
+
+
+def _record(transport: str, op: str, batch: int, fn: Callable[[], Any], n: int,
+            reps: int) -> dict[str, Any]:
+    """The record of ``fn``: its CPU per call (:func:`_best`), then its work
+    (:func:`_work`, one more call)."""
+    cpu_us = _best(fn, n, reps)
+    opcodes, calls = _work(fn)
     return {"transport": transport, "op": op, "size": 4096, "batch": batch,
-            "cpu_us_per_call": cpu_us}
+            "cpu_us_per_call": cpu_us, "opcodes_per_call": opcodes,
+            "py_calls_per_call": calls}
 
 
 def store_cpu(reps: int) -> list[dict[str, Any]]:
@@ -115,8 +148,8 @@ def store_cpu(reps: int) -> list[dict[str, Any]]:
                     for p in (prefixes if put else ["m"]):
                         fn(p)
                     MasterClient.call = replay  # type: ignore[method-assign]
-                    cpu_us = _best(functools.partial(fn, "m"), n, reps)
-                    out.append(_record("client", op, batch, cpu_us))
+                    out.append(_record("client", op, batch, functools.partial(fn, "m"), n,
+                                       reps))
                     if unrecorded:
                         log.error("%s made real calls while measured: %s", op,
                                   sorted(unrecorded))
@@ -164,11 +197,10 @@ def engine_cpu(reps: int) -> list[dict[str, Any]]:
         reqs = [TransferRequest(TransferOp.WRITE, bufs[i], seg.segment_id, i * 4096, 4096, 0,
                                 None, b"c" * 500) for i in range(32)]
         return [
-            _record("engine", "transfer", 32, _best(lambda: e.transfer(reqs, 5.0), 2000, reps)),
-            _record("engine", "run", 32, _best(lambda: e.run(reqs, 5.0), 2000, reps)),
-            _record("engine", "transfer", 1,
-                    _best(lambda: e.transfer(reqs[:1], 5.0), 20000, reps)),
-            _record("engine", "run", 1, _best(lambda: e.run(reqs[:1], 5.0), 20000, reps)),
+            _record("engine", "transfer", 32, lambda: e.transfer(reqs, 5.0), 2000, reps),
+            _record("engine", "run", 32, lambda: e.run(reqs, 5.0), 2000, reps),
+            _record("engine", "transfer", 1, lambda: e.transfer(reqs[:1], 5.0), 20000, reps),
+            _record("engine", "run", 1, lambda: e.run(reqs[:1], 5.0), 20000, reps),
         ]
     finally:
         e.close()
@@ -187,8 +219,9 @@ def main() -> int:
     with open(args.json, "w") as f:
         json.dump(records, f, indent=1)
     for r in records:
-        log.warning("%s %s x%d: %.2f us", r["transport"], r["op"], r["batch"],
-                    r["cpu_us_per_call"])
+        log.warning("%s %s x%d: %.2f us, %d bytecodes, %d Python calls", r["transport"],
+                    r["op"], r["batch"], r["cpu_us_per_call"], r["opcodes_per_call"],
+                    r["py_calls_per_call"])
     return 0
 
 

@@ -18,7 +18,13 @@ from collections.abc import Sequence
 from enum import Enum
 
 from kvpool.core.errors import ErrorCode
-from kvpool.transfer.types import RequestState, RequestStatus, TransferError, TransferRequest
+from kvpool.transfer.types import (
+    RequestState,
+    RequestStatus,
+    TransferError,
+    TransferRequest,
+    done_status,
+)
 
 __all__ = ["BatchHandle", "SubBatch", "SubBatchState", "Track"]
 
@@ -289,10 +295,11 @@ class BatchHandle:
         tracks = self._tracks
         n = 0
         if not tracks:  # nothing failed before (the common case)
+            done = done_status(transport)
             for it in items:
                 idx = it.index
                 if status[idx] is None:
-                    status[idx] = RequestStatus(_DONE, transport, _OK)
+                    status[idx] = done
                     n += 1
         else:
             for it in items:
