@@ -373,10 +373,8 @@ class Writes:
         if not reqs:
             return [_OK] * len(positions)
         statuses = self.transfer(reqs, timeout)
-        for st in statuses:
-            if st.state is not _DONE:
-                break
-        else:
+        if statuses[0].state is _DONE and statuses.count(statuses[0]) == len(statuses):
+            # (every write served at once: the engine hands them one status object)
             return [_OK] * len(positions)
         bad: dict[int, ErrorCode] = {}
         for req, p, st in zip(reqs, owner, statuses, strict=True):
