@@ -66,6 +66,11 @@ def main() -> None:
         enable_prefix_caching=cfg.get("prefix_caching", True),
         kv_cache_memory_bytes=cfg.get("kv_cache_bytes", 256 << 20),
         max_num_batched_tokens=cfg.get("max_num_batched_tokens", 8192),
+        # vLLM's CPU platform keeps a linear-attention (GDN) recurrent state in
+        # float32 where the CPU has AVX512-BF16 and in the model's dtype where
+        # it has not: named here, the state's size (so vLLM's block size) is
+        # the same on every machine
+        mamba_ssm_cache_dtype=cfg.get("mamba_ssm_cache_dtype", "float32"),
         seed=0,
     )
     if cfg.get("tensor_parallel_size", 1) > 1:
