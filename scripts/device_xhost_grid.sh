@@ -5,6 +5,7 @@
 # each record's line and what its calls cost (master RPCs, transfers). Carry .xh and
 # .whlx as for device_xhost_runs.sh. GRID picks runs by name (default: all):
 #   GRID="default spin stripes2m threads4" bash scripts/device_xhost_grid.sh
+# (nostripe and profile16 run only when named)
 set -uo pipefail
 t0=$(date +%s)
 [ -d .whl ] || { mkdir .whl && cp .whlx/*.whl .whl/; }
@@ -29,3 +30,9 @@ run stripes2m --sizes 16777216 --ops put_from --no-limits \
 run threads4 --sizes 2097152 --ops batch_put_from --no-limits --tcp-threads 4
 run threads16 --sizes 2097152,16777216 --ops put_from,batch_put_from --no-limits \
   --tcp-threads 16 --tcp-options '{"stripe_bytes": 1048576}'
+# opt-in (name them in GRID): where a lone 16 MiB call's transfer phase goes,
+# against one plain stream (unstriped) and under py-spy (every process, waits too)
+run nostripe --sizes 16777216 --ops put_from,get_into --streams 1 --stripes 4 \
+  --tcp-options '{"stripe_bytes": 67108864}'
+run profile16 --sizes 16777216 --ops put_from,get_into --no-limits \
+  --profile "$OUT/prof16" --profile-idle --profile-rate 997
