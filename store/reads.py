@@ -123,25 +123,21 @@ class Reads:
         codes, sizes, replicas, checksums, caps = (res.codes, res.sizes, res.replicas,
                                                    res.checksums, res.caps)
         registry = self.registry
-        out: list[Location] = []
-        append = out.append
+        out = []
         for pos in range(len(codes)) if positions is None else positions:
             code = codes[pos]
             if code:
-                append(Location(code_of(code)))
+                out.append(Location(code_of(code)))
                 continue
             reps = replicas[pos]
             if len(reps) != 1 or reps[0].status is not _COMPLETE:
                 reps = nearest_first(registry, reps)
                 if not reps:
-                    append(Location(ErrorCode.OBJECT_NOT_FOUND))
+                    out.append(Location(ErrorCode.OBJECT_NOT_FOUND))
                     continue
-            if checksums:
-                checksum = checksums[pos]
-                append(Location(_OK, sizes[pos], checksum if type(checksum) is str else None,
+            checksum = checksums[pos] if checksums else None
+            out.append(Location(_OK, sizes[pos], checksum if type(checksum) is str else None,
                                 deadline, reps, caps))
-            else:
-                append(Location(_OK, sizes[pos], None, deadline, reps, caps))
         return out
 
     # ------------------------------------------------------------------ the loop
@@ -160,22 +156,15 @@ class Reads:
         the failed attempts' messages."""
         n = len(locs)
         results = [_UNREAD] * n
+        pending: list[int] = []
         whole = offs is None
-        if whole:
-            pending = ([] if locs[0].code else [0]) if n == 1 else \
-                [j for j in range(n) if not locs[j].code]
-            if len(pending) < n:
-                for j in range(n):
-                    if locs[j].code:
-                        results[j] = int(locs[j].code)
-        else:
-            assert offs is not None and lens is not None
-            pending = []
-            for j in range(n):
-                loc = locs[j]
-                if loc.code:
-                    results[j] = int(loc.code)
-                    continue
+        for j in range(n):
+            loc = locs[j]
+            if loc.code:
+                results[j] = int(loc.code)
+                continue
+            if not whole:
+                assert offs is not None and lens is not None
                 off, length = offs[j], lens[j]
                 if off < 0 or length < 0 or off + length > loc.size \
                         or buffer_nbytes(bufs[j]) < length:
@@ -184,7 +173,7 @@ class Reads:
                 if length == 0:
                     results[j] = 0
                     continue
-                pending.append(j)
+            pending.append(j)
         attempt = 0
         stale: set[int] | None = None  # (made at the first refusal)
         run = self.engine.run
@@ -199,10 +188,12 @@ class Reads:
                 loc = locs[j]
                 reps = loc.replicas
                 deadline = loc.deadline
+                if deadline <= now:
+                    results[j] = _EXPIRED
+                    continue
                 more = len(reps) - attempt
-                if deadline <= now or more <= 0:
-                    results[j] = _EXPIRED if deadline <= now else \
-                        _STALE if stale is not None and j in stale else _FAILED
+                if more <= 0:
+                    results[j] = _STALE if stale is not None and j in stale else _FAILED
                     continue
                 if more > left:
                     left = more
@@ -226,15 +217,6 @@ class Reads:
             statuses = run(reqs, timeout if timeout > 0.001 else 0.001)
             end = time.monotonic()
             pending = []
-            if end <= first_deadline and statuses[0].state is _DONE \
-                    and statuses.count(statuses[0]) == len(statuses):
-                # the common case: every read done in time (the engine hands
-                # one status object to every request a transport served at once)
-                for req, j in zip(reqs, owners, strict=True):
-                    loc = locs[j]
-                    results[j] = req.length if not verify or loc.checksum is None \
-                        else self._verified(loc, bufs[j])
-                break
             late = end > first_deadline  # some read may have ended after its lease
             for req, j, st in zip(reqs, owners, statuses, strict=True):
                 if st.state is not _DONE:

@@ -39,6 +39,7 @@ from kvpool.transfer.types import (
     TransferError,
     TransferOp,
     TransferRequest,
+    done_status,
 )
 
 __all__ = ["BatchRunner"]
@@ -46,7 +47,7 @@ __all__ = ["BatchRunner"]
 log = logging.getLogger(__name__)
 
 _DONE, _FAILED = RequestState.DONE, RequestState.FAILED
-_READ, _WRITE = TransferOp.READ, TransferOp.WRITE
+_READ = TransferOp.READ
 _OK = ErrorCode.OK
 _LENGTH = operator.attrgetter("length")
 # a request settled before it reaches a transport: (index, state, code, error)
@@ -158,7 +159,7 @@ class BatchRunner:
                 if crash is None and sb.done == n and not sb.failures:
                     if slot.health:  # a success towards a peer clears its failure count
                         self.transports.update_health(slot, sb, [])
-                    return [slot.done] * n
+                    return [done_status(name)] * n
                 handle = BatchHandle(len(requests), deadline)
                 sb.adopt(handle, next(self._sb_ids))
                 handle.begin_slices(1)  # (ended by _slice_done, as a launched slice)
@@ -182,11 +183,10 @@ class BatchRunner:
             return ({got: [requests[0]]}, _NONE_EARLY) if isinstance(got, str) else ({}, [got])
         groups: dict[str, list[TransferRequest]] = {}
         early: list[_Early] = _NONE_EARLY
-        # (segment id, device, length) -> what the first such request resolved
-        # to (and the largest offset of that length in the segment): later ones
-        # alike skip resolution and selection (the same checks, inline)
-        alike: dict[tuple[str, str, int], tuple[SegmentDescriptor, LocalSegment | None, bool,
-                                                list[TransferRequest], int]] = {}
+        # (segment id, device, length) -> what the first such request resolved to:
+        # later ones alike skip resolution and selection (the same checks, inline)
+        alike: dict[tuple[str, str, int],
+                    tuple[SegmentDescriptor, LocalSegment | None, bool, list[TransferRequest]]] = {}
         independent = copies_independent()
         for i, req in enumerate(requests):
             if alike and type(req) is TransferRequest and not req.transport:
@@ -200,11 +200,12 @@ class BatchRunner:
                 known = alike.get((req.segment_id, buf.device, length)) \
                     if buf is not None else None
                 if known is not None:
-                    desc, local, same_host, group, max_offset = known
-                    offset, boff, op = req.offset, req.buffer_offset, req.op
-                    if type(offset) is int and type(boff) is int and 0 <= offset <= max_offset \
-                            and 0 <= boff <= buf.length - length \
-                            and (op is _WRITE or (op is _READ and not buf.readonly)):
+                    desc, local, same_host, group = known
+                    op, offset, boff = req.op, req.offset, req.buffer_offset
+                    if type(offset) is int and type(boff) is int and type(op) is TransferOp \
+                            and 0 <= offset and offset + length <= desc.size \
+                            and 0 <= boff and boff + length <= buf.length \
+                            and (op is not _READ or not buf.readonly):
                         if type(req.capability) is not bytes:
                             req.capability = bytes(req.capability or b"")
                         req.index = i
@@ -224,8 +225,7 @@ class BatchRunner:
             grouped.append(req)
             if not req.transport:
                 alike[(req.segment_id, req.buffer.device, req.length)] = (
-                    req.segment, req.local, req.same_host, grouped,
-                    req.segment.size - req.length)
+                    req.segment, req.local, req.same_host, grouped)
         return groups, early
 
     # -- resolution -------------------------------------------------------------

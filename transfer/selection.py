@@ -24,7 +24,7 @@ from kvpool.transfer.config import RuleConfig, TransferConfig, TransportSettings
 from kvpool.transfer.counters import Direction, OpCells, OpCounter, TransferCounters
 from kvpool.transfer.transports import load_transport_class
 from kvpool.transfer.transports.base import EngineContext, Transport
-from kvpool.transfer.types import TransferError, TransferRequest, done_status
+from kvpool.transfer.types import TransferError, TransferRequest
 
 __all__ = ["TransportSlot", "Transports", "peer_key"]
 
@@ -46,7 +46,6 @@ class TransportSlot:
                                        thread_name_prefix=f"kvpool-xfer-{transport.name}")
         # peer key -> [consecutive failed attempts, paused until (monotonic)]
         self.health: dict[str, list[float]] = {}
-        self.done = done_status(transport.name)  # the status of a request served at once
 
     def paused(self, peer: str) -> bool:
         h = self.health.get(peer)
