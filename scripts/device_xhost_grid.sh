@@ -5,12 +5,15 @@
 # each record's line and what its calls cost (master RPCs, transfers). Carry .xh and
 # .whlx as for device_xhost_runs.sh. GRID picks runs by name (default: all):
 #   GRID="default spin stripes2m threads4" bash scripts/device_xhost_grid.sh
-# (nostripe and profile16 run only when named)
+# (nostripe, profile16 and profile4k run only when named). Everything it writes is
+# packed into $OUT/xhost_grid.tgz at the end (the device's reply brings back only a
+# few files).
 set -uo pipefail
 t0=$(date +%s)
 [ -d .whl ] || { mkdir .whl && cp .whlx/*.whl .whl/; }
 # shellcheck disable=SC1091
 source .xh/env.sh > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 3; }
+export PATH="/tmp/site/bin:$PATH"  # py-spy (--profile), from the carried wheels
 B=(python3 scripts/bench_store.py --cross-host --rps --holder-memory 4GiB
    --limit-seconds 1.5 --bytes-per-op "${BYTES_PER_OP:-512MiB}")
 run() {  # name, then bench_store.py arguments
@@ -36,3 +39,7 @@ run nostripe --sizes 16777216 --ops put_from,get_into --streams 1 --stripes 4 \
   --tcp-options '{"stripe_bytes": 67108864}'
 run profile16 --sizes 16777216 --ops put_from,get_into --no-limits \
   --profile "$OUT/prof16" --profile-idle --profile-rate 997
+# opt-in: where the 4 KiB calls' CPU goes in each process (no waits sampled)
+run profile4k --sizes 4096 --ops put_from,get_into,batch_put_from,batch_get_into --no-limits \
+  --profile "$OUT/prof4k" --profile-rate 997
+(cd "$OUT" && tar czf xhost_grid.tgz --remove-files setup.log grid_* $(ls -d prof16 prof4k 2>/dev/null))

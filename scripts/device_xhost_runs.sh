@@ -5,7 +5,9 @@
 # Carry .xh (device_xhost_prepare.sh) and a folder of the py3.12 wheels (.whl, or
 # .whlx with only msgspec and pyzmq when .xh plus .whl pass the 64 MiB carry limit).
 #   RUNS=3 bash scripts/device_xhost_runs.sh
-# Then: python3 scripts/bench_store.py --medians $OUT/xh_*.json (the median of the runs).
+# At the end it prints the medians over the runs (bench_store.py --medians) and packs
+# everything it wrote into $OUT/xhost_runs.tgz (the device's reply brings back only a
+# few files: unpacked, the later runs' records were left out).
 set -uo pipefail
 t0=$(date +%s)
 [ -d .whl ] || { mkdir .whl && cp .whlx/*.whl .whl/; }
@@ -19,3 +21,6 @@ for i in $(seq 1 "${RUNS:-3}"); do
   echo "run $i rc=$? at $(( $(date +%s) - t0 ))s"
   grep -E "^target" "$OUT/xh_$i.log"
 done
+echo "== medians of the runs"
+python3 scripts/bench_store.py --medians "$OUT"/xh_*.json
+(cd "$OUT" && tar czf xhost_runs.tgz --remove-files setup.log xh_*)

@@ -18,7 +18,7 @@ fi
 .venv/bin/python -m pip install -q -U pip
 .venv/bin/python -m pip install -q -e '.[test]'
 bash scripts/lint.sh
-.venv/bin/python -m pytest -q -m "not vllm" tests
+.venv/bin/python -m pytest -q --durations=25 -m "not vllm" tests
 # 1-minute soak: RSS, fd and shm-file growth under churn (scripts/soak.py --minutes 10 for the full run)
 mkdir -p out
 .venv/bin/python scripts/soak.py --minutes 1 --json out/soak_ci.json
