@@ -3,7 +3,8 @@
 # RUNS cross-host runs of bench_store.py (kvpool beside Mooncake 0.3.13 tcp, flows
 # steered with --rps), each run's JSON and log under $OUT, the target lines printed.
 # Carry .xh (device_xhost_prepare.sh) and a folder of the py3.12 wheels (.whl, or
-# .whlx with only msgspec and pyzmq when .xh plus .whl pass the 64 MiB carry limit).
+# .whlx with only msgspec and pyzmq when .xh plus .whl pass the 64 MiB carry limit;
+# add py-spy there for device_xhost_grid.sh's --profile runs).
 #   RUNS=3 bash scripts/device_xhost_runs.sh
 # At the end it prints the medians over the runs (bench_store.py --medians) and packs
 # everything it wrote into $OUT/xhost_runs.tgz (the device's reply brings back only a
