@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 31's configuration grid on the lent 16-core GPU machine, one device command:
 # cross-host bench_store.py runs (kvpool only, flows steered with --rps) of several
-# client / master / holder configurations, each run's JSON and log under $OUT, then
-# each record's line and what its calls cost (master RPCs, transfers). Carry .xh and
+# client / master / holder configurations, each run's JSON and log under $OUT (packed
+# at the end), then each record's line and what its calls cost (master RPCs,
+# transfers). Carry .xh and
 # .whlx as for device_xhost_runs.sh. GRID picks runs by name (default: all):
 #   GRID="default spin stripes2m threads4" bash scripts/device_xhost_grid.sh
 # (nostripe, profile16 and profile4k run only when named). Everything it writes is

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 31's measurement on the lent 16-core GPU machine, one device command:
 # RUNS cross-host runs of bench_store.py (kvpool beside Mooncake 0.3.13 tcp, flows
-# steered with --rps), each run's JSON and log under $OUT, the target lines printed.
+# steered with --rps), each run's JSON and log under $OUT (packed at the end), the
+# target lines printed.
 # Carry .xh (device_xhost_prepare.sh) and a folder of the py3.12 wheels (.whl, or
 # .whlx with only msgspec and pyzmq when .xh plus .whl pass the 64 MiB carry limit;
 # add py-spy there for device_xhost_grid.sh's --profile runs).
